@@ -1,0 +1,23 @@
+# Two entry points for a fresh machine: `make demo` (set up + train the CPU preset) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+# torch is pinned to the release that ships as a local CPU wheel on our CPU machines; a plain
+# `torch` requirement would pull a multi-GB CUDA build there.
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: demo test setup
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	$(VENV)/bin/opengem train --preset gem-tiny
+
+test: setup
+	$(PY) -m pytest -q -n 2 tests

@@ -1,0 +1,102 @@
+"""Shared benchmark plumbing: workload lengths, timing, environment, and the results JSON."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import subprocess
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+H100_BF16_PEAK_TFLOPS = 989.0  # dense BF16 peak of H100 SXM / H200 (GEM_SPEC section 8)
+
+
+def sparsity_lengths(batch: int, max_len: int, sparsity: float, generator: torch.Generator) -> torch.Tensor:
+    """GEM_SPEC section 9: s >= 0.5 -> uniform on [(2s-1) Lmax, Lmax]; s < 0.5 -> uniform on [1, 2 s Lmax]."""
+    if sparsity >= 0.5:
+        low, high = max(1, round((2 * sparsity - 1) * max_len)), max_len
+    else:
+        low, high = 1, max(1, round(2 * sparsity * max_len))
+    return torch.randint(low, high + 1, (batch,), generator=generator)
+
+
+def power_law_lengths(
+    total_tokens: int, low: int, high: int, generator: torch.Generator, exponent: float = 1.5
+) -> torch.Tensor:
+    """Heavy-tailed history lengths in [low, high] (pdf ~ x^-exponent) until about ``total_tokens``."""
+    lengths: list[int] = []
+    a = 1.0 - exponent
+    while sum(lengths) < total_tokens:
+        u = float(torch.rand((), generator=generator))
+        x = (low**a + u * (high**a - low**a)) ** (1.0 / a)
+        lengths.append(int(min(high, max(low, math.floor(x)))))
+    return torch.tensor(lengths)
+
+
+def offsets_of(lengths: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
+    offsets[1:] = torch.cumsum(lengths, 0)
+    return offsets.to(device)
+
+
+def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> float:
+    """Median milliseconds of ``fn`` on the GPU (CUDA events through ``triton.testing.do_bench``)."""
+    import triton.testing
+
+    return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp64 (METHOD.md); NaN anywhere gives inf."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return math.inf
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def environment() -> dict[str, Any]:
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False, cwd=Path(__file__).parent
+        ).stdout.strip()
+    except OSError:
+        commit = ""
+    env: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "git_commit": commit or "unknown",
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+    }
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    return env
+
+
+def write_results(family: str, rows: list[dict[str, Any]], extra: dict[str, Any] | None = None) -> Path:
+    """Write ``benchmarks/results/<family>.json`` with the environment and every row."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    path = RESULTS_DIR / f"{family}.json"
+    payload = {"family": family, "environment": environment(), "rows": rows, **(extra or {})}
+    path.write_text(json.dumps(payload, indent=2))
+    return path
+
+
+def print_table(rows: list[dict[str, Any]], columns: list[str]) -> None:
+    widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns} if rows else {}
+    print("  ".join(c.ljust(widths.get(c, len(c))) for c in columns))
+    for r in rows:
+        print("  ".join(_fmt(r.get(c)).ljust(widths[c]) for c in columns))
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "" if value is None else str(value)

@@ -1,0 +1,145 @@
+"""`Jagged`: a batch of variable-length sequences stored without padding.
+
+Sample ``b`` owns rows ``values[offsets[b]:offsets[b + 1]]``. ``max_len`` is a host integer so that
+kernels can size their grid without a device synchronization, and a host copy of the offsets is kept
+because tile schedules are built on the host (GEM_SPEC section 3).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+OFFSET_DTYPES = (torch.int32, torch.int64)
+
+
+def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offsets") -> None:
+    """Raise ``ValueError`` unless ``offsets`` is a valid ``[B + 1]`` offsets vector for ``num_values`` rows."""
+    if not isinstance(offsets, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    if offsets.dtype not in OFFSET_DTYPES:
+        raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
+    if offsets.dim() != 1 or offsets.numel() < 1:
+        raise ValueError(f"{name} must have shape [B + 1] with B >= 0, got {tuple(offsets.shape)}")
+    host = offsets.detach().cpu()
+    if int(host[0]) != 0:
+        raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
+    steps = host[1:] - host[:-1]
+    if bool((steps < 0).any()):
+        bad = int(torch.nonzero(steps < 0)[0])
+        raise ValueError(
+            f"{name} must be non-decreasing: {name}[{bad + 1}] = {int(host[bad + 1])} "
+            f"< {name}[{bad}] = {int(host[bad])}"
+        )
+    if int(host[-1]) != num_values:
+        raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of values, {num_values}")
+
+
+def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``[B]`` lengths -> ``[B + 1]`` offsets starting at 0."""
+    if bool((lengths < 0).any()):
+        raise ValueError(f"lengths must be non-negative, got minimum {int(lengths.min())}")
+    offsets = torch.zeros(lengths.numel() + 1, dtype=dtype, device=lengths.device)
+    torch.cumsum(lengths, dim=0, out=offsets[1:])
+    return offsets
+
+
+@dataclass(frozen=True)
+class Jagged:
+    """Jagged batch: ``values [T, ...]``, ``offsets [B + 1]`` and the host integer ``max_len``.
+
+    ``offsets_host`` is a CPU copy of ``offsets`` (equal to it when ``offsets`` already is on the CPU).
+    Build with :meth:`from_lengths`, :meth:`from_offsets` or :meth:`from_padded`, which validate.
+    """
+
+    values: torch.Tensor
+    offsets: torch.Tensor
+    offsets_host: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
+        if not isinstance(values, torch.Tensor) or values.dim() < 1:
+            raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+        validate_offsets(offsets, values.shape[0])
+        if offsets.device != values.device:
+            raise ValueError(f"values are on {values.device} but offsets are on {offsets.device}")
+        host = offsets.detach().cpu()
+        max_len = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
+        return cls(values, offsets, host, max_len)
+
+    @classmethod
+    def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
+        return cls.from_offsets(values, offsets_from_lengths(lengths.to(values.device)))
+
+    @classmethod
+    def from_padded(cls, padded: torch.Tensor, lengths: torch.Tensor) -> Jagged:
+        """``padded [B, N, ...]`` and ``lengths [B]`` (each <= N) -> jagged, dropping the padding."""
+        if padded.dim() < 2:
+            raise ValueError(f"padded must have shape [B, N, ...], got {tuple(padded.shape)}")
+        if lengths.shape != (padded.shape[0],):
+            raise ValueError(f"lengths must have shape [{padded.shape[0]}], got {tuple(lengths.shape)}")
+        if lengths.numel() and int(lengths.max()) > padded.shape[1]:
+            raise ValueError(f"a length {int(lengths.max())} exceeds the padded size {padded.shape[1]}")
+        lengths = lengths.to(padded.device)
+        positions = torch.arange(padded.shape[1], device=padded.device)
+        keep = positions[None, :] < lengths[:, None]
+        return cls.from_lengths(padded[keep], lengths)
+
+    @property
+    def batch_size(self) -> int:
+        return self.offsets.numel() - 1
+
+    @property
+    def num_values(self) -> int:
+        return self.values.shape[0]
+
+    def lengths(self) -> torch.Tensor:
+        return self.offsets[1:] - self.offsets[:-1]
+
+    def lengths_host(self) -> torch.Tensor:
+        return self.offsets_host[1:] - self.offsets_host[:-1]
+
+    def to_padded(self, pad_value: float = 0.0, max_len: int | None = None) -> torch.Tensor:
+        """``[B, max_len, ...]`` with ``pad_value`` after each sequence."""
+        size = self.max_len if max_len is None else max_len
+        if size < self.max_len:
+            raise ValueError(f"max_len {size} is shorter than the longest sequence, {self.max_len}")
+        out = self.values.new_full((self.batch_size, size, *self.values.shape[1:]), pad_value)
+        out[self.padding_mask(size)] = self.values
+        return out
+
+    def padding_mask(self, max_len: int | None = None) -> torch.Tensor:
+        """Bool ``[B, max_len]``: True where a position holds a real value."""
+        size = self.max_len if max_len is None else max_len
+        positions = torch.arange(size, device=self.offsets.device)
+        return positions[None, :] < self.lengths()[:, None]
+
+    def sample_ids(self) -> torch.Tensor:
+        """``[T]`` index of the sample that owns each row."""
+        return torch.repeat_interleave(
+            torch.arange(self.batch_size, device=self.offsets.device), self.lengths(), output_size=self.num_values
+        )
+
+    def with_values(self, values: torch.Tensor) -> Jagged:
+        """Same layout, new values (e.g. the output of a per-token module)."""
+        if values.shape[0] != self.num_values:
+            raise ValueError(f"new values have {values.shape[0]} rows, the layout has {self.num_values}")
+        return Jagged(values, self.offsets, self.offsets_host, self.max_len)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Jagged:
+        return Jagged(
+            self.values.to(device, non_blocking=non_blocking),
+            self.offsets.to(device, non_blocking=non_blocking),
+            self.offsets_host,
+            self.max_len,
+        )
+
+    def pin_memory(self) -> Jagged:
+        return Jagged(self.values.pin_memory(), self.offsets.pin_memory(), self.offsets_host, self.max_len)
+
+    def split(self) -> list[torch.Tensor]:
+        """One tensor per sample (views into ``values``)."""
+        bounds = self.offsets_host.tolist()
+        return [self.values[bounds[b] : bounds[b + 1]] for b in range(self.batch_size)]

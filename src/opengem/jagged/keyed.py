@@ -1,0 +1,161 @@
+"""`KeyedJagged`: many named sparse features of one batch in one flat id buffer.
+
+Shaped like TorchRec's ``KeyedJaggedTensor``: ``values`` holds the ids of feature 0 for samples
+0..B-1, then feature 1, and so on; ``lengths`` is ``[F * B]`` in the same feature-major order; optional
+``weights`` (one float per id) travel alongside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from opengem.jagged.jagged import Jagged, offsets_from_lengths
+
+
+@dataclass(frozen=True)
+class KeyedJagged:
+    keys: tuple[str, ...]
+    values: torch.Tensor
+    lengths: torch.Tensor
+    weights: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if len(set(self.keys)) != len(self.keys):
+            raise ValueError(f"feature keys must be unique, got {list(self.keys)}")
+        if self.values.dim() != 1:
+            raise ValueError(f"values must be 1-D ids, got shape {tuple(self.values.shape)}")
+        if self.lengths.dim() != 1:
+            raise ValueError(f"lengths must be 1-D, got shape {tuple(self.lengths.shape)}")
+        if self.keys and self.lengths.numel() % len(self.keys) != 0:
+            raise ValueError(
+                f"lengths has {self.lengths.numel()} entries, not a multiple of the {len(self.keys)} keys"
+            )
+        if not self.keys and self.lengths.numel() != 0:
+            raise ValueError("lengths must be empty when there are no keys")
+        if self.values.device != self.lengths.device:
+            raise ValueError(f"values are on {self.values.device} but lengths are on {self.lengths.device}")
+        if self.lengths.numel() and bool((self.lengths < 0).any()):
+            raise ValueError("lengths must be non-negative")
+        total = int(self.lengths.sum()) if self.lengths.numel() else 0
+        if total != self.values.numel():
+            raise ValueError(f"lengths sum to {total} but there are {self.values.numel()} values")
+        if self.weights is not None and self.weights.shape != self.values.shape:
+            raise ValueError(
+                f"weights must match values' shape {tuple(self.values.shape)}, got {tuple(self.weights.shape)}"
+            )
+
+    @classmethod
+    def _trusted(
+        cls, keys: tuple[str, ...], values: torch.Tensor, lengths: torch.Tensor, weights: torch.Tensor | None
+    ) -> KeyedJagged:
+        """Skip validation (and its device sync) for layouts derived from an already valid one."""
+        out = object.__new__(cls)
+        for name, value in (("keys", keys), ("values", values), ("lengths", lengths), ("weights", weights)):
+            object.__setattr__(out, name, value)
+        return out
+
+    @classmethod
+    def from_dict(cls, features: dict[str, Jagged]) -> KeyedJagged:
+        """Build from one ``Jagged`` of 1-D ids per feature; all must have the same batch size."""
+        keys = tuple(features)
+        if not keys:
+            return cls((), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
+        sizes = {k: j.batch_size for k, j in features.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"features have different batch sizes: {sizes}")
+        values = torch.cat([features[k].values for k in keys])
+        lengths = torch.cat([features[k].lengths().to(torch.int64) for k in keys])
+        return cls(keys, values, lengths)
+
+    @property
+    def stride(self) -> int:
+        """The batch size B."""
+        return self.lengths.numel() // len(self.keys) if self.keys else 0
+
+    def lengths_per_key(self) -> list[int]:
+        """Total number of ids of each feature, in key order."""
+        return self.lengths.view(len(self.keys), -1).sum(dim=1).tolist() if self.keys else []
+
+    def offsets(self) -> torch.Tensor:
+        """``[F * B + 1]`` offsets over the flat ``values`` buffer."""
+        return offsets_from_lengths(self.lengths)
+
+    def __getitem__(self, key: str) -> Jagged:
+        if key not in self.keys:
+            raise KeyError(f"no feature {key!r}; features are {list(self.keys)}")
+        index = self.keys.index(key)
+        per_key = self.lengths_per_key()
+        start = sum(per_key[:index])
+        stride = self.stride
+        lengths = self.lengths[index * stride : (index + 1) * stride]
+        return Jagged.from_lengths(self.values[start : start + per_key[index]], lengths)
+
+    def weights_of(self, key: str) -> Jagged:
+        if self.weights is None:
+            raise ValueError("this KeyedJagged carries no weights")
+        ids = self[key]
+        start = self.keys.index(key)
+        begin = sum(self.lengths_per_key()[:start])
+        return ids.with_values(self.weights[begin : begin + ids.num_values])
+
+    def to_dict(self) -> dict[str, Jagged]:
+        return {k: self[k] for k in self.keys}
+
+    def split(self, segments: Sequence[int]) -> list[KeyedJagged]:
+        """Split into consecutive groups of ``segments[i]`` features each (TorchRec's ``split``)."""
+        if sum(segments) != len(self.keys) or any(s < 0 for s in segments):
+            raise ValueError(f"segments {list(segments)} must be non-negative and sum to {len(self.keys)} keys")
+        per_key = self.lengths_per_key()
+        out, key_start, value_start, stride = [], 0, 0, self.stride
+        for size in segments:
+            count = sum(per_key[key_start : key_start + size])
+            weights = None if self.weights is None else self.weights[value_start : value_start + count]
+            out.append(
+                KeyedJagged(
+                    self.keys[key_start : key_start + size],
+                    self.values[value_start : value_start + count],
+                    self.lengths[key_start * stride : (key_start + size) * stride],
+                    weights,
+                )
+            )
+            key_start += size
+            value_start += count
+        return out
+
+    @staticmethod
+    def concat(parts: Sequence[KeyedJagged]) -> KeyedJagged:
+        """Join feature groups of the same batch (the inverse of :meth:`split`)."""
+        if not parts:
+            raise ValueError("concat needs at least one KeyedJagged")
+        strides = {p.stride for p in parts if p.keys}
+        if len(strides) > 1:
+            raise ValueError(f"cannot concat KeyedJagged of different batch sizes {sorted(strides)}")
+        with_weights = {p.weights is not None for p in parts}
+        if len(with_weights) > 1:
+            raise ValueError("cannot concat KeyedJagged with and without weights")
+        weights = torch.cat([p.weights for p in parts]) if with_weights == {True} else None
+        return KeyedJagged(
+            tuple(k for p in parts for k in p.keys),
+            torch.cat([p.values for p in parts]),
+            torch.cat([p.lengths for p in parts]),
+            weights,
+        )
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
+        return KeyedJagged._trusted(
+            self.keys,
+            self.values.to(device, non_blocking=non_blocking),
+            self.lengths.to(device, non_blocking=non_blocking),
+            None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
+        )
+
+    def pin_memory(self) -> KeyedJagged:
+        return KeyedJagged._trusted(
+            self.keys,
+            self.values.pin_memory(),
+            self.lengths.pin_memory(),
+            None if self.weights is None else self.weights.pin_memory(),
+        )

@@ -1,0 +1,82 @@
+"""Input validation shared by the attention ops: clear errors naming the argument, before any kernel runs."""
+
+from __future__ import annotations
+
+import torch
+
+from opengem.jagged import validate_offsets
+
+
+def check_attention_inputs(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+) -> None:
+    """Validate jagged ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` and their offsets.
+
+    Checks ranks, matching head dims, ``H_kv`` dividing ``H``, dtypes, devices, the offsets' invariants,
+    and that the host integers ``max_len_*`` are at least the longest sequence (a shorter one would make
+    kernels skip rows silently).
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            shape = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{name} must have shape [T, heads, head_dim], got {shape}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[2] != k.shape[2]:
+        raise ValueError(f"q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
+    if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({q.shape[1]}) for GQA/MQA")
+    if len({q.dtype, k.dtype, v.dtype}) != 1:
+        raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    devices = {t.device for t in (q, k, v, q_offsets, k_offsets)}
+    if len(devices) != 1:
+        raise ValueError(f"q, k, v and offsets must be on one device, got {sorted(map(str, devices))}")
+    validate_offsets(q_offsets, q.shape[0], "q_offsets")
+    validate_offsets(k_offsets, k.shape[0], "k_offsets")
+    if q_offsets.numel() != k_offsets.numel():
+        raise ValueError(
+            f"q_offsets and k_offsets describe different batch sizes: {q_offsets.numel() - 1} vs {k_offsets.numel() - 1}"
+        )
+    check_max_len(q_offsets, max_len_q, "max_len_q")
+    check_max_len(k_offsets, max_len_k, "max_len_k")
+
+
+def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
+    if not isinstance(max_len, int) or max_len < 0:
+        raise ValueError(f"{name} must be a non-negative host int, got {max_len!r}")
+    host = offsets.detach().cpu()
+    longest = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
+    if longest > max_len:
+        raise ValueError(f"{name} = {max_len} is shorter than the longest sequence ({longest})")
+
+
+def check_mask_options(
+    offsets: torch.Tensor, num_targets: torch.Tensor | None, contextual_len: int, window: int | None
+) -> None:
+    """Validate the recommendation-mask options against the batch described by ``offsets``."""
+    if not isinstance(contextual_len, int) or contextual_len < 0:
+        raise ValueError(f"contextual_len must be a non-negative int, got {contextual_len!r}")
+    if window is not None and (not isinstance(window, int) or window < 0):
+        raise ValueError(f"window must be None or a non-negative int, got {window!r}")
+    if num_targets is None:
+        return
+    batch = offsets.numel() - 1
+    if num_targets.shape != (batch,):
+        raise ValueError(f"num_targets must have shape [{batch}], got {tuple(num_targets.shape)}")
+    if num_targets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"num_targets must be int32 or int64, got {num_targets.dtype}")
+    host = offsets.detach().cpu()
+    lengths = host[1:] - host[:-1]
+    targets = num_targets.detach().cpu().to(lengths.dtype)
+    bad = torch.nonzero((targets < 0) | (targets > lengths)).flatten()
+    if bad.numel():
+        b = int(bad[0])
+        raise ValueError(f"num_targets[{b}] = {int(targets[b])} must be in [0, length {int(lengths[b])}]")

@@ -1,0 +1,1 @@
+"""Triton kernels and their host-side schedulers. Autograd wiring lives in `opengem.ops`."""
