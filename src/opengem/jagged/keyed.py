@@ -114,7 +114,7 @@ class KeyedJagged:
             count = sum(per_key[key_start : key_start + size])
             weights = None if self.weights is None else self.weights[value_start : value_start + count]
             out.append(
-                KeyedJagged(
+                KeyedJagged._trusted(
                     self.keys[key_start : key_start + size],
                     self.values[value_start : value_start + count],
                     self.lengths[key_start * stride : (key_start + size) * stride],
@@ -137,7 +137,7 @@ class KeyedJagged:
         if len(with_weights) > 1:
             raise ValueError("cannot concat KeyedJagged with and without weights")
         weights = torch.cat([p.weights for p in parts]) if with_weights == {True} else None
-        return KeyedJagged(
+        return KeyedJagged._trusted(
             tuple(k for p in parts for k in p.keys),
             torch.cat([p.values for p in parts]),
             torch.cat([p.lengths for p in parts]),

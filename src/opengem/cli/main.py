@@ -1,0 +1,74 @@
+"""The `opengem` command: train, data synth, info."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from opengem.train.checkpoint import checkpoint_config
+from opengem.train.config import PRESETS, apply_overrides, config_from_dict, load_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="opengem", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train_parser = commands.add_parser("train", help="train a model (default: the CPU demo preset)")
+    train_parser.add_argument("--config", help="TOML file of settings (top-level keys and a [model] table)")
+    train_parser.add_argument("--preset", choices=sorted(PRESETS), help="start from this preset")
+    train_parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    train_parser.add_argument("--steps", type=int, help="total training steps")
+    train_parser.add_argument("--device", help="auto, cpu or cuda")
+    train_parser.add_argument("--resume", type=Path, help="run folder (or checkpoint file) to continue from")
+    train_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    data_parser = commands.add_parser("data", help="data tools")
+    data_commands = data_parser.add_subparsers(dest="data_command", required=True)
+    synth = data_commands.add_parser("synth", help="write synthetic samples as sharded Parquet files")
+    synth.add_argument("--out", type=Path, required=True)
+    synth.add_argument("--samples", type=int, required=True)
+    synth.add_argument("--preset", default="gem-tiny")
+    synth.add_argument("--seed", type=int, default=0)
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "train":
+            return _train(args)
+        return _synth(args)
+    except ValueError as error:
+        print(f"opengem: error: {error}", file=sys.stderr)
+        return 2
+
+
+def _train(args: argparse.Namespace) -> int:
+    from opengem.train.trainer import train
+
+    overrides = list(args.set)
+    if args.steps is not None:
+        overrides.append(f"steps={args.steps}")
+    if args.device is not None:
+        overrides.append(f"device={args.device}")
+    if args.resume is not None:
+        # a resumed run keeps the settings it was started with, plus explicit overrides
+        config = apply_overrides(config_from_dict(checkpoint_config(args.resume)), overrides)
+    else:
+        config = load_config(args.preset, args.config, overrides)
+    summary = train(config, resume=args.resume, progress=not args.no_progress)
+    print(f"run folder: {summary['run_dir']}")
+    return 0
+
+
+def _synth(args: argparse.Namespace) -> int:
+    from opengem.data.parquet import synthesize_to_parquet
+
+    start = time.perf_counter()
+    paths = synthesize_to_parquet(args.out, args.samples, args.preset, seed=args.seed)
+    elapsed = time.perf_counter() - start
+    print(f"wrote {args.samples} samples in {len(paths)} files under {args.out} in {elapsed:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Models: plain nn.Modules with no parallelism inside, plus size presets."""

@@ -1,0 +1,1 @@
+"""Training: trainer loop, metrics, FLOP/MFU accounting, checkpointing."""

@@ -1,0 +1,147 @@
+"""Training configuration: presets, TOML files and ``--set key=value`` overrides."""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from opengem.models.sequence_ctr import SequenceCTRConfig
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    preset: str = "gem-tiny"
+    name: str = ""  # run folder under out_dir; defaults to the preset name
+    out_dir: str = "runs"
+    data_preset: str = "gem-tiny"  # synthetic data preset (opengem.data.synthetic.SYNTHETIC_PRESETS)
+    data_dir: str = ""  # Parquet folder written by `opengem data synth`; empty = stream synthetic data
+    seed: int = 0
+    steps: int = 300
+    batch_size: int = 256
+    lr: float = 2e-3
+    weight_decay: float = 0.01
+    warmup_steps: int = 30
+    embedding_lr: float = 0.05
+    eval_every: int = 100
+    eval_samples: int = 20000
+    log_every: int = 10
+    baseline: bool = True  # also train the history-free baseline on the same batches
+    device: str = "auto"
+    num_workers: int = 0
+    model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
+
+    @property
+    def run_name(self) -> str:
+        return self.name or self.preset
+
+
+PRESETS: dict[str, TrainConfig] = {
+    # The CPU demo: short histories, a small model; trains in a few minutes on 2 cores.
+    "gem-tiny": TrainConfig(),
+    # One GPU: long power-law histories.
+    "gem-small": TrainConfig(
+        preset="gem-small",
+        data_preset="gem-small",
+        steps=2000,
+        batch_size=512,
+        lr=1e-3,
+        embedding_lr=0.02,
+        eval_every=500,
+        eval_samples=50000,
+        num_workers=4,
+        model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
+    ),
+}
+
+
+def load_config(
+    preset: str | None = None, file: str | Path | None = None, overrides: typing.Sequence[str] = ()
+) -> TrainConfig:
+    """Preset defaults, then the TOML file, then ``key=value`` overrides (``model.num_layers=4``)."""
+    base_name = preset or "gem-tiny"
+    if base_name not in PRESETS:
+        raise ValueError(f"unknown preset {base_name!r}; choose one of {sorted(PRESETS)}")
+    config = PRESETS[base_name]
+    if file is not None:
+        path = Path(file)
+        try:
+            table = tomllib.loads(path.read_text())
+        except (OSError, tomllib.TOMLDecodeError) as error:
+            raise ValueError(f"cannot read config file {path}: {error}") from error
+        if preset is None and "preset" in table:
+            config = load_config(str(table["preset"]))
+        config = _apply(config, _flatten(table), source=str(path))
+    return apply_overrides(config, overrides)
+
+
+def apply_overrides(config: TrainConfig, overrides: typing.Sequence[str]) -> TrainConfig:
+    """Apply ``key=value`` strings (dotted keys reach into sections, e.g. ``model.num_layers=4``)."""
+    pairs: dict[str, Any] = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects key=value, got {item!r}")
+        pairs[key.strip()] = value.strip()
+    return _apply(config, pairs, source="--set")
+
+
+def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
+    """Rebuild a TrainConfig from ``dataclasses.asdict`` output (as stored in checkpoints)."""
+    model = SequenceCTRConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["model"].items()})
+    return replace(TrainConfig(**{k: v for k, v in saved.items() if k != "model"}), model=model)
+
+
+def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def _apply(config: Any, pairs: dict[str, Any], source: str) -> Any:
+    nested: dict[str, dict[str, Any]] = {}
+    changes: dict[str, Any] = {}
+    fields = {f.name: f for f in dataclasses.fields(config)}
+    hints = typing.get_type_hints(type(config))
+    for key, value in pairs.items():
+        head, _, rest = key.partition(".")
+        if head not in fields:
+            raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(fields)}")
+        if rest:
+            nested.setdefault(head, {})[rest] = value
+        else:
+            changes[head] = _convert(value, hints[head], f"{source}: {key}")
+    for head, sub in nested.items():
+        changes[head] = _apply(getattr(config, head), sub, source)
+    return replace(config, **changes)
+
+
+def _convert(value: Any, hint: Any, where: str) -> Any:
+    if dataclasses.is_dataclass(hint):
+        raise ValueError(f"{where} is a section; set its fields with dotted keys")
+    origin = typing.get_origin(hint)
+    try:
+        if hint is bool:
+            if isinstance(value, bool):
+                return value
+            lowered = str(value).lower()
+            if lowered not in ("true", "false", "1", "0"):
+                raise ValueError(f"expected true or false, got {value!r}")
+            return lowered in ("true", "1")
+        if hint in (int, float, str):
+            if hint is int and isinstance(value, float):
+                raise ValueError(f"expected an integer, got {value!r}")
+            return hint(value)
+        if origin is tuple:
+            items = value if isinstance(value, list) else [v for v in str(value).strip("()[]").split(",") if v.strip()]
+            return tuple(int(v) for v in items)
+    except ValueError as error:
+        raise ValueError(f"{where}: {error}") from error
+    raise ValueError(f"{where}: unsupported setting type {hint}")

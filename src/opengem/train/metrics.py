@@ -1,0 +1,87 @@
+"""Ads metrics: normalized entropy (NE), ROC AUC and calibration; sequential HR@K / NDCG@K."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+_EPS = 1e-7
+
+
+def log_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    p = probabilities.double().clamp(_EPS, 1 - _EPS)
+    y = labels.double()
+    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+
+
+def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mean log loss divided by the entropy of the base rate; < 1 beats predicting the average rate."""
+    _check(probabilities, labels)
+    base = float(labels.double().mean())
+    if base <= 0.0 or base >= 1.0:
+        raise ValueError(f"NE is undefined when every label is {int(base)}: the base-rate entropy is 0")
+    entropy = -(base * math.log(base) + (1 - base) * math.log(1 - base))
+    return log_loss(probabilities, labels) / entropy
+
+
+def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
+    """Probability that a random positive outranks a random negative (ties count half)."""
+    _check(scores, labels)
+    y = labels.double()
+    positives = float(y.sum())
+    negatives = y.numel() - positives
+    if positives == 0 or negatives == 0:
+        raise ValueError("AUC needs at least one positive and one negative label")
+    order = torch.argsort(scores.double())
+    sorted_scores = scores.double()[order]
+    # average ranks over ties (1-based)
+    _, inverse, counts = torch.unique_consecutive(sorted_scores, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    average_rank = (ends - (counts.double() - 1) / 2)[inverse]
+    rank_sum = float(average_rank[y[order] == 1].sum())
+    return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
+
+
+def calibration(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    """Sum of predictions over sum of labels (1.0 is perfectly calibrated on average)."""
+    _check(probabilities, labels)
+    total = float(labels.double().sum())
+    if total == 0:
+        raise ValueError("calibration is undefined with no positive label")
+    return float(probabilities.double().sum()) / total
+
+
+def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    return {
+        "ne": normalized_entropy(probabilities, labels),
+        "auc": roc_auc(probabilities, labels),
+        "calibration": calibration(probabilities, labels),
+        "log_loss": log_loss(probabilities, labels),
+    }
+
+
+def hit_rate_and_ndcg(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[float, float]:
+    """HR@K and NDCG@K for ``scores [N, num_items]`` and the held-out item ``target [N]``.
+
+    The rank of the target counts items scoring strictly higher (ties resolved in the target's favour
+    after the strict count, the usual leave-one-out convention); callers mask items to exclude (e.g.
+    history items) with ``-inf`` first.
+    """
+    if scores.dim() != 2 or target.shape != (scores.shape[0],):
+        raise ValueError(f"scores must be [N, items] and target [N], got {tuple(scores.shape)}, {tuple(target.shape)}")
+    target_scores = scores.gather(1, target[:, None])
+    rank = (scores > target_scores).sum(dim=1)  # 0-based
+    hit = rank < k
+    ndcg = torch.where(hit, 1.0 / torch.log2(rank.double() + 2.0), torch.zeros((), dtype=torch.float64))
+    return float(hit.double().mean()), float(ndcg.mean())
+
+
+def _check(predictions: torch.Tensor, labels: torch.Tensor) -> None:
+    if predictions.shape != labels.shape or predictions.dim() != 1:
+        raise ValueError(
+            f"predictions and labels must be equal-length 1-D tensors, got {tuple(predictions.shape)} "
+            f"and {tuple(labels.shape)}"
+        )
+    if predictions.numel() == 0:
+        raise ValueError("metrics need at least one sample")

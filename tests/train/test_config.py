@@ -1,0 +1,43 @@
+import pytest
+
+from opengem.train.config import apply_overrides, config_from_dict, load_config
+
+
+def test_overrides_reach_nested_sections_and_convert_types(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('steps = 7\nbaseline = false\n[model]\nnum_layers = 3\nmlp_dims = [32, 16]\n')
+    config = load_config("gem-tiny", path, ["lr=0.5", "model.num_heads=4", "model.mlp_dims=8,4"])
+    assert config.steps == 7 and config.baseline is False and config.lr == 0.5
+    assert config.model.num_layers == 3 and config.model.num_heads == 4 and config.model.mlp_dims == (8, 4)
+
+
+def test_config_round_trips_through_a_dict():
+    import dataclasses
+
+    config = apply_overrides(load_config("gem-tiny"), ["model.d_model=48", "seed=3"])
+    assert config_from_dict(dataclasses.asdict(config)) == config
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["nope=1"], "unknown setting 'nope'"),
+        (["model.nope=1"], "unknown setting 'nope'"),
+        (["steps=abc"], "steps"),
+        (["baseline=maybe"], "expected true or false"),
+        (["steps"], "expects key=value"),
+        (["model=3"], "is a section"),
+    ],
+)
+def test_bad_overrides_are_named(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("gem-tiny", None, overrides)
+
+
+def test_unknown_preset_and_bad_file(tmp_path):
+    with pytest.raises(ValueError, match="unknown preset 'gem-nope'"):
+        load_config("gem-nope")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3")
+    with pytest.raises(ValueError, match="cannot read config file .*bad.toml"):
+        load_config(None, bad)
