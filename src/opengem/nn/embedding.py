@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
-from opengem.ops.embedding import FusedUpdate, check_ids, embedding_lookup, feature_meta_rows
+from opengem.ops.embedding import FusedUpdate, LookupLayout, check_ids, embedding_lookup
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -194,28 +194,22 @@ class EmbeddingCollection(nn.Module):
         configs = [self.tables[group.tables[p]] for p in positions]
         if ids.device.type == "cpu" or self.validate_ids:
             check_ids(ids, offsets, batch.batch_size, [c.num_embeddings for c in configs], feature_names)
-        meta, out_numel = feature_meta_rows(
-            table_weight_offsets=group.weight_offsets,
-            table_row_offsets=group.row_offsets,
-            table_rows=[self.tables[i].num_embeddings for i in group.tables],
-            table_dims=[self.tables[i].embedding_dim for i in group.tables],
+        layout = LookupLayout.build(
+            tables=[
+                (weight_offset, row_offset, self.tables[i].num_embeddings, self.tables[i].embedding_dim)
+                for i, weight_offset, row_offset in zip(group.tables, group.weight_offsets, group.row_offsets)
+            ],
             feature_tables=positions,
             feature_pooling=[c.pooling for c in configs],
             feature_lengths=[batch.count(f) for f in feature_names],
             batch_size=batch.batch_size,
+            device=weights.device,
         )
-        meta_tensor = torch.tensor(meta, dtype=torch.int64).reshape(-1, 6).to(weights.device)
-        flat = embedding_lookup(
-            weights, meta_tensor, ids, offsets, batch.batch_size, out_numel, self._update(group, weights.device)
-        )
+        flat = embedding_lookup(weights, layout, ids, offsets, self._update(group, weights.device))
         result: dict[str, torch.Tensor | Jagged] = {}
         for f, name in enumerate(feature_names):
-            start, dim = meta[f][3], configs[f].embedding_dim
-            if configs[f].pooling == "none":
-                values = flat[start : start + batch.count(name) * dim].view(-1, dim)
-                result[name] = batch.jagged(name, values)
-            else:
-                result[name] = flat[start : start + batch.batch_size * dim].view(batch.batch_size, dim)
+            values = layout.output_of(flat, f)
+            result[name] = batch.jagged(name, values) if configs[f].pooling == "none" else values
         return result
 
 

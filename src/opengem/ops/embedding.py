@@ -42,7 +42,6 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import ModuleType
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -70,12 +69,20 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _backend(tensor: torch.Tensor) -> ModuleType:
-    if tensor.is_cuda or os.environ.get("OPENGEM_EMBEDDING_BACKEND") == "triton":
-        from opengem.ops.triton import embedding as triton_embedding
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda or os.environ.get("OPENGEM_EMBEDDING_BACKEND") == "triton"
 
-        return triton_embedding
-    return reference
+
+def _triton():  # imported lazily: CPU-only installs need no Triton
+    from opengem.ops.triton import embedding as triton_embedding
+
+    return triton_embedding
+
+
+def _lookup_impl(weights, feature_meta, ids, offsets, batch_size: int, out_numel: int, max_dim: int) -> torch.Tensor:
+    if _use_triton(weights):
+        return _triton().embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+    return reference.embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -84,38 +91,52 @@ def _backend(tensor: torch.Tensor) -> ModuleType:
 
 @torch.library.custom_op("opengem::embedding_lookup", mutates_args=())
 def _lookup_op(
-    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int
+    weights: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    out_numel: int,
+    max_dim: int,
 ) -> torch.Tensor:
-    return _backend(weights).embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
+    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
 
 
 @_lookup_op.register_fake
-def _(weights, feature_meta, ids, offsets, batch_size, out_numel):
+def _(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim):
     return weights.new_empty(out_numel)
 
 
 @torch.library.custom_op("opengem::embedding_dense_grad", mutates_args=())
 def _dense_grad_op(
-    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
 ) -> torch.Tensor:
-    return _backend(weights).embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size)
+    if _use_triton(weights):
+        return _triton().embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim)
+    return reference.embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size)
 
 
 @_dense_grad_op.register_fake
-def _(grad_out, weights, feature_meta, ids, offsets, batch_size):
+def _(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim):
     return torch.empty_like(weights)
 
 
 def _lookup_setup(ctx, inputs, output) -> None:
-    weights, feature_meta, ids, offsets, batch_size, _ = inputs
+    weights, feature_meta, ids, offsets, batch_size, _, max_dim = inputs
     ctx.save_for_backward(weights, feature_meta, ids, offsets)
-    ctx.batch_size = batch_size
+    ctx.batch_size, ctx.max_dim = batch_size, max_dim
 
 
 def _lookup_backward(ctx, grad_out):
     weights, feature_meta, ids, offsets = ctx.saved_tensors
-    grad = _dense_grad_op(grad_out.contiguous(), weights, feature_meta, ids, offsets, ctx.batch_size)
-    return grad, None, None, None, None, None
+    grad = _dense_grad_op(grad_out.contiguous(), weights, feature_meta, ids, offsets, ctx.batch_size, ctx.max_dim)
+    return grad, None, None, None, None, None, None
 
 
 _lookup_op.register_autograd(_lookup_backward, setup_context=_lookup_setup)
@@ -132,6 +153,7 @@ def _fused_update_op(
     ids: torch.Tensor,
     offsets: torch.Tensor,
     batch_size: int,
+    max_dim: int,
     optimizer: int,
     lr: float,
     eps: float,
@@ -139,14 +161,16 @@ def _fused_update_op(
     beta2: float,
     weight_decay: float,
 ) -> None:
-    _backend(weights).embedding_fused_update_(
-        grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets,
-        batch_size, optimizer, lr, eps, beta1, beta2, weight_decay,
-    )  # fmt: skip
+    state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
+    hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
+    if _use_triton(weights):
+        _triton().embedding_fused_update_(*state, max_dim, *hyper)
+    else:
+        reference.embedding_fused_update_(*state, *hyper)
 
 
 @_fused_update_op.register_fake
-def _(grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size, *hyper):
+def _(grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size, max_dim, *hyper):
     return None
 
 
@@ -162,6 +186,7 @@ def _fused_lookup_op(
     offsets: torch.Tensor,
     batch_size: int,
     out_numel: int,
+    max_dim: int,
     optimizer: int,
     lr: float,
     eps: float,
@@ -169,28 +194,31 @@ def _fused_lookup_op(
     beta2: float,
     weight_decay: float,
 ) -> torch.Tensor:
-    return _backend(weights).embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
+    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
 
 
 @_fused_lookup_op.register_fake
-def _(weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, out_numel, *hyper):
+def _(weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, out_numel, max_dim, *hyper):
     return weights.new_empty(out_numel)
 
 
 def _fused_setup(ctx, inputs, output) -> None:
-    weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, _, *hyper = inputs
+    weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, _, max_dim, *hyper = inputs
     # The tables are kept as attributes, not saved tensors: the update mutates them in the backward, and
     # they are state (like an optimizer's), not activations.
     ctx.tables = (weights, row_state, elem_state, step)
     ctx.save_for_backward(anchor, feature_meta, ids, offsets)
-    ctx.batch_size, ctx.hyper = batch_size, hyper
+    ctx.batch_size, ctx.max_dim, ctx.hyper = batch_size, max_dim, hyper
 
 
 def _fused_backward(ctx, grad_out):
     anchor, feature_meta, ids, offsets = ctx.saved_tensors
     weights, row_state, elem_state, step = ctx.tables
-    _fused_update_op(grad_out.contiguous(), weights, row_state, elem_state, step, feature_meta, ids, offsets, ctx.batch_size, *ctx.hyper)
-    return (None, None, None, None, torch.zeros_like(anchor)) + (None,) * 11
+    _fused_update_op(
+        grad_out.contiguous(), weights, row_state, elem_state, step, feature_meta, ids, offsets,
+        ctx.batch_size, ctx.max_dim, *ctx.hyper,
+    )  # fmt: skip
+    return (None, None, None, None, torch.zeros_like(anchor)) + (None,) * 12
 
 
 _fused_lookup_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -227,27 +255,49 @@ class FusedUpdate:
     weight_decay: float = 0.0
 
 
-def feature_meta_rows(
-    table_weight_offsets: Sequence[int],
-    table_row_offsets: Sequence[int],
-    table_rows: Sequence[int],
-    table_dims: Sequence[int],
-    feature_tables: Sequence[int],
-    feature_pooling: Sequence[str],
-    feature_lengths: Sequence[int],
-    batch_size: int,
-) -> tuple[list[list[int]], int]:
-    """Host-side ``feature_meta`` rows and the flat output size for one batch.
+@dataclass(frozen=True)
+class LookupLayout:
+    """Where each feature of one batch reads and writes: ``feature_meta`` plus the host sizes of the output.
 
-    ``feature_lengths[f]`` is feature f's number of ids (sizes a sequence feature's output).
+    ``meta_rows`` is the host copy of ``feature_meta`` (used to split the flat output without a sync).
     """
-    rows, out = [], 0
-    for table, pooling, count in zip(feature_tables, feature_pooling, feature_lengths, strict=True):
-        dim = table_dims[table]
-        code = POOLING_CODES[pooling]
-        rows.append([table_weight_offsets[table], dim, code, out, table_row_offsets[table], table_rows[table]])
-        out += (count if code == POOL_NONE else batch_size) * dim
-    return rows, out
+
+    feature_meta: torch.Tensor  # int64 [F, 6] on the weights' device
+    meta_rows: tuple[tuple[int, ...], ...]
+    batch_size: int
+    out_numel: int
+    max_dim: int
+
+    @classmethod
+    def build(
+        cls,
+        tables: Sequence[tuple[int, int, int, int]],
+        feature_tables: Sequence[int],
+        feature_pooling: Sequence[str],
+        feature_lengths: Sequence[int],
+        batch_size: int,
+        device: torch.device | str,
+    ) -> LookupLayout:
+        """``tables[t]`` = (weight offset in elements, row offset, rows, dim) of table t in the flat buffer.
+
+        Feature f reads table ``feature_tables[f]`` with ``feature_pooling[f]`` ("sum", "mean", "none")
+        and has ``feature_lengths[f]`` ids in the batch (sizes a sequence feature's output).
+        """
+        rows, out, max_dim = [], 0, 0
+        for table, pooling, count in zip(feature_tables, feature_pooling, feature_lengths, strict=True):
+            weight_offset, row_offset, num_rows, dim = tables[table]
+            code = POOLING_CODES[pooling]
+            rows.append((weight_offset, dim, code, out, row_offset, num_rows))
+            out += (count if code == POOL_NONE else batch_size) * dim
+            max_dim = max(max_dim, dim)
+        meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLUMNS).to(device)
+        return cls(meta, tuple(rows), batch_size, out, max_dim)
+
+    def output_of(self, flat: torch.Tensor, feature: int) -> torch.Tensor:
+        """Feature ``feature``'s ``[B, dim]`` (pooled) or ``[T_f, dim]`` (sequence) view of the flat output."""
+        row = self.meta_rows[feature]
+        following = self.meta_rows[feature + 1][OUT_OFFSET] if feature + 1 < len(self.meta_rows) else self.out_numel
+        return flat[row[OUT_OFFSET] : following].view(-1, row[DIM])
 
 
 def check_embedding_inputs(
@@ -297,50 +347,35 @@ def check_ids(
 
 def embedding_lookup(
     weights: torch.Tensor,
-    feature_meta: torch.Tensor,
+    layout: LookupLayout,
     ids: torch.Tensor,
     offsets: torch.Tensor,
-    batch_size: int,
-    out_numel: int,
     update: FusedUpdate | None = None,
 ) -> torch.Tensor:
     """Look up every feature of a KeyedJagged batch in one launch; returns the flat output (see module doc).
 
     Args:
         weights: flat ``[sum_t rows_t * dim_t]`` fp32/bf16/fp16 buffer of all tables.
-        feature_meta: int64 ``[F, 6]`` on ``weights``' device (:func:`feature_meta_rows`).
+        layout: the batch's :class:`LookupLayout` (``feature_meta`` on ``weights``' device).
         ids: ``[N]`` int32/int64 ids, assumed in range (check with :func:`check_ids`).
         offsets: ``[F * B + 1]`` int32/int64 bag offsets over ``ids``.
-        batch_size: B (host int).
-        out_numel: size of the flat output (host int, from :func:`feature_meta_rows`).
         update: ``None`` -> plain autograd (a dense gradient of ``weights`` if it requires grad);
             a :class:`FusedUpdate` -> the optimizer step runs inside the backward and mutates
             ``weights`` and the state in place.
     Returns:
-        ``[out_numel]`` in ``weights.dtype``.
+        ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.output_of`.
     """
-    check_embedding_inputs(weights, feature_meta, ids, offsets, batch_size)
+    check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
+    sizes = (layout.batch_size, layout.out_numel, layout.max_dim)
     if update is None:
-        return _lookup_op(weights, feature_meta, ids, offsets, batch_size, out_numel)
+        return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)
     if update.kind not in OPTIMIZER_CODES:
         raise ValueError(f"update.kind must be one of {sorted(OPTIMIZER_CODES)}, got {update.kind!r}")
     return _fused_lookup_op(
-        weights, update.row_state, update.elem_state, update.step, update.anchor, feature_meta, ids, offsets,
-        batch_size, out_numel, OPTIMIZER_CODES[update.kind], update.lr, update.eps, update.betas[0], update.betas[1],
+        weights, update.row_state, update.elem_state, update.step, update.anchor, layout.feature_meta, ids, offsets,
+        *sizes, OPTIMIZER_CODES[update.kind], update.lr, update.eps, update.betas[0], update.betas[1],
         update.weight_decay,
     )  # fmt: skip
 
 
-__all__ = [
-    "DIM",
-    "FusedUpdate",
-    "NUM_ROWS",
-    "OUT_OFFSET",
-    "POOLING",
-    "ROW_OFFSET",
-    "WEIGHT_OFFSET",
-    "check_embedding_inputs",
-    "check_ids",
-    "embedding_lookup",
-    "feature_meta_rows",
-]
+__all__ = ["FusedUpdate", "LookupLayout", "check_embedding_inputs", "check_ids", "embedding_lookup"]
