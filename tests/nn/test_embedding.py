@@ -1,12 +1,15 @@
 """EmbeddingCollection: outputs, fused optimizer updates vs plain autograd, checkpoints, bad input (CPU)."""
 
 import io
+import os
 
-import pytest
-import torch
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: the Triton-backend test runs on CPU
 
-from opengem.jagged import Jagged, KeyedJagged
-from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from opengem.jagged import Jagged, KeyedJagged  # noqa: E402
+from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig  # noqa: E402
 
 TABLES = (
     EmbeddingTableConfig("users", 11, 4, ("user", "friend")),
@@ -187,6 +190,21 @@ def test_init_std_and_dtype() -> None:
     uniform, normal = ec.embedding_weight("u"), ec.embedding_weight("n")
     assert uniform.abs().max() <= 1 / 1000**0.5 and uniform.std() > 0.01
     assert normal.dtype == torch.float16 and 0.45 < float(normal.float().std()) < 0.55
+
+
+def test_triton_backend_trains_like_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    opt = EmbeddingOptimizer("rowwise_adagrad", lr=0.2)
+    reference_ec = EmbeddingCollection(TABLES, opt)
+    triton_ec = EmbeddingCollection(TABLES, opt)
+    triton_ec.load_state_dict(reference_ec.state_dict())
+    batches = [make_batch(3, torch.Generator().manual_seed(seed)) for seed in range(2)]
+    for ec, backend in ((reference_ec, "reference"), (triton_ec, "triton")):
+        monkeypatch.setenv("OPENGEM_EMBEDDING_BACKEND", backend)
+        for batch in batches:
+            sum(values_of(v).pow(2).sum() for v in ec(batch).values()).backward()
+    for key, value in reference_ec.state_dict().items():
+        torch.testing.assert_close(triton_ec.state_dict()[key], value, rtol=1e-5, atol=1e-6)
+    assert int(triton_ec.step_float32) == 2
 
 
 # --- bad input ------------------------------------------------------------------------------------------

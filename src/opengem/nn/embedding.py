@@ -207,9 +207,8 @@ class EmbeddingCollection(nn.Module):
         )
         flat = embedding_lookup(weights, layout, ids, offsets, self._update(group, weights.device))
         result: dict[str, torch.Tensor | Jagged] = {}
-        for f, name in enumerate(feature_names):
-            values = layout.output_of(flat, f)
-            result[name] = batch.jagged(name, values) if configs[f].pooling == "none" else values
+        for name, config, values in zip(feature_names, configs, layout.split_outputs(flat)):
+            result[name] = batch.jagged(name, values) if config.pooling == "none" else values
         return result
 
 

@@ -293,11 +293,15 @@ class LookupLayout:
         meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLUMNS).to(device)
         return cls(meta, tuple(rows), batch_size, out, max_dim)
 
-    def output_of(self, flat: torch.Tensor, feature: int) -> torch.Tensor:
-        """Feature ``feature``'s ``[B, dim]`` (pooled) or ``[T_f, dim]`` (sequence) view of the flat output."""
-        row = self.meta_rows[feature]
-        following = self.meta_rows[feature + 1][OUT_OFFSET] if feature + 1 < len(self.meta_rows) else self.out_numel
-        return flat[row[OUT_OFFSET] : following].view(-1, row[DIM])
+    def split_outputs(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each feature's ``[B, dim]`` (pooled) or ``[T_f, dim]`` (sequence) view of the flat output.
+
+        One ``split`` rather than F slices: its backward is a single concatenation, whereas each slice's
+        backward would materialize a zero-filled gradient as large as the whole output.
+        """
+        ends = [row[OUT_OFFSET] for row in self.meta_rows[1:]] + [self.out_numel]
+        sizes = [end - row[OUT_OFFSET] for row, end in zip(self.meta_rows, ends)]
+        return [part.view(-1, row[DIM]) for part, row in zip(flat.split(sizes), self.meta_rows)]
 
 
 def check_embedding_inputs(
@@ -363,7 +367,7 @@ def embedding_lookup(
             a :class:`FusedUpdate` -> the optimizer step runs inside the backward and mutates
             ``weights`` and the state in place.
     Returns:
-        ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.output_of`.
+        ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.split_outputs`.
     """
     check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
     sizes = (layout.batch_size, layout.out_numel, layout.max_dim)
