@@ -1,0 +1,91 @@
+"""What a training batch is: feature specifications, tasks and the `Batch` the model consumes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Literal
+
+import torch
+
+from opengem.jagged import Jagged, KeyedJagged
+
+FeatureKind = Literal["categorical", "multi_hot", "sequence"]
+FEATURE_KINDS: tuple[str, ...] = ("categorical", "multi_hot", "sequence")
+
+TASKS = ("click", "conversion")
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """One sparse feature: ``categorical`` (one id per sample), ``multi_hot`` (0..k ids per sample) or
+    ``sequence`` (one id per history event). Valid ids are ``0 .. num_embeddings - 1``."""
+
+    name: str
+    kind: FeatureKind
+    num_embeddings: int
+
+    def __post_init__(self) -> None:
+        if self.kind not in FEATURE_KINDS:
+            raise ValueError(f"feature {self.name!r}: kind must be one of {FEATURE_KINDS}, got {self.kind!r}")
+        if self.num_embeddings < 1:
+            raise ValueError(f"feature {self.name!r}: num_embeddings must be >= 1, got {self.num_embeddings}")
+
+
+@dataclass
+class Batch:
+    """One training batch of B ad impressions.
+
+    - ``sparse``: non-sequence features, keys in spec order; categorical ones have length 1 per sample,
+      multi-hot ones 0..k. Values are int64 ids.
+    - ``sequence``: history features (one id per event); every key has the same per-sample lengths.
+    - ``history_age``: float32 ``[T]`` seconds between each history event and the impression (>= 0),
+      with the same offsets as the history features. Events are stored oldest first.
+    - ``dense``: float32 ``[B, num_dense]``.
+    - ``labels``: float32 ``[B, len(TASKS)]`` (click, conversion); conversion = 1 only if click = 1.
+    - ``oracle``: float32 ``[B, len(TASKS)]`` ground-truth probabilities the labels were drawn from
+      (the conversion column is the unconditional P(click and conversion)).
+    - ``sample_id``: int64 ``[B]`` global index of each sample in its data set (for bookkeeping and tests).
+    """
+
+    sparse: KeyedJagged
+    sequence: KeyedJagged
+    history_age: Jagged
+    dense: torch.Tensor
+    labels: torch.Tensor
+    oracle: torch.Tensor
+    sample_id: torch.Tensor | None = None
+
+    def batch_size(self) -> int:
+        return int(self.labels.shape[0])
+
+    def num_history_tokens(self) -> int:
+        return int(self.history_age.num_values)
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return replace(
+            self,
+            sparse=self.sparse.to(device, non_blocking=non_blocking),
+            sequence=self.sequence.to(device, non_blocking=non_blocking),
+            history_age=self.history_age.to(device, non_blocking=non_blocking),
+            dense=move(self.dense),
+            labels=move(self.labels),
+            oracle=move(self.oracle),
+            sample_id=move(self.sample_id),
+        )
+
+    def pin_memory(self) -> Batch:
+        """Page-locked copy, so that ``to(cuda, non_blocking=True)`` overlaps with compute.
+        The DataLoader's pin-memory thread calls this (it pins any object with a ``pin_memory`` method)."""
+        return replace(
+            self,
+            sparse=self.sparse.pin_memory(),
+            sequence=self.sequence.pin_memory(),
+            history_age=self.history_age.pin_memory(),
+            dense=self.dense.pin_memory(),
+            labels=self.labels.pin_memory(),
+            oracle=self.oracle.pin_memory(),
+            sample_id=None if self.sample_id is None else self.sample_id.pin_memory(),
+        )

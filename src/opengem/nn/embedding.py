@@ -1,0 +1,266 @@
+"""`EmbeddingCollection`: many embedding tables looked up from one `KeyedJagged` batch.
+
+With an optimizer (the default), the tables are trained like fbgemm's TBE: the optimizer step runs
+inside the backward of the lookup (duplicate ids aggregated first, one update per unique row per step,
+no dense gradient), and the tables are buffers, NOT parameters, so a dense optimizer built from
+``module.parameters()`` never touches them. Weights and optimizer state are in ``state_dict()`` (flat
+per weight dtype: ``weights_<dtype>``, ``row_state_<dtype>``, ``elem_state_<dtype>``, ``step_<dtype>``),
+so checkpoint and resume round-trip exactly. With ``optimizer=None`` every table is an ordinary
+``nn.Parameter`` (``weights.<table index>``, shape ``[rows, dim]``) with plain autograd gradients.
+
+Initialization: ``init_std=None`` -> uniform on ``[-1/sqrt(num_embeddings), +1/sqrt(num_embeddings)]``
+(TorchRec's default); otherwise normal with that standard deviation.
+
+Id validation: ids outside ``[0, num_embeddings)`` raise ``ValueError`` naming the feature, the position
+and the id. Always on CPU; on the GPU when ``validate_ids=True``, at the cost of one extra host
+synchronization per batch (set it False in a tuned training loop once the data pipeline is trusted).
+Reading the batch's lengths costs one synchronization in any case (outputs are sized on the host).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
+from opengem.ops.embedding import FusedUpdate, LookupLayout, check_ids, embedding_lookup
+
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+@dataclass(frozen=True)
+class EmbeddingTableConfig:
+    name: str
+    num_embeddings: int
+    embedding_dim: int
+    feature_names: tuple[str, ...]  # KeyedJagged keys looked up in this table
+    pooling: Literal["sum", "mean", "none"] = "sum"  # "none": sequence feature, one output row per id
+    dtype: torch.dtype = torch.float32  # fp32 / bf16 / fp16 weights
+    init_std: float | None = None  # None: uniform(+-1/sqrt(num_embeddings))
+
+    def __post_init__(self) -> None:
+        if self.num_embeddings <= 0 or self.embedding_dim <= 0:
+            raise ValueError(f"table {self.name!r}: num_embeddings and embedding_dim must be positive")
+        if self.pooling not in ("sum", "mean", "none"):
+            raise ValueError(f"table {self.name!r}: pooling must be 'sum', 'mean' or 'none', got {self.pooling!r}")
+        if self.dtype not in _DTYPE_NAMES:
+            raise ValueError(f"table {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype}")
+        if not self.feature_names:
+            raise ValueError(f"table {self.name!r} has no feature_names")
+
+
+@dataclass(frozen=True)
+class EmbeddingOptimizer:
+    """Optimizer applied inside the backward; definitions in `opengem.ops.embedding` (fbgemm's row-wise)."""
+
+    kind: Literal["rowwise_adagrad", "sgd", "rowwise_adam"] = "rowwise_adagrad"
+    lr: float = 0.01
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Group:
+    """Tables sharing one flat weight buffer (one kernel launch): all of one dtype, or one table when unfused."""
+
+    key: str
+    tables: tuple[int, ...]
+    weight_offsets: tuple[int, ...]  # element offset of each table in the flat buffer
+    row_offsets: tuple[int, ...]  # offset of each table's first row in the row-wise state
+
+
+def _init_table(config: EmbeddingTableConfig, device: torch.device | str | None) -> torch.Tensor:
+    weight = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
+    if config.init_std is None:
+        bound = 1.0 / math.sqrt(config.num_embeddings)
+        weight.uniform_(-bound, bound)
+    else:
+        weight.normal_(0.0, config.init_std)
+    return weight.to(config.dtype)
+
+
+class EmbeddingCollection(nn.Module):
+    def __init__(
+        self,
+        tables: Sequence[EmbeddingTableConfig],
+        optimizer: EmbeddingOptimizer | None = EmbeddingOptimizer(),
+        device: torch.device | str | None = None,
+        validate_ids: bool = True,
+    ) -> None:
+        super().__init__()
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"table names must be unique, got {names}")
+        self.tables = tuple(tables)
+        self.optimizer = optimizer
+        self.validate_ids = validate_ids
+        self.feature_table: dict[str, int] = {}
+        for index, table in enumerate(self.tables):
+            for feature in table.feature_names:
+                if feature in self.feature_table:
+                    raise ValueError(f"feature {feature!r} is used by two tables")
+                self.feature_table[feature] = index
+        if optimizer is None:
+            # a list, not a ParameterDict: table names like "items" or "keys" would clash with its methods
+            self.weights = nn.ParameterList([nn.Parameter(_init_table(t, device)) for t in self.tables])
+            self._groups = tuple(_Group(str(i), (i,), (0,), (0,)) for i in range(len(self.tables)))
+        else:
+            self._groups = tuple(self._register_fused_groups(device))
+
+    def _register_fused_groups(self, device: torch.device | str | None) -> Iterator[_Group]:
+        assert self.optimizer is not None
+        for dtype, suffix in _DTYPE_NAMES.items():
+            members = tuple(i for i, t in enumerate(self.tables) if t.dtype == dtype)
+            if not members:
+                continue
+            configs = [self.tables[i] for i in members]
+            sizes = [t.num_embeddings * t.embedding_dim for t in configs]
+            rows = [t.num_embeddings for t in configs]
+            weights = torch.cat([_init_table(t, device).flatten() for t in configs])
+            adam = self.optimizer.kind == "rowwise_adam"
+            needs_rows = self.optimizer.kind != "sgd"
+            self.register_buffer(f"weights_{suffix}", weights)
+            self.register_buffer(f"row_state_{suffix}", torch.zeros(sum(rows) if needs_rows else 0, device=device))
+            self.register_buffer(f"elem_state_{suffix}", torch.zeros(sum(sizes) if adam else 0, device=device))
+            self.register_buffer(f"step_{suffix}", torch.zeros(1, dtype=torch.int64, device=device))
+            yield _Group(suffix, members, _prefix_sums(sizes), _prefix_sums(rows))
+
+    # --- accessors -------------------------------------------------------------------------------------
+
+    def fused_parameters(self) -> Iterator[torch.Tensor]:
+        """The flat weight buffers updated inside the backward (empty when ``optimizer=None``)."""
+        if self.optimizer is not None:
+            for group in self._groups:
+                yield getattr(self, f"weights_{group.key}")
+
+    def embedding_weight(self, table: str) -> torch.Tensor:
+        """Table ``table`` as a ``[rows, dim]`` tensor (a view of the live weights, in either mode)."""
+        index = next((i for i, t in enumerate(self.tables) if t.name == table), None)
+        if index is None:
+            raise KeyError(f"no table {table!r}; tables are {[t.name for t in self.tables]}")
+        config = self.tables[index]
+        if self.optimizer is None:
+            return self.weights[index]
+        group = next(g for g in self._groups if index in g.tables)
+        start = group.weight_offsets[group.tables.index(index)]
+        flat = getattr(self, f"weights_{group.key}")
+        return flat[start : start + config.num_embeddings * config.embedding_dim].view(-1, config.embedding_dim)
+
+    def _flat_weights(self, group: _Group) -> torch.Tensor:
+        if self.optimizer is None:
+            return self.weights[group.tables[0]].view(-1)
+        return getattr(self, f"weights_{group.key}")
+
+    def _update(self, group: _Group, device: torch.device) -> FusedUpdate | None:
+        if self.optimizer is None or not torch.is_grad_enabled():
+            return None
+        opt = self.optimizer
+        return FusedUpdate(
+            kind=opt.kind,
+            row_state=getattr(self, f"row_state_{group.key}"),
+            elem_state=getattr(self, f"elem_state_{group.key}"),
+            step=getattr(self, f"step_{group.key}"),
+            anchor=torch.zeros(0, device=device, requires_grad=True),
+            lr=opt.lr,
+            eps=opt.eps,
+            betas=opt.betas,
+            weight_decay=opt.weight_decay,
+        )
+
+    # --- forward ---------------------------------------------------------------------------------------
+
+    def forward(self, features: KeyedJagged) -> dict[str, torch.Tensor | Jagged]:
+        """One entry per feature of the collection: pooled -> ``[B, dim]``; pooling "none" -> Jagged ``[T, dim]``."""
+        batch = _HostBatch(features, tuple(self.feature_table))
+        out: dict[str, torch.Tensor | Jagged] = {}
+        for group in self._groups:
+            feature_names = [f for f in self.feature_table if self.feature_table[f] in group.tables]
+            if feature_names:
+                out.update(self._lookup_group(group, feature_names, batch))
+        return {name: out[name] for name in self.feature_table}
+
+    def _lookup_group(self, group: _Group, feature_names: list[str], batch: _HostBatch) -> dict[str, torch.Tensor | Jagged]:
+        weights = self._flat_weights(group)
+        ids, lengths = batch.select(feature_names)
+        ids, lengths = ids.to(weights.device), lengths.to(weights.device)
+        offsets = offsets_from_lengths(lengths)
+        positions = [group.tables.index(self.feature_table[f]) for f in feature_names]
+        configs = [self.tables[group.tables[p]] for p in positions]
+        if ids.device.type == "cpu" or self.validate_ids:
+            check_ids(ids, offsets, batch.batch_size, [c.num_embeddings for c in configs], feature_names)
+        layout = LookupLayout.build(
+            tables=[
+                (weight_offset, row_offset, self.tables[i].num_embeddings, self.tables[i].embedding_dim)
+                for i, weight_offset, row_offset in zip(group.tables, group.weight_offsets, group.row_offsets)
+            ],
+            feature_tables=positions,
+            feature_pooling=[c.pooling for c in configs],
+            feature_lengths=[batch.count(f) for f in feature_names],
+            batch_size=batch.batch_size,
+            device=weights.device,
+        )
+        flat = embedding_lookup(weights, layout, ids, offsets, self._update(group, weights.device))
+        result: dict[str, torch.Tensor | Jagged] = {}
+        for name, config, values in zip(feature_names, configs, layout.split_outputs(flat)):
+            result[name] = batch.jagged(name, values) if config.pooling == "none" else values
+        return result
+
+
+def _prefix_sums(sizes: Sequence[int]) -> tuple[int, ...]:
+    out, total = [], 0
+    for size in sizes:
+        out.append(total)
+        total += size
+    return tuple(out)
+
+
+class _HostBatch:
+    """A validated KeyedJagged with its lengths read to the host once (the batch's one required sync)."""
+
+    def __init__(self, features: KeyedJagged, needed: tuple[str, ...]) -> None:
+        if not isinstance(features, KeyedJagged):
+            raise ValueError(f"features must be a KeyedJagged, got {type(features).__name__}")
+        missing = [f for f in needed if f not in features.keys]
+        if missing:
+            raise ValueError(f"features is missing keys {missing}; it has {list(features.keys)}")
+        if features.values.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"feature ids must be int32 or int64, got {features.values.dtype}")
+        if features.lengths.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"feature lengths must be int32 or int64, got {features.lengths.dtype}")
+        if features.weights is not None:
+            raise ValueError("per-id weights are not supported by EmbeddingCollection")
+        self.features = features
+        self.batch_size = features.stride
+        self.lengths_host = features.lengths.cpu().long().view(len(features.keys), self.batch_size)
+        if bool((self.lengths_host < 0).any()):
+            raise ValueError("feature lengths must be non-negative")
+        counts = self.lengths_host.sum(dim=1).tolist()
+        if sum(counts) != features.values.numel():
+            raise ValueError(f"lengths sum to {sum(counts)} but there are {features.values.numel()} ids")
+        self.counts = dict(zip(features.keys, counts))
+        self.starts = dict(zip(features.keys, _prefix_sums(counts)))
+
+    def count(self, name: str) -> int:
+        return self.counts[name]
+
+    def select(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Ids and lengths of ``names`` only, feature-major (a copy unless they are the whole batch)."""
+        keys = self.features.keys
+        if tuple(names) == keys:
+            return self.features.values, self.features.lengths
+        index = [keys.index(n) for n in names]
+        ids = torch.cat([self.features.values[self.starts[n] : self.starts[n] + self.counts[n]] for n in names])
+        lengths = self.features.lengths.view(len(keys), self.batch_size)[index].flatten()
+        return ids, lengths
+
+    def jagged(self, name: str, values: torch.Tensor) -> Jagged:
+        lengths_host = self.lengths_host[self.features.keys.index(name)]
+        offsets_host = offsets_from_lengths(lengths_host)
+        max_len = int(lengths_host.max()) if self.batch_size else 0
+        return Jagged(values, offsets_host.to(values.device), offsets_host, max_len)

@@ -1,0 +1,385 @@
+"""Fused multi-table embedding lookup (pooled and sequence features) with the optimizer applied in backward.
+
+Layout. All tables live in ONE flat 1-D ``weights`` buffer (rows of table t, dim_t elements each,
+concatenated), like fbgemm's TBE ``weights_dev`` + ``weights_offsets``. One buffer rather than a table of
+per-table pointers because: one tensor is one custom-op argument that ``torch.compile`` and the mutation
+annotations understand (raw ``data_ptr`` tables are invisible to both), per-table views for
+``state_dict`` are free, and the kernels need just one base pointer. Tables of different weight dtypes
+go in different buffers (one launch per dtype).
+
+Each feature f (a KeyedJagged key) is described by one int64 row of ``feature_meta [F, 6]`` (columns
+``WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS``): where its table starts in
+``weights`` (elements), the table's dim, its pooling (``POOL_SUM``, ``POOL_MEAN`` or ``POOL_NONE`` for a
+sequence feature), where its output starts in the flat output (elements), where its table's first row
+sits in the row-wise optimizer state, and the table's number of rows. Build it with
+:func:`feature_meta_rows`.
+
+Input: ``ids [N]`` (int32/int64) and ``offsets [F * B + 1]`` (int32/int64), the KeyedJagged layout: bag
+``f * B + b`` holds feature f's ids of sample b. Output: one flat buffer in ``weights.dtype``; feature f
+occupies ``[OUT_OFFSET, OUT_OFFSET + B * dim)`` as ``[B, dim]`` when pooled (sum, or mean; an empty bag
+gives 0) or ``[T_f, dim]`` (one row per id) for a sequence. Accumulation is fp32.
+
+Optimizer in backward (``FusedUpdate``): the backward aggregates each unique row's gradient over the
+whole batch (duplicate ids across bags and features of the same table give ONE update) and updates the
+weights and the optimizer state in place; no dense table gradient exists. Definitions (g = aggregated
+gradient of a row, plus ``weight_decay * w``, L2 style; rows absent from the batch are untouched):
+
+- ``sgd``: ``w -= lr * g``.
+- ``rowwise_adagrad`` (fbgemm's ``EXACT_ROWWISE_ADAGRAD``): one fp32 accumulator per row,
+  ``state += mean(g**2 over the row)``, ``w -= lr * g / (sqrt(state) + eps)``.
+- ``rowwise_adam``: first moment per element, second moment per row (mean of g**2), a global step
+  count t (incremented once per backward, on the device), ``w -= lr * m_hat / (sqrt(v_hat) + eps)``
+  with the usual bias corrections ``1 - beta**t``.
+
+Low-precision weights are updated in fp32 and rounded to nearest once per step.
+
+Dispatch: CUDA tensors run the Triton kernels; CPU tensors run the PyTorch reference; the environment
+variable ``OPENGEM_EMBEDDING_BACKEND=triton`` forces Triton (for interpreter tests).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from opengem.ops.reference import embedding as reference
+from opengem.ops.reference.embedding import (
+    DIM,
+    META_COLUMNS,
+    NUM_ROWS,
+    OPT_ROWWISE_ADAGRAD,
+    OPT_ROWWISE_ADAM,
+    OPT_SGD,
+    OUT_OFFSET,
+    POOL_MEAN,
+    POOL_NONE,
+    POOL_SUM,
+    POOLING,
+    ROW_OFFSET,
+    WEIGHT_OFFSET,
+)
+
+POOLING_CODES = {"sum": POOL_SUM, "mean": POOL_MEAN, "none": POOL_NONE}
+OPTIMIZER_CODES = {"sgd": OPT_SGD, "rowwise_adagrad": OPT_ROWWISE_ADAGRAD, "rowwise_adam": OPT_ROWWISE_ADAM}
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def _use_triton(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda or os.environ.get("OPENGEM_EMBEDDING_BACKEND") == "triton"
+
+
+def _triton():  # imported lazily: CPU-only installs need no Triton
+    from opengem.ops.triton import embedding as triton_embedding
+
+    return triton_embedding
+
+
+def _lookup_impl(weights, feature_meta, ids, offsets, batch_size: int, out_numel: int, max_dim: int) -> torch.Tensor:
+    if _use_triton(weights):
+        return _triton().embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+    return reference.embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
+
+
+# ---------------------------------------------------------------------------------------------------
+# custom ops
+
+
+@torch.library.custom_op("opengem::embedding_lookup", mutates_args=())
+def _lookup_op(
+    weights: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    out_numel: int,
+    max_dim: int,
+) -> torch.Tensor:
+    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+
+
+@_lookup_op.register_fake
+def _(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim):
+    return weights.new_empty(out_numel)
+
+
+@torch.library.custom_op("opengem::embedding_dense_grad", mutates_args=())
+def _dense_grad_op(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
+) -> torch.Tensor:
+    if _use_triton(weights):
+        return _triton().embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim)
+    return reference.embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size)
+
+
+@_dense_grad_op.register_fake
+def _(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim):
+    return torch.empty_like(weights)
+
+
+def _lookup_setup(ctx, inputs, output) -> None:
+    weights, feature_meta, ids, offsets, batch_size, _, max_dim = inputs
+    ctx.save_for_backward(weights, feature_meta, ids, offsets)
+    ctx.batch_size, ctx.max_dim = batch_size, max_dim
+
+
+def _lookup_backward(ctx, grad_out):
+    weights, feature_meta, ids, offsets = ctx.saved_tensors
+    grad = _dense_grad_op(grad_out.contiguous(), weights, feature_meta, ids, offsets, ctx.batch_size, ctx.max_dim)
+    return grad, None, None, None, None, None, None
+
+
+_lookup_op.register_autograd(_lookup_backward, setup_context=_lookup_setup)
+
+
+@torch.library.custom_op("opengem::embedding_fused_update_", mutates_args=("weights", "row_state", "elem_state", "step"))
+def _fused_update_op(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    row_state: torch.Tensor,
+    elem_state: torch.Tensor,
+    step: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
+    optimizer: int,
+    lr: float,
+    eps: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
+    hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
+    if _use_triton(weights):
+        _triton().embedding_fused_update_(*state, max_dim, *hyper)
+    else:
+        reference.embedding_fused_update_(*state, *hyper)
+
+
+@_fused_update_op.register_fake
+def _(grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size, max_dim, *hyper):
+    return None
+
+
+@torch.library.custom_op("opengem::embedding_lookup_fused", mutates_args=())
+def _fused_lookup_op(
+    weights: torch.Tensor,
+    row_state: torch.Tensor,
+    elem_state: torch.Tensor,
+    step: torch.Tensor,
+    anchor: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    out_numel: int,
+    max_dim: int,
+    optimizer: int,
+    lr: float,
+    eps: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> torch.Tensor:
+    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+
+
+@_fused_lookup_op.register_fake
+def _(weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, out_numel, max_dim, *hyper):
+    return weights.new_empty(out_numel)
+
+
+def _fused_setup(ctx, inputs, output) -> None:
+    weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, _, max_dim, *hyper = inputs
+    # The tables are kept as attributes, not saved tensors: the update mutates them in the backward, and
+    # they are state (like an optimizer's), not activations.
+    ctx.tables = (weights, row_state, elem_state, step)
+    ctx.save_for_backward(anchor, feature_meta, ids, offsets)
+    ctx.batch_size, ctx.max_dim, ctx.hyper = batch_size, max_dim, hyper
+
+
+def _fused_backward(ctx, grad_out):
+    anchor, feature_meta, ids, offsets = ctx.saved_tensors
+    weights, row_state, elem_state, step = ctx.tables
+    _fused_update_op(
+        grad_out.contiguous(), weights, row_state, elem_state, step, feature_meta, ids, offsets,
+        ctx.batch_size, ctx.max_dim, *ctx.hyper,
+    )  # fmt: skip
+    return (None, None, None, None, torch.zeros_like(anchor)) + (None,) * 12
+
+
+_fused_lookup_op.register_autograd(_fused_backward, setup_context=_fused_setup)
+
+
+@register_flop_formula([torch.ops.opengem.embedding_lookup, torch.ops.opengem.embedding_lookup_fused])
+def _embedding_flops(*args, **kwargs) -> int:
+    """Embedding lookups are memory traffic, not useful FLOPs (GEM_SPEC section 8): they count zero."""
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# public API
+
+
+@dataclass(frozen=True)
+class FusedUpdate:
+    """Optimizer applied inside the backward of :func:`embedding_lookup`, and the state it updates.
+
+    ``row_state``: fp32 ``[total rows]`` (Adagrad accumulator / Adam second moment; empty for SGD).
+    ``elem_state``: fp32 shaped like ``weights`` for ``rowwise_adam`` (first moment), else empty.
+    ``step``: int64 ``[1]`` step counter. ``anchor``: any tensor with ``requires_grad=True``; it connects
+    the output to autograd (the weights themselves are not autograd leaves) and receives a zero gradient.
+    """
+
+    kind: str
+    row_state: torch.Tensor
+    elem_state: torch.Tensor
+    step: torch.Tensor
+    anchor: torch.Tensor
+    lr: float = 0.01
+    eps: float = 1e-8
+    betas: tuple[float, float] = (0.9, 0.999)
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class LookupLayout:
+    """Where each feature of one batch reads and writes: ``feature_meta`` plus the host sizes of the output.
+
+    ``meta_rows`` is the host copy of ``feature_meta`` (used to split the flat output without a sync).
+    """
+
+    feature_meta: torch.Tensor  # int64 [F, 6] on the weights' device
+    meta_rows: tuple[tuple[int, ...], ...]
+    batch_size: int
+    out_numel: int
+    max_dim: int
+
+    @classmethod
+    def build(
+        cls,
+        tables: Sequence[tuple[int, int, int, int]],
+        feature_tables: Sequence[int],
+        feature_pooling: Sequence[str],
+        feature_lengths: Sequence[int],
+        batch_size: int,
+        device: torch.device | str,
+    ) -> LookupLayout:
+        """``tables[t]`` = (weight offset in elements, row offset, rows, dim) of table t in the flat buffer.
+
+        Feature f reads table ``feature_tables[f]`` with ``feature_pooling[f]`` ("sum", "mean", "none")
+        and has ``feature_lengths[f]`` ids in the batch (sizes a sequence feature's output).
+        """
+        rows, out, max_dim = [], 0, 0
+        for table, pooling, count in zip(feature_tables, feature_pooling, feature_lengths, strict=True):
+            weight_offset, row_offset, num_rows, dim = tables[table]
+            code = POOLING_CODES[pooling]
+            rows.append((weight_offset, dim, code, out, row_offset, num_rows))
+            out += (count if code == POOL_NONE else batch_size) * dim
+            max_dim = max(max_dim, dim)
+        meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLUMNS).to(device)
+        return cls(meta, tuple(rows), batch_size, out, max_dim)
+
+    def split_outputs(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Each feature's ``[B, dim]`` (pooled) or ``[T_f, dim]`` (sequence) view of the flat output.
+
+        One ``split`` rather than F slices: its backward is a single concatenation, whereas each slice's
+        backward would materialize a zero-filled gradient as large as the whole output.
+        """
+        ends = [row[OUT_OFFSET] for row in self.meta_rows[1:]] + [self.out_numel]
+        sizes = [end - row[OUT_OFFSET] for row, end in zip(self.meta_rows, ends)]
+        return [part.view(-1, row[DIM]) for part, row in zip(flat.split(sizes), self.meta_rows)]
+
+
+def check_embedding_inputs(
+    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int
+) -> None:
+    """Shape/dtype/device checks (no device sync). Id ranges are checked by :func:`check_ids`."""
+    if weights.dtype not in WEIGHT_DTYPES or weights.dim() != 1:
+        raise ValueError(f"weights must be a 1-D fp32/bf16/fp16 buffer, got {weights.dtype} {tuple(weights.shape)}")
+    if feature_meta.dtype != torch.int64 or feature_meta.dim() != 2 or feature_meta.shape[1] != META_COLUMNS:
+        raise ValueError(f"feature_meta must be int64 [F, {META_COLUMNS}], got {feature_meta.dtype} {tuple(feature_meta.shape)}")
+    if ids.dtype not in INDEX_DTYPES or ids.dim() != 1:
+        raise ValueError(f"ids must be 1-D int32/int64, got {ids.dtype} {tuple(ids.shape)}")
+    if offsets.dtype not in INDEX_DTYPES or offsets.dim() != 1:
+        raise ValueError(f"offsets must be 1-D int32/int64, got {offsets.dtype} {tuple(offsets.shape)}")
+    expected = feature_meta.shape[0] * batch_size + 1
+    if offsets.numel() != expected:
+        raise ValueError(f"offsets must have F * B + 1 = {expected} entries, got {offsets.numel()}")
+    for name, tensor in (("feature_meta", feature_meta), ("ids", ids), ("offsets", offsets)):
+        if tensor.device != weights.device:
+            raise ValueError(f"{name} is on {tensor.device} but weights are on {weights.device}")
+
+
+def check_ids(
+    ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, num_rows: Sequence[int], feature_names: Sequence[str]
+) -> None:
+    """Raise ``ValueError`` naming the feature, position and id of the first id outside ``[0, num_rows[f])``.
+
+    One host synchronization (a single ``any()``); the detailed search runs only when an id is bad.
+    """
+    if ids.numel() == 0:  # also covers B = 0
+        return
+    limits = torch.tensor(list(num_rows), dtype=torch.int64, device=ids.device)
+    starts = offsets[::batch_size].long()  # [F + 1]: where each feature's ids begin
+    per_feature = starts[1:] - starts[:-1]
+    limit_of_id = torch.repeat_interleave(limits, per_feature, output_size=ids.numel())
+    bad = (ids < 0) | (ids >= limit_of_id)
+    if not bool(bad.any()):
+        return
+    position = int(torch.nonzero(bad)[0])
+    host_starts = starts.tolist()
+    feature = max(f for f in range(len(num_rows)) if host_starts[f] <= position)
+    raise ValueError(
+        f"feature {feature_names[feature]!r}: id {int(ids[position])} at position {position - host_starts[feature]} "
+        f"is out of range [0, {num_rows[feature]})"
+    )
+
+
+def embedding_lookup(
+    weights: torch.Tensor,
+    layout: LookupLayout,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    update: FusedUpdate | None = None,
+) -> torch.Tensor:
+    """Look up every feature of a KeyedJagged batch in one launch; returns the flat output (see module doc).
+
+    Args:
+        weights: flat ``[sum_t rows_t * dim_t]`` fp32/bf16/fp16 buffer of all tables.
+        layout: the batch's :class:`LookupLayout` (``feature_meta`` on ``weights``' device).
+        ids: ``[N]`` int32/int64 ids, assumed in range (check with :func:`check_ids`).
+        offsets: ``[F * B + 1]`` int32/int64 bag offsets over ``ids``.
+        update: ``None`` -> plain autograd (a dense gradient of ``weights`` if it requires grad);
+            a :class:`FusedUpdate` -> the optimizer step runs inside the backward and mutates
+            ``weights`` and the state in place.
+    Returns:
+        ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.split_outputs`.
+    """
+    check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
+    sizes = (layout.batch_size, layout.out_numel, layout.max_dim)
+    if update is None:
+        return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)
+    if update.kind not in OPTIMIZER_CODES:
+        raise ValueError(f"update.kind must be one of {sorted(OPTIMIZER_CODES)}, got {update.kind!r}")
+    return _fused_lookup_op(
+        weights, update.row_state, update.elem_state, update.step, update.anchor, layout.feature_meta, ids, offsets,
+        *sizes, OPTIMIZER_CODES[update.kind], update.lr, update.eps, update.betas[0], update.betas[1],
+        update.weight_decay,
+    )  # fmt: skip
+
+
+__all__ = ["FusedUpdate", "LookupLayout", "check_embedding_inputs", "check_ids", "embedding_lookup"]

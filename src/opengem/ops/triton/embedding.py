@@ -1,0 +1,260 @@
+"""Triton kernels of the fused embedding lookup and its in-backward optimizer update.
+
+Layout and optimizer definitions: `opengem.ops.embedding`. Same signatures as the reference in
+`opengem.ops.reference.embedding`; no autograd here.
+
+Forward: one program per (bag, block of BLOCK_D columns). It gathers BLOCK_N rows at a time as a
+[BLOCK_N, BLOCK_D] tile (many independent row loads in flight, contiguous vectorized columns), and either
+sums them in fp32 (pooled) or writes each row out (sequence features).
+
+Backward: the host sorts the batch's (global row, contribution) pairs by row with torch ops, without a
+device sync. One program per sorted position; only the first position of each run of equal rows does
+work: it sums the run's gradient contributions BLOCK_N at a time in fp32, then applies the optimizer to
+the row (the whole row in one program, since row-wise state needs the mean of g**2 over the row).
+
+Loops over runtime bounds are ``while`` loops: Triton 3.6's interpreter cannot take a loaded scalar as a
+``range`` bound with NumPy >= 2.3 (its scalars are 1-element arrays); compiled code is the same.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from opengem.ops.reference.embedding import (
+    DIM,
+    META_COLUMNS,
+    OPT_ROWWISE_ADAGRAD,
+    OPT_ROWWISE_ADAM,
+    OPT_SGD,
+    OUT_OFFSET,
+    POOL_MEAN,
+    POOL_NONE,
+    POOLING,
+    ROW_OFFSET,
+    WEIGHT_OFFSET,
+)
+
+DENSE_GRAD = 3  # "optimizer" code of the unfused path: write the aggregated row gradient out
+
+
+def _new_output(numel: int, like: torch.Tensor) -> torch.Tensor:
+    """Uninitialized output; NaN-filled when tests set OPENGEM_POISON_OUTPUTS=1 (every element must be written)."""
+    if os.environ.get("OPENGEM_POISON_OUTPUTS") == "1":
+        return torch.full((numel,), float("nan"), dtype=like.dtype, device=like.device)
+    return torch.empty(numel, dtype=like.dtype, device=like.device)
+
+
+@triton.jit
+def _lookup_kernel(
+    weights, meta, ids, offsets, out, batch_size,
+    META_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    bag = tl.program_id(0)
+    column_block = tl.program_id(1)
+    feature = bag // batch_size
+    sample = bag % batch_size
+    row_meta = meta + feature * META_COLS
+    dim = tl.load(row_meta + 1)
+    # programs past a narrower table's last column do nothing (no early return: plain structured control flow)
+    if column_block * BLOCK_D < dim:
+        weight_start = tl.load(row_meta + 0)
+        pooling = tl.load(row_meta + 2)
+        out_start = tl.load(row_meta + 3)
+        columns = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
+        column_mask = columns < dim
+        first = tl.load(offsets + bag).to(tl.int64)
+        last = tl.load(offsets + bag + 1).to(tl.int64)
+        if pooling == 2:  # POOL_NONE: copy each row to its own output row
+            feature_first = tl.load(offsets + feature * batch_size).to(tl.int64)
+            start = first
+            while start < last:
+                positions = start + tl.arange(0, BLOCK_N)
+                mask = (positions < last)[:, None] & column_mask[None, :]
+                rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
+                tile = tl.load(weights + weight_start + rows[:, None] * dim + columns[None, :], mask=mask)
+                target = out + out_start + (positions - feature_first)[:, None] * dim + columns[None, :]
+                tl.store(target, tile, mask=mask)
+                start += BLOCK_N
+        else:  # POOL_SUM / POOL_MEAN: fp32 sum of the bag's rows
+            total = tl.zeros([BLOCK_D], dtype=tl.float32)
+            start = first
+            while start < last:
+                positions = start + tl.arange(0, BLOCK_N)
+                mask = (positions < last)[:, None] & column_mask[None, :]
+                rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
+                tile = tl.load(weights + weight_start + rows[:, None] * dim + columns[None, :], mask=mask, other=0.0)
+                total += tl.sum(tile.to(tl.float32), axis=0)
+                start += BLOCK_N
+            if pooling == 1:  # POOL_MEAN; an empty bag stays 0
+                total = total / tl.maximum(last - first, 1).to(tl.float32)
+            tl.store(out + out_start + sample * dim + columns, total.to(out.dtype.element_ty), mask=column_mask)
+
+
+@triton.jit
+def _aggregate_update_kernel(
+    grad_out, weights, row_state, elem_state, corrections,
+    sorted_keys, run_ends, grad_starts, grad_scales, weight_starts, dims,
+    lr, eps, beta1, beta2, weight_decay,
+    OPTIMIZER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    i = tl.program_id(0).to(tl.int64)
+    key = tl.load(sorted_keys + i)
+    previous = tl.load(sorted_keys + i - 1, mask=i > 0, other=-1)
+    # only the first contribution of each run of equal rows does the row (runs are sorted and contiguous)
+    if previous != key:
+        run_end = tl.load(run_ends + i)
+        dim = tl.load(dims + i)
+        weight_start = tl.load(weight_starts + i)
+        columns = tl.arange(0, BLOCK_D)
+        column_mask = columns < dim
+        # 1. sum the row's gradient contributions (scaled by 1/bag length for mean pooling)
+        grad = tl.zeros([BLOCK_D], dtype=tl.float32)
+        start = i
+        while start < run_end:
+            positions = start + tl.arange(0, BLOCK_N)
+            valid = positions < run_end
+            sources = tl.load(grad_starts + positions, mask=valid, other=0)
+            scales = tl.load(grad_scales + positions, mask=valid, other=0.0)
+            tile_mask = valid[:, None] & column_mask[None, :]
+            tile = tl.load(grad_out + sources[:, None] + columns[None, :], mask=tile_mask, other=0.0)
+            grad += tl.sum(tile.to(tl.float32) * scales[:, None], axis=0)
+            start += BLOCK_N
+        if OPTIMIZER == 3:  # DENSE_GRAD: write the row's plain gradient
+            tl.store(weights + weight_start + columns, grad.to(weights.dtype.element_ty), mask=column_mask)
+        else:
+            # 2. one optimizer step on the row (L2 weight decay folded into the gradient)
+            w = tl.load(weights + weight_start + columns, mask=column_mask, other=0.0).to(tl.float32)
+            grad = grad + weight_decay * w
+            if OPTIMIZER == 0:  # SGD
+                w = w - lr * grad
+            elif OPTIMIZER == 1:  # row-wise Adagrad: one accumulator per row
+                state = tl.load(row_state + key) + tl.sum(grad * grad, axis=0) / dim.to(tl.float32)
+                tl.store(row_state + key, state)
+                w = w - lr * grad / (tl.sqrt(state) + eps)
+            else:  # row-wise Adam: per-element first moment, per-row second moment, bias-corrected
+                moment_ptrs = elem_state + weight_start + columns
+                m = beta1 * tl.load(moment_ptrs, mask=column_mask, other=0.0) + (1 - beta1) * grad
+                v = beta2 * tl.load(row_state + key) + (1 - beta2) * tl.sum(grad * grad, axis=0) / dim.to(tl.float32)
+                tl.store(moment_ptrs, m, mask=column_mask)
+                tl.store(row_state + key, v)
+                m_hat = m / tl.load(corrections + 0)
+                v_hat = v / tl.load(corrections + 1)
+                w = w - lr * m_hat / (tl.sqrt(v_hat) + eps)
+            tl.store(weights + weight_start + columns, w.to(weights.dtype.element_ty), mask=column_mask)
+
+
+def embedding_lookup(
+    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int, max_dim: int
+) -> torch.Tensor:
+    out = _new_output(out_numel, weights)
+    bags = feature_meta.shape[0] * batch_size
+    if bags == 0 or out_numel == 0:
+        return out
+    block_d = min(triton.next_power_of_2(max_dim), 128)
+    grid = (bags, triton.cdiv(max_dim, block_d))
+    _lookup_kernel[grid](
+        weights, feature_meta, ids, offsets, out, batch_size,
+        META_COLS=META_COLUMNS, BLOCK_N=16, BLOCK_D=block_d, num_warps=4,
+    )  # fmt: skip
+    return out
+
+
+def _sorted_contributions(
+    feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int
+) -> dict[str, torch.Tensor]:
+    """Each id's global row, gradient source and scale, sorted by row (torch ops, no device sync)."""
+    num_ids = ids.numel()
+    num_features = feature_meta.shape[0]
+    offsets = offsets.long()
+    bag_of_id = torch.repeat_interleave(
+        torch.arange(num_features * batch_size, device=ids.device), offsets[1:] - offsets[:-1], output_size=num_ids
+    )
+    feature = bag_of_id // batch_size
+    meta = feature_meta[feature]  # [N, 6]
+    dim = meta[:, DIM]
+    pooled = meta[:, POOLING] != POOL_NONE
+    position_in_feature = torch.arange(num_ids, device=ids.device) - offsets[feature * batch_size]
+    grad_row = torch.where(pooled, bag_of_id - feature * batch_size, position_in_feature)
+    lengths = (offsets[bag_of_id + 1] - offsets[bag_of_id]).clamp(min=1)
+    scale = torch.where(meta[:, POOLING] == POOL_MEAN, 1.0 / lengths.float(), torch.ones_like(lengths, dtype=torch.float32))
+    keys = meta[:, ROW_OFFSET] + ids.long()
+    sorted_keys, order = torch.sort(keys, stable=True)
+    return {
+        "sorted_keys": sorted_keys,
+        "run_ends": torch.searchsorted(sorted_keys, sorted_keys, right=True),
+        "grad_starts": (meta[:, OUT_OFFSET] + grad_row * dim)[order],
+        "grad_scales": scale[order],
+        "weight_starts": (meta[:, WEIGHT_OFFSET] + ids.long() * dim)[order],
+        "dims": dim[order],
+    }
+
+
+def _aggregate_update(
+    grad_out: torch.Tensor,
+    target: torch.Tensor,
+    row_state: torch.Tensor,
+    elem_state: torch.Tensor,
+    corrections: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
+    optimizer: int,
+    hyper: tuple[float, float, float, float, float],
+) -> None:
+    if ids.numel() == 0:
+        return
+    parts = _sorted_contributions(feature_meta, ids, offsets, batch_size)
+    block_d = triton.next_power_of_2(max_dim)
+    _aggregate_update_kernel[(ids.numel(),)](
+        grad_out, target, row_state, elem_state, corrections,
+        parts["sorted_keys"], parts["run_ends"], parts["grad_starts"], parts["grad_scales"],
+        parts["weight_starts"], parts["dims"], *hyper,
+        OPTIMIZER=optimizer, BLOCK_N=8, BLOCK_D=block_d, num_warps=4 if block_d <= 256 else 8,
+    )  # fmt: skip
+
+
+def embedding_dense_grad(
+    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, max_dim: int
+) -> torch.Tensor:
+    grad = torch.zeros_like(weights)
+    empty = torch.empty(0, device=weights.device)
+    _aggregate_update(
+        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0)
+    )
+    return grad
+
+
+def embedding_fused_update_(
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    row_state: torch.Tensor,
+    elem_state: torch.Tensor,
+    step: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
+    optimizer: int,
+    lr: float,
+    eps: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    step += 1
+    # Adam's bias corrections 1 - beta**t, computed on the device (no sync for the step count)
+    betas = torch.tensor([beta1, beta2], dtype=torch.float64, device=weights.device)
+    corrections = (1 - betas ** step.double()).float()
+    if optimizer not in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM):
+        raise ValueError(f"unknown optimizer code {optimizer}")
+    _aggregate_update(
+        grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, optimizer,
+        (lr, eps, beta1, beta2, weight_decay),
+    )  # fmt: skip

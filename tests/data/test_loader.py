@@ -1,0 +1,58 @@
+import numpy as np
+import pytest
+import torch
+
+from opengem.data.parquet import ParquetDataset, make_loader
+
+
+def sample_ids(loader) -> np.ndarray:
+    return np.concatenate([batch.sample_id.numpy() for batch in loader])
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"batch_size": 200},
+        {"token_budget": 1_500},
+        {"batch_size": 256, "batch_shuffling": True, "shuffle_buffer": 700},
+    ],
+)
+def test_two_workers_yield_every_sample_once(tiny_dir, tiny_table, kwargs):
+    loader = make_loader(tiny_dir, num_workers=2, pin_memory=True, **kwargs)
+    ids = sample_ids(loader)
+    assert len(ids) == tiny_table.num_rows
+    assert np.array_equal(np.sort(ids), np.arange(tiny_table.num_rows))
+
+
+def test_workers_and_ranks_split_row_groups_deterministically(tiny_dir):
+    dataset = ParquetDataset(tiny_dir, batch_size=10)
+    assert len(dataset.units) == 10  # files of 2000, 2000, 1000 rows in row groups of <= 512
+    everything = {(u.path, u.row_group) for u in dataset.units}
+    split = [dataset.assigned_units(w, 3) for w in range(3)]
+    assert split == [dataset.assigned_units(w, 3) for w in range(3)]
+    assert [len(s) for s in split] == [4, 3, 3]
+    assert set().union(*[{(u.path, u.row_group) for u in s} for s in split]) == everything
+    ranks = [ParquetDataset(tiny_dir, batch_size=10, rank=r, world_size=2) for r in range(2)]
+    rank_ids = [sample_ids(r) for r in ranks]
+    assert not set(rank_ids[0]) & set(rank_ids[1])
+    assert np.array_equal(np.sort(np.concatenate(rank_ids)), np.arange(dataset.num_rows))
+
+
+def test_shuffle_changes_with_epoch_and_keeps_every_sample(tiny_dir):
+    dataset = ParquetDataset(tiny_dir, batch_size=300, shuffle_buffer=1_000, seed=4)
+    first = sample_ids(dataset)
+    assert np.array_equal(first, sample_ids(dataset))  # same epoch, same order
+    dataset.set_epoch(1)
+    second = sample_ids(dataset)
+    assert not np.array_equal(first, second)
+    assert np.array_equal(np.sort(first), np.sort(second))
+    assert np.array_equal(np.sort(first), np.arange(dataset.num_rows))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+def test_pinned_batches(tiny_dir):
+    batch = next(iter(make_loader(tiny_dir, batch_size=64, num_workers=1, pin_memory=True)))
+    assert batch.sequence.values.is_pinned() and batch.dense.is_pinned() and batch.history_age.values.is_pinned()
+    on_gpu = batch.to("cuda", non_blocking=True)
+    torch.cuda.synchronize()
+    assert torch.equal(on_gpu.sequence.values.cpu(), batch.sequence.values)

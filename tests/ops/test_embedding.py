@@ -1,0 +1,200 @@
+"""Fused embedding lookup: reference against autograd, Triton (interpreter, fp32) against the reference."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("OPENGEM_POISON_OUTPUTS", "1")
+
+from dataclasses import dataclass  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from opengem.ops import embedding as ops  # noqa: E402
+from opengem.ops.reference import embedding as reference  # noqa: E402
+from opengem.ops.triton import embedding as kernels  # noqa: E402
+
+KINDS = {"sgd": reference.OPT_SGD, "rowwise_adagrad": reference.OPT_ROWWISE_ADAGRAD, "rowwise_adam": reference.OPT_ROWWISE_ADAM}
+
+
+@dataclass
+class Problem:
+    weights: torch.Tensor
+    layout: ops.LookupLayout
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    total_rows: int
+
+
+def make_problem(
+    dims: list[int], rows: list[int], features: list[tuple[int, str]], batch_size: int, max_len: int, seed: int
+) -> Problem:
+    """Tables (dims, rows) in one flat buffer; features = (table, pooling); few rows -> many duplicate ids."""
+    g = torch.Generator().manual_seed(seed)
+    tables, weight_offset, row_offset = [], 0, 0
+    for dim, num_rows in zip(dims, rows):
+        tables.append((weight_offset, row_offset, num_rows, dim))
+        weight_offset += dim * num_rows
+        row_offset += num_rows
+    lengths = torch.randint(0, max_len + 1, (len(features), batch_size), generator=g)
+    ids = torch.cat([torch.randint(0, rows[t], (int(lengths[f].sum()),), generator=g) for f, (t, _) in enumerate(features)])
+    layout = ops.LookupLayout.build(
+        tables, [t for t, _ in features], [p for _, p in features], lengths.sum(1).tolist(), batch_size, "cpu"
+    )
+    offsets = torch.zeros(len(features) * batch_size + 1, dtype=torch.int64)
+    torch.cumsum(lengths.flatten(), 0, out=offsets[1:])
+    weights = torch.randn(weight_offset, generator=g)
+    return Problem(weights, layout, ids, offsets.to(torch.int32), row_offset)
+
+
+MIXED = dict(dims=[5, 16, 33], rows=[4, 7, 9], features=[(0, "sum"), (1, "mean"), (2, "none"), (0, "mean"), (2, "sum")])
+
+
+def naive_lookup(p: Problem) -> torch.Tensor:
+    """Bag by bag with autograd-friendly ops (independent of the reference's segment sums)."""
+    parts, bounds = [], p.offsets.tolist()
+    B = p.layout.batch_size
+    for f, (w_off, dim, pooling, _, _, num_rows) in enumerate(p.layout.meta_rows):
+        table = p.weights[w_off : w_off + num_rows * dim].view(num_rows, dim)
+        for b in range(B):
+            bag = table[p.ids[bounds[f * B + b] : bounds[f * B + b + 1]].long()]
+            if pooling == reference.POOL_NONE:
+                parts.append(bag.flatten())
+            else:
+                pooled = bag.sum(0) / (max(bag.shape[0], 1) if pooling == reference.POOL_MEAN else 1)
+                parts.append(pooled)
+    return torch.cat(parts) if parts else p.weights.new_zeros(0)
+
+
+def lookup(p: Problem, module) -> torch.Tensor:
+    extra = (p.layout.max_dim,) if module is kernels else ()
+    return module.embedding_lookup(p.weights, p.layout.feature_meta, p.ids, p.offsets, p.layout.batch_size, p.layout.out_numel, *extra)
+
+
+@pytest.mark.parametrize("batch_size", [0, 1, 4])
+def test_reference_forward_and_dense_grad_match_autograd(batch_size: int) -> None:
+    p = make_problem(**MIXED, batch_size=batch_size, max_len=5, seed=batch_size)
+    p.weights.requires_grad_(True)
+    expected = naive_lookup(p)
+    out = lookup(p, reference)
+    torch.testing.assert_close(out, expected.detach())
+    probe = torch.randn(out.shape)
+    (grad,) = torch.autograd.grad((expected * probe).sum(), p.weights) if expected.numel() else (torch.zeros_like(p.weights),)
+    dense = reference.embedding_dense_grad(probe, p.weights.detach(), p.layout.feature_meta, p.ids, p.offsets, batch_size)
+    torch.testing.assert_close(dense, grad)
+
+
+@pytest.mark.parametrize("batch_size", [0, 1, 4])
+def test_triton_forward_matches_reference(batch_size: int) -> None:
+    p = make_problem(**MIXED, batch_size=batch_size, max_len=20, seed=10 + batch_size)
+    torch.testing.assert_close(lookup(p, kernels), lookup(p, reference))
+
+
+def test_triton_forward_empty_bags_are_zero_fp16() -> None:
+    p = make_problem(dims=[8], rows=[3], features=[(0, "sum"), (0, "mean")], batch_size=3, max_len=0, seed=0)
+    p.weights = p.weights.half()
+    out = lookup(p, kernels)
+    assert out.dtype == torch.float16 and torch.equal(out, torch.zeros(48, dtype=torch.float16))
+
+
+def run_update(p: Problem, module, kind: str, grad_out: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(0)  # the same starting state for every backend
+    weights = p.weights.clone()
+    row_state = torch.rand(p.total_rows, generator=g) if kind != "sgd" else torch.zeros(0)
+    elem_state = torch.randn(weights.numel(), generator=g) * 0.1 if kind == "rowwise_adam" else torch.zeros(0)
+    step = torch.tensor([3])
+    extra = (p.layout.max_dim,) if module is kernels else ()
+    for _ in range(steps):
+        module.embedding_fused_update_(
+            grad_out, weights, row_state, elem_state, step, p.layout.feature_meta, p.ids, p.offsets,
+            p.layout.batch_size, *extra, KINDS[kind], 0.05, 1e-6, 0.8, 0.9, 0.01,
+        )  # fmt: skip
+    return weights, row_state, elem_state, step
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("batch_size", [1, 5])
+def test_triton_update_matches_reference(kind: str, batch_size: int) -> None:
+    p = make_problem(**MIXED, batch_size=batch_size, max_len=12, seed=batch_size)
+    grad_out = torch.randn(p.layout.out_numel)
+    expected = run_update(p, reference, kind, grad_out, steps=2)
+    for got, want in zip(run_update(p, kernels, kind, grad_out, steps=2), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert not torch.equal(expected[0], p.weights)  # the update did something
+
+
+def test_triton_dense_grad_matches_reference() -> None:
+    p = make_problem(**MIXED, batch_size=3, max_len=10, seed=7)
+    grad_out = torch.randn(p.layout.out_numel)
+    args = (grad_out, p.weights, p.layout.feature_meta, p.ids, p.offsets, 3)
+    torch.testing.assert_close(kernels.embedding_dense_grad(*args, p.layout.max_dim), reference.embedding_dense_grad(*args))
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    dims=st.lists(st.integers(1, 40), min_size=1, max_size=3),
+    poolings=st.lists(st.sampled_from(["sum", "mean", "none"]), min_size=1, max_size=3),
+    batch_size=st.integers(0, 3),
+    max_len=st.integers(0, 6),
+    kind=st.sampled_from(list(KINDS)),
+    seed=st.integers(0, 1000),
+)
+def test_triton_matches_reference_property(dims, poolings, batch_size, max_len, kind, seed) -> None:
+    features = [(f % len(dims), pooling) for f, pooling in enumerate(poolings)]
+    p = make_problem(dims, [3] * len(dims), features, batch_size, max_len, seed)
+    torch.testing.assert_close(lookup(p, kernels), lookup(p, reference))
+    grad_out = torch.randn(p.layout.out_numel)
+    for got, want in zip(run_update(p, kernels, kind, grad_out, 1), run_update(p, reference, kind, grad_out, 1)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_public_op_dense_autograd_and_compile() -> None:
+    p = make_problem(**MIXED, batch_size=3, max_len=4, seed=3)
+
+    def loss(weights: torch.Tensor) -> torch.Tensor:
+        return ops.embedding_lookup(weights, p.layout, p.ids, p.offsets).pow(2).sum()
+
+    eager_w = p.weights.clone().requires_grad_(True)
+    loss(eager_w).backward()
+    compiled_w = p.weights.clone().requires_grad_(True)
+    torch.compile(loss, fullgraph=True, backend="aot_eager")(compiled_w).backward()
+    torch.testing.assert_close(compiled_w.grad, eager_w.grad)
+    with FlopCounterMode(display=False) as counter:
+        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets)
+    assert counter.get_total_flops() == 0  # embeddings count zero FLOPs (GEM_SPEC section 8)
+
+
+def test_public_op_fused_update_runs_in_backward() -> None:
+    p = make_problem(**MIXED, batch_size=2, max_len=4, seed=4)
+    weights, state = p.weights.clone(), torch.zeros(p.total_rows)
+    update = ops.FusedUpdate(
+        "rowwise_adagrad", state, torch.zeros(0), torch.zeros(1, dtype=torch.int64), torch.zeros(0, requires_grad=True), lr=0.1
+    )
+    out = ops.embedding_lookup(weights, p.layout, p.ids, p.offsets, update)
+    assert torch.equal(weights, p.weights)  # nothing happens before the backward
+    out.sum().backward()
+    expected = run_update(p, reference, "rowwise_adagrad", torch.ones(p.layout.out_numel), 1)
+    assert int(update.step) == 1 and not torch.equal(weights, p.weights)
+    touched = state > 0
+    assert touched.any() and not touched.all() and torch.isfinite(expected[0]).all()
+
+
+def test_bad_inputs_raise() -> None:
+    p = make_problem(**MIXED, batch_size=2, max_len=3, seed=5)
+    with pytest.raises(ValueError, match="weights must be a 1-D"):
+        ops.embedding_lookup(p.weights.view(-1, 1), p.layout, p.ids, p.offsets)
+    with pytest.raises(ValueError, match="ids must be 1-D int32/int64"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids.float(), p.offsets)
+    with pytest.raises(ValueError, match=r"offsets must have F \* B \+ 1 = 11 entries, got 10"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets[:-1])
+    update = ops.FusedUpdate("adamw", torch.zeros(1), torch.zeros(0), torch.zeros(1), torch.zeros(0))
+    with pytest.raises(ValueError, match="update.kind must be one of"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, update)
+    ids = torch.tensor([0, 3, 1])
+    with pytest.raises(ValueError, match=r"feature 'b': id 3 at position 0 is out of range \[0, 3\)"):
+        ops.check_ids(ids, torch.tensor([0, 1, 2, 3]), 1, [4, 3, 2], ["a", "b", "c"])
+    with pytest.raises(ValueError, match=r"feature 'c': id 3 at position 0 is out of range \[0, 2\)"):
+        ops.check_ids(ids, torch.tensor([0, 1, 1, 3]), 1, [4, 3, 2], ["a", "b", "c"])  # b is empty
