@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from opengem.data.parquet import make_loader
+from opengem.data.parquet import batches_from_table, make_loader
 from opengem.data.schema import Batch
-from opengem.data.synthetic import SYNTHETIC_PRESETS, batches_from_table, generate
+from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
 from opengem.train.config import TrainConfig
 
 HOLDOUT_START = 1 << 40  # first sample index of the held-out set

@@ -39,3 +39,29 @@ def attention_mask(
         visible = visible & ((p - j).abs() <= window)
     visible = visible | ((i < contextual_len) & (j < hist_len))
     return visible | (i == j)
+
+
+def batched_attention_mask(
+    lengths: torch.Tensor,
+    size: int,
+    *,
+    causal: bool,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """Bool ``[B, size, size]``: :func:`attention_mask` of each sample, padded with False to ``size``."""
+    lengths = lengths.view(-1, 1, 1)
+    targets = torch.zeros_like(lengths) if num_targets is None else num_targets.view(-1, 1, 1).to(lengths.dtype)
+    hist_len = lengths - targets
+    i = torch.arange(size, device=lengths.device).view(1, -1, 1)
+    j = torch.arange(size, device=lengths.device).view(1, 1, -1)
+    p = torch.minimum(i, hist_len)
+    visible = j < hist_len
+    if causal:
+        visible = visible & (j <= p)
+    if window is not None:
+        visible = visible & ((p - j).abs() <= window)
+    visible = visible | ((i < contextual_len) & (j < hist_len))
+    visible = visible | (i == j)
+    return visible & (i < lengths) & (j < lengths)
