@@ -114,7 +114,9 @@ class DataLayout:
                 tuple(payload["dense_features"]),
                 payload.get("source", {}),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        except DataError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:  # includes json.JSONDecodeError, bad FeatureSpec
             raise DataError(source, None, None, f"malformed 'opengem' schema metadata: {exc!r}") from exc
         for name, expected in layout.arrow_types().items():
             index = schema.get_field_index(name)
