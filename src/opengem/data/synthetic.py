@@ -238,9 +238,8 @@ def _generate_block(config: SyntheticConfig, seed: int, block: int) -> tuple[Row
     raw_weights = np.stack([-np.log(1.0 - _uniform(user, seed, 20 + k)) for k in range(INTERESTS_PER_USER)], 1)
     interest_cdf = np.cumsum(raw_weights / raw_weights.sum(1, keepdims=True), axis=1)
     correlated_age = _uniform(user, seed, 30) < 0.5
-    age_bucket = np.where(
-        correlated_age, interests[:, 0] % config.num_age_buckets, _hash(user, seed, 31) % np.uint64(config.num_age_buckets)
-    ).astype(np.int64)
+    random_age = (_hash(user, seed, 31) % np.uint64(config.num_age_buckets)).astype(np.int64)
+    age_bucket = np.where(correlated_age, interests[:, 0] % config.num_age_buckets, random_age)
     gender = (_hash(user, seed, 32) % np.uint64(config.num_genders)).astype(np.int64)
     country = (_hash(user, seed, 33) % np.uint64(config.num_countries)).astype(np.int64)
     activity = 0.5 * _normal(user, seed, 34)  # log-scale activity level
