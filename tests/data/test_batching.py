@@ -78,7 +78,8 @@ def test_oversized_rows_get_their_own_batch():
 def test_base_batch_shuffling_balances_cost_and_keeps_rows(cost):
     batch_size, window = 512, 4
     rows = generate_rows(TINY, 8_192 + 300, seed=12)
-    shuffled = list(base_batch_shuffling([rows.slice(0, 1_000), rows.slice(1_000, rows.num_rows)], batch_size, 128, window, cost))
+    blocks = [rows.slice(0, 1_000), rows.slice(1_000, rows.num_rows)]
+    shuffled = list(base_batch_shuffling(blocks, batch_size, 128, window, cost))
     plain = list(fixed_size_batches([rows], batch_size))
     ids = ids_of(shuffled)
     assert np.array_equal(np.sort(ids), rows.sample_id)  # a permutation: no row lost or duplicated
@@ -118,7 +119,8 @@ def test_take_gathers_jagged_rows():
         assert np.array_equal(taken.history["hist_item"][c:d], ROWS.history["hist_item"][a:b])
         offsets, ids = taken.multi_hot["user_declared_interests"]
         source_offsets, source_ids = ROWS.multi_hot["user_declared_interests"]
-        assert np.array_equal(ids[offsets[position] : offsets[position + 1]], source_ids[source_offsets[row] : source_offsets[row + 1]])
+        expected = source_ids[source_offsets[row] : source_offsets[row + 1]]
+        assert np.array_equal(ids[offsets[position] : offsets[position + 1]], expected)
 
 
 def test_in_memory_batches_every_mode(tiny_table):

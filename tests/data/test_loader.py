@@ -1,6 +1,5 @@
 import numpy as np
 import pytest
-import torch
 
 from opengem.data.parquet import ParquetDataset, make_loader
 
@@ -47,12 +46,3 @@ def test_shuffle_changes_with_epoch_and_keeps_every_sample(tiny_dir):
     assert not np.array_equal(first, second)
     assert np.array_equal(np.sort(first), np.sort(second))
     assert np.array_equal(np.sort(first), np.arange(dataset.num_rows))
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
-def test_pinned_batches(tiny_dir):
-    batch = next(iter(make_loader(tiny_dir, batch_size=64, num_workers=1, pin_memory=True)))
-    assert batch.sequence.values.is_pinned() and batch.dense.is_pinned() and batch.history_age.values.is_pinned()
-    on_gpu = batch.to("cuda", non_blocking=True)
-    torch.cuda.synchronize()
-    assert torch.equal(on_gpu.sequence.values.cpu(), batch.sequence.values)

@@ -165,6 +165,14 @@ SCHEMA_CASES = {
         "expected list<item: int32>",
     ),
     "no metadata": (lambda t: t.replace_schema_metadata(None), None, "no 'opengem' entry"),
+    "malformed metadata": (lambda t: t.replace_schema_metadata({b"opengem": b"{not json"}), None, "malformed"),
+    "unknown feature kind": (
+        lambda t: t.replace_schema_metadata(
+            {b"opengem": t.schema.metadata[b"opengem"].replace(b'"kind": "multi_hot"', b'"kind": "bag"')}
+        ),
+        None,
+        "malformed",
+    ),
     "empty file": (lambda t: t.slice(0, 0), None, "empty file"),
 }
 

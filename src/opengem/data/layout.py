@@ -114,7 +114,9 @@ class DataLayout:
                 tuple(payload["dense_features"]),
                 payload.get("source", {}),
             )
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        except DataError:
+            raise
+        except (KeyError, TypeError, ValueError) as exc:  # includes json.JSONDecodeError, bad FeatureSpec
             raise DataError(source, None, None, f"malformed 'opengem' schema metadata: {exc!r}") from exc
         for name, expected in layout.arrow_types().items():
             index = schema.get_field_index(name)
@@ -236,7 +238,9 @@ class RowBlock:
             ),
             sequence=KeyedJagged(
                 tuple(sequence_names),
-                torch.from_numpy(_concat_int64([self.history[k] for k in sequence_names], len(ages) * len(sequence_names))),
+                torch.from_numpy(
+                    _concat_int64([self.history[k] for k in sequence_names], len(ages) * len(sequence_names))
+                ),
                 torch.from_numpy(np.tile(lengths.astype(np.int64, copy=False), len(sequence_names))),
             ),
             history_age=Jagged.from_offsets(torch.from_numpy(ages.astype(np.float32)), offsets),
@@ -277,6 +281,11 @@ def _concat_offsets(parts: Sequence[np.ndarray]) -> np.ndarray:
 
 def encode(block: RowBlock, layout: DataLayout) -> pa.Table:
     """Arrow table of ``block`` in the storage schema, with the layout in the schema metadata."""
+    if block.history_offsets[-1] >= 2**31:
+        raise ValueError(
+            f"{int(block.history_offsets[-1])} history events do not fit one Arrow list array (int32 offsets); "
+            "encode fewer rows at a time"
+        )
     history_offsets = pa.array(block.history_offsets.astype(np.int32))
     columns: dict[str, pa.Array] = {
         "sample_id": pa.array(block.sample_id.astype(np.int64)),

@@ -145,7 +145,7 @@ def inspect_files(paths: Sequence[Path]) -> tuple[DataLayout, list[RowGroupUnit]
 
 def read_unit(unit: RowGroupUnit, layout: DataLayout, files: dict[Path, pq.ParquetFile] | None = None) -> RowBlock:
     """Decode and validate one row group (``files`` caches open handles)."""
-    where = f"{unit.path}"
+    where = str(unit.path)
     try:
         handle = files.get(unit.path) if files is not None else None
         if handle is None:
@@ -155,7 +155,8 @@ def read_unit(unit: RowGroupUnit, layout: DataLayout, files: dict[Path, pq.Parqu
         table = handle.read_row_group(unit.row_group, use_threads=False)  # one core per loader worker
     except (pa.ArrowException, OSError) as exc:
         last = unit.first_row + unit.num_rows - 1
-        raise DataError(where, None, None, f"corrupt row group {unit.row_group} (rows {unit.first_row}..{last}): {exc}") from exc
+        problem = f"corrupt row group {unit.row_group} (rows {unit.first_row}..{last}): {exc}"
+        raise DataError(where, None, None, problem) from exc
     return decode(table, layout, where, unit.first_row)
 
 

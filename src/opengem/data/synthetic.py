@@ -9,7 +9,7 @@ The world
   its quality effects on click and on conversion are fixed pseudo-random functions of the ad id.
 - **Users** ``u`` (a large id space, so a user id rarely repeats and cannot memorize interests) have
   ``K = 3`` latent interest categories with Dirichlet(1) weights and an activity level. Their age
-  bucket equals ``primary interest % num_age_buckets`` half of the time (a weak correlation), gender and
+  bucket equals ``first interest % num_age_buckets`` half of the time (a weak correlation), gender and
   country are independent. Their declared interests (the multi-hot feature) keep each true interest
   with probability 0.6 and add one random category with probability 0.5 (noisy).
 
@@ -36,15 +36,23 @@ event j's category equals the ad's category::
     affinity        = sum_j w_j d_j m_j / (1 + sum_j w_j d_j)          (in [0, 1), from the ACTUAL history)
     purchase_intent = 1 - exp(-sum_j d_j m_j [event j is a purchase])
     click logit     = click_bias + history_weight * affinity + ad_quality
-                      + surface bias + (format, surface) bias + 0.3 [age bucket matches ad category]
+                      + surface bias + (format, surface) bias
+                      + 0.3 [age bucket == ad category % num_age_buckets]
                       + 0.15 * activity + 0.2 * cos(2 pi (hour - 20) / 24)
     conversion logit given click = conversion_bias + 2.5 * purchase_intent + ad_conversion_quality
-                      - 0.3 * log-bid + format bias
+                      - 0.8 * log_bid + format bias
     P(click) = sigmoid(click logit); P(conversion) = P(click) * sigmoid(conversion logit)
+
+Dense features: ``log_bid`` (advertiser level plus ad noise), ``user_activity`` (the activity level),
+``ad_ctr_prior`` (a noisy historical CTR estimate of the ad, ``sigmoid(click_bias + 1.5 + ad_quality +
+noise)``) and ``hour_of_day / 24``. Ad quality (``N(0, 0.5^2)`` per ad) is learnable from ``ad_id``.
 
 The history term dominates the variance of the click logit (see :func:`oracle_components` and the
 tests): a model that reads the history beats one that does not. The ``oracle_*`` columns hold these
-probabilities, so the Bayes-optimal NE / AUC can be computed on any sample set.
+probabilities, so the Bayes-optimal NE / AUC can be computed on any sample set. Measured (seed 0):
+gem-tiny CTR 6.8%, oracle click NE 0.72 / AUC 0.85, while a logistic fit on every non-history term of
+the truth plus "declared interests contain the ad category" reaches only NE 0.94 / AUC 0.70;
+gem-small CTR 7.1%, oracle NE 0.70 / AUC 0.88 vs 0.92 / 0.72.
 
 Determinism: samples are generated in blocks of ``BLOCK_SIZE`` indices, block ``k`` from
 ``numpy.random.default_rng([seed, k])``, so any range ``[start, start + n)`` gives the same rows
@@ -238,9 +246,8 @@ def _generate_block(config: SyntheticConfig, seed: int, block: int) -> tuple[Row
     raw_weights = np.stack([-np.log(1.0 - _uniform(user, seed, 20 + k)) for k in range(INTERESTS_PER_USER)], 1)
     interest_cdf = np.cumsum(raw_weights / raw_weights.sum(1, keepdims=True), axis=1)
     correlated_age = _uniform(user, seed, 30) < 0.5
-    age_bucket = np.where(
-        correlated_age, interests[:, 0] % config.num_age_buckets, _hash(user, seed, 31) % np.uint64(config.num_age_buckets)
-    ).astype(np.int64)
+    random_age = (_hash(user, seed, 31) % np.uint64(config.num_age_buckets)).astype(np.int64)
+    age_bucket = np.where(correlated_age, interests[:, 0] % config.num_age_buckets, random_age)
     gender = (_hash(user, seed, 32) % np.uint64(config.num_genders)).astype(np.int64)
     country = (_hash(user, seed, 33) % np.uint64(config.num_countries)).astype(np.int64)
     activity = 0.5 * _normal(user, seed, 34)  # log-scale activity level
@@ -316,7 +323,7 @@ def _generate_block(config: SyntheticConfig, seed: int, block: int) -> tuple[Row
     )
     format_conversion_bias = 0.3 * _normal(np.arange(config.num_ad_formats), seed, 62)
     conversion_logit = (
-        config.conversion_bias + 2.5 * purchase_intent + ad_conversion_quality - 0.3 * log_bid / 0.36
+        config.conversion_bias + 2.5 * purchase_intent + ad_conversion_quality - 0.8 * log_bid
         + format_conversion_bias[ad_format]
     )
     p_click = _sigmoid(history_term + other_term)
