@@ -126,6 +126,15 @@ def test_triton_update_matches_reference(kind: str, batch_size: int) -> None:
     assert not torch.equal(expected[0], p.weights)  # the update did something
 
 
+def test_triton_wide_table_uses_several_column_blocks() -> None:
+    """dim 300 > the 256-column block of the forward; fewer rows per update tile."""
+    p = make_problem(dims=[300, 7], rows=[3, 5], features=[(0, "sum"), (1, "none"), (0, "none")], batch_size=2, max_len=5, seed=9)
+    torch.testing.assert_close(lookup(p, kernels), lookup(p, reference))
+    grad_out = torch.randn(p.layout.out_numel)
+    for got, want in zip(run_update(p, kernels, "rowwise_adam", grad_out, 1), run_update(p, reference, "rowwise_adam", grad_out, 1)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_triton_dense_grad_matches_reference() -> None:
     p = make_problem(**MIXED, batch_size=3, max_len=10, seed=7)
     grad_out = torch.randn(p.layout.out_numel)
