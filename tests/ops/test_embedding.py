@@ -70,7 +70,7 @@ def naive_lookup(p: Problem) -> torch.Tensor:
 
 
 def lookup(p: Problem, module) -> torch.Tensor:
-    extra = (p.layout.max_dim,) if module is kernels else ()
+    extra = (p.layout.max_dim, p.layout.dim_align) if module is kernels else ()
     return module.embedding_lookup(p.weights, p.layout.feature_meta, p.ids, p.offsets, p.layout.batch_size, p.layout.out_numel, *extra)
 
 
@@ -106,7 +106,7 @@ def run_update(p: Problem, module, kind: str, grad_out: torch.Tensor, steps: int
     row_state = torch.rand(p.total_rows, generator=g) if kind != "sgd" else torch.zeros(0)
     elem_state = torch.randn(weights.numel(), generator=g) * 0.1 if kind == "rowwise_adam" else torch.zeros(0)
     step = torch.tensor([3])
-    extra = (p.layout.max_dim,) if module is kernels else ()
+    extra = (p.layout.max_dim, p.layout.dim_align) if module is kernels else ()
     for _ in range(steps):
         module.embedding_fused_update_(
             grad_out, weights, row_state, elem_state, step, p.layout.feature_meta, p.ids, p.offsets,
@@ -139,7 +139,7 @@ def test_triton_dense_grad_matches_reference() -> None:
     p = make_problem(**MIXED, batch_size=3, max_len=10, seed=7)
     grad_out = torch.randn(p.layout.out_numel)
     args = (grad_out, p.weights, p.layout.feature_meta, p.ids, p.offsets, 3)
-    torch.testing.assert_close(kernels.embedding_dense_grad(*args, p.layout.max_dim), reference.embedding_dense_grad(*args))
+    torch.testing.assert_close(kernels.embedding_dense_grad(*args, p.layout.max_dim, p.layout.dim_align), reference.embedding_dense_grad(*args))
 
 
 @settings(max_examples=10, deadline=None)

@@ -52,7 +52,7 @@ def _new_output(numel: int, like: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _lookup_kernel(
     weights, meta, ids, offsets, out, batch_size,
-    META_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    META_COLS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     bag = tl.program_id(0)
     column_block = tl.program_id(1)
@@ -76,9 +76,10 @@ def _lookup_kernel(
                 positions = start + tl.arange(0, BLOCK_N)
                 mask = (positions < last)[:, None] & column_mask[None, :]
                 rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
-                tile = tl.load(weights + weight_start + rows[:, None] * dim + columns[None, :], mask=mask)
-                target = out + out_start + (positions - feature_first)[:, None] * dim + columns[None, :]
-                tl.store(target, tile, mask=mask)
+                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask)
+                out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
+                tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
                 start += BLOCK_N
         else:  # POOL_SUM / POOL_MEAN: fp32 sum of the bag's rows
             total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -87,12 +88,14 @@ def _lookup_kernel(
                 positions = start + tl.arange(0, BLOCK_N)
                 mask = (positions < last)[:, None] & column_mask[None, :]
                 rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
-                tile = tl.load(weights + weight_start + rows[:, None] * dim + columns[None, :], mask=mask, other=0.0)
+                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask, other=0.0)
                 total += tl.sum(tile.to(tl.float32), axis=0)
                 start += BLOCK_N
             if pooling == 1:  # POOL_MEAN; an empty bag stays 0
                 total = total / tl.maximum(last - first, 1).to(tl.float32)
-            tl.store(out + out_start + sample * dim + columns, total.to(out.dtype.element_ty), mask=column_mask)
+            out_row = tl.multiple_of(out_start + sample * dim, ALIGN)
+            tl.store(out + out_row + columns, total.to(out.dtype.element_ty), mask=column_mask)
 
 
 @triton.jit
@@ -100,7 +103,7 @@ def _aggregate_update_kernel(
     grad_out, weights, row_state, elem_state, corrections,
     sorted_keys, run_ends, grad_starts, grad_scales, weight_starts, dims, num_positions,
     lr, eps, beta1, beta2, weight_decay,
-    OPTIMIZER: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPTIMIZER: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # ROWS consecutive positions of the sorted index; a position that starts a run of equal rows owns
     # that row (runs are contiguous after sorting), the others are masked out.
@@ -111,7 +114,7 @@ def _aggregate_update_kernel(
     first = keys != previous  # keys >= 0, so position 0 is a start and out-of-range lanes are not
     run_length = tl.where(first, tl.load(run_ends + positions, mask=first, other=0) - positions, 0)
     dim = tl.load(dims + positions, mask=first, other=0)
-    weight_start = tl.load(weight_starts + positions, mask=first, other=0)
+    weight_start = tl.multiple_of(tl.load(weight_starts + positions, mask=first, other=0), ALIGN)
     columns = tl.arange(0, BLOCK_D)
     row_mask = first[:, None] & (columns[None, :] < dim[:, None])
     # 1. sum each row's gradient contributions (scaled by 1/bag length for mean pooling), UNROLL
@@ -122,7 +125,7 @@ def _aggregate_update_kernel(
     while done < longest:
         for k in tl.static_range(UNROLL):
             active = (done + k) < run_length
-            source = tl.load(grad_starts + positions + done + k, mask=active, other=0)
+            source = tl.multiple_of(tl.load(grad_starts + positions + done + k, mask=active, other=0), ALIGN)
             scale = tl.load(grad_scales + positions + done + k, mask=active, other=0.0)
             tile = tl.load(grad_out + source[:, None] + columns[None, :], mask=active[:, None] & row_mask, other=0.0)
             grad += tile.to(tl.float32) * scale[:, None]
@@ -154,7 +157,7 @@ def _aggregate_update_kernel(
 
 
 def embedding_lookup(
-    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int, max_dim: int
+    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int, max_dim: int, dim_align: int
 ) -> torch.Tensor:
     out = _new_output(out_numel, weights)
     bags = feature_meta.shape[0] * batch_size
@@ -164,7 +167,7 @@ def embedding_lookup(
     grid = (bags, triton.cdiv(max_dim, block_d))
     _lookup_kernel[grid](
         weights, feature_meta, ids, offsets, out, batch_size,
-        META_COLS=META_COLUMNS, BLOCK_N=16, BLOCK_D=block_d, num_warps=4,
+        META_COLS=META_COLUMNS, ALIGN=dim_align, BLOCK_N=16, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -210,6 +213,7 @@ def _aggregate_update(
     offsets: torch.Tensor,
     batch_size: int,
     max_dim: int,
+    dim_align: int,
     optimizer: int,
     hyper: tuple[float, float, float, float, float],
 ) -> None:
@@ -222,17 +226,17 @@ def _aggregate_update(
         grad_out, target, row_state, elem_state, corrections,
         parts["sorted_keys"], parts["run_ends"], parts["grad_starts"], parts["grad_scales"],
         parts["weight_starts"], parts["dims"], ids.numel(), *hyper,
-        OPTIMIZER=optimizer, ROWS=rows, UNROLL=4, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 2048 else 4,
+        OPTIMIZER=optimizer, ALIGN=dim_align, ROWS=rows, UNROLL=4, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 2048 else 4,
     )  # fmt: skip
 
 
 def embedding_dense_grad(
-    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, max_dim: int
+    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, max_dim: int, dim_align: int
 ) -> torch.Tensor:
     grad = torch.zeros_like(weights)
     empty = torch.empty(0, device=weights.device)
     _aggregate_update(
-        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0)
+        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, dim_align, DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0)
     )
     return grad
 
@@ -248,6 +252,7 @@ def embedding_fused_update_(
     offsets: torch.Tensor,
     batch_size: int,
     max_dim: int,
+    dim_align: int,
     optimizer: int,
     lr: float,
     eps: float,
@@ -262,6 +267,6 @@ def embedding_fused_update_(
     if optimizer not in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM):
         raise ValueError(f"unknown optimizer code {optimizer}")
     _aggregate_update(
-        grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, optimizer,
+        grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, dim_align, optimizer,
         (lr, eps, beta1, beta2, weight_decay),
     )  # fmt: skip
