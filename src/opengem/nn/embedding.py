@@ -5,7 +5,8 @@ inside the backward of the lookup (duplicate ids aggregated first, one update pe
 no dense gradient), and the tables are buffers, NOT parameters, so a dense optimizer built from
 ``module.parameters()`` never touches them. Weights and optimizer state are in ``state_dict()`` (flat
 per weight dtype: ``weights_<dtype>``, ``row_state_<dtype>``, ``elem_state_<dtype>``, ``step_<dtype>``),
-so checkpoint and resume round-trip exactly. With ``optimizer=None`` every table is an ordinary
+so checkpoint and resume round-trip exactly. Each backward applies one step immediately (there is no
+gradient accumulation across micro-batches; scale ``lr`` instead). With ``optimizer=None`` every table is an ordinary
 ``nn.Parameter`` (``weights.<table index>``, shape ``[rows, dim]``) with plain autograd gradients.
 
 Initialization: ``init_std=None`` -> uniform on ``[-1/sqrt(num_embeddings), +1/sqrt(num_embeddings)]``
@@ -195,7 +196,9 @@ class EmbeddingCollection(nn.Module):
         weights = self._flat_weights(group)
         ids, lengths = batch.select(feature_names)
         ids, lengths = ids.to(weights.device), lengths.to(weights.device)
-        offsets = offsets_from_lengths(lengths)
+        # lengths were checked on the host: a plain cumsum (offsets_from_lengths would sync to re-check them)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
         positions = [group.tables.index(self.feature_table[f]) for f in feature_names]
         configs = [self.tables[group.tables[p]] for p in positions]
         if ids.device.type == "cpu" or self.validate_ids:
