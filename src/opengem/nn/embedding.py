@@ -138,6 +138,17 @@ class EmbeddingCollection(nn.Module):
             self.register_buffer(f"step_{suffix}", torch.zeros(1, dtype=torch.int64, device=device))
             yield _Group(suffix, members, weight_offsets, _prefix_sums(rows))
 
+    def _apply(self, fn, recurse: bool = True):
+        """Tables and optimizer state keep their configured dtypes under ``model.to(torch.bfloat16)``,
+        ``.half()`` or ``.float()`` on a whole model: those move them (device) but never cast them (the
+        table dtype is ``EmbeddingTableConfig.dtype``; the optimizer state is always fp32)."""
+
+        def move_only(tensor: torch.Tensor) -> torch.Tensor:
+            target = fn(tensor.new_empty(0))  # where fn would put the tensor, without its dtype change
+            return tensor.to(device=target.device)
+
+        return super()._apply(move_only, recurse)
+
     # --- accessors -------------------------------------------------------------------------------------
 
     def fused_parameters(self) -> Iterator[torch.Tensor]:

@@ -8,11 +8,12 @@ annotations understand (raw ``data_ptr`` tables are invisible to both), per-tabl
 go in different buffers (one launch per dtype).
 
 Each feature f (a KeyedJagged key) is described by one int64 row of ``feature_meta [F, 6]`` (columns
-``WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS``): where its table starts in
+``WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS`` in
+`opengem.ops.reference.embedding`): where its table starts in
 ``weights`` (elements), the table's dim, its pooling (``POOL_SUM``, ``POOL_MEAN`` or ``POOL_NONE`` for a
 sequence feature), where its output starts in the flat output (elements), where its table's first row
 sits in the row-wise optimizer state, and the table's number of rows. Build it with
-:func:`feature_meta_rows`.
+:meth:`LookupLayout.build`.
 
 Input: ``ids [N]`` (int32/int64) and ``offsets [F * B + 1]`` (int32/int64), the KeyedJagged layout: bag
 ``f * B + b`` holds feature f's ids of sample b. Output: one flat buffer in ``weights.dtype``; feature f
@@ -51,7 +52,6 @@ from opengem.ops.reference import embedding as reference
 from opengem.ops.reference.embedding import (
     DIM,
     META_COLUMNS,
-    NUM_ROWS,
     OPT_ROWWISE_ADAGRAD,
     OPT_ROWWISE_ADAM,
     OPT_SGD,
@@ -59,9 +59,6 @@ from opengem.ops.reference.embedding import (
     POOL_MEAN,
     POOL_NONE,
     POOL_SUM,
-    POOLING,
-    ROW_OFFSET,
-    WEIGHT_OFFSET,
 )
 
 POOLING_CODES = {"sum": POOL_SUM, "mean": POOL_MEAN, "none": POOL_NONE}
