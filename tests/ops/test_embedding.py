@@ -199,6 +199,8 @@ def test_bad_inputs_raise() -> None:
         ops.embedding_lookup(p.weights, p.layout, p.ids.float(), p.offsets)
     with pytest.raises(ValueError, match=r"offsets must have F \* B \+ 1 = 11 entries, got 10"):
         ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets[:-1])
+    with pytest.raises(ValueError, match="weights must be contiguous"):
+        ops.embedding_lookup(torch.randn(2 * p.weights.numel())[::2], p.layout, p.ids, p.offsets)
     update = ops.FusedUpdate("adamw", torch.zeros(1), torch.zeros(0), torch.zeros(1), torch.zeros(0))
     with pytest.raises(ValueError, match="update.kind must be one of"):
         ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, update)

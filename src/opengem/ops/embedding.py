@@ -328,6 +328,9 @@ def check_embedding_inputs(
     for name, tensor in (("feature_meta", feature_meta), ("ids", ids), ("offsets", offsets)):
         if tensor.device != weights.device:
             raise ValueError(f"{name} is on {tensor.device} but weights are on {weights.device}")
+    for name, tensor in (("weights", weights), ("feature_meta", feature_meta), ("ids", ids), ("offsets", offsets)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernels index it as a dense buffer)")
 
 
 def check_ids(
