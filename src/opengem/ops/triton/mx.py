@@ -55,10 +55,10 @@ def fp32_to_fp8_bits(q, MANT: tl.constexpr, BIAS: tl.constexpr):
 @triton.jit
 def _mx_quantize_kernel(
     x_ptr, data_ptr, scale_ptr, rows, cols, scale_cols,
-    ROW_GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     EMAX: tl.constexpr, MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, RCEIL: tl.constexpr,
 ):
-    # one program: a [BLOCK_ROWS, BLOCK_COLS] tile = [BLOCK_ROWS / ROW_GROUP, BLOCK_COLS / 32] scale blocks
+    # one program: a [BLOCK_ROWS, BLOCK_COLS] tile = [BLOCK_ROWS / ROW_GROUP, BLOCK_COLS / COL_GROUP] blocks
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     inside = (r[:, None] < rows) & (c[None, :] < cols)
@@ -66,20 +66,20 @@ def _mx_quantize_kernel(
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     # block amax as an integer max of |bits| (exact, and NaN/inf show up as >= 0x7F800000)
     abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    blocks = tl.reshape(abits, (BLOCK_ROWS // ROW_GROUP, ROW_GROUP, BLOCK_COLS // 32, 32))
+    blocks = tl.reshape(abits, (BLOCK_ROWS // ROW_GROUP, ROW_GROUP, BLOCK_COLS // COL_GROUP, COL_GROUP))
     amax_bits = tl.max(tl.max(blocks, axis=3), axis=1)
     finite = amax_bits < 0x7F800000
     e = shared_exponent(tl.where(finite, amax_bits, 0), EMAX, RCEIL)
     # elements: x * 2^-e (exact), saturated to the format max, rounded to fp8 bits
-    inv = tl.reshape(exp2_int(-e), (BLOCK_ROWS // ROW_GROUP, 1, BLOCK_COLS // 32, 1))
-    xb = tl.reshape(x, (BLOCK_ROWS // ROW_GROUP, ROW_GROUP, BLOCK_COLS // 32, 32))
+    inv = tl.reshape(exp2_int(-e), (BLOCK_ROWS // ROW_GROUP, 1, BLOCK_COLS // COL_GROUP, 1))
+    xb = tl.reshape(x, (BLOCK_ROWS // ROW_GROUP, ROW_GROUP, BLOCK_COLS // COL_GROUP, COL_GROUP))
     q = tl.minimum(tl.maximum(xb * inv, -MAX), MAX)
-    fin = tl.reshape(finite, (BLOCK_ROWS // ROW_GROUP, 1, BLOCK_COLS // 32, 1))
+    fin = tl.reshape(finite, (BLOCK_ROWS // ROW_GROUP, 1, BLOCK_COLS // COL_GROUP, 1))
     q8 = tl.where(fin, fp32_to_fp8_bits(tl.where(fin, q, 0.0), MANT, BIAS), 0)
     tl.store(data_ptr + offs, tl.reshape(q8, (BLOCK_ROWS, BLOCK_COLS)).to(tl.uint8), mask=inside)
     # scales
     sr = tl.program_id(0) * (BLOCK_ROWS // ROW_GROUP) + tl.arange(0, BLOCK_ROWS // ROW_GROUP)
-    sc = tl.program_id(1) * (BLOCK_COLS // 32) + tl.arange(0, BLOCK_COLS // 32)
+    sc = tl.program_id(1) * (BLOCK_COLS // COL_GROUP) + tl.arange(0, BLOCK_COLS // COL_GROUP)
     scale = tl.where(finite, e + 127, 255).to(tl.uint8)
     srows = (rows + ROW_GROUP - 1) // ROW_GROUP
     smask = (sr[:, None] < srows) & (sc[None, :] < scale_cols)
@@ -89,25 +89,29 @@ def _mx_quantize_kernel(
 def mx_quantize_triton(
     x: torch.Tensor, block: tuple[int, ...], elem: str, scale_rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as `mx_quantize_reference` for a contiguous ``x`` (blocks along the last dim)."""
+    """Same contract as `mx_quantize_reference` for a contiguous ``x`` (blocks along the last dim).
+
+    ``block`` is (cols,) or (rows, cols) with each entry 32 or 128: the 128 sizes serve the blockwise FP8
+    recipe (1x128 activation tiles, 128x128 weight blocks) with the same power-of-two scale rules.
+    """
     fmt = ELEM_FORMATS[elem]
     cols = x.shape[-1]
     rows = x.numel() // max(cols, 1)
-    row_group = block[0] if len(block) == 2 else 1
-    scale_cols = triton.cdiv(cols, MX_BLOCK)
+    row_group, col_group = (block[0], block[1]) if len(block) == 2 else (1, block[0])
+    scale_cols = triton.cdiv(cols, col_group)
     data = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
     if len(block) == 2:
         scales = torch.empty((triton.cdiv(rows, row_group), scale_cols), dtype=torch.uint8, device=x.device)
     else:
         scales = torch.empty((*x.shape[:-1], scale_cols), dtype=torch.uint8, device=x.device)
     if x.numel() > 0:
-        block_rows = 32 if row_group == 32 else 16
-        block_cols = 128
+        block_rows = max(row_group, 16)
+        block_cols = max(col_group, 128)
         grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
         _mx_quantize_kernel[grid](
             x, data, scales, rows, cols, scale_cols,
-            ROW_GROUP=row_group, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            ROW_GROUP=row_group, COL_GROUP=col_group, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
             EMAX=fmt.emax, MAX=fmt.max, MANT=fmt.mantissa_bits, BIAS=fmt.exponent_bias,
-            RCEIL=scale_rule == "rceil", num_warps=4,
+            RCEIL=scale_rule == "rceil", num_warps=8 if block_rows * block_cols >= 128 * 128 else 4,
         )
     return data.view(fmt.dtype), scales
