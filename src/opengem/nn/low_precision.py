@@ -82,7 +82,7 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
         recipe = layer.recipe
         fused_wgrad = recipe.grad_weight != "bf16" and recipe.grad_weight == recipe.forward
         if recipe.forward == "bf16":
-            y = x @ weight.to(x.dtype).t()
+            y = F.linear(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype))
             qxt = None
         else:
             rot = layer.rotation(x, x.shape[1])
@@ -92,9 +92,8 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
                 qx = quantize_operand(x if rot is None else hadamard_rotate(x, rot), recipe.forward)
                 qxt = None
             fast = recipe.fast_accum and recipe.forward == "fp8_rowwise"
-            y = scaled_gemm(qx, layer.quantized_weight("forward", recipe.forward, rot), x.dtype, fast_accum=fast)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
+            qw = layer.quantized_weight("forward", recipe.forward, rot)
+            y = scaled_gemm(qx, qw, x.dtype, fast_accum=fast, bias=bias)
         ctx.layer, ctx.has_bias = layer, bias is not None
         ctx.qxt = qxt
         ctx.save_for_backward(x if qxt is None else None, weight)

@@ -159,11 +159,15 @@ def _native_mx(a: QuantizedOperand, b: QuantizedOperand) -> bool:
 
 
 def scaled_gemm(
-    a: QuantizedOperand, b: QuantizedOperand, out_dtype: torch.dtype, fast_accum: bool = False
+    a: QuantizedOperand,
+    b: QuantizedOperand,
+    out_dtype: torch.dtype,
+    fast_accum: bool = False,
+    bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``a [M, K]`` and ``b [N, K]`` quantized with the same recipe -> ``a @ b^T [M, N]`` in ``out_dtype``.
-
-    ``fast_accum`` lets cuBLAS rowwise GEMMs skip periodic fp32 promotion (faster, for forward GEMMs).
+    """``a [M, K]`` and ``b [N, K]`` quantized with the same recipe -> ``a @ b^T (+ bias [N]) [M, N]``
+    in ``out_dtype``. ``fast_accum`` lets cuBLAS rowwise GEMMs skip periodic fp32 promotion (faster, for
+    forward GEMMs); the bias is fused into the cuBLAS epilogue where cuBLAS runs.
     """
     if a.recipe != b.recipe:
         raise ValueError(f"operands quantized with different recipes: {a.recipe!r} and {b.recipe!r}")
@@ -173,21 +177,23 @@ def scaled_gemm(
     if a.recipe == "fp8_rowwise" and on_cuda and a.data.shape[1] % 16 == 0 and b.data.shape[0] % 16 == 0:
         out = torch._scaled_mm(
             a.data, b.data.t(), scale_a=a.scale[:, None], scale_b=b.scale[None, :],
-            out_dtype=torch.bfloat16, use_fast_accum=fast_accum,
+            bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
         )
         return out.to(out_dtype)
     if a.recipe == "fp8_blockwise" and on_cuda:
-        return torch.ops.opengem.fp8_blockwise_gemm(a.data, a.scale, b.data, b.scale, b.blocks, out_dtype)
-    if a.recipe == "mxfp8" and _native_mx(a, b):
+        out = torch.ops.opengem.fp8_blockwise_gemm(a.data, a.scale, b.data, b.scale, b.blocks, out_dtype)
+    elif a.recipe == "mxfp8" and _native_mx(a, b):
         e8m0 = torch.float8_e8m0fnu
         out = torch._scaled_mm(
             a.data, b.data.t(), scale_a=_to_blocked(a.scale).view(e8m0), scale_b=_to_blocked(b.scale).view(e8m0),
             out_dtype=torch.bfloat16,
-        )
-        return out.to(out_dtype)
-    # exact emulation: dequantized operands, fp32 accumulation (bf16 inputs on GPU are exact for MX)
-    compute = torch.bfloat16 if on_cuda and a.recipe == "mxfp8" else torch.float32
-    return (dequantize_operand(a).to(compute) @ dequantize_operand(b).to(compute).t()).to(out_dtype)
+        ).to(out_dtype)
+    else:
+        # exact emulation: dequantized operands, fp32 accumulation (bf16 inputs on GPU are exact for MX)
+        compute = torch.bfloat16 if on_cuda and a.recipe == "mxfp8" else torch.float32
+        out = (dequantize_operand(a).to(compute) @ dequantize_operand(b).to(compute).t()).to(out_dtype)
+    return out if bias is None else out + bias.to(out_dtype)
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
