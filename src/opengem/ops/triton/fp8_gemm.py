@@ -22,7 +22,8 @@ TILE = 128
 
 @triton.jit
 def _row_amax_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # BLOCK_R full rows per program: pass 1 takes the row amax, pass 2 (re-reading from L2) quantizes
+    # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes
+    # re-reading the same rows, which a small per-program footprint keeps in L1/L2
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     base = r[:, None].to(tl.int64) * C
@@ -79,7 +80,11 @@ def rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((R,), dtype=torch.float32, device=x.device)
     if x.numel():
-        _row_amax_quant_kernel[(triton.cdiv(R, 16),)](x, q, scale, R, C, BLOCK_R=16, BLOCK_C=256, num_warps=4)
+        block_c = min(triton.next_power_of_2(C), 4096)
+        block_r = max(1, 8192 // block_c)
+        _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](
+            x, q, scale, R, C, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8
+        )
     return q, scale
 
 
