@@ -23,7 +23,7 @@ from torch import nn
 
 from benchmarks.common import bench_ms, print_table, relative_error, write_results
 from opengem.nn.low_precision import LowPrecisionLinear
-from opengem.ops.fp8_gemm import quantize_operand, scaled_gemm
+from opengem.ops.fp8_gemm import _cublas_blockwise_gemm, cublas_blockwise_available, quantize_operand, scaled_gemm
 
 GEMM_SHAPES_QUICK = [(8192, 4096, 4096), (65536, 4096, 1024)]
 GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [(65536, 1024, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (32768, 512, 2048)]
@@ -59,7 +59,10 @@ def gemm_rows(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
             add(f"{recipe} (+x quant)", lambda r=recipe, q=qw_r: scaled_gemm(
                 quantize_operand(x, r), q, torch.bfloat16, fast_accum=r == "fp8_rowwise"))
         qb_x, qb_w = quantize_operand(x, "fp8_blockwise"), quantize_operand(w, "fp8_blockwise", weight=True)
-        add("fp8_blockwise triton (prequantized)", lambda: scaled_gemm(qb_x, qb_w, torch.bfloat16))
+        add("fp8_blockwise triton (prequantized)", lambda: torch.ops.opengem.fp8_blockwise_gemm(
+            qb_x.data, qb_x.scale, qb_w.data, qb_w.scale, True, torch.bfloat16))
+        if cublas_blockwise_available(True):
+            add("fp8_blockwise cuBLAS (prequantized)", lambda: _cublas_blockwise_gemm(qb_x, qb_w))
         bf16_ms = next(r["ms"] for r in rows if r["shape"] == f"{m}x{n}x{k}" and r["impl"] == "bf16 cublas")
         for r in rows:
             if r["shape"] == f"{m}x{n}x{k}":
@@ -165,7 +168,10 @@ def main() -> None:
     best = max((r for r in mlps if "ms" in r and r["impl"].startswith("LowPrecisionLinear")),
                key=lambda r: r["speedup_vs_bf16"])
     print(f"\nbest FP8 recipe: {best['impl']} {best['speedup_vs_bf16']:.2f}x BF16 (acceptance: >= 1.3x)")
-    path = write_results("low_precision", gemms + mlps, {"best_mlp": best, "quick": args.quick})
+    cublas = {"weights_128x128": cublas_blockwise_available(True), "activations_1x128": cublas_blockwise_available(False)}
+    print(f"cuBLAS blockwise _scaled_mm usable: {cublas}")
+    path = write_results("low_precision", gemms + mlps, {"best_mlp": best, "quick": args.quick,
+                                                         "cublas_blockwise": cublas})
     print(f"wrote {path}")
 
 

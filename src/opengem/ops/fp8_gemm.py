@@ -6,8 +6,11 @@ Recipes (``recipe`` argument):
   cuBLAS `torch._scaled_mm` (bf16 output, needs K and N multiples of 16), elsewhere emulated exactly
   (fp32 GEMM of the dequantized operands).
 - ``"fp8_blockwise"``: E4M3 with power-of-two (E8M0) scales per 1x128 tile of activations and per
-  128x128 block of weights (``weight=True``); a Triton kernel on CUDA, fp32 emulation elsewhere. The
-  weight blocks are square, so one weight quantization serves both GEMM directions (`transpose`).
+  128x128 block of weights (``weight=True``); on CUDA cuBLAS blockwise `torch._scaled_mm` where the
+  build supports it on sm90 (CUDA >= 12.9; checked once per process against the Triton kernel, see
+  `cublas_blockwise_available`) and a Triton kernel otherwise (``OPENGEM_BLOCKWISE_GEMM=triton|cublas``
+  forces one); fp32 emulation elsewhere. The weight blocks are square, so one weight quantization
+  serves both GEMM directions (`transpose`).
 - ``"mxfp8"``: OCP MXFP8, E4M3 with E8M0 scales per 1x32 block (rceil rule, `opengem.ops.mx`); native
   block-scaled `torch._scaled_mm` on Blackwell (sm100+), elsewhere the exact emulation
   dequantize(a) @ dequantize(b)^T (bf16 GEMM on GPU, whose inputs are exact, fp32 on CPU).
@@ -20,6 +23,7 @@ both operands with the same signs leaves a @ b^T unchanged in exact math and spr
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import torch
@@ -182,7 +186,10 @@ def scaled_gemm(
         )
         return out.to(out_dtype)
     if a.recipe == "fp8_blockwise" and on_cuda:
-        out = torch.ops.opengem.fp8_blockwise_gemm(a.data, a.scale, b.data, b.scale, b.blocks, out_dtype)
+        if _cublas_blockwise_eligible(a, b) and _use_cublas_blockwise(b.blocks):
+            out = _cublas_blockwise_gemm(a, b).to(out_dtype)
+        else:
+            out = torch.ops.opengem.fp8_blockwise_gemm(a.data, a.scale, b.data, b.scale, b.blocks, out_dtype)
     elif a.recipe == "mxfp8" and _native_mx(a, b):
         e8m0 = torch.float8_e8m0fnu
         out = torch._scaled_mm(
@@ -194,6 +201,57 @@ def scaled_gemm(
         compute = torch.bfloat16 if on_cuda and a.recipe == "mxfp8" else torch.float32
         out = (dequantize_operand(a).to(compute) @ dequantize_operand(b).to(compute).t()).to(out_dtype)
     return out if bias is None else out + bias.to(out_dtype)
+
+
+def _e8m0_to_fp32(scale: torch.Tensor) -> torch.Tensor:
+    return exp2_int(scale.to(torch.int32) - 127)
+
+
+def _cublas_blockwise_eligible(a: QuantizedOperand, b: QuantizedOperand) -> bool:
+    k, n = a.data.shape[1], b.data.shape[0]
+    return (
+        torch.cuda.get_device_capability(a.data.device) == (9, 0)
+        and k % (4 * BLOCKWISE_TILE) == 0  # cuBLAS pads scale blocks along K to a multiple of 4
+        and n % BLOCKWISE_TILE == 0
+        and a.data.shape[0] % 16 == 0
+    )
+
+
+def _cublas_blockwise_gemm(a: QuantizedOperand, b: QuantizedOperand) -> torch.Tensor:
+    """cuBLAS DeepSeek-style scaling: 1x128 scales outer-dim-major, 128x128 scales as [K/128, N/128]."""
+    sa = _e8m0_to_fp32(a.scale).t().contiguous().t()
+    sb = _e8m0_to_fp32(b.scale)
+    sb = sb.t() if b.blocks else sb.t().contiguous()
+    return torch._scaled_mm(a.data, b.data.t(), scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
+
+
+_CUBLAS_BLOCKWISE_OK: dict[bool, bool] = {}
+
+
+def cublas_blockwise_available(b_blocks: bool) -> bool:
+    """Whether cuBLAS blockwise `_scaled_mm` runs here and agrees with the Triton kernel (checked once on
+    a small problem per kind of b scales: some builds lack it, older ones mis-handled scale layouts)."""
+    if b_blocks not in _CUBLAS_BLOCKWISE_OK:
+        from opengem.ops.triton.fp8_gemm import blockwise_gemm
+
+        g = torch.Generator(device="cuda").manual_seed(0)
+        x = torch.randn(256, 1024, device="cuda", generator=g) * torch.rand(256, 1, device="cuda", generator=g)
+        w = torch.randn(384, 1024, device="cuda", generator=g) * torch.rand(384, 1, device="cuda", generator=g)
+        qa, qb = quantize_operand(x, "fp8_blockwise"), quantize_operand(w, "fp8_blockwise", weight=b_blocks)
+        try:
+            out = _cublas_blockwise_gemm(qa, qb).float()
+            ref = blockwise_gemm(qa.data, qa.scale, qb.data, qb.scale, b_blocks, torch.float32)
+            _CUBLAS_BLOCKWISE_OK[b_blocks] = bool(((out - ref).norm() / ref.norm()) < 1e-2)
+        except RuntimeError:
+            _CUBLAS_BLOCKWISE_OK[b_blocks] = False
+    return _CUBLAS_BLOCKWISE_OK[b_blocks]
+
+
+def _use_cublas_blockwise(b_blocks: bool) -> bool:
+    choice = os.environ.get("OPENGEM_BLOCKWISE_GEMM", "auto")
+    if choice not in ("auto", "triton", "cublas"):
+        raise ValueError(f"OPENGEM_BLOCKWISE_GEMM must be 'auto', 'triton' or 'cublas', got {choice!r}")
+    return choice == "cublas" or (choice == "auto" and cublas_blockwise_available(b_blocks))
 
 
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
