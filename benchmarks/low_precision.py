@@ -26,7 +26,9 @@ from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.ops.fp8_gemm import _cublas_blockwise_gemm, cublas_blockwise_available, quantize_operand, scaled_gemm
 
 GEMM_SHAPES_QUICK = [(8192, 4096, 4096), (65536, 4096, 1024)]
-GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [(65536, 1024, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (32768, 512, 2048)]
+GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [
+    (65536, 1024, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (32768, 512, 2048),
+]
 GEMM_RECIPES = ("fp8_rowwise", "fp8_blockwise", "mxfp8")
 MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise_all")
 MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
@@ -168,7 +170,8 @@ def main() -> None:
     best = max((r for r in mlps if "ms" in r and r["impl"].startswith("LowPrecisionLinear")),
                key=lambda r: r["speedup_vs_bf16"])
     print(f"\nbest FP8 recipe: {best['impl']} {best['speedup_vs_bf16']:.2f}x BF16 (acceptance: >= 1.3x)")
-    cublas = {"weights_128x128": cublas_blockwise_available(True), "activations_1x128": cublas_blockwise_available(False)}
+    cublas = {"weights_128x128": cublas_blockwise_available(True),
+              "activations_1x128": cublas_blockwise_available(False)}
     print(f"cuBLAS blockwise _scaled_mm usable: {cublas}")
     path = write_results("low_precision", gemms + mlps, {"best_mlp": best, "quick": args.quick,
                                                          "cublas_blockwise": cublas})

@@ -114,7 +114,8 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
             if recipe.grad_weight == recipe.grad_input and rot is None and not sr:
                 qdy, qdyt = quantize_operand_with_transpose(dy, recipe.grad_input)
             else:
-                qdy = quantize_operand(dy if rot is None else hadamard_rotate(dy, rot), recipe.grad_input, stochastic=sr)
+                dy_in = dy if rot is None else hadamard_rotate(dy, rot)
+                qdy = quantize_operand(dy_in, recipe.grad_input, stochastic=sr)
             dx = scaled_gemm(qdy, layer.quantized_weight("grad_input", recipe.grad_input, rot), dy.dtype)
         # weight gradient: dW = dy^T x, contraction over tokens
         if recipe.grad_weight == "bf16":

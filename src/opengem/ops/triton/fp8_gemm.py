@@ -67,11 +67,13 @@ def _tile_quant_kernel(
     x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0).to(tl.float32)
     col_amax = tl.maximum(tl.load(col_amax_ptr + c, mask=c < C, other=0).to(tl.float32, bitcast=True), 1e-12)
     qt = tl.minimum(tl.maximum(x * (448.0 / col_amax)[None, :], -448.0), 448.0)
-    tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], qt.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
+    qt8 = qt.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], qt8, mask=m)
     if DO_ROW:
         row_amax = tl.maximum(tl.load(row_amax_ptr + r, mask=r < R, other=0).to(tl.float32, bitcast=True), 1e-12)
         q = tl.minimum(tl.maximum(x * (448.0 / row_amax)[:, None], -448.0), 448.0)
-        tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
+        q8 = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], q8, mask=m)
 
 
 def rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -104,8 +106,9 @@ def rowwise_quantize_dual(
     if x.numel():
         grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
         _tile_amax_kernel[grid](x, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4)
-        _tile_quant_kernel[grid](x, q if with_rows else qt, qt, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64,
-                                 num_warps=4)
+        _tile_quant_kernel[grid](
+            x, q if with_rows else qt, qt, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4
+        )
     col_scale = col_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX
     row_scale = row_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX if with_rows else None
     return q, row_scale, qt, col_scale
@@ -194,7 +197,8 @@ def blockwise_gemm(
     a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
     """``a [M, K]`` E4M3 with E8M0 ``sa [M, ceil(K/128)]``; ``b [N, K]`` E4M3 with E8M0 ``sb`` either
-    ``[N, ceil(K/128)]`` (1x128 tiles) or ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks, ``b_blocks=True``) -> a @ b^T."""
+    ``[N, ceil(K/128)]`` (1x128 tiles) or ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks, ``b_blocks=True``)
+    -> ``a @ b^T [M, N]`` in ``out_dtype``."""
     M, K = a.shape
     N = b.shape[0]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
