@@ -7,8 +7,8 @@ shape: BF16 cuBLAS; the raw `torch._scaled_mm` rowwise GEMM on pre-quantized ope
 without quantization cost); each recipe with the activation quantization included (weights quantized
 once, as the layer caches them per optimizer step).
 MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024, forward + backward with each recipe, quantization
-included; the weights are touched in place every step so the layer re-quantizes them once per step, as
-in training. Peers: BF16 nn.Linear and torchao float8 training (rowwise) if importable.
+included, and `LowPrecisionMLP` (GELU fused into the FP8 quantizations); the weights are touched in
+place every step so the layers re-quantize them once per step, as in training. Peers: BF16 nn.Linear and torchao float8 training (rowwise) if importable.
 Correctness: relative error vs fp32 on the same inputs (outputs and, for the MLP, dx and dW1).
 FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM; the MLP counts its 6 GEMMs; TFLOP/s are useful work.
 """
@@ -23,6 +23,7 @@ from torch import nn
 
 from benchmarks.common import bench_ms, print_table, relative_error, write_results
 from opengem.nn.low_precision import LowPrecisionLinear
+from opengem.nn.low_precision_mlp import LowPrecisionMLP
 from opengem.ops.fp8_gemm import _cublas_blockwise_gemm, cublas_blockwise_available, quantize_operand, scaled_gemm
 
 GEMM_SHAPES_QUICK = [(8192, 4096, 4096), (65536, 4096, 1024)]
@@ -112,7 +113,7 @@ def mlp_rows(tokens: int, hidden: int, inner: int, recipes: tuple[str, ...], com
             return
         xin = x16.clone().requires_grad_()
         layers = getattr(model, "_orig_mod", model)  # the Sequential behind a torch.compile wrapper
-        first, second = layers[0], layers[2]
+        first, second = (layers.fc1, layers.fc2) if isinstance(layers, LowPrecisionMLP) else (layers[0], layers[2])
 
         def step() -> torch.Tensor:
             with torch.no_grad():
@@ -142,6 +143,8 @@ def mlp_rows(tokens: int, hidden: int, inner: int, recipes: tuple[str, ...], com
         for i in (0, 2):
             model[i] = LowPrecisionLinear.from_linear(model[i], recipe)
         run(f"LowPrecisionLinear {recipe}", model, "wgrad bf16" if not recipe.endswith("_all") else "all fp8")
+    plain = bf16_copy()
+    run("LowPrecisionMLP fp8_rowwise (fused GELU)", LowPrecisionMLP(plain[0], plain[2]), "wgrad bf16")
     ao = torchao_float8(bf16_copy())
     run("torchao float8 rowwise (eager)", ao)
     if compile_torchao and not isinstance(ao, str):
@@ -167,7 +170,7 @@ def main() -> None:
                     compile_torchao=not args.quick)
     print(f"\nMLP block {args.tokens} tokens, 1024 -> 4096 -> GELU -> 1024, forward + backward (6 GEMMs counted)")
     print_table(mlps, ["impl", "ms", "tflops", "speedup_vs_bf16", "rel_err_y", "rel_err_dx", "rel_err_dw1", "note"])
-    best = max((r for r in mlps if "ms" in r and r["impl"].startswith("LowPrecisionLinear")),
+    best = max((r for r in mlps if "ms" in r and r["impl"].startswith("LowPrecision")),
                key=lambda r: r["speedup_vs_bf16"])
     print(f"\nbest FP8 recipe: {best['impl']} {best['speedup_vs_bf16']:.2f}x BF16 (acceptance: >= 1.3x)")
     cublas = {"weights_128x128": cublas_blockwise_available(True),

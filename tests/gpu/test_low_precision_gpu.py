@@ -118,6 +118,36 @@ def test_low_precision_linear_on_gpu(name: str) -> None:
     assert rel(lin.bias.grad, ref.bias.grad) < 0.01
 
 
+def test_fused_gelu_quantizer_and_mlp_on_gpu() -> None:
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+    from opengem.ops.fp8_gemm import quantize_gelu
+
+    u = torch.randn(1000, 3000, device="cuda").to(torch.bfloat16)
+    g = torch.randn(1000, 3000, device="cuda").to(torch.bfloat16)
+    h, qh = quantize_gelu(u)
+    torch.testing.assert_close(h, torch.nn.functional.gelu(u.float()).to(torch.bfloat16), rtol=1e-2, atol=1e-2)
+    h_cpu, qh_cpu = quantize_gelu(u.cpu())
+    assert rel(dequantize_operand(qh).cpu(), dequantize_operand(qh_cpu)) < 2e-3
+    du, qdu = quantize_gelu(u, grad_out=g)
+    du_cpu, qdu_cpu = quantize_gelu(u.cpu(), grad_out=g.cpu())
+    assert rel(du.cpu(), du_cpu) < 1e-2 and rel(dequantize_operand(qdu).cpu(), dequantize_operand(qdu_cpu)) < 2e-3
+    torch.manual_seed(0)
+    fc1 = torch.nn.Linear(1024, 4096).cuda().to(torch.bfloat16)
+    fc2 = torch.nn.Linear(4096, 1024).cuda().to(torch.bfloat16)
+    ref = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024)).cuda()
+    ref.load_state_dict({"0.weight": fc1.weight, "0.bias": fc1.bias, "2.weight": fc2.weight, "2.bias": fc2.bias})
+    x = torch.randn(2048, 1024, device="cuda")
+    dy = torch.randn(2048, 1024, device="cuda")
+    xr = x.clone().requires_grad_()
+    ref(xr).backward(dy)
+    mlp = LowPrecisionMLP(fc1, fc2)
+    xl = x.to(torch.bfloat16).requires_grad_()
+    y = mlp(xl)
+    y.backward(dy.to(torch.bfloat16))
+    assert rel(y, ref(x)) < 0.06 and rel(xl.grad, xr.grad) < 0.08
+    assert rel(fc1.weight.grad, ref[0].weight.grad) < 0.06 and rel(fc2.weight.grad, ref[2].weight.grad) < 0.06
+
+
 def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
     x, w = torch.randn(256, 512, device="cuda"), torch.randn(384, 512, device="cuda")
     expected = mx_dequantize(mx_quantize(x), torch.float32) @ mx_dequantize(mx_quantize(w), torch.float32).t()

@@ -183,3 +183,35 @@ def test_select_precision_picks_fastest_under_bound() -> None:
     report = select_precision(model, lambda: model(x), bound=1e-3)
     assert {r["recipe"] for r in report.values()} == {"bf16"} and model.up.recipe.is_bf16
     assert all(0.005 < e < 0.06 for e in report["up"]["errors"].values())
+
+
+def test_fused_mlp_matches_unfused_layers() -> None:
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    torch.manual_seed(7)
+    fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+    x = torch.randn(2, 40, 256)
+    g = torch.randn(2, 40, 256)
+    unfused = nn.Sequential(LowPrecisionLinear.from_linear(fc1, "fp8_rowwise"), nn.GELU(),
+                            LowPrecisionLinear.from_linear(fc2, "fp8_rowwise"))
+    xa = x.clone().requires_grad_()
+    unfused(xa).backward(g)
+    grads_a = [xa.grad] + [p.grad.clone() for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias):
+        p.grad = None
+    fused = LowPrecisionMLP(fc1, fc2)
+    xb = x.clone().requires_grad_()
+    y = fused(xb)
+    y.backward(g)
+    grads_b = [xb.grad] + [p.grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    # same quantization points, same GEMMs: equal up to fp32 rounding (the GELU backward is written out)
+    torch.testing.assert_close(y, unfused(x), rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)
+    with torch.no_grad():
+        ref = fc2(torch.nn.functional.gelu(fc1(x)))
+    assert 0.005 < relative_error(y, ref) < 0.06
+    with pytest.raises(ValueError, match="LowPrecisionMLP runs fp8_rowwise"):
+        LowPrecisionMLP(fc1, fc2, "mxfp8")
+    with pytest.raises(ValueError, match="fc1.out_features"):
+        LowPrecisionMLP(fc1, nn.Linear(256, 256))

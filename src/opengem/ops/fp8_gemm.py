@@ -105,7 +105,8 @@ def quantize_operand(
         if x.is_cuda and not stochastic:
             from opengem.ops.triton.fp8_gemm import rowwise_quantize
 
-            return QuantizedOperand(*rowwise_quantize(x), recipe)
+            q, scale, _ = rowwise_quantize(x)
+            return QuantizedOperand(q, scale, recipe)
         return QuantizedOperand(*_rowwise_torch(x, stochastic, generator), recipe)
     if recipe == "fp8_blockwise":
         block = (BLOCKWISE_TILE, BLOCKWISE_TILE) if weight else (BLOCKWISE_TILE,)
@@ -116,6 +117,35 @@ def quantize_operand(
         return QuantizedOperand(*mx_quantize_reference(x, block, "e4m3", "rceil"), recipe, weight)
     mx = mx_quantize(x, 32, "e4m3", "rceil")
     return QuantizedOperand(mx.data, mx.scales, recipe)
+
+
+def quantize_gelu(u: torch.Tensor, grad_out: torch.Tensor | None = None) -> tuple[torch.Tensor, QuantizedOperand]:
+    """Fused GELU and fp8_rowwise quantization of a 2-D pre-activation ``u [R, C]``.
+
+    Without ``grad_out``: returns (gelu(u) in u's dtype, its quantization). With ``grad_out`` (the
+    gradient w.r.t. gelu(u), same shape): the GELU backward, (grad_out * gelu'(u), its quantization).
+    Both quantize the fp32 values before they are rounded to u's dtype (exact erf GELU). On CUDA one
+    Triton kernel does the activation, the row amax and the quantization (saving a pass over the tensor).
+    """
+    if u.dim() != 2 or (grad_out is not None and grad_out.shape != u.shape):
+        raise ValueError(f"u must be 2-D and grad_out the same shape, got {tuple(u.shape)}, "
+                         f"{None if grad_out is None else tuple(grad_out.shape)}")
+    if u.is_cuda:
+        from opengem.ops.triton.fp8_gemm import rowwise_quantize
+
+        if grad_out is None:
+            q, scale, out = rowwise_quantize(u.contiguous(), "gelu")
+        else:
+            q, scale, out = rowwise_quantize(grad_out.contiguous(), "gelu_backward", u.contiguous())
+        return out, QuantizedOperand(q, scale, "fp8_rowwise")
+    u32 = u.float()
+    if grad_out is None:
+        value = torch.nn.functional.gelu(u32)
+    else:
+        cdf = 0.5 * (1.0 + torch.erf(u32 * math.sqrt(0.5)))
+        value = grad_out.float() * (cdf + u32 * torch.exp(-0.5 * u32 * u32) / math.sqrt(2 * math.pi))
+    q, scale = _rowwise_torch(value, False, None)
+    return value.to(u.dtype), QuantizedOperand(q, scale, "fp8_rowwise")
 
 
 def quantize_operand_with_transpose(x: torch.Tensor, recipe: str) -> tuple[QuantizedOperand, QuantizedOperand]:

@@ -21,24 +21,43 @@ TILE = 128
 
 
 @triton.jit
-def _row_amax_quant_kernel(x_ptr, q_ptr, scale_ptr, R, C, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+def _prologue(x_ptr, u_ptr, offs, m, PROLOGUE: tl.constexpr):
+    # the value to quantize: x (0), gelu(x) (1), or x * gelu'(u) (2, the GELU backward)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    if PROLOGUE == 2:
+        u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
+        x = x * (cdf + u * tl.exp(-0.5 * u * u) * 0.3989422804014327)
+    return x
+
+
+@triton.jit
+def _row_amax_quant_kernel(
+    x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
+    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
     # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes
-    # re-reading the same rows, which a small per-program footprint keeps in L1/L2
+    # re-reading the same rows, which a small per-program footprint keeps in L1/L2. With a prologue
+    # (GELU or its backward) pass 2 also writes the transformed values to out_ptr.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     base = r[:, None].to(tl.int64) * C
     amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
-        x = tl.load(x_ptr + base + c[None, :], mask=rmask[:, None] & (c[None, :] < C), other=0.0)
-        amax = tl.maximum(amax, tl.max(tl.abs(x.to(tl.float32)), axis=1))
+        x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     amax = tl.maximum(amax, 1e-12)
     tl.store(scale_ptr + r, amax / 448.0, mask=rmask)
     mult = 448.0 / amax
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         m = rmask[:, None] & (c[None, :] < C)
-        x = tl.load(x_ptr + base + c[None, :], mask=m, other=0.0).to(tl.float32)
+        x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE)
+        if PROLOGUE != 0:
+            tl.store(out_ptr + base + c[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
         q = tl.minimum(tl.maximum(x * mult[:, None], -448.0), 448.0)
         tl.store(q_ptr + base + c[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
 
@@ -76,18 +95,29 @@ def _tile_quant_kernel(
         tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], q8, mask=m)
 
 
-def rowwise_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Contiguous 2-D ``x [R, C]`` -> (E4M3 ``[R, C]``, fp32 dequant scales ``[R]`` = amax / 448)."""
+PROLOGUES = {None: 0, "gelu": 1, "gelu_backward": 2}
+
+
+def rowwise_quantize(
+    x: torch.Tensor, prologue: str | None = None, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Contiguous 2-D ``x [R, C]`` -> (E4M3 ``[R, C]``, fp32 dequant scales ``[R]`` = amax / 448, out).
+
+    ``prologue="gelu"`` quantizes gelu(x) (exact erf GELU) and returns it as ``out`` (x's dtype);
+    ``"gelu_backward"`` quantizes and returns x * gelu'(u) for the pre-activation ``u`` (same shape).
+    """
     R, C = x.shape
     q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((R,), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x) if prologue else None
     if x.numel():
         block_c = min(triton.next_power_of_2(C), 4096)
         block_r = max(1, 8192 // block_c)
         _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](
-            x, q, scale, R, C, BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8
+            x, x if u is None else u, q if out is None else out, q, scale, R, C,
+            PROLOGUE=PROLOGUES[prologue], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8,
         )
-    return q, scale
+    return q, scale, out
 
 
 def rowwise_quantize_dual(
