@@ -215,3 +215,15 @@ def test_fused_mlp_matches_unfused_layers() -> None:
         LowPrecisionMLP(fc1, fc2, "mxfp8")
     with pytest.raises(ValueError, match="fc1.out_features"):
         LowPrecisionMLP(fc1, nn.Linear(256, 256))
+
+
+def test_fallback_between_forward_and_backward_uses_the_forward_recipe() -> None:
+    torch.manual_seed(8)
+    layer = LowPrecisionLinear(128, 128, recipe="fp8_rowwise_all")
+    x = torch.randn(32, 128, requires_grad=True)
+    y = layer(x)
+    layer.recipe = NAMED_RECIPES["bf16"]  # as NumericsMonitor(fallback=True) does in its forward hook
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(layer.weight.grad).all()
+    frozen_input = torch.randn(32, 128)  # no input gradient requested: dx is skipped
+    LowPrecisionLinear(128, 128)(frozen_input).sum().backward()

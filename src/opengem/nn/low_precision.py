@@ -94,7 +94,8 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
             fast = recipe.fast_accum and recipe.forward == "fp8_rowwise"
             qw = layer.quantized_weight("forward", recipe.forward, rot)
             y = scaled_gemm(qx, qw, x.dtype, fast_accum=fast, bias=bias)
-        ctx.layer, ctx.has_bias = layer, bias is not None
+        # the recipe is kept as of this forward: a monitor may switch the layer to BF16 before backward
+        ctx.layer, ctx.recipe, ctx.has_bias = layer, recipe, bias is not None
         ctx.qxt = qxt
         ctx.save_for_backward(x if qxt is None else None, weight)
         return y
@@ -102,13 +103,13 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        layer, recipe = ctx.layer, ctx.layer.recipe
+        layer, recipe = ctx.layer, ctx.recipe
         dy = dy.contiguous()
-        qdyt = None
-        # input gradient: dx = dy W, contraction over out_features
-        if recipe.grad_input == "bf16":
+        qdyt, dx = None, None
+        # input gradient: dx = dy W, contraction over out_features (skipped when x needs no gradient)
+        if recipe.grad_input == "bf16" and ctx.needs_input_grad[0]:
             dx = dy @ weight.to(dy.dtype)
-        else:
+        elif recipe.grad_input != "bf16" and ctx.needs_input_grad[0]:
             rot = layer.rotation(dy, dy.shape[1])
             sr = recipe.stochastic_rounding
             if recipe.grad_weight == recipe.grad_input and rot is None and not sr:
