@@ -48,11 +48,14 @@ def gemm_rows(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
         ref = x.float() @ w.float().t()
         flops = 2.0 * m * n * k
 
+        native_mx = torch.cuda.get_device_capability()[0] >= 10
+
         def add(name: str, fn: Callable[[], torch.Tensor]) -> None:
             err = relative_error(fn(), ref)
             ms = bench_ms(fn)
+            note = "emulated (no native MX before sm100)" if name.startswith("mxfp8") and not native_mx else ""
             rows.append({"bench": "gemm", "shape": f"{m}x{n}x{k}", "impl": name, "ms": ms,
-                         "tflops": tflops(flops, ms), "rel_err": err})
+                         "tflops": tflops(flops, ms), "rel_err": err, "note": note})
 
         add("bf16 cublas", lambda: x @ w.t())
         qx, qw = quantize_operand(x, "fp8_rowwise"), quantize_operand(w, "fp8_rowwise", weight=True)
@@ -165,7 +168,7 @@ def main() -> None:
         raise SystemExit("benchmarks.low_precision needs a CUDA GPU")
     gemms = gemm_rows(GEMM_SHAPES_QUICK if args.quick else GEMM_SHAPES_FULL)
     print("GEMM out = x @ w^T (M x N x K); TFLOP/s = 2MNK / time; rel_err vs fp32 on the same inputs")
-    print_table(gemms, ["shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err"])
+    print_table(gemms, ["shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err", "note"])
     mlps = mlp_rows(args.tokens, 1024, 4096, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL,
                     compile_torchao=not args.quick)
     print(f"\nMLP block {args.tokens} tokens, 1024 -> 4096 -> GELU -> 1024, forward + backward (6 GEMMs counted)")
