@@ -131,3 +131,17 @@ def test_blockwise_gemm_flop_formula() -> None:
         with FlopCounterMode(display=False) as counter:
             out = torch.ops.opengem.fp8_blockwise_gemm(a, sa, b, sb, True, torch.bfloat16)
     assert out.shape == (256, 384) and counter.get_total_flops() == 2 * 256 * 512 * 384
+
+
+def test_blackwell_scale_swizzle_follows_the_cublas_layout() -> None:
+    from opengem.ops.fp8_gemm import _to_blocked
+
+    rows, cols = 200, 7  # padded to 256 x 8: 2 x 2 tiles of 128 x 4
+    scales = torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols)
+    blocked = _to_blocked(scales)
+    assert blocked.numel() == 256 * 8
+    col_tiles = 2
+    for i, j in [(0, 0), (1, 0), (31, 3), (32, 0), (127, 2), (128, 0), (199, 6), (45, 5)]:
+        # cuBLAS block-scaling factor layout: 128x4 tiles, each stored as 32 rows of (4 x 4) interleaved
+        offset = (i // 128) * col_tiles * 512 + (j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
+        assert blocked[offset] == scales[i, j]
