@@ -179,6 +179,14 @@ def test_optimizer_none_tables_are_parameters() -> None:
     assert list(ec.fused_parameters()) == []
 
 
+def test_model_dtype_casts_do_not_cast_tables_or_state() -> None:
+    for optimizer in (EmbeddingOptimizer("rowwise_adam"), None):
+        ec = EmbeddingCollection(TABLES, optimizer).to(torch.bfloat16).half()
+        assert {t.dtype for t in ec.state_dict().values()} <= {torch.float32, torch.int64}
+        out = ec(make_batch(2, torch.Generator().manual_seed(0)))
+        assert out["user"].dtype == torch.float32
+
+
 def test_init_std_and_dtype() -> None:
     torch.manual_seed(0)
     ec = EmbeddingCollection(

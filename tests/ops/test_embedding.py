@@ -70,7 +70,7 @@ def naive_lookup(p: Problem) -> torch.Tensor:
 
 
 def lookup(p: Problem, module) -> torch.Tensor:
-    extra = (p.layout.max_dim,) if module is kernels else ()
+    extra = (p.layout.max_dim, p.layout.dim_align) if module is kernels else ()
     return module.embedding_lookup(p.weights, p.layout.feature_meta, p.ids, p.offsets, p.layout.batch_size, p.layout.out_numel, *extra)
 
 
@@ -106,7 +106,7 @@ def run_update(p: Problem, module, kind: str, grad_out: torch.Tensor, steps: int
     row_state = torch.rand(p.total_rows, generator=g) if kind != "sgd" else torch.zeros(0)
     elem_state = torch.randn(weights.numel(), generator=g) * 0.1 if kind == "rowwise_adam" else torch.zeros(0)
     step = torch.tensor([3])
-    extra = (p.layout.max_dim,) if module is kernels else ()
+    extra = (p.layout.max_dim, p.layout.dim_align) if module is kernels else ()
     for _ in range(steps):
         module.embedding_fused_update_(
             grad_out, weights, row_state, elem_state, step, p.layout.feature_meta, p.ids, p.offsets,
@@ -126,11 +126,20 @@ def test_triton_update_matches_reference(kind: str, batch_size: int) -> None:
     assert not torch.equal(expected[0], p.weights)  # the update did something
 
 
+def test_triton_wide_table_uses_several_column_blocks() -> None:
+    """dim 300 > the 256-column block of the forward; fewer rows per update tile."""
+    p = make_problem(dims=[300, 7], rows=[3, 5], features=[(0, "sum"), (1, "none"), (0, "none")], batch_size=2, max_len=5, seed=9)
+    torch.testing.assert_close(lookup(p, kernels), lookup(p, reference))
+    grad_out = torch.randn(p.layout.out_numel)
+    for got, want in zip(run_update(p, kernels, "rowwise_adam", grad_out, 1), run_update(p, reference, "rowwise_adam", grad_out, 1)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_triton_dense_grad_matches_reference() -> None:
     p = make_problem(**MIXED, batch_size=3, max_len=10, seed=7)
     grad_out = torch.randn(p.layout.out_numel)
     args = (grad_out, p.weights, p.layout.feature_meta, p.ids, p.offsets, 3)
-    torch.testing.assert_close(kernels.embedding_dense_grad(*args, p.layout.max_dim), reference.embedding_dense_grad(*args))
+    torch.testing.assert_close(kernels.embedding_dense_grad(*args, p.layout.max_dim, p.layout.dim_align), reference.embedding_dense_grad(*args))
 
 
 @settings(max_examples=10, deadline=None)
@@ -190,6 +199,8 @@ def test_bad_inputs_raise() -> None:
         ops.embedding_lookup(p.weights, p.layout, p.ids.float(), p.offsets)
     with pytest.raises(ValueError, match=r"offsets must have F \* B \+ 1 = 11 entries, got 10"):
         ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets[:-1])
+    with pytest.raises(ValueError, match="weights must be contiguous"):
+        ops.embedding_lookup(torch.randn(2 * p.weights.numel())[::2], p.layout, p.ids, p.offsets)
     update = ops.FusedUpdate("adamw", torch.zeros(1), torch.zeros(0), torch.zeros(1), torch.zeros(0))
     with pytest.raises(ValueError, match="update.kind must be one of"):
         ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, update)

@@ -5,7 +5,8 @@ inside the backward of the lookup (duplicate ids aggregated first, one update pe
 no dense gradient), and the tables are buffers, NOT parameters, so a dense optimizer built from
 ``module.parameters()`` never touches them. Weights and optimizer state are in ``state_dict()`` (flat
 per weight dtype: ``weights_<dtype>``, ``row_state_<dtype>``, ``elem_state_<dtype>``, ``step_<dtype>``),
-so checkpoint and resume round-trip exactly. With ``optimizer=None`` every table is an ordinary
+so checkpoint and resume round-trip exactly. Each backward applies one step immediately (there is no
+gradient accumulation across micro-batches; scale ``lr`` instead). With ``optimizer=None`` every table is an ordinary
 ``nn.Parameter`` (``weights.<table index>``, shape ``[rows, dim]``) with plain autograd gradients.
 
 Initialization: ``init_std=None`` -> uniform on ``[-1/sqrt(num_embeddings), +1/sqrt(num_embeddings)]``
@@ -75,14 +76,12 @@ class _Group:
     row_offsets: tuple[int, ...]  # offset of each table's first row in the row-wise state
 
 
-def _init_table(config: EmbeddingTableConfig, device: torch.device | str | None) -> torch.Tensor:
-    weight = torch.empty(config.num_embeddings, config.embedding_dim, device=device)
+def _init_table_(weight: torch.Tensor, config: EmbeddingTableConfig) -> torch.Tensor:
+    """Initialize ``weight`` (any view, any float dtype) in place; see the module docstring."""
     if config.init_std is None:
         bound = 1.0 / math.sqrt(config.num_embeddings)
-        weight.uniform_(-bound, bound)
-    else:
-        weight.normal_(0.0, config.init_std)
-    return weight.to(config.dtype)
+        return weight.uniform_(-bound, bound)
+    return weight.normal_(0.0, config.init_std)
 
 
 class EmbeddingCollection(nn.Module):
@@ -108,7 +107,12 @@ class EmbeddingCollection(nn.Module):
                 self.feature_table[feature] = index
         if optimizer is None:
             # a list, not a ParameterDict: table names like "items" or "keys" would clash with its methods
-            self.weights = nn.ParameterList([nn.Parameter(_init_table(t, device)) for t in self.tables])
+            self.weights = nn.ParameterList(
+                [
+                    nn.Parameter(_init_table_(torch.empty(t.num_embeddings, t.embedding_dim, dtype=t.dtype, device=device), t))
+                    for t in self.tables
+                ]
+            )
             self._groups = tuple(_Group(str(i), (i,), (0,), (0,)) for i in range(len(self.tables)))
         else:
             self._groups = tuple(self._register_fused_groups(device))
@@ -122,14 +126,28 @@ class EmbeddingCollection(nn.Module):
             configs = [self.tables[i] for i in members]
             sizes = [t.num_embeddings * t.embedding_dim for t in configs]
             rows = [t.num_embeddings for t in configs]
-            weights = torch.cat([_init_table(t, device).flatten() for t in configs])
+            weight_offsets = _prefix_sums(sizes)
+            weights = torch.empty(sum(sizes), dtype=dtype, device=device)  # filled in place: no 2x peak memory
+            for config, start, size in zip(configs, weight_offsets, sizes):
+                _init_table_(weights[start : start + size], config)
             adam = self.optimizer.kind == "rowwise_adam"
             needs_rows = self.optimizer.kind != "sgd"
             self.register_buffer(f"weights_{suffix}", weights)
             self.register_buffer(f"row_state_{suffix}", torch.zeros(sum(rows) if needs_rows else 0, device=device))
             self.register_buffer(f"elem_state_{suffix}", torch.zeros(sum(sizes) if adam else 0, device=device))
             self.register_buffer(f"step_{suffix}", torch.zeros(1, dtype=torch.int64, device=device))
-            yield _Group(suffix, members, _prefix_sums(sizes), _prefix_sums(rows))
+            yield _Group(suffix, members, weight_offsets, _prefix_sums(rows))
+
+    def _apply(self, fn, recurse: bool = True):
+        """Tables and optimizer state keep their configured dtypes under ``model.to(torch.bfloat16)``,
+        ``.half()`` or ``.float()`` on a whole model: those move them (device) but never cast them (the
+        table dtype is ``EmbeddingTableConfig.dtype``; the optimizer state is always fp32)."""
+
+        def move_only(tensor: torch.Tensor) -> torch.Tensor:
+            target = fn(tensor.new_empty(0))  # where fn would put the tensor, without its dtype change
+            return tensor.to(device=target.device)
+
+        return super()._apply(move_only, recurse)
 
     # --- accessors -------------------------------------------------------------------------------------
 
@@ -189,7 +207,9 @@ class EmbeddingCollection(nn.Module):
         weights = self._flat_weights(group)
         ids, lengths = batch.select(feature_names)
         ids, lengths = ids.to(weights.device), lengths.to(weights.device)
-        offsets = offsets_from_lengths(lengths)
+        # lengths were checked on the host: a plain cumsum (offsets_from_lengths would sync to re-check them)
+        offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64, device=lengths.device)
+        torch.cumsum(lengths, 0, out=offsets[1:])
         positions = [group.tables.index(self.feature_table[f]) for f in feature_names]
         configs = [self.tables[group.tables[p]] for p in positions]
         if ids.device.type == "cpu" or self.validate_ids:

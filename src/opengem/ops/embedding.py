@@ -8,11 +8,12 @@ annotations understand (raw ``data_ptr`` tables are invisible to both), per-tabl
 go in different buffers (one launch per dtype).
 
 Each feature f (a KeyedJagged key) is described by one int64 row of ``feature_meta [F, 6]`` (columns
-``WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS``): where its table starts in
+``WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS`` in
+`opengem.ops.reference.embedding`): where its table starts in
 ``weights`` (elements), the table's dim, its pooling (``POOL_SUM``, ``POOL_MEAN`` or ``POOL_NONE`` for a
 sequence feature), where its output starts in the flat output (elements), where its table's first row
 sits in the row-wise optimizer state, and the table's number of rows. Build it with
-:func:`feature_meta_rows`.
+:meth:`LookupLayout.build`.
 
 Input: ``ids [N]`` (int32/int64) and ``offsets [F * B + 1]`` (int32/int64), the KeyedJagged layout: bag
 ``f * B + b`` holds feature f's ids of sample b. Output: one flat buffer in ``weights.dtype``; feature f
@@ -39,6 +40,7 @@ variable ``OPENGEM_EMBEDDING_BACKEND=triton`` forces Triton (for interpreter tes
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,7 +52,6 @@ from opengem.ops.reference import embedding as reference
 from opengem.ops.reference.embedding import (
     DIM,
     META_COLUMNS,
-    NUM_ROWS,
     OPT_ROWWISE_ADAGRAD,
     OPT_ROWWISE_ADAM,
     OPT_SGD,
@@ -58,9 +59,6 @@ from opengem.ops.reference.embedding import (
     POOL_MEAN,
     POOL_NONE,
     POOL_SUM,
-    POOLING,
-    ROW_OFFSET,
-    WEIGHT_OFFSET,
 )
 
 POOLING_CODES = {"sum": POOL_SUM, "mean": POOL_MEAN, "none": POOL_NONE}
@@ -79,9 +77,11 @@ def _triton():  # imported lazily: CPU-only installs need no Triton
     return triton_embedding
 
 
-def _lookup_impl(weights, feature_meta, ids, offsets, batch_size: int, out_numel: int, max_dim: int) -> torch.Tensor:
+def _lookup_impl(
+    weights, feature_meta, ids, offsets, batch_size: int, out_numel: int, max_dim: int, dim_align: int
+) -> torch.Tensor:
     if _use_triton(weights):
-        return _triton().embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+        return _triton().embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align)
     return reference.embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
 
 
@@ -98,12 +98,13 @@ def _lookup_op(
     batch_size: int,
     out_numel: int,
     max_dim: int,
+    dim_align: int,
 ) -> torch.Tensor:
-    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align)
 
 
 @_lookup_op.register_fake
-def _(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim):
+def _(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align):
     return weights.new_empty(out_numel)
 
 
@@ -116,27 +117,28 @@ def _dense_grad_op(
     offsets: torch.Tensor,
     batch_size: int,
     max_dim: int,
+    dim_align: int,
 ) -> torch.Tensor:
     if _use_triton(weights):
-        return _triton().embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim)
+        return _triton().embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim, dim_align)
     return reference.embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size)
 
 
 @_dense_grad_op.register_fake
-def _(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim):
+def _(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim, dim_align):
     return torch.empty_like(weights)
 
 
 def _lookup_setup(ctx, inputs, output) -> None:
-    weights, feature_meta, ids, offsets, batch_size, _, max_dim = inputs
+    weights, feature_meta, ids, offsets, batch_size, _, max_dim, dim_align = inputs
     ctx.save_for_backward(weights, feature_meta, ids, offsets)
-    ctx.batch_size, ctx.max_dim = batch_size, max_dim
+    ctx.sizes = (batch_size, max_dim, dim_align)
 
 
 def _lookup_backward(ctx, grad_out):
     weights, feature_meta, ids, offsets = ctx.saved_tensors
-    grad = _dense_grad_op(grad_out.contiguous(), weights, feature_meta, ids, offsets, ctx.batch_size, ctx.max_dim)
-    return grad, None, None, None, None, None, None
+    grad = _dense_grad_op(grad_out.contiguous(), weights, feature_meta, ids, offsets, *ctx.sizes)
+    return grad, None, None, None, None, None, None, None
 
 
 _lookup_op.register_autograd(_lookup_backward, setup_context=_lookup_setup)
@@ -154,6 +156,7 @@ def _fused_update_op(
     offsets: torch.Tensor,
     batch_size: int,
     max_dim: int,
+    dim_align: int,
     optimizer: int,
     lr: float,
     eps: float,
@@ -164,13 +167,13 @@ def _fused_update_op(
     state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
     hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
     if _use_triton(weights):
-        _triton().embedding_fused_update_(*state, max_dim, *hyper)
+        _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper)
     else:
         reference.embedding_fused_update_(*state, *hyper)
 
 
 @_fused_update_op.register_fake
-def _(grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size, max_dim, *hyper):
+def _(grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size, max_dim, dim_align, *hyper):
     return None
 
 
@@ -187,6 +190,7 @@ def _fused_lookup_op(
     batch_size: int,
     out_numel: int,
     max_dim: int,
+    dim_align: int,
     optimizer: int,
     lr: float,
     eps: float,
@@ -194,21 +198,21 @@ def _fused_lookup_op(
     beta2: float,
     weight_decay: float,
 ) -> torch.Tensor:
-    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim)
+    return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align)
 
 
 @_fused_lookup_op.register_fake
-def _(weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, out_numel, max_dim, *hyper):
+def _(weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align, *hyper):
     return weights.new_empty(out_numel)
 
 
 def _fused_setup(ctx, inputs, output) -> None:
-    weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, _, max_dim, *hyper = inputs
+    weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, _, max_dim, dim_align, *hyper = inputs
     # The tables are kept as attributes, not saved tensors: the update mutates them in the backward, and
     # they are state (like an optimizer's), not activations.
     ctx.tables = (weights, row_state, elem_state, step)
     ctx.save_for_backward(anchor, feature_meta, ids, offsets)
-    ctx.batch_size, ctx.max_dim, ctx.hyper = batch_size, max_dim, hyper
+    ctx.sizes, ctx.hyper = (batch_size, max_dim, dim_align), hyper
 
 
 def _fused_backward(ctx, grad_out):
@@ -216,9 +220,9 @@ def _fused_backward(ctx, grad_out):
     weights, row_state, elem_state, step = ctx.tables
     _fused_update_op(
         grad_out.contiguous(), weights, row_state, elem_state, step, feature_meta, ids, offsets,
-        ctx.batch_size, ctx.max_dim, *ctx.hyper,
+        *ctx.sizes, *ctx.hyper,
     )  # fmt: skip
-    return (None, None, None, None, torch.zeros_like(anchor)) + (None,) * 12
+    return (None, None, None, None, torch.zeros_like(anchor)) + (None,) * 13
 
 
 _fused_lookup_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -267,6 +271,7 @@ class LookupLayout:
     batch_size: int
     out_numel: int
     max_dim: int
+    dim_align: int  # largest power of two <= 8 dividing every dim (lets kernels vectorize row loads)
 
     @classmethod
     def build(
@@ -291,7 +296,8 @@ class LookupLayout:
             out += (count if code == POOL_NONE else batch_size) * dim
             max_dim = max(max_dim, dim)
         meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLUMNS).to(device)
-        return cls(meta, tuple(rows), batch_size, out, max_dim)
+        dim_align = math.gcd(8, *(row[DIM] for row in rows))  # 8, 4, 2 or 1: every offset is a multiple
+        return cls(meta, tuple(rows), batch_size, out, max_dim, dim_align)
 
     def split_outputs(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each feature's ``[B, dim]`` (pooled) or ``[T_f, dim]`` (sequence) view of the flat output.
@@ -322,6 +328,9 @@ def check_embedding_inputs(
     for name, tensor in (("feature_meta", feature_meta), ("ids", ids), ("offsets", offsets)):
         if tensor.device != weights.device:
             raise ValueError(f"{name} is on {tensor.device} but weights are on {weights.device}")
+    for name, tensor in (("weights", weights), ("feature_meta", feature_meta), ("ids", ids), ("offsets", offsets)):
+        if not tensor.is_contiguous():
+            raise ValueError(f"{name} must be contiguous (the kernels index it as a dense buffer)")
 
 
 def check_ids(
@@ -370,7 +379,7 @@ def embedding_lookup(
         ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.split_outputs`.
     """
     check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
-    sizes = (layout.batch_size, layout.out_numel, layout.max_dim)
+    sizes = (layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
     if update is None:
         return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)
     if update.kind not in OPTIMIZER_CODES:

@@ -8,9 +8,10 @@ Forward: one program per (bag, block of BLOCK_D columns). It gathers BLOCK_N row
 sums them in fp32 (pooled) or writes each row out (sequence features).
 
 Backward: the host sorts the batch's (global row, contribution) pairs by row with torch ops, without a
-device sync. One program per sorted position; only the first position of each run of equal rows does
-work: it sums the run's gradient contributions BLOCK_N at a time in fp32, then applies the optimizer to
-the row (the whole row in one program, since row-wise state needs the mean of g**2 over the row).
+device sync. Each program takes ROWS consecutive sorted positions as a [ROWS, BLOCK_D] tile; the first
+position of each run of equal rows owns the row: it sums the run's gradient contributions in fp32, then
+applies the optimizer to the whole row (row-wise state needs the mean of g**2 over the row). Tiles of
+several rows keep many independent loads in flight (most runs are 1 or 2 long).
 
 Loops over runtime bounds are ``while`` loops: Triton 3.6's interpreter cannot take a loaded scalar as a
 ``range`` bound with NumPy >= 2.3 (its scalars are 1-element arrays); compiled code is the same.
@@ -51,7 +52,7 @@ def _new_output(numel: int, like: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _lookup_kernel(
     weights, meta, ids, offsets, out, batch_size,
-    META_COLS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    META_COLS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     bag = tl.program_id(0)
     column_block = tl.program_id(1)
@@ -75,9 +76,10 @@ def _lookup_kernel(
                 positions = start + tl.arange(0, BLOCK_N)
                 mask = (positions < last)[:, None] & column_mask[None, :]
                 rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
-                tile = tl.load(weights + weight_start + rows[:, None] * dim + columns[None, :], mask=mask)
-                target = out + out_start + (positions - feature_first)[:, None] * dim + columns[None, :]
-                tl.store(target, tile, mask=mask)
+                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask)
+                out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
+                tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
                 start += BLOCK_N
         else:  # POOL_SUM / POOL_MEAN: fp32 sum of the bag's rows
             total = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -86,79 +88,86 @@ def _lookup_kernel(
                 positions = start + tl.arange(0, BLOCK_N)
                 mask = (positions < last)[:, None] & column_mask[None, :]
                 rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
-                tile = tl.load(weights + weight_start + rows[:, None] * dim + columns[None, :], mask=mask, other=0.0)
+                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask, other=0.0)
                 total += tl.sum(tile.to(tl.float32), axis=0)
                 start += BLOCK_N
             if pooling == 1:  # POOL_MEAN; an empty bag stays 0
                 total = total / tl.maximum(last - first, 1).to(tl.float32)
-            tl.store(out + out_start + sample * dim + columns, total.to(out.dtype.element_ty), mask=column_mask)
+            out_row = tl.multiple_of(out_start + sample * dim, ALIGN)
+            tl.store(out + out_row + columns, total.to(out.dtype.element_ty), mask=column_mask)
 
 
 @triton.jit
 def _aggregate_update_kernel(
     grad_out, weights, row_state, elem_state, corrections,
-    sorted_keys, run_ends, grad_starts, grad_scales, weight_starts, dims,
+    sorted_keys, run_ends, grad_starts, grad_scales, weight_starts, dims, num_positions,
     lr, eps, beta1, beta2, weight_decay,
-    OPTIMIZER: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPTIMIZER: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
-    i = tl.program_id(0).to(tl.int64)
-    key = tl.load(sorted_keys + i)
-    previous = tl.load(sorted_keys + i - 1, mask=i > 0, other=-1)
-    # only the first contribution of each run of equal rows does the row (runs are sorted and contiguous)
-    if previous != key:
-        run_end = tl.load(run_ends + i)
-        dim = tl.load(dims + i)
-        weight_start = tl.load(weight_starts + i)
-        columns = tl.arange(0, BLOCK_D)
-        column_mask = columns < dim
-        # 1. sum the row's gradient contributions (scaled by 1/bag length for mean pooling)
-        grad = tl.zeros([BLOCK_D], dtype=tl.float32)
-        start = i
-        while start < run_end:
-            positions = start + tl.arange(0, BLOCK_N)
-            valid = positions < run_end
-            sources = tl.load(grad_starts + positions, mask=valid, other=0)
-            scales = tl.load(grad_scales + positions, mask=valid, other=0.0)
-            tile_mask = valid[:, None] & column_mask[None, :]
-            tile = tl.load(grad_out + sources[:, None] + columns[None, :], mask=tile_mask, other=0.0)
-            grad += tl.sum(tile.to(tl.float32) * scales[:, None], axis=0)
-            start += BLOCK_N
-        if OPTIMIZER == 3:  # DENSE_GRAD: write the row's plain gradient
-            tl.store(weights + weight_start + columns, grad.to(weights.dtype.element_ty), mask=column_mask)
-        else:
-            # 2. one optimizer step on the row (L2 weight decay folded into the gradient)
-            w = tl.load(weights + weight_start + columns, mask=column_mask, other=0.0).to(tl.float32)
-            grad = grad + weight_decay * w
-            if OPTIMIZER == 0:  # SGD
-                w = w - lr * grad
-            elif OPTIMIZER == 1:  # row-wise Adagrad: one accumulator per row
-                state = tl.load(row_state + key) + tl.sum(grad * grad, axis=0) / dim.to(tl.float32)
-                tl.store(row_state + key, state)
-                w = w - lr * grad / (tl.sqrt(state) + eps)
-            else:  # row-wise Adam: per-element first moment, per-row second moment, bias-corrected
-                moment_ptrs = elem_state + weight_start + columns
-                m = beta1 * tl.load(moment_ptrs, mask=column_mask, other=0.0) + (1 - beta1) * grad
-                v = beta2 * tl.load(row_state + key) + (1 - beta2) * tl.sum(grad * grad, axis=0) / dim.to(tl.float32)
-                tl.store(moment_ptrs, m, mask=column_mask)
-                tl.store(row_state + key, v)
-                m_hat = m / tl.load(corrections + 0)
-                v_hat = v / tl.load(corrections + 1)
-                w = w - lr * m_hat / (tl.sqrt(v_hat) + eps)
-            tl.store(weights + weight_start + columns, w.to(weights.dtype.element_ty), mask=column_mask)
+    # ROWS consecutive positions of the sorted index; a position that starts a run of equal rows owns
+    # that row (runs are contiguous after sorting), the others are masked out.
+    positions = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    in_range = positions < num_positions
+    keys = tl.load(sorted_keys + positions, mask=in_range, other=-1)
+    previous = tl.load(sorted_keys + positions - 1, mask=in_range & (positions > 0), other=-1)
+    first = keys != previous  # keys >= 0, so position 0 is a start and out-of-range lanes are not
+    run_length = tl.where(first, tl.load(run_ends + positions, mask=first, other=0) - positions, 0)
+    dim = tl.load(dims + positions, mask=first, other=0)
+    weight_start = tl.multiple_of(tl.load(weight_starts + positions, mask=first, other=0), ALIGN)
+    columns = tl.arange(0, BLOCK_D)
+    row_mask = first[:, None] & (columns[None, :] < dim[:, None])
+    # 1. sum each row's gradient contributions (scaled by 1/bag length for mean pooling), UNROLL
+    #    contributions per row per iteration so that their loads are in flight together
+    grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    longest = tl.max(run_length, axis=0)
+    done = 0
+    while done < longest:
+        for k in tl.static_range(UNROLL):
+            active = (done + k) < run_length
+            source = tl.multiple_of(tl.load(grad_starts + positions + done + k, mask=active, other=0), ALIGN)
+            scale = tl.load(grad_scales + positions + done + k, mask=active, other=0.0)
+            tile = tl.load(grad_out + source[:, None] + columns[None, :], mask=active[:, None] & row_mask, other=0.0)
+            grad += tile.to(tl.float32) * scale[:, None]
+        done += UNROLL
+    row_ptrs = weights + weight_start[:, None] + columns[None, :]
+    if OPTIMIZER == 3:  # DENSE_GRAD: write each row's plain gradient
+        tl.store(row_ptrs, grad.to(weights.dtype.element_ty), mask=row_mask)
+    else:
+        # 2. one optimizer step per row (L2 weight decay folded into the gradient)
+        w = tl.load(row_ptrs, mask=row_mask, other=0.0).to(tl.float32)
+        grad = grad + weight_decay * w
+        mean_square = tl.sum(grad * grad, axis=1) / tl.maximum(dim, 1).to(tl.float32)  # masked columns are 0
+        if OPTIMIZER == 0:  # SGD
+            w = w - lr * grad
+        elif OPTIMIZER == 1:  # row-wise Adagrad: one accumulator per row
+            state = tl.load(row_state + keys, mask=first, other=0.0) + mean_square
+            tl.store(row_state + keys, state, mask=first)
+            w = w - lr * grad / (tl.sqrt(state)[:, None] + eps)
+        else:  # row-wise Adam: per-element first moment, per-row second moment, bias-corrected
+            moment_ptrs = elem_state + weight_start[:, None] + columns[None, :]
+            m = beta1 * tl.load(moment_ptrs, mask=row_mask, other=0.0) + (1 - beta1) * grad
+            v = beta2 * tl.load(row_state + keys, mask=first, other=0.0) + (1 - beta2) * mean_square
+            tl.store(moment_ptrs, m, mask=row_mask)
+            tl.store(row_state + keys, v, mask=first)
+            m_hat = m / tl.load(corrections + 0)
+            v_hat = v / tl.load(corrections + 1)
+            w = w - lr * m_hat / (tl.sqrt(v_hat)[:, None] + eps)
+        tl.store(row_ptrs, w.to(weights.dtype.element_ty), mask=row_mask)
 
 
 def embedding_lookup(
-    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int, max_dim: int
+    weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int, max_dim: int, dim_align: int
 ) -> torch.Tensor:
     out = _new_output(out_numel, weights)
     bags = feature_meta.shape[0] * batch_size
     if bags == 0 or out_numel == 0:
         return out
-    block_d = min(triton.next_power_of_2(max_dim), 128)
+    block_d = min(triton.next_power_of_2(max_dim), 256)  # one column block for dims <= 256
     grid = (bags, triton.cdiv(max_dim, block_d))
     _lookup_kernel[grid](
         weights, feature_meta, ids, offsets, out, batch_size,
-        META_COLS=META_COLUMNS, BLOCK_N=16, BLOCK_D=block_d, num_warps=4,
+        META_COLS=META_COLUMNS, ALIGN=dim_align, BLOCK_N=16, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
     return out
 
@@ -204,6 +213,7 @@ def _aggregate_update(
     offsets: torch.Tensor,
     batch_size: int,
     max_dim: int,
+    dim_align: int,
     optimizer: int,
     hyper: tuple[float, float, float, float, float],
 ) -> None:
@@ -211,21 +221,22 @@ def _aggregate_update(
         return
     parts = _sorted_contributions(feature_meta, ids, offsets, batch_size)
     block_d = triton.next_power_of_2(max_dim)
-    _aggregate_update_kernel[(ids.numel(),)](
+    rows = max(1, min(16, 4096 // block_d))  # a [ROWS, BLOCK_D] fp32 tile of at most 16 KiB
+    _aggregate_update_kernel[(triton.cdiv(ids.numel(), rows),)](
         grad_out, target, row_state, elem_state, corrections,
         parts["sorted_keys"], parts["run_ends"], parts["grad_starts"], parts["grad_scales"],
-        parts["weight_starts"], parts["dims"], *hyper,
-        OPTIMIZER=optimizer, BLOCK_N=8, BLOCK_D=block_d, num_warps=4 if block_d <= 256 else 8,
+        parts["weight_starts"], parts["dims"], ids.numel(), *hyper,
+        OPTIMIZER=optimizer, ALIGN=dim_align, ROWS=rows, UNROLL=4, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 2048 else 4,
     )  # fmt: skip
 
 
 def embedding_dense_grad(
-    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, max_dim: int
+    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, max_dim: int, dim_align: int
 ) -> torch.Tensor:
     grad = torch.zeros_like(weights)
     empty = torch.empty(0, device=weights.device)
     _aggregate_update(
-        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0)
+        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, dim_align, DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0)
     )
     return grad
 
@@ -241,6 +252,7 @@ def embedding_fused_update_(
     offsets: torch.Tensor,
     batch_size: int,
     max_dim: int,
+    dim_align: int,
     optimizer: int,
     lr: float,
     eps: float,
@@ -255,6 +267,6 @@ def embedding_fused_update_(
     if optimizer not in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM):
         raise ValueError(f"unknown optimizer code {optimizer}")
     _aggregate_update(
-        grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, optimizer,
+        grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, dim_align, optimizer,
         (lr, eps, beta1, beta2, weight_decay),
     )  # fmt: skip

@@ -1,0 +1,188 @@
+"""Numeric-drift monitoring of low-precision layers and per-layer automatic recipe choice (LoKA's idea).
+
+`NumericsMonitor`: every ``every`` steps, each `LowPrecisionLinear`'s output is compared with a BF16
+shadow computation on the same input (forward hook); the relative errors go to the training metrics, a
+layer past ``bound`` triggers a warning and, with ``fallback``, is switched to BF16 for the rest of the run.
+
+`select_precision`: for each layer, measure every candidate recipe's forward error on a calibration batch
+and keep the fastest recipe under the bound (per-shape timings on GPU, a static ordering on CPU).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from opengem.nn.low_precision import (
+    BF16,
+    LowPrecisionLinear,
+    LowPrecisionRecipe,
+    convert_to_low_precision,
+    resolve_recipe,
+)
+
+# Hopper speed ranking used where no GPU timing is possible: cuBLAS rowwise, Triton blockwise, MX emulation.
+STATIC_SPEED_ORDER = ("fp8_rowwise", "fp8_blockwise", "mxfp8")
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in fp32; inf when ``out`` has a non-finite value."""
+    out32, ref32 = out.detach().float(), ref.detach().float()
+    if not torch.isfinite(out32).all():
+        return math.inf
+    return float((out32 - ref32).norm() / ref32.norm().clamp_min(1e-30))
+
+
+def _bf16_shadow(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    bias = None if layer.bias is None else layer.bias.to(torch.bfloat16)
+    return F.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16), bias)
+
+
+class NumericsMonitor:
+    """Watch every `LowPrecisionLinear` of ``model``. Call `step()` once per training step (before the
+    forward); on steps divisible by ``every`` the hooks measure each layer's first forward of the step.
+
+    ``stats``: {layer name: {"rel_error", "max_rel_error", "recipe", "fell_back"}}; `metrics()` flattens
+    it to {"numerics/<layer>/rel_error": float} for the training logger.
+    """
+
+    def __init__(self, model: nn.Module, every: int = 100, bound: float = 0.1, fallback: bool = False) -> None:
+        if every < 1:
+            raise ValueError(f"every must be >= 1, got {every}")
+        if not bound > 0:
+            raise ValueError(f"bound must be > 0, got {bound}")
+        self.every, self.bound, self.fallback = every, bound, fallback
+        self.steps = 0
+        self.stats: dict[str, dict[str, Any]] = {}
+        self._measured: set[str] = set()
+        self._active = False
+        self._handles = [
+            m.register_forward_hook(self._hook_for(name))
+            for name, m in model.named_modules()
+            if isinstance(m, LowPrecisionLinear)
+        ]
+
+    def step(self) -> None:
+        self._active = self.steps % self.every == 0
+        self._measured.clear()
+        self.steps += 1
+
+    def _hook_for(self, name: str) -> Callable[..., None]:
+        def hook(layer: LowPrecisionLinear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            if not self._active or name in self._measured or layer.recipe.is_bf16:
+                return
+            self._measured.add(name)
+            with torch.no_grad():
+                err = relative_error(output, _bf16_shadow(layer, inputs[0]))
+            previous = self.stats.get(name, {})
+            entry = {
+                "rel_error": err,
+                "max_rel_error": max(err, previous.get("max_rel_error", 0.0)),
+                "recipe": layer.recipe.forward,
+                "fell_back": False,
+            }
+            if err > self.bound:
+                action = "falling back to BF16" if self.fallback else "keeping its recipe"
+                warnings.warn(
+                    f"low-precision layer {name!r} ({layer.recipe.forward}): output relative error {err:.3g} "
+                    f"vs BF16 exceeds the bound {self.bound:.3g} at step {self.steps - 1}; {action}",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                if self.fallback:
+                    layer.recipe = BF16
+                    entry["fell_back"] = True
+            self.stats[name] = entry
+
+        return hook
+
+    def metrics(self) -> dict[str, float]:
+        return {f"numerics/{name}/rel_error": s["rel_error"] for name, s in self.stats.items()}
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _forward_ms(layer: LowPrecisionLinear, x: torch.Tensor, repeats: int = 5) -> float:
+    with torch.no_grad():
+        layer(x)  # warm-up (and weight quantization, cached afterwards)
+        torch.cuda.synchronize(x.device)
+        start = time.perf_counter()
+        for _ in range(repeats):
+            layer(x)
+        torch.cuda.synchronize(x.device)
+    return (time.perf_counter() - start) * 1e3 / repeats
+
+
+def select_precision(
+    model: nn.Module,
+    calibration: Callable[[], Any],
+    bound: float = 0.05,
+    candidates: tuple[str | LowPrecisionRecipe, ...] = STATIC_SPEED_ORDER,
+) -> dict[str, dict[str, Any]]:
+    """Set each `LowPrecisionLinear`'s recipe to the fastest candidate whose forward relative error (vs
+    fp32, on the input the layer sees while ``calibration()`` runs, e.g. one forward of a real batch) is
+    at most ``bound``; BF16 when none qualifies. Speed: per-shape timing on CUDA, `STATIC_SPEED_ORDER`
+    (the candidates' given order) on CPU. Returns {layer: {"recipe", "errors": {recipe: error}}}.
+    """
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
+    inputs: dict[str, torch.Tensor] = {}
+
+    def capture(name: str) -> Callable[..., None]:
+        def hook(layer: nn.Module, args: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
+            inputs.setdefault(name, args[0].detach())
+
+        return hook
+
+    handles = [m.register_forward_hook(capture(name)) for name, m in layers.items()]
+    try:
+        with torch.no_grad():
+            calibration()
+    finally:
+        for handle in handles:
+            handle.remove()
+    recipes = {c if isinstance(c, str) else f"{c.forward}/{c.grad_input}/{c.grad_weight}": resolve_recipe(c)
+               for c in candidates}
+    report: dict[str, dict[str, Any]] = {}
+    for name, layer in layers.items():
+        if name not in inputs:
+            continue  # not reached by the calibration batch: leave as is
+        x = inputs[name]
+        with torch.no_grad():
+            ref = F.linear(x.float(), layer.weight.float(), None if layer.bias is None else layer.bias.float())
+        errors, times = {}, {}
+        for label, recipe in recipes.items():
+            layer.recipe = recipe
+            with torch.no_grad():
+                errors[label] = relative_error(layer(x), ref)
+            times[label] = _forward_ms(layer, x) if x.is_cuda else float(len(times))
+        passing = [label for label in recipes if errors[label] <= bound]
+        chosen = min(passing, key=times.__getitem__) if passing else "bf16"
+        layer.recipe = recipes[chosen] if passing else BF16
+        report[name] = {"recipe": chosen, "errors": errors, "ms": times if x.is_cuda else None}
+    return report
+
+
+def convert_with_precision(
+    model: nn.Module,
+    precision: str,
+    calibration: Callable[[], Any] | None = None,
+    bound: float = 0.05,
+    filter: Callable[[str, nn.Linear], bool] | None = None,
+) -> dict[str, str]:
+    """The ``--precision`` switch: a name of `NAMED_RECIPES` converts the eligible Linears to it;
+    ``"auto"`` converts them and runs `select_precision` on ``calibration``. Returns {layer: recipe}."""
+    if precision != "auto":
+        return {name: precision for name in convert_to_low_precision(model, precision, filter)}
+    if calibration is None:
+        raise ValueError("precision='auto' needs a calibration callable (e.g. one forward of a real batch)")
+    convert_to_low_precision(model, STATIC_SPEED_ORDER[0], filter)
+    return {name: r["recipe"] for name, r in select_precision(model, calibration, bound).items()}

@@ -1,0 +1,237 @@
+"""Triton kernels of the FP8 GEMM recipes (Hopper and later; no autograd here).
+
+- `rowwise_quantize`: per-row scaled E4M3 (scale = amax / 448), optionally of x^T (transpose-quantize),
+  or both from one read of x (`rowwise_quantize_dual`), feeding `torch._scaled_mm`'s rowwise GEMM.
+- `blockwise_quantize_dual`: one pass over x writing 1x128-tile quantizations of x and of x^T with
+  power-of-two (E8M0) scales, bit-identical to `mx_quantize_reference(.., block=(128,), "e4m3", "rceil")`.
+- `blockwise_gemm`: out = a @ b^T for E4M3 operands with E8M0 scales per 1x128 tile of a and per 1x128
+  tile or 128x128 block of b, fp32 accumulation, scales applied per 128-wide K step.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from opengem.ops.triton.mx import exp2_int, fp32_to_fp8_bits, shared_exponent
+
+E4M3_MAX = 448.0
+TILE = 128
+
+
+@triton.jit
+def _prologue(x_ptr, u_ptr, offs, m, PROLOGUE: tl.constexpr):
+    # the value to quantize: x (0), gelu(x) (1), or x * gelu'(u) (2, the GELU backward)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    if PROLOGUE == 1:
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    if PROLOGUE == 2:
+        u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        cdf = 0.5 * (1.0 + tl.math.erf(u * 0.7071067811865476))
+        x = x * (cdf + u * tl.exp(-0.5 * u * u) * 0.3989422804014327)
+    return x
+
+
+@triton.jit
+def _row_amax_quant_kernel(
+    x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
+    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes
+    # re-reading the same rows, which a small per-program footprint keeps in L1/L2. With a prologue
+    # (GELU or its backward) pass 2 also writes the transformed values to out_ptr.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    base = r[:, None].to(tl.int64) * C
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE)
+        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+    amax = tl.maximum(amax, 1e-12)
+    tl.store(scale_ptr + r, amax / 448.0, mask=rmask)
+    mult = 448.0 / amax
+    for c0 in range(0, C, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        m = rmask[:, None] & (c[None, :] < C)
+        x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE)
+        if PROLOGUE != 0:
+            tl.store(out_ptr + base + c[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
+        q = tl.minimum(tl.maximum(x * mult[:, None], -448.0), 448.0)
+        tl.store(q_ptr + base + c[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
+
+
+@triton.jit
+def _tile_amax_kernel(x_ptr, row_amax_ptr, col_amax_ptr, R, C, DO_ROW: tl.constexpr, BLOCK: tl.constexpr):
+    # amax per row and/or column via atomic max on the fp32 bit patterns (non-negative: int order = float order)
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = (r[:, None] < R) & (c[None, :] < C)
+    x = tl.abs(tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0).to(tl.float32))
+    xb = x.to(tl.int32, bitcast=True)
+    tl.atomic_max(col_amax_ptr + c, tl.max(xb, axis=0), mask=c < C)
+    if DO_ROW:
+        tl.atomic_max(row_amax_ptr + r, tl.max(xb, axis=1), mask=r < R)
+
+
+@triton.jit
+def _tile_quant_kernel(
+    x_ptr, q_ptr, qt_ptr, row_amax_ptr, col_amax_ptr, R, C, DO_ROW: tl.constexpr, BLOCK: tl.constexpr
+):
+    # writes x^T scaled per row of x^T (= column of x) and, with DO_ROW, x scaled per row, from one read
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = (r[:, None] < R) & (c[None, :] < C)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    col_amax = tl.maximum(tl.load(col_amax_ptr + c, mask=c < C, other=0).to(tl.float32, bitcast=True), 1e-12)
+    qt = tl.minimum(tl.maximum(x * (448.0 / col_amax)[None, :], -448.0), 448.0)
+    qt8 = qt.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+    tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], qt8, mask=m)
+    if DO_ROW:
+        row_amax = tl.maximum(tl.load(row_amax_ptr + r, mask=r < R, other=0).to(tl.float32, bitcast=True), 1e-12)
+        q = tl.minimum(tl.maximum(x * (448.0 / row_amax)[:, None], -448.0), 448.0)
+        q8 = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+        tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], q8, mask=m)
+
+
+PROLOGUES = {None: 0, "gelu": 1, "gelu_backward": 2}
+
+
+def rowwise_quantize(
+    x: torch.Tensor, prologue: str | None = None, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Contiguous 2-D ``x [R, C]`` -> (E4M3 ``[R, C]``, fp32 dequant scales ``[R]`` = amax / 448, out).
+
+    ``prologue="gelu"`` quantizes gelu(x) (exact erf GELU) and returns it as ``out`` (x's dtype);
+    ``"gelu_backward"`` quantizes and returns x * gelu'(u) for the pre-activation ``u`` (same shape).
+    """
+    R, C = x.shape
+    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((R,), dtype=torch.float32, device=x.device)
+    out = torch.empty_like(x) if prologue else None
+    if x.numel():
+        block_c = min(triton.next_power_of_2(C), 4096)
+        block_r = max(1, 8192 // block_c)
+        _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](
+            x, x if u is None else u, q if out is None else out, q, scale, R, C,
+            PROLOGUE=PROLOGUES[prologue], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8,
+        )
+    return q, scale, out
+
+
+def rowwise_quantize_dual(
+    x: torch.Tensor, with_rows: bool = True
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """Quantize x^T (``[C, R]``, per-row scales ``[C]``) and, with ``with_rows``, x (``[R, C]``, ``[R]``).
+
+    Two passes over x (amax, then quantize); the second writes both outputs from one read.
+    Returns (q, scale, qt, scale_t) with q, scale None when ``with_rows`` is False.
+    """
+    R, C = x.shape
+    row_amax = torch.zeros((R,), dtype=torch.int32, device=x.device)
+    col_amax = torch.zeros((C,), dtype=torch.int32, device=x.device)
+    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device) if with_rows else None
+    qt = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=x.device)
+    if x.numel():
+        grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
+        _tile_amax_kernel[grid](x, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4)
+        _tile_quant_kernel[grid](
+            x, q if with_rows else qt, qt, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4
+        )
+    col_scale = col_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX
+    row_scale = row_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX if with_rows else None
+    return q, row_scale, qt, col_scale
+
+
+@triton.jit
+def _blockwise_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, SC, SR, BLOCK: tl.constexpr):
+    # one [BLOCK, BLOCK] tile: 1x128 tiles along C for x, along R for x^T; power-of-two E4M3 scales
+    r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = (r[:, None] < R) & (c[None, :] < C)
+    x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0).to(tl.float32)
+    abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    # x: one scale per row of the tile
+    e_row = shared_exponent(tl.max(abits, axis=1), 8, True)
+    q = tl.minimum(tl.maximum(x * exp2_int(-e_row)[:, None], -448.0), 448.0)
+    tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], fp32_to_fp8_bits(q, 3, 7).to(tl.uint8), mask=m)
+    tl.store(s_ptr + r.to(tl.int64) * SC + tl.program_id(1), (e_row + 127).to(tl.uint8), mask=r < R)
+    # x^T: one scale per column of the tile, stored transposed
+    e_col = shared_exponent(tl.max(abits, axis=0), 8, True)
+    qt = tl.minimum(tl.maximum(x * exp2_int(-e_col)[None, :], -448.0), 448.0)
+    tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], fp32_to_fp8_bits(qt, 3, 7).to(tl.uint8), mask=m)
+    tl.store(st_ptr + c.to(tl.int64) * SR + tl.program_id(0), (e_col + 127).to(tl.uint8), mask=c < C)
+
+
+def blockwise_quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Finite contiguous 2-D ``x [R, C]`` -> (q ``[R, C]``, E8M0 ``[R, ceil(C/128)]``, qt ``[C, R]``,
+    E8M0 ``[C, ceil(R/128)]``): E4M3, 1x128 tiles along the last dim of x and of x^T, rceil scales."""
+    R, C = x.shape
+    sc, sr = triton.cdiv(C, TILE), triton.cdiv(R, TILE)
+    q = torch.empty((R, C), dtype=torch.uint8, device=x.device)
+    qt = torch.empty((C, R), dtype=torch.uint8, device=x.device)
+    s = torch.empty((R, sc), dtype=torch.uint8, device=x.device)
+    st = torch.empty((C, sr), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        _blockwise_dual_kernel[(sr, sc)](x, q, s, qt, st, R, C, sc, sr, BLOCK=TILE, num_warps=8)
+    return q.view(torch.float8_e4m3fn), s, qt.view(torch.float8_e4m3fn), st
+
+
+def _gemm_configs() -> list[triton.Config]:
+    return [
+        triton.Config({"BLOCK_M": bm, "GROUP_M": 8}, num_warps=w, num_stages=s)
+        for bm, w, s in ((128, 8, 3), (128, 4, 4), (64, 4, 4), (128, 8, 4))
+    ]
+
+
+@triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "B_BLOCKS"])
+@triton.jit
+def _blockwise_gemm_kernel(
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, SK,
+    B_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    BLOCK_N: tl.constexpr = 128
+    BLOCK_K: tl.constexpr = 128
+    # grouped ordering so consecutive programs share b tiles in L2
+    pid = tl.program_id(0)
+    num_m, num_n = tl.cdiv(M, BLOCK_M), tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    a_rows = a_ptr + rm[:, None].to(tl.int64) * K
+    b_rows = b_ptr + rn[:, None].to(tl.int64) * K
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+        k = kb * BLOCK_K + rk
+        a = tl.load(a_rows + k[None, :], mask=(rm[:, None] < M) & (k[None, :] < K), other=0.0)
+        b = tl.load(b_rows + k[None, :], mask=(rn[:, None] < N) & (k[None, :] < K), other=0.0)
+        # E8M0 bytes -> fp32 powers of two, one per 1x128 tile of a and per tile (or block) of b
+        sa = exp2_int(tl.load(sa_ptr + rm.to(tl.int64) * SK + kb, mask=rm < M, other=127).to(tl.int32) - 127)
+        if B_BLOCKS:
+            sb = exp2_int(tl.load(sb_ptr + pid_n * SK + kb).to(tl.int32) - 127)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * sb)
+        else:
+            sbv = tl.load(sb_ptr + rn.to(tl.int64) * SK + kb, mask=rn < N, other=127).to(tl.int32)
+            acc += tl.dot(a, tl.trans(b)) * (sa[:, None] * exp2_int(sbv - 127)[None, :])
+    out = out_ptr + rm[:, None].to(tl.int64) * N + rn[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
+
+
+def blockwise_gemm(
+    a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """``a [M, K]`` E4M3 with E8M0 ``sa [M, ceil(K/128)]``; ``b [N, K]`` E4M3 with E8M0 ``sb`` either
+    ``[N, ceil(K/128)]`` (1x128 tiles) or ``[ceil(N/128), ceil(K/128)]`` (128x128 blocks, ``b_blocks=True``)
+    -> ``a @ b^T [M, N]`` in ``out_dtype``."""
+    M, K = a.shape
+    N = b.shape[0]
+    out = torch.empty((M, N), dtype=out_dtype, device=a.device)
+    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, 128),)  # noqa: E731
+    _blockwise_gemm_kernel[grid](a, b, sa, sb, out, M, N, K, sa.shape[1], B_BLOCKS=b_blocks)
+    return out

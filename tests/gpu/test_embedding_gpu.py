@@ -1,0 +1,125 @@
+"""EmbeddingCollection on the GPU (Triton kernels) against the same collection on the CPU (reference)."""
+
+import pytest
+import torch
+
+from opengem.jagged import Jagged, KeyedJagged
+from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+TOLERANCE = {torch.float32: (1e-5, 1e-5), torch.bfloat16: (2e-2, 1e-2), torch.float16: (2e-3, 1e-3)}
+
+
+def tables(dtype: torch.dtype) -> list[EmbeddingTableConfig]:
+    return [
+        EmbeddingTableConfig("small", 50, 64, ("s1", "s2"), dtype=dtype),  # few rows: many duplicates
+        EmbeddingTableConfig("odd", 5000, 100, ("odd",), pooling="mean", dtype=dtype),  # dim not a power of 2
+        EmbeddingTableConfig("wide", 20000, 256, ("wide",), dtype=dtype),
+        EmbeddingTableConfig("history", 3000, 48, ("hist",), pooling="none", dtype=dtype),
+    ]
+
+
+def make_batch(configs: list[EmbeddingTableConfig], batch_size: int, seed: int, max_len: int = 100) -> KeyedJagged:
+    g = torch.Generator().manual_seed(seed)
+    keys, ids, lengths = [], [], []
+    for config in configs:
+        for feature in config.feature_names:
+            feature_lengths = torch.randint(0, max_len + 1, (batch_size,), generator=g)
+            feature_lengths[0] = 0  # always one empty bag
+            keys.append(feature)
+            lengths.append(feature_lengths)
+            ids.append(torch.randint(0, config.num_embeddings, (int(feature_lengths.sum()),), generator=g))
+    return KeyedJagged(tuple(keys), torch.cat(ids), torch.cat(lengths))
+
+
+def values_of(x: torch.Tensor | Jagged) -> torch.Tensor:
+    return x.values if isinstance(x, Jagged) else x
+
+
+def twin(configs, optimizer) -> tuple[EmbeddingCollection, EmbeddingCollection]:
+    cpu = EmbeddingCollection(configs, optimizer)
+    gpu = EmbeddingCollection(configs, optimizer, device="cuda")
+    gpu.load_state_dict(cpu.state_dict())
+    return cpu, gpu
+
+
+def assert_state_close(cpu: EmbeddingCollection, gpu: EmbeddingCollection, dtype: torch.dtype) -> None:
+    rtol, atol = TOLERANCE[dtype]
+    for key, value in cpu.state_dict().items():
+        torch.testing.assert_close(gpu.state_dict()[key].cpu(), value, rtol=rtol, atol=atol, msg=key)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch_size", [1, 33])
+def test_forward_matches_cpu(dtype: torch.dtype, batch_size: int) -> None:
+    cpu, gpu = twin(tables(dtype), EmbeddingOptimizer())
+    batch = make_batch(tables(dtype), batch_size, seed=batch_size)
+    with torch.no_grad():
+        expected, out = cpu(batch), gpu(batch.to("cuda"))
+    rtol, atol = TOLERANCE[dtype]
+    for name, ref in expected.items():
+        got = values_of(out[name])
+        assert got.dtype == dtype and got.is_cuda
+        torch.testing.assert_close(got.cpu(), values_of(ref), rtol=rtol, atol=atol, msg=name)
+    assert torch.equal(out["s1"][0].float().cpu(), torch.zeros(64))  # the empty bag
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "sgd", "rowwise_adam"])
+def test_fused_training_matches_cpu(dtype: torch.dtype, kind: str) -> None:
+    configs = tables(dtype)
+    cpu, gpu = twin(configs, EmbeddingOptimizer(kind, lr=0.05, weight_decay=0.01))
+    for step in range(3):
+        batch = make_batch(configs, 16, seed=100 + step)
+        for ec, device in ((cpu, "cpu"), (gpu, "cuda")):
+            out = ec(batch.to(device))
+            sum((values_of(v).float() * torch.linspace(-1, 1, values_of(v).shape[-1], device=device)).sum() for v in out.values()).backward()
+    assert_state_close(cpu, gpu, dtype)
+    assert list(gpu.parameters()) == []
+
+
+def test_hot_row_many_duplicates() -> None:
+    """One row looked up 20000 times in one batch: a long run of the sorted index."""
+    configs = [EmbeddingTableConfig("t", 10, 128, ("f",))]
+    cpu, gpu = twin(configs, EmbeddingOptimizer("rowwise_adagrad", lr=0.1))
+    ids = torch.cat([torch.full((20000,), 3), torch.randint(0, 10, (100,))])
+    batch = KeyedJagged(("f",), ids, torch.tensor([10000, 10050, 50]))
+    for ec, device in ((cpu, "cpu"), (gpu, "cuda")):
+        ec(batch.to(device))["f"].sum().backward()
+    assert_state_close(cpu, gpu, torch.float32)
+
+
+def test_dense_gradients_match_cpu() -> None:
+    configs = tables(torch.float32)
+    cpu, gpu = twin(configs, None)
+    batch = make_batch(configs, 8, seed=7)
+    for ec, device in ((cpu, "cpu"), (gpu, "cuda")):
+        sum(values_of(v).pow(2).sum() for v in ec(batch.to(device)).values()).backward()
+    for (name, p_cpu), p_gpu in zip(cpu.named_parameters(), gpu.parameters()):
+        torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_gpu_id_validation() -> None:
+    configs = tables(torch.float32)
+    checked = EmbeddingCollection(configs, device="cuda")
+    batch = make_batch(configs, 4, seed=1, max_len=3)
+    values = batch.values.clone()
+    start = sum(batch.lengths_per_key()[:3])  # the first id of feature "wide"
+    values[start + 1] = 20000
+    bad = KeyedJagged(batch.keys, values, batch.lengths).to("cuda")
+    with pytest.raises(ValueError, match=r"feature 'wide': id 20000 at position 1 is out of range \[0, 20000\)"):
+        checked(bad)
+
+
+def test_empty_batch_and_int32_ids() -> None:
+    configs = tables(torch.float32)
+    gpu = EmbeddingCollection(configs, device="cuda")
+    keys = tuple(f for c in configs for f in c.feature_names)
+    empty = KeyedJagged(keys, torch.zeros(0, dtype=torch.int32), torch.zeros(0, dtype=torch.int32)).to("cuda")
+    out = gpu(empty)
+    assert out["s1"].shape == (0, 64) and out["hist"].values.shape == (0, 48)
+    batch = make_batch(configs, 5, seed=3)
+    batch32 = KeyedJagged(batch.keys, batch.values.int(), batch.lengths.int()).to("cuda")
+    with torch.no_grad():
+        torch.testing.assert_close(gpu(batch32)["wide"], gpu(batch.to("cuda"))["wide"])

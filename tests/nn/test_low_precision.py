@@ -1,0 +1,229 @@
+"""LowPrecisionLinear, convert_to_low_precision, the drift monitor and automatic precision (CPU paths)."""
+
+import os
+import warnings
+from dataclasses import replace
+
+# importing opengem.ops.fp8_gemm imports torch.utils.flop_counter, which imports triton.language: set the
+# interpreter flag first so interpreter tests collected after this module still see interpreted tl builtins
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch import nn
+
+from opengem.nn.low_precision import (
+    NAMED_RECIPES,
+    LowPrecisionLinear,
+    LowPrecisionRecipe,
+    convert_to_low_precision,
+    default_filter,
+    resolve_recipe,
+)
+from opengem.nn.numerics import NumericsMonitor, convert_with_precision, relative_error, select_precision
+from opengem.ops.fp8_gemm import fp8_matmul
+
+
+def reference_grads(lin: nn.Linear, x: torch.Tensor, g: torch.Tensor):
+    x = x.detach().requires_grad_()
+    y = lin(x)
+    y.backward(g)
+    grads = (x.grad.clone(), lin.weight.grad.clone(), lin.bias.grad.clone())
+    lin.zero_grad()
+    return y.detach(), grads
+
+
+@pytest.mark.parametrize("name", sorted(NAMED_RECIPES))
+@pytest.mark.parametrize("hadamard", [False, True])
+def test_forward_and_gradients_match_recipe_emulation(name: str, hadamard: bool) -> None:
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384)
+    x = torch.randn(3, 45, 256)
+    g = torch.randn(3, 45, 384)
+    y_ref, (gx_ref, gw_ref, gb_ref) = reference_grads(lin, x, g)
+    recipe = replace(resolve_recipe(name), hadamard=hadamard)
+    layer = LowPrecisionLinear.from_linear(lin, recipe)
+    xr = x.clone().requires_grad_()
+    y = layer(xr)
+    y.backward(g)
+    assert y.shape == y_ref.shape and y.dtype == x.dtype
+    fp8 = {"forward": recipe.forward, "grad_input": recipe.grad_input, "grad_weight": recipe.grad_weight}
+    for (out, ref), gemm in zip(((y, y_ref), (xr.grad, gx_ref), (lin.weight.grad, gw_ref)), fp8.values()):
+        err = relative_error(out, ref)
+        assert (err < 1e-6) if gemm == "bf16" else (0.005 < err < 0.06), (gemm, err)
+    torch.testing.assert_close(lin.bias.grad, gb_ref)
+
+
+def test_forward_equals_quantized_gemm_exactly_without_rotation() -> None:
+    torch.manual_seed(1)
+    lin = nn.Linear(128, 96, bias=False)
+    x = torch.randn(40, 128)
+    for recipe in ("fp8_rowwise", "fp8_blockwise", "mxfp8"):
+        layer = LowPrecisionLinear.from_linear(lin, recipe)
+        torch.testing.assert_close(layer(x), fp8_matmul(x, lin.weight, recipe), rtol=1e-5, atol=1e-5)
+
+
+def test_hadamard_is_exact_in_the_math() -> None:
+    torch.manual_seed(2)
+    layer = LowPrecisionLinear(256, 64, recipe=LowPrecisionRecipe("bf16", "bf16", "bf16", hadamard=True))
+    x = torch.randn(8, 256)
+    rot = layer.rotation(x, 256)
+    from opengem.ops.fp8_gemm import hadamard_rotate
+
+    rotated = hadamard_rotate(x, rot) @ hadamard_rotate(layer.weight.detach(), rot).t()
+    torch.testing.assert_close(rotated, x @ layer.weight.detach().t(), rtol=1e-4, atol=1e-4)
+    assert layer.rotation(x, 200) is None  # K not a multiple of 128: no rotation
+
+
+def test_weight_quantization_cached_until_the_weight_changes() -> None:
+    torch.manual_seed(3)
+    layer = LowPrecisionLinear(128, 128, recipe="fp8_blockwise")
+    x = torch.randn(16, 128, requires_grad=True)
+    layer(x).sum().backward()
+    first = layer._weight_cache["forward"][1]
+    layer(x)
+    assert layer._weight_cache["forward"][1] is first
+    # the 128x128 blocks serve the input-gradient GEMM too: its operand is the transposed quantization
+    assert torch.equal(layer._weight_cache["grad_input"][1].data.float(), first.data.float().t())
+    with torch.no_grad():
+        layer.weight.mul_(2.0)
+    layer(x)
+    assert layer._weight_cache["forward"][1] is not first
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    torch.manual_seed(4)
+    from opengem.ops.fp8_gemm import dequantize_operand, quantize_operand
+
+    x = torch.full((1, 4097), 1.03)
+    x[0, 0] = 448.0  # scale 1: 1.03 lies between the E4M3 neighbours 1.0 and 1.125
+    sr = dequantize_operand(quantize_operand(x, "fp8_rowwise", stochastic=True))[0, 1:].mean()
+    rn = dequantize_operand(quantize_operand(x, "fp8_rowwise"))[0, 1:].mean()
+    assert abs(float(sr) - 1.03) < 2e-3 < abs(float(rn) - 1.03)
+    with pytest.raises(ValueError, match="stochastic rounding is implemented for 'fp8_rowwise' only"):
+        quantize_operand(x, "mxfp8", stochastic=True)
+
+
+class Tower(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(512, 1024)
+        self.down = nn.Linear(1024, 512)
+        self.small = nn.Linear(512, 64)
+        self.head = nn.Linear(512, 512)
+        self.last = nn.Linear(512, 512)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.down(torch.relu(self.up(x)))
+        return self.last(self.head(h)) + self.small(h).sum(-1, keepdim=True)
+
+
+def test_convert_default_rule_keeps_heads_last_and_small_layers() -> None:
+    model = Tower()
+    weight = model.up.weight
+    converted = convert_to_low_precision(model, "fp8_rowwise")
+    assert converted == ["up", "down"]
+    assert isinstance(model.up, LowPrecisionLinear) and model.up.weight is weight
+    assert type(model.head) is nn.Linear and type(model.last) is nn.Linear and type(model.small) is nn.Linear
+    assert convert_to_low_precision(model, "fp8_rowwise") == []  # idempotent
+    custom = Tower()
+    assert convert_to_low_precision(custom, "mxfp8", filter=lambda n, m: n == "small", hadamard=True) == ["small"]
+    assert custom.small.recipe.hadamard and custom.small.recipe.forward == "mxfp8"
+    assert default_filter(Tower(), min_features=64)("small", Tower().small)
+
+
+def test_bad_recipe_names() -> None:
+    with pytest.raises(ValueError, match="recipe must be a LowPrecisionRecipe or one of"):
+        LowPrecisionLinear(16, 16, recipe="fp4")
+    with pytest.raises(ValueError, match="LowPrecisionRecipe.grad_weight must be one of"):
+        LowPrecisionRecipe(grad_weight="int8")
+    with pytest.raises(ValueError, match="needs a calibration"):
+        convert_with_precision(Tower(), "auto")
+
+
+def test_monitor_reports_warns_and_falls_back() -> None:
+    torch.manual_seed(5)
+    model = Tower()
+    convert_to_low_precision(model, "fp8_rowwise")
+    monitor = NumericsMonitor(model, every=2, bound=0.5)
+    x = torch.randn(32, 512)
+    for _ in range(3):
+        monitor.step()
+        model(x)
+    assert set(monitor.stats) == {"up", "down"}
+    assert 0.005 < monitor.stats["up"]["rel_error"] < 0.06
+    assert set(monitor.metrics()) == {"numerics/up/rel_error", "numerics/down/rel_error"}
+    strict = NumericsMonitor(model, every=1, bound=1e-4, fallback=True)
+    strict.step()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(x)
+    assert any("exceeds the bound" in str(w.message) for w in caught)
+    assert model.up.recipe.is_bf16 and strict.stats["up"]["fell_back"]
+    monitor.remove()
+    strict.remove()
+
+
+def test_monitor_skips_inactive_steps() -> None:
+    model = Tower()
+    convert_to_low_precision(model, "fp8_rowwise")
+    monitor = NumericsMonitor(model, every=3)
+    monitor.step()
+    monitor.step()  # step 1: inactive
+    model(torch.randn(4, 512))
+    assert monitor.stats == {}
+
+
+def test_select_precision_picks_fastest_under_bound() -> None:
+    torch.manual_seed(6)
+    model = Tower()
+    x = torch.randn(64, 512)
+    chosen = convert_with_precision(model, "auto", calibration=lambda: model(x), bound=0.06)
+    assert chosen == {"up": "fp8_rowwise", "down": "fp8_rowwise"}
+    report = select_precision(model, lambda: model(x), bound=1e-3)
+    assert {r["recipe"] for r in report.values()} == {"bf16"} and model.up.recipe.is_bf16
+    assert all(0.005 < e < 0.06 for e in report["up"]["errors"].values())
+
+
+def test_fused_mlp_matches_unfused_layers() -> None:
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    torch.manual_seed(7)
+    fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+    x = torch.randn(2, 40, 256)
+    g = torch.randn(2, 40, 256)
+    unfused = nn.Sequential(LowPrecisionLinear.from_linear(fc1, "fp8_rowwise"), nn.GELU(),
+                            LowPrecisionLinear.from_linear(fc2, "fp8_rowwise"))
+    xa = x.clone().requires_grad_()
+    unfused(xa).backward(g)
+    grads_a = [xa.grad] + [p.grad.clone() for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias):
+        p.grad = None
+    fused = LowPrecisionMLP(fc1, fc2)
+    xb = x.clone().requires_grad_()
+    y = fused(xb)
+    y.backward(g)
+    grads_b = [xb.grad] + [p.grad for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
+    # same quantization points, same GEMMs: equal up to fp32 rounding (the GELU backward is written out)
+    torch.testing.assert_close(y, unfused(x), rtol=1e-4, atol=1e-4)
+    for a, b in zip(grads_a, grads_b):
+        torch.testing.assert_close(b, a, rtol=1e-3, atol=1e-4)
+    with torch.no_grad():
+        ref = fc2(torch.nn.functional.gelu(fc1(x)))
+    assert 0.005 < relative_error(y, ref) < 0.06
+    with pytest.raises(ValueError, match="LowPrecisionMLP runs fp8_rowwise"):
+        LowPrecisionMLP(fc1, fc2, "mxfp8")
+    with pytest.raises(ValueError, match="fc1.out_features"):
+        LowPrecisionMLP(fc1, nn.Linear(256, 256))
+
+
+def test_fallback_between_forward_and_backward_uses_the_forward_recipe() -> None:
+    torch.manual_seed(8)
+    layer = LowPrecisionLinear(128, 128, recipe="fp8_rowwise_all")
+    x = torch.randn(32, 128, requires_grad=True)
+    y = layer(x)
+    layer.recipe = NAMED_RECIPES["bf16"]  # as NumericsMonitor(fallback=True) does in its forward hook
+    y.sum().backward()
+    assert x.grad is not None and torch.isfinite(layer.weight.grad).all()
+    frozen_input = torch.randn(32, 128)  # no input gradient requested: dx is skipped
+    LowPrecisionLinear(128, 128)(frozen_input).sum().backward()

@@ -1,0 +1,147 @@
+"""FP8 GEMM recipes on CPU: emulation semantics, quantizer layouts, the fused blockwise quantizer in the
+Triton interpreter (bit-exact: it rounds with integer arithmetic), errors and the FLOP formula."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from opengem.ops.fp8_gemm import (
+    FP8_RECIPES,
+    dequantize_operand,
+    fp8_matmul,
+    hadamard_matrix,
+    hadamard_rotate,
+    quantize_operand,
+    quantize_operand_with_transpose,
+    scaled_gemm,
+)
+from opengem.ops.mx import mx_dequantize, mx_quantize
+from opengem.ops.reference.mx import mx_quantize_reference
+
+
+def test_mx_emulation_equals_dequantized_gemm() -> None:
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(70, 160, generator=g), torch.randn(90, 160, generator=g)
+    expected = mx_dequantize(mx_quantize(x), torch.float32) @ mx_dequantize(mx_quantize(w), torch.float32).t()
+    out = fp8_matmul(x, w, "mxfp8", torch.float32)
+    # only fp32 accumulation order may differ: bound by K * eps * sum |a||b|
+    bound = 160 * 2.0**-23 * (expected.abs() + 1).max()
+    assert (out - expected).abs().max() <= bound
+
+
+@pytest.mark.parametrize("recipe", FP8_RECIPES)
+def test_recipe_errors_are_fp8_sized(recipe: str) -> None:
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(64, 256, generator=g), torch.randn(48, 256, generator=g) * 0.02
+    ref = x @ w.t()
+    err = float((fp8_matmul(x, w, recipe) - ref).norm() / ref.norm())
+    assert 0.005 < err < 0.06
+
+
+def test_rowwise_scales_and_exact_emulation() -> None:
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 64, generator=g)
+    q = quantize_operand(x, "fp8_rowwise")
+    torch.testing.assert_close(q.scale, x.abs().amax(1) / 448)
+    assert (q.data.float().abs().amax(1) == 448).all()
+    w = quantize_operand(torch.randn(7, 64, generator=g), "fp8_rowwise", weight=True)
+    expected = (q.data.double() @ w.data.double().t()) * q.scale.double()[:, None] * w.scale.double()[None, :]
+    torch.testing.assert_close(scaled_gemm(q, w, torch.float32).double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_blockwise_layouts_and_transpose() -> None:
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(200, 300, generator=g)
+    q = quantize_operand(w, "fp8_blockwise", weight=True)
+    assert q.scale.shape == (2, 3) and q.blocks
+    t = q.transpose()
+    torch.testing.assert_close(dequantize_operand(t), dequantize_operand(q).t())
+    a = quantize_operand(w, "fp8_blockwise")
+    assert a.scale.shape == (200, 3) and not a.blocks
+    with pytest.raises(ValueError, match="only fp8_blockwise weight operands"):
+        a.transpose()
+
+
+@pytest.mark.parametrize("block", [(128,), (128, 128)])
+def test_blockwise_quantizer_triton_bit_exact(block: tuple[int, ...]) -> None:
+    from opengem.ops.triton.mx import mx_quantize_triton
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(130, 200, generator=g) * torch.logspace(-30, 30, 130)[:, None]
+    ref = mx_quantize_reference(x, block, "e4m3", "rceil")
+    tri = mx_quantize_triton(x, block, "e4m3", "rceil")
+    assert torch.equal(tri[0].view(torch.uint8), ref[0].view(torch.uint8)) and torch.equal(tri[1], ref[1])
+
+
+def test_fused_dual_blockwise_quantizer_bit_exact() -> None:
+    from opengem.ops.triton.fp8_gemm import blockwise_quantize_dual
+
+    g = torch.Generator().manual_seed(5)
+    x = (torch.randn(150, 140, generator=g) * torch.logspace(-5, 5, 140)).to(torch.bfloat16)
+    q, s, qt, st = blockwise_quantize_dual(x)
+    rq, rs = mx_quantize_reference(x, (128,), "e4m3", "rceil")
+    rqt, rst = mx_quantize_reference(x.t().contiguous(), (128,), "e4m3", "rceil")
+    assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+    assert torch.equal(qt.view(torch.uint8), rqt.view(torch.uint8)) and torch.equal(st, rst)
+
+
+def test_with_transpose_on_cpu_matches_separate_quantization() -> None:
+    x = torch.randn(40, 96)
+    for recipe in FP8_RECIPES:
+        q, qt = quantize_operand_with_transpose(x, recipe)
+        assert torch.equal(dequantize_operand(qt), dequantize_operand(quantize_operand(x.t(), recipe)))
+        assert qt.data.shape == (96, 40) and q.data.shape == (40, 96)
+
+
+def test_hadamard_rotation_is_orthonormal_and_preserves_products() -> None:
+    signs = torch.tensor([1, -1] * 64)
+    h = hadamard_matrix(signs)
+    torch.testing.assert_close(h @ h.t(), torch.eye(128), rtol=0, atol=1e-6)
+    a, b = torch.randn(4, 256), torch.randn(6, 256)
+    torch.testing.assert_close(hadamard_rotate(a, h) @ hadamard_rotate(b, h).t(), a @ b.t(), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="multiple of 128"):
+        hadamard_rotate(torch.randn(2, 100), h)
+
+
+def test_bad_inputs() -> None:
+    x = torch.randn(4, 32)
+    with pytest.raises(ValueError, match="recipe must be one of"):
+        fp8_matmul(x, x, "fp4")
+    with pytest.raises(ValueError, match="x must be 2-D"):
+        quantize_operand(torch.randn(2, 3, 32), "fp8_rowwise")
+    with pytest.raises(ValueError, match="has no quantized operand"):
+        quantize_operand(x, "bf16")
+    with pytest.raises(ValueError, match="different recipes"):
+        scaled_gemm(quantize_operand(x, "fp8_rowwise"), quantize_operand(x, "mxfp8"), torch.float32)
+    with pytest.raises(ValueError, match="contraction dims differ"):
+        scaled_gemm(quantize_operand(x, "mxfp8"), quantize_operand(torch.randn(4, 64), "mxfp8"), torch.float32)
+
+
+def test_blockwise_gemm_flop_formula() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        a = torch.empty(256, 512, dtype=torch.float8_e4m3fn)
+        b = torch.empty(384, 512, dtype=torch.float8_e4m3fn)
+        sa, sb = torch.empty(256, 4, dtype=torch.uint8), torch.empty(3, 4, dtype=torch.uint8)
+        with FlopCounterMode(display=False) as counter:
+            out = torch.ops.opengem.fp8_blockwise_gemm(a, sa, b, sb, True, torch.bfloat16)
+    assert out.shape == (256, 384) and counter.get_total_flops() == 2 * 256 * 512 * 384
+
+
+def test_blackwell_scale_swizzle_follows_the_cublas_layout() -> None:
+    from opengem.ops.fp8_gemm import _to_blocked
+
+    rows, cols = 200, 7  # padded to 256 x 8: 2 x 2 tiles of 128 x 4
+    scales = torch.arange(rows * cols, dtype=torch.int32).reshape(rows, cols)
+    blocked = _to_blocked(scales)
+    assert blocked.numel() == 256 * 8
+    col_tiles = 2
+    for i, j in [(0, 0), (1, 0), (31, 3), (32, 0), (127, 2), (128, 0), (199, 6), (45, 5)]:
+        # cuBLAS block-scaling factor layout: 128x4 tiles, each stored as 32 rows of (4 x 4) interleaved
+        offset = (i // 128) * col_tiles * 512 + (j // 4) * 512 + (i % 32) * 16 + ((i % 128) // 32) * 4 + j % 4
+        assert blocked[offset] == scales[i, j]
