@@ -1,5 +1,36 @@
 """One public function per operation; CUDA tensors run Triton kernels, CPU tensors the reference."""
 
+from opengem.ops.embedding import FusedUpdate, LookupLayout, check_ids, embedding_lookup
+from opengem.ops.fp8_gemm import (
+    RECIPES,
+    QuantizedOperand,
+    dequantize_operand,
+    fp8_matmul,
+    hadamard_rotate,
+    quantize_gelu,
+    quantize_operand,
+    quantize_operand_with_transpose,
+    scaled_gemm,
+)
+from opengem.ops.mx import MXTensor, mx_dequantize, mx_quantize
 from opengem.ops.reference.attention import jagged_attention
 
-__all__ = ["jagged_attention"]
+__all__ = [
+    "RECIPES",
+    "FusedUpdate",
+    "LookupLayout",
+    "MXTensor",
+    "QuantizedOperand",
+    "check_ids",
+    "dequantize_operand",
+    "embedding_lookup",
+    "fp8_matmul",
+    "hadamard_rotate",
+    "jagged_attention",
+    "mx_dequantize",
+    "mx_quantize",
+    "quantize_gelu",
+    "quantize_operand",
+    "quantize_operand_with_transpose",
+    "scaled_gemm",
+]

@@ -39,13 +39,8 @@ def save_checkpoint(path: Path, learners: dict[str, _Learner], step: int, config
 
 def load_checkpoint(run_dir: Path, learners: dict[str, _Learner]) -> int:
     """Restore ``learners`` from ``run_dir/checkpoint.pt`` (or a file path); returns the step to continue from."""
-    path = run_dir / "checkpoint.pt" if run_dir.is_dir() else run_dir
-    if not path.exists():
-        raise ValueError(f"--resume: no checkpoint at {path}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"--resume: {path} is not a readable opengem checkpoint ({error})") from error
+    state = _read(run_dir)
+    path = _checkpoint_path(run_dir)
     missing = set(learners) - set(state["learners"])
     if missing:
         raise ValueError(f"--resume: checkpoint {path} has no state for {sorted(missing)}")
@@ -60,7 +55,21 @@ def load_checkpoint(run_dir: Path, learners: dict[str, _Learner]) -> int:
 
 def checkpoint_config(run_dir: Path) -> dict[str, Any]:
     """The TrainConfig (as a dict) a checkpoint was written with."""
-    path = run_dir / "checkpoint.pt" if run_dir.is_dir() else run_dir
+    return _read(run_dir)["config"]
+
+
+def _checkpoint_path(run_dir: Path) -> Path:
+    return run_dir / "checkpoint.pt" if run_dir.is_dir() else run_dir
+
+
+def _read(run_dir: Path) -> dict[str, Any]:
+    path = _checkpoint_path(run_dir)
     if not path.exists():
         raise ValueError(f"--resume: no checkpoint at {path}")
-    return torch.load(path, map_location="cpu", weights_only=True)["config"]
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for truncated or foreign files
+        raise ValueError(f"--resume: {path} is not a readable opengem checkpoint ({error})") from error
+    if not isinstance(state, dict) or not {"step", "config", "learners"} <= set(state):
+        raise ValueError(f"--resume: {path} is not an opengem checkpoint (missing step/config/learners)")
+    return state

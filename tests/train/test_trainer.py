@@ -1,0 +1,82 @@
+import json
+
+import pytest
+import torch
+
+from opengem.cli.main import main
+from opengem.train.config import apply_overrides, load_config
+from opengem.train.trainer import train
+
+SMALL = [
+    "batch_size=64",
+    "eval_samples=1500",
+    "log_every=1",
+    "warmup_steps=1",
+    "model.d_model=16",
+    "model.embedding_dim=8",
+    "model.num_layers=1",
+    "model.mlp_dims=32,16",
+]
+
+
+def _config(tmp_path, *extra):
+    return load_config("gem-tiny", None, [*SMALL, f"out_dir={tmp_path}", *extra])
+
+
+def _losses(run_dir):
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss/model"] for r in records if "loss/model" in r}
+
+
+def test_training_improves_held_out_ne(tmp_path):
+    config = _config(tmp_path, "steps=60", "eval_every=10", "lr=0.01", "embedding_lr=0.1")
+    summary = train(config, progress=False)
+    records = [json.loads(line) for line in (tmp_path / "gem-tiny" / "metrics.jsonl").read_text().splitlines()]
+    evaluations = [r for r in records if "click/model/ne" in r]
+    assert [e["step"] for e in evaluations] == [10, 20, 30, 40, 50, 60]
+    first, last = evaluations[0], evaluations[-1]
+    assert last["click/model/ne"] < first["click/model/ne"]
+    assert last["click/oracle/ne"] < 1.0  # the oracle is printed beside the model
+    assert summary["final"]["step"] == 60
+
+
+def test_resume_continues_exactly(tmp_path):
+    straight = _config(tmp_path, "steps=6", "eval_every=3", "name=straight")
+    train(straight, progress=False)
+    interrupted = _config(tmp_path, "steps=3", "eval_every=3", "name=resumed")
+    train(interrupted, progress=False)
+    resumed = apply_overrides(interrupted, ["steps=6"])
+    train(resumed, resume=tmp_path / "resumed", progress=False)
+    assert _losses(tmp_path / "straight") == _losses(tmp_path / "resumed")
+    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["learners"]["model"]["model"]
+    b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["learners"]["model"]["model"]
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_cli_trains_and_resumes(tmp_path, capsys):
+    args = ["train", "--no-progress", "--steps", "2", *[x for s in SMALL for x in ("--set", s)],
+            "--set", f"out_dir={tmp_path}", "--set", "eval_every=2", "--set", "baseline=false"]
+    assert main(args) == 0
+    assert (tmp_path / "gem-tiny" / "checkpoint.pt").exists()
+    assert main(["train", "--no-progress", "--resume", str(tmp_path / "gem-tiny"), "--steps", "4"]) == 0
+    assert max(_losses(tmp_path / "gem-tiny")) == 4
+
+
+def test_cli_reports_bad_input(tmp_path, capsys):
+    assert main(["train", "--set", "model.nope=3"]) == 2
+    assert "unknown setting 'nope'" in capsys.readouterr().err
+    assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
+    assert "no checkpoint" in capsys.readouterr().err
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    assert main(["train", "--resume", str(tmp_path / "broken")]) == 2
+    assert "not a readable opengem checkpoint" in capsys.readouterr().err
+
+
+def test_device_validation():
+    from opengem.train.trainer import resolve_device
+
+    with pytest.raises(ValueError, match="auto, cpu or cuda"):
+        resolve_device("tpu")
