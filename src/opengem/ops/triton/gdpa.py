@@ -67,10 +67,11 @@ class Config:
     tiles: int = 1
 
 
-_FWD = (Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3), Config(128, 64, 4, 3), Config(64, 128, 4, 3))
-_FWD_RESIDENT = (Config(64, 0, 4, 3, 4), Config(64, 0, 8, 3, 4), Config(128, 0, 8, 2, 2), Config(64, 0, 4, 2, 8), Config(128, 0, 8, 3, 4))
-_DKDV = (Config(64, 128, 8, 2), Config(64, 64, 4, 3), Config(32, 128, 4, 3), Config(64, 128, 8, 3), Config(128, 128, 8, 2))
-_DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 3), Config(128, 128, 8, 2), Config(64, 128, 4, 3), Config(128, 32, 4, 3))
+# candidates chosen from ptxas reports for sm_90 at D = 128 (no or small register spills)
+_FWD = (Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
+_FWD_RESIDENT = (Config(64, 0, 8, 3, 4), Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4))
+_DKDV = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
+_DQ = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops
 _INTERPRET = Config(16, 16, 1, 1, 2)
 
