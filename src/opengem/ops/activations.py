@@ -92,7 +92,7 @@ _GRAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "fast_gelu": _fast_gelu_grad,
     "relu": lambda x: (x > 0).to(x.dtype),
     "relu2": lambda x: 2.0 * torch.relu(x),
-    "leaky_relu": lambda x: torch.where(x > 0, 1.0, LEAKY_RELU_SLOPE).to(x.dtype),
+    "leaky_relu": lambda x: torch.where(x > 0, torch.ones_like(x), torch.full_like(x, LEAKY_RELU_SLOPE)),
     "silu": _silu_grad,
     "hardswish": _hardswish_grad,
 }
