@@ -323,7 +323,7 @@ def _launch_dq_broadcast(
         dq.zero_()
         return
     num_q_tiles = triton.cdiv(seeds, config.block_m)
-    chunks = min(batch, max(1, triton.cdiv(2 * _num_sms(q.device), num_q_tiles * heads)))
+    chunks = min(batch, max(1, triton.cdiv(4 * _num_sms(q.device), num_q_tiles * heads)))
     per_chunk = triton.cdiv(batch, chunks)
     chunks = triton.cdiv(batch, per_chunk)
     partial = torch.empty((chunks, seeds, heads, head_dim), dtype=torch.float32, device=q.device)
