@@ -148,22 +148,27 @@ def _padded_peer(w: Workload, t: dict[str, Any], compiled: bool) -> tuple[Callab
     targets = None if w.num_targets is None else w.num_targets[:sub]
     mask = _padded_mask(w, q_len, k_len, lq, lk, targets)
     args = (qp, kp, vp, mask, w.activation, 1 / math.sqrt(HEAD_DIM), 1.0 / lk)
-    fn = torch.compile(padded_gdpa) if compiled else padded_gdpa
+    fn = torch.compile(padded_gdpa, dynamic=False) if compiled else padded_gdpa
     return (lambda: fn(*args)), (qp, kp, vp), sub
 
 
 def _jfa_peer(w: Workload, t: dict[str, Any]) -> Callable[[], torch.Tensor] | None:
+    """Our softmax JFA on the same self-attention shape, when it is in the tree."""
     if not w.self_attention:
         return None
     try:
-        from opengem.ops.jagged_attention import jagged_attention
+        import opengem.ops as ops
+
+        jfa = getattr(ops, "jagged_attention", None)
+        if jfa is None:
+            import opengem.ops.jagged_attention as jfa  # type: ignore[no-redef]
     except ImportError:
-        try:
-            from opengem.ops import jagged_attention  # type: ignore[attr-defined]
-        except ImportError:
-            return None
-    return lambda: jagged_attention(t["q"], t["k"], t["v"], t["k_offsets"], t["max_len_k"], causal=w.causal,
-                                    num_targets=t["num_targets"])
+        return None
+    jfa = getattr(jfa, "jagged_attention", jfa)  # the module or the function
+    if not callable(jfa):
+        return None
+    return lambda: jfa(t["q"], t["k"], t["v"], t["k_offsets"], t["max_len_k"], causal=w.causal,
+                       num_targets=t["num_targets"])
 
 
 def _flex_peer(w: Workload, t: dict[str, Any]) -> tuple[Callable[[], torch.Tensor], tuple]:
@@ -190,7 +195,7 @@ def _flex_peer(w: Workload, t: dict[str, Any]) -> tuple[Callable[[], torch.Tenso
     else:
         qp = _pad(t["q"].detach(), q_len, lq)
     kp, vp = _pad(t["k"].detach(), k_len, lk), _pad(t["v"].detach(), k_len, lk)
-    compiled = torch.compile(flex_attention)
+    compiled = torch.compile(flex_attention, dynamic=False)
     return (lambda: compiled(qp, kp, vp, block_mask=block_mask)), (qp, kp, vp)
 
 
@@ -278,6 +283,9 @@ def _peer_row(w: Workload, name: str, flops: tuple[int, int], build: Callable[[]
     except torch.OutOfMemoryError:
         torch.cuda.empty_cache()
         return _row(w, name, None, flops, "oom")
+    except Exception as exc:  # a peer failing must not lose the rest of the run
+        torch.cuda.empty_cache()
+        return _row(w, name, None, flops, f"error: {type(exc).__name__}: {exc}"[:120])
     note = ""
     batch = w.k_lengths.numel()
     if sub is not None and sub < batch:
