@@ -6,13 +6,16 @@ Padded peers get pre-padded inputs (padding/unpadding not timed, in their favour
 [B, H, Lq, Lk] scores would not fit are skipped and marked "oom-skip". Errors are relative errors of the
 output and of dq/dk/dv against the fp32 reference on a sub-batch of the same data.
 
-Run: ``PYTHONPATH=src python -m benchmarks.gdpa [--quick]``.
+Run: ``PYTHONPATH=src python -m benchmarks.gdpa [--quick]``. ``--quick`` runs one shape per workload
+with the kernels' default configurations (``OPENGEM_GDPA_TUNE=0``: no tuning compiles); the full run
+tunes block sizes per shape bucket.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -245,6 +248,18 @@ def _row(w: Workload, peer: str, times: tuple[float, float, float] | None, flops
 
 
 def run(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
+    """Every workload's rows (ours, then the peers); quick runs without tuning (restored afterwards)."""
+    previous = os.environ.get("OPENGEM_GDPA_TUNE")
+    if quick and previous is None:
+        os.environ["OPENGEM_GDPA_TUNE"] = "0"
+    try:
+        return _run(quick, device)
+    finally:
+        if quick and previous is None:
+            os.environ.pop("OPENGEM_GDPA_TUNE", None)
+
+
+def _run(quick: bool, device: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for w in workloads(quick):
         start = time.time()

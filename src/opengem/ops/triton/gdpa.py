@@ -13,7 +13,8 @@ without this the prologue/epilogue dominates). Otherwise a program loops over ke
 
 Tuning: BLOCK_M / BLOCK_N / num_warps / num_stages (and Q tiles per program) are timed once per key
 (pass, mask flags, power-of-two buckets of max_len_q / max_len_k, head dim, dtype, GQA group); the
-lengths themselves are runtime ints, so a new batch never recompiles within a bucket.
+lengths themselves are runtime ints, so a new batch never recompiles within a bucket. Tuning compiles
+every candidate (about 3 per pass and mask variant); ``OPENGEM_GDPA_TUNE=0`` skips it.
 """
 
 from __future__ import annotations
@@ -92,9 +93,14 @@ def _bucket(n: int) -> int:
 _TUNED: dict[tuple, Config] = {}
 
 
+def tuning_enabled() -> bool:
+    """``OPENGEM_GDPA_TUNE=0`` uses each pass's first candidate (no timing, 1 compile per variant)."""
+    return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0" and not interpreting()
+
+
 def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], None]) -> Config:
     """The fastest candidate for ``key`` (timed once); candidates that fail to compile are skipped."""
-    if interpreting():
+    if not tuning_enabled():
         return candidates[0]
     if key not in _TUNED:
         best, best_ms, error = None, math.inf, None
