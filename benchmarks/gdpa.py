@@ -263,6 +263,7 @@ def _run(quick: bool, device: str) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     for w in workloads(quick):
         start = time.time()
+        torch._dynamo.reset()  # fresh static-shape compiles per workload, clear of the recompile limit
         t = _tensors(w, device)
         q_lengths = w.q_lengths if not w.broadcast_q else torch.full_like(w.k_lengths, int(w.q_lengths[0]))
         pairs = visible_pairs(q_lengths, w.k_lengths, masked=w.causal, causal=w.causal, num_targets=w.num_targets)

@@ -28,7 +28,7 @@ def _offsets(lengths: list[int]) -> torch.Tensor:
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out64, ref64 = out.double(), ref.double()
+    out64, ref64 = out.detach().double(), ref.detach().double()
     if not torch.isfinite(out64).all():
         return math.inf
     return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-12))
