@@ -349,3 +349,18 @@ def _escape(message: str) -> str:
     import re
 
     return re.escape(message)
+
+
+def test_work_list_covers_every_tile_once_longest_first():
+    from opengem.ops.triton.gdpa import _work_list
+
+    rows = torch.tensor([100, 0, 33, 64, 1], dtype=torch.int64).numpy()
+    cols = torch.tensor([10, 5, 300, 64, 0], dtype=torch.int64).numpy()
+    work_b, work_t = _work_list(rows.tobytes(), cols.tobytes(), 16, 2, "full", 0, "cpu")
+    items = sorted(zip(work_b.tolist(), work_t.tolist()))
+    # 2 tiles of 16 rows per item: 100 rows -> 4 items (tiles 0, 2, 4, 6), 33 -> 2, 64 -> 2, 1 -> 1
+    assert items == [(0, 0), (0, 2), (0, 4), (0, 6), (2, 0), (2, 2), (3, 0), (3, 2), (4, 0)]
+    assert work_b.dtype == torch.int32 and work_t.dtype == torch.int32
+    # longest first by rows x keys: the full 32-row item over 300 keys leads, empty-key work comes last
+    assert (work_b[0].item(), work_t[0].item()) == (2, 0)
+    assert work_b[-1].item() == 4
