@@ -277,7 +277,8 @@ def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextua
 
 @register_flop_formula(torch.ops.opengem.gdpa_fwd, get_raw=True)
 def _gdpa_fwd_flops(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
-                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, *, out_val=None, **kwargs) -> int:
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, *, out_val=None,
+                    **kwargs) -> int:
     pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
     return attention_flops(pairs, q.shape[1], q.shape[2])[0]
 

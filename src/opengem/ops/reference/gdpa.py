@@ -71,7 +71,9 @@ def gdpa_backward(
     dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     dk = torch.zeros(k.shape, dtype=torch.float32, device=k.device)
     dv = torch.zeros(v.shape, dtype=torch.float32, device=v.device)
-    samples = _samples(q, k, v, q_offsets, k_offsets, pre_scale, causal, num_targets, contextual_len, window, broadcast_q)
+    samples = _samples(
+        q, k, v, q_offsets, k_offsets, pre_scale, causal, num_targets, contextual_len, window, broadcast_q
+    )
     for (q_rows, k_rows, o_rows), scores, mask, kb, vb in samples:
         weights, slopes = _weights(scores, mask, head_activations, with_grad=True)
         dob = grad_out[o_rows].float().transpose(0, 1)  # [H, Lq, D]

@@ -137,8 +137,10 @@ def gdpa_fwd_kernel(
                 hi = k_len
             for n_start in range(lo, hi, BLOCK_N):
                 offs_n = n_start + tl.arange(0, BLOCK_N)
-                kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < k_len, other=0.0)
-                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len, other=0.0)
+                kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+                             mask=offs_n[None, :] < k_len, other=0.0)
+                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=offs_n[:, None] < k_len, other=0.0)
                 x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
                 p = activation_value(x, act)
                 if MASKED:
@@ -171,8 +173,9 @@ def gdpa_bwd_dkdv_kernel(
     offs_d = tl.arange(0, D)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     row_ok = offs_n[:, None] < k_len
-    k = tl.load(K + (k_start + offs_n[:, None]).to(tl.int64) * stride_kt + hk * stride_kh + offs_d[None, :], mask=row_ok, other=0.0)
-    v = tl.load(V + (k_start + offs_n[:, None]).to(tl.int64) * stride_vt + hk * stride_vh + offs_d[None, :], mask=row_ok, other=0.0)
+    rows = (k_start + offs_n[:, None]).to(tl.int64)
+    k = tl.load(K + rows * stride_kt + hk * stride_kh + offs_d[None, :], mask=row_ok, other=0.0)
+    v = tl.load(V + rows * stride_vt + hk * stride_vh + offs_d[None, :], mask=row_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
     if MASKED:
@@ -193,7 +196,8 @@ def gdpa_bwd_dkdv_kernel(
             offs_m = m_start + tl.arange(0, BLOCK_M)
             col_ok = offs_m[None, :] < q_len
             qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=col_ok, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
+                         mask=offs_m[:, None] < q_len, other=0.0)
             xt = tl.dot(k, qt, input_precision=PRECISION) * pre_scale  # [BLOCK_N, BLOCK_M]
             pt, dphit = activation_value_and_grad(xt, act)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -206,9 +210,9 @@ def gdpa_bwd_dkdv_kernel(
                     dxt = tl.where(visible, dxt, 0.0)
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
-    tl.store(DK + (k_start + offs_n[:, None]).to(tl.int64) * stride_dkt + hk * stride_dkh + offs_d[None, :],
+    tl.store(DK + rows * stride_dkt + hk * stride_dkh + offs_d[None, :],
              (dk * (out_scale * pre_scale)).to(DK.dtype.element_ty), mask=row_ok)
-    tl.store(DV + (k_start + offs_n[:, None]).to(tl.int64) * stride_dvt + hk * stride_dvh + offs_d[None, :],
+    tl.store(DV + rows * stride_dvt + hk * stride_dvh + offs_d[None, :],
              (dv * out_scale).to(DV.dtype.element_ty), mask=row_ok)
 
 
@@ -222,8 +226,10 @@ def _dq_tile(Q, K, V, DO, h, hk, m_start, q_start, q_len, o_start, k_start, k_le
     offs_d = tl.arange(0, D)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m[:, None] < q_len
-    q = tl.load(Q + (q_start + offs_m[:, None]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
-    do = tl.load(DO + (o_start + offs_m[:, None]).to(tl.int64) * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok, other=0.0)
+    q_rows = (q_start + offs_m[:, None]).to(tl.int64)
+    o_rows = (o_start + offs_m[:, None]).to(tl.int64)
+    q = tl.load(Q + q_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
+    do = tl.load(DO + o_rows * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok, other=0.0)
     k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -311,5 +317,5 @@ def gdpa_bwd_dq_broadcast_kernel(
                        stride_doh, pre_scale, 0, 0, D, BLOCK_M, BLOCK_N, False, False, False, False, PRECISION)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
-    tl.store(DQ_PARTIAL + chunk.to(tl.int64) * stride_pc + offs_m[:, None] * stride_pt + h * stride_ph + offs_d[None, :],
-             dq * dq_scale, mask=offs_m[:, None] < bcast_len)
+    partial = DQ_PARTIAL + chunk.to(tl.int64) * stride_pc + h * stride_ph
+    tl.store(partial + offs_m[:, None] * stride_pt + offs_d[None, :], dq * dq_scale, mask=offs_m[:, None] < bcast_len)
