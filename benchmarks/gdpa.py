@@ -319,6 +319,34 @@ def _ratios(rows: list[dict[str, Any]], workload: str) -> None:
                 r[f"x_{kind}"] = r[f"{kind}_ms"] / ours[f"{kind}_ms"]
 
 
+def acceptance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 4's acceptance targets, checked on this run's rows (None: the peer or figure is missing)."""
+    checks: list[dict[str, Any]] = []
+
+    def peer(workload: str, impl: str) -> dict[str, Any]:
+        return next((r for r in rows if r["workload"] == workload and r["impl"] == impl), {})
+
+    def check(workload: str, what: str, value: float | None, target: float) -> None:
+        verdict = None if value is None else value >= target
+        checks.append({"workload": workload, "check": what, "value": value, "target": target, "pass": verdict})
+
+    for ours in (r for r in rows if r["impl"] == "gdpa"):
+        name = ours["workload"]
+        compiled, jfa = peer(name, "padded-compiled"), peer(name, "jfa")
+        if name.startswith(("a ", "b ")):
+            check(name, "fwd x padded-compiled", compiled.get("x_fwd"), 3.0)
+            check(name, "bwd x padded-compiled", compiled.get("x_bwd"), 2.0)
+            check(name, "fwd x jfa", jfa.get("x_fwd"), 1.1)
+        if name.startswith("b ") and name.endswith("KV=256"):
+            check(name, "fwd TFLOP/s", ours.get("fwd_tflops"), 400.0)
+            check(name, "bwd TFLOP/s", ours.get("bwd_tflops"), 250.0)
+        if name.startswith("c "):
+            check(name, "fwd+bwd x padded-compiled", compiled.get("x_fwdbwd"), 2.0)
+        if name.startswith("d "):
+            check(name, "fwd+bwd x padded-compiled", compiled.get("x_fwdbwd"), 3.0)
+    return checks
+
+
 COLUMNS = ["workload", "impl", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "fwd_ms", "bwd_ms", "fwdbwd_ms",
            "x_fwd", "x_bwd", "x_fwdbwd", "err_out", "err_dq", "err_dk", "err_dv", "note"]
 
@@ -329,7 +357,9 @@ def main() -> None:
     rows = run(parser.parse_args().quick)
     print_table(rows, COLUMNS)
     print("x_* = peer time / gdpa time (>1: gdpa faster). TFLOP/s: useful FLOPs, GEM_SPEC section 8.")
-    print(write_results("gdpa", rows))
+    checks = acceptance(rows)
+    print_table(checks, ["workload", "check", "value", "target", "pass"])
+    print(write_results("gdpa", rows, {"acceptance": checks}))
 
 
 if __name__ == "__main__":
