@@ -94,18 +94,27 @@ _TUNED: dict[tuple, Config] = {}
 
 
 def tuning_enabled() -> bool:
-    """``OPENGEM_GDPA_TUNE=0`` uses each pass's first candidate (no timing, 1 compile per variant)."""
-    return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0" and not interpreting()
+    """``OPENGEM_GDPA_TUNE=0`` uses each pass's first fitting candidate (no timing, 1 compile per variant)."""
+    return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0"
 
 
 def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], None]) -> Config:
-    """The fastest candidate for ``key`` (timed once); candidates that fail to compile are skipped."""
-    if not tuning_enabled():
+    """The fastest candidate for ``key`` (timed once); candidates that fail to compile or fit are skipped.
+
+    With tuning off: the first candidate that compiles and fits (e.g. D = 256 may not fit the first).
+    """
+    if interpreting():
         return candidates[0]
+    tune = tuning_enabled()
+    key = key + (tuple(candidates), tune)
     if key not in _TUNED:
         best, best_ms, error = None, math.inf, None
         for config in candidates:
             try:
+                if not tune:
+                    launch(config)
+                    best = config
+                    break
                 ms = triton.testing.do_bench(lambda: launch(config), warmup=5, rep=20)
             except Exception as exc:  # a config may exceed shared memory or registers: try the next one
                 error = exc
