@@ -6,7 +6,7 @@ launches one program per (item, head). The GPU hands programs to SMs in launch o
 longest-processing-time-first scheduling: the long tails start first and the short items fill the gaps.
 Work lists are cached per (offsets, tile size, mask kind).
 
-Variants: when ``max_len_k <= 256`` the forward keeps the whole sample's K/V resident (one key tile,
+Variants: when ``max_len_k <= 256`` (and K plus V fit in 128 KiB of shared memory) the forward keeps the whole sample's K/V resident (one key tile,
 loaded once) and each program loops over several Q tiles of the sample, so Triton pipelines the next Q
 tile's loads under the current tile's math (short-KV cross-attention and pooling have 1-2 key tiles:
 without this the prologue/epilogue dominates). Otherwise a program loops over key tiles.
@@ -38,6 +38,7 @@ from opengem.ops.triton.gdpa_kernels import (
 )
 
 SHORT_KV_MAX = 256
+RESIDENT_KV_BYTES = 128 * 1024
 _TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
 
 
@@ -223,8 +224,9 @@ def gdpa_forward(
     common = _common(q, args, num_targets, k_offsets)
     q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
     masked = common["constexprs"]["MASKED"]
-    resident = args.max_len_k <= SHORT_KV_MAX
     kv_block = max(16, _bucket(args.max_len_k))
+    # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
+    resident = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
     kind = "causal_q" if masked and args.causal else "full"
 
     def launch(config: Config) -> None:
