@@ -117,13 +117,17 @@ def hstu_attention(
 
     q, k, v ``[T, H, D]`` (k/v may have fewer heads: GQA) jagged by ``offsets [B + 1]``. Mapping from
     generative-recommenders' ``hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr,
-    training, num_targets, max_attn_len, contextual_seq_len, ...)``:
+    training, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+    sort_by_length, kernel, enable_tma)``:
 
-    * ``max_seq_len`` -> ``max_len`` (and N = ``max_len`` through ``norm="max_len"``, as hstu divides by
-      ``max_seq_len``); ``alpha`` -> ``alpha``; ``seq_offsets`` -> ``offsets``; ``causal`` -> ``causal``;
-    * ``num_targets`` -> ``num_targets``; ``contextual_seq_len`` -> ``contextual_len``;
-    * ``max_attn_len`` -> ``window`` (hstu's 0 meaning "no window" is our ``None``);
-    * not supported: ``dropout_pr > 0``, ``min_full_attn_seq_len``, and a V head dim different from Q/K's.
+    * ``max_seq_len`` -> ``max_len`` (N = ``max_len`` through ``norm="max_len"``: hstu divides
+      ``SiLU(alpha q.k)`` by ``max_seq_len``); ``alpha`` -> ``alpha``; ``seq_offsets`` -> ``offsets``;
+      ``causal`` -> ``causal``; ``num_targets`` -> ``num_targets``; ``contextual_seq_len`` ->
+      ``contextual_len``; ``max_attn_len`` -> ``window`` (hstu's 0, "no window", is our ``None``);
+      ``kernel`` -> ``backend``; ``sort_by_length`` has no counterpart (the host scheduler always orders
+      tiles longest first);
+    * not supported: ``dropout_pr > 0``, ``attn_scale``, ``min_full_attn_seq_len``, and a V head dim
+      different from Q/K's.
 
     Like hstu, every token attends to itself (the mask's diagonal).
     """
