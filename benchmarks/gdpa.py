@@ -1,0 +1,369 @@
+"""GDPA benchmark (issue 4 workloads a-d): our Triton kernel vs the padded reference (compiled and eager),
+our JFA (softmax, self-attention shapes) and FlexAttention (softmax, speed reference only), bf16.
+
+TFLOP/s count useful FLOPs only (GEM_SPEC section 8): forward 4 H D x visible pairs, backward 2.5x.
+Padded peers get pre-padded inputs (padding/unpadding not timed, in their favour); sizes whose padded
+[B, H, Lq, Lk] scores would not fit are skipped and marked "oom-skip". Errors are relative errors of the
+output and of dq/dk/dv against the fp32 reference on a sub-batch of the same data.
+
+Run: ``PYTHONPATH=src python -m benchmarks.gdpa [--quick]``. ``--quick`` runs (a) L=1024, (b) KV=256 and
+(d) with the kernels' default configurations (``OPENGEM_GDPA_TUNE=0``: no tuning compiles) and without
+FlexAttention (its compiles dominate); the full run covers (a)-(d) and tunes block sizes per shape bucket.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from benchmarks.common import (
+    bench_ms,
+    offsets_of,
+    power_law_lengths,
+    print_table,
+    relative_error,
+    sparsity_lengths,
+    write_results,
+)
+from opengem.ops.activations import activation_value
+from opengem.ops.attention_flops import attention_flops, visible_pairs
+from opengem.ops.gdpa import gdpa
+from opengem.ops.reference import gdpa as reference
+
+HEADS, HEAD_DIM, BATCH = 4, 128, 1152
+PADDED_BUDGET_BYTES = 40 * 2**30  # scores, activation and their grads of the padded peers
+PADDED_BYTES_PER_SCORE = 16  # bf16 + fp32 scores, fp32 activation, bf16 weights, saved for backward
+ERROR_SAMPLES = 8
+
+
+@dataclass
+class Workload:
+    name: str
+    q_lengths: torch.Tensor  # [B]; for broadcast, every entry is the number of seeds
+    k_lengths: torch.Tensor
+    activation: str
+    broadcast_q: bool = False
+    causal: bool = False
+    num_targets: torch.Tensor | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def self_attention(self) -> bool:
+        return not self.broadcast_q and torch.equal(self.q_lengths, self.k_lengths)
+
+
+def workloads(quick: bool) -> list[Workload]:
+    gen = torch.Generator().manual_seed(0)
+    out: list[Workload] = []
+    self_shapes = [(1024, 0.5)] if quick else [(n, s) for n in (256, 512, 1024, 2048) for s in (0.5, 1.0)]
+    for max_len, sparsity in self_shapes:
+        lengths = sparsity_lengths(BATCH, max_len, sparsity, gen)
+        out.append(Workload(f"a self L={max_len} s={sparsity}", lengths, lengths, "fast_gelu"))
+    for kv in (256,) if quick else (128, 256):
+        q_lengths = sparsity_lengths(BATCH, 2048, 0.5, gen)
+        out.append(Workload(f"b cross Q<=2048 KV={kv}", q_lengths, torch.full((BATCH,), kv), "fast_gelu"))
+    for seeds in () if quick else (32, 128):
+        k_lengths = sparsity_lengths(BATCH, 4096, 0.5, gen)
+        out.append(Workload(f"c pool seeds={seeds} KV<=4096", torch.full((BATCH,), seeds), k_lengths, "fast_gelu",
+                            broadcast_q=True))
+    lengths = power_law_lengths(100_000 if quick else 300_000, 100, 8192, gen)
+    targets = torch.clamp(lengths, max=64)
+    out.append(Workload("d hstu causal+64 targets", lengths, lengths, "silu", causal=True, num_targets=targets))
+    return out
+
+
+def _tensors(w: Workload, device: str) -> dict[str, Any]:
+    gen = torch.Generator(device=device).manual_seed(1)
+    q_rows = int(w.q_lengths[0]) if w.broadcast_q else int(w.q_lengths.sum())
+    k_rows = int(w.k_lengths.sum())
+
+    def rand(rows: int) -> torch.Tensor:
+        return torch.randn(rows, HEADS, HEAD_DIM, generator=gen, device=device).bfloat16().requires_grad_(True)
+
+    return dict(
+        q=rand(q_rows), k=rand(k_rows), v=rand(k_rows),
+        q_offsets=None if w.broadcast_q else offsets_of(w.q_lengths, device),
+        k_offsets=offsets_of(w.k_lengths, device),
+        max_len_q=int(w.q_lengths.max()), max_len_k=int(w.k_lengths.max()),
+        num_targets=None if w.num_targets is None else w.num_targets.to(device),
+    )
+
+
+def _ours(w: Workload, t: dict[str, Any]) -> Callable[[], torch.Tensor]:
+    def run() -> torch.Tensor:
+        return gdpa(t["q"], t["k"], t["v"], t["q_offsets"], t["k_offsets"], t["max_len_q"], t["max_len_k"],
+                    activation=w.activation, pre_scale=1 / math.sqrt(HEAD_DIM), norm="max_len", causal=w.causal,
+                    num_targets=t["num_targets"], broadcast_q=w.broadcast_q)
+
+    return run
+
+
+def _padded_mask(w: Workload, q_len: torch.Tensor, k_len: torch.Tensor, lq: int, lk: int,
+                 num_targets: torch.Tensor | None) -> torch.Tensor:
+    """Bool [B, 1, Lq, Lk]: the same mask as the jagged op, on the padded layout."""
+    i = torch.arange(lq, device=q_len.device)[None, :, None]
+    j = torch.arange(lk, device=q_len.device)[None, None, :]
+    valid = (i < q_len[:, None, None]) & (j < k_len[:, None, None])
+    if w.causal:
+        hist = (k_len - num_targets.to(k_len.device))[:, None, None]
+        p = torch.minimum(i, hist)
+        valid = valid & (((j < hist) & (j <= p)) | (i == j))
+    return valid[:, None]
+
+
+def padded_gdpa(q, k, v, mask, activation: str, pre_scale: float, out_scale: float) -> torch.Tensor:
+    """Dense padded GDPA: [B, H, Lq, Lk] scores, activation, mask, matmul (the no-kernel baseline)."""
+    scores = torch.einsum("bhqd,bhkd->bhqk", q, k).float() * pre_scale
+    weights = torch.where(mask, activation_value(activation, scores), 0.0).to(v.dtype)
+    return torch.einsum("bhqk,bhkd->bhqd", weights, v) * out_scale
+
+
+def _pad(x: torch.Tensor, lengths: torch.Tensor, max_len: int) -> torch.Tensor:
+    """[T, H, D] -> [B, H, max_len, D] (zeros beyond each length)."""
+    out = x.new_zeros(lengths.numel(), max_len, *x.shape[1:])
+    rows = torch.arange(max_len, device=x.device)[None, :] < lengths.to(x.device)[:, None]
+    out[rows] = x
+    return out.transpose(1, 2).detach().requires_grad_(True)
+
+
+def _padded_peer(w: Workload, t: dict[str, Any], compiled: bool) -> tuple[Callable[[], torch.Tensor], tuple, int]:
+    """(fn, leaves, sub_batch): the dense padded math on the largest sub-batch that fits the budget
+    (its time scales linearly with the batch, so the caller scales it to the full batch)."""
+    lq, lk = t["max_len_q"], t["max_len_k"]
+    per_sample = HEADS * lq * lk * PADDED_BYTES_PER_SCORE
+    sub = max(1, min(w.k_lengths.numel(), PADDED_BUDGET_BYTES // per_sample))
+    device = t["k"].device
+    k_len = w.k_lengths[:sub].to(device)
+    k_rows = int(w.k_lengths[:sub].sum())
+    if w.broadcast_q:
+        qp = t["q"].detach().transpose(0, 1)[None].expand(sub, -1, -1, -1).contiguous().requires_grad_(True)
+        q_len = torch.full_like(k_len, lq)
+    else:
+        q_len = w.q_lengths[:sub].to(device)
+        qp = _pad(t["q"].detach()[: int(w.q_lengths[:sub].sum())], q_len, lq)
+    kp, vp = (_pad(x.detach()[:k_rows], k_len, lk) for x in (t["k"], t["v"]))
+    targets = None if w.num_targets is None else w.num_targets[:sub]
+    mask = _padded_mask(w, q_len, k_len, lq, lk, targets)
+    args = (qp, kp, vp, mask, w.activation, 1 / math.sqrt(HEAD_DIM), 1.0 / lk)
+    fn = torch.compile(padded_gdpa, dynamic=False) if compiled else padded_gdpa
+    return (lambda: fn(*args)), (qp, kp, vp), sub
+
+
+def _jfa_peer(w: Workload, t: dict[str, Any]) -> Callable[[], torch.Tensor] | None:
+    """Our softmax JFA on the same self-attention shape, when it is in the tree."""
+    if not w.self_attention:
+        return None
+    try:
+        import opengem.ops as ops
+
+        jfa = getattr(ops, "jagged_attention", None)
+        if jfa is None:
+            import opengem.ops.jagged_attention as jfa  # type: ignore[no-redef]
+    except ImportError:
+        return None
+    jfa = getattr(jfa, "jagged_attention", jfa)  # the module or the function
+    if not callable(jfa):
+        return None
+    return lambda: jfa(t["q"], t["k"], t["v"], t["k_offsets"], t["max_len_k"], causal=w.causal,
+                       num_targets=t["num_targets"])
+
+
+def _flex_peer(w: Workload, t: dict[str, Any]) -> tuple[Callable[[], torch.Tensor], tuple]:
+    """FlexAttention (softmax) on the padded layout with a length (and HSTU) mask."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    device = t["k"].device
+    lq, lk = t["max_len_q"], t["max_len_k"]
+    batch = w.k_lengths.numel()
+    k_len = w.k_lengths.to(device)
+    q_len = torch.full_like(k_len, lq) if w.broadcast_q else w.q_lengths.to(device)
+    hist = k_len - (0 if w.num_targets is None else w.num_targets.to(device))
+    causal = w.causal
+
+    def mask_mod(b, h, i, j):
+        valid = (i < q_len[b]) & (j < k_len[b])
+        if causal:
+            valid = valid & (((j < hist[b]) & (j <= torch.minimum(i, hist[b]))) | (i == j))
+        return valid
+
+    block_mask = create_block_mask(mask_mod, batch, None, lq, lk, device=device, _compile=True)
+    if w.broadcast_q:
+        qp = t["q"].detach().transpose(0, 1)[None].expand(batch, -1, -1, -1).contiguous().requires_grad_(True)
+    else:
+        qp = _pad(t["q"].detach(), q_len, lq)
+    kp, vp = _pad(t["k"].detach(), k_len, lk), _pad(t["v"].detach(), k_len, lk)
+    compiled = torch.compile(flex_attention, dynamic=False)
+    return (lambda: compiled(qp, kp, vp, block_mask=block_mask)), (qp, kp, vp)
+
+
+def _time(fn: Callable[[], torch.Tensor], leaves: tuple[torch.Tensor, ...]) -> tuple[float, float, float]:
+    """(forward, backward, forward+backward) milliseconds."""
+    out = fn()
+    grad = torch.randn_like(out)
+    torch.autograd.grad(out, leaves, grad)  # compile / tune outside the timed region
+    with torch.no_grad():
+        fwd = bench_ms(fn)
+    out = fn()
+    bwd = bench_ms(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+    both = bench_ms(lambda: torch.autograd.grad(fn(), leaves, grad))
+    return fwd, bwd, both
+
+
+def _errors(w: Workload, t: dict[str, Any]) -> dict[str, float]:
+    """Relative errors of out/dq/dk/dv against the fp32 reference on the first ERROR_SAMPLES samples."""
+    n = min(ERROR_SAMPLES, w.k_lengths.numel())
+    sub = Workload(w.name, w.q_lengths[:n], w.k_lengths[:n], w.activation, w.broadcast_q, w.causal,
+                   None if w.num_targets is None else w.num_targets[:n])
+    s = _tensors(sub, str(t["k"].device))
+    out = _ours(sub, s)()
+    grad = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (s["q"], s["k"], s["v"]), grad)
+    kwargs = dict(head_activations=[w.activation] * HEADS, pre_scale=1 / math.sqrt(HEAD_DIM),
+                  out_scale=1.0 / s["max_len_k"], causal=w.causal, num_targets=s["num_targets"],
+                  broadcast_q=w.broadcast_q)
+    qf, kf, vf = (x.detach().float() for x in (s["q"], s["k"], s["v"]))
+    q_offsets = s["k_offsets"] if w.broadcast_q else s["q_offsets"]
+    ref = reference.gdpa(qf, kf, vf, q_offsets, s["k_offsets"], **kwargs)
+    ref_grads = reference.gdpa_backward(grad.float(), qf, kf, vf, q_offsets, s["k_offsets"], **kwargs)
+    errors = {"err_out": relative_error(out.detach(), ref)}
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        errors[f"err_{name}"] = relative_error(got, want)
+    return errors
+
+
+def _row(w: Workload, peer: str, times: tuple[float, float, float] | None, flops: tuple[int, int],
+         note: str = "") -> dict[str, Any]:
+    row: dict[str, Any] = {"workload": w.name, "impl": peer, "note": note}
+    if times is not None:
+        fwd, bwd, both = times
+        row.update(fwd_ms=fwd, bwd_ms=bwd, fwdbwd_ms=both, fwd_tflops=flops[0] / fwd / 1e9,
+                   bwd_tflops=flops[1] / bwd / 1e9, fwdbwd_tflops=(flops[0] + flops[1]) / both / 1e9)
+    return row
+
+
+def run(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
+    """Every workload's rows (ours, then the peers); quick runs without tuning (restored afterwards)."""
+    previous = os.environ.get("OPENGEM_GDPA_TUNE")
+    if quick and previous is None:
+        os.environ["OPENGEM_GDPA_TUNE"] = "0"
+    try:
+        return _run(quick, device)
+    finally:
+        if quick and previous is None:
+            os.environ.pop("OPENGEM_GDPA_TUNE", None)
+
+
+def _run(quick: bool, device: str) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for w in workloads(quick):
+        start = time.time()
+        torch._dynamo.reset()  # fresh static-shape compiles per workload, clear of the recompile limit
+        t = _tensors(w, device)
+        q_lengths = w.q_lengths if not w.broadcast_q else torch.full_like(w.k_lengths, int(w.q_lengths[0]))
+        pairs = visible_pairs(q_lengths, w.k_lengths, masked=w.causal, causal=w.causal, num_targets=w.num_targets)
+        flops = attention_flops(pairs, HEADS, HEAD_DIM)
+        leaves = (t["q"], t["k"], t["v"])
+        ours = _row(w, "gdpa", _time(_ours(w, t), leaves), flops)
+        ours.update(_errors(w, t))
+        ours["pairs"] = pairs
+        rows.append(ours)
+        for compiled in (True, False):
+            name = "padded-compiled" if compiled else "padded-eager"
+            rows.append(_peer_row(w, name, flops, lambda: _padded_peer(w, t, compiled)))
+        jfa = _jfa_peer(w, t)
+        if jfa is None:
+            note = "not in tree" if w.self_attention else "n/a (not self-attention)"
+            rows.append(_row(w, "jfa", None, flops, note))
+        else:
+            rows.append(_peer_row(w, "jfa", flops, lambda: (jfa, leaves, None)))
+        if quick:
+            rows.append(_row(w, "flex(softmax)", None, flops, "skipped in --quick (compile time)"))
+        else:
+            rows.append(_peer_row(w, "flex(softmax)", flops, lambda: _flex_peer(w, t) + (None,)))
+        _ratios(rows, w.name)
+        print(f"[{w.name}] {time.time() - start:.1f}s", flush=True)
+        del t
+        if device == "cuda":
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _peer_row(w: Workload, name: str, flops: tuple[int, int], build: Callable[[], tuple]) -> dict[str, Any]:
+    """Time one peer; a sub-batch peer's times are scaled to the full batch; OOM is reported, not fatal."""
+    try:
+        fn, leaves, sub = build()
+        times = _time(fn, leaves)
+    except torch.OutOfMemoryError:
+        torch.cuda.empty_cache()
+        return _row(w, name, None, flops, "oom")
+    except Exception as exc:  # a peer failing must not lose the rest of the run
+        torch.cuda.empty_cache()
+        return _row(w, name, None, flops, f"error: {type(exc).__name__}: {exc}"[:120])
+    note = ""
+    batch = w.k_lengths.numel()
+    if sub is not None and sub < batch:
+        times = tuple(ms * batch / sub for ms in times)
+        note = f"timed on {sub}/{batch} samples, scaled x{batch / sub:.1f} (full batch would not fit)"
+    return _row(w, name, times, flops, note)
+
+
+def _ratios(rows: list[dict[str, Any]], workload: str) -> None:
+    """Our speedup over each peer (peer time / our time) for fwd, bwd and fwd+bwd, on the peer's row."""
+    ours = next(r for r in rows if r["workload"] == workload and r["impl"] == "gdpa")
+    for r in rows:
+        if r["workload"] == workload and r["impl"] != "gdpa" and "fwd_ms" in r:
+            for kind in ("fwd", "bwd", "fwdbwd"):
+                r[f"x_{kind}"] = r[f"{kind}_ms"] / ours[f"{kind}_ms"]
+
+
+def acceptance(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Issue 4's acceptance targets, checked on this run's rows (None: the peer or figure is missing)."""
+    checks: list[dict[str, Any]] = []
+
+    def peer(workload: str, impl: str) -> dict[str, Any]:
+        return next((r for r in rows if r["workload"] == workload and r["impl"] == impl), {})
+
+    def check(workload: str, what: str, value: float | None, target: float) -> None:
+        verdict = None if value is None else value >= target
+        checks.append({"workload": workload, "check": what, "value": value, "target": target, "pass": verdict})
+
+    for ours in (r for r in rows if r["impl"] == "gdpa"):
+        name = ours["workload"]
+        compiled, jfa = peer(name, "padded-compiled"), peer(name, "jfa")
+        if name.startswith(("a ", "b ")):
+            check(name, "fwd x padded-compiled", compiled.get("x_fwd"), 3.0)
+            check(name, "bwd x padded-compiled", compiled.get("x_bwd"), 2.0)
+            check(name, "fwd x jfa", jfa.get("x_fwd"), 1.1)
+        if name.startswith("b ") and name.endswith("KV=256"):
+            check(name, "fwd TFLOP/s", ours.get("fwd_tflops"), 400.0)
+            check(name, "bwd TFLOP/s", ours.get("bwd_tflops"), 250.0)
+        if name.startswith("c "):
+            check(name, "fwd+bwd x padded-compiled", compiled.get("x_fwdbwd"), 2.0)
+        if name.startswith("d "):
+            check(name, "fwd+bwd x padded-compiled", compiled.get("x_fwdbwd"), 3.0)
+    return checks
+
+
+COLUMNS = ["workload", "impl", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "fwd_ms", "bwd_ms", "fwdbwd_ms",
+           "x_fwd", "x_bwd", "x_fwdbwd", "err_out", "err_dq", "err_dk", "err_dv", "note"]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few representative shapes, untuned, no Flex")
+    rows = run(parser.parse_args().quick)
+    print_table(rows, COLUMNS)
+    print("x_* = peer time / gdpa time (>1: gdpa faster). TFLOP/s: useful FLOPs, GEM_SPEC section 8.")
+    checks = acceptance(rows)
+    print_table(checks, ["workload", "check", "value", "target", "pass"])
+    print(write_results("gdpa", rows, {"acceptance": checks}))
+
+
+if __name__ == "__main__":
+    main()

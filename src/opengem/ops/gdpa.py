@@ -1,0 +1,295 @@
+"""GDPA: generalized (pointwise-activation) attention over jagged batches, and HSTU attention on top of it.
+
+``gdpa`` serves the three GEM attention patterns (GEM_SPEC section 4): self-attention with the
+recommendation mask, cross-attention with short dense K/V per sample, and broadcast-query pooling.
+Dispatch: CUDA tensors -> Triton (:mod:`opengem.ops.triton.gdpa`), CPU tensors -> the fp32 reference
+(:mod:`opengem.ops.reference.gdpa`) with autograd; ``backend="triton"`` forces Triton (on CPU under
+``TRITON_INTERPRET=1``), ``backend="reference"`` the reference.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from opengem.ops.activations import ACTIVATIONS, activation_id
+from opengem.ops.attention_flops import attention_flops, visible_pairs
+from opengem.ops.checks import check_attention_inputs, check_mask_options
+from opengem.ops.reference.gdpa import gdpa as gdpa_reference
+from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
+from opengem.ops.triton.gdpa import GdpaArgs, check_triton_head_dim, gdpa_backward, gdpa_forward
+
+_BACKENDS = ("auto", "triton", "reference")
+
+
+def gdpa(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    k_offsets: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    *,
+    activation: str = "silu",
+    head_activations: Sequence[str] | None = None,
+    pre_scale: float = 1.0,
+    post_scale: float = 1.0,
+    norm: str | float | None = None,
+    causal: bool = False,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+    broadcast_q: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """``O_i = post_scale / norm * sum_j phi_h(pre_scale * q_i . k_j) * v_j`` over the sample's visible keys.
+
+    Shapes (one floating dtype for q, k, v; fp32 accumulation; the output has q's dtype):
+
+    * ``q``: ``[Tq, H, D]`` jagged by ``q_offsets [B + 1]`` (int32/int64); with ``broadcast_q=True``
+      ``q`` is ``[Lq, H, D]``, shared by every sample (seed pooling), ``q_offsets`` must be ``None`` and
+      ``max_len_q == Lq``; the output is then ``[B * Lq, H, D]``, sample-major (rows ``b*Lq:(b+1)*Lq``
+      belong to sample b), and dq is summed over the batch deterministically (bitwise reproducible).
+    * ``k``, ``v``: ``[Tk, H_kv, D]`` jagged by ``k_offsets [B + 1]``; ``H_kv`` divides ``H`` (GQA/MQA:
+      q head h reads K/V head ``h // (H / H_kv)``).
+    * ``max_len_q``, ``max_len_k``: host ints >= the longest sequence (grid sizes; no device sync).
+
+    Options:
+
+    * ``activation``: one of ``identity, gelu, gelu_tanh, fast_gelu, relu, relu2, leaky_relu, silu,
+      hardswish`` (definitions, incl. the fast_gelu polynomial and the leaky slope 0.01, in
+      :mod:`opengem.ops.activations`); ``head_activations`` (length H) overrides it per head.
+    * ``pre_scale`` multiplies ``q . k`` before the activation; ``post_scale`` the output;
+      ``norm``: ``None`` (1), ``"max_len"`` (divide by ``max(max_len_k, 1)``, HSTU's N) or a positive number.
+    * Mask (self-attention only: ``q_offsets`` equal to ``k_offsets``): ``causal``, ``num_targets [B]``
+      (int), ``contextual_len``, ``window``, with the semantics of :mod:`opengem.ops.reference.masks`
+      (every token sees itself). Without them every key of the sample is visible; that is also the only
+      mode for cross-attention (different offsets) and ``broadcast_q``. Masked pairs contribute exactly 0:
+      the mask applies after the activation (``phi(0)`` need not be 0).
+    """
+    if backend not in _BACKENDS:
+        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    heads = q.shape[1] if q.dim() == 3 else 0
+    names = _head_activations(activation, head_activations, heads)
+    out_scale = float(post_scale) / _norm_value(norm, max_len_k)
+    masked = causal or num_targets is not None or contextual_len > 0 or window is not None
+    if broadcast_q:
+        if q_offsets is not None:
+            raise ValueError("q_offsets must be None with broadcast_q=True (q is shared by every sample)")
+        if q.dim() == 3 and max_len_q != q.shape[0]:
+            raise ValueError(f"max_len_q must equal q.shape[0] = {q.shape[0]} with broadcast_q, got {max_len_q}")
+        if masked:
+            raise ValueError("causal/num_targets/contextual_len/window apply to self-attention, not broadcast_q")
+    elif q_offsets is None:
+        raise ValueError("q_offsets is required unless broadcast_q=True")
+    if not torch.compiler.is_compiling():
+        _check_contents(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, broadcast_q, masked,
+                        num_targets, contextual_len, window)
+    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
+    if use_triton:
+        check_triton_head_dim(q.shape[2])
+    return torch.ops.opengem.gdpa_fwd(
+        q, k, v, k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
+        [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
+        -1 if window is None else window, broadcast_q, use_triton,
+    )
+
+
+def hstu_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    *,
+    alpha: float,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+    norm: str | float = "max_len",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """HSTU attention ``SiLU(alpha * q . k) / N @ v`` with the recommendation mask: GDPA with SiLU.
+
+    q, k, v ``[T, H, D]`` (k/v may have fewer heads: GQA) jagged by ``offsets [B + 1]``. Mapping from
+    generative-recommenders' ``hstu_mha(max_seq_len, alpha, q, k, v, seq_offsets, causal, dropout_pr,
+    training, num_targets, attn_scale, max_attn_len, contextual_seq_len, min_full_attn_seq_len,
+    sort_by_length, kernel, enable_tma)``:
+
+    * ``max_seq_len`` -> ``max_len`` (N = ``max_len`` through ``norm="max_len"``: hstu divides
+      ``SiLU(alpha q.k)`` by ``max_seq_len``); ``alpha`` -> ``alpha``; ``seq_offsets`` -> ``offsets``;
+      ``causal`` -> ``causal``; ``num_targets`` -> ``num_targets``; ``contextual_seq_len`` ->
+      ``contextual_len``; ``max_attn_len`` -> ``window`` (hstu's 0, "no window", is our ``None``);
+      ``kernel`` -> ``backend``; ``sort_by_length`` has no counterpart (the host scheduler always orders
+      tiles longest first);
+    * not supported: ``dropout_pr > 0``, ``attn_scale``, ``min_full_attn_seq_len``, and a V head dim
+      different from Q/K's.
+
+    Like hstu, every token attends to itself (the mask's diagonal).
+    """
+    return gdpa(
+        q, k, v, offsets, offsets, max_len, max_len, activation="silu", pre_scale=alpha, norm=norm,
+        causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window, backend=backend,
+    )
+
+
+def _head_activations(activation: str, head_activations: Sequence[str] | None, heads: int) -> list[str]:
+    if head_activations is None:
+        activation_id(activation)
+        return [activation] * heads
+    names = list(head_activations)
+    if len(names) != heads:
+        raise ValueError(f"head_activations must give one activation per head ({heads}), got {len(names)}")
+    for name in names:
+        if name not in ACTIVATIONS:
+            raise ValueError(f"head_activations: unknown activation {name!r}; expected one of {', '.join(ACTIVATIONS)}")
+    return names
+
+
+def _norm_value(norm: str | float | None, max_len_k: int) -> float:
+    if norm is None:
+        return 1.0
+    if norm == "max_len":
+        return float(max(max_len_k, 1))
+    if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm > 0:
+        return float(norm)
+    raise ValueError(f"norm must be None, 'max_len' or a positive number, got {norm!r}")
+
+
+def _check_contents(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    k_offsets: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    broadcast_q: bool,
+    masked: bool,
+    num_targets: torch.Tensor | None,
+    contextual_len: int,
+    window: int | None,
+) -> None:
+    """Checks that read the offsets (host sync); skipped while torch.compile traces."""
+    if broadcast_q:
+        if q.dim() != 3:
+            raise ValueError(f"q must have shape [Lq, heads, head_dim] with broadcast_q, got {tuple(q.shape)}")
+        # validate q against a stand-in batch whose first sample holds the shared rows
+        batch = k_offsets.numel() - 1
+        stand_in = torch.tensor([0] + [q.shape[0]] * batch, dtype=k_offsets.dtype, device=k_offsets.device)
+        check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k)
+        return
+    check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k)
+    if masked:
+        if not torch.equal(q_offsets, k_offsets):
+            raise ValueError(
+                "causal/num_targets/contextual_len/window apply to self-attention: q_offsets must equal k_offsets"
+            )
+        check_mask_options(k_offsets, num_targets, contextual_len, window)
+
+
+def _args(head_acts: list[int], pre_scale: float, out_scale: float, causal: bool, contextual_len: int,
+          window: int, broadcast_q: bool, max_len_q: int, max_len_k: int) -> GdpaArgs:
+    return GdpaArgs(tuple(head_acts), pre_scale, out_scale, causal, contextual_len, None if window < 0 else window,
+                    broadcast_q, max_len_q, max_len_k)
+
+
+def _reference(q, k, v, q_offsets, k_offsets, num_targets, head_acts, pre_scale, out_scale, causal,
+               contextual_len, window, broadcast_q) -> torch.Tensor:
+    return gdpa_reference(
+        q, k, v, q_offsets, k_offsets, head_activations=[ACTIVATIONS[i] for i in head_acts], pre_scale=pre_scale,
+        out_scale=out_scale, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
+        window=None if window < 0 else window, broadcast_q=broadcast_q,
+    )
+
+
+@torch.library.custom_op("opengem::gdpa_fwd", mutates_args=())
+def gdpa_fwd(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
+    out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
+) -> torch.Tensor:
+    """GDPA forward (``window = -1``: none). See :func:`gdpa`."""
+    if use_triton:
+        args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
+        return gdpa_forward(q, k, v, q_offsets, k_offsets, num_targets, args)
+    return _reference(q, k, v, q_offsets, k_offsets, num_targets, head_acts, pre_scale, out_scale, causal,
+                      contextual_len, window, broadcast_q)
+
+
+@gdpa_fwd.register_fake
+def _(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
+      contextual_len, window, broadcast_q, use_triton):
+    rows = (k_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty((rows, q.shape[1], q.shape[2]))
+
+
+@torch.library.custom_op("opengem::gdpa_bwd", mutates_args=())
+def gdpa_bwd(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor, num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int],
+    pre_scale: float, out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPA backward: ``(dq, dk, dv)`` (Triton passes, or the reference's closed form)."""
+    if use_triton:
+        args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
+        return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args)
+    return gdpa_reference_backward(
+        grad_out, q, k, v, q_offsets, k_offsets, head_activations=[ACTIVATIONS[i] for i in head_acts],
+        pre_scale=pre_scale, out_scale=out_scale, causal=causal, num_targets=num_targets,
+        contextual_len=contextual_len, window=None if window < 0 else window, broadcast_q=broadcast_q,
+    )
+
+
+@gdpa_bwd.register_fake
+def _(grad_out, q, k, v, *rest):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, q_offsets, k_offsets, num_targets, *options = inputs
+    ctx.save_for_backward(q, k, v, q_offsets, k_offsets, num_targets)
+    ctx.options = options
+
+
+def _backward(ctx, grad_out):
+    q, k, v, q_offsets, k_offsets, num_targets = ctx.saved_tensors
+    dq, dk, dv = torch.ops.opengem.gdpa_bwd(grad_out, q, k, v, q_offsets, k_offsets, num_targets, *ctx.options)
+    return (dq, dk, dv) + (None,) * (3 + len(ctx.options))
+
+
+gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q) -> int:
+    k_host = k_offsets.detach().cpu()
+    k_len = k_host[1:] - k_host[:-1]
+    if broadcast_q:
+        q_len = torch.full_like(k_len, q.shape[0])
+    else:
+        q_host = q_offsets.detach().cpu()
+        q_len = q_host[1:] - q_host[:-1]
+    masked = causal or num_targets is not None or contextual_len > 0 or window >= 0
+    return visible_pairs(q_len, k_len, masked=masked, causal=causal, num_targets=num_targets,
+                         contextual_len=contextual_len, window=None if window < 0 else window)
+
+
+@register_flop_formula(torch.ops.opengem.gdpa_fwd, get_raw=True)
+def _gdpa_fwd_flops(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, *, out_val=None,
+                    **kwargs) -> int:
+    pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
+    return attention_flops(pairs, q.shape[1], q.shape[2])[0]
+
+
+@register_flop_formula(torch.ops.opengem.gdpa_bwd, get_raw=True)
+def _gdpa_bwd_flops(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
+                    pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, *, out_val=None,
+                    **kwargs) -> int:
+    pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
+    return attention_flops(pairs, q.shape[1], q.shape[2])[1]

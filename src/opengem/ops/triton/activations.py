@@ -1,0 +1,62 @@
+"""GDPA activations as Triton jit functions, selected by the id of :mod:`opengem.ops.activations`.
+
+``act`` may be a ``tl.constexpr`` (one activation for all heads: the branch folds at compile time) or a
+runtime int32 scalar (per-head activations: a uniform branch per tile). Formulas and constants are
+documented in :mod:`opengem.ops.activations`; ids: 0 identity, 1 gelu, 2 gelu_tanh, 3 fast_gelu, 4 relu,
+5 relu2, 6 leaky_relu, 7 silu, 8 hardswish.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _tanh(x):
+    # 2 sigmoid(2x) - 1: saturates cleanly to +-1 for large |x|
+    return 2.0 / (1.0 + tl.exp(-2.0 * x)) - 1.0
+
+
+@triton.jit
+def activation_value_and_grad(x, act):
+    """``(phi(x), phi'(x))`` in fp32 for activation id ``act``."""
+    if act == 0:
+        y = x
+        dy = tl.full(x.shape, 1.0, tl.float32)
+    elif act == 1:
+        cdf = 0.5 * (1.0 + tl.erf(x * 0.7071067811865476))
+        y = x * cdf
+        dy = cdf + x * tl.exp(-0.5 * x * x) * 0.3989422804014327
+    elif act == 2:
+        t = _tanh(0.7978845608028654 * (x + 0.044715 * x * x * x))
+        y = 0.5 * x * (1.0 + t)
+        dy = 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 0.134145 * x * x)
+    elif act == 3:
+        u = tl.minimum(tl.maximum(x * (1.0 / 1.88), -1.0), 1.0)
+        gate = 0.5 + u * (0.75 - 0.25 * u * u)
+        y = x * gate
+        dy = gate + x * (0.75 / 1.88) * (1.0 - u * u)
+    elif act == 4:
+        y = tl.maximum(x, 0.0)
+        dy = tl.where(x > 0, 1.0, 0.0)
+    elif act == 5:
+        r = tl.maximum(x, 0.0)
+        y = r * r
+        dy = 2.0 * r
+    elif act == 6:
+        y = tl.where(x > 0, x, 0.01 * x)
+        dy = tl.where(x > 0, 1.0, 0.01)
+    elif act == 7:
+        s = 1.0 / (1.0 + tl.exp(-x))
+        y = x * s
+        dy = s * (1.0 + x * (1.0 - s))
+    else:
+        y = x * tl.minimum(tl.maximum(x + 3.0, 0.0), 6.0) * (1.0 / 6.0)
+        dy = tl.where(x < -3.0, 0.0, tl.where(x <= 3.0, x * (1.0 / 3.0) + 0.5, 1.0))
+    return y, dy
+
+
+@triton.jit
+def activation_value(x, act):
+    """``phi(x)`` in fp32 (the forward needs no derivative; unused results are removed by the compiler)."""
+    y, _ = activation_value_and_grad(x, act)
+    return y

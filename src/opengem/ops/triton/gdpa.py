@@ -1,0 +1,356 @@
+"""GDPA host side: tile scheduling, kernel selection, tuning, launches (kernels in ``gdpa_kernels``).
+
+Scheduling: the host reads the offsets once (the public op already does for validation), lists the
+non-empty tiles as int32 ``(sample, tile)`` work items sorted by estimated K/V work, longest first, and
+launches one program per (item, head). The GPU hands programs to SMs in launch order, so this is
+longest-processing-time-first scheduling: the long tails start first and the short items fill the gaps.
+Work lists are cached per (offsets, tile size, mask kind).
+
+Variants: when ``max_len_k <= 256`` (and K plus V fit in 128 KiB of shared memory) the forward keeps the whole sample's K/V resident (one key tile,
+loaded once) and each program loops over several Q tiles of the sample, so Triton pipelines the next Q
+tile's loads under the current tile's math (short-KV cross-attention and pooling have 1-2 key tiles:
+without this the prologue/epilogue dominates). Otherwise a program loops over key tiles.
+
+Tuning: BLOCK_M / BLOCK_N / num_warps / num_stages (and Q tiles per program) are timed once per key
+(pass, mask flags, power-of-two buckets of max_len_q / max_len_k, head dim, dtype, GQA group); the
+lengths themselves are runtime ints, so a new batch never recompiles within a bucket. Tuning compiles
+every candidate (about 3 per pass and mask variant); ``OPENGEM_GDPA_TUNE=0`` skips it.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+import triton
+import triton.testing
+
+from opengem.ops.triton.gdpa_kernels import (
+    gdpa_bwd_dkdv_kernel,
+    gdpa_bwd_dq_broadcast_kernel,
+    gdpa_bwd_dq_kernel,
+    gdpa_fwd_kernel,
+)
+
+SHORT_KV_MAX = 256
+RESIDENT_KV_BYTES = 128 * 1024
+_TRITON_HEAD_DIMS = (16, 32, 64, 128, 256)
+
+
+@dataclass(frozen=True)
+class GdpaArgs:
+    """Resolved options shared by the forward and backward launches."""
+
+    head_activations: tuple[int, ...]
+    pre_scale: float
+    out_scale: float
+    causal: bool
+    contextual_len: int
+    window: int | None
+    broadcast_q: bool
+    max_len_q: int
+    max_len_k: int
+
+    def masked(self, num_targets: torch.Tensor | None) -> bool:
+        return self.causal or num_targets is not None or self.contextual_len > 0 or self.window is not None
+
+
+@dataclass(frozen=True)
+class Config:
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    tiles: int = 1
+
+
+# candidates chosen from ptxas reports for sm_90 at D = 128 (no or small register spills)
+_FWD = (Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
+_FWD_RESIDENT = (Config(64, 0, 8, 3, 4), Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4))
+_DKDV = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
+_DQ = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
+# the interpreter runs on CPU: one small config that still exercises multi-tile loops
+_INTERPRET = Config(16, 16, 1, 1, 2)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_triton_head_dim(head_dim: int) -> None:
+    if head_dim not in _TRITON_HEAD_DIMS:
+        raise ValueError(f"the Triton GDPA kernels need head_dim in {_TRITON_HEAD_DIMS}, got {head_dim}")
+
+
+def _bucket(n: int) -> int:
+    return triton.next_power_of_2(max(n, 1))
+
+
+_TUNED: dict[tuple, Config] = {}
+
+
+def tuning_enabled() -> bool:
+    """``OPENGEM_GDPA_TUNE=0`` uses each pass's first fitting candidate (no timing, 1 compile per variant)."""
+    return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0"
+
+
+def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], None]) -> Config:
+    """The fastest candidate for ``key`` (timed once); candidates that fail to compile or fit are skipped.
+
+    With tuning off: the first candidate that compiles and fits (e.g. D = 256 may not fit the first).
+    """
+    if interpreting():
+        return candidates[0]
+    tune = tuning_enabled()
+    key = key + (tuple(candidates), tune)
+    if key not in _TUNED:
+        best, best_ms, error = None, math.inf, None
+        for config in candidates:
+            try:
+                if not tune:
+                    launch(config)
+                    best = config
+                    break
+                ms = triton.testing.do_bench(lambda: launch(config), warmup=5, rep=20)
+            except Exception as exc:  # a config may exceed shared memory or registers: try the next one
+                error = exc
+                continue
+            if ms < best_ms:
+                best, best_ms = config, ms
+        if best is None:
+            raise RuntimeError(f"no GDPA kernel configuration ran for {key}") from error
+        _TUNED[key] = best
+    return _TUNED[key]
+
+
+@functools.lru_cache(maxsize=256)
+def _work_list(
+    rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """int32 (sample, first tile) items over the tiles of ``rows``, sorted by estimated work, longest first.
+
+    ``kind``: ``"full"`` (work = other side's length), ``"causal_q"`` (query tile sees keys up to its end),
+    ``"causal_k"`` (key tile seen by the rows from its start on); ``window > 0`` caps the work.
+    """
+    rows = np.frombuffer(rows_bytes, dtype=np.int64)
+    cols = np.frombuffer(cols_bytes, dtype=np.int64)
+    step = block * tiles
+    count = (rows + step - 1) // step
+    sample = np.repeat(np.arange(rows.size, dtype=np.int64), count)
+    first = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    start = first * step
+    span = np.minimum(rows[sample] - start, step)
+    other = cols[sample]
+    if kind == "causal_q":
+        other = np.minimum(other, start + span)
+    elif kind == "causal_k":
+        other = np.maximum(other - start, 0)
+    if window > 0:
+        other = np.minimum(other, 2 * window + step)
+    order = np.argsort(-(span * np.maximum(other, 1)), kind="stable")
+    work_b = torch.from_numpy(sample[order].astype(np.int32)).to(device)
+    work_t = torch.from_numpy((first[order] * tiles).astype(np.int32)).to(device)
+    return work_b, work_t
+
+
+def _lengths(offsets: torch.Tensor) -> np.ndarray:
+    host = offsets.detach().cpu().to(torch.int64).numpy()
+    return np.ascontiguousarray(host[1:] - host[:-1])
+
+
+@functools.lru_cache(maxsize=32)
+def _head_activation_tensor(ids: tuple[int, ...], device: str) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.int32, device=device)
+
+
+def _common(q: torch.Tensor, args: GdpaArgs, num_targets: torch.Tensor | None, dummy: torch.Tensor) -> dict:
+    """Kernel arguments and constexprs shared by every pass."""
+    ids = args.head_activations
+    uniform = all(i == ids[0] for i in ids)
+    return dict(
+        head_act=dummy if uniform else _head_activation_tensor(ids, str(q.device)),
+        targets=dummy if num_targets is None else num_targets,
+        constexprs=dict(
+            ACT=ids[0] if uniform else -1,
+            MASKED=args.masked(num_targets),
+            CAUSAL=args.causal,
+            HAS_TARGETS=num_targets is not None,
+            HAS_WINDOW=args.window is not None,
+            HAS_CONTEXT=args.contextual_len > 0,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        ),
+    )
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def _rows_cols(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaArgs) -> tuple[np.ndarray, np.ndarray]:
+    k_len = _lengths(k_offsets)
+    q_len = np.full_like(k_len, args.max_len_q) if args.broadcast_q else _lengths(q_offsets)
+    return q_len, k_len
+
+
+def _tune_key(name: str, q: torch.Tensor, k: torch.Tensor, args: GdpaArgs, common: dict) -> tuple:
+    flags = tuple(sorted(common["constexprs"].items()))
+    return (name, flags, args.broadcast_q, _bucket(args.max_len_q), _bucket(args.max_len_k), q.shape[2],
+            q.dtype, q.shape[1] // k.shape[1], str(q.device))
+
+
+def gdpa_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    args: GdpaArgs,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Forward; ``out`` (optional, ``[Tq or B * Lq, H, D]``) is fully overwritten."""
+    check_triton_head_dim(q.shape[2])
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    batch = k_offsets.numel() - 1
+    heads, head_dim = q.shape[1], q.shape[2]
+    rows_out = batch * q.shape[0] if args.broadcast_q else q.shape[0]
+    if out is None:
+        out = torch.empty((rows_out, heads, head_dim), dtype=q.dtype, device=q.device)
+    common = _common(q, args, num_targets, k_offsets)
+    q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
+    masked = common["constexprs"]["MASKED"]
+    kv_block = max(16, _bucket(args.max_len_k))
+    # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
+    resident = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
+    kind = "causal_q" if masked and args.causal else "full"
+
+    def launch(config: Config) -> None:
+        block_n = kv_block if resident else config.block_n
+        work_b, work_t = _work_list(q_len.tobytes(), k_len.tobytes(), config.block_m, config.tiles if resident else 1,
+                                    kind, args.window or 0, str(q.device))
+        if work_b.numel() == 0:
+            return
+        gdpa_fwd_kernel[(work_b.numel() * heads,)](
+            q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            heads, args.pre_scale, args.out_scale, args.contextual_len, args.window or 0, q.shape[0],
+            GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
+            TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
+            num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+        )
+
+    if interpreting():
+        config = _INTERPRET
+    else:
+        config = _tuned(_tune_key("fwd", q, k, args, common) + (resident,), _FWD_RESIDENT if resident else _FWD, launch)
+    launch(config)
+    return out
+
+
+def gdpa_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    args: GdpaArgs,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)``; ``grads`` (optional preallocated outputs) are fully overwritten."""
+    check_triton_head_dim(q.shape[2])
+    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    group = heads // kv_heads
+    common = _common(q, args, num_targets, k_offsets)
+    q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
+    masked = common["constexprs"]["MASKED"]
+    scalars = (args.contextual_len, args.window or 0)
+
+    def launch_dkdv(config: Config) -> None:
+        work_b, work_t = _work_list(k_len.tobytes(), q_len.tobytes(), config.block_n, 1,
+                                    "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
+        if work_b.numel() == 0:
+            return
+        gdpa_bwd_dkdv_kernel[(work_b.numel() * kv_heads,)](
+            q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            kv_heads, args.pre_scale, args.out_scale, *scalars, q.shape[0],
+            GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
+            num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+        )
+
+    def launch_dq(config: Config) -> None:
+        if args.broadcast_q:
+            _launch_dq_broadcast(config, grad_out, q, k, v, k_offsets, dq, args, common)
+            return
+        work_b, work_t = _work_list(q_len.tobytes(), k_len.tobytes(), config.block_m, 1,
+                                    "causal_q" if masked and args.causal else "full", args.window or 0, str(q.device))
+        if work_b.numel() == 0:
+            return
+        gdpa_bwd_dq_kernel[(work_b.numel() * heads,)](
+            q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+            heads, args.pre_scale, args.out_scale * args.pre_scale, *scalars,
+            GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+        )
+
+    if interpreting():
+        launch_dkdv(_INTERPRET)
+        launch_dq(_INTERPRET)
+    else:
+        launch_dkdv(_tuned(_tune_key("dkdv", q, k, args, common), _DKDV, launch_dkdv))
+        launch_dq(_tuned(_tune_key("dq", q, k, args, common), _DQ, launch_dq))
+    return dq, dk, dv
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 2
+
+
+def _launch_dq_broadcast(
+    config: Config,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_offsets: torch.Tensor,
+    dq: torch.Tensor,
+    args: GdpaArgs,
+    common: dict,
+) -> None:
+    """Broadcast-Q dQ: per-chunk fp32 partial sums (samples of a chunk in a fixed order), then one
+    ``torch.sum`` over the chunks. The chunking depends only on shapes and the device, and neither step
+    uses atomics, so dQ is bitwise reproducible."""
+    batch = k_offsets.numel() - 1
+    seeds, heads, head_dim = q.shape
+    if batch == 0 or seeds == 0:
+        dq.zero_()
+        return
+    num_q_tiles = triton.cdiv(seeds, config.block_m)
+    chunks = min(batch, max(1, triton.cdiv(4 * _num_sms(q.device), num_q_tiles * heads)))
+    per_chunk = triton.cdiv(batch, chunks)
+    chunks = triton.cdiv(batch, per_chunk)
+    partial = torch.empty((chunks, seeds, heads, head_dim), dtype=torch.float32, device=q.device)
+    gdpa_bwd_dq_broadcast_kernel[(chunks * num_q_tiles * heads,)](
+        q, k, v, grad_out, partial, k_offsets, common["head_act"],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
+        heads, num_q_tiles, batch, per_chunk, seeds, args.pre_scale, args.out_scale * args.pre_scale,
+        GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+        ACT=common["constexprs"]["ACT"], PRECISION=common["constexprs"]["PRECISION"],
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    dq.copy_(partial.sum(dim=0))

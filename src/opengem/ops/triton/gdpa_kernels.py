@@ -1,0 +1,321 @@
+"""GDPA Triton kernels: forward, dK/dV pass, dQ pass (and its broadcast-Q reduction form).
+
+Math (per sample, head h, ``x = pre_scale * q_i . k_j``, ``c = out_scale = post_scale / norm``):
+``O = c * P V`` with ``P = mask * phi_h(x)``; backward without any row statistic:
+``dV = c * P^T dO``, ``dP = c * dO V^T``, ``dX = mask * dP * phi_h'(x)``, ``dQ = pre_scale * dX K``,
+``dK = pre_scale * dX^T Q``.
+
+Masking: K/V, Q and dO rows outside the sample are loaded as zeros, so they contribute exactly 0 to
+every product (``phi(x) * 0 = 0``, ``dP = 0``) without a mask; only the recommendation mask of
+:mod:`opengem.ops.reference.masks` (self-attention, ``MASKED``) needs ``tile_mask``, and only on tiles
+that ``tile_fully_visible`` cannot prove fully visible (diagonal, window edges, targets).
+
+Work items come from the host scheduler (:mod:`opengem.ops.triton.gdpa`): one program per
+(work item, head), item = (sample, first tile); ``TILES`` consecutive query tiles per item.
+"""
+
+import triton
+import triton.language as tl
+
+from opengem.ops.triton.activations import activation_value, activation_value_and_grad
+from opengem.ops.triton.masks import key_range, tile_mask
+
+
+@triton.jit
+def tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                       CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """Scalar: every in-sample pair of the tile is visible, so the mask can be skipped (conservative).
+
+    Contextual rows and the diagonal only add visibility, so checking the history rule suffices.
+    """
+    n_last = n_start + BLOCK_N - 1
+    p_first = tl.minimum(m_start, hist_len)
+    p_last = tl.minimum(m_start + BLOCK_M - 1, hist_len)
+    ok = n_last < hist_len
+    if CAUSAL:
+        ok = ok & (n_last <= p_first)
+    if HAS_WINDOW:
+        ok = ok & (p_last - n_start <= window) & (n_last - p_first <= window)
+    return ok
+
+
+@triton.jit
+def query_range(n_start, seq_len, hist_len, contextual_len, window, BLOCK_N: tl.constexpr,
+                CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr):
+    """``[lo, hi)``: the query rows that may attend some key of the tile at ``n_start`` (superset)."""
+    n_end = tl.minimum(n_start + BLOCK_N, seq_len)
+    lo = n_start * 0
+    hi = seq_len + lo
+    if CAUSAL:
+        lo = n_start + lo
+    if HAS_WINDOW:
+        lo = tl.maximum(lo, n_start - window)
+        last_key = tl.minimum(n_end, hist_len) - 1
+        # history rows i <= last_key + window; target rows (p = hist_len) only if hist_len - key <= window
+        hi = tl.where(hist_len - last_key <= window, seq_len, tl.minimum(n_end + window, seq_len))
+    if HAS_CONTEXT:
+        lo = tl.where(contextual_len > 0, 0, lo)
+        hi = tl.maximum(hi, tl.minimum(contextual_len, seq_len))
+    # keys beyond the history (targets) are seen by themselves only
+    in_hist = n_start < hist_len
+    lo = tl.minimum(tl.where(in_hist, lo, n_start), n_start)
+    hi = tl.maximum(tl.where(in_hist, hi, n_end), n_end)
+    return lo, hi
+
+
+@triton.jit
+def _sample_bounds(Q_OFF, K_OFF, TARGETS, b, bcast_len, HAS_TARGETS: tl.constexpr, BROADCAST_Q: tl.constexpr):
+    """(q_start, q_len, o_start, k_start, k_len, hist_len) of sample ``b``."""
+    k_start = tl.load(K_OFF + b).to(tl.int32)
+    k_len = tl.load(K_OFF + b + 1).to(tl.int32) - k_start
+    if BROADCAST_Q:
+        q_start = k_start * 0
+        q_len = q_start + bcast_len
+        o_start = b * bcast_len
+    else:
+        q_start = tl.load(Q_OFF + b).to(tl.int32)
+        q_len = tl.load(Q_OFF + b + 1).to(tl.int32) - q_start
+        o_start = q_start
+    hist_len = k_len
+    if HAS_TARGETS:
+        hist_len = k_len - tl.load(TARGETS + b).to(tl.int32)
+    return q_start, q_len, o_start, k_start, k_len, hist_len
+
+
+@triton.jit
+def gdpa_fwd_kernel(
+    Q, K, V, O, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    num_heads, pre_scale, out_scale, contextual_len, window, bcast_len,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr,
+    KV_RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    item = pid // num_heads
+    b = tl.load(WORK_B + item)
+    first_tile = tl.load(WORK_T + item)
+    q_start, q_len, o_start, k_start, k_len, hist_len = _sample_bounds(
+        Q_OFF, K_OFF, TARGETS, b, bcast_len, HAS_TARGETS, BROADCAST_Q)
+    if ACT >= 0:  # one activation for all heads: folded at compile time
+        act = ACT
+    else:
+        act = tl.load(HEAD_ACT + h)
+    hk = h // GROUP
+    offs_d = tl.arange(0, D)
+    q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+    k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
+    o_base = O + o_start.to(tl.int64) * stride_ot + h * stride_oh
+    if KV_RESIDENT:
+        # short K/V (<= 256): the whole sample's K/V is one tile, loaded once and reused by every Q tile
+        offs_n = tl.arange(0, BLOCK_N)
+        k_res = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < k_len, other=0.0)
+        v_res = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len, other=0.0)
+    m_stop = tl.minimum((first_tile + TILES) * BLOCK_M, q_len)
+    # software pipelining across the item's Q tiles: the loads of the next tile overlap this tile's math
+    for m_start in range(first_tile * BLOCK_M, m_stop, BLOCK_M):
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
+        if KV_RESIDENT:
+            x = tl.dot(q, k_res, input_precision=PRECISION) * pre_scale
+            p = activation_value(x, act)
+            if MASKED:
+                p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
+                                       CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
+            acc = tl.dot(p.to(v_res.dtype), v_res, input_precision=PRECISION)
+        else:
+            acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+            if MASKED:
+                lo, hi = key_range(m_start, k_len, hist_len, contextual_len, window, BLOCK_M,
+                                   CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+                lo = (lo // BLOCK_N) * BLOCK_N
+            else:
+                lo = k_len * 0
+                hi = k_len
+            for n_start in range(lo, hi, BLOCK_N):
+                offs_n = n_start + tl.arange(0, BLOCK_N)
+                kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+                             mask=offs_n[None, :] < k_len, other=0.0)
+                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                            mask=offs_n[:, None] < k_len, other=0.0)
+                x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
+                p = activation_value(x, act)
+                if MASKED:
+                    if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
+                        p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
+                                               CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
+                acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        out = (acc * out_scale).to(O.dtype.element_ty)
+        tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], out, mask=offs_m[:, None] < q_len)
+
+
+@triton.jit
+def gdpa_bwd_dkdv_kernel(
+    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    num_kv_heads, pre_scale, out_scale, contextual_len, window, bcast_len,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (sample, key tile, K/V head): loops over the group's Q heads and the Q tiles."""
+    pid = tl.program_id(0)
+    hk = pid % num_kv_heads
+    item = pid // num_kv_heads
+    b = tl.load(WORK_B + item)
+    n_start = tl.load(WORK_T + item) * BLOCK_N
+    q_start, q_len, o_start, k_start, k_len, hist_len = _sample_bounds(
+        Q_OFF, K_OFF, TARGETS, b, bcast_len, HAS_TARGETS, BROADCAST_Q)
+    offs_d = tl.arange(0, D)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    row_ok = offs_n[:, None] < k_len
+    rows = (k_start + offs_n[:, None]).to(tl.int64)
+    k = tl.load(K + rows * stride_kt + hk * stride_kh + offs_d[None, :], mask=row_ok, other=0.0)
+    v = tl.load(V + rows * stride_vt + hk * stride_vh + offs_d[None, :], mask=row_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    if MASKED:
+        lo, hi = query_range(n_start, k_len, hist_len, contextual_len, window, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+        lo = (lo // BLOCK_M) * BLOCK_M
+    else:
+        lo = q_len * 0
+        hi = q_len
+    for g in range(GROUP):
+        h = hk * GROUP + g
+        if ACT >= 0:  # one activation for all heads: folded at compile time
+            act = ACT
+        else:
+            act = tl.load(HEAD_ACT + h)
+        q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
+        do_base = DO + o_start.to(tl.int64) * stride_dot + h * stride_doh
+        for m_start in range(lo, hi, BLOCK_M):
+            offs_m = m_start + tl.arange(0, BLOCK_M)
+            col_ok = offs_m[None, :] < q_len
+            qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=col_ok, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
+                         mask=offs_m[:, None] < q_len, other=0.0)
+            xt = tl.dot(k, qt, input_precision=PRECISION) * pre_scale  # [BLOCK_N, BLOCK_M]
+            pt, dphit = activation_value_and_grad(xt, act)
+            dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            dxt = dpt * dphit
+            if MASKED:
+                if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
+                    visible = tl.trans(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
+                                                 CAUSAL, HAS_WINDOW, HAS_CONTEXT))
+                    pt = tl.where(visible, pt, 0.0)
+                    dxt = tl.where(visible, dxt, 0.0)
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+            dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+    tl.store(DK + rows * stride_dkt + hk * stride_dkh + offs_d[None, :],
+             (dk * (out_scale * pre_scale)).to(DK.dtype.element_ty), mask=row_ok)
+    tl.store(DV + rows * stride_dvt + hk * stride_dvh + offs_d[None, :],
+             (dv * out_scale).to(DV.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
+def _dq_tile(Q, K, V, DO, h, hk, m_start, q_start, q_len, o_start, k_start, k_len, hist_len, act,
+             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+             pre_scale, contextual_len, window,
+             D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr):
+    """fp32 ``sum_j dX_ij k_j`` for the query tile at ``m_start`` of one sample and head (unscaled)."""
+    offs_d = tl.arange(0, D)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    row_ok = offs_m[:, None] < q_len
+    q_rows = (q_start + offs_m[:, None]).to(tl.int64)
+    o_rows = (o_start + offs_m[:, None]).to(tl.int64)
+    q = tl.load(Q + q_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
+    do = tl.load(DO + o_rows * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok, other=0.0)
+    k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
+    v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    if MASKED:
+        lo, hi = key_range(m_start, k_len, hist_len, contextual_len, window, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+        lo = (lo // BLOCK_N) * BLOCK_N
+    else:
+        lo = k_len * 0
+        hi = k_len
+    for n_start in range(lo, hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        col_ok = offs_n[None, :] < k_len
+        kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=col_ok, other=0.0)
+        vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_d[:, None], mask=col_ok, other=0.0)
+        x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
+        _, dphi = activation_value_and_grad(x, act)
+        dx = tl.dot(do, vt, input_precision=PRECISION) * dphi
+        if MASKED:
+            if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
+                dx = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
+                                       CAUSAL, HAS_WINDOW, HAS_CONTEXT), dx, 0.0)
+        dq += tl.dot(dx.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def gdpa_bwd_dq_kernel(
+    Q, K, V, DO, DQ, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh,
+    num_heads, pre_scale, dq_scale, contextual_len, window,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One program per (sample, query tile, head): dQ without atomics."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    item = pid // num_heads
+    b = tl.load(WORK_B + item)
+    m_start = tl.load(WORK_T + item) * BLOCK_M
+    q_start, q_len, o_start, k_start, k_len, hist_len = _sample_bounds(
+        Q_OFF, K_OFF, TARGETS, b, 0, HAS_TARGETS, False)
+    if ACT >= 0:  # one activation for all heads: folded at compile time
+        act = ACT
+    else:
+        act = tl.load(HEAD_ACT + h)
+    dq = _dq_tile(Q, K, V, DO, h, h // GROUP, m_start, q_start, q_len, o_start, k_start, k_len, hist_len, act,
+                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+                  pre_scale, contextual_len, window, D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, HAS_WINDOW,
+                  HAS_CONTEXT, PRECISION)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
+             (dq * dq_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < q_len)
+
+
+@triton.jit
+def gdpa_bwd_dq_broadcast_kernel(
+    Q, K, V, DO, DQ_PARTIAL, K_OFF, HEAD_ACT,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_pc, stride_pt, stride_ph,
+    num_heads, num_q_tiles, batch, samples_per_chunk, bcast_len, pre_scale, dq_scale,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Broadcast-Q dQ: one program per (chunk of samples, query tile, head) sums its chunk in a fixed
+    order into ``DQ_PARTIAL[chunk]``; the host then sums the chunks (a deterministic reduction)."""
+    pid = tl.program_id(0)
+    h = pid % num_heads
+    tile = (pid // num_heads) % num_q_tiles
+    chunk = pid // (num_heads * num_q_tiles)
+    if ACT >= 0:  # one activation for all heads: folded at compile time
+        act = ACT
+    else:
+        act = tl.load(HEAD_ACT + h)
+    m_start = tile * BLOCK_M
+    dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
+    b_stop = tl.minimum((chunk + 1) * samples_per_chunk, batch)
+    for b in range(chunk * samples_per_chunk, b_stop):
+        k_start = tl.load(K_OFF + b).to(tl.int32)
+        k_len = tl.load(K_OFF + b + 1).to(tl.int32) - k_start
+        dq += _dq_tile(Q, K, V, DO, h, h // GROUP, m_start, 0, bcast_len, b * bcast_len, k_start, k_len, k_len,
+                       act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+                       stride_doh, pre_scale, 0, 0, D, BLOCK_M, BLOCK_N, False, False, False, False, PRECISION)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, D)
+    partial = DQ_PARTIAL + chunk.to(tl.int64) * stride_pc + h * stride_ph
+    tl.store(partial + offs_m[:, None] * stride_pt + offs_d[None, :], dq * dq_scale, mask=offs_m[:, None] < bcast_len)

@@ -1,0 +1,178 @@
+"""GDPA Triton kernels on the GPU in bf16 against the fp32 reference (skipped without CUDA).
+
+Tuning is off here (each pass's first candidate: one compile per variant, keeps the run short);
+``test_every_tuning_candidate`` checks every candidate configuration instead.
+"""
+
+import math
+import os
+
+os.environ.setdefault("OPENGEM_GDPA_TUNE", "0")
+
+import pytest
+import torch
+
+from opengem.ops.activations import ACTIVATIONS
+from opengem.ops.gdpa import gdpa, hstu_attention
+from opengem.ops.reference import gdpa as reference
+from opengem.ops.triton import gdpa as triton_gdpa
+from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+DEVICE = "cuda"
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths], device=DEVICE).cumsum(0).to(torch.int32)
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out64, ref64 = out.detach().double(), ref.detach().double()
+    if not torch.isfinite(out64).all():
+        return math.inf
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-12))
+
+
+def _check(q_lengths, k_lengths, *, heads=4, kv_heads=4, head_dim=128, activation="fast_gelu",
+           head_activations=None, seeds=None, mask=None, pre_scale=None, norm="max_len", tol=2e-2, seed=0):
+    """Run the public op (Triton) with autograd and compare output and grads with the fp32 reference."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    q_rows = seeds if seeds is not None else sum(q_lengths)
+    shape_q, shape_kv = (q_rows, heads, head_dim), (sum(k_lengths), kv_heads, head_dim)
+    q = torch.randn(shape_q, generator=gen, device=DEVICE).bfloat16().requires_grad_(True)
+    k = torch.randn(shape_kv, generator=gen, device=DEVICE).bfloat16().requires_grad_(True)
+    v = torch.randn(shape_kv, generator=gen, device=DEVICE).bfloat16().requires_grad_(True)
+    q_offsets = None if seeds is not None else _offsets(q_lengths)
+    k_offsets = _offsets(k_lengths)
+    max_len_q = seeds if seeds is not None else max(q_lengths)
+    max_len_k = max(k_lengths)
+    mask = dict(mask or {})
+    pre_scale = 1.0 / math.sqrt(head_dim) if pre_scale is None else pre_scale
+    out = gdpa(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation=activation,
+               head_activations=head_activations, pre_scale=pre_scale, norm=norm, broadcast_q=seeds is not None,
+               **mask)
+    grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).bfloat16()
+    grads = torch.autograd.grad(out, (q, k, v), grad_out)
+    names = head_activations or [activation] * heads
+    ref_kwargs = dict(head_activations=names, pre_scale=pre_scale, out_scale=1.0 / max(max_len_k, 1),
+                      broadcast_q=seeds is not None, **mask)
+    qf, kf, vf = (t.detach().float() for t in (q, k, v))
+    ref_q_offsets = k_offsets if q_offsets is None else q_offsets
+    out_ref = reference.gdpa(qf, kf, vf, ref_q_offsets, k_offsets, **ref_kwargs)
+    grads_ref = reference.gdpa_backward(grad_out.float(), qf, kf, vf, ref_q_offsets, k_offsets, **ref_kwargs)
+    assert _rel(out, out_ref) < tol, _rel(out, out_ref)
+    for name, got, want in zip("qkv", grads, grads_ref):
+        assert _rel(got, want) < tol, (name, _rel(got, want))
+    return q, k, v, grads
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("lengths", [[200, 1, 0, 256, 77], [700, 129, 0, 1, 513]])  # short-KV, key-tile loop
+def test_self_attention_full(head_dim, lengths):
+    _check(lengths, lengths, head_dim=head_dim)
+
+
+@pytest.mark.parametrize(
+    "mask",
+    [
+        {"causal": True},
+        {"causal": True, "num_targets": [5, 0, 0, 64]},
+        {"window": 33},
+        {"causal": True, "num_targets": [3, 1, 0, 17], "contextual_len": 4, "window": 100},
+    ],
+)
+@pytest.mark.parametrize("lengths", [[200, 1, 0, 256], [700, 129, 0, 513]])
+def test_self_attention_masks(mask, lengths):
+    mask = dict(mask)
+    if "num_targets" in mask:
+        mask["num_targets"] = torch.tensor(mask["num_targets"], device=DEVICE)
+    _check(lengths, lengths, activation="silu", mask=mask)
+
+
+@pytest.mark.parametrize("kv_len", [128, 256, 300])
+def test_cross_attention_short_kv_with_empty_and_single_keys(kv_len):
+    q_lengths = [2048, 1000, 1, 0, 333]
+    k_lengths = [kv_len, 0, 1, kv_len, kv_len // 2]
+    _check(q_lengths, k_lengths, activation="gelu")
+
+
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_gqa_and_per_head_activations(kv_heads):
+    lengths = [300, 17, 0, 64]
+    _check(lengths, lengths, kv_heads=kv_heads, head_activations=["silu", "relu2", "gelu_tanh", "hardswish"],
+           mask={"causal": True})
+
+
+@pytest.mark.parametrize("seeds", [32, 128])
+def test_broadcast_q_pooling_and_bitwise_deterministic_dq(seeds):
+    k_lengths = [4096, 0, 1, 1500, 3000, 17] * 4
+    q, k, v, grads = _check(None, k_lengths, seeds=seeds, activation="fast_gelu", kv_heads=2)
+    out = gdpa(q, k, v, None, _offsets(k_lengths), seeds, 4096, activation="fast_gelu", broadcast_q=True,
+               pre_scale=1.0 / math.sqrt(128), norm="max_len")
+    grad_out = torch.randn(out.shape, generator=torch.Generator(device=DEVICE).manual_seed(3), device=DEVICE).bfloat16()
+    first = torch.autograd.grad(out, (q,), grad_out, retain_graph=True)[0]
+    second = torch.autograd.grad(out, (q,), grad_out)[0]
+    assert torch.equal(first, second)
+
+
+@pytest.mark.parametrize("first", [0, 3, 6])
+def test_every_activation_forward_and_backward(first):
+    # per-head activations: the runtime-selected branch covers the whole table in 3 compiled variants
+    names = [ACTIVATIONS[(first + i) % len(ACTIVATIONS)] for i in range(3)]
+    lengths = [130, 5, 64, 700]
+    _check(lengths, lengths, head_activations=names, heads=3, kv_heads=1, mask={"causal": True}, pre_scale=0.05)
+
+
+@pytest.mark.parametrize("max_len", [256, 700])
+def test_every_tuning_candidate(monkeypatch, max_len):
+    lengths = [max_len, 1, 0, 129, max_len // 3]
+    targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
+    passes = ("_FWD_RESIDENT" if max_len <= triton_gdpa.SHORT_KV_MAX else "_FWD", "_DKDV", "_DQ")
+    for index in range(3):
+        for name in passes:
+            monkeypatch.setattr(triton_gdpa, name, (getattr(triton_gdpa, name)[index],))
+        _check(lengths, lengths, activation="silu", mask={"causal": True, "num_targets": targets}, seed=index)
+        _check(lengths, lengths, activation="fast_gelu", seed=index)
+        monkeypatch.undo()
+
+
+def test_hstu_attention_matches_reference():
+    lengths = [1000, 100, 0, 2048]
+    offsets = _offsets(lengths)
+    targets = torch.tensor([64, 10, 0, 64], device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q, k, v = (torch.randn(sum(lengths), 4, 128, generator=gen, device=DEVICE).bfloat16() for _ in range(3))
+    out = hstu_attention(q, k, v, offsets, 2048, alpha=0.1, num_targets=targets, contextual_len=3)
+    ref = reference.gdpa(q.float(), k.float(), v.float(), offsets, offsets, head_activations=["silu"] * 4,
+                         pre_scale=0.1, out_scale=1 / 2048, causal=True, num_targets=targets, contextual_len=3)
+    assert _rel(out, ref) < 2e-2
+
+
+def test_kernels_overwrite_poisoned_outputs():
+    q_lengths, k_lengths = [300, 0, 65], [256, 3, 0]
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(sum(q_lengths), 4, 128, generator=gen, device=DEVICE).bfloat16()
+    k, v = (torch.randn(sum(k_lengths), 4, 128, generator=gen, device=DEVICE).bfloat16() for _ in range(2))
+    q_offsets, k_offsets = _offsets(q_lengths), _offsets(k_lengths)
+    for max_len_k in (256, 1000):
+        args = GdpaArgs((3,) * 4, 0.1, 0.01, False, 0, None, False, 300, max_len_k)
+        out = torch.full_like(q, math.nan)
+        gdpa_forward(q, k, v, q_offsets, k_offsets, None, args, out=out)
+        grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+        gdpa_backward(torch.randn_like(q), q, k, v, q_offsets, k_offsets, None, args, grads=grads)
+        assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+        assert (out[300:365] == 0).all()  # the last sample has no keys: exact zeros
+
+
+def test_compiles_fullgraph_on_cuda():
+    lengths = [100, 7]
+    offsets = _offsets(lengths)
+    q, k, v = (torch.randn(107, 4, 64, device=DEVICE).bfloat16().requires_grad_(True) for _ in range(3))
+
+    def f(q, k, v):
+        return gdpa(q, k, v, offsets, offsets, 100, 100, activation="silu", causal=True)
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
+    out.float().sum().backward()
+    assert _rel(out, f(q, k, v)) == 0.0

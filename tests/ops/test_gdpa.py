@@ -1,0 +1,366 @@
+"""GDPA: activations, reference (closed-form backward vs autograd), Triton kernels in the interpreter, op wiring."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+import triton.runtime.interpreter as interpreter  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
+
+from opengem.ops.activations import ACTIVATIONS, activation_grad, activation_value  # noqa: E402
+from opengem.ops.attention_flops import visible_pairs  # noqa: E402
+from opengem.ops.gdpa import gdpa, hstu_attention  # noqa: E402
+from opengem.ops.reference import gdpa as reference  # noqa: E402
+from opengem.ops.reference.masks import attention_mask  # noqa: E402
+from opengem.ops.triton.activations import activation_value_and_grad  # noqa: E402
+from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward  # noqa: E402
+
+
+def _patch_interpreter_scalar_index() -> None:
+    """Triton 3.6's interpreter turns loaded scalars (1-element arrays) into ints with ``int(array)``,
+    which numpy >= 2.4 rejects; ``range(lo, hi)`` over loaded bounds then fails. Use ``.item()``."""
+    original = interpreter._patch_lang_tensor
+    if getattr(original, "_gdpa_patched", False):
+        return
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
+
+    patched._gdpa_patched = True
+    interpreter._patch_lang_tensor = patched
+
+
+_patch_interpreter_scalar_index()
+
+
+def _offsets(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+
+def _inputs(q_lengths, k_lengths, heads=2, kv_heads=1, head_dim=16, dtype=torch.float32, seeds=None, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q_rows = seeds if seeds is not None else sum(q_lengths)
+    q = torch.randn(q_rows, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(sum(k_lengths), kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(sum(k_lengths), kv_heads, head_dim, generator=gen).to(dtype)
+    return q, k, v
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
+
+
+# ---------------------------------------------------------------- activations
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_activation_derivative_matches_autograd(name):
+    x = torch.linspace(-6, 6, 2001, dtype=torch.float64)
+    # stay off the kinks (0, +-3, +-1.88) where one-sided derivatives differ
+    x = x[(x.abs() > 1e-3) & ((x.abs() - 3).abs() > 1e-3) & ((x.abs() - 1.88).abs() > 1e-3)].requires_grad_(True)
+    (auto,) = torch.autograd.grad(activation_value(name, x).sum(), x)
+    torch.testing.assert_close(activation_grad(name, x.detach()), auto, atol=1e-10, rtol=1e-8)
+
+
+@triton.jit
+def _activation_kernel(X, Y, DY, act, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    y, dy = activation_value_and_grad(tl.load(X + offs), act)
+    tl.store(Y + offs, y)
+    tl.store(DY + offs, dy)
+
+
+@pytest.mark.parametrize("name", ACTIVATIONS)
+def test_triton_activation_table_matches_reference(name):
+    x = torch.linspace(-5, 5, 256)
+    y, dy = torch.empty_like(x), torch.empty_like(x)
+    _activation_kernel[(1,)](x, y, dy, ACTIVATIONS.index(name), N=256)
+    torch.testing.assert_close(y, activation_value(name, x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dy, activation_grad(name, x), atol=1e-5, rtol=1e-5)
+
+
+def test_fast_gelu_is_close_to_gelu_and_exact_relu_outside_radius():
+    x = torch.linspace(-8, 8, 4001)
+    assert (activation_value("fast_gelu", x) - activation_value("gelu", x)).abs().max() < 0.07
+    outside = x.abs() >= 1.88
+    torch.testing.assert_close(activation_value("fast_gelu", x)[outside], torch.relu(x)[outside])
+
+
+# ---------------------------------------------------------------- reference
+
+_MASKS = {
+    "full": {},
+    "causal": {"causal": True},
+    "targets": {"causal": True, "num_targets": [2, 0, 4]},
+    "context": {"causal": True, "contextual_len": 3},
+    "window_causal": {"causal": True, "window": 3},
+    "window_full": {"window": 2},
+    "targets_no_causal": {"num_targets": [1, 1, 3]},
+    "everything": {"causal": True, "num_targets": [2, 0, 4], "contextual_len": 2, "window": 4},
+}
+_SELF_LENGTHS = [17, 1, 23]
+
+
+def _mask_kwargs(spec: dict) -> dict:
+    kwargs = dict(spec)
+    if "num_targets" in kwargs:
+        kwargs["num_targets"] = torch.tensor(kwargs["num_targets"], dtype=torch.int32)
+    return kwargs
+
+
+@pytest.mark.parametrize("mask, broadcast", [("full", False), ("everything", False), ("full", True)])
+def test_reference_backward_matches_autograd(mask, broadcast):
+    lengths = _SELF_LENGTHS
+    q, k, v = _inputs(lengths, lengths, heads=4, kv_heads=2, seeds=5 if broadcast else None)
+    offsets = _offsets(lengths)
+    kwargs = dict(head_activations=["silu", "gelu", "relu2", "hardswish"], pre_scale=0.4, out_scale=0.3,
+                  broadcast_q=broadcast, **_mask_kwargs(_MASKS[mask]))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = reference.gdpa(*leaves, offsets, offsets, **kwargs)
+    grad_out = torch.randn_like(out)
+    auto = torch.autograd.grad(out, leaves, grad_out)
+    closed = reference.gdpa_backward(grad_out, q, k, v, offsets, offsets, **kwargs)
+    for got, want in zip(closed, auto):
+        torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5)
+
+
+def test_reference_masks_after_the_activation():
+    # every score is 16 (non-zero), so a masked pair only vanishes if the mask applies after phi
+    lengths = [6]
+    q = torch.ones(6, 1, 16)
+    k = torch.ones(6, 1, 16)
+    v = torch.ones(6, 1, 16)
+    offsets = _offsets(lengths)
+    out = reference.gdpa(q, k, v, offsets, offsets, head_activations=["identity"], causal=True)
+    # row i sees i + 1 keys, each weight q.k = 16
+    expected = 16.0 * torch.arange(1, 7, dtype=torch.float32)
+    torch.testing.assert_close(out[:, 0, 0], expected)
+
+
+# ---------------------------------------------------------------- Triton (interpreter) vs reference
+
+
+def _run_triton_and_reference(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, acts, *, broadcast=False,
+                              pre_scale=0.35, out_scale=0.6, mask=None, tol=2e-5):
+    mask = _mask_kwargs(mask or {})
+    kwargs = dict(head_activations=acts, pre_scale=pre_scale, out_scale=out_scale, broadcast_q=broadcast, **mask)
+    out_ref = reference.gdpa(q, k, v, q_offsets, k_offsets, **kwargs)
+    grad_out = torch.randn(out_ref.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
+    grads_ref = reference.gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, **kwargs)
+    args = GdpaArgs(
+        head_activations=tuple(ACTIVATIONS.index(a) for a in acts), pre_scale=pre_scale, out_scale=out_scale,
+        causal=mask.get("causal", False), contextual_len=mask.get("contextual_len", 0), window=mask.get("window"),
+        broadcast_q=broadcast, max_len_q=max_len_q, max_len_k=max_len_k,
+    )
+    targets = mask.get("num_targets")
+    # poisoned outputs: every element must be overwritten
+    out = torch.full_like(out_ref, math.nan)
+    gdpa_forward(q, k, v, q_offsets, k_offsets, targets, args, out=out)
+    grads = tuple(torch.full_like(t, math.nan) for t in (q, k, v))
+    gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, targets, args, grads=grads)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert _rel(out, out_ref) < tol, _rel(out, out_ref)
+    for name, got, want in zip("qkv", grads, grads_ref):
+        assert _rel(got, want) < tol, (name, _rel(got, want))
+    return out, grads
+
+
+@pytest.mark.parametrize("mask", list(_MASKS))
+@pytest.mark.parametrize("max_len_k", [23, 300])  # short-KV resident variant, then the key-tile loop
+def test_triton_self_attention_every_mask(mask, max_len_k):
+    lengths = _SELF_LENGTHS
+    q, k, v = _inputs(lengths, lengths)
+    offsets = _offsets(lengths)
+    _run_triton_and_reference(q, k, v, offsets, offsets, max_len_k, max_len_k, ["fast_gelu"] * 2, mask=_MASKS[mask])
+
+
+@pytest.mark.parametrize("max_len_k", [5, 300])
+def test_triton_cross_attention_with_kv_lengths_zero_and_one(max_len_k):
+    q_lengths, k_lengths = [19, 7, 0, 33], [5, 0, 1, 3]
+    q, k, v = _inputs(q_lengths, k_lengths, heads=2, kv_heads=2)
+    out, _ = _run_triton_and_reference(q, k, v, _offsets(q_lengths), _offsets(k_lengths), 33, max_len_k,
+                                       ["silu", "gelu_tanh"])
+    assert (out[19:26] == 0).all()  # the sample with no keys outputs exact zeros
+
+
+@pytest.mark.parametrize("max_len_k", [20, 300])
+def test_triton_broadcast_q_and_deterministic_dq(max_len_k):
+    k_lengths = [20, 0, 1, 13, 7]
+    q, k, v = _inputs([], k_lengths, heads=2, kv_heads=1, seeds=18)
+    k_offsets = _offsets(k_lengths)
+    _, grads = _run_triton_and_reference(q, k, v, k_offsets, k_offsets, 18, max_len_k, ["relu2", "leaky_relu"],
+                                         broadcast=True)
+    _, again = _run_triton_and_reference(q, k, v, k_offsets, k_offsets, 18, max_len_k, ["relu2", "leaky_relu"],
+                                         broadcast=True)
+    assert torch.equal(grads[0], again[0])
+
+
+def test_triton_gqa_per_head_activations_fp16_head_dim_32():
+    lengths = [9, 31, 2]
+    q, k, v = _inputs(lengths, lengths, heads=4, kv_heads=2, head_dim=32, dtype=torch.float16)
+    offsets = _offsets(lengths)
+    _run_triton_and_reference(q, k, v, offsets, offsets, 31, 31, ["identity", "hardswish", "relu", "gelu"],
+                              mask=_MASKS["targets"] | {"num_targets": [1, 4, 0]}, tol=3e-3)
+
+
+@settings(max_examples=10, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 24), min_size=1, max_size=3),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(0, 6)),
+    contextual_len=st.integers(0, 3),
+    activation=st.sampled_from(ACTIVATIONS),
+    kv_heads=st.sampled_from([1, 2]),
+)
+def test_triton_property_self_attention(lengths, causal, window, contextual_len, activation, kv_heads):
+    if sum(lengths) == 0:
+        lengths = [1]
+    q, k, v = _inputs(lengths, lengths, heads=2, kv_heads=kv_heads, seed=len(lengths))
+    offsets = _offsets(lengths)
+    mask = {"causal": causal, "window": window, "contextual_len": contextual_len}
+    _run_triton_and_reference(q, k, v, offsets, offsets, max(lengths), max(lengths), [activation] * 2, mask=mask)
+
+
+# ---------------------------------------------------------------- public op
+
+
+def test_op_dispatches_reference_on_cpu_and_triton_when_forced():
+    lengths = [11, 0, 6]
+    offsets = _offsets(lengths)
+    q, k, v = _inputs(lengths, lengths)
+    outs, grads = [], []
+    for backend in ("auto", "triton"):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = gdpa(*leaves, offsets, offsets, 11, 11, activation="gelu", pre_scale=0.5, post_scale=2.0,
+                   norm="max_len", causal=True, backend=backend)
+        out.backward(torch.ones_like(out))
+        outs.append(out)
+        grads.append([t.grad for t in leaves])
+    torch.testing.assert_close(outs[0], outs[1], atol=1e-5, rtol=1e-5)
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    expected = reference.gdpa(q, k, v, offsets, offsets, head_activations=["gelu"] * 2, pre_scale=0.5,
+                              out_scale=2.0 / 11, causal=True)
+    torch.testing.assert_close(outs[0], expected)
+
+
+def test_hstu_attention_is_silu_over_max_len_with_the_mask():
+    lengths = [8, 5]
+    offsets = _offsets(lengths)
+    q, k, v = _inputs(lengths, lengths, heads=1, kv_heads=1)
+    targets = torch.tensor([2, 1])
+    out = hstu_attention(q, k, v, offsets, 10, alpha=0.3, num_targets=targets, contextual_len=1, window=3)
+    # direct formula for sample 0
+    mask = attention_mask(8, causal=True, num_targets=2, contextual_len=1, window=3)
+    scores = torch.nn.functional.silu(0.3 * q[:8, 0] @ k[:8, 0].T) / 10
+    torch.testing.assert_close(out[:8, 0], (scores * mask) @ v[:8, 0])
+
+
+def test_op_compiles_fullgraph_on_cpu():
+    lengths = [7, 3]
+    offsets = _offsets(lengths)
+    q, k, v = (t.requires_grad_(True) for t in _inputs(lengths, lengths))
+
+    def f(q, k, v):
+        return gdpa(q, k, v, offsets, offsets, 7, 7, activation="relu2", causal=True, norm=4.0)
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    out = compiled(q, k, v)
+    out.sum().backward()
+    torch.testing.assert_close(out, f(q, k, v))
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_flop_counter_counts_useful_pairs():
+    lengths = [9, 4, 0]
+    offsets = _offsets(lengths)
+    targets = torch.tensor([3, 1, 0])
+    q, k, v = (t.requires_grad_(True) for t in _inputs(lengths, lengths, heads=2, kv_heads=1))
+    with FlopCounterMode(display=False) as counter:
+        out = gdpa(q, k, v, offsets, offsets, 9, 9, causal=True, num_targets=targets, window=2)
+        out.sum().backward()
+    pairs = sum(int(attention_mask(n, causal=True, num_targets=t, window=2).sum()) for n, t in zip(lengths, [3, 1, 0]))
+    assert counter.get_total_flops() == 4 * 2 * 16 * pairs * 7 // 2
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 30), min_size=1, max_size=4),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(0, 8)),
+    contextual_len=st.integers(0, 5),
+    data=st.data(),
+)
+def test_visible_pairs_matches_the_mask(lengths, causal, window, contextual_len, data):
+    targets = [data.draw(st.integers(0, n)) for n in lengths]
+    expected = sum(
+        int(attention_mask(n, causal=causal, num_targets=t, contextual_len=contextual_len, window=window).sum())
+        for n, t in zip(lengths, targets)
+    )
+    got = visible_pairs(torch.tensor(lengths), torch.tensor(lengths), masked=True, causal=causal,
+                        num_targets=torch.tensor(targets), contextual_len=contextual_len, window=window)
+    assert got == expected
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"activation": "swish"}, "unknown activation 'swish'"),
+        ({"head_activations": ["silu"]}, "one activation per head"),
+        ({"head_activations": ["silu", "tanh"]}, "head_activations: unknown activation 'tanh'"),
+        ({"norm": "sum"}, "norm must be None, 'max_len' or a positive number"),
+        ({"norm": 0.0}, "norm must be None"),
+        ({"backend": "cuda"}, "backend must be one of"),
+        ({"causal": True, "cross": True}, "q_offsets must equal k_offsets"),
+        ({"broadcast_q": True}, "q_offsets must be None with broadcast_q"),
+        ({"broadcast_q": True, "q_offsets": None, "max_len_q": 3}, "max_len_q must equal q.shape[0]"),
+        ({"broadcast_q": True, "q_offsets": None, "max_len_q": 10, "window": 2}, "apply to self-attention"),
+        ({"q_offsets": None}, "q_offsets is required"),
+        ({"num_targets": torch.tensor([5, 0])}, "num_targets[0] = 5"),
+        ({"max_len_k": 2}, "max_len_k = 2 is shorter"),
+        ({"backend": "triton", "head_dim": 24}, "head_dim in"),
+    ],
+)
+def test_bad_inputs_raise_clear_errors(kwargs, message):
+    kwargs = dict(kwargs)
+    head_dim = kwargs.pop("head_dim", 16)
+    lengths = [4, 6]
+    offsets = _offsets(lengths)
+    q, k, v = _inputs(lengths, lengths, head_dim=head_dim)
+    q_offsets = kwargs.pop("q_offsets", offsets)
+    if kwargs.pop("cross", False):
+        q_offsets = _offsets([6, 4])
+    max_len_q = kwargs.pop("max_len_q", 6)
+    max_len_k = kwargs.pop("max_len_k", 6)
+    with pytest.raises(ValueError, match=_escape(message)):
+        gdpa(q, k, v, q_offsets, offsets, max_len_q, max_len_k, **kwargs)
+
+
+def _escape(message: str) -> str:
+    import re
+
+    return re.escape(message)
+
+
+def test_work_list_covers_every_tile_once_longest_first():
+    from opengem.ops.triton.gdpa import _work_list
+
+    rows = torch.tensor([100, 0, 33, 64, 1], dtype=torch.int64).numpy()
+    cols = torch.tensor([10, 5, 300, 64, 0], dtype=torch.int64).numpy()
+    work_b, work_t = _work_list(rows.tobytes(), cols.tobytes(), 16, 2, "full", 0, "cpu")
+    items = sorted(zip(work_b.tolist(), work_t.tolist()))
+    # 2 tiles of 16 rows per item: 100 rows -> 4 items (tiles 0, 2, 4, 6), 33 -> 2, 64 -> 2, 1 -> 1
+    assert items == [(0, 0), (0, 2), (0, 4), (0, 6), (2, 0), (2, 2), (3, 0), (3, 2), (4, 0)]
+    assert work_b.dtype == torch.int32 and work_t.dtype == torch.int32
+    # longest first by rows x keys: the full 32-row item over 300 keys leads, empty-key work comes last
+    assert (work_b[0].item(), work_t[0].item()) == (2, 0)
+    assert work_b[-1].item() == 4
