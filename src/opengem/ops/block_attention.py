@@ -139,8 +139,6 @@ def block_attention_from_hidden(
 
 def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend) -> None:
     check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
-    if q.shape[0] != k.shape[0]:
-        raise ValueError(f"q and k/v must have the same number of tokens, got {q.shape[0]} and {k.shape[0]}")
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if activation not in reference.ACTIVATIONS:
@@ -249,17 +247,11 @@ def _block_attention_bwd(
 
         options = _triton_options(q, block_size, scale, activation, rotary_mode, rotary_values, rotary_base, time_scale)
         return block_attention_bwd(grad_out, q, k, v, offsets, **options)
-    # Reference backward: a vjp through the fp32 reference forward (torch.func works below autograd).
     phase = _reference_phase(offsets, q.shape[0], rotary_mode, rotary_values, time_scale)
-
-    def forward(q_: torch.Tensor, k_: torch.Tensor, v_: torch.Tensor) -> torch.Tensor:
-        return reference.block_attention(
-            q_, k_, v_, offsets, block_size=block_size, scale=scale, activation=activation,
-            rotary_phase=phase, rotary_base=rotary_base,
-        )  # fmt: skip
-
-    _, vjp = torch.func.vjp(forward, q, k, v)
-    dq, dk, dv = vjp(grad_out.to(q.dtype))
+    dq, dk, dv = reference.block_attention_backward(
+        grad_out, q, k, v, offsets, block_size=block_size, scale=scale, activation=activation,
+        rotary_phase=phase, rotary_base=rotary_base,
+    )  # fmt: skip
     return dq, dk, dv
 
 
