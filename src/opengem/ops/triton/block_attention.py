@@ -37,7 +37,16 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 def _configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8)]
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers."""
+    large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
+    return [c for c in configs if c.num_warps <= 8 or large]
+
+
+_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"], prune_configs_by={"early_config_prune": _prune})
 
 
 @triton.jit
@@ -96,7 +105,7 @@ def _block_of(SCHED, num_blocks, blk):
     return start, length, pos0
 
 
-@triton.autotune(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"])
+@triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _block_attention_fwd(
     Q, K, V, O, SCHED, PHASE, INV_FREQ,
@@ -126,7 +135,7 @@ def _block_attention_fwd(
     tl.store(O + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(O.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.autotune(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"])
+@triton.autotune(**_AUTOTUNE)
 @triton.jit
 def _block_attention_bwd(
     Q, K, V, DO, DQ, DK, DV, SCHED, PHASE, INV_FREQ,
