@@ -29,7 +29,7 @@ class _poison:
         torch.use_deterministic_algorithms(self._det)
 
 
-def _check(lengths, heads=4, kv_heads=4, head_dim=128, block_size=64, rotary="none", activation="softmax", tol=1e-2):
+def _check(lengths, heads=4, kv_heads=4, head_dim=128, block_size=64, rotary="none", activation="softmax"):
     g = torch.Generator(device="cuda").manual_seed(0)
     total = sum(lengths)
     offsets = offsets_from_lengths(torch.tensor(lengths, dtype=torch.int32)).cuda()
@@ -56,7 +56,8 @@ def _check(lengths, heads=4, kv_heads=4, head_dim=128, block_size=64, rotary="no
     for name, a, b in zip(("out", "dq", "dk", "dv"), got, want):
         assert a.dtype == torch.bfloat16
         err = _relative_error(a, b)
-        assert err < tol, f"{name}: relative error {err:.3g}"
+        # bf16 inputs, P/dS rounded to bf16 for the tensor cores, rotated q/k rounded to bf16.
+        assert err < (1e-2 if name == "out" else 2e-2), f"{name}: relative error {err:.3g}"
 
 
 @pytest.mark.parametrize("block_size", [16, 32, 64, 128])

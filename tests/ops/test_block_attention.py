@@ -17,7 +17,9 @@ from opengem.ops.block_attention import Rotary, block_attention, block_attention
 from opengem.ops.reference import block_attention as reference  # noqa: E402
 from opengem.ops.reference.attention import jagged_attention  # noqa: E402
 from opengem.ops.reference.rotary import apply_rotary  # noqa: E402
-from opengem.ops.triton.block_attention import block_schedule  # noqa: E402
+import triton  # noqa: E402
+
+from opengem.ops.triton.block_attention import _prune, block_schedule  # noqa: E402
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 
@@ -237,3 +239,10 @@ def test_reference_backward_matches_autograd(activation):
     actual = reference.block_attention_backward(grad, q, k, v, offsets, **options)
     for a, e in zip(actual, expected):
         torch.testing.assert_close(a, e, **TOL)
+
+
+def test_autotune_offers_16_warps_only_for_128_row_tiles():
+    configs = [triton.Config({}, num_warps=w) for w in (4, 8, 16)]
+    warps = lambda **meta: [c.num_warps for c in _prune(configs, {}, **meta)]  # noqa: E731
+    assert warps(BLOCK=128, HALF=64) == [4, 8, 16]
+    assert warps(BLOCK=64, HALF=128) == [4, 8]
