@@ -209,6 +209,7 @@ def _bad(**overrides):
         (dict(max_len=5), "max_len"),
         (dict(k=torch.randn(9, 1, 32), v=torch.randn(9, 1, 32)), r"k_offsets\[-1\] = 10 must equal the number of values, 9"),
         (dict(q=torch.randn(10, 2, 48), k=torch.randn(10, 1, 48), v=torch.randn(10, 1, 48), backend="triton"), "head_dim must be one of"),
+        (dict(q=torch.randn(10, 2, 256), k=torch.randn(10, 1, 256), v=torch.randn(10, 1, 256), block_size=128, backend="triton"), r"block_size \* head_dim must be <= 16384"),
         (dict(rotary=Rotary(positions=torch.arange(9))), r"rotary.positions must have shape \[T\] = \[10\]"),
         (dict(rotary=Rotary(time_gaps=torch.arange(10))), "rotary.time_gaps must be floating point"),
         (dict(rotary=Rotary(positions=torch.arange(10), time_gaps=torch.rand(10))), "not both"),

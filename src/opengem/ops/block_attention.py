@@ -90,7 +90,8 @@ def block_attention(
         backend: ``"auto"`` (CUDA -> Triton, CPU -> reference), ``"triton"`` or ``"reference"``.
 
     Returns:
-        ``[T, H, D]`` in q's dtype. Head dims 32/64/128/256 on the Triton path, any even D otherwise.
+        ``[T, H, D]`` in q's dtype. Head dims 32/64/128/256 on the Triton path (block 128 with D = 256 is
+        refused there: its backward tile does not fit shared memory), any D (even with rotary) otherwise.
     """
     if not torch.compiler.is_compiling():
         _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend)
@@ -147,6 +148,9 @@ def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, bac
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if _use_triton(q, backend) and q.shape[-1] not in TRITON_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {TRITON_HEAD_DIMS} for the Triton kernel, got {q.shape[-1]}")
+    if _use_triton(q, backend) and block_size * q.shape[-1] > 128 * 128:
+        # The backward's tiles for 128 x 256 need ~320 KB of shared memory (an H100/H200 SM has 227 KB).
+        raise ValueError(f"block_size * head_dim must be <= 16384 for the Triton kernel, got {block_size} * {q.shape[-1]}")
     if rotary is None:
         return
     if not isinstance(rotary, Rotary):
