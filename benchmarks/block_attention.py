@@ -228,10 +228,10 @@ def bench_workload(workload: str, lengths: torch.Tensor, copy_gbps: float, quick
         from opengem.ops.jagged_attention import jagged_attention
 
         peers.append(
-            ("jfa_window64", lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, window=block_size), (q, k, v), grad)
+            ("jfa_causal_window64", lambda: jagged_attention(q, k, v, offsets, max_len, causal=True, window=block_size), (q, k, v), grad)
         )
     except Exception as exc:  # noqa: BLE001
-        rows.append(dict(workload=workload, method="jfa_window64", direction="error", error=repr(exc)[:200]))
+        rows.append(dict(workload=workload, method="jfa_causal_window64", direction="error", error=repr(exc)[:200]))
     for name, fn, inputs, g in peers:
         try:
             if name != "sdpa_padded(core)" and not name.startswith("jfa"):
