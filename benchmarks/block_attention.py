@@ -31,7 +31,7 @@ from benchmarks.common import (
 )
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden, block_pairs
 from opengem.ops.reference import block_attention as reference
-from opengem.ops.reference.rotary import apply_rotary, positions_in_sequence, time_phase
+from opengem.ops.reference.rotary import apply_rotary, time_phase
 
 HEADS, HEAD_DIM, D_MODEL = 4, 128, 512
 DTYPE = torch.bfloat16

@@ -24,7 +24,6 @@ import triton.language as tl
 
 from opengem.ops.triton.block_activations import ACTIVATION_CODES, activation, activation_grad
 
-ROTARY_NONE, ROTARY_SEQUENCE_POSITION, ROTARY_PHASE, ROTARY_TIME_GAP = 0, 1, 2, 3
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 # 2 pi split Cody-Waite style: k * _TWO_PI_HI is exact in fp32 for k < 2^15, so range reduction of
@@ -51,7 +50,11 @@ _AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"
 
 @triton.jit
 def _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr):
-    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase(token) * inv_freq[i]``."""
+    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase(token) * inv_freq[i]``.
+
+    ROT 1: phase = position in the sequence (from the schedule); 2: phase = PHASE[token] (given
+    positions); 3: phase = log(1 + max(PHASE[token], 0) / time_scale) (PHASE holds time gaps).
+    """
     if ROT == 1:
         phase = (pos0 + rows).to(tl.float32)
     else:
