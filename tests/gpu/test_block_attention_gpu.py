@@ -112,3 +112,15 @@ def test_from_hidden_and_compile():
     assert _relative_error(out, ref.reshape(total, -1)) < 1e-2
     for a, b in zip(compiled, eager):
         assert _relative_error(a, b) < 1e-2
+
+
+@pytest.mark.parametrize("block_size", [64, 128])
+def test_every_autotune_config(block_size, monkeypatch):
+    """Autotuning picks one config per shape and the others could be picked on another GPU: check them all."""
+    from opengem.ops.triton import block_attention as kernels
+
+    for kernel in (kernels._block_attention_fwd, kernels._block_attention_bwd):
+        configs = kernels._prune(list(kernel.configs), {}, BLOCK=block_size, HALF=64)
+        for config in configs:
+            monkeypatch.setattr(kernel, "configs", [config])  # a single config skips benchmarking
+            _check([300, 64, 5], block_size=block_size, rotary="time")
