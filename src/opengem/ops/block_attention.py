@@ -74,7 +74,8 @@ def block_attention(
     """Block-diagonal attention: block c of each sequence's queries attends to block c of its keys.
 
     Args:
-        q: ``[T, H, D]`` floating point (bf16/fp16/fp32), jagged over ``offsets``.
+        q: ``[T, H, D]`` floating point (bf16/fp16/fp32; the GPU kernel multiplies fp32 in TF32), jagged
+            over ``offsets``.
         k, v: ``[T, H_kv, D]``, same dtype; ``H_kv`` divides ``H`` (GQA/MQA). The last dim must be
             contiguous; other strides are free (views of a fused QKV projection are read in place).
         offsets: ``[B + 1]`` int32/int64 on q's device, ``offsets[0] = 0``, non-decreasing, ``offsets[B] = T``.
@@ -86,12 +87,17 @@ def block_attention(
         activation: ``"softmax"`` (normalized over the block's keys) or a pointwise GDPA activation
             (identity, relu, relu2, leaky_relu (slope 0.01), silu, fast_gelu, gelu, gelu_tanh,
             hardswish), giving ``O_i = sum_j phi(scale q_i . k_j) v_j`` over the block, unnormalized.
-        rotary: optional :class:`Rotary`; q and k are rotated before the dot products.
+        rotary: optional :class:`Rotary`; q and k are rotated (in fp32, then rounded to q's dtype on the
+            GPU) before the dot products; gradients are rotated back with the transposed rotation.
         backend: ``"auto"`` (CUDA -> Triton, CPU -> reference), ``"triton"`` or ``"reference"``.
 
     Returns:
         ``[T, H, D]`` in q's dtype. Head dims 32/64/128/256 on the Triton path (block 128 with D = 256 is
         refused there: its backward tile does not fit shared memory), any D (even with rotary) otherwise.
+
+    Inputs are validated (``ValueError``) in eager mode; under ``torch.compile`` the checks, which read the
+    offsets on the host, are skipped. The Triton path builds a per-block schedule from the offsets on the
+    host once per offsets tensor (cached) and reuses it for every layer and the backward.
     """
     if not torch.compiler.is_compiling():
         _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend)
