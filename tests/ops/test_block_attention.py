@@ -43,7 +43,8 @@ def _rotary(kind: str, total: int) -> Rotary | None:
         return Rotary()
     if kind == "positions":
         return Rotary(positions=torch.randint(0, 5000, (total,), generator=g), base=500.0)
-    return Rotary(time_gaps=torch.rand(total, generator=g) * 1e5 - 10.0, time_scale=60.0)
+    # A strided view: the op must hand the kernel a contiguous copy.
+    return Rotary(time_gaps=(torch.rand(total, 2, generator=g) * 1e5 - 10.0)[:, 1], time_scale=60.0)
 
 
 def _run(backend, q, k, v, grad, offsets, max_len, **options):

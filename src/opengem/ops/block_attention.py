@@ -53,9 +53,9 @@ class Rotary:
         return ROTARY_POSITIONS if self.positions is not None else ROTARY_SEQUENCE_POSITION
 
     def values(self) -> torch.Tensor | None:
-        if self.time_gaps is not None:
-            return self.time_gaps.float()
-        return None if self.positions is None else self.positions.float()
+        """The per-token tensor the kernel reads: fp32, contiguous (or None for in-sequence positions)."""
+        given = self.time_gaps if self.time_gaps is not None else self.positions
+        return None if given is None else given.float().contiguous()
 
 
 def block_attention(
