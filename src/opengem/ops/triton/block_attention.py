@@ -1,0 +1,307 @@
+"""BlockAttention Triton kernels: one program per (block, head), a single ``BLOCK``-row tile.
+
+The whole block fits one tile, so the forward computes ``S = Q K^T`` once, a plain (not online) softmax or
+a pointwise activation, and ``O = P V``; nothing but O is written. The backward recomputes ``P`` from
+Q and K, gets the softmax ``delta = rowsum(dP * P)`` in-register (no preprocessing pass, no LSE), and
+writes dq, dk, dv. Rotary embedding is applied to the Q/K tiles after loading (rotate-half layout: the
+two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); the backward rotates
+dq/dk back with the transposed rotation. Programs of one kv head loop over its GQA group in the
+backward so dk/dv are accumulated in registers, never with atomics.
+
+Schedule: ``[3, num_blocks]`` int32 (block start token, block length, position of the block's first
+token within its sequence), one column per block across all sequences, built once on the host from the
+offsets and cached.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+
+import torch
+import triton
+import triton.language as tl
+
+from opengem.ops.triton.block_activations import ACTIVATION_CODES, activation, activation_grad
+
+
+_LOG2E = tl.constexpr(1.4426950408889634)
+# 2 pi split Cody-Waite style: k * _TWO_PI_HI is exact in fp32 for k < 2^15, so range reduction of
+# angles up to ~1e5 rad keeps ~1e-6 accuracy before the (fast) hardware sin/cos.
+_TWO_PI_HI = tl.constexpr(6.28125)
+_TWO_PI_LO = tl.constexpr(0.0019353071795864769)
+_INV_TWO_PI = tl.constexpr(0.15915494309189535)
+
+
+def _configs() -> list[triton.Config]:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [triton.Config({}, num_warps=4)]
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers."""
+    large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
+    return [c for c in configs if c.num_warps <= 8 or large]
+
+
+_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"], prune_configs_by={"early_config_prune": _prune})
+
+
+@triton.jit
+def _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr):
+    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase(token) * inv_freq[i]``.
+
+    ROT 1: phase = position in the sequence (from the schedule); 2: phase = PHASE[token] (given
+    positions); 3: phase = log(1 + max(PHASE[token], 0) / time_scale) (PHASE holds time gaps).
+    """
+    if ROT == 1:
+        phase = (pos0 + rows).to(tl.float32)
+    else:
+        phase = tl.load(PHASE + start + rows, mask=valid, other=0.0).to(tl.float32)
+        if ROT == 3:
+            phase = tl.log(1.0 + tl.maximum(phase, 0.0) / time_scale)
+    freq = tl.load(INV_FREQ + tl.arange(0, HALF))
+    angle = phase[:, None] * freq[None, :]
+    turns = tl.floor(angle * _INV_TWO_PI + 0.5)
+    angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+    return tl.cos(angle), tl.sin(angle)
+
+
+@triton.jit
+def _load_halves(ptr, valid):
+    """Load a ``[BLOCK, HALF]`` tile and the one ``HALF`` columns after it (the rotate-half pair)."""
+    lo = tl.load(ptr, mask=valid[:, None], other=0.0)
+    hi = tl.load(ptr + lo.shape[1], mask=valid[:, None], other=0.0)
+    return lo, hi
+
+
+@triton.jit
+def _rotate(lo, hi, cos, sin):
+    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
+    return (lo32 * cos - hi32 * sin).to(lo.dtype), (hi32 * cos + lo32 * sin).to(lo.dtype)
+
+
+@triton.jit
+def _unrotate(lo, hi, cos, sin):
+    """Transpose of :func:`_rotate` (rotation by the opposite angle), fp32 in and out."""
+    return lo * cos + hi * sin, hi * cos - lo * sin
+
+
+@triton.jit
+def _weights(s, key_valid, scale, ACT: tl.constexpr):
+    """Attention weights ``P [BLOCK, BLOCK]`` from raw scores ``s = q . k`` (fp32)."""
+    if ACT == 0:
+        logits = tl.where(key_valid[None, :], s * (scale * _LOG2E), float("-inf"))
+        p = tl.exp2(logits - tl.max(logits, 1)[:, None])
+        p = p * (1.0 / tl.sum(p, 1))[:, None]
+    else:
+        p = tl.where(key_valid[None, :], activation(s * scale, ACT), 0.0)
+    return p
+
+
+@triton.jit
+def _block_of(SCHED, num_blocks, blk):
+    start = tl.load(SCHED + blk)
+    length = tl.load(SCHED + num_blocks + blk)
+    pos0 = tl.load(SCHED + 2 * num_blocks + blk)
+    return start, length, pos0
+
+
+@triton.autotune(**_AUTOTUNE)
+@triton.jit
+def _block_attention_fwd(
+    Q, K, V, O, SCHED, PHASE, INV_FREQ,
+    num_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    scale, time_scale,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
+):  # fmt: skip
+    blk, head = tl.program_id(0), tl.program_id(1)
+    kv_head = head // GROUP
+    start, length, pos0 = _block_of(SCHED, num_blocks, blk)
+    rows = tl.arange(0, BLOCK)
+    valid = rows < length  # rows past the block end load as zeros and are never stored
+    tok = (start + rows).to(tl.int64)
+    half = tl.arange(0, HALF)
+    q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
+    k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
+    if ROT != 0:
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF, ROT)
+        q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
+        k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
+    # S = Q K^T over the two head-dim halves.
+    s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+    p = _weights(s, valid, scale, ACT)
+    dims = tl.arange(0, 2 * HALF)
+    v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+    o = tl.dot(p.to(v.dtype), v)
+    tl.store(O + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(O.dtype.element_ty), mask=valid[:, None])
+
+
+@triton.autotune(**_AUTOTUNE)
+@triton.jit
+def _block_attention_bwd(
+    Q, K, V, DO, DQ, DK, DV, SCHED, PHASE, INV_FREQ,
+    num_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dqt, stride_dqh, stride_dkt, stride_dkh,
+    scale, time_scale,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
+):  # fmt: skip
+    blk, kv_head = tl.program_id(0), tl.program_id(1)
+    start, length, pos0 = _block_of(SCHED, num_blocks, blk)
+    rows = tl.arange(0, BLOCK)
+    valid = rows < length
+    tok = (start + rows).to(tl.int64)
+    half = tl.arange(0, HALF)
+    dims = tl.arange(0, 2 * HALF)
+    k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
+    v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+    if ROT != 0:
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF, ROT)
+        k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
+    dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
+    dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
+    dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
+        if ROT != 0:
+            q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
+        do = tl.load(DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :], mask=valid[:, None], other=0.0)
+        # Recompute S and P exactly as the forward did.
+        s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+        p = _weights(s, valid, scale, ACT)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
+        dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
+        if ACT == 0:
+            ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
+        else:
+            ds = tl.where(valid[None, :], dp * activation_grad(s * scale, ACT), 0.0)
+        ds = (ds * scale).to(q_lo.dtype)
+        dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
+        dq_hi = tl.dot(ds, k_hi)
+        dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
+        dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
+        if ROT != 0:
+            dq_lo, dq_hi = _unrotate(dq_lo, dq_hi, cos, sin)
+        dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
+        tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
+        tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
+    if ROT != 0:
+        dk_lo, dk_hi = _unrotate(dk_lo, dk_hi, cos, sin)
+    dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
+    tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
+    tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])
+    dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
+    tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
+
+
+_SCHEDULE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
+_SCHEDULE_CACHE_SIZE = 16
+
+
+def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[3, num_blocks]`` int32 on offsets' device: (start token, length, position in sequence) per block.
+
+    Built on the host (one device-to-host copy of the offsets) and cached per offsets tensor and
+    version, so every layer of a step (forward and backward) reuses it; the cache holds a reference to
+    the offsets so their storage cannot be recycled under a live key.
+    """
+    key = (offsets.data_ptr(), offsets._version, str(offsets.device), offsets.numel(), block_size)
+    hit = _SCHEDULE_CACHE.get(key)
+    if hit is not None and hit[0] is offsets:
+        _SCHEDULE_CACHE.move_to_end(key)
+        return hit[1]
+    host = offsets.detach().to("cpu", torch.int64)
+    lengths = host[1:] - host[:-1]
+    blocks_per_seq = (lengths + block_size - 1) // block_size
+    seq = torch.repeat_interleave(torch.arange(lengths.numel()), blocks_per_seq)
+    first_block = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
+    pos0 = (torch.arange(seq.numel()) - first_block[seq]) * block_size
+    schedule = torch.stack((host[:-1][seq] + pos0, torch.clamp(lengths[seq] - pos0, max=block_size), pos0))
+    schedule = schedule.to(torch.int32).to(offsets.device)
+    _SCHEDULE_CACHE[key] = (offsets, schedule)
+    if len(_SCHEDULE_CACHE) > _SCHEDULE_CACHE_SIZE:
+        _SCHEDULE_CACHE.popitem(last=False)
+    return schedule
+
+
+def _common_args(q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, block_size):
+    head_dim = q.shape[-1]
+    dummy = schedule  # any tensor: unused pointers are compiled out by the ROT constexpr
+    meta = dict(
+        GROUP=q.shape[1] // k.shape[1], BLOCK=block_size, HALF=head_dim // 2,
+        ACT=ACTIVATION_CODES[activation_name], ROT=rotary_mode,
+    )  # fmt: skip
+    pointers = (rotary_values if rotary_values is not None else dummy, inv_freq if inv_freq is not None else dummy)
+    return pointers, (float(scale), float(time_scale)), meta
+
+
+def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
+def block_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    activation_name: str,
+    rotary_mode: int,
+    rotary_values: torch.Tensor | None,
+    inv_freq: torch.Tensor | None,
+    time_scale: float,
+) -> torch.Tensor:
+    """Output ``[T, H, D]`` (q's dtype). q/k/v may be strided views (e.g. of a fused QKV projection)."""
+    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    out = q.new_empty(q.shape)
+    schedule = block_schedule(offsets, block_size)
+    num_blocks = schedule.shape[1]
+    if num_blocks == 0:
+        return out
+    pointers, floats, meta = _common_args(
+        q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, block_size
+    )
+    _block_attention_fwd[(num_blocks, q.shape[1])](
+        q, k, v, out, schedule, *pointers, num_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        *floats, **meta,
+    )  # fmt: skip
+    return out
+
+
+def block_attention_bwd(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block_size: int,
+    scale: float,
+    activation_name: str,
+    rotary_mode: int,
+    rotary_values: torch.Tensor | None,
+    inv_freq: torch.Tensor | None,
+    time_scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` shaped like q, k, v (contiguous), in the inputs' dtype."""
+    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
+    schedule = block_schedule(offsets, block_size)
+    num_blocks = schedule.shape[1]
+    if num_blocks == 0:
+        return dq, dk, dv
+    pointers, floats, meta = _common_args(
+        q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, block_size
+    )
+    _block_attention_bwd[(num_blocks, k.shape[1])](
+        q, k, v, grad_out, dq, dk, dv, schedule, *pointers, num_blocks,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
+        *floats, **meta,
+    )  # fmt: skip
+    return dq, dk, dv
