@@ -1,0 +1,40 @@
+"""One 4-rank and one 2-rank gloo session per test run; the tests assert on their results.
+
+Starting processes dominates the cost on a small CPU machine, so each world size is spawned once
+and runs several scenarios (see ``scenarios.py``); the 2-rank session resumes the 4-rank checkpoint.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import scenarios
+
+from opengem.parallel.testing import run_distributed
+
+
+@pytest.fixture(scope="session")
+def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dcp") / "step3"
+
+
+@pytest.fixture(scope="session")
+def world4(checkpoint_dir: Path) -> list[dict[str, Any]]:
+    return run_distributed(scenarios.session_world4, 4, str(checkpoint_dir))
+
+
+@pytest.fixture(scope="session")
+def world2(world4: list[dict[str, Any]], checkpoint_dir: Path) -> list[dict[str, Any]]:
+    return run_distributed(scenarios.session_world2, 2, str(checkpoint_dir))
+
+
+@pytest.fixture(scope="session")
+def reference() -> tuple[list[float], dict]:
+    return scenarios.reference_run()
+
+
+@pytest.fixture(scope="session")
+def reference_experts() -> tuple[list[float], dict]:
+    return scenarios.reference_run(experts=2)
