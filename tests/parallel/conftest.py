@@ -38,3 +38,17 @@ def reference() -> tuple[list[float], dict]:
 @pytest.fixture(scope="session")
 def reference_experts() -> tuple[list[float], dict]:
     return scenarios.reference_run(experts=2)
+
+
+@pytest.fixture
+def single_process_group():
+    """A 1-rank gloo process group in the test process (the world-size-1 path, as on one GPU)."""
+    import torch.distributed as dist
+
+    from opengem.parallel.testing import free_port
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()

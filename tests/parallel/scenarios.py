@@ -275,8 +275,23 @@ def expert_parallel_run() -> dict[str, Any]:
     }
 
 
+LAYOUT_4 = "dense_replicate=2,dense_shard=2,expert=2,sparse_group=2,sparse_replicate=2"
+
+
+def mesh_groups(spec: str) -> dict[str, list[int]]:
+    """The global ranks of this rank's group along every named dimension of every mesh."""
+    meshes = build_meshes(parse_parallel(spec))
+    groups = {}
+    for side, mesh in (("dense", meshes.dense), ("expert", meshes.expert), ("sparse", meshes.sparse)):
+        for dim in mesh.mesh_dim_names:
+            groups[f"{side}.{dim}"] = sorted(dist.get_process_group_ranks(mesh.get_group(dim)))
+    groups["device_type"] = meshes.device_type
+    return groups
+
+
 def session_world4(checkpoint_dir: str) -> dict[str, Any]:
     return {
+        "layout": mesh_groups(LAYOUT_4),
         "fsdp4": train_distributed("dense_shard=4", save_dir=checkpoint_dir, measure_step=1),
         "hsdp2x2": train_distributed("dense_replicate=2,dense_shard=2", measure_step=1),
         "ep2_fsdp2": train_distributed("dense_shard=4,expert=2", experts=2, measure_step=1),

@@ -29,6 +29,8 @@ import torch.distributed as dist
 MIN_NCCL_FOR_ZERO_CTA = (2, 28)
 NCCL_CTA_POLICY_ZERO_VALUE = "2"
 MULTICAST_OFF_ENV = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+PROCESS_GROUP = "process_group"  # all-gather routes
+SYMM_MEM_COPY_ENGINE = "symm_mem_copy_engine"
 
 
 @dataclass(frozen=True)
@@ -48,7 +50,7 @@ class CollectivePlan:
 
     nccl_zero_cta: bool
     fsdp_symm_mem: bool
-    expert_all_gather: str  # "process_group" or "symm_mem_copy_engine"
+    expert_all_gather: str  # PROCESS_GROUP or SYMM_MEM_COPY_ENGINE
     reason: str
 
 
@@ -69,9 +71,9 @@ def select_collectives(requested: str, caps: Capabilities) -> CollectivePlan:
     if requested not in ("default", "copy_engine"):
         raise ValueError(f"collectives must be 'default' or 'copy_engine', got {requested!r}")
     if requested == "default":
-        return CollectivePlan(False, False, "process_group", "default collectives requested")
+        return CollectivePlan(False, False, PROCESS_GROUP, "default collectives requested")
     if caps.backend != "nccl":
-        return CollectivePlan(False, False, "process_group", f"copy_engine needs NCCL; backend is {caps.backend}")
+        return CollectivePlan(False, False, PROCESS_GROUP, f"copy_engine needs NCCL; backend is {caps.backend}")
     has_zero_cta = (
         caps.nccl_version is not None
         and caps.nccl_version[:2] >= MIN_NCCL_FOR_ZERO_CTA
@@ -79,16 +81,16 @@ def select_collectives(requested: str, caps: Capabilities) -> CollectivePlan:
     )
     if has_zero_cta:
         return CollectivePlan(
-            True, caps.fsdp_has_symm_mem, "process_group", f"NCCL {caps.nccl_version} zero-CTA policy"
+            True, caps.fsdp_has_symm_mem, PROCESS_GROUP, f"NCCL {caps.nccl_version} zero-CTA policy"
         )
     if caps.symm_mem_all_gather:
         return CollectivePlan(
             False,
             False,
-            "symm_mem_copy_engine",
+            SYMM_MEM_COPY_ENGINE,
             f"NCCL {caps.nccl_version} lacks zero-CTA; symmetric-memory copy-engine all-gather for experts",
         )
-    return CollectivePlan(False, False, "process_group", f"no copy-engine route with NCCL {caps.nccl_version}")
+    return CollectivePlan(False, False, PROCESS_GROUP, f"no copy-engine route with NCCL {caps.nccl_version}")
 
 
 def probe_capabilities(backend: str) -> Capabilities:
@@ -146,8 +148,28 @@ _ALL_GATHER_SINGLE = getattr(dist, "all_gather_single", None) or dist.all_gather
 _REDUCE_SCATTER_SINGLE = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup) -> None:
-    """``output`` (world * n, ...) <- concatenation of every rank's ``input`` (n, ...)."""
+def enable_copy_engine_all_gather(group: dist.ProcessGroup) -> None:
+    """Prepare ``group`` for ``all_gather_single(..., route=SYMM_MEM_COPY_ENGINE)`` (torch versions that need it)."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+    if enable is not None and not symm_mem.is_symm_mem_enabled_for_group(group.group_name):
+        enable(group.group_name)
+
+
+def all_gather_single(
+    output: torch.Tensor, input: torch.Tensor, group: dist.ProcessGroup, route: str = PROCESS_GROUP
+) -> None:
+    """``output`` (world * n, ...) <- concatenation of every rank's ``input`` (n, ...).
+
+    ``route=SYMM_MEM_COPY_ENGINE`` (CUDA only) copies the peers' buffers with the copy engines through
+    PyTorch symmetric memory instead of running an NCCL kernel; call ``enable_copy_engine_all_gather``
+    on the group first.
+    """
+    if route == SYMM_MEM_COPY_ENGINE:
+        gathered = torch.ops.symm_mem._low_contention_all_gather(input, group.group_name)
+        output.copy_(torch.ops._c10d_functional.wait_tensor(gathered))
+        return
     _ALL_GATHER_SINGLE(output, input, group=group)
 
 

@@ -17,7 +17,14 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from opengem.parallel.collectives import CommStats, all_gather_single, reduce_scatter_single
+from opengem.parallel.collectives import (
+    PROCESS_GROUP,
+    SYMM_MEM_COPY_ENGINE,
+    CommStats,
+    all_gather_single,
+    enable_copy_engine_all_gather,
+    reduce_scatter_single,
+)
 
 EXPERT_DIM = "expert"
 
@@ -39,11 +46,13 @@ def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(rows - x.shape[0], *x.shape[1:])])
 
 
-def _all_gather(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None) -> torch.Tensor:
+def _all_gather(
+    x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None, route: str
+) -> torch.Tensor:
     width = max(sizes)
     padded = _pad_rows(x, width)
     out = padded.new_empty(width * len(sizes), *x.shape[1:])
-    all_gather_single(out, padded, group)
+    all_gather_single(out, padded, group, route)
     if stats is not None:
         stats.record(EXPERT_DIM, "all_gather", out.numel() * out.element_size())
     chunks = out.split(width)
@@ -64,24 +73,24 @@ def _reduce_scatter(y: torch.Tensor, sizes: list[int], group: dist.ProcessGroup,
 
 class _AllGatherAlongBatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, sizes, group, stats):  # type: ignore[override]
+    def forward(ctx, x, sizes, group, stats, route):  # type: ignore[override]
         ctx.sizes, ctx.group, ctx.stats = sizes, group, stats
-        return _all_gather(x, sizes, group, stats)
+        return _all_gather(x, sizes, group, stats, route)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _reduce_scatter(grad, ctx.sizes, ctx.group, ctx.stats), None, None, None
+        return _reduce_scatter(grad, ctx.sizes, ctx.group, ctx.stats), None, None, None, None
 
 
 class _ReduceScatterAlongBatch(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, y, sizes, group, stats):  # type: ignore[override]
-        ctx.sizes, ctx.group, ctx.stats = sizes, group, stats
+    def forward(ctx, y, sizes, group, stats, route):  # type: ignore[override]
+        ctx.sizes, ctx.group, ctx.stats, ctx.route = sizes, group, stats, route
         return _reduce_scatter(y, sizes, group, stats)
 
     @staticmethod
     def backward(ctx, grad):  # type: ignore[override]
-        return _all_gather(grad, ctx.sizes, ctx.group, ctx.stats), None, None, None
+        return _all_gather(grad, ctx.sizes, ctx.group, ctx.stats, ctx.route), None, None, None, None
 
 
 def _check_sizes(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, rows: int, name: str) -> None:
@@ -92,27 +101,37 @@ def _check_sizes(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, ro
 
 
 def all_gather_along_batch(
-    x: torch.Tensor, group: dist.ProcessGroup, sizes: list[int] | None = None, stats: CommStats | None = None
+    x: torch.Tensor,
+    group: dist.ProcessGroup,
+    sizes: list[int] | None = None,
+    stats: CommStats | None = None,
+    route: str = PROCESS_GROUP,
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` (rows ``sizes[i]``, any trailing shape) along dim 0, in rank order.
 
     ``x``: (sizes[rank], ...) -> (sum(sizes), ...), same dtype. ``sizes`` (host ints, identical on all
-    ranks) defaults to ``gather_batch_sizes(x, group)``. Backward: reduce-scatter (sum) of the gradient.
+    ranks) defaults to ``gather_batch_sizes(x, group)``. ``route``: ``PROCESS_GROUP`` (NCCL / gloo) or
+    ``SYMM_MEM_COPY_ENGINE`` (CUDA; see ``opengem.parallel.collectives``). Backward: reduce-scatter
+    (sum) of the gradient.
     """
     sizes = sizes if sizes is not None else gather_batch_sizes(x, group, stats)
     _check_sizes(x, sizes, group, sizes[dist.get_rank(group)], "x")
-    return _AllGatherAlongBatch.apply(x, list(sizes), group, stats)
+    return _AllGatherAlongBatch.apply(x, list(sizes), group, stats, route)
 
 
 def reduce_scatter_along_batch(
-    y: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, stats: CommStats | None = None
+    y: torch.Tensor,
+    sizes: list[int],
+    group: dist.ProcessGroup,
+    stats: CommStats | None = None,
+    route: str = PROCESS_GROUP,
 ) -> torch.Tensor:
     """Sum ``y`` (sum(sizes), ...) over the ranks of ``group``; rank i keeps rows of block i: (sizes[i], ...).
 
-    Backward: all-gather of the gradient.
+    Backward: all-gather of the gradient (through ``route``).
     """
     _check_sizes(y, sizes, group, sum(sizes), "y")
-    return _ReduceScatterAlongBatch.apply(y, list(sizes), group, stats)
+    return _ReduceScatterAlongBatch.apply(y, list(sizes), group, stats, route)
 
 
 class _ScaleGrad(torch.autograd.Function):
@@ -140,24 +159,34 @@ class ExpertParallel(nn.Module):
     gradients of their local losses (not the sum), exactly like a data-parallel gradient. So data
     parallelism over the ranks holding the same expert (FSDP's mean reduction) yields the gradient of
     the mean loss over all ranks, as for the dense parameters. Input gradients are exact.
+    ``route`` picks the all-gather implementation (``opengem.parallel.collectives``).
     """
 
-    def __init__(self, experts: nn.ModuleList, group: dist.ProcessGroup, stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        experts: nn.ModuleList,
+        group: dist.ProcessGroup,
+        stats: CommStats | None = None,
+        route: str = PROCESS_GROUP,
+    ) -> None:
         super().__init__()
         world = dist.get_world_size(group)
         if len(experts) != world:
             raise ValueError(f"ExpertParallel: {len(experts)} experts for an expert group of {world} ranks; expected equal")
         self.group = group
         self.stats = stats
+        self.route = route
+        if route == SYMM_MEM_COPY_ENGINE:
+            enable_copy_engine_all_gather(group)
         self.expert_index = dist.get_rank(group)
         self.expert = experts[self.expert_index]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(self.group)
         sizes = gather_batch_sizes(x, self.group, self.stats)
-        gathered = all_gather_along_batch(x, self.group, sizes, self.stats)
+        gathered = all_gather_along_batch(x, self.group, sizes, self.stats, self.route)
         # Input gradient scaled by E then output gradient by 1/E: input gradients unchanged, the
         # expert's parameter gradient divided by E (the group mean described in the class docstring).
         out = self.expert(_ScaleGrad.apply(gathered, float(world)))
         out = _ScaleGrad.apply(out, 1.0 / world)
-        return reduce_scatter_along_batch(out, sizes, self.group, self.stats)
+        return reduce_scatter_along_batch(out, sizes, self.group, self.stats, self.route)

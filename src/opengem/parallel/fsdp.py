@@ -29,7 +29,7 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
-from opengem.parallel.collectives import CollectivePlan, CommStats
+from opengem.parallel.collectives import PROCESS_GROUP, CollectivePlan, CommStats
 from opengem.parallel.expert import ExpertParallel
 from opengem.parallel.mesh import ParallelMeshes
 
@@ -128,12 +128,14 @@ def parallelize(
     ``expert_types``: modules holding their experts in an ``experts`` ``nn.ModuleList`` whose forward
     is the sum of the experts' outputs; with ``config.expert > 1`` they become ``ExpertParallel``.
     ``plan``: the collective route (``select_collectives``); a zero-CTA plan with FSDP symmetric
-    memory support makes FSDP allocate its all-gather buffers in symmetric memory.
+    memory support makes FSDP allocate its all-gather buffers in symmetric memory; the plan's
+    ``expert_all_gather`` route is used by the expert-parallel modules.
     ``stats``: where the expert-parallel collectives record their bytes (FSDP's are analytic:
     ``fsdp_step_bytes(units, ...)``).
     The model must already be on the mesh's device type (``model.to("cuda")`` for NCCL).
     """
     config = meshes.config
+    route = plan.expert_all_gather if plan is not None else PROCESS_GROUP
     sparse_params = {p for m in model.modules() if is_sparse(m, sparse_types) for p in m.parameters()}
     on_cuda = meshes.device_type == "cuda"
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda else MixedPrecisionPolicy()
@@ -151,7 +153,7 @@ def parallelize(
             raise ValueError("config.expert > 1 but meshes.expert is None; build the meshes with build_meshes")
         expert_mesh = _shard_mesh(meshes.expert, "replicate", "expert_shard")
         for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, tuple(expert_types))]:
-            parallel = ExpertParallel(module.experts, meshes.expert.get_group("expert"), stats)
+            parallel = ExpertParallel(module.experts, meshes.expert.get_group("expert"), stats, route)
             _replace(model, name, parallel)
             shard(name, parallel, expert_mesh, config.reshard_after_forward)
 
