@@ -62,7 +62,8 @@ def test_probe_on_cpu_reports_no_copy_engine():
 
 def test_setup_environment_turns_multicast_off_and_sets_zero_cta(monkeypatch):
     for key in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NCCL_CTA_POLICY"):
-        monkeypatch.delenv(key, raising=False)
+        monkeypatch.setenv(key, "")  # so that monkeypatch restores the original state afterwards
+        monkeypatch.delenv(key)
     plan = setup_environment("copy_engine", caps())
     assert plan.nccl_zero_cta
     assert os.environ["NCCL_NVLS_ENABLE"] == "0"

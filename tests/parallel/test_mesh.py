@@ -86,3 +86,25 @@ def test_mesh_dimensions_group_the_right_ranks(world4):
         layout = result["layout"]
         assert layout.pop("device_type") == "cpu"
         assert layout == {key: ranks(rank) for key, ranks in expected_by_rank.items()}
+
+
+def test_init_distributed_without_torchrun_is_one_rank(monkeypatch):
+    import torch.distributed as dist
+
+    from opengem.parallel.mesh import init_distributed
+    from opengem.parallel.testing import free_port
+
+    for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST"):
+        monkeypatch.setenv(key, "")  # so that monkeypatch restores the original state afterwards
+        monkeypatch.delenv(key)
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    meshes = init_distributed(ParallelConfig(expert=1))
+    try:
+        assert dist.get_backend() == "gloo" and dist.get_world_size() == 1
+        assert meshes.device_type == "cpu" and meshes.expert is None
+        assert meshes.dense.mesh_dim_names == ("replicate", "shard")
+        assert meshes.sparse.mesh_dim_names == ("sparse_group", "sparse_replicate")
+        assert (meshes.config.dense_shard, meshes.config.sparse_group) == (1, 1)
+        assert __import__("os").environ["NCCL_NVLS_ENABLE"] == "0"
+    finally:
+        dist.destroy_process_group()

@@ -11,7 +11,15 @@ from opengem.parallel.collectives import (
 )
 from opengem.parallel.expert import ExpertParallel, all_gather_along_batch, gather_batch_sizes, reduce_scatter_along_batch
 from opengem.parallel.fsdp import FSDPUnit, fsdp_step_bytes, is_sparse, parallelize
-from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, Topology, build_meshes, parse_parallel, validate_layout
+from opengem.parallel.mesh import (
+    ParallelConfig,
+    ParallelMeshes,
+    Topology,
+    build_meshes,
+    init_distributed,
+    parse_parallel,
+    validate_layout,
+)
 
 __all__ = [
     "Capabilities",
@@ -27,6 +35,7 @@ __all__ = [
     "build_meshes",
     "fsdp_step_bytes",
     "gather_batch_sizes",
+    "init_distributed",
     "is_sparse",
     "load_distributed",
     "parallelize",

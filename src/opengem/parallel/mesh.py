@@ -17,8 +17,10 @@ mesh below is a row-major reshape of ``range(world_size)``: the last dimension v
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
@@ -228,3 +230,26 @@ def build_meshes(config: ParallelConfig, topology: Topology | None = None) -> Pa
         device_type, (config.sparse_group, config.sparse_replicate), mesh_dim_names=("sparse_group", "sparse_replicate")
     )
     return ParallelMeshes(config=config, dense=dense, expert=expert, sparse=sparse)
+
+
+def init_distributed(config: ParallelConfig, topology: Topology | None = None) -> ParallelMeshes:
+    """Initialize torch.distributed from torchrun's environment and build the meshes (every rank calls this).
+
+    NCCL with one GPU per rank (``LOCAL_RANK``) when CUDA is available, gloo on CPU otherwise. The
+    collective environment (``opengem.parallel.collectives.setup_environment``: multicast off, the
+    zero-CTA policy when ``config.collectives == "copy_engine"`` allows it) is set before the
+    communicators are created. Without torchrun's variables this is a 1-rank job.
+    """
+    from opengem.parallel.collectives import probe_capabilities, setup_environment
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    setup_environment(config.collectives, probe_capabilities(backend))
+    if not dist.is_initialized():
+        for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
+            os.environ.setdefault(key, default)
+        device_id = None
+        if backend == "nccl":
+            device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+            torch.cuda.set_device(device_id)
+        dist.init_process_group(backend, device_id=device_id)
+    return build_meshes(config, topology)
