@@ -72,6 +72,7 @@ class TinyModel(nn.Module):
         self.in_proj = nn.Linear(IN_DIM, DIM)
         self.blocks = nn.ModuleList(Block(experts if i == 1 else 0) for i in range(blocks))
         self.head = nn.Linear(DIM, OUT_DIM)
+        self.head.bias.requires_grad_(False)  # a frozen dense parameter: all-gathered, never reduced
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         h = self.in_proj(x) + self.table(ids)

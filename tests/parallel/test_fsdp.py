@@ -59,9 +59,11 @@ def root_bytes(shards: int) -> int:
     ("scenario", "shards", "replicas"), [("fsdp4", 4, 1), ("hsdp2x2", 2, 2)]
 )
 def test_fsdp_bytes_match_the_collectives_issued(world4, scenario, shards, replicas):
-    # 3 blocks, the first 2 resharded after forward (all-gathered again in backward), root not resharded.
+    # 3 blocks, the first 2 resharded after forward (all-gathered again in backward), root not
+    # resharded; the frozen head bias is gathered but has no gradient to reduce.
+    frozen_bias = 4 * -(-scenarios.OUT_DIM // shards) * shards
     gathered = 5 * block_bytes(shards) + root_bytes(shards)
-    reduced = 3 * block_bytes(shards) + root_bytes(shards)
+    reduced = 3 * block_bytes(shards) + root_bytes(shards) - frozen_bias
     expected = {("shard", "all_gather"): gathered, ("shard", "reduce_scatter"): reduced}
     if replicas > 1:
         expected[("replicate", "all_reduce")] = reduced // shards
@@ -102,7 +104,8 @@ def test_block_selection_by_predicate_and_sparse_types(single_process_group):
     assert {p.shape for p in root.params} == {p.shape for b in model.blocks for p in b.parameters()}
     counts = fsdp_step_bytes(units, param_bytes=2, reduce_bytes=4)
     total = sum(p.numel() for unit in units for p in unit.params)
-    assert counts == {("shard", "all_gather"): 2 * total, ("shard", "reduce_scatter"): 4 * total}
+    trained = total - scenarios.OUT_DIM  # the frozen head bias
+    assert counts == {("shard", "all_gather"): 2 * total, ("shard", "reduce_scatter"): 4 * trained}
 
 
 def test_is_sparse():

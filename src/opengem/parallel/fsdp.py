@@ -78,7 +78,7 @@ def _select_blocks(
     def visit(prefix: str, module: nn.Module) -> None:
         for child_name, child in module.named_children():
             name = f"{prefix}.{child_name}" if prefix else child_name
-            if is_sparse(child, sparse_types):
+            if is_sparse(child, sparse_types) or isinstance(child, FSDPModule):  # left out, or already a unit
                 continue
             if chosen(name, child):
                 found.append((name, child))
@@ -202,8 +202,10 @@ def fsdp_step_bytes(units: Sequence[FSDPUnit], param_bytes: int, reduce_bytes: i
 
     Per unit with shard count S over padded parameter elements P (``CommStats`` convention):
     all-gather P * param_bytes in forward and again in backward when resharded after forward,
-    reduce-scatter P * reduce_bytes, and with replicas an
-    all-reduce of the shard, P / S * reduce_bytes. Keys: (mesh dim, collective).
+    reduce-scatter P' * reduce_bytes and, with replicas, all-reduce of the shard, P' / S * reduce_bytes,
+    where P' counts only trainable parameters (frozen ones get no gradient). Keys: (mesh dim,
+    collective). ``param_bytes`` is 2 under the CUDA bf16 policy and 4 in fp32 (CPU); ``reduce_bytes`` 4.
+    Expert-parallel activations are counted at run time instead (``ExpertParallel(stats=...)``).
     """
     counts: dict[tuple[str, str], int] = {}
 
@@ -216,9 +218,11 @@ def fsdp_step_bytes(units: Sequence[FSDPUnit], param_bytes: int, reduce_bytes: i
         names = unit.mesh.mesh_dim_names or ()
         shard_dim, shards = names[-1], unit.mesh.size(-1)
         padded = sum(_padded_numel(p, shards) for p in unit.params)
+        trained = sum(_padded_numel(p, shards) for p in unit.params if p.requires_grad)
         gathers = 2 if unit.reshard_after_forward else 1
         add((shard_dim, "all_gather"), gathers * padded * param_bytes)
-        add((shard_dim, "reduce_scatter"), padded * reduce_bytes)
-        if unit.mesh.ndim == 2:
-            add((names[0], "all_reduce"), padded // shards * reduce_bytes)
+        if trained:
+            add((shard_dim, "reduce_scatter"), trained * reduce_bytes)
+            if unit.mesh.ndim == 2:
+                add((names[0], "all_reduce"), trained // shards * reduce_bytes)
     return counts
