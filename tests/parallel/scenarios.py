@@ -150,8 +150,8 @@ def global_mean(loss: torch.Tensor) -> float:
 @contextmanager
 def recorded_collectives(meshes: ParallelMeshes) -> Iterator[CommStats]:
     """Count the bytes of the real c10d collectives (outermost call only), keyed by mesh dimension."""
-    names = {}
-    for mesh in (meshes.dense, meshes.expert):
+    names = {}  # groups with the same ranks are shared between meshes: the dense name wins
+    for mesh in (meshes.expert, meshes.dense):
         if mesh is not None:
             for dim in mesh.mesh_dim_names:
                 names[mesh.get_group(dim).group_name] = dim
@@ -301,6 +301,8 @@ def session_world4(checkpoint_dir: str) -> dict[str, Any]:
 
 def session_world2(checkpoint_dir: str) -> dict[str, Any]:
     return {
+        "replicate_only": train_distributed("dense_replicate=2,dense_shard=1", measure_step=1),
+        "ep2_no_shard": train_distributed("dense_shard=2,expert=2", experts=2, measure_step=1),
         "fsdp2_ac": train_distributed("dense_shard=2,activation_checkpointing=1,prefetch=2,reshard_after_forward=0"),
         "expert": expert_parallel_run(),
         "resumed": resume_distributed("dense_shard=2", checkpoint_dir),

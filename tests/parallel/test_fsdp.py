@@ -4,7 +4,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from opengem.parallel.fsdp import fsdp_step_bytes, is_sparse, parallelize
+from opengem.parallel.fsdp import FSDPUnit, fsdp_step_bytes, is_sparse, parallelize
 from opengem.parallel.mesh import ParallelConfig, build_meshes
 
 # fp32 on CPU: the distributed runs differ from the reference only in summation order.
@@ -79,6 +79,17 @@ def test_expert_fsdp_bytes_match_the_collectives_issued(world4):
         assert measured[("expert_shard", "all_gather")] > 0  # the expert unit shards over expert_shard
 
 
+def test_single_shard_layouts_on_two_ranks(world2, reference, reference_experts):
+    # Pure replication (HSDP with one shard) and EP 2 whose experts have no FSDP shard partner:
+    # only the collectives that move data are issued, and the analytic count says so.
+    for result in world2:
+        assert_same_training(result["replicate_only"], reference)
+        assert_same_training(result["ep2_no_shard"], reference_experts, every_param=False)
+        assert set(result["replicate_only"]["measured"]) == {("replicate", "all_reduce")}
+        for scenario in ("replicate_only", "ep2_no_shard"):
+            assert result[scenario]["measured"] == result[scenario]["analytic"]
+
+
 def test_world_size_one_runs_unchanged(single_process_group, reference):
     meshes = build_meshes(ParallelConfig())
     model = scenarios.make_model()
@@ -86,8 +97,11 @@ def test_world_size_one_runs_unchanged(single_process_group, reference):
     assert [unit.name for unit in units] == ["blocks.0", "blocks.1", "blocks.2", "<root>"]
     assert isinstance(model.blocks[0], FSDPModule) and not isinstance(model.table, FSDPModule)
     opt = scenarios.optimizer(model)
-    losses = [scenarios.train_step(model, opt, step, 0, 1).item() for step in range(scenarios.STEPS)]
+    losses = [scenarios.train_step(model, opt, step, 0, 1).item() for step in range(scenarios.STEPS - 1)]
+    with scenarios.recorded_collectives(meshes) as measured:
+        losses.append(scenarios.train_step(model, opt, scenarios.STEPS - 1, 0, 1).item())
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference[0]), **TOLERANCE)
+    assert dict(measured.bytes) == fsdp_step_bytes(units, param_bytes=4, reduce_bytes=4)
 
 
 def test_block_selection_by_predicate_and_sparse_types(single_process_group):
@@ -102,10 +116,34 @@ def test_block_selection_by_predicate_and_sparse_types(single_process_group):
     assert type(model.table.weight) is nn.Parameter
     root = units[-1]
     assert {p.shape for p in root.params} == {p.shape for b in model.blocks for p in b.parameters()}
-    counts = fsdp_step_bytes(units, param_bytes=2, reduce_bytes=4)
-    total = sum(p.numel() for unit in units for p in unit.params)
-    trained = total - scenarios.OUT_DIM  # the frozen head bias
-    assert counts == {("shard", "all_gather"): 2 * total, ("shard", "reduce_scatter"): 4 * trained}
+    assert fsdp_step_bytes(units, param_bytes=2, reduce_bytes=4) == {}  # one rank moves nothing
+
+
+class StubMesh:
+    """What fsdp_step_bytes reads from a DeviceMesh."""
+
+    def __init__(self, names, sizes):
+        self.mesh_dim_names, self.sizes, self.ndim = names, sizes, len(sizes)
+
+    def size(self, dim):
+        return self.sizes[dim]
+
+
+def test_fsdp_step_bytes_formula():
+    weight, bias, frozen = nn.Parameter(torch.zeros(5, 3)), nn.Parameter(torch.zeros(5)), nn.Parameter(torch.zeros(2))
+    frozen.requires_grad_(False)
+    hsdp = StubMesh(("replicate", "shard"), (2, 4))
+    units = [
+        FSDPUnit("block", hsdp, (weight, bias), reshard_after_forward=True),
+        FSDPUnit("<root>", hsdp, (frozen,), reshard_after_forward=False),
+        FSDPUnit("empty", hsdp, (), reshard_after_forward=True),
+    ]
+    # dim 0 padded to a multiple of 4: weight 8 x 3 = 24, bias 8, frozen 4 elements.
+    assert fsdp_step_bytes(units, param_bytes=2, reduce_bytes=4) == {
+        ("shard", "all_gather"): 2 * (2 * (24 + 8) + 4),
+        ("shard", "reduce_scatter"): 4 * (24 + 8),
+        ("replicate", "all_reduce"): 4 * (24 + 8) // 4,
+    }
 
 
 def test_is_sparse():

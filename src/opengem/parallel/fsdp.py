@@ -203,7 +203,8 @@ def fsdp_step_bytes(units: Sequence[FSDPUnit], param_bytes: int, reduce_bytes: i
     Per unit with shard count S over padded parameter elements P (``CommStats`` convention):
     all-gather P * param_bytes in forward and again in backward when resharded after forward,
     reduce-scatter P' * reduce_bytes and, with replicas, all-reduce of the shard, P' / S * reduce_bytes,
-    where P' counts only trainable parameters (frozen ones get no gradient). Keys: (mesh dim,
+    where P' counts only trainable parameters (frozen ones get no gradient); nothing over a shard
+    dimension of size 1. Keys: (mesh dim,
     collective). ``param_bytes`` is 2 under the CUDA bf16 policy and 4 in fp32 (CPU); ``reduce_bytes`` 4.
     Expert-parallel activations are counted at run time instead (``ExpertParallel(stats=...)``).
     """
@@ -220,9 +221,10 @@ def fsdp_step_bytes(units: Sequence[FSDPUnit], param_bytes: int, reduce_bytes: i
         padded = sum(_padded_numel(p, shards) for p in unit.params)
         trained = sum(_padded_numel(p, shards) for p in unit.params if p.requires_grad)
         gathers = 2 if unit.reshard_after_forward else 1
-        add((shard_dim, "all_gather"), gathers * padded * param_bytes)
-        if trained:
-            add((shard_dim, "reduce_scatter"), trained * reduce_bytes)
-            if unit.mesh.ndim == 2:
+        if shards > 1:  # FSDP issues no all-gather / reduce-scatter over a single shard
+            add((shard_dim, "all_gather"), gathers * padded * param_bytes)
+            if trained:
+                add((shard_dim, "reduce_scatter"), trained * reduce_bytes)
+        if trained and unit.mesh.ndim == 2:
                 add((names[0], "all_reduce"), trained // shards * reduce_bytes)
     return counts
