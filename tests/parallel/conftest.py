@@ -16,18 +16,18 @@ from opengem.parallel.testing import run_distributed
 
 
 @pytest.fixture(scope="session")
-def checkpoint_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("dcp") / "step3"
+def checkpoint_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dcp")
 
 
 @pytest.fixture(scope="session")
-def world4(checkpoint_dir: Path) -> list[dict[str, Any]]:
-    return run_distributed(scenarios.session_world4, 4, str(checkpoint_dir))
+def world4(checkpoint_root: Path) -> list[dict[str, Any]]:
+    return run_distributed(scenarios.session_world4, 4, str(checkpoint_root))
 
 
 @pytest.fixture(scope="session")
-def world2(world4: list[dict[str, Any]], checkpoint_dir: Path) -> list[dict[str, Any]]:
-    return run_distributed(scenarios.session_world2, 2, str(checkpoint_dir))
+def world2(world4: list[dict[str, Any]], checkpoint_root: Path) -> list[dict[str, Any]]:
+    return run_distributed(scenarios.session_world2, 2, str(checkpoint_root))
 
 
 @pytest.fixture(scope="session")

@@ -121,24 +121,12 @@ def reference_run(experts: int = 0, steps: int = STEPS) -> tuple[list[float], di
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded parameters under the reference names (expert e of an ExpertParallel as ``experts.e``)."""
+    """Unsharded parameters under the plain model's names (an expert-parallel rank holds only its expert)."""
     out = {}
-    for module_name, module in model.named_modules():
-        for name, p in module.named_parameters(recurse=False):
-            value = p.full_tensor() if hasattr(p, "full_tensor") else p
-            qualified = f"{module_name}.{name}" if module_name else name
-            qualified = qualified.replace("._checkpoint_wrapped_module", "")
-            out[qualified] = value.detach().clone()
-    return _rename_experts(model, out)
-
-
-def _rename_experts(model: nn.Module, params: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    for module_name, module in model.named_modules():
-        if isinstance(module, ExpertParallel):
-            clean = module_name.replace("._checkpoint_wrapped_module", "")
-            for key in [k for k in params if k.startswith(f"{clean}.expert.")]:
-                params[key.replace(f"{clean}.expert.", f"{clean}.experts.{module.expert_index}.")] = params.pop(key)
-    return params
+    for name, p in model.named_parameters():
+        value = p.full_tensor() if hasattr(p, "full_tensor") else p
+        out[name.replace("_checkpoint_wrapped_module.", "")] = value.detach().clone()
+    return out
 
 
 def global_mean(loss: torch.Tensor) -> float:
@@ -227,16 +215,16 @@ def train_distributed(
     return result
 
 
-def resume_distributed(spec: str, load_dir: str) -> dict[str, Any]:
+def resume_distributed(spec: str, load_dir: str, experts: int = 0) -> dict[str, Any]:
     """Load the checkpoint into a fresh model under ``spec`` and run the remaining steps."""
     rank, world = dist.get_rank(), dist.get_world_size()
     meshes = build_meshes(parse_parallel(spec))
-    model = make_model()
+    model = make_model(experts)
     with torch.no_grad():  # make sure loading, not the shared seed, sets the parameters
         for p in model.parameters():
             if p.requires_grad:
                 p.zero_()
-    parallelize(model, meshes)
+    parallelize(model, meshes, expert_types=(Experts,))
     opt = optimizer(model)
     load_distributed({"train": ModelOptimizerState(model, opt)}, load_dir)
     loaded = full_params(model)
@@ -290,20 +278,24 @@ def mesh_groups(spec: str) -> dict[str, list[int]]:
     return groups
 
 
-def session_world4(checkpoint_dir: str) -> dict[str, Any]:
+def session_world4(checkpoint_root: str) -> dict[str, Any]:
     return {
         "layout": mesh_groups(LAYOUT_4),
-        "fsdp4": train_distributed("dense_shard=4", save_dir=checkpoint_dir, measure_step=1),
+        "fsdp4": train_distributed("dense_shard=4", save_dir=f"{checkpoint_root}/fsdp4", measure_step=1),
         "hsdp2x2": train_distributed("dense_replicate=2,dense_shard=2", measure_step=1),
-        "ep2_fsdp2": train_distributed("dense_shard=4,expert=2", experts=2, measure_step=1),
+        "ep2_fsdp2": train_distributed(
+            "dense_shard=4,expert=2", experts=2, save_dir=f"{checkpoint_root}/ep2_fsdp2", measure_step=1
+        ),
     }
 
 
-def session_world2(checkpoint_dir: str) -> dict[str, Any]:
+def session_world2(checkpoint_root: str) -> dict[str, Any]:
     return {
         "replicate_only": train_distributed("dense_replicate=2,dense_shard=1", measure_step=1),
         "ep2_no_shard": train_distributed("dense_shard=2,expert=2", experts=2, measure_step=1),
         "fsdp2_ac": train_distributed("dense_shard=2,activation_checkpointing=1,prefetch=2,reshard_after_forward=0"),
         "expert": expert_parallel_run(),
-        "resumed": resume_distributed("dense_shard=2", checkpoint_dir),
+        "resumed": resume_distributed("dense_shard=2", f"{checkpoint_root}/fsdp4"),
+        # expert-parallel checkpoint (each expert saved by its own ranks) into a layout without EP
+        "resumed_experts": resume_distributed("dense_shard=2", f"{checkpoint_root}/ep2_fsdp2", experts=2),
     }

@@ -152,8 +152,8 @@ class ExpertParallel(nn.Module):
 
     ``experts``: an ``nn.ModuleList`` (or any indexable sequence of modules) with exactly
     ``group.size()`` experts, each mapping (N, ...) -> (N, ...) row-wise. Rank r keeps
-    ``experts[r]`` as ``self.expert`` and drops the others (build every rank's experts from the same
-    seed so that expert r is the same on every rank).
+    ``experts[r]`` (as ``self.experts["r"]``, so that its parameter names are those of the plain
+    model) and drops the others; build every rank's experts from the same seed.
 
     Gradient convention: the local expert's gradient is the *mean* over the group's ranks of the
     gradients of their local losses (not the sum), exactly like a data-parallel gradient. So data
@@ -179,7 +179,14 @@ class ExpertParallel(nn.Module):
         if route == SYMM_MEM_COPY_ENGINE:
             enable_copy_engine_all_gather(group)
         self.expert_index = dist.get_rank(group)
-        self.expert = experts[self.expert_index]
+        # Registered under its index, so parameter names match the unparallelized model's
+        # (``experts.<r>.*``): checkpoints move between expert-parallel and plain layouts.
+        self.experts = nn.ModuleDict({str(self.expert_index): experts[self.expert_index]})
+
+    @property
+    def expert(self) -> nn.Module:
+        """The expert this rank runs."""
+        return self.experts[str(self.expert_index)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         world = dist.get_world_size(self.group)
