@@ -31,12 +31,12 @@ def world2(world4: list[dict[str, Any]], checkpoint_root: Path) -> list[dict[str
 
 
 @pytest.fixture(scope="session")
-def reference() -> tuple[list[float], dict]:
+def reference() -> dict:
     return scenarios.reference_run()
 
 
 @pytest.fixture(scope="session")
-def reference_experts() -> tuple[list[float], dict]:
+def reference_experts() -> dict:
     return scenarios.reference_run(experts=2)
 
 

@@ -21,6 +21,7 @@ from opengem.parallel import (
     ModelOptimizerState,
     ParallelMeshes,
     build_meshes,
+    clip_grad_norm_,
     fsdp_step_bytes,
     load_distributed,
     parallelize,
@@ -30,6 +31,7 @@ from opengem.parallel import (
 
 IN_DIM, DIM, HIDDEN, OUT_DIM, VOCAB = 6, 10, 14, 3, 7
 GLOBAL_BATCH, STEPS, SAVE_AFTER, LR = 8, 5, 3, 1e-2
+MAX_GRAD_NORM = 1.0  # below the gradient norms of the first steps: clipping changes the result
 
 
 class Experts(nn.Module):
@@ -103,21 +105,37 @@ def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> torch.Tensor:
+def forward_backward(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
+    """Mean loss of this rank's slice of the global batch of ``step``, backpropagated."""
     x, ids, y = local_slice(batch(step), rank, world)
     loss = nn.functional.mse_loss(model(x, ids), y)
     loss.backward()
-    opt.step()
-    opt.zero_grad()
     return loss.detach()
 
 
-def reference_run(experts: int = 0, steps: int = STEPS) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single process, whole global batch."""
+def clip_and_step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
+    """Clip to MAX_GRAD_NORM (global norm across ranks when distributed), AdamW step; returns the norm."""
+    if dist.is_initialized():
+        norm = clip_grad_norm_(model, MAX_GRAD_NORM)
+    else:
+        norm = torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], MAX_GRAD_NORM)
+    opt.step()
+    opt.zero_grad()
+    return norm.item()
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> tuple[torch.Tensor, float]:
+    loss = forward_backward(model, step, rank, world)
+    return loss, clip_and_step(model, opt)
+
+
+def reference_run(experts: int = 0) -> dict[str, Any]:
+    """Single process, whole global batch: losses, gradient norms and final parameters."""
     model = make_model(experts)
     opt = optimizer(model)
-    losses = [train_step(model, opt, step, 0, 1).item() for step in range(steps)]
-    return losses, {name: p.detach().clone() for name, p in model.named_parameters()}
+    losses, norms = zip(*(train_step(model, opt, step, 0, 1) for step in range(STEPS)))
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return {"losses": [loss.item() for loss in losses], "norms": list(norms), "params": params}
 
 
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -196,17 +214,18 @@ def train_distributed(
     expert_stats = CommStats()
     units = parallelize(model, meshes, expert_types=(Experts,), stats=expert_stats)
     opt = optimizer(model)
-    result: dict[str, Any] = {"losses": [], "table_is_plain": type(model.table.weight) is nn.Parameter}
+    result: dict[str, Any] = {"losses": [], "norms": [], "table_is_plain": type(model.table.weight) is nn.Parameter}
     for step in range(STEPS):
         if step == measure_step:
             expert_stats.reset()
             with recorded_collectives(meshes) as measured:
-                loss = train_step(model, opt, step, rank, world)
+                loss = forward_backward(model, step, rank, world)
             result["measured"] = dict(measured.bytes)
             result["analytic"] = fsdp_step_bytes(units, param_bytes=4, reduce_bytes=4)
             result["expert_bytes"] = dict(expert_stats.bytes)
         else:
-            loss = train_step(model, opt, step, rank, world)
+            loss = forward_backward(model, step, rank, world)
+        result["norms"].append(clip_and_step(model, opt))
         result["losses"].append(global_mean(loss))
         if save_dir is not None and step + 1 == SAVE_AFTER:
             save_distributed({"train": ModelOptimizerState(model, opt)}, save_dir)
@@ -228,7 +247,7 @@ def resume_distributed(spec: str, load_dir: str, experts: int = 0) -> dict[str, 
     opt = optimizer(model)
     load_distributed({"train": ModelOptimizerState(model, opt)}, load_dir)
     loaded = full_params(model)
-    losses = [global_mean(train_step(model, opt, step, rank, world)) for step in range(SAVE_AFTER, STEPS)]
+    losses = [global_mean(train_step(model, opt, step, rank, world)[0]) for step in range(SAVE_AFTER, STEPS)]
     return {"loaded": loaded, "losses": losses}
 
 

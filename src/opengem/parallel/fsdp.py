@@ -20,14 +20,17 @@ compute the mean loss of its own equal-sized slice of the global batch.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 from opengem.parallel.collectives import PROCESS_GROUP, CollectivePlan, CommStats
 from opengem.parallel.expert import ExpertParallel
@@ -228,3 +231,46 @@ def fsdp_step_bytes(units: Sequence[FSDPUnit], param_bytes: int, reduce_bytes: i
         if trained and unit.mesh.ndim == 2:
                 add((names[0], "all_reduce"), trained // shards * reduce_bytes)
     return counts
+
+
+def clip_grad_norm_(
+    model: nn.Module, max_norm: float, sparse_types: Sequence[type[nn.Module]] = ()
+) -> torch.Tensor:
+    """Clip the dense gradients of a ``parallelize``d model to a global L2 norm of ``max_norm``.
+
+    Same result as ``torch.nn.utils.clip_grad_norm_`` on the unsharded single-process model (sparse
+    modules excluded: they have their own optimizer). Needed because the gradients live on several
+    meshes: each DTensor's local shards are summed over its sharded mesh dimensions (replicas hold
+    copies), and the experts of an ``ExpertParallel`` layer, different on each rank of its group, are
+    summed over that group. Returns the total norm (a plain 0-dim tensor, identical on every rank).
+    """
+    expert_params = {id(p): m.group for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
+    sparse_params = {id(p) for m in model.modules() if is_sparse(m, sparse_types) for p in m.parameters()}
+    grads = []
+    # Sum of squares per tuple of groups to sum over: one all-reduce per group and bucket.
+    buckets: dict[tuple[dist.ProcessGroup, ...], list[torch.Tensor]] = defaultdict(list)
+    for param in model.parameters():
+        if param.grad is None or id(param) in sparse_params:
+            continue
+        grad = param.grad
+        local = grad.to_local() if isinstance(grad, DTensor) else grad
+        groups = []
+        if isinstance(grad, DTensor):
+            groups += [grad.device_mesh.get_group(dim) for dim, p in enumerate(grad.placements) if p.is_shard()]
+        if id(param) in expert_params:
+            groups.append(expert_params[id(param)])
+        buckets[tuple(groups)].append(local.float().pow(2).sum())
+        grads.append(local)
+    if not grads:
+        return torch.zeros(())
+    total_square = 0.0
+    for groups, squares in buckets.items():
+        square = torch.stack(squares).sum()
+        for group in groups:
+            dist.all_reduce(square, group=group)
+        total_square = total_square + square
+    total = torch.as_tensor(total_square).sqrt()
+    scale = (max_norm / (total + 1e-6)).clamp(max=1.0)
+    for local in grads:
+        local.mul_(scale.to(local.dtype))
+    return total
