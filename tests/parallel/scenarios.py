@@ -311,7 +311,9 @@ def session_world4(checkpoint_root: str) -> dict[str, Any]:
 def session_world2(checkpoint_root: str) -> dict[str, Any]:
     return {
         "replicate_only": train_distributed("dense_replicate=2,dense_shard=1", measure_step=1),
-        "ep2_no_shard": train_distributed("dense_shard=2,expert=2", experts=2, measure_step=1),
+        "ep2_no_shard_ac": train_distributed(
+            "dense_shard=2,expert=2,activation_checkpointing=1", experts=2, measure_step=1
+        ),
         "fsdp2_ac": train_distributed("dense_shard=2,activation_checkpointing=1,prefetch=2,reshard_after_forward=0"),
         "expert": expert_parallel_run(),
         "resumed": resume_distributed("dense_shard=2", f"{checkpoint_root}/fsdp4"),

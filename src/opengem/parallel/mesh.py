@@ -238,7 +238,8 @@ def init_distributed(config: ParallelConfig, topology: Topology | None = None) -
     NCCL with one GPU per rank (``LOCAL_RANK``) when CUDA is available, gloo on CPU otherwise. The
     collective environment (``opengem.parallel.collectives.setup_environment``: multicast off, the
     zero-CTA policy when ``config.collectives == "copy_engine"`` allows it) is set before the
-    communicators are created. Without torchrun's variables this is a 1-rank job.
+    communicators are created. Without torchrun's variables this is a 1-rank job. ``topology``
+    defaults to hosts of ``LOCAL_WORLD_SIZE`` ranks (torchrun) and one host per zone.
     """
     from opengem.parallel.collectives import probe_capabilities, setup_environment
 
@@ -252,4 +253,6 @@ def init_distributed(config: ParallelConfig, topology: Topology | None = None) -
             device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
             torch.cuda.set_device(device_id)
         dist.init_process_group(backend, device_id=device_id)
+    if topology is None:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one host
+        topology = Topology(gpus_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
     return build_meshes(config, topology)
