@@ -22,6 +22,7 @@ from opengem.parallel import (
     ParallelMeshes,
     build_meshes,
     clip_grad_norm_,
+    data_parallel_loss,
     fsdp_step_bytes,
     load_distributed,
     parallelize,
@@ -96,21 +97,38 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return x, ids, y
 
 
-def local_slice(tensors: tuple[torch.Tensor, ...], rank: int, world: int) -> tuple[torch.Tensor, ...]:
-    per_rank = GLOBAL_BATCH // world
-    return tuple(t[rank * per_rank : (rank + 1) * per_rank] for t in tensors)
+UNEVEN_2 = (0, 3, GLOBAL_BATCH)  # row boundaries of an uneven 2-rank split
+
+
+def local_slice(tensors: tuple[torch.Tensor, ...], rank: int, world: int, uneven: bool = False) -> tuple[torch.Tensor, ...]:
+    """This rank's rows of the global batch: equal contiguous slices, or the UNEVEN_2 split."""
+    if uneven:
+        start, stop = UNEVEN_2[rank], UNEVEN_2[rank + 1]
+    else:
+        start, stop = rank * GLOBAL_BATCH // world, (rank + 1) * GLOBAL_BATCH // world
+    return tuple(t[start:stop] for t in tensors)
 
 
 def optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR)
 
 
-def forward_backward(model: nn.Module, step: int, rank: int, world: int) -> torch.Tensor:
-    """Mean loss of this rank's slice of the global batch of ``step``, backpropagated."""
-    x, ids, y = local_slice(batch(step), rank, world)
+def forward_backward(
+    model: nn.Module, step: int, rank: int, world: int, uneven: bool = False
+) -> tuple[torch.Tensor, int]:
+    """Backpropagate the loss of this rank's slice of the batch of ``step``; return (local mean loss, rows).
+
+    Uneven slices backpropagate ``data_parallel_loss`` so that the gradient is the global mean's.
+    """
+    x, ids, y = local_slice(batch(step), rank, world, uneven)
+    rows = x.shape[0]
+    if uneven:
+        loss_sum = nn.functional.mse_loss(model(x, ids), y, reduction="sum") / OUT_DIM
+        data_parallel_loss(loss_sum, rows).backward()
+        return loss_sum.detach() / rows, rows
     loss = nn.functional.mse_loss(model(x, ids), y)
     loss.backward()
-    return loss.detach()
+    return loss.detach(), rows
 
 
 def clip_and_step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
@@ -125,7 +143,7 @@ def clip_and_step(model: nn.Module, opt: torch.optim.Optimizer) -> float:
 
 
 def train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int, rank: int, world: int) -> tuple[torch.Tensor, float]:
-    loss = forward_backward(model, step, rank, world)
+    loss, _ = forward_backward(model, step, rank, world)
     return loss, clip_and_step(model, opt)
 
 
@@ -147,10 +165,11 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def global_mean(loss: torch.Tensor) -> float:
-    total = loss.clone()
-    dist.all_reduce(total)
-    return total.item() / dist.get_world_size()
+def global_mean(loss: torch.Tensor, rows: int) -> float:
+    """The global batch's mean loss from each rank's local mean over ``rows`` rows."""
+    totals = torch.stack([loss * rows, loss.new_tensor(float(rows))])
+    dist.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
 
 
 @contextmanager
@@ -206,6 +225,7 @@ def train_distributed(
     experts: int = 0,
     save_dir: str | None = None,
     measure_step: int | None = None,
+    uneven: bool = False,
 ) -> dict[str, Any]:
     """5 AdamW steps under ``spec``; optional checkpoint after step ``SAVE_AFTER`` and byte measurement."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -219,14 +239,14 @@ def train_distributed(
         if step == measure_step:
             expert_stats.reset()
             with recorded_collectives(meshes) as measured:
-                loss = forward_backward(model, step, rank, world)
+                loss, rows = forward_backward(model, step, rank, world)
             result["measured"] = dict(measured.bytes)
             result["analytic"] = fsdp_step_bytes(units, param_bytes=4, reduce_bytes=4)
             result["expert_bytes"] = dict(expert_stats.bytes)
         else:
-            loss = forward_backward(model, step, rank, world)
+            loss, rows = forward_backward(model, step, rank, world, uneven)
         result["norms"].append(clip_and_step(model, opt))
-        result["losses"].append(global_mean(loss))
+        result["losses"].append(global_mean(loss, rows))
         if save_dir is not None and step + 1 == SAVE_AFTER:
             save_distributed({"train": ModelOptimizerState(model, opt)}, save_dir)
             result["params_at_save"] = full_params(model)
@@ -247,7 +267,8 @@ def resume_distributed(spec: str, load_dir: str, experts: int = 0) -> dict[str, 
     opt = optimizer(model)
     load_distributed({"train": ModelOptimizerState(model, opt)}, load_dir)
     loaded = full_params(model)
-    losses = [global_mean(train_step(model, opt, step, rank, world)[0]) for step in range(SAVE_AFTER, STEPS)]
+    rows = GLOBAL_BATCH // world
+    losses = [global_mean(train_step(model, opt, step, rank, world)[0], rows) for step in range(SAVE_AFTER, STEPS)]
     return {"loaded": loaded, "losses": losses}
 
 
@@ -311,6 +332,7 @@ def session_world4(checkpoint_root: str) -> dict[str, Any]:
 def session_world2(checkpoint_root: str) -> dict[str, Any]:
     return {
         "replicate_only": train_distributed("dense_replicate=2,dense_shard=1", measure_step=1),
+        "uneven": train_distributed("dense_shard=2", uneven=True),
         "ep2_no_shard_ac": train_distributed(
             "dense_shard=2,expert=2,activation_checkpointing=1", experts=2, measure_step=1
         ),

@@ -82,6 +82,12 @@ def test_expert_fsdp_bytes_match_the_collectives_issued(world4):
         assert measured[("expert_shard", "all_gather")] > 0  # the expert unit shards over expert_shard
 
 
+def test_uneven_batches_with_data_parallel_loss_match_single_process(world2, reference):
+    # Rank 0 holds 3 rows, rank 1 holds 5: data_parallel_loss keeps the global mean's gradient.
+    for result in world2:
+        assert_same_training(result["uneven"], reference)
+
+
 def test_single_shard_layouts_on_two_ranks(world2, reference, reference_experts):
     # Pure replication (HSDP with one shard) and EP 2 (with activation checkpointing) whose experts have no FSDP shard partner:
     # only the collectives that move data are issued, and the analytic count says so.
@@ -103,7 +109,7 @@ def test_world_size_one_runs_unchanged(single_process_group, reference):
     losses = []
     for step in range(scenarios.STEPS):
         with scenarios.recorded_collectives(meshes) as measured:
-            losses.append(scenarios.forward_backward(model, step, 0, 1).item())
+            losses.append(scenarios.forward_backward(model, step, 0, 1)[0].item())
         scenarios.clip_and_step(model, opt)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(reference["losses"]), **TOLERANCE)
     assert dict(measured.bytes) == fsdp_step_bytes(units, param_bytes=4, reduce_bytes=4)

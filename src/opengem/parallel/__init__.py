@@ -10,7 +10,14 @@ from opengem.parallel.collectives import (
     setup_environment,
 )
 from opengem.parallel.expert import ExpertParallel, all_gather_along_batch, gather_batch_sizes, reduce_scatter_along_batch
-from opengem.parallel.fsdp import FSDPUnit, clip_grad_norm_, fsdp_step_bytes, is_sparse, parallelize
+from opengem.parallel.fsdp import (
+    FSDPUnit,
+    clip_grad_norm_,
+    data_parallel_loss,
+    fsdp_step_bytes,
+    is_sparse,
+    parallelize,
+)
 from opengem.parallel.mesh import (
     ParallelConfig,
     ParallelMeshes,
@@ -34,6 +41,7 @@ __all__ = [
     "all_gather_along_batch",
     "build_meshes",
     "clip_grad_norm_",
+    "data_parallel_loss",
     "fsdp_step_bytes",
     "gather_batch_sizes",
     "init_distributed",

@@ -52,6 +52,7 @@ class FSDPUnit:
 
 
 def is_sparse(module: nn.Module, sparse_types: Sequence[type[nn.Module]] = ()) -> bool:
+    """Whether ``parallelize`` leaves ``module`` out (an instance of ``sparse_types`` or marked ``opengem_sparse``)."""
     return isinstance(module, tuple(sparse_types)) or bool(getattr(module, SPARSE_ATTR, False))
 
 
@@ -191,6 +192,19 @@ def _set_prefetch(blocks: list[FSDPModule], depth: int) -> None:
             block.set_modules_to_forward_prefetch(following)
         if preceding:
             block.set_modules_to_backward_prefetch(preceding)
+
+
+def data_parallel_loss(loss_sum: torch.Tensor, count: int | torch.Tensor) -> torch.Tensor:
+    """The local loss to backpropagate when ranks hold different numbers of samples (or tokens).
+
+    ``loss_sum``: this rank's summed loss over its ``count`` samples. FSDP averages gradients over
+    the ranks, so backpropagating ``loss_sum * world / global_count`` gives every parameter the
+    gradient of the global mean loss (a plain per-rank mean would overweight the smaller batches).
+    Costs one scalar all-reduce (of ``count``) over the default group.
+    """
+    total = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).clone()
+    dist.all_reduce(total)
+    return loss_sum * (dist.get_world_size() / total.item())
 
 
 def _padded_numel(param: nn.Parameter, shards: int) -> int:
