@@ -1,13 +1,13 @@
 """Models, data and per-rank training scenarios shared by the distributed tests (runs inside the workers).
 
 Every scenario builds the same model from the same seed on every rank, gives each rank its
-contiguous slice of one global batch, and returns what the single-process reference is compared with.
+contiguous slice of one global batch (equal, or uneven with ``data_parallel_loss``), and returns what
+the single-process reference is compared with.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections import defaultdict
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -181,7 +181,7 @@ def recorded_collectives(meshes: ParallelMeshes) -> Iterator[CommStats]:
             for dim in mesh.mesh_dim_names:
                 names[mesh.get_group(dim).group_name] = dim
     stats = CommStats()
-    depth = defaultdict(int)
+    depth = [0]  # nesting: a deprecated alias calling the new collective counts once
     originals = {}
 
     def wrap(op_name: str, collective: str, tensor_arg: str):
