@@ -1,0 +1,88 @@
+"""Distributed checkpoints (``torch.distributed.checkpoint``): save under one layout, load under another.
+
+DCP writes every rank's shards plus metadata describing the global tensors, so a checkpoint saved
+with FSDP over 4 ranks loads into FSDP over 2 (or 1) ranks: each rank reads the slices it now owns.
+``save_distributed`` writes into ``<dir>.partial`` and renames it to ``<dir>`` once every rank has
+finished, so a directory named ``<dir>`` is always complete (a crash leaves only ``.partial``).
+The directory must be on a filesystem all ranks share.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.optim import Optimizer
+
+PARTIAL_SUFFIX = ".partial"
+
+
+class ModelOptimizerState(Stateful):
+    """A model and (optionally) its optimizer as one DCP entry, keyed by parameter names.
+
+    Uses ``get_state_dict`` / ``set_state_dict`` so that FSDP's sharded (DTensor) parameters and the
+    optimizer state are saved by fully qualified parameter name, independent of the layout.
+    """
+
+    def __init__(self, model: nn.Module, optimizer: Optimizer | None = None) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        model_state, optimizer_state = get_state_dict(self.model, optimizers)
+        return {"model": model_state, "optimizer": optimizer_state}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        optimizers = [self.optimizer] if self.optimizer is not None else []
+        set_state_dict(
+            self.model,
+            optimizers,
+            model_state_dict=state_dict["model"],
+            optim_state_dict=state_dict["optimizer"],
+        )
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def save_distributed(state: dict[str, Any], directory: str | Path) -> Path:
+    """Save ``state`` (tensors, DTensors, ``Stateful`` objects such as ``ModelOptimizerState``) to ``directory``.
+
+    Every rank calls this. An existing ``directory`` is replaced only after the new one is complete.
+    Returns the final path.
+    """
+    final = Path(directory)
+    partial = final.with_name(final.name + PARTIAL_SUFFIX)
+    if _rank() == 0:
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+    _barrier()
+    dcp.save(state, checkpoint_id=str(partial))
+    _barrier()
+    if _rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        partial.rename(final)
+    _barrier()
+    return final
+
+
+def load_distributed(state: dict[str, Any], directory: str | Path) -> None:
+    """Load ``directory`` into ``state`` in place, resharding to the current layout (every rank calls this)."""
+    path = Path(directory)
+    if not (path / ".metadata").is_file():
+        raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no .metadata)")
+    dcp.load(state, checkpoint_id=str(path))
