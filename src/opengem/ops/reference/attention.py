@@ -1,9 +1,10 @@
 """Reference jagged softmax attention (JFA): fp32, with the recommendation mask.
 
 Short and obviously correct; it is the specification the Triton kernel is tested against and the CPU
-path of :func:`opengem.ops.jagged_attention`. Samples are padded in groups and computed with one
-batched masked softmax per group (a per-sample loop is far too slow for CPU training); groups are
-bounded in size so long sequences do not allocate ``B * L^2`` scores at once. Differentiable through
+path of :func:`opengem.ops.jagged_attention`. Samples are sorted by length, padded in groups of
+similar length and computed with one batched masked softmax per group (a per-sample loop is far too
+slow for CPU training); groups are bounded in size so long sequences never allocate ``B * L^2``
+scores at once. Differentiable through
 autograd.
 """
 
@@ -15,7 +16,7 @@ import torch
 
 from opengem.ops.reference.masks import batched_attention_mask
 
-SCORES_PER_GROUP = 1 << 24  # elements of the [G, H, L, L] score tensor of one group
+SCORES_PER_GROUP = 1 << 22  # elements of the [G, H, L, L] score tensor of one group
 
 
 def jagged_attention(
@@ -46,25 +47,27 @@ def jagged_attention(
     compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for finite-difference checks
     bounds = offsets.detach().cpu().tolist()
     lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
-    out = q.new_zeros(q.shape, dtype=compute)
-    first = 0
-    while first < len(lengths):
-        last, longest = first, 0
-        while last < len(lengths):
-            longest_next = max(longest, lengths[last])
-            if last > first and (last - first + 1) * heads * longest_next**2 > SCORES_PER_GROUP:
-                break
-            longest = longest_next
-            last += 1
-        if longest > 0:
-            rows = slice(bounds[first], bounds[last])
-            group_lengths = torch.tensor(lengths[first:last], device=q.device)
-            targets = None if num_targets is None else num_targets[first:last]
-            out[rows] = _padded_group(
+    # group samples of similar length (longest first) so padding inside a group stays small
+    order = sorted((b for b in range(len(lengths)) if lengths[b]), key=lambda b: -lengths[b])
+    pieces, rows_in_order = [], []
+    while order:
+        longest = lengths[order[0]]
+        count = max(1, min(len(order), SCORES_PER_GROUP // (heads * longest * longest)))
+        members, order = order[:count], order[count:]
+        rows = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in members]).to(q.device)
+        group_lengths = torch.tensor([lengths[b] for b in members], device=q.device)
+        targets = None if num_targets is None else num_targets[torch.tensor(members, device=num_targets.device)]
+        pieces.append(
+            _padded_group(
                 q[rows].to(compute), k[rows].to(compute), v[rows].to(compute), group_lengths, longest, group,
                 scale, causal, targets, contextual_len, window,
             )
-        first = last
+        )
+        rows_in_order.append(rows)
+    if not pieces:
+        return q.new_zeros(q.shape)
+    out = pieces[0].new_empty((q.shape[0], *pieces[0].shape[1:]))
+    out = out.index_copy(0, torch.cat(rows_in_order), torch.cat(pieces))
     return out.to(q.dtype)
 
 
