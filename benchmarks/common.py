@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 from typing import Any, Callable
@@ -59,12 +60,13 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def environment() -> dict[str, Any]:
+    commit = os.environ.get("OPENGEM_GIT_COMMIT", "")  # the GPU machine gets a copy of the tree without .git
     try:
         commit = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False, cwd=Path(__file__).parent
-        ).stdout.strip()
+        ).stdout.strip() or commit
     except OSError:
-        commit = ""
+        pass
     env: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
