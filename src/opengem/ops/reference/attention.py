@@ -38,6 +38,7 @@ def jagged_attention(
     if normalize_by_max_len:
         scale = scale / max(max_len, 1)
     group = q.shape[1] // k.shape[1]
+    compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for finite-difference checks
     bounds = offsets.detach().cpu().tolist()
     targets = [0] * (len(bounds) - 1) if num_targets is None else num_targets.detach().cpu().tolist()
     outputs = []
@@ -45,9 +46,9 @@ def jagged_attention(
         start, end = bounds[b], bounds[b + 1]
         if end == start:
             continue
-        qb = q[start:end].float().transpose(0, 1)  # [H, L, D]
-        kb = k[start:end].float().repeat_interleave(group, dim=1).transpose(0, 1)
-        vb = v[start:end].float().repeat_interleave(group, dim=1).transpose(0, 1)
+        qb = q[start:end].to(compute).transpose(0, 1)  # [H, L, D]
+        kb = k[start:end].to(compute).repeat_interleave(group, dim=1).transpose(0, 1)
+        vb = v[start:end].to(compute).repeat_interleave(group, dim=1).transpose(0, 1)
         mask = attention_mask(
             end - start,
             causal=causal,
