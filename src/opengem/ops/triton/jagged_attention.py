@@ -23,32 +23,45 @@ import triton.language as tl
 from opengem.ops.triton.masks import key_range, tile_mask
 
 LOG2E = 1.4426950408889634
-SUPPORTED_HEAD_DIMS = (32, 64, 128, 256)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-# The interpreter cannot benchmark configs; tiny tiles there make the tests cross tile borders.
-_TILES = (16,) if _INTERPRET else (64, 128)
-_SMALL, _LARGE = _TILES[0], _TILES[-1]
+# The interpreter cannot benchmark configs; its tiny, unequal tiles make the tests cross tile borders.
+_TILES = (16, 32) if _INTERPRET else (64, 128)
+_SMALL, _LARGE = _TILES
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first of each list is the untuned default. A curated
+# subset of {64, 128}^2 x {4, 8} x {2, 3, 4} keeps first-call tuning short; OPENGEM_JFA_AUTOTUNE=full
+# tries the whole product, =0 only the default.
+_FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
+_DKDV = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)]
+_DQ = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+_FULL = [(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+_INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
 
-def _configs(pairs: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     if _INTERPRET:
-        return [triton.Config({"BLOCK_M": 16, "BLOCK_N": 16}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in pairs]
+        m, n = _INTERPRETER_TILES[name]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=1, num_stages=1)]
+    choices = curated if os.environ.get("OPENGEM_JFA_AUTOTUNE") != "full" else [curated[0], *(c for c in _FULL if c != curated[0])]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in choices]
 
 
-def _prune_for_head_dim(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """D = 256 tiles of 128 x 128 with deep pipelines do not fit in shared memory."""
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop configs that cannot fit: D = 256 needs smaller tiles and shallower pipelines."""
+    if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0":
+        configs = configs[:1]
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    if head_dim is None or head_dim < 256 or _INTERPRET:
+    if _INTERPRET or head_dim is None or head_dim < 256:
         return configs
-    kept = [c for c in configs if c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 128 and c.num_stages <= 2]
-    return kept or [triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]
+    kept: dict[tuple, triton.Config] = {}
+    for c in [*configs, triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]:
+        m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if m * n <= 64 * 128:
+            stages = min(c.num_stages, 2)
+            kept.setdefault((m, n, c.num_warps, stages), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
+    return list(kept.values())
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages)
-_FWD = [(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4) if not (m == 64 and w == 8)]
-_DKDV = [(m, n, w, s) for m in (64,) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
-_DQ = [(m, n, w, s) for m in (64, 128) for n in (64,) for w in (4, 8) for s in (2, 3, 4)]
 _KEY = ["LEN_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_CONTEXT", "HAS_TARGETS"]
 
 
@@ -189,7 +202,7 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_configs(_FWD), key=_KEY, prune_configs_by={"early_config_prune": _prune_for_head_dim})
+@triton.autotune(configs=_configs("fwd", _FWD), key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens"])
 def _fwd_kernel(
     Q, K, V, O, LSE, offsets, num_targets, sched_small, sched_large,
@@ -271,7 +284,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.autotune(configs=_configs(_DKDV), key=_KEY, prune_configs_by={"early_config_prune": _prune_for_head_dim})
+@triton.autotune(configs=_configs("dkdv", _DKDV), key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens"])
 def _dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large,
@@ -334,7 +347,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.autotune(configs=_configs(_DQ), key=_KEY, prune_configs_by={"early_config_prune": _prune_for_head_dim})
+@triton.autotune(configs=_configs("dq", _DQ), key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens"])
 def _dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,
