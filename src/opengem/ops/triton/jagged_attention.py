@@ -80,15 +80,19 @@ def _sample(offsets, num_targets, b, HAS_TARGETS: tl.constexpr):
 
 
 @triton.jit
-def _item(sched_small, sched_large, item, BLOCK: tl.constexpr, SMALL: tl.constexpr):
-    """(sample, first row of the tile) of work item ``item`` in the schedule built for ``BLOCK``."""
+def _item(sched_small, sched_large, heads, BLOCK: tl.constexpr, SMALL: tl.constexpr):
+    """(sample, first row of the tile, head) of this program, from the schedule built for ``BLOCK``.
+
+    Heads vary fastest so that launch order follows the schedule's longest-first order across heads."""
+    item = tl.program_id(0) // heads
+    head = tl.program_id(0) % heads
     if BLOCK == SMALL:
         b = tl.load(sched_small + 2 * item)
         row = tl.load(sched_small + 2 * item + 1)
     else:
         b = tl.load(sched_large + 2 * item)
         row = tl.load(sched_large + 2 * item + 1)
-    return b, row
+    return b, row, head
 
 
 @triton.jit
@@ -203,17 +207,16 @@ def _fwd_tiles(
 
 
 @triton.autotune(configs=_configs("fwd", _FWD), key=_KEY, prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens"])
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _fwd_kernel(
     Q, K, V, O, LSE, offsets, num_targets, sched_small, sched_large,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-    total_tokens, scale_log2, contextual_len, window, LEN_BUCKET,
+    total_tokens, heads, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b, m_start = _item(sched_small, sched_large, tl.program_id(0), BLOCK_M, SMALL)
-    h = tl.program_id(1)
+    b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -285,18 +288,17 @@ def _dkdv_tiles(
 
 
 @triton.autotune(configs=_configs("dkdv", _DKDV), key=_KEY, prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens"])
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-    total_tokens, scale, scale_log2, contextual_len, window, LEN_BUCKET,
+    total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b, n_start = _item(sched_small, sched_large, tl.program_id(0), BLOCK_N, SMALL)
-    h_kv = tl.program_id(1)
+    b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -348,17 +350,16 @@ def _dq_tiles(
 
 
 @triton.autotune(configs=_configs("dq", _DQ), key=_KEY, prune_configs_by={"early_config_prune": _prune})
-@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens"])
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dq_kernel(
     Q, K, V, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
-    total_tokens, scale, scale_log2, contextual_len, window, LEN_BUCKET,
+    total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    b, m_start = _item(sched_small, sched_large, tl.program_id(0), BLOCK_M, SMALL)
-    h = tl.program_id(1)
+    b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -515,7 +516,7 @@ class Problem:
 
 
 def _grid(items: dict[int, torch.Tensor], heads: int, block_name: str):
-    return lambda meta: (items[meta[block_name]].shape[0], heads)
+    return lambda meta: (items[meta[block_name]].shape[0] * heads,)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
@@ -530,7 +531,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
     _fwd_kernel[_grid(items, heads, "BLOCK_M")](
         q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        total, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k),
+        total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k),
     )  # fmt: skip
     return out, lse
 
@@ -554,11 +555,11 @@ def backward(
     key_items = pb.sched.key_tiles
     _dkdv_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
         q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE],
-        *strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), **common,
+        *strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), heads=k.shape[1], **common,
     )  # fmt: skip
     query_items = pb.sched.query_tiles
     _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
         q, k, v, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE],
-        *strides, dq.stride(0), dq.stride(1), **common,
+        *strides, dq.stride(0), dq.stride(1), heads=heads, **common,
     )  # fmt: skip
     return dq, dk, dv
