@@ -201,7 +201,7 @@ def _fwd_tiles(
         p = tl.math.exp2(s - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
 
@@ -280,10 +280,10 @@ def _dkdv_tiles(
         if MASKED:
             visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
             pT = tl.where(tl.trans(visible), pT, 0.0)
-        dv += tl.dot(pT.to(do.dtype), do, input_precision=PRECISION)  # dV = P^T dO
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)  # dV = P^T dO
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])  # dS = P * (dP - delta), gradient of the (scaled) logits
-        dk += tl.dot(dsT.to(qT.dtype), tl.trans(qT), input_precision=PRECISION)  # dK = dS^T Q (scale applied later)
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)  # dK = dS^T Q (scaled later)
     return dk, dv
 
 
@@ -345,7 +345,7 @@ def _dq_tiles(
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, vT, input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(kT.dtype), tl.trans(kT), input_precision=PRECISION)  # dQ = dS K (scale applied later)
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)  # dQ = dS K (scaled later)
     return dq
 
 
