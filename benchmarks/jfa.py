@@ -363,6 +363,31 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+def plot(rows: list[dict], path) -> bool:
+    """Grouped bars of forward+backward TFLOP/s per workload and implementation (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    timed = [r for r in rows if "fwd_bwd_tflops" in r]
+    names = list(dict.fromkeys(r["workload"] for r in timed))
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.9), 4.5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        values = {r["workload"]: r["fwd_bwd_tflops"] for r in timed if r["impl"] == impl}
+        ax.bar([x + i * width for x in range(len(names))], [values.get(n, 0.0) for n in names], width, label=impl)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("fwd+bwd TFLOP/s (useful)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few representative shapes (< 90 s)")
@@ -374,6 +399,8 @@ def main() -> None:
     print("TFLOP/s count useful work only (GEM_SPEC section 8); peak 989 TFLOP/s dense bf16")
     path = write_results("jfa", rows, {"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE)})
     print(f"wrote {path}")
+    if plot(rows, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")
 
 
 if __name__ == "__main__":
