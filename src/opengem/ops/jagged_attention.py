@@ -123,7 +123,9 @@ def _jagged_attention_fwd(
     scale: float,
     use_triton: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out [T, H, D]`` and ``lse [H, T]`` fp32 (base 2; empty on the reference path)."""
+    """The registered forward: ``window = -1`` means none, ``scale`` is final (max_len division included),
+    ``use_triton`` picks the kernels. Returns ``out [T, H, D]`` and ``lse [H, T]`` fp32 in base 2
+    (``[H, 0]`` on the reference path, whose backward recomputes)."""
     if not use_triton:
         out = _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale)
         return out, q.new_empty((q.shape[1], 0), dtype=torch.float32)
