@@ -404,7 +404,10 @@ _SCHEDULE_CACHE_SIZE = 64
 
 
 def _tiles(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sample, first row) of every tile holding tokens; zero-length samples contribute none."""
+    """(sample, first row) of every tile holding tokens; zero-length samples contribute none.
+
+    These are exactly the non-empty tiles: every token sees itself, so no tile with tokens is fully
+    masked; what the masks empty is the key (query) range a tile visits, which the kernels bound."""
     counts = (lengths + block - 1) // block
     sample = torch.repeat_interleave(torch.arange(lengths.numel()), counts)
     first_tile = torch.cumsum(counts, 0) - counts
