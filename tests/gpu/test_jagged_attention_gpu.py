@@ -58,11 +58,14 @@ def _check(lengths, heads, kv_heads, head_dim, dtype, tol, **kwargs):
     q, k, v, dout, offsets = _batch(lengths, heads, kv_heads, head_dim, dtype)
     max_len = max(lengths)
     got = _forward_backward(q, k, v, dout, offsets, max_len, **kwargs)
+    # the reference path on the same low-precision inputs (fp32 math, rounded outputs) as a yardstick
+    rounded = _forward_backward(q, k, v, dout, offsets, max_len, backend="reference", **kwargs)
     # the specification in fp32 from the very same low-precision inputs
     want = _forward_backward(q.float(), k.float(), v.float(), dout.float(), offsets, max_len, backend="reference", **kwargs)
-    for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+    for name, g, r, w in zip(("out", "dq", "dk", "dv"), got, rounded, want):
         assert g.dtype == dtype
-        assert _rel(g, w) < tol, (name, _rel(g, w))
+        assert _rel(g, w) < tol, (name, _rel(g, w), _rel(r, w))
+        assert _rel(r, w) < tol, (name, _rel(r, w))
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -80,7 +83,7 @@ def test_fp16_and_fp32_mqa():
 
 def test_long_sequences_sub_batch():
     lengths = [4100, 2, 1500]  # tiles at many diagonal / off-diagonal positions
-    _check(lengths, 2, 2, 128, torch.bfloat16, 1e-2, causal=True)
+    _check(lengths, 2, 2, 128, torch.bfloat16, 1.5e-2, causal=True)  # long rows sum more bf16 roundings
 
 
 def test_backward_is_deterministic():
