@@ -243,7 +243,12 @@ def padded_impl(wl: Workload, b: Batch) -> Impl:
     return _autograd_impl("padded_sdpa(incl. pad/unpad)", forward, b)
 
 
-PEERS = (flash_impl, nested_impl, flex_impl, padded_impl)
+PEERS = {
+    "torch_varlen_flash": flash_impl,
+    "nested_sdpa": nested_impl,
+    "flex_attention": flex_impl,
+    "padded_sdpa(incl. pad/unpad)": padded_impl,
+}
 
 
 def _sub_batch_rows(lengths: torch.Tensor) -> tuple[int, int]:
@@ -307,13 +312,13 @@ def run_workload(wl: Workload, seed: int = 0) -> list[dict]:
     pairs = attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
     want = _reference_sub_batch(wl, b)
     rows = [_measure(jfa_impl(wl, b), wl, b, pairs, want)]
-    for make in PEERS:
+    for peer, make in PEERS.items():
         try:
             rows.append(_measure(make(wl, b), wl, b, pairs, want))
-        except NotImplementedError as why:
-            rows.append({"workload": wl.name, "impl": make.__name__.removesuffix("_impl"), "note": f"skipped: {why}"})
         except Exception as err:  # noqa: BLE001  (a peer failing, e.g. an API missing in this torch, must not hide the others)
-            rows.append({"workload": wl.name, "impl": make.__name__.removesuffix("_impl"), "note": f"error: {err}"[:200]})
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            kind = "skipped" if isinstance(err, NotImplementedError) else "error"
+            rows.append({"workload": wl.name, "impl": peer, "note": f"{kind}: {first_line}"})
         torch.cuda.empty_cache()
     timed = [r for r in rows[1:] if "fwd_ms" in r]
     for metric in ("fwd", "bwd", "fwd_bwd"):
