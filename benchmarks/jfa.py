@@ -1,0 +1,412 @@
+"""Jagged Flash Attention benchmark (issue 3): JFA against PyTorch's attention kernels, same process, same data.
+
+Workloads (bf16, H = 4, D = 128):
+  (a) power-law lengths 100..16384, about 150k tokens, causal;
+  (b) B = 1152 at max length 512..4096 and sparsity 0.5 / 1.0 (GEM_SPEC section 9), causal and non-causal;
+  (c) histories of 1024 tokens plus 64 targets per sample;
+  (d) window 256 on (a).
+Peers, each on the masks it can express: PyTorch's varlen flash kernel (FlashAttention-2 through
+``aten._flash_attention_forward/backward``), nested-tensor SDPA (jagged layout), FlexAttention with a
+document mask (compiled; block-mask build time reported apart), padded SDPA (small sizes only).
+
+FLOPs are useful work only (GEM_SPEC section 8): forward 4 H D x unmasked pairs, backward 2.5x that.
+JFA is timed through its registered ops (``torch.ops.opengem.jagged_attention_fwd/bwd``: schedule lookup
+included, the public function's argument validation not). Errors are relative (fp64 norms) against the
+fp32 reference on the first sequences of the batch (the output of a sequence depends on it alone).
+
+Run: ``PYTHONPATH=src python -m benchmarks.jfa [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import (
+    bench_ms,
+    offsets_of,
+    power_law_lengths,
+    print_table,
+    relative_error,
+    sparsity_lengths,
+    write_results,
+)
+from opengem.ops.jagged_attention import attention_pairs
+from opengem.ops.reference.attention import jagged_attention as reference
+
+HEADS, HEAD_DIM, DTYPE = 4, 128, torch.bfloat16
+DEVICE = "cuda"
+SUB_BATCH_TOKENS = 4096  # reference check on the first sequences, up to about this many tokens
+FLEX_MAX_TOKENS = 700_000  # the document block mask is built over T x T (and compiled per shape)
+PADDED_MAX_TOKENS = 1 << 21  # padded SDPA only while B * max_len stays small
+
+
+@dataclass
+class Workload:
+    name: str
+    lengths: torch.Tensor
+    causal: bool = True
+    num_targets: torch.Tensor | None = None
+    window: int | None = None
+
+    @property
+    def max_len(self) -> int:
+        return int(self.lengths.max())
+
+
+@dataclass
+class Impl:
+    """One attention implementation on one workload; ``fwd_bwd`` returns (out, dq, dk, dv)."""
+
+    name: str
+    fwd: Callable[[], torch.Tensor]
+    bwd: Callable[[], object]
+    fwd_bwd: Callable[[], tuple[torch.Tensor, ...]]
+    setup: dict | None = None
+
+
+@dataclass
+class Batch:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    dout: torch.Tensor
+    offsets: torch.Tensor
+    targets: torch.Tensor | None
+    scale: float
+
+
+def _batch(wl: Workload, seed: int) -> Batch:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    total = int(wl.lengths.sum())
+    q, k, v, dout = (
+        torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, generator=gen, dtype=DTYPE) for _ in range(4)
+    )
+    targets = None if wl.num_targets is None else wl.num_targets.to(DEVICE)
+    return Batch(q, k, v, dout, offsets_of(wl.lengths, DEVICE), targets, 1.0 / math.sqrt(HEAD_DIM))
+
+
+def _leaves(b: Batch) -> list[torch.Tensor]:
+    return [t.detach().requires_grad_() for t in (b.q, b.k, b.v)]
+
+
+def _autograd_impl(name: str, forward: Callable[..., torch.Tensor], b: Batch, setup: dict | None = None) -> Impl:
+    """Peers differentiated by autograd: backward time = (forward + backward) - forward."""
+
+    def fwd_bwd():
+        leaves = _leaves(b)
+        out = forward(*leaves)
+        grads = torch.autograd.grad(out, leaves, b.dout)
+        return (out.detach(), *grads)
+
+    def fwd():
+        with torch.no_grad():
+            return forward(b.q, b.k, b.v)
+
+    return Impl(name, fwd, None, fwd_bwd, setup)
+
+
+def jfa_impl(wl: Workload, b: Batch) -> Impl:
+    window = -1 if wl.window is None else wl.window
+    options = (wl.max_len, wl.causal, 0, window, b.scale, True)
+    forward = torch.ops.opengem.jagged_attention_fwd
+    backward = torch.ops.opengem.jagged_attention_bwd
+    out, lse = forward(b.q, b.k, b.v, b.offsets, b.targets, *options)
+
+    def fwd_bwd():
+        o, l = forward(b.q, b.k, b.v, b.offsets, b.targets, *options)
+        return (o, *backward(b.dout, b.q, b.k, b.v, o, l, b.offsets, b.targets, *options))
+
+    return Impl(
+        "jfa",
+        lambda: forward(b.q, b.k, b.v, b.offsets, b.targets, *options)[0],
+        lambda: backward(b.dout, b.q, b.k, b.v, out, lse, b.offsets, b.targets, *options),
+        fwd_bwd,
+    )
+
+
+def flash_impl(wl: Workload, b: Batch) -> Impl:
+    """PyTorch's varlen FlashAttention-2 (cumulative int32 offsets); causal, full, or windowed."""
+    if wl.num_targets is not None:
+        raise NotImplementedError("target mask not expressible")
+    aten = torch.ops.aten
+    window = {}
+    if wl.window is not None:
+        window = dict(window_size_left=wl.window, window_size_right=0 if wl.causal else wl.window)
+    args = (b.offsets, b.offsets, wl.max_len, wl.max_len, 0.0, wl.causal)
+
+    def forward(q, k, v):
+        return aten._flash_attention_forward(q, k, v, *args, False, scale=b.scale, **window)
+
+    def backward(q, k, v, res):
+        out, lse, rng, unused = res[0], res[1], res[2], res[3]
+        return aten._flash_attention_backward(
+            b.dout, q, k, v, out, lse, *args, rng, unused, scale=b.scale, **window
+        )  # fmt: skip
+
+    saved = forward(b.q, b.k, b.v)
+
+    def fwd_bwd():
+        res = forward(b.q, b.k, b.v)
+        return (res[0], *backward(b.q, b.k, b.v, res))
+
+    return Impl("torch_varlen_flash", lambda: forward(b.q, b.k, b.v)[0], lambda: backward(b.q, b.k, b.v, saved), fwd_bwd)
+
+
+def nested_impl(wl: Workload, b: Batch) -> Impl:
+    if wl.num_targets is not None or wl.window is not None:
+        raise NotImplementedError("only causal / full masks expressible")
+    offsets = b.offsets.long()
+
+    def forward(q, k, v):
+        nq, nk, nv = (torch.nested.nested_tensor_from_jagged(t, offsets).transpose(1, 2) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(nq, nk, nv, is_causal=wl.causal, scale=b.scale)
+        return out.transpose(1, 2).values()
+
+    return _autograd_impl("nested_sdpa", forward, b)
+
+
+def _document_mask_mod(wl: Workload, b: Batch):
+    lengths = wl.lengths.to(DEVICE)
+    doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=DEVICE), lengths)
+    pos = torch.arange(doc.numel(), device=DEVICE) - b.offsets.long()[doc]
+    hist = (lengths if b.targets is None else lengths - b.targets)[doc]
+
+    def mask_mod(batch, head, qi, ki):
+        p = torch.minimum(pos[qi], hist[qi])
+        visible = pos[ki] < hist[ki]
+        if wl.causal:
+            visible = visible & (pos[ki] <= p)
+        if wl.window is not None:
+            visible = visible & ((p - pos[ki]).abs() <= wl.window)
+        return (doc[qi] == doc[ki]) & (visible | (qi == ki))
+
+    return mask_mod
+
+
+_FLEX = {}
+
+
+def flex_impl(wl: Workload, b: Batch) -> Impl:
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    total = b.q.shape[0]
+    if total > FLEX_MAX_TOKENS:
+        raise NotImplementedError(f"document block mask over {total}^2 positions too large")
+    if "fn" not in _FLEX:
+        for limit in ("cache_size_limit", "recompile_limit"):  # one compile per workload shape and mask
+            if hasattr(torch._dynamo.config, limit):
+                setattr(torch._dynamo.config, limit, 64)
+        _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+    mask_mod = _document_mask_mod(wl, b)
+    build = lambda: create_block_mask(mask_mod, 1, None, total, total, device=DEVICE, _compile=True)  # noqa: E731
+    started = time.perf_counter()
+    block_mask = build()
+    torch.cuda.synchronize()
+    first_ms = (time.perf_counter() - started) * 1e3
+    setup = {"flex_block_mask_first_build_ms": first_ms, "flex_block_mask_build_ms": bench_ms(build, 5, 20)}
+
+    def forward(q, k, v):
+        q4, k4, v4 = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        return _FLEX["fn"](q4, k4, v4, block_mask=block_mask, scale=b.scale)[0].transpose(0, 1)
+
+    return _autograd_impl("flex_attention", forward, b, setup)
+
+
+def padded_impl(wl: Workload, b: Batch) -> Impl:
+    if wl.num_targets is not None or wl.window is not None:
+        raise NotImplementedError("only causal / full masks")
+    batch, max_len = wl.lengths.numel(), wl.max_len
+    if batch * max_len > PADDED_MAX_TOKENS:
+        raise NotImplementedError(f"padding to {batch} x {max_len} would waste too much memory and time")
+    lengths = wl.lengths.to(DEVICE)
+    doc = torch.repeat_interleave(torch.arange(batch, device=DEVICE), lengths)
+    pos = torch.arange(doc.numel(), device=DEVICE) - b.offsets.long()[doc]
+    valid = torch.arange(max_len, device=DEVICE)[None, :] < lengths[:, None]
+    key_mask = None if wl.causal else valid[:, None, None, :]  # causal: padding sits after every valid row
+
+    def pad(t):
+        out = t.new_zeros(batch, max_len, *t.shape[1:])
+        out[doc, pos] = t
+        return out.transpose(1, 2)
+
+    def forward(q, k, v):
+        out = F.scaled_dot_product_attention(pad(q), pad(k), pad(v), attn_mask=key_mask, is_causal=wl.causal, scale=b.scale)
+        return out.transpose(1, 2)[doc, pos]
+
+    return _autograd_impl("padded_sdpa(incl. pad/unpad)", forward, b)
+
+
+PEERS = {
+    "torch_varlen_flash": flash_impl,
+    "nested_sdpa": nested_impl,
+    "flex_attention": flex_impl,
+    "padded_sdpa(incl. pad/unpad)": padded_impl,
+}
+
+
+def _sub_batch_rows(lengths: torch.Tensor) -> tuple[int, int]:
+    """(number of leading sequences, their tokens) for the reference check."""
+    count, tokens = 0, 0
+    for n in lengths.tolist():
+        if tokens >= SUB_BATCH_TOKENS:
+            break
+        count, tokens = count + 1, tokens + n
+    return count, tokens
+
+
+def _errors(results: tuple[torch.Tensor, ...], wl: Workload, b: Batch, want: list[torch.Tensor]) -> float:
+    _, rows = _sub_batch_rows(wl.lengths)
+    return max(relative_error(got[:rows], w) for got, w in zip(results, want))
+
+
+def _reference_sub_batch(wl: Workload, b: Batch) -> list[torch.Tensor]:
+    count, rows = _sub_batch_rows(wl.lengths)
+    leaves = [t[:rows].float().requires_grad_() for t in (b.q, b.k, b.v)]
+    targets = None if b.targets is None else b.targets[:count]
+    out = reference(*leaves, b.offsets[: count + 1], wl.max_len, causal=wl.causal, num_targets=targets, window=wl.window)
+    grads = torch.autograd.grad(out, leaves, b.dout[:rows].float())
+    return [out.detach(), *grads]
+
+
+def _measure(impl: Impl, wl: Workload, b: Batch, pairs: int, want: list[torch.Tensor]) -> dict:
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    results = impl.fwd_bwd()
+    torch.cuda.synchronize()
+    peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
+    error = _errors(results, wl, b, want)
+    del results
+    fwd_ms = bench_ms(impl.fwd)
+    fwd_bwd_ms = bench_ms(impl.fwd_bwd)
+    bwd_ms = bench_ms(impl.bwd) if impl.bwd is not None else fwd_bwd_ms - fwd_ms
+    flops = 4 * HEADS * HEAD_DIM * pairs
+    row = {
+        "workload": wl.name,
+        "impl": impl.name,
+        "tokens": int(wl.lengths.sum()),
+        "batch": wl.lengths.numel(),
+        "max_len": wl.max_len,
+        "fwd_ms": fwd_ms,
+        "bwd_ms": bwd_ms,
+        "fwd_bwd_ms": fwd_bwd_ms,
+        "fwd_tflops": flops / fwd_ms / 1e9,
+        "bwd_tflops": 2.5 * flops / bwd_ms / 1e9,
+        "fwd_bwd_tflops": 3.5 * flops / fwd_bwd_ms / 1e9,
+        "peak_mem_gb": peak_gb,
+        "max_rel_err": error,
+    }
+    row.update(impl.setup or {})
+    return row
+
+
+def run_workload(wl: Workload, seed: int = 0) -> list[dict]:
+    b = _batch(wl, seed)
+    pairs = attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
+    want = _reference_sub_batch(wl, b)
+    rows = [_measure(jfa_impl(wl, b), wl, b, pairs, want)]
+    for peer, make in PEERS.items():
+        try:
+            rows.append(_measure(make(wl, b), wl, b, pairs, want))
+        except Exception as err:  # noqa: BLE001  (a peer failing, e.g. an API missing in this torch, must not hide the others)
+            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
+            kind = "skipped" if isinstance(err, NotImplementedError) else "error"
+            rows.append({"workload": wl.name, "impl": peer, "note": f"{kind}: {first_line}"})
+        torch.cuda.empty_cache()
+    timed = [r for r in rows[1:] if "fwd_ms" in r]
+    for metric in ("fwd", "bwd", "fwd_bwd"):
+        best = max((r[f"{metric}_tflops"] for r in timed), default=None)
+        rows[0][f"{metric}_vs_best_peer"] = rows[0][f"{metric}_tflops"] / best if best else None
+    flash = next((r for r in timed if r["impl"] == "torch_varlen_flash"), None)
+    if flash:
+        rows[0]["fwd_vs_flash"] = flash["fwd_ms"] / rows[0]["fwd_ms"]
+        rows[0]["bwd_vs_flash"] = flash["bwd_ms"] / rows[0]["bwd_ms"]
+    for r in rows:
+        r.update(pairs=pairs, causal=wl.causal, window=wl.window, targets=wl.num_targets is not None)
+    del b
+    torch.cuda.empty_cache()
+    return rows
+
+
+def workloads(quick: bool) -> list[Workload]:
+    gen = torch.Generator().manual_seed(0)
+    power_law = power_law_lengths(150_000, 100, 16384, gen)
+    out = [Workload("a_power_law_causal", power_law)]
+    max_lens = (1024, 4096) if quick else (512, 1024, 2048, 4096)
+    for max_len in max_lens:
+        for sparsity in (1.0,) if quick else (0.5, 1.0):
+            lengths = sparsity_lengths(1152, max_len, sparsity, gen)
+            for causal in (True,) if quick else (True, False):
+                name = f"b_L{max_len}_s{sparsity}_{'causal' if causal else 'full'}"
+                out.append(Workload(name, lengths, causal=causal))
+    if not quick:
+        out.append(Workload("c_1024_hist_64_targets", torch.full((144,), 1088), num_targets=torch.full((144,), 64)))
+    out.append(Workload("d_power_law_window256", power_law, window=256))
+    return out
+
+
+def run(quick: bool) -> list[dict]:
+    rows: list[dict] = []
+    for wl in workloads(quick):
+        rows.extend(run_workload(wl))
+    full = next(r for r in rows if r["workload"] == "a_power_law_causal" and r["impl"] == "jfa")
+    window = next(r for r in rows if r["workload"] == "d_power_law_window256" and r["impl"] == "jfa")
+    window["speedup_vs_full_causal"] = full["fwd_bwd_ms"] / window["fwd_bwd_ms"]
+    return rows
+
+
+COLUMNS = [
+    "workload", "impl", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "fwd_vs_best_peer", "bwd_vs_best_peer",
+    "fwd_bwd_vs_best_peer", "fwd_vs_flash", "bwd_vs_flash", "peak_mem_gb", "max_rel_err", "note",
+]  # fmt: skip
+
+
+def plot(rows: list[dict], path) -> bool:
+    """Grouped bars of forward+backward TFLOP/s per workload and implementation (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    timed = [r for r in rows if "fwd_bwd_tflops" in r]
+    names = list(dict.fromkeys(r["workload"] for r in timed))
+    impls = list(dict.fromkeys(r["impl"] for r in timed))
+    fig, ax = plt.subplots(figsize=(max(8, len(names) * 0.9), 4.5))
+    width = 0.8 / len(impls)
+    for i, impl in enumerate(impls):
+        values = {r["workload"]: r["fwd_bwd_tflops"] for r in timed if r["impl"] == impl}
+        ax.bar([x + i * width for x in range(len(names))], [values.get(n, 0.0) for n in names], width, label=impl)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(names))], names, rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("fwd+bwd TFLOP/s (useful)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a few representative shapes (< 90 s)")
+    args = parser.parse_args()
+    rows = run(args.quick)
+    print_table(rows, COLUMNS)
+    window = next(r for r in rows if r.get("speedup_vs_full_causal"))
+    print(f"window 256 vs full causal (fwd+bwd): {window['speedup_vs_full_causal']:.2f}x")
+    print("TFLOP/s count useful work only (GEM_SPEC section 8); peak 989 TFLOP/s dense bf16")
+    path = write_results("jfa", rows, {"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE)})
+    print(f"wrote {path}")
+    if plot(rows, path.with_suffix(".png")):
+        print(f"wrote {path.with_suffix('.png')}")
+
+
+if __name__ == "__main__":
+    main()

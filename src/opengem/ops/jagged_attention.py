@@ -1,0 +1,259 @@
+"""Jagged Flash Attention (JFA): softmax attention over jagged ``[T, H, D]`` sequences with recommendation masks.
+
+Public entry point :func:`jagged_attention`; :func:`attention_pairs` counts the unmasked (query, key)
+pairs (useful work, GEM_SPEC section 8) for the FLOP formula and the benchmarks.
+
+Dispatch: CUDA tensors run the Triton kernels of :mod:`opengem.ops.triton.jagged_attention`; CPU tensors
+run the fp32 reference (:mod:`opengem.ops.reference.attention`), unless ``backend="triton"`` (or the
+environment variable ``OPENGEM_JFA_BACKEND=triton``) forces the kernels, e.g. under ``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+from torch.utils.flop_counter import register_flop_formula
+
+from opengem.ops.checks import check_attention_inputs, check_mask_options
+from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
+from opengem.ops.reference.masks import attention_mask
+
+KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+_NO_WINDOW = -1  # custom ops take plain ints: -1 stands for "no window"
+
+
+def attention_pairs(
+    offsets: torch.Tensor,
+    *,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+) -> int:
+    """Number of (query, key) pairs the mask of :mod:`opengem.ops.reference.masks` leaves visible.
+
+    Closed form per query row (no ``L x L`` mask): with ``H`` the history length and ``p = min(i, H)``,
+    a contextual row sees the ``H`` history keys, any other row the history keys within its causal /
+    window range around ``p``; a target row also sees itself.
+    """
+    bounds = offsets.detach().cpu().to(torch.int64)
+    lengths = bounds[1:] - bounds[:-1]
+    if lengths.numel() == 0 or int(lengths.sum()) == 0:
+        return 0
+    targets = torch.zeros_like(lengths) if num_targets is None else num_targets.detach().cpu().to(torch.int64)
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    i = torch.arange(int(lengths.sum())) - bounds[:-1][sample]
+    hist = (lengths - targets)[sample]
+    p = torch.minimum(i, hist)
+    lo = torch.zeros_like(i) if window is None else (p - window).clamp_min(0)
+    hi = hist - 1
+    if causal:
+        hi = torch.minimum(hi, p)
+    elif window is not None:
+        hi = torch.minimum(hi, p + window)
+    in_range = torch.where(i < contextual_len, hist, (hi - lo + 1).clamp_min(0))
+    return int((in_range + (i >= hist).to(torch.int64)).sum())
+
+
+def _use_triton(q: torch.Tensor, backend: str | None) -> bool:
+    backend = backend or os.environ.get("OPENGEM_JFA_BACKEND") or ("triton" if q.is_cuda else "reference")
+    if backend not in ("triton", "reference"):
+        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
+    return backend == "triton"
+
+
+def _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale):
+    from opengem.ops.triton import jagged_attention as kernels
+
+    opts = kernels.MaskOptions(causal, contextual_len, None if window == _NO_WINDOW else window)
+    host_targets = None if num_targets is None else num_targets.detach().cpu()
+    sched = kernels.schedule(offsets.detach().cpu(), host_targets, opts, q.device)
+    targets = None if num_targets is None else num_targets.contiguous()
+    return kernels, kernels.Problem(offsets.contiguous(), targets, sched, opts, max_len, scale)
+
+
+def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale) -> torch.Tensor:
+    window = None if window == _NO_WINDOW else window
+    return reference_jagged_attention(
+        q, k, v, offsets, max_len, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
+        window=window, scale=scale,
+    )  # fmt: skip
+
+
+def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale):
+    """Gradients of the reference (fp32, fp64 for fp64 inputs), written out (autograd is switched off inside a custom op):
+    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q, per sample and head."""
+    group = q.shape[1] // k.shape[1]
+    bounds = offsets.detach().cpu().tolist()
+    targets = [0] * (len(bounds) - 1) if num_targets is None else num_targets.detach().cpu().tolist()
+    compute = torch.promote_types(q.dtype, torch.float32)
+    dq, dk, dv = (torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v))
+    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
+        if end == start:
+            continue
+        qb, kb, vb, dob = (t[start:end].to(compute).transpose(0, 1) for t in (q, k, v, dout))  # [heads, L, D]
+        kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
+        mask = attention_mask(
+            end - start, causal=causal, num_targets=int(targets[b]), contextual_len=contextual_len,
+            window=None if window == _NO_WINDOW else window, device=q.device,
+        )  # fmt: skip
+        p = torch.softmax((qb @ kb.transpose(1, 2) * scale).masked_fill(~mask, float("-inf")), dim=-1)
+        dp = dob @ vb.transpose(1, 2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # rowsum(dO * O) == rowsum(dP * P)
+        dq[start:end] = (scale * ds @ kb).transpose(0, 1)
+        heads_kv = k.shape[1]
+        dk[start:end] = (scale * ds.transpose(1, 2) @ qb).view(heads_kv, group, end - start, -1).sum(1).transpose(0, 1)
+        dv[start:end] = (p.transpose(1, 2) @ dob).view(heads_kv, group, end - start, -1).sum(1).transpose(0, 1)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+@torch.library.custom_op("opengem::jagged_attention_fwd", mutates_args=())
+def _jagged_attention_fwd(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    max_len: int,
+    causal: bool,
+    contextual_len: int,
+    window: int,
+    scale: float,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The registered forward: ``window = -1`` means none, ``scale`` is final (max_len division included),
+    ``use_triton`` picks the kernels. Returns ``out [T, H, D]`` and ``lse [H, T]`` fp32 in base 2
+    (``[H, 0]`` on the reference path, whose backward recomputes)."""
+    if not use_triton:
+        out = _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+        return out, q.new_empty((q.shape[1], 0), dtype=torch.float32)
+    kernels, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+    return kernels.forward(q, k, v, pb)
+
+
+@_jagged_attention_fwd.register_fake
+def _(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton):
+    lse_len = q.shape[0] if use_triton else 0
+    return torch.empty_like(q), q.new_empty((q.shape[1], lse_len), dtype=torch.float32)
+
+
+@torch.library.custom_op("opengem::jagged_attention_bwd", mutates_args=())
+def _jagged_attention_bwd(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    max_len: int,
+    causal: bool,
+    contextual_len: int,
+    window: int,
+    scale: float,
+    use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns ``dq, dk, dv``; the reference path differentiates the recomputed reference."""
+    if use_triton:
+        kernels, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+        return kernels.backward(dout, q, k, v, out, lse, pb)
+    return _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale)
+
+
+@_jagged_attention_bwd.register_fake
+def _(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, offsets, num_targets)
+    ctx.options = (max_len, causal, contextual_len, window, scale, use_triton)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse, offsets, num_targets = ctx.saved_tensors
+    dq, dk, dv = _jagged_attention_bwd(dout, q, k, v, out, lse, offsets, num_targets, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+_jagged_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _pairs_of(offsets, num_targets, causal, contextual_len, window) -> int:
+    window = None if window == _NO_WINDOW else window
+    return attention_pairs(offsets, causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window)
+
+
+@register_flop_formula(torch.ops.opengem.jagged_attention_fwd, get_raw=True)
+def _fwd_flops(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, out_val=None):
+    """4 * H * D per unmasked pair (two GEMMs, GEM_SPEC section 8)."""
+    return 4 * q.shape[1] * q.shape[2] * _pairs_of(offsets, num_targets, causal, contextual_len, window)
+
+
+@register_flop_formula(torch.ops.opengem.jagged_attention_bwd, get_raw=True)
+def _bwd_flops(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, out_val=None):  # fmt: skip
+    """2.5x the forward (five GEMMs with recompute not counted, GEM_SPEC section 8)."""
+    return 10 * q.shape[1] * q.shape[2] * _pairs_of(offsets, num_targets, causal, contextual_len, window)
+
+
+def jagged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    max_len: int,
+    *,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+    scale: float | None = None,
+    normalize_by_max_len: bool = False,
+    backend: str | None = None,
+) -> torch.Tensor:
+    """Softmax attention per sample and head over jagged sequences: ``softmax(scale q k^T + mask) v``.
+
+    Args:
+        q: ``[T, H, D]`` queries; fp16 / bf16 (fp32 accepted), ``T`` the total tokens of the batch.
+        k, v: ``[T, H_kv, D]`` keys and values, same dtype; ``H_kv`` divides ``H`` (GQA / MQA).
+        offsets: ``[B + 1]`` int32 or int64; sample ``b`` owns rows ``offsets[b]:offsets[b + 1]``
+            (zero-length samples are legal and cost nothing).
+        max_len: host int, at least the longest sample.
+        causal: keys after the query's position are masked.
+        num_targets: optional ``[B]`` int32 / int64: the last ``num_targets[b]`` tokens of sample ``b``
+            are targets, which see the contextual + history tokens (within ``window``) and themselves,
+            and are seen by no other token.
+        contextual_len: the first ``contextual_len`` tokens of every sample see all non-target tokens.
+        window: optional int ``w``: a query at position ``p`` sees keys ``p - w <= j <= p`` (causal) or
+            ``|p - j| <= w``.
+        scale: logit scale, default ``1 / sqrt(D)``.
+        normalize_by_max_len: further divide the logits by ``max_len`` (FBGEMM ``sll``'s option).
+        backend: ``"triton"`` or ``"reference"``; default Triton for CUDA tensors, the reference on CPU.
+
+    Returns:
+        ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.
+        Differentiable in q, k and v (the Triton backward is deterministic, without atomics).
+    """
+    use_triton = _use_triton(q, backend)
+    if not torch.compiler.is_compiling():  # validation reads host values, which a traced graph cannot
+        check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
+        check_mask_options(offsets, num_targets, contextual_len, window)
+        if num_targets is not None and num_targets.device != q.device:
+            raise ValueError(f"num_targets must be on {q.device}, got {num_targets.device}")
+        if use_triton and q.shape[2] not in KERNEL_HEAD_DIMS:
+            raise ValueError(f"head_dim must be one of {KERNEL_HEAD_DIMS} for the Triton kernel, got {q.shape[2]}")
+        if use_triton and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            raise ValueError(f"q, k, v must be float16, bfloat16 or float32 for the Triton kernel, got {q.dtype}")
+    scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
+    if normalize_by_max_len:
+        scale = scale / max(max_len, 1)
+    window_arg = _NO_WINDOW if window is None else window
+    out, _ = _jagged_attention_fwd(
+        q, k, v, offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton
+    )
+    return out

@@ -1,0 +1,576 @@
+"""Jagged Flash Attention (JFA) Triton kernels: forward, dK/dV pass, dQ pass, and the host tile scheduler.
+
+Layout: q ``[T, H, D]``, k and v ``[T, H_kv, D]`` (any strides with a unit last dim), ``offsets [B + 1]``.
+The log-sum-exp is saved as ``[H, T]`` fp32 in base 2 (the kernels work with ``exp2``, folding
+``log2(e)`` into the scale). No autograd here: :mod:`opengem.ops.jagged_attention` wires it.
+
+Work is launched per (sample, tile) item from a host-built schedule: only tiles holding tokens exist,
+ordered longest-work-first so that the long sequences of a heavy-tailed batch start first. Inside a
+program, the key (or query) loop is split into tiles that need the mask and tiles every pair of which
+is visible, which run without it.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from opengem.ops.triton.masks import key_range, tile_mask
+
+LOG2E = 1.4426950408889634
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+# The interpreter cannot benchmark configs; its tiny, unequal tiles make the tests cross tile borders.
+_TILES = (16, 32) if _INTERPRET else (64, 128)
+_SMALL, _LARGE = _TILES
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages); the first of each list is the untuned default. A curated
+# subset of {64, 128}^2 x {4, 8} x {2, 3, 4} keeps first-call tuning short; OPENGEM_JFA_AUTOTUNE=full
+# tries the whole product, =0 only the default.
+_FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
+_DKDV = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2)]
+_DQ = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2)]
+_FULL = [(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+_INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
+
+
+def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+    if _INTERPRET:
+        m, n = _INTERPRETER_TILES[name]
+        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=1, num_stages=1)]
+    choices = curated if os.environ.get("OPENGEM_JFA_AUTOTUNE") != "full" else [curated[0], *(c for c in _FULL if c != curated[0])]
+    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in choices]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """Drop configs that cannot fit: D = 256 needs smaller tiles and shallower pipelines."""
+    if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0":
+        configs = configs[:1]
+    head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
+    if _INTERPRET or head_dim is None or head_dim < 256:
+        return configs
+    kept: dict[tuple, triton.Config] = {}
+    for c in [*configs, triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]:
+        m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
+        if m * n <= 64 * 128:
+            stages = min(c.num_stages, 2)
+            kept.setdefault((m, n, c.num_warps, stages), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
+    return list(kept.values())
+
+
+def _tuning_bench(kernel_call, quantiles):
+    """Shorter timing windows than Triton's default (25 / 100 ms): first calls on big batches tune faster."""
+    import triton.testing
+
+    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+
+
+_KEY = ["LEN_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_CONTEXT", "HAS_TARGETS"]
+_TUNING = dict(key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+@triton.jit
+def _sample(offsets, num_targets, b, HAS_TARGETS: tl.constexpr):
+    """(first row, length, history length) of sample ``b``."""
+    start = tl.load(offsets + b).to(tl.int64)
+    seq_len = (tl.load(offsets + b + 1) - start).to(tl.int32)
+    hist_len = seq_len
+    if HAS_TARGETS:
+        hist_len = seq_len - tl.load(num_targets + b).to(tl.int32)
+    return start, seq_len, hist_len
+
+
+@triton.jit
+def _item(sched_small, sched_large, heads, BLOCK: tl.constexpr, SMALL: tl.constexpr):
+    """(sample, first row of the tile, head) of this program, from the schedule built for ``BLOCK``.
+
+    Heads vary fastest so that launch order follows the schedule's longest-first order across heads."""
+    item = tl.program_id(0) // heads
+    head = tl.program_id(0) % heads
+    if BLOCK == SMALL:
+        b = tl.load(sched_small + 2 * item)
+        row = tl.load(sched_small + 2 * item + 1)
+    else:
+        b = tl.load(sched_large + 2 * item)
+        row = tl.load(sched_large + 2 * item + 1)
+    return b, row, head
+
+
+@triton.jit
+def _key_tiles(
+    m_start, seq_len, hist_len, contextual_len, window,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+):  # fmt: skip
+    """Key loop of a query tile: ``[lo, f_lo)`` masked, ``[f_lo, f_hi)`` fully visible, ``[f_hi, hi)`` masked."""
+    lo, hi = key_range(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    m_end = tl.minimum(m_start + BLOCK_M, seq_len)
+    p_first = tl.minimum(m_start, hist_len)
+    p_last = tl.minimum(m_end - 1, hist_len)
+    # keys in [full_lo, full_hi) are visible to every row of the tile (a contextual prefix only adds)
+    full_lo = 0
+    full_hi = hist_len
+    if CAUSAL:
+        full_hi = tl.minimum(full_hi, p_first + 1)
+    if HAS_WINDOW:
+        full_lo = p_last - window
+        if not CAUSAL:
+            full_hi = tl.minimum(full_hi, p_first + window + 1)
+    f_lo = lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_N) * BLOCK_N
+    f_hi = lo + (tl.maximum(full_hi - lo, 0) // BLOCK_N) * BLOCK_N
+    f_lo = tl.minimum(f_lo, hi)
+    f_hi = tl.minimum(tl.maximum(f_hi, f_lo), hi)
+    return lo, f_lo, f_hi, hi
+
+
+@triton.jit
+def _query_tiles(
+    n_start, seq_len, hist_len, contextual_len, window,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr,
+):  # fmt: skip
+    """Query loop of a key tile: ``[0, c_hi)`` contextual rows (masked), then ``[lo, f_lo)`` masked,
+    ``[f_lo, f_hi)`` fully visible, ``[f_hi, hi)`` masked. Rows past the sample are zero-filled and add 0."""
+    n_end = tl.minimum(n_start + BLOCK_N, seq_len)
+    lo = n_start
+    hi = n_end
+    c_hi = 0
+    f_lo = hi
+    f_hi = hi
+    if n_start < hist_len:  # tiles of targets only are seen by their own rows only
+        j_last = tl.minimum(n_end, hist_len) - 1
+        lo = 0
+        hi = seq_len
+        if CAUSAL:
+            lo = n_start
+        if HAS_WINDOW:
+            if not CAUSAL:
+                lo = tl.maximum(0, n_start - window)
+            if j_last + window < hist_len:  # targets (position hist_len) cannot reach this tile
+                hi = tl.minimum(seq_len, j_last + window + 1)
+        lo = (tl.minimum(lo, n_start) // BLOCK_M) * BLOCK_M
+        hi = tl.maximum(hi, n_end)
+        if HAS_CONTEXT:
+            c_hi = tl.minimum(tl.cdiv(contextual_len, BLOCK_M) * BLOCK_M, lo)
+        f_lo = hi
+        f_hi = hi
+        if n_end <= hist_len:
+            # rows in [full_lo, full_hi) see every key of the tile
+            full_lo = 0
+            if CAUSAL:
+                full_lo = n_end - 1
+            elif HAS_WINDOW:
+                full_lo = n_end - 1 - window
+            f_lo = tl.minimum(lo + tl.cdiv(tl.maximum(full_lo - lo, 0), BLOCK_M) * BLOCK_M, hi)
+            f_hi = hi
+            if HAS_WINDOW:
+                if tl.minimum(seq_len - 1, hist_len) > n_start + window:
+                    f_hi = lo + (tl.maximum(n_start + window + 1 - lo, 0) // BLOCK_M) * BLOCK_M
+            f_hi = tl.minimum(tl.maximum(f_hi, f_lo), hi)
+    else:
+        lo = (lo // BLOCK_M) * BLOCK_M
+    return c_hi, lo, f_lo, f_hi, hi
+
+
+# ----------------------------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, n_lo, n_hi,
+    offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        kT_ptrs = K + offs_n[None, :] * stride_kt + offs_d[:, None]
+        v_ptrs = V + offs_n[:, None] * stride_vt + offs_d[None, :]
+        if MASKED:
+            kT = tl.load(kT_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
+            v = tl.load(v_ptrs, mask=offs_n[:, None] < seq_len, other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            v = tl.load(v_ptrs)
+        s = tl.dot(q, kT, input_precision=PRECISION) * scale_log2  # logits in base 2
+        if MASKED:
+            visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+            s = tl.where(visible, s, float("-inf"))
+        # online softmax: rescale the running sum and accumulator to the new row maximum
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.autotune(configs=_configs("fwd", _FWD), **_TUNING)
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
+def _fwd_kernel(
+    Q, K, V, O, LSE, offsets, num_targets, sched_small, sched_large,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    total_tokens, heads, scale_log2, contextual_len, window, LEN_BUCKET,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
+    start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+    q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    K += start * stride_kt + (h // GROUP) * stride_kh
+    V += start * stride_vt + (h // GROUP) * stride_vh
+    # a finite initial maximum keeps rows that see nothing in a tile free of inf - inf
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, lo, f_lo, offs_m, offs_d, seq_len, hist_len,
+                               contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, f_lo, f_hi, offs_m, offs_d, seq_len, hist_len,
+                               contextual_len, window, scale_log2, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, f_hi, hi, offs_m, offs_d, seq_len, hist_len,
+                               contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
+    out = acc / l_i[:, None]
+    tl.store(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(LSE + h * total_tokens + start + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------- backward
+
+
+@triton.jit(do_not_specialize=["total_tokens"])
+def _bwd_delta_kernel(
+    O, DO, Delta, stride_ot, stride_oh, stride_dot, stride_doh, total_tokens,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """delta = rowsum(dO * O), the softmax-gradient correction term, ``[H, T]`` fp32."""
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    h = tl.program_id(1)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = rows[:, None] < total_tokens
+    o = tl.load(O + rows[:, None].to(tl.int64) * stride_ot + h * stride_oh + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + rows[:, None].to(tl.int64) * stride_dot + h * stride_doh + offs_d[None, :], mask=ok, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + h * total_tokens + rows, delta, mask=rows < total_tokens)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v, Q, DO, LSE, Delta, stride_qt, stride_dot, m_lo, m_hi,
+    offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
+    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    """Accumulate the dK, dV of one key tile over query tiles ``[m_lo, m_hi)`` of one head (transposed: [N, M])."""
+    for m_start in range(m_lo, m_hi, BLOCK_M):
+        offs_m = m_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m < seq_len
+        # rows past the sample load as zeros (q, dO, lse, delta): their terms vanish without a mask
+        qT = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+        do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
+        delta = tl.load(Delta + offs_m, mask=row_ok, other=0.0)
+        pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * scale_log2 - lse[None, :])  # P^T [N, M]
+        if MASKED:
+            visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+            pT = tl.where(tl.trans(visible), pT, 0.0)
+        dv = tl.dot(pT.to(do.dtype), do, dv, input_precision=PRECISION)  # dV = P^T dO
+        dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # dP^T = V dO^T
+        dsT = pT * (dpT - delta[None, :])  # dS = P * (dP - delta), gradient of the (scaled) logits
+        dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)  # dK = dS^T Q (scaled later)
+    return dk, dv
+
+
+@triton.autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
+def _dkdv_kernel(
+    Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
+    start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    key_ok = offs_n[:, None] < seq_len
+    k = tl.load(K + (start + offs_n[:, None]) * stride_kt + h_kv * stride_kh + offs_d[None, :], mask=key_ok, other=0.0)
+    v = tl.load(V + (start + offs_n[:, None]) * stride_vt + h_kv * stride_vh + offs_d[None, :], mask=key_ok, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    c_hi, lo, f_lo, f_hi, hi = _query_tiles(n_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+    # GQA: the q heads sharing this kv head add into the same dK, dV (no atomics)
+    for g in range(GROUP):
+        h = h_kv * GROUP + g
+        Qh = Q + start * stride_qt + h * stride_qh
+        DOh = DO + start * stride_dot + h * stride_doh
+        LSEh = LSE + h * total_tokens + start
+        Dh = Delta + h * total_tokens + start
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, 0, c_hi, offs_n, offs_d, seq_len, hist_len,
+                             contextual_len, window, scale_log2, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, lo, f_lo, offs_n, offs_d, seq_len, hist_len,
+                             contextual_len, window, scale_log2, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, f_lo, f_hi, offs_n, offs_d, seq_len, hist_len,
+                             contextual_len, window, scale_log2, BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, f_hi, hi, offs_n, offs_d, seq_len, hist_len,
+                             contextual_len, window, scale_log2, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
+    tl.store(DV + (start + offs_n[:, None]) * stride_dvt + h_kv * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, n_lo, n_hi,
+    offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
+    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+):  # fmt: skip
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        # keys past the sample load as zeros: their dS * K terms vanish
+        kT = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
+        vT = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
+        p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * scale_log2 - lse[:, None])
+        if MASKED:
+            visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(kT.dtype), tl.trans(kT), dq, input_precision=PRECISION)  # dQ = dS K (scaled later)
+    return dq
+
+
+@triton.autotune(configs=_configs("dq", _DQ), **_TUNING)
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
+def _dq_kernel(
+    Q, K, V, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh, stride_dqt, stride_dqh,
+    total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
+    start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < seq_len
+    q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + (start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    lse = tl.load(LSE + h * total_tokens + start + offs_m, mask=row_ok, other=0.0)
+    delta = tl.load(Delta + h * total_tokens + start + offs_m, mask=row_ok, other=0.0)
+    K += start * stride_kt + (h // GROUP) * stride_kh
+    V += start * stride_vt + (h // GROUP) * stride_vh
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, lo, f_lo, offs_m, offs_d, seq_len, hist_len,
+                   contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, f_lo, f_hi, offs_m, offs_d, seq_len, hist_len,
+                   contextual_len, window, scale_log2, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, f_hi, hi, offs_m, offs_d, seq_len, hist_len,
+                   contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    tl.store(DQ + (start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+
+
+# --------------------------------------------------------------------------------------- host scheduling
+
+
+@dataclass(frozen=True)
+class MaskOptions:
+    causal: bool
+    contextual_len: int
+    window: int | None
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Work items ``[num_items, 2]`` int32 (sample, first row), longest work first, per tile size."""
+
+    query_tiles: dict[int, torch.Tensor]
+    key_tiles: dict[int, torch.Tensor]
+
+
+_SCHEDULES: OrderedDict[tuple, Schedule] = OrderedDict()
+_SCHEDULE_CACHE_SIZE = 64
+
+
+def _tiles(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sample, first row) of every tile holding tokens; zero-length samples contribute none.
+
+    These are exactly the non-empty tiles: every token sees itself, so no tile with tokens is fully
+    masked; what the masks empty is the key (query) range a tile visits, which the kernels bound."""
+    counts = (lengths + block - 1) // block
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), counts)
+    first_tile = torch.cumsum(counts, 0) - counts
+    row = (torch.arange(int(counts.sum())) - first_tile[sample]) * block
+    return sample, row
+
+
+def _order(sample: torch.Tensor, row: torch.Tensor, work: torch.Tensor, device: torch.device) -> torch.Tensor:
+    order = torch.argsort(work, descending=True, stable=True)
+    return torch.stack([sample[order], row[order]], 1).to(torch.int32).contiguous().to(device)
+
+
+def _query_tile_work(lengths, hist, block, opts: MaskOptions):
+    """Keys visited per query tile (the host mirror of ``key_range``), for ordering only."""
+    sample, m_start = _tiles(lengths, block)
+    seq, h = lengths[sample], hist[sample]
+    m_end = torch.minimum(m_start + block, seq)
+    p_first, p_last = torch.minimum(m_start, h), torch.minimum(m_end - 1, h)
+    lo, hi = torch.zeros_like(m_start), h.clone()
+    if opts.causal:
+        hi = torch.minimum(hi, p_last + 1)
+    if opts.window is not None:
+        lo = (p_first - opts.window).clamp_min(0)
+        hi = torch.minimum(hi, p_last + opts.window + 1)
+    in_context = m_start < opts.contextual_len
+    lo, hi = torch.where(in_context, 0, lo), torch.where(in_context, h, hi)
+    return sample, m_start, torch.maximum(hi, m_end) - torch.minimum(lo, m_start)
+
+
+def _key_tile_work(lengths, hist, block, opts: MaskOptions):
+    """Queries visited per key tile (the host mirror of ``_query_tiles``), for ordering only."""
+    sample, n_start = _tiles(lengths, block)
+    seq, h = lengths[sample], hist[sample]
+    n_end = torch.minimum(n_start + block, seq)
+    lo = n_start.clone() if opts.causal else torch.zeros_like(n_start)
+    hi = seq.clone()
+    if opts.window is not None:
+        if not opts.causal:
+            lo = (n_start - opts.window).clamp_min(0)
+        j_last = torch.minimum(n_end, h) - 1
+        hi = torch.where(j_last + opts.window < h, torch.minimum(seq, j_last + opts.window + 1), hi)
+    targets_only = n_start >= h
+    work = torch.where(targets_only, n_end - n_start, torch.maximum(hi, n_end) - torch.minimum(lo, n_start))
+    work = work + torch.where(targets_only, 0, opts.contextual_len)  # the contextual rows' loop
+    return sample, n_start, work
+
+
+def schedule(host_offsets: torch.Tensor, host_targets: torch.Tensor | None, opts: MaskOptions, device: torch.device) -> Schedule:
+    """Build (or fetch from the cache) the work items of every tile size the kernels may pick."""
+    key = (
+        host_offsets.numpy().tobytes(),
+        None if host_targets is None else host_targets.numpy().tobytes(),
+        opts,
+        str(device),
+    )
+    if key in _SCHEDULES:
+        _SCHEDULES.move_to_end(key)
+        return _SCHEDULES[key]
+    bounds = host_offsets.to(torch.int64)
+    lengths = bounds[1:] - bounds[:-1]
+    hist = lengths if host_targets is None else lengths - host_targets.to(torch.int64)
+    query_tiles, key_tiles = {}, {}
+    for block in _TILES:
+        query_tiles[block] = _order(*_query_tile_work(lengths, hist, block, opts), device)
+        key_tiles[block] = _order(*_key_tile_work(lengths, hist, block, opts), device)
+    result = Schedule(query_tiles, key_tiles)
+    _SCHEDULES[key] = result
+    if len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
+        _SCHEDULES.popitem(last=False)
+    return result
+
+
+# ------------------------------------------------------------------------------------------- launchers
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Everything the kernels need besides the tensors of one pass."""
+
+    offsets: torch.Tensor
+    num_targets: torch.Tensor | None
+    sched: Schedule
+    opts: MaskOptions
+    max_len: int
+    scale: float
+
+    def constexprs(self, q: torch.Tensor, k: torch.Tensor) -> dict:
+        return dict(
+            HEAD_DIM=q.shape[2],
+            GROUP=q.shape[1] // k.shape[1],
+            CAUSAL=self.opts.causal,
+            HAS_WINDOW=self.opts.window is not None,
+            HAS_CONTEXT=self.opts.contextual_len > 0,
+            HAS_TARGETS=self.num_targets is not None,
+            SMALL=_SMALL,
+            PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        )
+
+    def runtime(self) -> dict:
+        return dict(
+            contextual_len=self.opts.contextual_len,
+            window=self.opts.window if self.opts.window is not None else 0,
+            # buckets the length distribution for autotuning; a power of two >= 16 never respecializes
+            LEN_BUCKET=max(16, triton.next_power_of_2(max(self.max_len, 1))),
+        )
+
+    def targets_arg(self) -> torch.Tensor:
+        return self.offsets if self.num_targets is None else self.num_targets
+
+
+def _grid(items: dict[int, torch.Tensor], heads: int, block_name: str):
+    return lambda meta: (items[meta[block_name]].shape[0] * heads,)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32 (base 2)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    total, heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, total), device=q.device, dtype=torch.float32)
+    items = pb.sched.query_tiles
+    if total == 0 or items[_SMALL].shape[0] == 0:
+        return out, lse
+    _fwd_kernel[_grid(items, heads, "BLOCK_M")](
+        q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE],
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+        total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k),
+    )  # fmt: skip
+    return out, lse
+
+
+def backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, pb: Problem
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    total, heads, head_dim = q.shape
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
+        return dq, dk, dv
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    delta = torch.empty_like(lse)
+    rows = 64
+    _bwd_delta_kernel[(triton.cdiv(total, rows), heads)](
+        out, dout, delta, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), total, HEAD_DIM=head_dim, BLOCK=rows
+    )
+    common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1))
+    key_items = pb.sched.key_tiles
+    _dkdv_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
+        q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE],
+        *strides, dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1), heads=k.shape[1], **common,
+    )  # fmt: skip
+    query_items = pb.sched.query_tiles
+    _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
+        q, k, v, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE],
+        *strides, dq.stride(0), dq.stride(1), heads=heads, **common,
+    )  # fmt: skip
+    return dq, dk, dv

@@ -1,0 +1,108 @@
+"""Jagged Flash Attention on the GPU in bf16 / fp16 against the fp32 reference (from the same inputs)."""
+
+import pytest
+import torch
+
+from opengem.ops.jagged_attention import jagged_attention
+from opengem.ops.reference.attention import jagged_attention as reference
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+MASKS = {
+    "causal": dict(causal=True),
+    "full": dict(causal=False),
+    "causal_window": dict(causal=True, window=64),
+    "full_window": dict(causal=False, window=37),
+    "targets_context": dict(causal=True, contextual_len=10, targets=True),
+    "all_options": dict(causal=True, window=50, contextual_len=7, targets=True),
+}
+
+
+@pytest.fixture(autouse=True)
+def untuned(monkeypatch):
+    """The default config per kernel keeps compile time of this matrix short (the benchmark tunes)."""
+    monkeypatch.setenv("OPENGEM_JFA_AUTOTUNE", "0")
+
+
+def _batch(lengths: list[int], heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    total = sum(lengths)
+    q, k, v, dout = (
+        torch.randn(total, h, head_dim, generator=gen, device="cuda", dtype=torch.float32).to(dtype)
+        for h in (heads, kv_heads, kv_heads, heads)
+    )
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    return q, k, v, dout, offsets
+
+
+def _mask_kwargs(spec: dict, lengths: list[int]) -> dict:
+    kwargs = {key: value for key, value in spec.items() if key != "targets"}
+    if spec.get("targets"):
+        kwargs["num_targets"] = torch.tensor([min(n, 1 + n // 8) for n in lengths], device="cuda")
+    return kwargs
+
+
+def _forward_backward(q, k, v, dout, offsets, max_len, **kwargs):
+    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    out = jagged_attention(*leaves, offsets, max_len, **kwargs)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return [out.detach(), *grads]
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    assert torch.isfinite(got).all()
+    return float((got.double() - want.double()).norm() / want.double().norm().clamp_min(1e-30))
+
+
+def _check(lengths, heads, kv_heads, head_dim, dtype, tol, **kwargs):
+    q, k, v, dout, offsets = _batch(lengths, heads, kv_heads, head_dim, dtype)
+    max_len = max(lengths)
+    got = _forward_backward(q, k, v, dout, offsets, max_len, **kwargs)
+    # the reference path on the same low-precision inputs (fp32 math, rounded outputs) as a yardstick
+    rounded = _forward_backward(q, k, v, dout, offsets, max_len, backend="reference", **kwargs)
+    # the specification in fp32 from the very same low-precision inputs
+    want = _forward_backward(q.float(), k.float(), v.float(), dout.float(), offsets, max_len, backend="reference", **kwargs)
+    for name, g, r, w in zip(("out", "dq", "dk", "dv"), got, rounded, want):
+        assert g.dtype == dtype
+        assert _rel(g, w) < tol, (name, _rel(g, w), _rel(r, w))
+        assert _rel(r, w) < tol, (name, _rel(r, w))
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_bf16_matches_reference(mask, head_dim):
+    lengths = [300, 0, 1, 129, 64, 17, 511]
+    _check(lengths, 4, 2, head_dim, torch.bfloat16, 1e-2, **_mask_kwargs(MASKS[mask], lengths))
+
+
+def test_fp16_and_fp32_mqa():
+    lengths = [200, 3, 77]
+    _check(lengths, 4, 1, 128, torch.float16, 5e-3, causal=True)
+    _check(lengths, 4, 1, 64, torch.float32, 1e-5, causal=True, window=20)
+
+
+def test_long_sequences_sub_batch():
+    lengths = [4100, 2, 1500]  # tiles at many diagonal / off-diagonal positions
+    _check(lengths, 2, 2, 128, torch.bfloat16, 1.5e-2, causal=True)  # long rows sum more bf16 roundings
+
+
+def test_backward_is_deterministic():
+    q, k, v, dout, offsets = _batch([700, 33, 1200], 4, 2, 128, torch.bfloat16, seed=5)
+    first = _forward_backward(q, k, v, dout, offsets, 1200, causal=True)
+    second = _forward_backward(q, k, v, dout, offsets, 1200, causal=True)
+    for a, b in zip(first, second):
+        assert torch.equal(a, b)
+
+
+def test_new_lengths_in_the_same_bucket_reuse_the_tuned_config(monkeypatch):
+    from opengem.ops.triton import jagged_attention as kernels
+
+    monkeypatch.delenv("OPENGEM_JFA_AUTOTUNE")
+    q, k, v, dout, offsets = _batch([300, 200], 4, 4, 128, torch.bfloat16)
+    jagged_attention(q, k, v, offsets, 300)
+    tuned = len(kernels._fwd_kernel.cache)
+    q, k, v, dout, offsets = _batch([290, 10, 150], 4, 4, 128, torch.bfloat16, seed=1)
+    out = jagged_attention(q, k, v, offsets, 290)
+    assert len(kernels._fwd_kernel.cache) == tuned
+    want = reference(q.float(), k.float(), v.float(), offsets, 290)
+    assert _rel(out, want) < 1e-2

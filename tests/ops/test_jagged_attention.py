@@ -1,0 +1,273 @@
+"""Jagged Flash Attention: Triton kernels (interpreter) and the CPU path against the fp32 reference."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.flop_counter import FlopCounterMode
+
+import _interpreter_numpy2  # noqa: F401  (after TRITON_INTERPRET, before any kernel runs)
+from opengem.ops.jagged_attention import attention_pairs, jagged_attention
+from opengem.ops.reference.attention import jagged_attention as reference
+from opengem.ops.reference.masks import attention_mask
+from opengem.ops.triton import jagged_attention as kernels
+
+MASKS = {
+    "causal": dict(causal=True),
+    "full": dict(causal=False),
+    "causal_window": dict(causal=True, window=5),
+    "full_window": dict(causal=False, window=3),
+    "targets_context": dict(causal=True, contextual_len=5, targets=[4, 0, 1, 20, 3]),
+    "all_options": dict(causal=True, window=4, contextual_len=3, targets=[6, 0, 0, 2, 16]),
+    "full_all_options": dict(causal=False, window=20, contextual_len=18, targets=[6, 0, 0, 2, 16]),
+}
+LENGTHS = [37, 0, 1, 20, 16]  # several tiles of 16, empty, single token, partial tiles
+
+
+def _offsets(lengths: list[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=dtype)
+
+
+def _inputs(lengths, heads=2, kv_heads=1, head_dim=16, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, head_dim, generator=gen).to(dtype) for h in (heads, kv_heads, kv_heads))
+    dout = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    return q, k, v, dout
+
+
+def _mask_kwargs(spec: dict) -> dict:
+    kwargs = {k: v for k, v in spec.items() if k != "targets"}
+    if "targets" in spec:
+        kwargs["num_targets"] = torch.tensor(spec["targets"])
+    return kwargs
+
+
+@pytest.fixture
+def poisoned(monkeypatch):
+    """Every float buffer the kernels allocate starts as NaN, so a row they forget to write shows up."""
+    empty_like, empty = torch.empty_like, torch.empty
+
+    def nan_like(*args, **kwargs):
+        out = empty_like(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(math.nan) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", nan_like)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _run(q, k, v, dout, offsets, max_len, backend, **kwargs):
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = jagged_attention(*leaves, offsets, max_len, backend=backend, **kwargs)
+    grads = torch.autograd.grad(out, leaves, dout)
+    return out.detach(), grads
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def _check_against_reference(lengths, q, k, v, dout, tol, offsets_dtype=torch.int32, **kwargs):
+    offsets = _offsets(lengths, offsets_dtype)
+    max_len = max(lengths, default=0)
+    out, grads = _run(q, k, v, dout, offsets, max_len, "triton", **kwargs)
+    # the specification, in fp32 from the same (possibly fp16) inputs
+    ref_out, ref_grads = _run(q.float(), k.float(), v.float(), dout.float(), offsets, max_len, "reference", **kwargs)
+    assert out.dtype == q.dtype and out.shape == q.shape
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *grads), (ref_out, *ref_grads)):
+        assert torch.isfinite(got).all(), name
+        if want.numel() and want.abs().max() > 1e-3:
+            assert _rel(got, want) < tol, name
+        elif want.numel():  # e.g. dq of single-token samples: zero up to rounding
+            assert (got.double() - want.double()).abs().max() < 1e-3, name
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_triton_matches_reference_fp32_gqa(poisoned, mask):
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1)
+    _check_against_reference(LENGTHS, q, k, v, dout, 1e-5, **_mask_kwargs(MASKS[mask]))
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_triton_matches_reference_fp16(poisoned, mask):
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, dtype=torch.float16, seed=1)
+    _check_against_reference(LENGTHS, q, k, v, dout, 1e-2, **_mask_kwargs(MASKS[mask]))
+
+
+@pytest.mark.parametrize(
+    "lengths, kwargs",
+    [
+        ([1], dict(causal=True)),  # B = 1, a single token
+        ([0, 0, 7, 0], dict(causal=False)),  # zero-length samples around one sample
+        ([33], dict(causal=True, num_targets=torch.tensor([33]))),  # a sample made only of targets
+        ([18, 5], dict(causal=True, num_targets=torch.tensor([18, 5]), window=2)),  # only targets, windowed
+        ([21, 9], dict(causal=True, window=100)),  # window longer than the sequence
+        ([17, 30], dict(causal=False, window=100, contextual_len=40)),  # context longer than the sequence
+        ([25, 3], dict(causal=True, contextual_len=20, num_targets=torch.tensor([10, 3]))),  # context reaches targets
+    ],
+)
+def test_edge_cases(poisoned, lengths, kwargs):
+    q, k, v, dout = _inputs(lengths, heads=2, kv_heads=2, seed=2)
+    _check_against_reference(lengths, q, k, v, dout, 1e-5, **kwargs)
+
+
+def test_int64_offsets_head_dim_32_mqa(poisoned):
+    lengths = [19, 40, 2]
+    q, k, v, dout = _inputs(lengths, heads=2, kv_heads=1, head_dim=32, seed=3)
+    _check_against_reference(lengths, q, k, v, dout, 1e-5, offsets_dtype=torch.int64, causal=True, window=9)
+
+
+def test_scale_and_normalize_by_max_len(poisoned):
+    lengths = [12, 30]
+    q, k, v, dout = _inputs(lengths, seed=4)
+    _check_against_reference(lengths, q, k, v, dout, 1e-5, scale=0.7, normalize_by_max_len=True)
+
+
+def test_empty_batch():
+    q, k, v, _ = _inputs([0, 0])
+    out = jagged_attention(q, k, v, _offsets([0, 0]), 0, backend="triton")
+    assert out.shape == (0, 2, 16)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
+    kv_heads=st.sampled_from([1, 2]),
+    group=st.sampled_from([1, 2]),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(0, 24)),
+    contextual_len=st.integers(0, 6),
+    target_fraction=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_property_random_shapes(lengths, kv_heads, group, causal, window, contextual_len, target_fraction, seed):
+    q, k, v, dout = _inputs(lengths, heads=kv_heads * group, kv_heads=kv_heads, seed=seed)
+    targets = torch.tensor([int(n * target_fraction) for n in lengths])
+    _check_against_reference(
+        lengths, q, k, v, dout, 1e-5, causal=causal, window=window, contextual_len=contextual_len, num_targets=targets
+    )
+
+
+@pytest.mark.parametrize("mask", ["causal", "full_window", "all_options"])
+def test_reference_gradcheck_fp64(mask):
+    lengths = [6, 0, 1, 5, 4] if mask != "causal" else [6, 3]
+    spec = dict(MASKS[mask])
+    if "targets" in spec:
+        spec["targets"] = [min(t, n) for t, n in zip(spec["targets"], lengths)]
+    kwargs = _mask_kwargs(spec)
+    offsets = _offsets(lengths)
+    q, k, v, _ = _inputs(lengths, heads=2, kv_heads=1, head_dim=4, dtype=torch.float64)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+
+    def fp64_reference(q, k, v):
+        return reference(q, k, v, offsets, max(lengths), **kwargs)
+
+    assert fp64_reference(*leaves).dtype == torch.float64  # fp64 in, fp64 math (no fp32 round trip)
+    assert torch.autograd.gradcheck(fp64_reference, leaves, eps=1e-6, atol=1e-6, fast_mode=True)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_attention_pairs_counts_the_mask(mask):
+    spec = MASKS[mask]
+    kwargs = _mask_kwargs(spec)
+    targets = spec.get("targets", [0] * len(LENGTHS))
+    want = sum(
+        int(attention_mask(n, causal=spec["causal"], num_targets=t, contextual_len=spec.get("contextual_len", 0),
+                           window=spec.get("window")).sum())
+        for n, t in zip(LENGTHS, targets)
+    )  # fmt: skip
+    assert attention_pairs(_offsets(LENGTHS), **kwargs) == want
+
+
+def test_flop_counter_counts_useful_pairs():
+    lengths = [9, 0, 14]
+    offsets = _offsets(lengths)
+    q, k, v, dout = _inputs(lengths, heads=2, kv_heads=2)
+    leaves = [t.requires_grad_() for t in (q, k, v)]
+    pairs = attention_pairs(offsets, causal=True, window=3)
+    with FlopCounterMode(display=False) as counter:
+        out = jagged_attention(*leaves, offsets, 14, window=3)
+        out.backward(dout)
+    assert counter.get_total_flops() == 4 * 2 * 16 * pairs * (1 + 2.5)
+
+
+def test_cpu_default_path_is_the_reference_with_autograd():
+    lengths = [5, 11]
+    offsets = _offsets(lengths)
+    q, k, v, dout = _inputs(lengths)
+    out, grads = _run(q, k, v, dout, offsets, 11, None, causal=True)
+    torch.testing.assert_close(out, reference(q, k, v, offsets, 11))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref_grads = torch.autograd.grad(reference(*leaves, offsets, 11), leaves, dout)
+    for got, want in zip(grads, ref_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_torch_compile_fullgraph_cpu():
+    class Attend(torch.nn.Module):
+        def forward(self, q, k, v, offsets):
+            return jagged_attention(q, k, v, offsets, 11, causal=True, window=4) * 2.0
+
+    lengths = [5, 11]
+    offsets = _offsets(lengths)
+    q, k, v, dout = _inputs(lengths)
+    compiled = torch.compile(Attend(), fullgraph=True, backend="aot_eager")
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = compiled(*leaves, offsets)
+    grads = torch.autograd.grad(out, leaves, dout)
+    want_out, want_grads = _run(q, k, v, dout * 2.0, offsets, 11, "reference", causal=True, window=4)
+    torch.testing.assert_close(out, want_out * 2.0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want)
+
+
+def test_schedule_covers_every_tile_once_longest_first():
+    lengths = [37, 0, 1, 20, 16]
+    opts = kernels.MaskOptions(causal=True, contextual_len=0, window=None)
+    sched = kernels.schedule(_offsets(lengths), None, opts, torch.device("cpu"))
+    for items in (sched.query_tiles[16], sched.key_tiles[16]):
+        assert sorted(map(tuple, items.tolist())) == [(0, 0), (0, 16), (0, 32), (2, 0), (3, 0), (3, 16), (4, 0)]
+    # the causal query tile with the most keys to visit (last tile of the longest sample) runs first
+    assert tuple(sched.query_tiles[16][0].tolist()) == (0, 32)
+    assert tuple(sched.key_tiles[16][0].tolist()) == (0, 0)
+    assert kernels.schedule(_offsets(lengths), None, opts, torch.device("cpu")) is sched
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (dict(head_dim=24), "head_dim must be one of"),
+        (dict(offsets=torch.tensor([0, 5, 4, 16], dtype=torch.int32)), "non-decreasing"),
+        (dict(max_len=5), "max_len_q = 5 is shorter"),
+        (dict(window=-1), "window must be None or a non-negative int"),
+        (dict(contextual_len=-2), "contextual_len must be a non-negative int"),
+        (dict(num_targets=torch.tensor([1, 2])), r"num_targets must have shape \[3\]"),
+        (dict(num_targets=torch.tensor([1, 9, 0])), r"num_targets\[1\] = 9 must be in \[0, length 0\]"),
+        (dict(kv_heads=4), "must divide q heads"),
+        (dict(backend="cuda"), "backend must be 'triton' or 'reference'"),
+        (dict(v_dtype=torch.float16), "share one dtype"),
+    ],
+)
+def test_bad_inputs_raise(change, message):
+    lengths = [5, 0, 11]
+    head_dim = change.get("head_dim", 16)
+    q, k, v, _ = _inputs(lengths, heads=6, kv_heads=change.get("kv_heads", 2), head_dim=head_dim)
+    if "v_dtype" in change:
+        v = v.to(change["v_dtype"])
+    kwargs = {key: change[key] for key in ("window", "contextual_len", "num_targets") if key in change}
+    with pytest.raises(ValueError, match=message):
+        jagged_attention(
+            q, k, v, change.get("offsets", _offsets(lengths)), change.get("max_len", 11),
+            backend=change.get("backend", "triton"), **kwargs,
+        )  # fmt: skip
