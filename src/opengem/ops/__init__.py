@@ -13,7 +13,7 @@ from opengem.ops.fp8_gemm import (
     scaled_gemm,
 )
 from opengem.ops.mx import MXTensor, mx_dequantize, mx_quantize
-from opengem.ops.reference.attention import jagged_attention
+from opengem.ops.jagged_attention import attention_pairs, jagged_attention
 
 __all__ = [
     "RECIPES",
@@ -26,6 +26,7 @@ __all__ = [
     "embedding_lookup",
     "fp8_matmul",
     "hadamard_rotate",
+    "attention_pairs",
     "jagged_attention",
     "mx_dequantize",
     "mx_quantize",
