@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests and benchmarks, every log and result bundled into one archive.
 #   usage: benchmarks/gpu_session.sh OUT_DIR BUDGET_SECONDS STEP...
-#   STEP: tests:<pytest path> | quick:<family> | full:<family>
+#   STEP: tests:<pytest path> | quick:<family> | full:<family> | train:<preset>
+#   (train: 150 steps of `opengem train` on the GPU, metrics.jsonl kept; steady-state samples/s is read
+#   from the later log windows)
 # Each step gets at most what is left of the budget, so the call ends inside the device's time limit.
 set -u
 out=$1; budget=$2; shift 2
@@ -22,6 +24,8 @@ for step in "$@"; do
     tests) timeout "$left" python -m pytest -q -n 4 -p no:cacheprovider "$target" > "$work/logs/$name.log" 2>&1 ;;
     quick) timeout "$left" python -m "benchmarks.$target" --quick > "$work/logs/$name.log" 2>&1 ;;
     full) timeout "$left" python -m "benchmarks.$target" > "$work/logs/$name.log" 2>&1 ;;
+    train) timeout "$left" python -m opengem.cli.main train --preset "$target" --steps 150 --no-progress \
+             --set eval_every=100000 --set eval_samples=4000 --set "out_dir=$work/runs" > "$work/logs/$name.log" 2>&1 ;;
   esac
   rc=$?
   echo "rc=$rc $((SECONDS - start))s $step :: $(tail -n 1 "$work/logs/$name.log")"

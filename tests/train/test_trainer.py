@@ -80,3 +80,19 @@ def test_device_validation():
 
     with pytest.raises(ValueError, match="auto, cpu or cuda"):
         resolve_device("tpu")
+
+
+def test_cli_synth_then_train_from_parquet(tmp_path, capsys):
+    data_dir = tmp_path / "parquet"
+    assert main(["data", "synth", "--out", str(data_dir), "--samples", "300", "--preset", "gem-tiny"]) == 0
+    assert "wrote 300 samples" in capsys.readouterr().out
+    assert list(data_dir.glob("*.parquet"))
+    args = ["train", "--no-progress", "--steps", "3", *[x for s in SMALL for x in ("--set", s)],
+            "--set", f"out_dir={tmp_path}", "--set", "eval_every=3", "--set", f"data_dir={data_dir}"]
+    assert main(args) == 0
+    assert max(_losses(tmp_path / "gem-tiny")) == 3
+
+
+def test_cli_synth_rejects_unknown_preset(tmp_path, capsys):
+    assert main(["data", "synth", "--out", str(tmp_path), "--samples", "10", "--preset", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err

@@ -25,6 +25,7 @@ class TrainConfig:
     lr: float = 2e-3
     weight_decay: float = 0.01
     warmup_steps: int = 30
+    min_lr_ratio: float = 0.1  # cosine decay of the dense learning rate down to this fraction
     embedding_lr: float = 0.05
     eval_every: int = 100
     eval_samples: int = 20000
@@ -41,7 +42,7 @@ class TrainConfig:
 
 PRESETS: dict[str, TrainConfig] = {
     # The CPU demo: short histories, a small model; trains in a few minutes on 2 cores.
-    "gem-tiny": TrainConfig(),
+    "gem-tiny": TrainConfig(steps=800, eval_every=200),
     # One GPU: long power-law histories.
     "gem-small": TrainConfig(
         preset="gem-small",

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
+import warnings
 from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +74,16 @@ def build_learner(config: TrainConfig, history: str, device: torch.device) -> Le
         EmbeddingOptimizer(lr=config.embedding_lr),
     ).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
-    warmup = max(1, config.warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     return Learner(model, optimizer, scheduler)
+
+
+def lr_factor(step: int, config: TrainConfig) -> float:
+    """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak at the last step."""
+    if step < config.warmup_steps:
+        return (step + 1) / config.warmup_steps
+    progress = min(1.0, (step - config.warmup_steps) / max(1, config.steps - config.warmup_steps))
+    return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def train(config: TrainConfig, resume: Path | None = None, progress: bool = True) -> dict[str, Any]:
@@ -137,7 +147,11 @@ def evaluate(learners: dict[str, Learner], holdout: list[Batch]) -> dict[str, An
     out: dict[str, Any] = {}
     for name, probabilities in predictions.items():
         for t, task in enumerate(TASKS):
-            metrics = binary_metrics(probabilities[:, t], labels[:, t])
+            try:
+                metrics = binary_metrics(probabilities[:, t], labels[:, t])
+            except ValueError as error:  # e.g. a held-out set without a single positive label
+                warnings.warn(f"held-out {task} metrics undefined: {error}; raise eval_samples", stacklevel=2)
+                metrics = dict.fromkeys(("ne", "auc", "calibration", "log_loss"), float("nan"))
             for metric, value in metrics.items():
                 out[f"{task}/{name}/{metric}"] = value
     return out
