@@ -10,3 +10,15 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+    # Triton 3.6's interpreter converts loaded scalars (1-element arrays) with int(array), which NumPy
+    # >= 2.3 rejects, so loops with bounds loaded from memory fail; convert with .item() instead.
+    import triton.runtime.interpreter as _interpreter
+
+    _original_patch = _interpreter._patch_lang_tensor
+
+    def _patch_lang_tensor(tensor, scope) -> None:
+        _original_patch(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    _interpreter._patch_lang_tensor = _patch_lang_tensor

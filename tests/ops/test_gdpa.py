@@ -10,7 +10,6 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
-import triton.runtime.interpreter as interpreter  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
@@ -24,22 +23,6 @@ from opengem.ops.triton.activations import activation_value_and_grad  # noqa: E4
 from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward  # noqa: E402
 
 
-def _patch_interpreter_scalar_index() -> None:
-    """Triton 3.6's interpreter turns loaded scalars (1-element arrays) into ints with ``int(array)``,
-    which numpy >= 2.4 rejects; ``range(lo, hi)`` over loaded bounds then fails. Use ``.item()``."""
-    original = interpreter._patch_lang_tensor
-    if getattr(original, "_gdpa_patched", False):
-        return
-
-    def patched(tensor, scope):
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.item()))
-
-    patched._gdpa_patched = True
-    interpreter._patch_lang_tensor = patched
-
-
-_patch_interpreter_scalar_index()
 
 
 def _offsets(lengths: list[int]) -> torch.Tensor:

@@ -46,3 +46,23 @@ def test_batched_mask_pads_with_false():
     assert torch.equal(masks[0, :3, :3], attention_mask(3, causal=True, num_targets=1))
     assert not masks[0, 3].any() and not masks[0, :, 3].any()
     assert masks[1].sum() == 1
+
+
+@pytest.mark.parametrize("causal, contextual_len, window", [(True, 0, None), (False, 1, 2), (True, 2, 3)])
+def test_written_out_backward_matches_autograd(causal, contextual_len, window, monkeypatch):
+    monkeypatch.setattr(reference, "SCORES_PER_GROUP", 300)
+    generator = torch.Generator().manual_seed(1)
+    lengths = [6, 0, 1, 9, 4]
+    num_targets = torch.tensor([2, 0, 1, 1, 0])
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, h, 8, generator=generator, dtype=torch.float64, requires_grad=True)
+               for h in (4, 2, 2))
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
+    options = dict(causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window)
+    out = reference.jagged_attention(q, k, v, offsets, max(lengths), scale=0.3, **options)
+    grad_out = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (q, k, v), grad_out)
+    written = reference.jagged_attention_backward(grad_out, q.detach(), k.detach(), v.detach(), offsets, scale=0.3,
+                                                  **options)
+    for got, want in zip(written, expected):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)

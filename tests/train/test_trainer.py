@@ -5,6 +5,7 @@ import torch
 
 from opengem.cli.main import main
 from opengem.train.config import apply_overrides, load_config
+from opengem.train.checkpoint import latest_checkpoint
 from opengem.train.trainer import train
 
 SMALL = [
@@ -28,6 +29,11 @@ def _losses(run_dir):
     return {r["step"]: r["loss/model"] for r in records if "loss/model" in r}
 
 
+def _final_weights(run_dir):
+    state = torch.load(latest_checkpoint(run_dir) / "state.pt", weights_only=True)
+    return state["learners"]["model"]["model"]
+
+
 def test_training_improves_held_out_ne(tmp_path):
     config = _config(tmp_path, "steps=60", "eval_every=10", "lr=0.01", "embedding_lr=0.1")
     summary = train(config, progress=False)
@@ -48,8 +54,8 @@ def test_resume_continues_exactly(tmp_path):
     resumed = apply_overrides(interrupted, ["steps=6"])
     train(resumed, resume=tmp_path / "resumed", progress=False)
     assert _losses(tmp_path / "straight") == _losses(tmp_path / "resumed")
-    a = torch.load(tmp_path / "straight" / "checkpoint.pt", weights_only=True)["learners"]["model"]["model"]
-    b = torch.load(tmp_path / "resumed" / "checkpoint.pt", weights_only=True)["learners"]["model"]["model"]
+    a = _final_weights(tmp_path / "straight")
+    b = _final_weights(tmp_path / "resumed")
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
@@ -59,7 +65,7 @@ def test_cli_trains_and_resumes(tmp_path, capsys):
     args = ["train", "--no-progress", "--steps", "2", *[x for s in SMALL for x in ("--set", s)],
             "--set", f"out_dir={tmp_path}", "--set", "eval_every=2", "--set", "baseline=false"]
     assert main(args) == 0
-    assert (tmp_path / "gem-tiny" / "checkpoint.pt").exists()
+    assert latest_checkpoint(tmp_path / "gem-tiny").name == "step_00000002"
     assert main(["train", "--no-progress", "--resume", str(tmp_path / "gem-tiny"), "--steps", "4"]) == 0
     assert max(_losses(tmp_path / "gem-tiny")) == 4
 
@@ -69,10 +75,9 @@ def test_cli_reports_bad_input(tmp_path, capsys):
     assert "unknown setting 'nope'" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
-    (tmp_path / "broken").mkdir()
-    (tmp_path / "broken" / "checkpoint.pt").write_bytes(b"not a checkpoint")
+    (tmp_path / "broken" / "checkpoints").mkdir(parents=True)
     assert main(["train", "--resume", str(tmp_path / "broken")]) == 2
-    assert "not a readable opengem checkpoint" in capsys.readouterr().err
+    assert "no usable checkpoint" in capsys.readouterr().err
 
 
 def test_device_validation():

@@ -18,7 +18,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
-from opengem.ops.reference.masks import attention_mask
+from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 _NO_WINDOW = -1  # custom ops take plain ints: -1 stands for "no window"
@@ -83,30 +83,10 @@ def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, w
 
 
 def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale):
-    """Gradients of the reference (fp32, fp64 for fp64 inputs), written out (autograd is switched off inside a custom op):
-    dV = P^T dO, dS = P * (dO V^T - rowsum(dO * O)), dQ = scale dS K, dK = scale dS^T Q, per sample and head."""
-    group = q.shape[1] // k.shape[1]
-    bounds = offsets.detach().cpu().tolist()
-    targets = [0] * (len(bounds) - 1) if num_targets is None else num_targets.detach().cpu().tolist()
-    compute = torch.promote_types(q.dtype, torch.float32)
-    dq, dk, dv = (torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v))
-    for b, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        if end == start:
-            continue
-        qb, kb, vb, dob = (t[start:end].to(compute).transpose(0, 1) for t in (q, k, v, dout))  # [heads, L, D]
-        kb, vb = kb.repeat_interleave(group, 0), vb.repeat_interleave(group, 0)
-        mask = attention_mask(
-            end - start, causal=causal, num_targets=int(targets[b]), contextual_len=contextual_len,
-            window=None if window == _NO_WINDOW else window, device=q.device,
-        )  # fmt: skip
-        p = torch.softmax((qb @ kb.transpose(1, 2) * scale).masked_fill(~mask, float("-inf")), dim=-1)
-        dp = dob @ vb.transpose(1, 2)
-        ds = p * (dp - (dp * p).sum(-1, keepdim=True))  # rowsum(dO * O) == rowsum(dP * P)
-        dq[start:end] = (scale * ds @ kb).transpose(0, 1)
-        heads_kv = k.shape[1]
-        dk[start:end] = (scale * ds.transpose(1, 2) @ qb).view(heads_kv, group, end - start, -1).sum(1).transpose(0, 1)
-        dv[start:end] = (p.transpose(1, 2) @ dob).view(heads_kv, group, end - start, -1).sum(1).transpose(0, 1)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return reference_jagged_attention_backward(
+        dout, q, k, v, offsets, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
+        window=None if window == _NO_WINDOW else window, scale=scale,
+    )  # fmt: skip
 
 
 @torch.library.custom_op("opengem::jagged_attention_fwd", mutates_args=())

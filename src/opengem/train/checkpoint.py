@@ -1,15 +1,30 @@
-"""Checkpoints: every learner's model and optimizer state, the step and RNG state, written atomically."""
+"""Checkpoints that survive crashes: atomic, checksummed, the last K kept, bad ones skipped.
+
+Layout: ``<run>/checkpoints/step_00000100/`` holding ``state.pt`` (every learner's model, optimizer
+and scheduler state, the step, the config and the RNG state) and ``manifest.json`` (step and the
+SHA-256 of ``state.pt``). A checkpoint is written into a temporary folder and renamed into place only
+when complete, so a crash or a full disk mid-save never leaves a half-written checkpoint where the
+loader looks; the loader verifies the checksum and falls back to the previous good checkpoint, with a
+warning, when the newest one is corrupt.
+"""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import os
+import shutil
+import warnings
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 
 from opengem.train.config import TrainConfig
+
+STATE_FILE = "state.pt"
+MANIFEST_FILE = "manifest.json"
 
 
 class _Learner(Protocol):
@@ -18,32 +33,90 @@ class _Learner(Protocol):
     scheduler: Any
 
 
-def save_checkpoint(path: Path, learners: dict[str, _Learner], step: int, config: TrainConfig) -> None:
-    state = {
-        "step": step,
-        "config": dataclasses.asdict(config),
-        "rng": torch.get_rng_state(),
-        "learners": {
-            name: {
-                "model": learner.model.state_dict(),
-                "optimizer": learner.optimizer.state_dict(),
-                "scheduler": learner.scheduler.state_dict(),
-            }
-            for name, learner in learners.items()
-        },
-    }
-    tmp = path.with_suffix(".tmp")
-    torch.save(state, tmp)
-    os.replace(tmp, path)  # a crash mid-write never leaves a truncated checkpoint behind
+def checkpoints_dir(run_dir: Path) -> Path:
+    return run_dir / "checkpoints"
 
 
-def load_checkpoint(run_dir: Path, learners: dict[str, _Learner]) -> int:
-    """Restore ``learners`` from ``run_dir/checkpoint.pt`` (or a file path); returns the step to continue from."""
-    state = _read(run_dir)
-    path = _checkpoint_path(run_dir)
+def save_checkpoint(
+    run_dir: Path, learners: dict[str, _Learner], step: int, config: TrainConfig, keep: int
+) -> Path:
+    """Write ``step``'s checkpoint atomically and delete all but the newest ``keep``; returns its folder."""
+    root = checkpoints_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"step_{step:08d}"
+    tmp = root / f".tmp-step_{step:08d}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        state = {
+            "step": step,
+            "config": dataclasses.asdict(config),
+            "rng": torch.get_rng_state(),
+            "learners": {
+                name: {
+                    "model": learner.model.state_dict(),
+                    "optimizer": learner.optimizer.state_dict(),
+                    "scheduler": learner.scheduler.state_dict(),
+                }
+                for name, learner in learners.items()
+            },
+        }
+        torch.save(state, tmp / STATE_FILE)
+        manifest = {"step": step, "sha256": _sha256(tmp / STATE_FILE)}
+        (tmp / MANIFEST_FILE).write_text(json.dumps(manifest))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)  # the previous checkpoints stay untouched
+        raise
+    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def latest_checkpoint(run_dir: Path) -> Path:
+    """The newest checkpoint folder of a run whose checksum verifies (warning about each bad one)."""
+    candidates = sorted((p for p in checkpoints_dir(run_dir).glob("step_*") if p.is_dir()), reverse=True)
+    for candidate in candidates:
+        problem = verify_checkpoint(candidate)
+        if problem is None:
+            return candidate
+        warnings.warn(f"skipping checkpoint {candidate}: {problem}; trying the previous one", stacklevel=2)
+    raise ValueError(f"--resume: no usable checkpoint under {checkpoints_dir(run_dir)}")
+
+
+def verify_checkpoint(folder: Path) -> str | None:
+    """None when ``folder`` holds a complete checkpoint whose state matches its manifest, else the reason."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, ValueError) as error:
+        return f"unreadable manifest ({error})"
+    if not (folder / STATE_FILE).exists():
+        return f"{STATE_FILE} is missing"
+    if _sha256(folder / STATE_FILE) != manifest.get("sha256"):
+        return f"{STATE_FILE} does not match its checksum (truncated or corrupt)"
+    return None
+
+
+def resolve_checkpoint(path: Path) -> Path:
+    """A run folder (its newest good checkpoint) or one checkpoint folder (verified)."""
+    if not path.exists():
+        raise ValueError(f"--resume: no checkpoint at {path}")
+    if (path / MANIFEST_FILE).exists():
+        problem = verify_checkpoint(path)
+        if problem is not None:
+            raise ValueError(f"--resume: checkpoint {path} is not usable: {problem}")
+        return path
+    return latest_checkpoint(path)
+
+
+def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
+    """Restore ``learners`` from a run folder or checkpoint folder; returns the step to continue from."""
+    folder = resolve_checkpoint(path)
+    state = _read(folder)
     missing = set(learners) - set(state["learners"])
     if missing:
-        raise ValueError(f"--resume: checkpoint {path} has no state for {sorted(missing)}")
+        raise ValueError(f"--resume: checkpoint {folder} has no state for {sorted(missing)}")
     for name, learner in learners.items():
         saved = state["learners"][name]
         learner.model.load_state_dict(saved["model"])
@@ -53,23 +126,24 @@ def load_checkpoint(run_dir: Path, learners: dict[str, _Learner]) -> int:
     return int(state["step"])
 
 
-def checkpoint_config(run_dir: Path) -> dict[str, Any]:
-    """The TrainConfig (as a dict) a checkpoint was written with."""
-    return _read(run_dir)["config"]
+def checkpoint_config(path: Path) -> dict[str, Any]:
+    """The TrainConfig (as a dict) the checkpoint was written with."""
+    return _read(resolve_checkpoint(path))["config"]
 
 
-def _checkpoint_path(run_dir: Path) -> Path:
-    return run_dir / "checkpoint.pt" if run_dir.is_dir() else run_dir
-
-
-def _read(run_dir: Path) -> dict[str, Any]:
-    path = _checkpoint_path(run_dir)
-    if not path.exists():
-        raise ValueError(f"--resume: no checkpoint at {path}")
+def _read(folder: Path) -> dict[str, Any]:
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"--resume: {path} is not a readable opengem checkpoint ({error})") from error
+        state = torch.load(folder / STATE_FILE, map_location="cpu", weights_only=True)
+    except Exception as error:  # torch raises several types for foreign files
+        raise ValueError(f"--resume: {folder} is not a readable opengem checkpoint ({error})") from error
     if not isinstance(state, dict) or not {"step", "config", "learners"} <= set(state):
-        raise ValueError(f"--resume: {path} is not an opengem checkpoint (missing step/config/learners)")
+        raise ValueError(f"--resume: {folder} is not an opengem checkpoint (missing step/config/learners)")
     return state
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for chunk in iter(lambda: file.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()

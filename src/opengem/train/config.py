@@ -30,10 +30,23 @@ class TrainConfig:
     eval_every: int = 100
     eval_samples: int = 20000
     log_every: int = 10
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 3
+    max_bad_steps: int = 5  # consecutive non-finite losses before training stops
+    spike_factor: float = 3.0  # a loss above this multiple of its running mean is reported as a spike
     baseline: bool = True  # also train the history-free baseline on the same batches
     device: str = "auto"
     num_workers: int = 0
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
+                     "keep_checkpoints", "max_bad_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "num_workers"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
 
     @property
     def run_name(self) -> str:

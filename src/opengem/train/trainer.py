@@ -27,6 +27,7 @@ from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingOptimizer
 from opengem.train.checkpoint import load_checkpoint, save_checkpoint
 from opengem.train.config import TrainConfig
+from opengem.train.guards import StepGuard
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.metrics import binary_metrics
 
@@ -39,15 +40,22 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
-    def step(self, batch: Batch) -> torch.Tensor:
+    def step(self, batch: Batch) -> float:
+        """One optimizer step; a non-finite loss skips it (nothing is updated) and is returned as is.
+
+        Reading the loss is one host synchronization per step, the price of never applying a NaN update
+        (the embedding optimizer runs inside the backward, so the check must come before it).
+        """
         self.model.train()
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        self.optimizer.step()
+        value = float(loss)
+        if math.isfinite(value):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
         self.scheduler.step()
-        return loss.detach()
+        return value
 
     @torch.no_grad()
     def predict(self, batches: list[Batch]) -> torch.Tensor:
@@ -103,6 +111,7 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
     holdout = [b.to(device) for b in eval_batches(config)]
     log = (run_dir / "metrics.jsonl").open("a")
+    guard = StepGuard(config.max_bad_steps, config.spike_factor)
     evaluations: list[dict[str, Any]] = []
     stream: Iterator[Batch] = train_batches(config, start_step)
     bar = tqdm(range(start_step, config.steps), desc="train", disable=not progress, initial=start_step, total=config.steps)
@@ -110,6 +119,9 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
     for step in bar:
         batch = next(stream).to(device, non_blocking=True)
         losses = {name: learner.step(batch) for name, learner in learners.items()}
+        health = guard.check(step + 1, losses["model"])
+        if health is not None:
+            log.write(json.dumps({"step": step + 1, "event": health, "loss/model": losses["model"]}) + "\n")
         window_samples += batch.batch_size()
         window_tokens += batch.num_history_tokens()
         if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
@@ -130,11 +142,22 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
             evaluations.append(evaluation)
             log.write(json.dumps(evaluation) + "\n")
             log.flush()
-            save_checkpoint(run_dir / "checkpoint.pt", learners, step + 1, config)
             if progress:
                 tqdm.write(format_evaluation(evaluation))
+        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+            try:
+                save_checkpoint(run_dir, learners, step + 1, config, keep=config.keep_checkpoints)
+            except OSError as error:  # e.g. disk full: the previous checkpoints are intact, keep training
+                warnings.warn(f"step {step + 1}: checkpoint not saved ({error}); the previous ones are intact",
+                              stacklevel=2)
     log.close()
-    summary = {"run_dir": str(run_dir), "steps": config.steps, "final": evaluations[-1] if evaluations else None}
+    summary = {
+        "run_dir": str(run_dir),
+        "steps": config.steps,
+        "skipped_steps": guard.skipped,
+        "loss_spikes": guard.spikes,
+        "final": evaluations[-1] if evaluations else None,
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 

@@ -11,6 +11,7 @@ autograd.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -45,33 +46,86 @@ def jagged_attention(
         scale = scale / max(max_len, 1)
     group = heads // k.shape[1]
     compute = torch.promote_types(q.dtype, torch.float32)  # fp32, or fp64 for finite-difference checks
-    bounds = offsets.detach().cpu().tolist()
-    lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
-    # group samples of similar length (longest first) so padding inside a group stays small
-    order = sorted((b for b in range(len(lengths)) if lengths[b]), key=lambda b: -lengths[b])
     pieces, rows_in_order = [], []
-    while order:
-        longest = lengths[order[0]]
-        count = max(1, min(len(order), SCORES_PER_GROUP // (heads * longest * longest)))
-        members, order = order[:count], order[count:]
-        rows = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in members]).to(q.device)
-        group_lengths = torch.tensor([lengths[b] for b in members], device=q.device)
-        targets = None if num_targets is None else num_targets[torch.tensor(members, device=num_targets.device)]
-        pieces.append(
-            _padded_group(
-                q[rows].to(compute), k[rows].to(compute), v[rows].to(compute), group_lengths, longest, group,
-                scale, causal, targets, contextual_len, window,
-            )
-        )
+    for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
+        qp, kp, vp = (_pad(x[rows].to(compute), lengths, size) for x in (q, k, v))
+        weights = _attention_weights(qp, kp, vp, lengths, size, group, scale, causal, targets, contextual_len, window)
+        pieces.append(_unpad(weights @ vp.repeat_interleave(group, dim=1), lengths, size))
         rows_in_order.append(rows)
     if not pieces:
         return q.new_zeros(q.shape)
     out = pieces[0].new_empty((q.shape[0], *pieces[0].shape[1:]))
-    out = out.index_copy(0, torch.cat(rows_in_order), torch.cat(pieces))
-    return out.to(q.dtype)
+    return out.index_copy(0, torch.cat(rows_in_order), torch.cat(pieces)).to(q.dtype)
 
 
-def _padded_group(
+def jagged_attention_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    causal: bool,
+    num_targets: torch.Tensor | None,
+    contextual_len: int,
+    window: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` of :func:`jagged_attention` (``scale`` final), written out because custom ops run
+    without autograd: dV = P^T dO, dS = P * (dP - rowsum(dP * P)) with dP = dO V^T, dQ = scale dS K,
+    dK = scale dS^T Q; GQA sums dK, dV over each K/V head's query heads."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    group = heads // kv_heads
+    compute = torch.promote_types(q.dtype, torch.float32)
+    grads = [torch.zeros(t.shape, dtype=compute, device=t.device) for t in (q, k, v)]
+    for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
+        qp, kp, vp, dop = (_pad(x[rows].to(compute), lengths, size) for x in (q, k, v, grad_out))
+        p = _attention_weights(qp, kp, vp, lengths, size, group, scale, causal, targets, contextual_len, window)
+        kp, vp = kp.repeat_interleave(group, dim=1), vp.repeat_interleave(group, dim=1)
+        dp = dop @ vp.transpose(-1, -2)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True))
+        per_kv_head = (lengths.numel(), kv_heads, group, size, -1)
+        dk = (scale * ds.transpose(-1, -2) @ qp).view(per_kv_head).sum(2)
+        dv = (p.transpose(-1, -2) @ dop).view(per_kv_head).sum(2)
+        for grad, value in zip(grads, (scale * ds @ kp, dk, dv)):
+            grad[rows] = _unpad(value, lengths, size)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))  # type: ignore[return-value]
+
+
+def _length_groups(
+    offsets: torch.Tensor, num_targets: torch.Tensor | None, heads: int, device: torch.device
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]:
+    """Non-empty samples sorted longest first, cut into groups whose padded scores stay bounded.
+
+    Yields the group's row indices, its lengths, its padded size and its num_targets.
+    """
+    bounds = offsets.detach().cpu().tolist()
+    lengths = [bounds[b + 1] - bounds[b] for b in range(len(bounds) - 1)]
+    order = sorted((b for b in range(len(lengths)) if lengths[b]), key=lambda b: -lengths[b])
+    while order:
+        size = lengths[order[0]]
+        count = max(1, min(len(order), SCORES_PER_GROUP // (heads * size * size)))
+        members, order = order[:count], order[count:]
+        rows = torch.cat([torch.arange(bounds[b], bounds[b + 1]) for b in members]).to(device)
+        group_lengths = torch.tensor([lengths[b] for b in members], device=device)
+        targets = None if num_targets is None else num_targets[torch.tensor(members, device=num_targets.device)]
+        yield rows, group_lengths, size, targets
+
+
+def _pad(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
+    """Jagged rows ``[rows, H, D]`` -> ``[G, H, size, D]`` with zeros after each sequence."""
+    valid = torch.arange(size, device=x.device)[None, :] < lengths[:, None]
+    padded = x.new_zeros((lengths.numel(), size, *x.shape[1:]))
+    padded[valid] = x
+    return padded.transpose(1, 2)
+
+
+def _unpad(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
+    valid = torch.arange(size, device=x.device)[None, :] < lengths[:, None]
+    return x.transpose(1, 2)[valid]
+
+
+def _attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -84,20 +138,11 @@ def _padded_group(
     contextual_len: int,
     window: int | None,
 ) -> torch.Tensor:
-    """Attention for consecutive samples padded to ``size``; returns their jagged ``[rows, H, D]``."""
-    valid = torch.arange(size, device=q.device)[None, :] < lengths[:, None]  # [G, L]
-
-    def pad(x: torch.Tensor) -> torch.Tensor:  # [rows, H, D] -> [G, H, L, D]
-        padded = x.new_zeros((lengths.numel(), size, *x.shape[1:]))
-        padded[valid] = x
-        return padded.transpose(1, 2)
-
-    qp, kp, vp = pad(q), pad(k).repeat_interleave(group, dim=1), pad(v).repeat_interleave(group, dim=1)
+    """Softmax weights ``[G, H, size, size]`` of padded ``q [G, H, size, D]``, ``k [G, H_kv, size, D]``."""
     mask = batched_attention_mask(
         lengths, size, causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window
     )
-    # padded query rows see no key; give them their own diagonal so softmax stays finite (rows dropped below)
+    # padded query rows see no key; give them their own diagonal so softmax stays finite (rows dropped later)
     mask = mask | torch.eye(size, dtype=torch.bool, device=q.device)
-    logits = (qp @ kp.transpose(-1, -2)) * scale
-    weights = torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), dim=-1)
-    return (weights @ vp).transpose(1, 2)[valid]
+    logits = (q @ k.repeat_interleave(group, dim=1).transpose(-1, -2)) * scale
+    return torch.softmax(logits.masked_fill(~mask[:, None], float("-inf")), dim=-1)
