@@ -174,6 +174,16 @@ def dequantize_operand(q: QuantizedOperand) -> torch.Tensor:
     return mx_dequantize_reference(q.data, q.scale, (32,))
 
 
+def pad_rows(data: torch.Tensor, scale: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``data [R, K]`` and per-row ``scale [R]`` padded to a multiple of ``multiple`` rows with zero
+    rows of scale 1 (cuBLASLt's FP8 kernels are only specified for aligned shapes; tokens rarely are)."""
+    pad = (-data.shape[0]) % multiple
+    if pad == 0:
+        return data, scale
+    padded = torch.nn.functional.pad(data.view(torch.uint8), (0, 0, 0, pad)).view(data.dtype)
+    return padded, torch.nn.functional.pad(scale, (0, pad), value=1.0)
+
+
 def _to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """E8M0 ``[rows, cols]`` into the 128x4 swizzled layout of cuBLAS block-scaled GEMMs (sm100)."""
     rows, cols = scales.shape
@@ -209,12 +219,13 @@ def scaled_gemm(
         raise ValueError(f"contraction dims differ: a has K={a.data.shape[1]}, b has K={b.data.shape[1]}")
     on_cuda = a.data.is_cuda
     if a.recipe == "fp8_rowwise" and on_cuda and a.data.shape[1] % 16 == 0 and b.data.shape[0] % 16 == 0:
+        data, scale = pad_rows(a.data, a.scale, 16)
         out = torch._scaled_mm(
-            a.data, b.data.t(), scale_a=a.scale[:, None], scale_b=b.scale[None, :],
+            data, b.data.t(), scale_a=scale[:, None], scale_b=b.scale[None, :],
             bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
             use_fast_accum=fast_accum,
         )
-        return out.to(out_dtype)
+        return out[: a.data.shape[0]].to(out_dtype)
     if a.recipe == "fp8_blockwise" and on_cuda:
         if _cublas_blockwise_eligible(a, b) and _use_cublas_blockwise(b.blocks):
             out = _cublas_blockwise_gemm(a, b).to(out_dtype)
