@@ -116,8 +116,9 @@ def test_rowwise_quantizers_match_torch() -> None:
     torch.testing.assert_close(q.scale, x.float().abs().amax(1) / 448, rtol=1e-6, atol=0)
     ref = (x.float() / q.scale[:, None]).clamp(-448, 448).to(torch.float8_e4m3fn)
     differ = (q.data.view(torch.uint8) != ref.view(torch.uint8)).float().mean().item()
-    # x * (448 / amax) and x / (amax / 448) (both correctly rounded) agree except within an fp32 ulp of a tie
-    assert differ < 1e-4, bit_mismatches("rowwise q", x, q.data, ref)
+    # x * (448 / amax) and x / (amax / 448) differ by an fp32 ulp or so: only fp8 rounding ties can flip,
+    # mostly in rows whose amax is a power of two (448 / amax = 7 * 2^j is exact there, amax / 448 is not)
+    assert differ < 1e-3, bit_mismatches("rowwise q", x, q.data, ref)
     qa, qt = quantize_operand_with_transpose(x, "fp8_rowwise")
     assert torch.equal(qa.data.view(torch.uint8), q.data.view(torch.uint8)), bit_mismatches("dual q", x, qa.data, q.data)
     torch.testing.assert_close(qa.scale, q.scale, rtol=1e-6, atol=0)  # torch divides by a scalar via its reciprocal
