@@ -3,11 +3,21 @@ blocks, FlexAttention with a block-diagonal + document mask, and JFA with a wind
 
 Workloads (GEM_SPEC section 9): B = 1152 at Lmax 2000, sparsity 0.7; power-law lengths 100..16384
 (~150k tokens). H = 4, D = 128, bf16, block 64. Reports ms, TFLOP/s (useful FLOPs: 4 H D pairs forward,
-2.5x backward), achieved bandwidth and its fraction of the device-to-device copy bandwidth measured in
+2.5x backward), achieved bandwidth and its percentage of the device-to-device copy bandwidth measured in
 the same run. Bytes: forward reads q, k, v and writes o once; backward reads q, k, v, do and writes
-dq, dk, dv once (the kernel recomputes P; o is not read).
+dq, dk, dv once (the kernel recomputes P; o is not read). Peer rows carry ``vs_ours`` = peer time / our
+time (> 1: ours faster).
 
-Run: ``PYTHONPATH=src python -m benchmarks.block_attention [--quick]``.
+Order: our kernels first, then the copy bandwidth, the SDPA peers, and last JFA and FlexAttention (a
+compiled peer's CUDA error poisons the context; it must not cost our numbers). Each finished row is
+printed and ``benchmarks/results/block_attention.json`` rewritten at once, so a run cut short keeps every
+number it finished; every variant ends with a device sync so an asynchronous error is charged to it.
+Correctness: ours (and the SDPA peers' forward) against the fp32 reference on the first
+CHECK_SEQUENCES sequences, sliced out of the full-batch run (blocks are independent).
+
+Run: ``PYTHONPATH=src python -m benchmarks.block_attention [--quick]``. ``--quick`` (< 75 s cold): the
+sparsity workload, ours with rotary off and positional rotary, the copy bandwidth, padded and nested
+SDPA; one pinned kernel config (no autotuning), no Flex, no JFA, no block-size sweep.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -31,12 +42,35 @@ from benchmarks.common import (
 )
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden, block_pairs
 from opengem.ops.reference import block_attention as reference
-from opengem.ops.reference.rotary import apply_rotary, time_phase
+from opengem.ops.reference.rotary import apply_rotary, positions_in_sequence, time_phase
 
 HEADS, HEAD_DIM, D_MODEL = 4, 128, 512
+BLOCK_SIZE = 64
+TIME_SCALE = 60.0
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # the smoke test of this module swaps in "cpu"
-CHECK_SEQUENCES = 24  # correctness is checked on the first sequences (the fp32 reference loops per block)
+CHECK_SEQUENCES = 8  # correctness is checked on the first sequences (the fp32 reference loops per block)
+# (label, rotary mode): 0 off, 1 in-sequence positions, 3 time gaps (opengem.ops.block_attention.ROTARY_*)
+OURS = (("ours", 0), ("ours+pos_rope", 1), ("ours+time_rope", 3))
+QUICK_OURS = OURS[:2]
+COLUMNS = ["workload", "method", "direction", "ms", "tflops", "gbps", "copy_pct", "vs_ours", "speedup_vs_best_peer",
+           "rope_overhead", "rel_err", "error"]
+
+
+def _sync() -> None:
+    """Wait for the device, so an asynchronous error surfaces in the variant that caused it."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def pin_default_configs() -> None:
+    """``--quick``: one config per kernel, which makes Triton skip autotuning (no timing, one compile per
+    variant): 4 warps forward, 8 warps backward (its fp32 dK/dV accumulators and recomputed S/P/dS tiles
+    would spill at 4 warps with D = 128). The GPU tests run every config for correctness."""
+    from opengem.ops.triton import block_attention as kernels
+
+    for kernel, warps in ((kernels._block_attention_fwd, 4), (kernels._block_attention_bwd, 8)):
+        kernel.configs = [c for c in kernel.configs if c.num_warps == warps] or kernel.configs[:1]
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
@@ -44,22 +78,107 @@ def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
     dst = torch.empty_like(src)
     ms = bench_ms(lambda: dst.copy_(src))
+    _sync()
     return 2 * nbytes / ms / 1e6
 
 
-def workloads() -> list[tuple[str, torch.Tensor]]:
+def workloads(quick: bool) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(0)
     chosen = [("sparsity0.7_B1152_L2000", sparsity_lengths(1152, 2000, 0.7, g))]
-    chosen.append(("power_law_100_16384", power_law_lengths(150_000, 100, 16384, g)))
+    if not quick:
+        chosen.append(("power_law_100_16384", power_law_lengths(150_000, 100, 16384, g)))
     return chosen
 
 
-def _op(q, k, v, offsets, block_size, rotary_mode, rotary_values, time_scale=1.0):
+def _op(q, k, v, offsets, block_size, rotary_mode, rotary_values, time_scale=TIME_SCALE):
     """The custom op as a compiled model runs it (host validation, which syncs, is skipped there)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     return torch.ops.opengem.block_attention_fwd(
         q, k, v, offsets, block_size, scale, "softmax", rotary_mode, rotary_values, 10000.0, time_scale, "auto"
     )
+
+
+@dataclass
+class Batch:
+    """One workload's inputs on the device (same seed every time it is built) and its work counts."""
+
+    name: str
+    lengths: torch.Tensor
+    offsets: torch.Tensor
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    grad: torch.Tensor
+    time_gaps: torch.Tensor
+    flops: int  # forward, block 64
+    bytes_fwd: int
+    bytes_bwd: int
+
+    @property
+    def total(self) -> int:
+        return self.q.shape[0]
+
+    @property
+    def max_len(self) -> int:
+        return int(self.lengths.max())
+
+    def rotary_values(self, mode: int) -> torch.Tensor | None:
+        return self.time_gaps if mode == 3 else None
+
+
+def make_batch(name: str, lengths: torch.Tensor) -> Batch:
+    torch.manual_seed(0)
+    offsets = offsets_of(lengths, DEVICE)
+    total = int(lengths.sum())
+    make = lambda: torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, requires_grad=True)  # noqa: E731
+    q, k, v = make(), make(), make()
+    grad = torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
+    elem = q.element_size() * HEADS * HEAD_DIM * total
+    flops = 4 * HEADS * HEAD_DIM * block_pairs(offsets, BLOCK_SIZE)
+    return Batch(name, lengths, offsets, q, k, v, grad, torch.rand(total, device=DEVICE) * 86400.0, flops,
+                 4 * elem, 7 * elem)
+
+
+class Results:
+    """The rows so far: each new row is printed on one line and the JSON rewritten at once, so a run
+    killed by a timeout still leaves every finished number behind."""
+
+    def __init__(self, quick: bool) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.quick = quick
+        self.start = time.time()
+        self.copy_gbps: float | None = None
+
+    def add(self, row: dict[str, Any]) -> None:
+        row["elapsed_s"] = round(time.time() - self.start, 1)
+        self._fill_copy_pct(row)
+        self.rows.append(row)
+        self.write()
+        print(" | ".join(f"{c}={_short(row[c])}" for c in [*COLUMNS, "elapsed_s"] if row.get(c) is not None),
+              flush=True)
+
+    def set_copy_bandwidth(self, gbps: float) -> None:
+        """Record the copy bandwidth and express every earlier row's bandwidth as a percentage of it."""
+        self.copy_gbps = gbps
+        for row in self.rows:
+            self._fill_copy_pct(row)
+        self.add(dict(workload="device", method="d2d_copy", direction="copy", gbps=gbps))
+
+    def ours(self, workload: str, direction: str, method: str = "ours") -> dict[str, Any] | None:
+        return next((r for r in self.rows if (r["workload"], r["method"], r["direction"]) == (workload, method, direction)), None)
+
+    def write(self) -> None:
+        bytes_note = "fwd bytes = (q + k + v + o), bwd bytes = (q + k + v + do + dq + dk + dv), each T*H*D*2 (bf16, H_kv = H)"
+        write_results("block_attention", self.rows, extra={"quick": self.quick, "bytes": bytes_note, "heads": HEADS,
+                                                           "head_dim": HEAD_DIM, "copy_gbps": self.copy_gbps})
+
+    def _fill_copy_pct(self, row: dict[str, Any]) -> None:
+        if self.copy_gbps and row.get("gbps") is not None and row.get("direction") != "copy":
+            row["copy_pct"] = 100 * row["gbps"] / self.copy_gbps
+
+
+def _short(value: Any) -> str:
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 class Layout:
@@ -129,180 +248,224 @@ def flex_block_mask(layout: Layout, total: int):
 
 def _host_ms(build: Callable[[], Any]) -> tuple[float, Any]:
     """Wall-clock milliseconds of a one-off build (host work and syncs included) and its result."""
-    torch.cuda.synchronize()
+    _sync()
     start = time.perf_counter()
     result = build()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - start) * 1e3, result
 
 
-def _timed(
-    name: str, fwd: Callable[[], torch.Tensor], inputs, grad, flops: float, bytes_fwd: int | None, bytes_bwd: int | None,
-    copy_gbps: float, **extra: Any,
-) -> list[dict]:
-    """Forward and backward rows; a failing backward (e.g. out of memory) still leaves the forward row."""
-
-    def row(direction: str, ms: float, f: float, nbytes: int | None) -> dict:
-        gbps = None if nbytes is None else nbytes / ms / 1e6
-        frac = None if gbps is None else gbps / copy_gbps
-        return dict(method=name, direction=direction, ms=ms, tflops=f / ms / 1e9, gbps=gbps, copy_frac=frac, **extra)
-
-    rows = [row("fwd", bench_ms(fwd), flops, bytes_fwd)]
+def _error_row(workload: str, method: str, direction: str, exc: BaseException) -> dict[str, Any]:
+    """A failed variant's row; the device is synced and its cache freed for the next variant."""
     try:
-        out = fwd()
-        bwd_ms = bench_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
-        rows.append(row("bwd", bwd_ms, 2.5 * flops, bytes_bwd))
-    except Exception as exc:  # noqa: BLE001 - reported in the table
-        rows.append(dict(method=name, direction="bwd_error", error=repr(exc)[:200], **extra))
-    return rows
+        _sync()
+        torch.cuda.empty_cache()
+    except Exception:  # noqa: BLE001 - a poisoned context fails here too; the row already says why
+        pass
+    return dict(workload=workload, method=method, direction=direction, error=f"{type(exc).__name__}: {exc}"[:200])
 
 
-def _error(name: str, got: torch.Tensor, want: torch.Tensor, rows: list[dict], workload: str) -> None:
-    rows.append(dict(workload=workload, method=name, direction="check", rel_err=relative_error(got, want)))
+def _timed(
+    results: Results, b: Batch, name: str, fwd: Callable[[], torch.Tensor], inputs: tuple, grad: torch.Tensor,
+    flops: int | None = None, with_bytes: bool = True,
+) -> None:
+    """Forward, then backward row (each added when measured); a failing backward keeps the forward row.
+    The first call inside ``bench_ms`` (compiles included) is not timed."""
+    flops = b.flops if flops is None else flops
+
+    def row(direction: str, ms: float, f: float, nbytes: int) -> dict:
+        gbps = nbytes / ms / 1e6 if with_bytes else None
+        out = dict(workload=b.name, method=name, direction=direction, ms=ms, tflops=f / ms / 1e9, gbps=gbps)
+        ours = results.ours(b.name, direction)
+        if ours is not None and name.startswith(("sdpa", "flex", "jfa")):
+            out["vs_ours"] = ms / ours["ms"]
+        if ours is not None and name.startswith("ours+"):
+            out["rope_overhead"] = ms / ours["ms"] - 1.0
+        return out
+
+    for direction in ("fwd", "bwd"):
+        try:
+            if direction == "fwd":
+                ms = bench_ms(fwd)
+            else:
+                out = fwd()
+                ms = bench_ms(lambda: torch.autograd.grad(out, inputs, grad, retain_graph=True))
+                del out
+            _sync()
+        except Exception as exc:  # noqa: BLE001 - reported in the table
+            results.add(_error_row(b.name, name, f"{direction}_error", exc))
+            return
+        nbytes = b.bytes_fwd if direction == "fwd" else b.bytes_bwd
+        results.add(row(direction, ms, flops if direction == "fwd" else 2.5 * flops, nbytes))
 
 
-def bench_workload(workload: str, lengths: torch.Tensor, copy_gbps: float, quick: bool, first: bool) -> list[dict[str, Any]]:
-    torch.manual_seed(0)
-    block_size = 64
-    offsets = offsets_of(lengths, DEVICE)
-    total, max_len = int(lengths.sum()), int(lengths.max())
-    make = lambda: torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE, requires_grad=True)  # noqa: E731
-    q, k, v = make(), make(), make()
-    grad = torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    time_gaps = torch.rand(total, device=DEVICE) * 86400.0
-    elem = q.element_size() * HEADS * HEAD_DIM * total
-    bytes_fwd, bytes_bwd = 4 * elem, 7 * elem
-    flops = 4 * HEADS * HEAD_DIM * block_pairs(offsets, block_size)
-    common = dict(flops=flops, bytes_fwd=bytes_fwd, bytes_bwd=bytes_bwd, copy_gbps=copy_gbps, workload=workload, tokens=total)
-    rows: list[dict[str, Any]] = []
+def check_ours(results: Results, b: Batch, label: str, mode: int) -> None:
+    """Out, dq, dk, dv of the full-batch run on the first CHECK_SEQUENCES sequences vs the fp32 reference."""
+    try:
+        n = int(b.lengths[:CHECK_SEQUENCES].sum())
+        sub_offsets = b.offsets[: CHECK_SEQUENCES + 1]
+        values = b.rotary_values(mode)
+        out = _op(b.q, b.k, b.v, b.offsets, BLOCK_SIZE, mode, values)
+        got = [t[:n].detach() for t in (out, *torch.autograd.grad(out, (b.q, b.k, b.v), b.grad))]
+        phase = None
+        if mode == 1:
+            phase = positions_in_sequence(sub_offsets, n).float()
+        elif mode == 3:
+            phase = time_phase(values[:n], TIME_SCALE)
+        ref_in = [t[:n].detach().float().requires_grad_(True) for t in (b.q, b.k, b.v)]
+        ref = reference.block_attention(*ref_in, sub_offsets, block_size=BLOCK_SIZE, rotary_phase=phase)
+        want = (ref, *torch.autograd.grad(ref, ref_in, b.grad[:n].float()))
+        errors = [relative_error(a, w) for a, w in zip(got, want)]
+        _sync()
+    except Exception as exc:  # noqa: BLE001
+        results.add(_error_row(b.name, f"{label}:check", "error", exc))
+        return
+    for part, err in zip(("out", "dq", "dk", "dv"), errors):
+        results.add(dict(workload=b.name, method=f"{label}:{part}", direction="check", rel_err=err))
 
-    # Correctness on the first sequences against the fp32 reference (forward and all three gradients).
-    n_check = int(lengths[:CHECK_SEQUENCES].sum())
-    sub = [t[:n_check].detach().requires_grad_(True) for t in (q, k, v)]
-    sub_offsets = offsets[: CHECK_SEQUENCES + 1]
-    for label, mode, values in (("ours", 0, None), ("ours+time_rope", 3, time_gaps[:n_check])):
-        ours = _op(*sub, sub_offsets, block_size, mode, values, time_scale=60.0)
-        got = (ours, *torch.autograd.grad(ours, sub, grad[:n_check]))
-        phase = None if mode == 0 else time_phase(values, 60.0)
-        ref_in = [t.detach().float().requires_grad_(True) for t in sub]
-        ref = reference.block_attention(*ref_in, sub_offsets, block_size=block_size, rotary_phase=phase)
-        want = (ref, *torch.autograd.grad(ref, ref_in, grad[:n_check].float()))
-        for part, a, b in zip(("out", "dq", "dk", "dv"), got, want):
-            _error(f"{label}:{part}", a, b, rows, workload)
 
-    # Ours: rotary off, positional (in-sequence positions), time-aware.
-    for label, mode, values in (("ours", 0, None), ("ours+pos_rope", 1, None), ("ours+time_rope", 3, time_gaps)):
-        rows += _timed(label, lambda: _op(q, k, v, offsets, block_size, mode, values, 60.0), (q, k, v), grad, **common)
-    if not quick:
-        for bs in (32, 128):
-            f = 4 * HEADS * HEAD_DIM * block_pairs(offsets, bs)
-            rows += _timed(f"ours_block{bs}", lambda: _op(q, k, v, offsets, bs, 0, None), (q, k, v), grad, **{**common, "flops": f})
-    reference_out = _op(q, k, v, offsets, block_size, 0, None).detach()
+def bench_ours(results: Results, b: Batch, quick: bool) -> None:
+    for label, mode in QUICK_OURS if quick else OURS:
+        values = b.rotary_values(mode)
+        _timed(results, b, label, lambda: _op(b.q, b.k, b.v, b.offsets, BLOCK_SIZE, mode, values), (b.q, b.k, b.v), b.grad)
+        check_ours(results, b, label, mode)
+    if quick:
+        return
+    for bs in (32, 128):
+        flops = 4 * HEADS * HEAD_DIM * block_pairs(b.offsets, bs)
+        _timed(results, b, f"ours_block{bs}", lambda: _op(b.q, b.k, b.v, b.offsets, bs, 0, None), (b.q, b.k, b.v),
+               b.grad, flops=flops)
+    _fused_vs_unfused(results, b)
 
-    # Peers.
-    build_ms, layout = _host_ms(lambda: Layout(offsets, total, block_size))
-    rows.append(dict(workload=workload, method="layout_build(host)", direction="setup", ms=build_ms))
+
+def bench_sdpa(results: Results, b: Batch) -> None:
+    """SDPA on padded blocks (with and without the pad/unpad gathers) and on nested (varlen) blocks."""
+    reference_out = _op(b.q, b.k, b.v, b.offsets, BLOCK_SIZE, 0, None).detach()
+    build_ms, layout = _host_ms(lambda: Layout(b.offsets, b.total, BLOCK_SIZE))
+    results.add(dict(workload=b.name, method="layout_build(host)", direction="setup", ms=build_ms))
+    q, k, v = b.q, b.k, b.v
     qp, kp, vp = (t.detach()[layout.gather].transpose(1, 2).contiguous().requires_grad_(True) for t in (q, k, v))
     mask = layout.key_valid[:, None, None, :]
-    gradp = grad[layout.gather].transpose(1, 2).contiguous()
-    peers: list[tuple[str, Callable[[], torch.Tensor], tuple, torch.Tensor]] = [
-        ("sdpa_padded(+pad/unpad)", lambda: sdpa_padded(q, k, v, layout), (q, k, v), grad),
-        ("sdpa_padded(core)", lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask), (qp, kp, vp), gradp),
-        ("sdpa_nested(flash varlen)", lambda: sdpa_nested(q, k, v, layout), (q, k, v), grad),
+    gradp = b.grad[layout.gather].transpose(1, 2).contiguous()
+    peers = [
+        ("sdpa_padded(+pad/unpad)", lambda: sdpa_padded(q, k, v, layout), (q, k, v), b.grad, True),
+        ("sdpa_padded(core)", lambda: F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask), (qp, kp, vp), gradp, False),
+        ("sdpa_nested(flash varlen)", lambda: sdpa_nested(q, k, v, layout), (q, k, v), b.grad, True),
     ]
-    try:
-        if quick and not first:
-            raise RuntimeError("skipped in --quick (one flex compile per run)")
-        from torch.nn.attention.flex_attention import flex_attention
+    for name, fn, inputs, grad, comparable in peers:
+        _run_peer(results, b, name, fn, inputs, grad, reference_out if comparable else None)
 
-        mask_ms, block_mask = _host_ms(lambda: flex_block_mask(layout, total))
-        rows.append(dict(workload=workload, method="flex_block_mask_build", direction="setup", ms=mask_ms))
-        flex = torch.compile(flex_attention, dynamic=False)
-        as_bhtd = lambda t: t.transpose(0, 1)[None]  # noqa: E731
-        peers.append(
-            ("flex_block_diag", lambda: flex(as_bhtd(q), as_bhtd(k), as_bhtd(v), block_mask=block_mask)[0].transpose(0, 1), (q, k, v), grad)
-        )
-    except Exception as exc:  # noqa: BLE001 - a missing or failing peer is reported, not fatal
-        rows.append(dict(workload=workload, method="flex_block_diag", direction="error", error=repr(exc)[:200]))
+
+def _run_peer(results: Results, b: Batch, name: str, fn: Callable[[], torch.Tensor], inputs: tuple,
+              grad: torch.Tensor, reference_out: torch.Tensor | None) -> None:
+    """Optional forward check against our output, then the timed rows; failures become rows."""
+    if reference_out is not None:
+        try:
+            err = relative_error(fn().detach(), reference_out)
+            _sync()
+            results.add(dict(workload=b.name, method=f"{name}:out_vs_ours", direction="check", rel_err=err))
+        except Exception as exc:  # noqa: BLE001
+            results.add(_error_row(b.name, name, "error", exc))
+            return
+    _timed(results, b, name, fn, inputs, grad)
+    torch.cuda.empty_cache()
+
+
+def bench_jfa(results: Results, b: Batch) -> None:
     try:
         from opengem.ops.jagged_attention import jagged_attention
-
-        peers.append(
-            ("jfa_causal_window64", lambda: jagged_attention(q, k, v, offsets, max_len, causal=True, window=block_size), (q, k, v), grad)
-        )
-    except Exception as exc:  # noqa: BLE001
-        rows.append(dict(workload=workload, method="jfa_causal_window64", direction="error", error=repr(exc)[:200]))
-    for name, fn, inputs, g in peers:
-        try:
-            if name != "sdpa_padded(core)" and not name.startswith("jfa"):
-                _error(f"{name}:out_vs_ours", fn().detach(), reference_out, rows, workload)
-            rows += _timed(name, fn, inputs, g, **common)
-        except Exception as exc:  # noqa: BLE001
-            rows.append(dict(workload=workload, method=name, direction="error", error=repr(exc)[:200]))
-        torch.cuda.empty_cache()
-
-    rows += _fused_vs_unfused(offsets, max_len, total, time_gaps, block_size, common)
-    _ratios(rows, workload)
-    return rows
+    except ImportError as exc:
+        results.add(_error_row(b.name, "jfa_causal_window64", "error", exc))
+        return
+    fn = lambda: jagged_attention(b.q, b.k, b.v, b.offsets, b.max_len, causal=True, window=BLOCK_SIZE)  # noqa: E731
+    _run_peer(results, b, "jfa_causal_window64", fn, (b.q, b.k, b.v), b.grad, None)
 
 
-def _fused_vs_unfused(offsets, max_len, total, time_gaps, block_size, common) -> list[dict]:
+def bench_flex(results: Results, b: Batch) -> None:
+    try:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        layout = Layout(b.offsets, b.total, BLOCK_SIZE)
+        mask_ms, block_mask = _host_ms(lambda: flex_block_mask(layout, b.total))
+        results.add(dict(workload=b.name, method="flex_block_mask_build", direction="setup", ms=mask_ms))
+        flex = torch.compile(flex_attention, dynamic=False)
+    except Exception as exc:  # noqa: BLE001 - a missing or failing peer is reported, not fatal
+        results.add(_error_row(b.name, "flex_block_diag", "error", exc))
+        return
+    as_bhtd = lambda t: t.transpose(0, 1)[None]  # noqa: E731
+    fn = lambda: flex(as_bhtd(b.q), as_bhtd(b.k), as_bhtd(b.v), block_mask=block_mask)[0].transpose(0, 1)  # noqa: E731
+    reference_out = _op(b.q, b.k, b.v, b.offsets, BLOCK_SIZE, 0, None).detach()
+    _run_peer(results, b, "flex_block_diag", fn, (b.q, b.k, b.v), b.grad, reference_out)
+
+
+def _fused_vs_unfused(results: Results, b: Batch) -> None:
     """Projection + time-aware RoPE + attention: rotary fused in the kernel vs a separate rotary op."""
+    total = b.total
     x = torch.randn(total, D_MODEL, device=DEVICE, dtype=DTYPE, requires_grad=True)
     w = (torch.randn(3 * HEADS * HEAD_DIM, D_MODEL, device=DEVICE, dtype=DTYPE) / D_MODEL**0.5).requires_grad_(True)
     grad = torch.randn(total, HEADS * HEAD_DIM, device=DEVICE, dtype=DTYPE)
-    rotary = Rotary(time_gaps=time_gaps, time_scale=60.0)
-    phase = time_phase(time_gaps, 60.0)
+    rotary = Rotary(time_gaps=b.time_gaps, time_scale=TIME_SCALE)
+    phase = time_phase(b.time_gaps, TIME_SCALE)
 
     def fused():
-        return block_attention_from_hidden(x, w, offsets, max_len, HEADS, block_size=block_size, rotary=rotary)
+        return block_attention_from_hidden(x, w, b.offsets, b.max_len, HEADS, block_size=BLOCK_SIZE, rotary=rotary)
 
     def unfused():
         q, k, v = F.linear(x, w).view(total, 3, HEADS, HEAD_DIM).unbind(1)
         q, k = (apply_rotary(t, phase, 10000.0).to(DTYPE) for t in (q, k))
-        return _op(q, k, v, offsets, block_size, 0, None).view(total, HEADS * HEAD_DIM)
+        return _op(q, k, v, b.offsets, BLOCK_SIZE, 0, None).view(total, HEADS * HEAD_DIM)
 
-    gemm_flops = 2 * total * D_MODEL * 3 * HEADS * HEAD_DIM
     # Bytes are left out here: the GEMM's traffic is not the attention's memory-bound model.
-    options = {**common, "flops": common["flops"] + gemm_flops, "bytes_fwd": None, "bytes_bwd": None}
-    rows = _timed("from_hidden_fused_rope", fused, (x, w), grad, **options)
-    rows += _timed("from_hidden_separate_rope", unfused, (x, w), grad, **options)
-    return rows
+    flops = b.flops + 2 * total * D_MODEL * 3 * HEADS * HEAD_DIM
+    _timed(results, b, "from_hidden_fused_rope", fused, (x, w), grad, flops=flops, with_bytes=False)
+    _timed(results, b, "from_hidden_separate_rope", unfused, (x, w), grad, flops=flops, with_bytes=False)
 
 
 def _ratios(rows: list[dict], workload: str) -> None:
-    """speedup = best peer time / our time, per direction; rope_overhead = ours+rope / ours - 1."""
+    """speedup_vs_best_peer = best peer time / our time, per direction."""
     peers = ("sdpa", "flex", "jfa")
-    ours = ("ours", "ours+pos_rope", "ours+time_rope")
     for direction in ("fwd", "bwd"):
         timed = {r["method"]: r["ms"] for r in rows if r.get("direction") == direction and r.get("workload") == workload}
         best = min((t for m, t in timed.items() if m.startswith(peers)), default=None)
         for r in rows:
-            if r.get("direction") == direction and r.get("workload") == workload and r["method"] in ours:
+            if r.get("direction") == direction and r.get("workload") == workload and r["method"] in dict(OURS):
                 r["speedup_vs_best_peer"] = best / r["ms"] if best else None
-                if r["method"] in ("ours+pos_rope", "ours+time_rope"):
-                    r["rope_overhead"] = r["ms"] / timed["ours"] - 1.0
 
 
 def run(quick: bool) -> list[dict[str, Any]]:
-    copy_gbps = copy_bandwidth_gbps()
-    rows: list[dict[str, Any]] = [dict(workload="device", method="d2d_copy", direction="copy", gbps=copy_gbps)]
-    for i, (name, lengths) in enumerate(workloads()):
-        rows += bench_workload(name, lengths, copy_gbps, quick, first=i == 0)
-        torch.cuda.empty_cache()
-    return rows
+    """Our kernels on every workload, the copy bandwidth, the SDPA peers, then (full run) JFA and Flex."""
+    results = Results(quick)
+    if quick:
+        pin_default_configs()
+    chosen = workloads(quick)
+
+    def on_each_workload(bench: Callable[[Batch], None]) -> None:
+        for name, lengths in chosen:
+            b = make_batch(name, lengths)
+            bench(b)
+            del b
+            torch.cuda.empty_cache()
+
+    on_each_workload(lambda b: bench_ours(results, b, quick))
+    try:
+        results.set_copy_bandwidth(copy_bandwidth_gbps())
+    except Exception as exc:  # noqa: BLE001
+        results.add(_error_row("device", "d2d_copy", "error", exc))
+    for peers in [bench_sdpa] if quick else [bench_sdpa, bench_jfa, bench_flex]:  # compiled (risky) peers last
+        on_each_workload(lambda b: peers(results, b))
+    for name, _ in chosen:
+        _ratios(results.rows, name)
+    results.write()
+    return results.rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="block 64 only, no block-size sweep, FlexAttention on the first workload only (< 90 s)")
-    args = parser.parse_args()
-    rows = run(args.quick)
-    columns = ["workload", "method", "direction", "ms", "tflops", "gbps", "copy_frac", "speedup_vs_best_peer", "rope_overhead", "rel_err", "error"]
-    print_table(rows, columns)
-    bytes_note = "fwd bytes = (q + k + v + o), bwd bytes = (q + k + v + do + dq + dk + dv), each T*H*D*2 (bf16, H_kv = H)"
-    path = write_results("block_attention", rows, extra={"bytes": bytes_note, "heads": HEADS, "head_dim": HEAD_DIM})
-    print(f"wrote {path}")
+    parser.add_argument("--quick", action="store_true",
+                        help="sparsity workload, ours (rotary off/positional), copy, SDPA peers; no autotuning (< 75 s)")
+    rows = run(parser.parse_args().quick)
+    print_table(rows, COLUMNS)
+    print("vs_ours = peer time / our time (> 1: ours faster); copy_pct = achieved GB/s as % of the d2d copy")
 
 
 if __name__ == "__main__":

@@ -2,20 +2,26 @@
 
 Run on the GPU: ``PYTHONPATH=src python -m benchmarks.low_precision [--quick]``.
 
-GEMMs: out = x @ w^T with x [M, K] activations and w [N, K] weights, for model-preset shapes. Rows per
-shape: BF16 cuBLAS; the raw `torch._scaled_mm` rowwise GEMM on pre-quantized operands (the ceiling
-without quantization cost); each recipe with the activation quantization included (weights quantized
-once, as the layer caches them per optimizer step).
-MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024, forward + backward with each recipe, quantization
-included, and `LowPrecisionMLP` (GELU fused into the FP8 quantizations); the weights are touched in
-place every step so the layers re-quantize them once per step, as in training. Peers: BF16 nn.Linear and torchao float8 training (rowwise) if importable.
-Correctness: relative error vs fp32 on the same inputs (outputs and, for the MLP, dx and dW1).
-FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM; the MLP counts its 6 GEMMs; TFLOP/s are useful work.
+``--quick`` (< 60 s from a cold start): the MLP block with BF16 against the fastest FP8 recipes
+(rowwise cuBLAS, with and without FP8 weight gradients, and the fused-GELU `LowPrecisionMLP`), plus one
+GEMM shape (the MLP's fc1) with BF16 cuBLAS and the raw `torch._scaled_mm` rowwise ceiling; no Triton
+autotuning (OPENGEM_FP8_AUTOTUNE=0), no torchao, no torch.compile.
+Full (< 4 min): model-preset GEMM shapes with every recipe (quantization of x included; weights quantized
+once, as the layer caches them per optimizer step), the prequantized Triton / cuBLAS blockwise GEMMs,
+every MLP recipe, then torchao float8 rowwise training (eager, then compiled: risky peers run last).
+
+MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024; the weights are touched in place every step so
+the layers re-quantize them once per step, as in training. Correctness: relative error vs fp32 on the
+same inputs (outputs and, for the MLP, dx and dW1). FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM; the
+MLP counts its 6 GEMMs; TFLOP/s are useful work. Each finished measurement prints one line and rewrites
+``benchmarks/results/low_precision.json``, so a run cut short keeps every number it finished; a variant
+that raises is recorded with its error and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 from typing import Any, Callable
 
 import torch
@@ -24,101 +30,167 @@ from torch import nn
 from benchmarks.common import bench_ms, print_table, relative_error, write_results
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_mlp import LowPrecisionMLP
-from opengem.ops.fp8_gemm import _cublas_blockwise_gemm, cublas_blockwise_available, quantize_operand, scaled_gemm
+from opengem.ops.fp8_gemm import (
+    CUBLAS_BLOCKWISE_PROBE,
+    _cublas_blockwise_gemm,
+    cublas_blockwise_available,
+    quantize_operand,
+    scaled_gemm,
+)
 
-GEMM_SHAPES_QUICK = [(8192, 4096, 4096), (65536, 4096, 1024)]
+HIDDEN, INNER = 1024, 4096
+GEMM_SHAPES_QUICK = [(65536, INNER, HIDDEN)]
 GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [
-    (65536, 1024, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (32768, 512, 2048),
+    (65536, HIDDEN, INNER), (8192, 4096, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (32768, 512, 2048),
 ]
-GEMM_RECIPES = ("fp8_rowwise", "fp8_blockwise", "mxfp8")
-MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise_all")
+EXTRA_GEMM_RECIPES = ("fp8_blockwise", "mxfp8")  # full mode, beside rowwise
+MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_all")
 MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
+COLUMNS = ["bench", "shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err", "rel_err_dx", "rel_err_dw1",
+           "note", "error"]
 
 
 def tflops(flops: float, ms: float) -> float:
     return flops / (ms * 1e-3) / 1e12
 
 
-def gemm_rows(shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
-    rows = []
+class Results:
+    """Rows so far: each `add` prints the row and rewrites the results JSON."""
+
+    def __init__(self, quick: bool) -> None:
+        self.rows: list[dict[str, Any]] = []
+        self.quick = quick
+
+    def add(self, row: dict[str, Any]) -> None:
+        self.rows.append(row)
+        parts = [f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items() if v not in ("", None)]
+        print("  ".join(parts), flush=True)
+        self.save()
+
+    def save(self, **extra: Any) -> None:
+        write_results("low_precision", self.rows,
+                      {"quick": self.quick, "cublas_blockwise_probe": dict(CUBLAS_BLOCKWISE_PROBE), **extra})
+
+
+def measure(results: Results, row: dict[str, Any], flops: float, bf16_ms: float | None,
+            run: Callable[[], dict[str, float]], timed: Callable[[], Any]) -> float | None:
+    """Record ``row`` with the errors ``run()`` returns and the median time of ``timed``; an exception
+    (raised or asynchronous, hence the synchronizations) is recorded in the row instead."""
+    try:
+        row.update(run())
+        torch.cuda.synchronize()
+        ms = bench_ms(timed)
+        torch.cuda.synchronize()
+        row.update(ms=ms, tflops=tflops(flops, ms))
+        if bf16_ms is not None:
+            row["speedup_vs_bf16"] = bf16_ms / ms
+    except Exception as exc:  # noqa: BLE001  (one failing variant must not end the run)
+        row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+    results.add(row)
+    return row.get("ms")
+
+
+def gemm_rows(results: Results, shapes: list[tuple[int, int, int]], full: bool) -> None:
+    native_mx = torch.cuda.get_device_capability()[0] >= 10
     for m, n, k in shapes:
         g = torch.Generator(device="cuda").manual_seed(m + n + k)
         x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
         w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
         ref = x.float() @ w.float().t()
         flops = 2.0 * m * n * k
+        shape = f"{m}x{n}x{k}"
+        bf16_ms = None
 
-        native_mx = torch.cuda.get_device_capability()[0] >= 10
+        def add(impl: str, make: Callable[[], Callable[[], torch.Tensor]], note: str = "") -> float | None:
+            """``make()`` does the untimed setup (weight quantization) and returns the timed call."""
+            row = {"bench": "gemm", "shape": shape, "impl": impl, "note": note}
+            state: dict[str, Callable[[], torch.Tensor]] = {}
 
-        def add(name: str, fn: Callable[[], torch.Tensor]) -> None:
-            err = relative_error(fn(), ref)
-            ms = bench_ms(fn)
-            note = "emulated (no native MX before sm100)" if name.startswith("mxfp8") and not native_mx else ""
-            rows.append({"bench": "gemm", "shape": f"{m}x{n}x{k}", "impl": name, "ms": ms,
-                         "tflops": tflops(flops, ms), "rel_err": err, "note": note})
+            def first() -> dict[str, float]:
+                state["fn"] = make()
+                return {"rel_err": relative_error(state["fn"](), ref)}
 
-        add("bf16 cublas", lambda: x @ w.t())
-        qx, qw = quantize_operand(x, "fp8_rowwise"), quantize_operand(w, "fp8_rowwise", weight=True)
-        add("_scaled_mm rowwise (prequantized)", lambda: scaled_gemm(qx, qw, torch.bfloat16, fast_accum=True))
-        for recipe in GEMM_RECIPES:
-            qw_r = quantize_operand(w, recipe, weight=True)
-            add(f"{recipe} (+x quant)", lambda r=recipe, q=qw_r: scaled_gemm(
-                quantize_operand(x, r), q, torch.bfloat16, fast_accum=r == "fp8_rowwise"))
-        qb_x, qb_w = quantize_operand(x, "fp8_blockwise"), quantize_operand(w, "fp8_blockwise", weight=True)
-        add("fp8_blockwise triton (prequantized)", lambda: torch.ops.opengem.fp8_blockwise_gemm(
-            qb_x.data, qb_x.scale, qb_w.data, qb_w.scale, True, torch.bfloat16))
-        if cublas_blockwise_available(True):
-            add("fp8_blockwise cuBLAS (prequantized)", lambda: _cublas_blockwise_gemm(qb_x, qb_w))
-        bf16_ms = next(r["ms"] for r in rows if r["shape"] == f"{m}x{n}x{k}" and r["impl"] == "bf16 cublas")
-        for r in rows:
-            if r["shape"] == f"{m}x{n}x{k}":
-                r["speedup_vs_bf16"] = bf16_ms / r["ms"]
+            return measure(results, row, flops, bf16_ms, first, lambda: state["fn"]())
+
+        def prequantized(recipe: str) -> tuple:
+            return quantize_operand(x, recipe), quantize_operand(w, recipe, weight=True)
+
+        def with_x_quant(recipe: str) -> Callable[[], torch.Tensor]:
+            qw = quantize_operand(w, recipe, weight=True)
+            fast = recipe == "fp8_rowwise"
+            return lambda: scaled_gemm(quantize_operand(x, recipe), qw, torch.bfloat16, fast_accum=fast)
+
+        def rowwise_ceiling() -> Callable[[], torch.Tensor]:
+            qx, qw = prequantized("fp8_rowwise")
+            return lambda: scaled_gemm(qx, qw, torch.bfloat16, fast_accum=True)
+
+        def blockwise_triton() -> Callable[[], torch.Tensor]:
+            qx, qw = prequantized("fp8_blockwise")
+            return lambda: torch.ops.opengem.fp8_blockwise_gemm(qx.data, qx.scale, qw.data, qw.scale, True,
+                                                                torch.bfloat16)
+
+        def blockwise_cublas() -> Callable[[], torch.Tensor]:
+            qx, qw = prequantized("fp8_blockwise")
+            return lambda: _cublas_blockwise_gemm(qx, qw)
+
+        bf16_ms = add("bf16 cublas", lambda: lambda: x @ w.t())
+        add("_scaled_mm rowwise (prequantized)", rowwise_ceiling, "ceiling: no quantization cost")
+        add("fp8_rowwise (+x quant)", lambda: with_x_quant("fp8_rowwise"))
+        if full:
+            for recipe in EXTRA_GEMM_RECIPES:
+                note = "emulated (no native MX before sm100)" if recipe == "mxfp8" and not native_mx else ""
+                add(f"{recipe} (+x quant)", lambda r=recipe: with_x_quant(r), note)
+            add("fp8_blockwise triton (prequantized)", blockwise_triton)
+            if cublas_blockwise_available(True):
+                add("fp8_blockwise cuBLAS (prequantized)", blockwise_cublas)
         del x, w, ref
         torch.cuda.empty_cache()
-    return rows
 
 
 def mlp(hidden: int, inner: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(hidden, inner), nn.GELU(), nn.Linear(inner, hidden))
 
 
-def torchao_float8(model: nn.Module) -> nn.Module | str:
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError:
-        return "not installed"
-    try:
-        return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
-    except Exception as exc:  # a wheel built for another torch fails here: report it, keep benchmarking
-        return f"failed: {type(exc).__name__}: {exc}"[:200]
+def torchao_float8(model: nn.Module) -> nn.Module:
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
 
 
-def mlp_rows(tokens: int, hidden: int, inner: int, recipes: tuple[str, ...], compile_torchao: bool) -> list[dict]:
+def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_against: float | None = None) -> float | None:
+    """BF16, then ``recipes`` and the fused MLP; returns the BF16 time. With ``torchao_against`` (a BF16
+    time from an earlier call) only the torchao peers run, their speedups taken against it."""
     torch.manual_seed(0)
-    base = mlp(hidden, inner).cuda()
-    x = torch.randn(tokens, hidden, device="cuda")
-    dy = torch.randn(tokens, hidden, device="cuda")
+    base = mlp(HIDDEN, INNER).cuda()
+    x = torch.randn(tokens, HIDDEN, device="cuda")
+    dy = torch.randn(tokens, HIDDEN, device="cuda")
     # fp32 reference on the same inputs
-    ref_model = mlp(hidden, inner).cuda()
+    ref_model = mlp(HIDDEN, INNER).cuda()
     ref_model.load_state_dict(base.state_dict())
     xr = x.clone().requires_grad_()
     y_ref = ref_model(xr)
     y_ref.backward(dy)
+    y_ref = y_ref.detach()
     dx_ref, dw_ref = xr.grad, ref_model[0].weight.grad
     del ref_model, xr
     x16, dy16 = x.to(torch.bfloat16), dy.to(torch.bfloat16)
-    flops = 6 * 2.0 * tokens * hidden * inner
-    rows: list[dict[str, Any]] = []
+    del x, dy
+    flops = 6 * 2.0 * tokens * HIDDEN * INNER
+    shape = f"{tokens}x{HIDDEN}->{INNER}->{HIDDEN}"
+    bf16_ms: float | None = None
 
-    def run(name: str, model: nn.Module | str, note: str = "") -> None:
-        if isinstance(model, str):
-            rows.append({"bench": "mlp", "impl": name, "note": model})
-            return
+    def bf16_copy() -> nn.Sequential:
+        m = mlp(HIDDEN, INNER).cuda()
+        m.load_state_dict(base.state_dict())
+        return m.to(torch.bfloat16)
+
+    def run(name: str, build: Callable[[], nn.Module], note: str = "") -> float | None:
+        row: dict[str, Any] = {"bench": "mlp", "shape": shape, "impl": name, "note": note}
         xin = x16.clone().requires_grad_()
-        layers = getattr(model, "_orig_mod", model)  # the Sequential behind a torch.compile wrapper
-        first, second = (layers.fc1, layers.fc2) if isinstance(layers, LowPrecisionMLP) else (layers[0], layers[2])
+        state: dict[str, Any] = {}
 
         def step() -> torch.Tensor:
+            model, first, second = state["model"], state["first"], state["second"]
             with torch.no_grad():
                 for p in model.parameters():
                     p.grad = None
@@ -129,59 +201,73 @@ def mlp_rows(tokens: int, hidden: int, inner: int, recipes: tuple[str, ...], com
             y.backward(dy16)
             return y
 
-        y = step()
-        errs = (relative_error(y, y_ref), relative_error(xin.grad, dx_ref), relative_error(first.weight.grad, dw_ref))
-        ms = bench_ms(step)
-        rows.append({"bench": "mlp", "impl": name, "ms": ms, "tflops": tflops(flops, ms), "rel_err_y": errs[0],
-                     "rel_err_dx": errs[1], "rel_err_dw1": errs[2], "note": note})
+        def first_step() -> dict[str, float]:
+            model = build()
+            layers = getattr(model, "_orig_mod", model)  # the module behind a torch.compile wrapper
+            first, second = (layers.fc1, layers.fc2) if isinstance(layers, LowPrecisionMLP) else (layers[0], layers[2])
+            state.update(model=model, first=first, second=second)
+            y = step()
+            return {"rel_err": relative_error(y.detach(), y_ref), "rel_err_dx": relative_error(xin.grad, dx_ref),
+                    "rel_err_dw1": relative_error(first.weight.grad, dw_ref)}
 
-    def bf16_copy() -> nn.Sequential:
-        m = mlp(hidden, inner).cuda()
-        m.load_state_dict(base.state_dict())
-        return m.to(torch.bfloat16)
+        ms = measure(results, row, flops, bf16_ms, first_step, step)
+        state.clear()
+        torch.cuda.empty_cache()
+        return ms
 
-    run("bf16 nn.Linear", bf16_copy())
+    def low_precision(recipe: str) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            model = bf16_copy()
+            for i in (0, 2):
+                model[i] = LowPrecisionLinear.from_linear(model[i], recipe)
+            return model
+
+        return build
+
+    def fused() -> nn.Module:
+        plain = bf16_copy()
+        return LowPrecisionMLP(plain[0], plain[2])
+
+    if torchao_against is not None:
+        bf16_ms = torchao_against
+        run("torchao float8 rowwise (eager)", lambda: torchao_float8(bf16_copy()))
+        run("torchao float8 rowwise (compiled)", lambda: torch.compile(torchao_float8(bf16_copy())))
+        return bf16_ms
+    bf16_ms = run("bf16 nn.Linear", bf16_copy)
     for recipe in recipes:
-        model = bf16_copy()
-        for i in (0, 2):
-            model[i] = LowPrecisionLinear.from_linear(model[i], recipe)
-        run(f"LowPrecisionLinear {recipe}", model, "wgrad bf16" if not recipe.endswith("_all") else "all fp8")
-    plain = bf16_copy()
-    run("LowPrecisionMLP fp8_rowwise (fused GELU)", LowPrecisionMLP(plain[0], plain[2]), "wgrad bf16")
-    ao = torchao_float8(bf16_copy())
-    run("torchao float8 rowwise (eager)", ao)
-    if compile_torchao and not isinstance(ao, str):
-        run("torchao float8 rowwise (compiled)", torch.compile(ao))
-    bf16_ms = rows[0]["ms"]
-    for r in rows:
-        if "ms" in r:
-            r["speedup_vs_bf16"] = bf16_ms / r["ms"]
-    return rows
+        run(f"LowPrecisionLinear {recipe}", low_precision(recipe), "all fp8" if recipe.endswith("_all") else "wgrad bf16")
+    run("LowPrecisionMLP fp8_rowwise (fused GELU)", fused, "wgrad bf16")
+    return bf16_ms
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few representative shapes (< 90 s)")
+    parser.add_argument("--quick", action="store_true", help="MLP block + one GEMM shape, untuned (< 60 s)")
     parser.add_argument("--tokens", type=int, default=65536)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.low_precision needs a CUDA GPU")
-    gemms = gemm_rows(GEMM_SHAPES_QUICK if args.quick else GEMM_SHAPES_FULL)
-    print("GEMM out = x @ w^T (M x N x K); TFLOP/s = 2MNK / time; rel_err vs fp32 on the same inputs")
-    print_table(gemms, ["shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err", "note"])
-    mlps = mlp_rows(args.tokens, 1024, 4096, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL,
-                    compile_torchao=not args.quick)
-    print(f"\nMLP block {args.tokens} tokens, 1024 -> 4096 -> GELU -> 1024, forward + backward (6 GEMMs counted)")
-    print_table(mlps, ["impl", "ms", "tflops", "speedup_vs_bf16", "rel_err_y", "rel_err_dx", "rel_err_dw1", "note"])
-    best = max((r for r in mlps if "ms" in r and r["impl"].startswith("LowPrecision")),
-               key=lambda r: r["speedup_vs_bf16"])
-    print(f"\nbest FP8 recipe: {best['impl']} {best['speedup_vs_bf16']:.2f}x BF16 (acceptance: >= 1.3x)")
-    cublas = {"weights_128x128": cublas_blockwise_available(True),
-              "activations_1x128": cublas_blockwise_available(False)}
-    print(f"cuBLAS blockwise _scaled_mm usable: {cublas}")
-    path = write_results("low_precision", gemms + mlps, {"best_mlp": best, "quick": args.quick,
-                                                         "cublas_blockwise": cublas})
-    print(f"wrote {path}")
+    if args.quick:
+        os.environ.setdefault("OPENGEM_FP8_AUTOTUNE", "0")  # the blockwise GEMM takes its default config
+    results = Results(args.quick)
+    print(f"MLP block {args.tokens} tokens, {HIDDEN} -> {INNER} -> GELU -> {HIDDEN}, forward + backward "
+          "(6 GEMMs counted); rel_err vs fp32 on the same inputs", flush=True)
+    bf16_ms = mlp_rows(results, args.tokens, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL)
+    print("GEMM out = x @ w^T (M x N x K); TFLOP/s = 2MNK / time", flush=True)
+    gemm_rows(results, GEMM_SHAPES_QUICK if args.quick else GEMM_SHAPES_FULL, full=not args.quick)
+    if not args.quick:
+        cublas_blockwise_available(False)
+        mlp_rows(results, args.tokens, (), torchao_against=bf16_ms)  # risky peers last
+    print()
+    print_table(results.rows, COLUMNS)
+    fp8 = [r for r in results.rows if r["bench"] == "mlp" and "ms" in r and r["impl"].startswith("LowPrecision")]
+    best = max(fp8, key=lambda r: r.get("speedup_vs_bf16", 0.0)) if fp8 else None
+    if best is not None:
+        print(f"\nbest FP8 MLP: {best['impl']} {best.get('speedup_vs_bf16', float('nan')):.2f}x BF16 "
+              "(acceptance: >= 1.3x)")
+    print(f"cuBLAS blockwise _scaled_mm probe (True: 128x128 weight scales): {CUBLAS_BLOCKWISE_PROBE or 'not run'}")
+    results.save(best_mlp=best)
+    print("wrote benchmarks/results/low_precision.json", flush=True)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ Recipes (``recipe`` argument):
   128x128 block of weights (``weight=True``); on CUDA cuBLAS blockwise `torch._scaled_mm` where the
   build supports it on sm90 (CUDA >= 12.9; checked once per process against the Triton kernel, see
   `cublas_blockwise_available`) and a Triton kernel otherwise (``OPENGEM_BLOCKWISE_GEMM=triton|cublas``
-  forces one); fp32 emulation elsewhere. The weight blocks are square, so one weight quantization
+  forces one; ``OPENGEM_FP8_AUTOTUNE=0`` runs it untuned); fp32 emulation elsewhere. The weight blocks are square, so one weight quantization
   serves both GEMM directions (`transpose`).
 - ``"mxfp8"``: OCP MXFP8, E4M3 with E8M0 scales per 1x32 block (rceil rule, `opengem.ops.mx`); native
   block-scaled `torch._scaled_mm` on Blackwell (sm100+), elsewhere the exact emulation
@@ -174,6 +174,16 @@ def dequantize_operand(q: QuantizedOperand) -> torch.Tensor:
     return mx_dequantize_reference(q.data, q.scale, (32,))
 
 
+def pad_rows(data: torch.Tensor, scale: torch.Tensor, multiple: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp8 ``data [R, K]`` and per-row ``scale [R]`` padded to a multiple of ``multiple`` rows with zero
+    rows of scale 1 (cuBLASLt's FP8 kernels are only specified for aligned shapes; tokens rarely are)."""
+    pad = (-data.shape[0]) % multiple
+    if pad == 0:
+        return data, scale
+    padded = torch.nn.functional.pad(data.view(torch.uint8), (0, 0, 0, pad)).view(data.dtype)
+    return padded, torch.nn.functional.pad(scale, (0, pad), value=1.0)
+
+
 def _to_blocked(scales: torch.Tensor) -> torch.Tensor:
     """E8M0 ``[rows, cols]`` into the 128x4 swizzled layout of cuBLAS block-scaled GEMMs (sm100)."""
     rows, cols = scales.shape
@@ -209,12 +219,13 @@ def scaled_gemm(
         raise ValueError(f"contraction dims differ: a has K={a.data.shape[1]}, b has K={b.data.shape[1]}")
     on_cuda = a.data.is_cuda
     if a.recipe == "fp8_rowwise" and on_cuda and a.data.shape[1] % 16 == 0 and b.data.shape[0] % 16 == 0:
+        data, scale = pad_rows(a.data, a.scale, 16)
         out = torch._scaled_mm(
-            a.data, b.data.t(), scale_a=a.scale[:, None], scale_b=b.scale[None, :],
+            data, b.data.t(), scale_a=scale[:, None], scale_b=b.scale[None, :],
             bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16,
             use_fast_accum=fast_accum,
         )
-        return out.to(out_dtype)
+        return out[: a.data.shape[0]].to(out_dtype)
     if a.recipe == "fp8_blockwise" and on_cuda:
         if _cublas_blockwise_eligible(a, b) and _use_cublas_blockwise(b.blocks):
             out = _cublas_blockwise_gemm(a, b).to(out_dtype)
@@ -256,11 +267,14 @@ def _cublas_blockwise_gemm(a: QuantizedOperand, b: QuantizedOperand) -> torch.Te
 
 
 _CUBLAS_BLOCKWISE_OK: dict[bool, bool] = {}
+CUBLAS_BLOCKWISE_PROBE: dict[bool, str] = {}  # b_blocks -> what the probe saw (for logs and benchmarks)
 
 
 def cublas_blockwise_available(b_blocks: bool) -> bool:
     """Whether cuBLAS blockwise `_scaled_mm` runs here and agrees with the Triton kernel (checked once on
-    a small problem per kind of b scales: some builds lack it, older ones mis-handled scale layouts)."""
+    a small problem per kind of b scales: some builds lack it, older ones mis-handled scale layouts).
+    Any error the call raises (RuntimeError, NotImplementedError, ValueError from torch's scale checks)
+    means "not available"; `CUBLAS_BLOCKWISE_PROBE` keeps the reason."""
     if b_blocks not in _CUBLAS_BLOCKWISE_OK:
         from opengem.ops.triton.fp8_gemm import blockwise_gemm
 
@@ -268,12 +282,17 @@ def cublas_blockwise_available(b_blocks: bool) -> bool:
         x = torch.randn(256, 1024, device="cuda", generator=g) * torch.rand(256, 1, device="cuda", generator=g)
         w = torch.randn(384, 1024, device="cuda", generator=g) * torch.rand(384, 1, device="cuda", generator=g)
         qa, qb = quantize_operand(x, "fp8_blockwise"), quantize_operand(w, "fp8_blockwise", weight=b_blocks)
+        ref = blockwise_gemm(qa.data, qa.scale, qb.data, qb.scale, b_blocks, torch.float32)
         try:
             out = _cublas_blockwise_gemm(qa, qb).float()
-            ref = blockwise_gemm(qa.data, qa.scale, qb.data, qb.scale, b_blocks, torch.float32)
-            _CUBLAS_BLOCKWISE_OK[b_blocks] = bool(((out - ref).norm() / ref.norm()) < 1e-2)
-        except RuntimeError:
-            _CUBLAS_BLOCKWISE_OK[b_blocks] = False
+            torch.cuda.synchronize()
+            err = float((out - ref).norm() / ref.norm())
+            ok = err < 1e-2  # NaN fails too
+            CUBLAS_BLOCKWISE_PROBE[b_blocks] = f"{'ok' if ok else 'mismatch'}: rel_err vs Triton {err:.3g}"
+        except Exception as exc:  # noqa: BLE001  (unsupported here: report and fall back to Triton)
+            ok = False
+            CUBLAS_BLOCKWISE_PROBE[b_blocks] = f"error: {type(exc).__name__}: {exc}"[:300]
+        _CUBLAS_BLOCKWISE_OK[b_blocks] = ok
     return _CUBLAS_BLOCKWISE_OK[b_blocks]
 
 

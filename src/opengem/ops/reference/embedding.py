@@ -31,14 +31,21 @@ def _bag_of_each_id(lengths: torch.Tensor) -> torch.Tensor:
     return torch.repeat_interleave(torch.arange(lengths.numel(), device=lengths.device), lengths)
 
 
+def _feature_bounds(offsets: torch.Tensor, batch_size: int, num_features: int) -> list[int]:
+    """Where each feature's ids start (F + 1 host ints). Only these, not all F * B + 1 offsets: under
+    ``torch.compile`` every host int becomes a traced symbol and a guard, so a whole-offsets ``tolist``
+    made compile time grow with the batch (minutes at B = 8192)."""
+    return offsets[::batch_size].tolist() if batch_size else [0] * (num_features + 1)
+
+
 def embedding_lookup(
     weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, out_numel: int
 ) -> torch.Tensor:
     """Flat output ``[out_numel]`` in ``weights.dtype``: pooled features ``[B, dim]``, sequences ``[T_f, dim]``."""
     out = torch.zeros(out_numel, dtype=torch.float32, device=weights.device)
-    bounds = offsets.tolist()
+    bounds = _feature_bounds(offsets, batch_size, feature_meta.shape[0])
     for f, meta in enumerate(feature_meta.tolist()):
-        first, last = bounds[f * batch_size], bounds[(f + 1) * batch_size]
+        first, last = bounds[f], bounds[f + 1]
         rows = _table_view(weights, meta).index_select(0, ids[first:last].long()).float()
         if meta[POOLING] != POOL_NONE:
             lengths = offsets[f * batch_size + 1 : (f + 1) * batch_size + 1] - offsets[f * batch_size : (f + 1) * batch_size]
@@ -54,11 +61,11 @@ def per_id_gradients(
     grad_out: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
     """For each table (keyed by its row offset): the ids looked up in it and each id's fp32 gradient row."""
-    bounds = offsets.tolist()
+    bounds = _feature_bounds(offsets, batch_size, feature_meta.shape[0])
     grad_out = grad_out.float()
     per_table: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
     for f, meta in enumerate(feature_meta.tolist()):
-        first, last = bounds[f * batch_size], bounds[(f + 1) * batch_size]
+        first, last = bounds[f], bounds[f + 1]
         dim, start = meta[DIM], meta[OUT_OFFSET]
         if meta[POOLING] == POOL_NONE:
             grads = grad_out[start : start + (last - first) * dim].view(-1, dim)

@@ -5,16 +5,24 @@
 - `blockwise_quantize_dual`: one pass over x writing 1x128-tile quantizations of x and of x^T with
   power-of-two (E8M0) scales, bit-identical to `mx_quantize_reference(.., block=(128,), "e4m3", "rceil")`.
 - `blockwise_gemm`: out = a @ b^T for E4M3 operands with E8M0 scales per 1x128 tile of a and per 1x128
-  tile or 128x128 block of b, fp32 accumulation, scales applied per 128-wide K step.
+  tile or 128x128 block of b, fp32 accumulation, scales applied per 128-wide K step. Autotuned per shape;
+  ``OPENGEM_FP8_AUTOTUNE=0`` takes the default config instead (one compile, no tuning runs: tests, quick
+  benchmarks).
+
+The rowwise scales and multipliers use correctly rounded division (`tl.math.div_rn`; Triton's ``/`` is an
+approximate fp32 division), so x * (448 / amax) rounds like torch's x / (amax / 448) except within an
+fp32 ulp of an fp8 rounding tie.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
-from opengem.ops.triton.mx import exp2_int, fp32_to_fp8_bits, shared_exponent
+from opengem.ops.triton.mx import exp2_int, fp32_to_fp8_bits, mul_exp2, shared_exponent
 
 E4M3_MAX = 448.0
 TILE = 128
@@ -34,6 +42,12 @@ def _prologue(x_ptr, u_ptr, offs, m, PROLOGUE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_multiplier(amax):
+    # 448 / amax, correctly rounded (the plain fp32 division of compiled kernels is approximate)
+    return tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
+
+
+@triton.jit
 def _row_amax_quant_kernel(
     x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
@@ -50,8 +64,8 @@ def _row_amax_quant_kernel(
         x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE)
         amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
     amax = tl.maximum(amax, 1e-12)
-    tl.store(scale_ptr + r, amax / 448.0, mask=rmask)
-    mult = 448.0 / amax
+    tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
+    mult = _e4m3_multiplier(amax)
     for c0 in range(0, C, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         m = rmask[:, None] & (c[None, :] < C)
@@ -85,12 +99,12 @@ def _tile_quant_kernel(
     m = (r[:, None] < R) & (c[None, :] < C)
     x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0).to(tl.float32)
     col_amax = tl.maximum(tl.load(col_amax_ptr + c, mask=c < C, other=0).to(tl.float32, bitcast=True), 1e-12)
-    qt = tl.minimum(tl.maximum(x * (448.0 / col_amax)[None, :], -448.0), 448.0)
+    qt = tl.minimum(tl.maximum(x * _e4m3_multiplier(col_amax)[None, :], -448.0), 448.0)
     qt8 = qt.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], qt8, mask=m)
     if DO_ROW:
         row_amax = tl.maximum(tl.load(row_amax_ptr + r, mask=r < R, other=0).to(tl.float32, bitcast=True), 1e-12)
-        q = tl.minimum(tl.maximum(x * (448.0 / row_amax)[:, None], -448.0), 448.0)
+        q = tl.minimum(tl.maximum(x * _e4m3_multiplier(row_amax)[:, None], -448.0), 448.0)
         q8 = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], q8, mask=m)
 
@@ -154,12 +168,12 @@ def _blockwise_dual_kernel(x_ptr, q_ptr, s_ptr, qt_ptr, st_ptr, R, C, SC, SR, BL
     abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     # x: one scale per row of the tile
     e_row = shared_exponent(tl.max(abits, axis=1), 8, True)
-    q = tl.minimum(tl.maximum(x * exp2_int(-e_row)[:, None], -448.0), 448.0)
+    q = tl.minimum(tl.maximum(mul_exp2(x, -e_row[:, None]), -448.0), 448.0)
     tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], fp32_to_fp8_bits(q, 3, 7).to(tl.uint8), mask=m)
     tl.store(s_ptr + r.to(tl.int64) * SC + tl.program_id(1), (e_row + 127).to(tl.uint8), mask=r < R)
     # x^T: one scale per column of the tile, stored transposed
     e_col = shared_exponent(tl.max(abits, axis=0), 8, True)
-    qt = tl.minimum(tl.maximum(x * exp2_int(-e_col)[None, :], -448.0), 448.0)
+    qt = tl.minimum(tl.maximum(mul_exp2(x, -e_col[None, :]), -448.0), 448.0)
     tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], fp32_to_fp8_bits(qt, 3, 7).to(tl.uint8), mask=m)
     tl.store(st_ptr + c.to(tl.int64) * SR + tl.program_id(0), (e_col + 127).to(tl.uint8), mask=c < C)
 
@@ -178,14 +192,16 @@ def blockwise_quantize_dual(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.view(torch.float8_e4m3fn), s, qt.view(torch.float8_e4m3fn), st
 
 
-def _gemm_configs() -> list[triton.Config]:
-    return [
-        triton.Config({"BLOCK_M": bm, "GROUP_M": 8}, num_warps=w, num_stages=s)
-        for bm, w, s in ((128, 8, 3), (128, 4, 4), (64, 4, 4), (128, 8, 4))
-    ]
+# (BLOCK_M, num_warps, num_stages); the first is the untuned default
+GEMM_CONFIGS = ((128, 8, 3), (128, 4, 4), (64, 4, 4), (128, 8, 4))
+GROUP_M = 8
 
 
-@triton.autotune(configs=_gemm_configs(), key=["M", "N", "K", "B_BLOCKS"])
+def autotune_enabled() -> bool:
+    """False when ``OPENGEM_FP8_AUTOTUNE=0``: the blockwise GEMM then runs the default config untuned."""
+    return os.environ.get("OPENGEM_FP8_AUTOTUNE", "1") != "0"
+
+
 @triton.jit
 def _blockwise_gemm_kernel(
     a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, SK,
@@ -223,6 +239,12 @@ def _blockwise_gemm_kernel(
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < M) & (rn[None, :] < N))
 
 
+_blockwise_gemm_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_M": bm, "GROUP_M": GROUP_M}, num_warps=w, num_stages=s) for bm, w, s in GEMM_CONFIGS],
+    key=["M", "N", "K", "B_BLOCKS"],
+)(_blockwise_gemm_kernel)
+
+
 def blockwise_gemm(
     a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, b_blocks: bool, out_dtype: torch.dtype
 ) -> torch.Tensor:
@@ -232,6 +254,13 @@ def blockwise_gemm(
     M, K = a.shape
     N = b.shape[0]
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
-    grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, 128),)  # noqa: E731
-    _blockwise_gemm_kernel[grid](a, b, sa, sb, out, M, N, K, sa.shape[1], B_BLOCKS=b_blocks)
+    if autotune_enabled():
+        grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, 128),)  # noqa: E731
+        _blockwise_gemm_tuned[grid](a, b, sa, sb, out, M, N, K, sa.shape[1], B_BLOCKS=b_blocks)
+    else:
+        block_m, warps, stages = GEMM_CONFIGS[0]
+        _blockwise_gemm_kernel[(triton.cdiv(M, block_m) * triton.cdiv(N, 128),)](
+            a, b, sa, sb, out, M, N, K, sa.shape[1],
+            B_BLOCKS=b_blocks, BLOCK_M=block_m, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages,
+        )
     return out

@@ -1,7 +1,8 @@
 """Triton MX quantization: one pass per tile, bit-exact against `opengem.ops.reference.mx`.
 
 Everything after the load is integer arithmetic on the fp32 bit pattern (amax, the E8M0 exponent and the
-round-to-nearest-even fp8 conversion), so the kernel gives the same bits on the GPU and in the Triton
+round-to-nearest-even fp8 conversion) plus exact power-of-two products that never take a subnormal operand
+(`mul_exp2`), so the kernel gives the same bits on the GPU, whatever its denormal mode, and in the Triton
 interpreter (whose own fp8 casts do not round to nearest-even nor handle subnormals).
 """
 
@@ -32,6 +33,23 @@ def exp2_int(e):
 
 
 @triton.jit
+def mul_exp2(x, e):
+    """fp32 ``x * 2^e`` for int32 ``e`` in [-127, 127], exact whenever the result is an fp32 normal.
+
+    A subnormal ``x`` (mant * 2^-149) is rebuilt from its integer mantissa, so a kernel compiled to flush
+    subnormal operands to zero still scales the tiny blocks right. Results below 2^-126 may come out as
+    signed zeros instead of subnormals: far below half the smallest fp8 subnormal, they quantize to the
+    same fp8 bits either way.
+    """
+    bits = x.to(tl.int32, bitcast=True)
+    # mant * 2^-23 is exact; times 2^(e - 126) stays exact down to 2^-126 (for e < 0 the result is < 2^-126)
+    tiny = ((bits & 0x7FFFFF).to(tl.float32) * 1.1920928955078125e-07) * exp2_int(tl.maximum(e - 126, -126))
+    tiny = tl.where(e >= 0, tiny, 0.0)
+    tiny = (tiny.to(tl.int32, bitcast=True) | ((bits >> 31) << 31)).to(tl.float32, bitcast=True)
+    return tl.where((bits & 0x7F800000) == 0, tiny, x * exp2_int(e))
+
+
+@triton.jit
 def fp32_to_fp8_bits(q, MANT: tl.constexpr, BIAS: tl.constexpr):
     """Round finite fp32 ``q`` (|q| <= the format max) to nearest-even fp8 bits (int32 in [0, 255])."""
     bits = q.to(tl.int32, bitcast=True)
@@ -55,35 +73,32 @@ def fp32_to_fp8_bits(q, MANT: tl.constexpr, BIAS: tl.constexpr):
 @triton.jit
 def _mx_quantize_kernel(
     x_ptr, data_ptr, scale_ptr, rows, cols, scale_cols,
-    ROW_GROUP: tl.constexpr, COL_GROUP: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
+    SQUARE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,
     EMAX: tl.constexpr, MAX: tl.constexpr, MANT: tl.constexpr, BIAS: tl.constexpr, RCEIL: tl.constexpr,
 ):
-    # one program: a [BLOCK_ROWS, BLOCK_COLS] tile = [BLOCK_ROWS / ROW_GROUP, BLOCK_COLS / COL_GROUP] blocks
+    # one program: BLOCK_ROWS rows of one BLOCK_COLS-wide column block; one scale per row (1-D blocks) or
+    # one for the whole tile (SQUARE). Plain 2-D tiles and reductions keep the compiled code small.
     r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     c = tl.program_id(1) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
     inside = (r[:, None] < rows) & (c[None, :] < cols)
     offs = r[:, None].to(tl.int64) * cols + c[None, :]
     x = tl.load(x_ptr + offs, mask=inside, other=0.0).to(tl.float32)
     # block amax as an integer max of |bits| (exact, and NaN/inf show up as >= 0x7F800000)
-    abits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    blocks = tl.reshape(abits, (BLOCK_ROWS // ROW_GROUP, ROW_GROUP, BLOCK_COLS // COL_GROUP, COL_GROUP))
-    amax_bits = tl.max(tl.max(blocks, axis=3), axis=1)
+    amax_bits = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=1)
+    if SQUARE:
+        amax_bits = tl.zeros_like(amax_bits) + tl.max(amax_bits, axis=0)
     finite = amax_bits < 0x7F800000
     e = shared_exponent(tl.where(finite, amax_bits, 0), EMAX, RCEIL)
     # elements: x * 2^-e (exact), saturated to the format max, rounded to fp8 bits
-    inv = tl.reshape(exp2_int(-e), (BLOCK_ROWS // ROW_GROUP, 1, BLOCK_COLS // COL_GROUP, 1))
-    xb = tl.reshape(x, (BLOCK_ROWS // ROW_GROUP, ROW_GROUP, BLOCK_COLS // COL_GROUP, COL_GROUP))
-    q = tl.minimum(tl.maximum(xb * inv, -MAX), MAX)
-    fin = tl.reshape(finite, (BLOCK_ROWS // ROW_GROUP, 1, BLOCK_COLS // COL_GROUP, 1))
-    q8 = tl.where(fin, fp32_to_fp8_bits(tl.where(fin, q, 0.0), MANT, BIAS), 0)
-    tl.store(data_ptr + offs, tl.reshape(q8, (BLOCK_ROWS, BLOCK_COLS)).to(tl.uint8), mask=inside)
-    # scales
-    sr = tl.program_id(0) * (BLOCK_ROWS // ROW_GROUP) + tl.arange(0, BLOCK_ROWS // ROW_GROUP)
-    sc = tl.program_id(1) * (BLOCK_COLS // COL_GROUP) + tl.arange(0, BLOCK_COLS // COL_GROUP)
+    q = tl.minimum(tl.maximum(mul_exp2(x, -e[:, None]), -MAX), MAX)
+    q8 = tl.where(finite[:, None], fp32_to_fp8_bits(tl.where(finite[:, None], q, 0.0), MANT, BIAS), 0)
+    tl.store(data_ptr + offs, q8.to(tl.uint8), mask=inside)
     scale = tl.where(finite, e + 127, 255).to(tl.uint8)
-    srows = (rows + ROW_GROUP - 1) // ROW_GROUP
-    smask = (sr[:, None] < srows) & (sc[None, :] < scale_cols)
-    tl.store(scale_ptr + sr[:, None].to(tl.int64) * scale_cols + sc[None, :], scale, mask=smask)
+    if SQUARE:  # the tile's one scale, written by its first row
+        first = tl.arange(0, BLOCK_ROWS) == 0
+        tl.store(scale_ptr + tl.program_id(0) * scale_cols + tl.program_id(1) + 0 * r, scale, mask=first)
+    else:
+        tl.store(scale_ptr + r.to(tl.int64) * scale_cols + tl.program_id(1), scale, mask=r < rows)
 
 
 def mx_quantize_triton(
@@ -105,13 +120,13 @@ def mx_quantize_triton(
     else:
         scales = torch.empty((*x.shape[:-1], scale_cols), dtype=torch.uint8, device=x.device)
     if x.numel() > 0:
-        block_rows = max(row_group, 16)
-        block_cols = max(col_group, 128)
-        grid = (triton.cdiv(rows, block_rows), triton.cdiv(cols, block_cols))
+        # 1-D blocks: 32 rows of a 32-wide block or 8 of a 128-wide one per program; square: one tile
+        block_rows = row_group if len(block) == 2 else 4096 // col_group // 4
+        grid = (triton.cdiv(rows, block_rows), scale_cols)
         _mx_quantize_kernel[grid](
             x, data, scales, rows, cols, scale_cols,
-            ROW_GROUP=row_group, COL_GROUP=col_group, BLOCK_ROWS=block_rows, BLOCK_COLS=block_cols,
+            SQUARE=len(block) == 2, BLOCK_ROWS=block_rows, BLOCK_COLS=col_group,
             EMAX=fmt.emax, MAX=fmt.max, MANT=fmt.mantissa_bits, BIAS=fmt.exponent_bias,
-            RCEIL=scale_rule == "rceil", num_warps=8 if block_rows * block_cols >= 128 * 128 else 4,
+            RCEIL=scale_rule == "rceil", num_warps=8 if block_rows * col_group >= 128 * 128 else 4,
         )
     return data.view(fmt.dtype), scales
