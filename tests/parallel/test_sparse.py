@@ -7,6 +7,7 @@ batch's and the sharded fused updates must equal the unsharded ones (one update 
 
 from __future__ import annotations
 
+import fcntl
 from pathlib import Path
 from typing import Any
 
@@ -15,17 +16,16 @@ import test_sparse_scenarios as sc
 import torch
 
 from opengem.jagged import KeyedJagged
-from opengem.nn.embedding import EmbeddingOptimizer
-from opengem.parallel.sparse import ShardedEmbeddingCollection
+from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
+from opengem.parallel.sparse import ShardedEmbeddingCollection, shard_embeddings
 from opengem.parallel.sparse_plan import SHARDING_TYPES, ShardingPlan, shard_table
 from opengem.parallel.testing import run_distributed
-
-import fcntl
 
 
 @pytest.fixture(scope="session")
 def sparse4(shared_dir: Path) -> list[dict[str, Any]]:
-    """The one 4-rank session; under xdist the first worker runs it under a lock, the others load it."""
+    """The one 4-rank session; under xdist the first worker runs it under a lock, the others load it
+    (the pattern of ``conftest.run_once``, which a test module cannot import unambiguously)."""
     results = shared_dir / "sparse_world4.pt"
     with open(shared_dir / "sparse_world4.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -107,13 +107,13 @@ def test_two_d_adagrad_equals_one_d_when_replicas_see_the_same_data(sparse4):
 
 def test_fully_sharded_two_d_equals_two_d_synced_every_step(sparse4):
     reference = sparse4[0]["two_d"]["adagrad_sync1"]["weights"]
-    _, one_group = sc.reference(sc.ADAGRAD, global_batches())
+    _, one_d = sc.reference(sc.ADAGRAD, global_batches())
     for result in sparse4:
         for name, table in result["two_d"]["adagrad_fully"]["weights"].items():
             torch.testing.assert_close(table, reference[name])
             torch.testing.assert_close(result["two_d"]["adagrad_sync1"]["weights"][name], reference[name])
     # the replicas saw different data: averaged Adagrad is not 1D Adagrad (the documented deviation)
-    assert not torch.allclose(reference["users"], one_group["users"])
+    assert not torch.allclose(reference["users"], one_d["users"])
 
 
 def test_sync_every_two_steps(sparse4):
@@ -174,3 +174,17 @@ def test_bad_plans_raise(single_process_group):
     with pytest.raises(ValueError, match="fully_sharded needs a replica_group"):
         plan = ShardingPlan(1, {t.name: shard_table(t, "table_wise", [0]) for t in ts})
         ShardedEmbeddingCollection(ts, plan, single_process_group, fully_sharded=True)
+
+
+def test_shard_embeddings_replaces_collections_in_a_model(single_process_group):
+    model = torch.nn.Module()
+    model.tower = torch.nn.Module()
+    model.tower.embeddings = EmbeddingCollection(sc.tables(), sc.ADAGRAD)
+    before = model.tower.embeddings(sc.batch(0))
+    plan = ShardingPlan(1, {t.name: shard_table(t, "column_wise", [0]) for t in sc.tables()})
+    replaced = shard_embeddings(model, plan, single_process_group)
+    assert list(replaced) == ["tower.embeddings"] and model.tower.embeddings is replaced["tower.embeddings"]
+    with torch.no_grad():
+        after = model.tower.embeddings(sc.batch(0))
+    for feature, value in before.items():
+        torch.testing.assert_close(sc.as_tensor(after[feature]), sc.as_tensor(value))

@@ -49,7 +49,7 @@ replica group, the step runs as in 2D, and after backward the updated shards are
 (averaged) back and the gathered copy freed. The result equals 2D with ``sync_every=1`` exactly; the
 persistent memory per rank is that of 1D sharding over all G x R ranks, plus one group-shard during the
 step. In this mode the local collection is not a submodule (construct on the target device; the
-state dict holds the owned chunks ``chunk.<name>``).
+state dict holds the owned chunks, buffers ``chunk_<name>``).
 
 Traffic is recorded in ``stats`` (`CommStats`) under mesh dims ``sparse_group`` (``all_to_all_*``: the
 bytes sent by this rank, ``all_gather_sizes``) and ``sparse_replicate`` (``all_reduce``,
@@ -60,6 +60,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -128,6 +129,8 @@ class ShardedEmbeddingCollection(nn.Module):
             replicas start identical without communication.
     """
 
+    opengem_sparse = True  # `opengem.parallel.parallelize` (FSDP) leaves it alone
+
     def __init__(
         self,
         tables: Sequence[EmbeddingTableConfig],
@@ -189,7 +192,6 @@ class ShardedEmbeddingCollection(nn.Module):
                 _init_shard_(weight, self.tables[t], 0 if plan.tables[self.tables[t].name].sharding == "replicated" else k, seed, t)
         if fully_sharded:
             self._local = [local]  # not a submodule: its gathered tensors are transient (see module doc)
-            self.chunks = nn.ParameterDict()
             self._chunk_layout(local)
         else:
             self.local = local
@@ -212,7 +214,9 @@ class ShardedEmbeddingCollection(nn.Module):
             chunk = torch.zeros(size, dtype=tensor.dtype, device=tensor.device)
             part = tensor.detach().reshape(-1)[index * size : (index + 1) * size]
             chunk[: part.numel()] = part
-            self.chunks[name] = nn.Parameter(chunk, requires_grad=False)
+            if hasattr(self, f"chunk_{name}"):  # reloading
+                delattr(self, f"chunk_{name}")
+            self.register_buffer(f"chunk_{name}", chunk)
         self._materialized = True
         self._release()
 
@@ -227,7 +231,7 @@ class ShardedEmbeddingCollection(nn.Module):
             return
         replicas = dist.get_world_size(self.replica_group)
         for name, tensor in self._state_tensors():
-            chunk = self.chunks[name].data
+            chunk = getattr(self, f"chunk_{name}")
             gathered = chunk.new_empty(chunk.numel() * replicas)
             all_gather_single(gathered, chunk, self.replica_group)
             self._record(REPLICA_DIM, "all_gather", gathered)
@@ -239,7 +243,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def _reduce_scatter_and_release(self) -> None:
         replicas = dist.get_world_size(self.replica_group)
         for name, tensor in self._state_tensors():
-            chunk = self.chunks[name].data
+            chunk = getattr(self, f"chunk_{name}")
             padded = torch.zeros(chunk.numel() * replicas, dtype=_reduce_dtype(tensor), device=tensor.device)
             padded[: tensor.numel()] = tensor.detach().reshape(-1)
             summed = padded.new_empty(chunk.numel())
@@ -286,7 +290,6 @@ class ShardedEmbeddingCollection(nn.Module):
                     raise ValueError(f"table {config.name!r}: weights have shape {tuple(full.shape)}, expected {(config.num_embeddings, config.embedding_dim)}")
                 local.embedding_weight(f"{config.name}@{k}").copy_(full[shard.row_start : shard.row_end, shard.col_start : shard.col_end])
         if self.fully_sharded:
-            self.chunks.clear()
             self._chunk_layout(local)
 
     def full_weights(self) -> dict[str, torch.Tensor]:
@@ -392,6 +395,31 @@ class ShardedEmbeddingCollection(nn.Module):
         return anchor, {**local_out, **dict(zip(names, values))}
 
 
+def shard_embeddings(
+    model: nn.Module, plan: ShardingPlan, group: dist.ProcessGroup | DeviceMesh | None = None, **options: Any
+) -> dict[str, ShardedEmbeddingCollection]:
+    """Replace every `EmbeddingCollection` inside ``model`` by a `ShardedEmbeddingCollection` of the same
+    tables and optimizer, starting from its current weights (identical on every rank when the model was
+    built from one seed); returns them by module path. ``options`` go to the constructor (``device``
+    defaults to the collection's). ``plan`` must cover the tables of every collection it replaces.
+    """
+    replaced = {}
+    for name, module in list(model.named_modules()):
+        if type(module) is not EmbeddingCollection:
+            continue
+        weights = [*module.fused_parameters(), *module.parameters()]
+        device = weights[0].device if weights else None
+        sub_plan = ShardingPlan(plan.world_size, {t.name: plan.tables[t.name] for t in module.tables})
+        sharded = ShardedEmbeddingCollection(
+            module.tables, sub_plan, group, module.optimizer, **{"device": device, **options}
+        )
+        sharded.load_full_weights({t.name: module.embedding_weight(t.name).detach() for t in module.tables})
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, sharded)
+        replaced[name] = sharded
+    return replaced
+
+
 def _init_shard_(weight: torch.Tensor, config: EmbeddingTableConfig, shard_key: int, seed: int, table: int) -> None:
     """Uniform(+-1/sqrt(GLOBAL rows)) or normal(init_std), from a generator keyed by (seed, table, shard)."""
     generator = torch.Generator(device=weight.device).manual_seed(seed * 1_000_003 + table * 1_009 + shard_key)
@@ -472,9 +500,13 @@ def _route(piece: _Piece, batch: _Batch) -> _Routed:
 # --- output -------------------------------------------------------------------------------------------
 
 
-def _ranges(starts_and_sizes: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
-    pieces = [torch.arange(s, s + n, device=device) for s, n in starts_and_sizes if n]
-    return torch.cat(pieces) if pieces else torch.zeros(0, dtype=torch.int64, device=device)
+def _ranges(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """Concatenated ``arange(start, start + size)`` of each (start, size), built on the host in one go."""
+    starts = torch.tensor([s for s, _ in spans], dtype=torch.int64)
+    sizes = torch.tensor([n for _, n in spans], dtype=torch.int64)
+    total = int(sizes.sum()) if spans else 0
+    shift = torch.repeat_interleave(starts - (torch.cumsum(sizes, 0) - sizes), sizes, output_size=total)
+    return (torch.arange(total) + shift).to(device)
 
 
 class _Exchange:
@@ -705,4 +737,4 @@ class _ColumnStateSync(torch.autograd.Function):
         return (None, grad_anchor, *grads)
 
 
-__all__ = ["ShardedEmbeddingCollection"]
+__all__ = ["ShardedEmbeddingCollection", "shard_embeddings"]

@@ -23,7 +23,7 @@ Adagrad / Adam's second moment, plus 4 bytes per element for Adam's first moment
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -200,13 +200,14 @@ def plan_sharding(
 
     Greedy, most expensive table first (cost = ids_per_step[name] x dim, ties by bytes):
 
-    1. A "hot" table (cost above the per-rank average of the whole plan) is split column-wise over
-       ``k = ceil(cost / average)`` ranks (at most the group, the divisors of its dim) so that no rank
+    1. A table that fits on no single rank (more bytes than the free budget of every rank) goes
+       row-wise over the fewest ranks whose free memory holds an even row split: inside one host
+       (``table_row_wise``, the ranks of the least loaded host) when a host suffices, else
+       ``row_wise`` over the least loaded ranks.
+    2. A "hot" table (cost above the per-rank average of the whole plan) is split column-wise over
+       ``k = ceil(cost / average)`` ranks (at most the group, a divisor of its dim) so that no rank
        carries it alone.
-    2. Otherwise table-wise on the rank with the lowest cost so far that has room.
-    3. A table that fits on no single rank goes row-wise over the fewest ranks whose free memory
-       holds an even row split: inside one host (``table_row_wise``, the ranks of the least loaded
-       host) when a host suffices, else ``row_wise`` over the least loaded ranks.
+    3. Otherwise table-wise on the rank with the lowest cost so far that has room.
 
     ``gpus_per_host`` defaults to the whole group (one host). Raises ``ValueError`` when some table
     cannot be placed within the budget.
@@ -233,29 +234,34 @@ def plan_sharding(
     for table in order:
         by_load = sorted(range(world_size), key=lambda r: (cost[r], -free[r]))
         table_cost = ids_per_step.get(table.name, 0.0) * table.embedding_dim
-        sharding = None
-        if average > 0 and table_cost > average and world_size > 1:
+        whole = shard_table(table, "table_wise", [0]).shards[0]
+        fits_one_rank = any(shard_bytes(table, whole, optimizer) <= f for f in free)
+        sharding = None if fits_one_rank else _row_split(table, world_size, gpus_per_host, free, cost, fits)
+        if fits_one_rank and average > 0 and table_cost > average and world_size > 1:
             wanted = min(world_size, math.ceil(table_cost / average))
             parts = max((k for k in range(2, wanted + 1) if table.embedding_dim % k == 0), default=None)
             if parts is not None:
                 candidate = shard_table(table, "column_wise", sorted(by_load[:parts]))
                 sharding = candidate if fits(candidate, table) else None
-        if sharding is None:
-            sharding = next(
-                (c for r in by_load if fits(c := shard_table(table, "table_wise", [r]), table)), None
-            )
-        if sharding is None:
-            sharding = _row_split(table, world_size, gpus_per_host, free, cost, fits)
+        if sharding is None and fits_one_rank:
+            sharding = next((c for r in by_load if fits(c := shard_table(table, "table_wise", [r]), table)), None)
         if sharding is None:
             raise ValueError(
-                f"table {table.name!r} ({_format_bytes(shard_bytes(table, shard_table(table, 'table_wise', [0]).shards[0], optimizer))}) "
+                f"table {table.name!r} ({_format_bytes(shard_bytes(table, whole, optimizer))}) "
                 f"does not fit: free bytes per rank {free}"
             )
         commit(table, sharding)
     return ShardingPlan(world_size, {t.name: chosen[t.name] for t in tables})
 
 
-def _row_split(table, world_size, gpus_per_host, free, cost, fits) -> TableSharding | None:
+def _row_split(
+    table: EmbeddingTableConfig,
+    world_size: int,
+    gpus_per_host: int,
+    free: list[int],
+    cost: list[float],
+    fits: Callable[[TableSharding, EmbeddingTableConfig], bool],
+) -> TableSharding | None:
     """Fewest ranks holding an even row split: inside the least loaded host first, else across hosts."""
     hosts = sorted(
         (list(range(h, h + gpus_per_host)) for h in range(0, world_size, gpus_per_host)),
