@@ -7,6 +7,7 @@ batch's and the sharded fused updates must equal the unsharded ones (one update 
 
 from __future__ import annotations
 
+import dataclasses
 import fcntl
 from pathlib import Path
 from typing import Any
@@ -188,3 +189,21 @@ def test_shard_embeddings_replaces_collections_in_a_model(single_process_group):
         after = model.tower.embeddings(sc.batch(0))
     for feature, value in before.items():
         torch.testing.assert_close(sc.as_tensor(after[feature]), sc.as_tensor(value))
+
+
+def test_mixed_weight_dtypes_exchange_per_dtype(single_process_group):
+    tables = [dataclasses.replace(t, dtype=d) for t, d in zip(sc.tables(), (torch.bfloat16, torch.float32, torch.float16))]
+    plan = ShardingPlan(1, {t.name: shard_table(t, s, [0]) for t, s in zip(tables, ("column_wise", "table_wise", "replicated"))})
+    module = ShardedEmbeddingCollection(tables, plan, single_process_group, sc.SGD)
+    reference = EmbeddingCollection(tables, sc.SGD)
+    full = {name: w.to(t.dtype) for (name, w), t in zip(sc.full_weights().items(), tables)}
+    module.load_full_weights(full)
+    with torch.no_grad():
+        for name, weight in full.items():
+            reference.embedding_weight(name).copy_(weight)
+    for got, want in zip(sc.train(module, global_batches()), sc.train(reference, global_batches())):
+        for feature in got:
+            assert got[feature].dtype == want[feature].dtype
+            torch.testing.assert_close(got[feature], want[feature])
+    for name, table in module.full_weights().items():
+        torch.testing.assert_close(table, reference.embedding_weight(name))

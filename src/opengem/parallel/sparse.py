@@ -323,7 +323,7 @@ class ShardedEmbeddingCollection(nn.Module):
         local_out = self._lookup(local_batch)
         anchor = torch.zeros(0, device=features.values.device, requires_grad=True)
         anchor, local_out = self._column_sync(anchor, local_out, local_batch)
-        exchange = _Exchange(self, sizes, counts, routed, local_batch)
+        exchange = _Exchange(self, sizes, counts, routed, anchor.device)
         flats = [
             torch.cat([local_out[p.local_name].reshape(-1) for p in self.pieces_on[self.rank] if p.dtype == d])
             if any(p.dtype == d for p in self.pieces_on[self.rank])
@@ -518,9 +518,10 @@ class _Exchange:
     pieces; ``gather_index`` places every rank's replicated-row gradients back (source-major).
     """
 
-    def __init__(self, module: ShardedEmbeddingCollection, sizes: list[int], counts: list[list[int]], routed, local_batch) -> None:
+    def __init__(
+        self, module: ShardedEmbeddingCollection, sizes: list[int], counts: list[list[int]], routed: dict[_Piece, _Routed], device: torch.device
+    ) -> None:
         self.module, self.sizes, self.routed = module, sizes, routed
-        device = local_batch.values.device if local_batch is not None else torch.device("cpu")
         rank, world = module.rank, module.world
         mine = module.pieces_on[rank]
         # rows[j][s] = (first row, rows) of source s in local piece j's output
