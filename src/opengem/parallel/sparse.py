@@ -35,6 +35,10 @@ the rows in the batch (one all-to-all) and pre-correct their accumulator by the 
 full-row mean and the local mean that the fused update will add, so the accumulators (and the weights)
 stay identical to the unsharded module's (up to rounding). Dims of the shards can differ.
 
+Precision: outputs travel in the table's dtype. For bf16 / fp16 row-split pooled features each shard's
+partial sum is rounded to that dtype before the owner adds them in fp32 (one rounding more than the
+unsharded module); every other case returns exactly the unsharded module's values up to summation order.
+
 2D (``replica_group`` given, ``fully_sharded=False``): each sharding group holds a full sharded copy
 and trains on its own ranks' batches; every ``sync_every`` backward passes the weights and the
 optimizer state of every shard are averaged over the replica group (an all-reduce; TorchRec
@@ -159,7 +163,8 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError(f"sync_every must be >= 1, got {sync_every}")
         if fully_sharded and self.replica_group is None:
             raise ValueError("fully_sharded needs a replica_group of more than one rank")
-        if optimizer is not None and optimizer.kind == "rowwise_adam" and optimizer.betas[1] <= 0:
+        has_columns = any(s.sharding == "column_wise" for s in plan.tables.values())
+        if has_columns and optimizer is not None and optimizer.kind == "rowwise_adam" and optimizer.betas[1] <= 0:
             raise ValueError("rowwise_adam with column-wise shards needs betas[1] > 0")
         self.plan, self.optimizer, self.grad_scale, self.stats = plan, optimizer, grad_scale, stats
         self.sync_every, self.fully_sharded, self.backward_passes = sync_every, fully_sharded, 0
@@ -509,6 +514,21 @@ def _ranges(spans: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
     return (torch.arange(total) + shift).to(device)
 
 
+@dataclass(frozen=True)
+class _DtypeRoute:
+    """The output exchange of the pieces of one weight dtype (see `_Exchange`)."""
+
+    local_numel: int  # this rank's local output of this dtype, flat
+    send_index: torch.Tensor
+    send_splits: list[int]
+    recv_splits: list[int]
+    own_index: torch.Tensor
+    gather_index: torch.Tensor
+    gather_splits: list[int]
+    has_sharded: bool  # some rank has a non-replicated piece of this dtype: the all-to-all runs
+    has_replicated: bool
+
+
 class _Exchange:
     """Index maps of the output all-to-all of one forward, per weight dtype (host bookkeeping).
 
@@ -555,7 +575,7 @@ class _Exchange:
             has_sharded = any(p.dtype == dtype and not p.replicated for p in module.pieces)
             has_replicated = any(p.dtype == dtype and p.replicated for p in module.pieces)
             self.per_dtype.append(
-                (offset, send_index, send_splits, recv_splits, own_index, gather_index, gather_splits, has_sharded, has_replicated)
+                _DtypeRoute(offset, send_index, send_splits, recv_splits, own_index, gather_index, gather_splits, has_sharded, has_replicated)
             )
 
     def _my_rows(self, piece: _Piece) -> int:
@@ -613,12 +633,12 @@ class _OutputExchange(torch.autograd.Function):
     def forward(ctx, exchange: _Exchange, anchor: torch.Tensor, *flats: torch.Tensor):  # type: ignore[override]
         ctx.exchange, ctx.device = exchange, anchor.device
         module, out = exchange.module, []
-        for flat, (_, send_index, send_splits, recv_splits, own_index, *_rest, has_sharded, _) in zip(flats, exchange.per_dtype):
-            if has_sharded:
-                out.append(module._all_to_all(flat[send_index], send_splits, recv_splits, "embeddings"))
+        for flat, route in zip(flats, exchange.per_dtype):
+            if route.has_sharded:
+                out.append(module._all_to_all(flat[route.send_index], route.send_splits, route.recv_splits, "embeddings"))
             else:
                 out.append(flat.new_zeros(0))
-            out.append(flat[own_index])
+            out.append(flat[route.own_index])
         return tuple(out)
 
     @staticmethod
@@ -628,16 +648,16 @@ class _OutputExchange(torch.autograd.Function):
         if module.replica_group is not None:
             torch.autograd.Variable._execution_engine.queue_callback(module._after_backward)
         result = []
-        for i, (numel, send_index, send_splits, recv_splits, _, gather_index, gather_splits, has_sharded, has_replicated) in enumerate(
-            exchange.per_dtype
-        ):
+        for i, route in enumerate(exchange.per_dtype):
             grad_recv, grad_own = grads[2 * i] * module.grad_scale, grads[2 * i + 1] * module.grad_scale
-            grad = grad_recv.new_zeros(numel)
-            if has_sharded:
-                grad.index_copy_(0, send_index, module._all_to_all(grad_recv, recv_splits, send_splits, "embedding_grads"))
-            if has_replicated:
-                everyone = module._all_to_all(grad_own.repeat(module.world), [grad_own.numel()] * module.world, gather_splits, "replicated_grads")
-                grad.index_copy_(0, gather_index, everyone)
+            grad = grad_recv.new_zeros(route.local_numel)
+            if route.has_sharded:
+                sent_back = module._all_to_all(grad_recv, route.recv_splits, route.send_splits, "embedding_grads")
+                grad.index_copy_(0, route.send_index, sent_back)
+            if route.has_replicated:  # every copy of a replicated table needs every rank's gradients
+                copies = grad_own.repeat(module.world)
+                everyone = module._all_to_all(copies, [grad_own.numel()] * module.world, route.gather_splits, "replicated_grads")
+                grad.index_copy_(0, route.gather_index, everyone)
             result.append(grad)
         # a (zero) anchor gradient, so that the column sync's backward (a collective) runs on every rank
         return (None, torch.zeros(0, device=ctx.device), *result)
