@@ -31,7 +31,7 @@ def sparse4(shared_dir: Path) -> list[dict[str, Any]]:
     with open(shared_dir / "sparse_world4.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not results.exists():
-            torch.save(run_distributed(sc.session_world4, 4), results)
+            torch.save(run_distributed(sc.session_world4, 4, str(shared_dir / "sparse_dcp")), results)
     return torch.load(results, weights_only=False)
 
 
@@ -115,6 +115,21 @@ def test_fully_sharded_two_d_equals_two_d_synced_every_step(sparse4):
             torch.testing.assert_close(result["two_d"]["adagrad_sync1"]["weights"][name], reference[name])
     # the replicas saw different data: averaged Adagrad is not 1D Adagrad (the documented deviation)
     assert not torch.allclose(reference["users"], one_d["users"])
+
+
+@pytest.mark.parametrize("scenario", ["world4/mixed/adam", "two_d/adagrad_fully"])
+def test_distributed_checkpoint_round_trip(sparse4, scenario):
+    # DCP save, load into a module initialized from another seed, then one more step on both
+    group, key = scenario.split("/", 1)
+    for result in sparse4:
+        run = result[group][key]
+        for name, table in run["weights"].items():
+            torch.testing.assert_close(run["resumed_weights"][name], table, rtol=0, atol=0)
+        original, resumed = run["next_step"]
+        for feature in original:
+            torch.testing.assert_close(resumed[feature], original[feature], rtol=0, atol=0)
+        for name, table in run["next_weights"][0].items():
+            torch.testing.assert_close(run["next_weights"][1][name], table, rtol=0, atol=0)
 
 
 def test_sync_every_two_steps(sparse4):

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from opengem.jagged import Jagged, KeyedJagged
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
-from opengem.parallel import CommStats, ParallelConfig, build_meshes
+from opengem.parallel import CommStats, ModelOptimizerState, ParallelConfig, build_meshes, load_distributed, save_distributed
 from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.parallel.sparse_plan import SHARDING_TYPES, ShardingPlan, shard_table
 
@@ -121,8 +121,15 @@ def mixed_plan(group_size: int) -> ShardingPlan:
 
 
 def run_sharded(
-    plan: ShardingPlan, group: Any, optimizer: EmbeddingOptimizer, my_samples: tuple[int, int], **options: Any
+    plan: ShardingPlan,
+    group: Any,
+    optimizer: EmbeddingOptimizer,
+    my_samples: tuple[int, int],
+    checkpoint: str | None = None,
+    **options: Any,
 ) -> dict[str, Any]:
+    """3 training steps; with ``checkpoint`` (a directory), also save, then resume into a fresh module
+    (another seed) and train one more step next to the original."""
     stats = CommStats()
     module = ShardedEmbeddingCollection(tables(), plan, group, optimizer, stats=stats, **options)
     module.load_full_weights(full_weights())
@@ -132,20 +139,31 @@ def run_sharded(
         module(batches[0])
         first_forward = dict(stats.bytes)
     outputs = train(module, batches)
-    return {"outputs": outputs, "weights": module.full_weights(), "first_forward_bytes": first_forward, "local_batch": batches[0]}
+    result = {"outputs": outputs, "weights": module.full_weights(), "first_forward_bytes": first_forward, "local_batch": batches[0]}
+    if checkpoint is not None:
+        save_distributed({"embeddings": ModelOptimizerState(module)}, checkpoint)
+        resumed = ShardedEmbeddingCollection(tables(), plan, group, optimizer, seed=1, **options)
+        load_distributed({"embeddings": ModelOptimizerState(resumed)}, checkpoint)
+        result["resumed_weights"] = resumed.full_weights()
+        next_batch = samples(batch(STEPS), *my_samples)
+        result["next_step"] = [train(m, [next_batch])[0] for m in (module, resumed)]
+        result["next_weights"] = [m.full_weights() for m in (module, resumed)]
+    return result
 
 
-def one_d(group_size: int, group: Any, group_rank: int) -> dict[str, Any]:
+def one_d(group_size: int, group: Any, group_rank: int, checkpoint: str | None = None) -> dict[str, Any]:
+    """``checkpoint``: a directory for the DCP round trip (only where the group is the whole world:
+    DCP coordinates over the default group)."""
     uneven = group_size == 4
     edges = bounds(group_size, uneven)
     mine = (edges[group_rank], edges[group_rank + 1])
     results = {f"{s}/adagrad": run_sharded(plan_all(s, group_size), group, ADAGRAD, mine) for s in SHARDING_TYPES}
-    results["mixed/adam"] = run_sharded(mixed_plan(group_size), group, ADAM, mine)
+    results["mixed/adam"] = run_sharded(mixed_plan(group_size), group, ADAM, mine, checkpoint and f"{checkpoint}/mixed")
     results["column_wise/adam"] = run_sharded(plan_all("column_wise", group_size), group, ADAM, mine)
     return results
 
 
-def two_d(rank: int) -> dict[str, Any]:
+def two_d(rank: int, checkpoint: str) -> dict[str, Any]:
     """Groups of 2 (ranks {0, 2} and {1, 3}) x 2 replicas ({0, 1} and {2, 3}) on 4 ranks."""
     meshes = build_meshes(ParallelConfig(sparse_group=2, sparse_replicate=2))
     group_rank = meshes.sparse.get_local_rank("sparse_group")
@@ -156,7 +174,7 @@ def two_d(rank: int) -> dict[str, Any]:
         "sgd_sync1": run_sharded(plan, meshes.sparse, SGD, global_slice),
         "adagrad_same_data": run_sharded(plan, meshes.sparse, ADAGRAD, same_slice),
         "adagrad_sync1": run_sharded(plan, meshes.sparse, ADAGRAD, global_slice),
-        "adagrad_fully": run_sharded(plan, meshes.sparse, ADAGRAD, global_slice, fully_sharded=True),
+        "adagrad_fully": run_sharded(plan, meshes.sparse, ADAGRAD, global_slice, f"{checkpoint}/fully", fully_sharded=True),
         "sgd_fully": run_sharded(plan, meshes.sparse, SGD, global_slice, fully_sharded=True),
         "sync_every_2": sync_every_two(meshes.sparse, plan, global_slice),
     }
@@ -177,11 +195,11 @@ def sync_every_two(mesh: Any, plan: ShardingPlan, my_samples: tuple[int, int]) -
     return {"after": after}
 
 
-def session_world4() -> dict[str, Any]:
+def session_world4(checkpoint: str) -> dict[str, Any]:
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
     return {
-        "world4": one_d(4, dist.group.WORLD, rank),
+        "world4": one_d(4, dist.group.WORLD, rank, checkpoint),
         "world2": one_d(2, pairs[rank // 2], rank % 2),
-        "two_d": two_d(rank),
+        "two_d": two_d(rank, checkpoint),
     }

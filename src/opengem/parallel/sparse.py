@@ -53,7 +53,13 @@ replica group, the step runs as in 2D, and after backward the updated shards are
 (averaged) back and the gathered copy freed. The result equals 2D with ``sync_every=1`` exactly; the
 persistent memory per rank is that of 1D sharding over all G x R ranks, plus one group-shard during the
 step. In this mode the local collection is not a submodule (construct on the target device; the
-state dict holds the owned chunks, buffers ``chunk_<name>``).
+state dict holds the owned chunks, buffers ``chunk_rank<g>_replica<j>_<name>``).
+
+Checkpoints: the state dict holds this rank's shards under rank-unique names (``shards_rank<g>.`` +
+the `EmbeddingCollection` layout of its shards), so ``opengem.parallel.save_distributed`` /
+``load_distributed`` (DCP) round-trip it under the SAME plan and layout; replicas of a shard share
+names (DCP keeps one copy: checkpoint at a sync step). To change the plan, go through
+``full_weights`` / ``load_full_weights``.
 
 Traffic is recorded in ``stats`` (`CommStats`) under mesh dims ``sparse_group`` (``all_to_all_*``: the
 bytes sent by this rank, ``all_gather_sizes``) and ``sparse_replicate`` (``all_reduce``,
@@ -199,17 +205,28 @@ class ShardedEmbeddingCollection(nn.Module):
             self._local = [local]  # not a submodule: its gathered tensors are transient (see module doc)
             self._chunk_layout(local)
         else:
-            self.local = local
+            self._local = []
+            self.add_module(self._state_prefix(), local)
 
     # --- the local collection and its state -----------------------------------------------------------
 
     @property
     def local_collection(self) -> EmbeddingCollection:
-        return self._local[0] if self.fully_sharded else self.local
+        return self._local[0] if self.fully_sharded else getattr(self, self._state_prefix())
+
+    def _state_prefix(self) -> str:
+        """Rank-unique names for the shard state, so that a distributed checkpoint (DCP, which keeps one
+        copy of a name saved by several ranks) stores every shard; replicas of a shard share a name."""
+        if self.fully_sharded:
+            return f"rank{self.rank}_replica{dist.get_rank(self.replica_group)}"
+        return f"shards_rank{self.rank}"
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         local = self.local_collection
         return [(n.replace(".", "_"), t) for n, t in [*local.named_parameters(), *local.named_buffers()]]
+
+    def _chunk_name(self, name: str) -> str:
+        return f"chunk_{self._state_prefix()}_{name}"
 
     def _chunk_layout(self, local: EmbeddingCollection) -> None:
         """Keep this rank's 1/R of every state tensor (flat, padded) and free the full tensors."""
@@ -219,9 +236,9 @@ class ShardedEmbeddingCollection(nn.Module):
             chunk = torch.zeros(size, dtype=tensor.dtype, device=tensor.device)
             part = tensor.detach().reshape(-1)[index * size : (index + 1) * size]
             chunk[: part.numel()] = part
-            if hasattr(self, f"chunk_{name}"):  # reloading
-                delattr(self, f"chunk_{name}")
-            self.register_buffer(f"chunk_{name}", chunk)
+            if hasattr(self, self._chunk_name(name)):  # reloading
+                delattr(self, self._chunk_name(name))
+            self.register_buffer(self._chunk_name(name), chunk)
         self._materialized = True
         self._release()
 
@@ -236,7 +253,7 @@ class ShardedEmbeddingCollection(nn.Module):
             return
         replicas = dist.get_world_size(self.replica_group)
         for name, tensor in self._state_tensors():
-            chunk = getattr(self, f"chunk_{name}")
+            chunk = getattr(self, self._chunk_name(name))
             gathered = chunk.new_empty(chunk.numel() * replicas)
             all_gather_single(gathered, chunk, self.replica_group)
             self._record(REPLICA_DIM, "all_gather", gathered)
@@ -248,7 +265,7 @@ class ShardedEmbeddingCollection(nn.Module):
     def _reduce_scatter_and_release(self) -> None:
         replicas = dist.get_world_size(self.replica_group)
         for name, tensor in self._state_tensors():
-            chunk = getattr(self, f"chunk_{name}")
+            chunk = getattr(self, self._chunk_name(name))
             padded = torch.zeros(chunk.numel() * replicas, dtype=_reduce_dtype(tensor), device=tensor.device)
             padded[: tensor.numel()] = tensor.detach().reshape(-1)
             summed = padded.new_empty(chunk.numel())
