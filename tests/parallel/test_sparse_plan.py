@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from opengem.nn.embedding import EmbeddingOptimizer, EmbeddingTableConfig
+from opengem.parallel.mesh import Topology
 from opengem.parallel.sparse_plan import Shard, ShardingPlan, TableSharding, plan_sharding, shard_bytes, shard_table
 
 
@@ -43,7 +44,7 @@ def test_table_over_budget_is_planned_row_wise_within_budget(gpus_per_host, expe
     tables = [big, *small]
     ids = {"big": 50.0, **{t.name: 10.0 for t in small}}
     budget = 100_000
-    plan = plan_sharding(tables, 4, memory_budget=budget, ids_per_step=ids, gpus_per_host=gpus_per_host)
+    plan = plan_sharding(tables, 4, memory_budget=budget, ids_per_step=ids, topology=Topology(gpus_per_host))
     assert plan.tables["big"].sharding == expected
     assert len(plan.tables["big"].shards) == 3
     per_rank = plan.rank_bytes(tables, EmbeddingOptimizer())

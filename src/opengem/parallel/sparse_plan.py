@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from opengem.nn.embedding import EmbeddingOptimizer, EmbeddingTableConfig
+from opengem.parallel.mesh import Topology
 
 ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "replicated"]
 SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "replicated")
@@ -192,7 +193,7 @@ def plan_sharding(
     world_size: int,
     memory_budget: int,
     ids_per_step: Mapping[str, float],
-    gpus_per_host: int | None = None,
+    topology: Topology | None = None,
     optimizer: EmbeddingOptimizer | None = EmbeddingOptimizer(),
 ) -> ShardingPlan:
     """Choose a sharding and ranks per table so that every rank stays within ``memory_budget`` bytes
@@ -209,10 +210,13 @@ def plan_sharding(
        carries it alone.
     3. Otherwise table-wise on the rank with the lowest cost so far that has room.
 
-    ``gpus_per_host`` defaults to the whole group (one host). Raises ``ValueError`` when some table
-    cannot be placed within the budget.
+    ``world_size`` is the sharding group's size (``ParallelConfig.sparse_group``); ``topology`` (hosts
+    of ``gpus_per_host`` consecutive GROUP ranks) defaults to one host. With R sparse replicas the
+    replicas of a shard share a host, so a host of H GPUs holds H / R ranks of a group: pass
+    ``Topology(H // R)``. Raises ``ValueError`` when some
+    table cannot be placed within the budget.
     """
-    gpus_per_host = gpus_per_host or world_size
+    gpus_per_host = topology.clipped(world_size).gpus_per_host if topology is not None else world_size
     if world_size < 1 or memory_budget <= 0 or world_size % gpus_per_host:
         raise ValueError(f"need world_size >= 1 divisible by gpus_per_host and a positive budget, got {world_size}, {gpus_per_host}, {memory_budget}")
     free = [memory_budget] * world_size
