@@ -222,3 +222,13 @@ def test_mixed_weight_dtypes_exchange_per_dtype(single_process_group):
             torch.testing.assert_close(got[feature], want[feature])
     for name, table in module.full_weights().items():
         torch.testing.assert_close(table, reference.embedding_weight(name))
+
+
+def test_grad_scale_scales_the_shards_gradients(single_process_group):
+    plan = ShardingPlan(1, {t.name: shard_table(t, "row_wise", [0]) for t in sc.tables()})
+    module = ShardedEmbeddingCollection(sc.tables(), plan, single_process_group, sc.SGD, grad_scale=0.25)
+    module.load_full_weights(sc.full_weights())
+    sc.train(module, global_batches())
+    _, weights = sc.reference(EmbeddingOptimizer("sgd", lr=sc.SGD.lr * 0.25), global_batches())
+    for name, table in module.full_weights().items():
+        torch.testing.assert_close(table, weights[name])
