@@ -27,6 +27,8 @@ from opengem.parallel.mesh import (
     parse_parallel,
     validate_layout,
 )
+from opengem.parallel.sparse import ShardedEmbeddingCollection, shard_embeddings
+from opengem.parallel.sparse_plan import Shard, ShardingPlan, TableSharding, plan_sharding, shard_table
 
 __all__ = [
     "Capabilities",
@@ -55,4 +57,11 @@ __all__ = [
     "select_collectives",
     "setup_environment",
     "validate_layout",
+    "ShardedEmbeddingCollection",
+    "Shard",
+    "ShardingPlan",
+    "TableSharding",
+    "plan_sharding",
+    "shard_embeddings",
+    "shard_table",
 ]

@@ -1,0 +1,297 @@
+"""Sharding plans for embedding tables (TorchRec's vocabulary) and a planner that balances cost and memory.
+
+A ``ShardingPlan`` says, for every table, how it is split over the R ranks of one sharding group (group
+ranks ``0..R-1``) and which rank holds each piece:
+
+- ``table_wise``: the whole table on one rank.
+- ``row_wise``: rows split evenly over the given ranks (each shard: all columns of a row range).
+- ``column_wise``: columns split evenly (each shard: all rows, a column range).
+- ``table_row_wise``: row-wise over the ranks of one host (the all-to-all stays on NVLink).
+- ``replicated``: a full copy on every rank of the group (data parallel; see `opengem.parallel.sparse`).
+
+A shard is ``(rank, rows [row_start, row_end), columns [col_start, col_end))``. The shards of one table
+sit on distinct ranks and tile the table exactly (replicated: every shard is the whole table).
+
+Cost model (the planner and ``explain``): a table's cost per step is its expected ids per step (pooling
+factor x global batch) times its dim (elements read in forward and written in backward); a row-wise
+shard gets the table's ids in proportion to its rows (uniform ids), a column-wise shard every id with its
+share of the dim, a replicated copy every id of the group (it looks up the whole group's batch). Memory
+per shard: weights (rows x dim x element size) plus optimizer state: 4 bytes per row for row-wise
+Adagrad / Adam's second moment, plus 4 bytes per element for Adam's first moment.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from opengem.nn.embedding import EmbeddingOptimizer, EmbeddingTableConfig
+from opengem.parallel.mesh import Topology
+
+ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "replicated"]
+SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "replicated")
+ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
+
+
+@dataclass(frozen=True)
+class Shard:
+    rank: int  # rank inside the sharding group
+    row_start: int
+    row_end: int
+    col_start: int
+    col_end: int
+
+    @property
+    def rows(self) -> int:
+        return self.row_end - self.row_start
+
+    @property
+    def dim(self) -> int:
+        return self.col_end - self.col_start
+
+
+@dataclass(frozen=True)
+class TableSharding:
+    sharding: ShardingType
+    shards: tuple[Shard, ...]
+
+    @property
+    def ranks(self) -> tuple[int, ...]:
+        return tuple(s.rank for s in self.shards)
+
+
+def _even_bounds(size: int, parts: int) -> list[int]:
+    return [size * i // parts for i in range(parts + 1)]
+
+
+def shard_table(table: EmbeddingTableConfig, sharding: ShardingType, ranks: Sequence[int]) -> TableSharding:
+    """Split ``table`` the ``sharding`` way over ``ranks`` (one rank for table-wise), evenly, in rank order.
+
+    Row and column splits give shard i ``size * i // n .. size * (i + 1) // n``.
+    """
+    ranks = tuple(ranks)
+    rows, dim = table.num_embeddings, table.embedding_dim
+    if sharding not in SHARDING_TYPES:
+        raise ValueError(f"table {table.name!r}: sharding must be one of {SHARDING_TYPES}, got {sharding!r}")
+    if not ranks or len(set(ranks)) != len(ranks):
+        raise ValueError(f"table {table.name!r}: ranks must be distinct and non-empty, got {list(ranks)}")
+    if sharding == "table_wise":
+        if len(ranks) != 1:
+            raise ValueError(f"table {table.name!r}: table_wise takes exactly one rank, got {list(ranks)}")
+        return TableSharding(sharding, (Shard(ranks[0], 0, rows, 0, dim),))
+    if sharding == "replicated":
+        return TableSharding(sharding, tuple(Shard(r, 0, rows, 0, dim) for r in ranks))
+    if sharding == "column_wise":
+        if len(ranks) > dim:
+            raise ValueError(f"table {table.name!r}: {len(ranks)} column shards for dim {dim}")
+        bounds = _even_bounds(dim, len(ranks))
+        return TableSharding(sharding, tuple(Shard(r, 0, rows, bounds[i], bounds[i + 1]) for i, r in enumerate(ranks)))
+    if len(ranks) > rows:
+        raise ValueError(f"table {table.name!r}: {len(ranks)} row shards for {rows} rows")
+    bounds = _even_bounds(rows, len(ranks))
+    return TableSharding(sharding, tuple(Shard(r, bounds[i], bounds[i + 1], 0, dim) for i, r in enumerate(ranks)))
+
+
+def state_bytes_per_row(dim: int, optimizer: EmbeddingOptimizer | None) -> int:
+    """Optimizer state bytes of one row of ``dim`` columns (fp32 state)."""
+    if optimizer is None or optimizer.kind == "sgd":
+        return 0
+    return 4 + (4 * dim if optimizer.kind == "rowwise_adam" else 0)
+
+
+def shard_bytes(table: EmbeddingTableConfig, shard: Shard, optimizer: EmbeddingOptimizer | None) -> int:
+    """Weights plus optimizer state of ``shard`` of ``table``. Row-wise state is per row of every column
+    shard (each column shard keeps the full row's accumulator, kept identical; see `opengem.parallel.sparse`)."""
+    return shard.rows * (shard.dim * table.dtype.itemsize + state_bytes_per_row(shard.dim, optimizer))
+
+
+def shard_ids_per_step(table: EmbeddingTableConfig, sharding: TableSharding, shard: Shard, ids_per_step: float) -> float:
+    """Expected ids a shard looks up per step (uniform ids over rows; see the module docstring)."""
+    if sharding.sharding in ROW_SPLIT_TYPES:
+        return ids_per_step * shard.rows / table.num_embeddings
+    return ids_per_step
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Per table name, its sharding over a group of ``world_size`` ranks; see the module docstring."""
+
+    world_size: int
+    tables: Mapping[str, TableSharding] = field(default_factory=dict)
+
+    def validate(self, tables: Sequence[EmbeddingTableConfig]) -> None:
+        """Raise ``ValueError`` unless every table has a sharding whose shards tile it on distinct valid ranks."""
+        names = [t.name for t in tables]
+        missing = [n for n in names if n not in self.tables]
+        extra = [n for n in self.tables if n not in names]
+        if missing or extra:
+            raise ValueError(f"plan does not match the tables: missing {missing}, unknown {extra}")
+        for table in tables:
+            sharding = self.tables[table.name]
+            ranks = sharding.ranks
+            if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+                raise ValueError(f"table {table.name!r}: shard ranks {list(ranks)} must be distinct and in [0, {self.world_size})")
+            if sharding != shard_table(table, sharding.sharding, ranks):
+                raise ValueError(f"table {table.name!r}: shards {sharding.shards} do not split it evenly {sharding.sharding}")
+
+    def rank_bytes(self, tables: Sequence[EmbeddingTableConfig], optimizer: EmbeddingOptimizer | None) -> list[int]:
+        """Weights + optimizer state bytes held by each rank of the group."""
+        totals = [0] * self.world_size
+        for table in tables:
+            for shard in self.tables[table.name].shards:
+                totals[shard.rank] += shard_bytes(table, shard, optimizer)
+        return totals
+
+    def rank_cost(self, tables: Sequence[EmbeddingTableConfig], ids_per_step: Mapping[str, float]) -> list[float]:
+        """Estimated ids x dim per step on each rank."""
+        totals = [0.0] * self.world_size
+        for table in tables:
+            sharding = self.tables[table.name]
+            for shard in sharding.shards:
+                totals[shard.rank] += shard_ids_per_step(table, sharding, shard, ids_per_step.get(table.name, 0.0)) * shard.dim
+        return totals
+
+    def explain(
+        self,
+        tables: Sequence[EmbeddingTableConfig],
+        optimizer: EmbeddingOptimizer | None = EmbeddingOptimizer(),
+        ids_per_step: Mapping[str, float] | None = None,
+    ) -> str:
+        """A readable table -> shards -> ranks listing with bytes and expected ids per step, then per-rank totals."""
+        ids_per_step = ids_per_step or {}
+        lines = []
+        for table in tables:
+            sharding = self.tables[table.name]
+            ids = ids_per_step.get(table.name, 0.0)
+            lines.append(
+                f"table {table.name}: {table.num_embeddings} x {table.embedding_dim} "
+                f"{str(table.dtype).removeprefix('torch.')}, {sharding.sharding}, {ids:.0f} ids/step"
+            )
+            for shard in sharding.shards:
+                lines.append(
+                    f"  rows [{shard.row_start}, {shard.row_end}) cols [{shard.col_start}, {shard.col_end}) -> rank {shard.rank}: "
+                    f"{_format_bytes(shard_bytes(table, shard, optimizer))}, "
+                    f"{shard_ids_per_step(table, sharding, shard, ids):.0f} ids/step"
+                )
+        costs = self.rank_cost(tables, ids_per_step)
+        for rank, nbytes in enumerate(self.rank_bytes(tables, optimizer)):
+            lines.append(f"rank {rank}: {_format_bytes(nbytes)}, cost {costs[rank]:.0f} id-elements/step")
+        return "\n".join(lines)
+
+
+def _format_bytes(nbytes: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.2f} {unit}"
+    return f"{nbytes} B"
+
+
+def plan_sharding(
+    tables: Sequence[EmbeddingTableConfig],
+    world_size: int,
+    memory_budget: int,
+    ids_per_step: Mapping[str, float],
+    topology: Topology | None = None,
+    optimizer: EmbeddingOptimizer | None = EmbeddingOptimizer(),
+) -> ShardingPlan:
+    """Choose a sharding and ranks per table so that every rank stays within ``memory_budget`` bytes
+    (weights + optimizer state) while the estimated cost (ids per step x dim) is balanced.
+
+    Greedy, most expensive table first (cost = ids_per_step[name] x dim, ties by bytes):
+
+    1. A table that fits on no single rank (more bytes than the free budget of every rank) goes
+       row-wise over the fewest ranks whose free memory holds an even row split: inside one host
+       (``table_row_wise``, the ranks of the least loaded host) when a host suffices, else
+       ``row_wise`` over the least loaded ranks.
+    2. A "hot" table (cost above the per-rank average of the whole plan) is split column-wise over
+       ``k = ceil(cost / average)`` ranks (at most the group, a divisor of its dim) so that no rank
+       carries it alone.
+    3. Otherwise table-wise on the rank with the lowest cost so far that has room.
+
+    ``world_size`` is the sharding group's size (``ParallelConfig.sparse_group``); ``topology`` (hosts
+    of ``gpus_per_host`` consecutive GROUP ranks) defaults to one host. With R sparse replicas the
+    replicas of a shard share a host, so a host of H GPUs holds H / R ranks of a group: pass
+    ``Topology(H // R)``. Raises ``ValueError`` when some
+    table cannot be placed within the budget.
+    """
+    gpus_per_host = topology.clipped(world_size).gpus_per_host if topology is not None else world_size
+    if world_size < 1 or memory_budget <= 0 or world_size % gpus_per_host:
+        raise ValueError(f"need world_size >= 1 divisible by gpus_per_host and a positive budget, got {world_size}, {gpus_per_host}, {memory_budget}")
+    free = [memory_budget] * world_size
+    cost = [0.0] * world_size
+    total_cost = sum(ids_per_step.get(t.name, 0.0) * t.embedding_dim for t in tables)
+    average = total_cost / world_size
+    chosen: dict[str, TableSharding] = {}
+
+    def fits(sharding: TableSharding, table: EmbeddingTableConfig) -> bool:
+        return all(shard_bytes(table, s, optimizer) <= free[s.rank] for s in sharding.shards)
+
+    def commit(table: EmbeddingTableConfig, sharding: TableSharding) -> None:
+        for s in sharding.shards:
+            free[s.rank] -= shard_bytes(table, s, optimizer)
+            cost[s.rank] += shard_ids_per_step(table, sharding, s, ids_per_step.get(table.name, 0.0)) * s.dim
+        chosen[table.name] = sharding
+
+    order = sorted(tables, key=lambda t: (ids_per_step.get(t.name, 0.0) * t.embedding_dim, t.num_embeddings * t.embedding_dim), reverse=True)
+    for table in order:
+        by_load = sorted(range(world_size), key=lambda r: (cost[r], -free[r]))
+        table_cost = ids_per_step.get(table.name, 0.0) * table.embedding_dim
+        whole = shard_table(table, "table_wise", [0]).shards[0]
+        fits_one_rank = any(shard_bytes(table, whole, optimizer) <= f for f in free)
+        sharding = None if fits_one_rank else _row_split(table, world_size, gpus_per_host, free, cost, fits)
+        if fits_one_rank and average > 0 and table_cost > average and world_size > 1:
+            wanted = min(world_size, math.ceil(table_cost / average))
+            parts = max((k for k in range(2, wanted + 1) if table.embedding_dim % k == 0), default=None)
+            if parts is not None:
+                candidate = shard_table(table, "column_wise", sorted(by_load[:parts]))
+                sharding = candidate if fits(candidate, table) else None
+        if sharding is None and fits_one_rank:
+            sharding = next((c for r in by_load if fits(c := shard_table(table, "table_wise", [r]), table)), None)
+        if sharding is None:
+            raise ValueError(
+                f"table {table.name!r} ({_format_bytes(shard_bytes(table, whole, optimizer))}) "
+                f"does not fit: free bytes per rank {free}"
+            )
+        commit(table, sharding)
+    return ShardingPlan(world_size, {t.name: chosen[t.name] for t in tables})
+
+
+def _row_split(
+    table: EmbeddingTableConfig,
+    world_size: int,
+    gpus_per_host: int,
+    free: list[int],
+    cost: list[float],
+    fits: Callable[[TableSharding, EmbeddingTableConfig], bool],
+) -> TableSharding | None:
+    """Fewest ranks holding an even row split: inside the least loaded host first, else across hosts."""
+    hosts = sorted(
+        (list(range(h, h + gpus_per_host)) for h in range(0, world_size, gpus_per_host)),
+        key=lambda ranks: sum(cost[r] for r in ranks),
+    )
+    for host in hosts:
+        by_load = sorted(host, key=lambda r: (cost[r], -free[r]))
+        for parts in range(2, len(host) + 1):
+            candidate = shard_table(table, "table_row_wise", sorted(by_load[:parts]))
+            if fits(candidate, table):
+                return candidate
+    by_load = sorted(range(world_size), key=lambda r: (cost[r], -free[r]))
+    for parts in range(2, world_size + 1):
+        candidate = shard_table(table, "row_wise", sorted(by_load[:parts]))
+        if fits(candidate, table):
+            return candidate
+    return None
+
+
+__all__ = [
+    "SHARDING_TYPES",
+    "Shard",
+    "ShardingPlan",
+    "ShardingType",
+    "TableSharding",
+    "plan_sharding",
+    "shard_bytes",
+    "shard_table",
+]
