@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU-machine session: GPU tests and benchmarks, every log and result bundled into one archive.
 #   usage: benchmarks/gpu_session.sh OUT_DIR BUDGET_SECONDS STEP...
-#   STEP: tests:<pytest path> | quick:<family> | full:<family> | train:<preset>
+#   STEP: tests:<pytest path> | quick:<family> | full:<family> | train:<preset>, optionally @SECONDS
+#   to cap that step (e.g. quick:jfa@75)
 #   (train: 150 steps of `opengem train` on the GPU, metrics.jsonl kept; steady-state samples/s is read
 #   from the later log windows)
 # Each step gets at most what is left of the budget, so the call ends inside the device's time limit.
@@ -15,8 +16,10 @@ python -c 'import torch, triton; print(torch.__version__, triton.__version__, to
   > "$work/logs/versions.txt" 2>&1
 deadline=$((SECONDS + budget))
 for step in "$@"; do
-  kind=${step%%:*}; target=${step#*:}
+  kind=${step%%:*}; target=${step#*:}; cap=
+  case $target in *@*) cap=${target##*@}; target=${target%@*} ;; esac
   left=$((deadline - SECONDS))
+  if [ -n "$cap" ] && [ "$cap" -lt "$left" ]; then left=$cap; fi
   if [ "$left" -lt 20 ]; then echo "SKIPPED (budget) $step"; continue; fi
   name=$(echo "$step" | tr '/:.' '___')
   start=$SECONDS
