@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-import _interpreter_numpy2  # noqa: F401  (after TRITON_INTERPRET, before any kernel runs)
+from . import _interpreter_numpy2  # noqa: F401  (after TRITON_INTERPRET, before any kernel runs)
 from opengem.ops.jagged_attention import attention_pairs, jagged_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.masks import attention_mask
