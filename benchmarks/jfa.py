@@ -489,7 +489,7 @@ def plot(rows: list[dict], path) -> bool:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--quick", action="store_true", help="workloads (a) and (d), JFA untuned + varlen flash + nested SDPA (< 75 s)"
+        "--quick", action="store_true", help="workloads (a), (d): JFA untuned, varlen flash, nested SDPA (< 75 s)"
     )
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -499,6 +499,7 @@ def main() -> None:
     started = time.perf_counter()
     rec = Recorder({"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
+    say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
     lost = None
     try:
         run(args.quick, rec)

@@ -148,7 +148,8 @@ def _check_samples(lengths, samples, tol, **kwargs):
     for b in samples:
         rows = slice(bounds[b], bounds[b + 1])
         one = torch.tensor([0, lengths[b]], dtype=torch.int32, device="cuda")
-        want = _forward_backward(*(t[rows].float() for t in (q, k, v, dout)), one, lengths[b], backend="reference", **kwargs)
+        sample = (t[rows].float() for t in (q, k, v, dout))
+        want = _forward_backward(*sample, one, lengths[b], backend="reference", **kwargs)
         for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
             assert _rel(g[rows], w) < tol, (b, lengths[b], name, _rel(g[rows], w))
 
@@ -176,6 +177,7 @@ def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatc
     from opengem.ops.triton import jagged_attention as kernels
 
     for kernel, (m, n, warps, stages) in zip((kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), configs):
-        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)])
+        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        monkeypatch.setattr(kernel, "configs", [config])
     lengths = [4100, 2, 1500, 129, 64, 63, 3001]
     _check_samples(lengths, range(len(lengths)), 1.5e-2, causal=True)
