@@ -14,13 +14,22 @@ JFA is timed through its registered ops (``torch.ops.opengem.jagged_attention_fw
 included, the public function's argument validation not). Errors are relative (fp64 norms) against the
 fp32 reference on the first sequences of the batch (the output of a sequence depends on it alone).
 
-Run: ``PYTHONPATH=src python -m benchmarks.jfa [--quick]``.
+Order (a device fault poisons the CUDA context, so the riskiest code runs last): per workload JFA, then
+the eager peers; FlexAttention (compiled) in a final pass over all workloads. Every step (first forward,
+first backward with the error check, timed fwd / bwd / fwd+bwd) is synchronized and printed as it ends,
+and ``benchmarks/results/jfa.json`` is rewritten after it, so a killed run keeps what it finished. A peer
+that fails becomes a note in its row; a lost CUDA context ends the run (exit status 1, rows kept).
+
+Run: ``PYTHONPATH=src python -m benchmarks.jfa [--quick]``. ``--quick``: workloads (a) and (d), JFA with
+each kernel's default config (no autotuning), varlen flash and nested SDPA, no Flex (about 40 s cold).
+Full: every workload and peer, JFA autotuned (curated configs), a few minutes.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -113,33 +122,38 @@ def _autograd_impl(name: str, forward: Callable[..., torch.Tensor], b: Batch, se
 
 
 def jfa_impl(wl: Workload, b: Batch) -> Impl:
+    """The registered ops; ``bwd`` differentiates the latest ``fwd`` (its saved output and log-sum-exp)."""
     window = -1 if wl.window is None else wl.window
     options = (wl.max_len, wl.causal, 0, window, b.scale, True)
     forward = torch.ops.opengem.jagged_attention_fwd
     backward = torch.ops.opengem.jagged_attention_bwd
-    out, lse = forward(b.q, b.k, b.v, b.offsets, b.targets, *options)
+    saved: list[torch.Tensor] = []
+
+    def fwd():
+        out, lse = forward(b.q, b.k, b.v, b.offsets, b.targets, *options)
+        saved[:] = [out, lse]
+        return out
 
     def fwd_bwd():
-        o, l = forward(b.q, b.k, b.v, b.offsets, b.targets, *options)
-        return (o, *backward(b.dout, b.q, b.k, b.v, o, l, b.offsets, b.targets, *options))
+        out, lse = forward(b.q, b.k, b.v, b.offsets, b.targets, *options)
+        return (out, *backward(b.dout, b.q, b.k, b.v, out, lse, b.offsets, b.targets, *options))
 
-    return Impl(
-        "jfa",
-        lambda: forward(b.q, b.k, b.v, b.offsets, b.targets, *options)[0],
-        lambda: backward(b.dout, b.q, b.k, b.v, out, lse, b.offsets, b.targets, *options),
-        fwd_bwd,
-    )
+    return Impl("jfa", fwd, lambda: backward(b.dout, b.q, b.k, b.v, *saved, b.offsets, b.targets, *options), fwd_bwd)
 
 
 def flash_impl(wl: Workload, b: Batch) -> Impl:
-    """PyTorch's varlen FlashAttention-2 (cumulative int32 offsets); causal, full, or windowed."""
+    """PyTorch's varlen FlashAttention-2 (cumulative int32 offsets); causal, full, or windowed.
+    ``bwd`` differentiates the latest ``fwd``."""
     if wl.num_targets is not None:
         raise NotImplementedError("target mask not expressible")
     aten = torch.ops.aten
     window = {}
     if wl.window is not None:
         window = dict(window_size_left=wl.window, window_size_right=0 if wl.causal else wl.window)
+    # schema (torch 2.5 .. 2.13): q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+    # return_debug_mask, *, scale, window_size_left, window_size_right; offsets are int32 on the device
     args = (b.offsets, b.offsets, wl.max_len, wl.max_len, 0.0, wl.causal)
+    saved: list = []
 
     def forward(q, k, v):
         return aten._flash_attention_forward(q, k, v, *args, False, scale=b.scale, **window)
@@ -150,13 +164,15 @@ def flash_impl(wl: Workload, b: Batch) -> Impl:
             b.dout, q, k, v, out, lse, *args, rng, unused, scale=b.scale, **window
         )  # fmt: skip
 
-    saved = forward(b.q, b.k, b.v)
+    def fwd():
+        saved[:] = [forward(b.q, b.k, b.v)]
+        return saved[0][0]
 
     def fwd_bwd():
         res = forward(b.q, b.k, b.v)
         return (res[0], *backward(b.q, b.k, b.v, res))
 
-    return Impl("torch_varlen_flash", lambda: forward(b.q, b.k, b.v)[0], lambda: backward(b.q, b.k, b.v, saved), fwd_bwd)
+    return Impl("torch_varlen_flash", fwd, lambda: backward(b.q, b.k, b.v, saved[0]), fwd_bwd)
 
 
 def nested_impl(wl: Workload, b: Batch) -> Impl:
@@ -177,6 +193,10 @@ def _document_mask_mod(wl: Workload, b: Batch):
     doc = torch.repeat_interleave(torch.arange(lengths.numel(), device=DEVICE), lengths)
     pos = torch.arange(doc.numel(), device=DEVICE) - b.offsets.long()[doc]
     hist = (lengths if b.targets is None else lengths - b.targets)[doc]
+    # Flex evaluates mask_mod on whole 128-blocks: indices up to T rounded up must stay inside these
+    # lookups (rows past T belong to document -1, which matches no real row)
+    extra = -doc.numel() % 128
+    doc, pos, hist = (F.pad(t, (0, extra), value=fill) for t, fill in ((doc, -1), (pos, 0), (hist, 0)))
 
     def mask_mod(batch, head, qi, ki):
         p = torch.minimum(pos[qi], hist[qi])
@@ -204,8 +224,9 @@ def flex_impl(wl: Workload, b: Batch) -> Impl:
             if hasattr(torch._dynamo.config, limit):
                 setattr(torch._dynamo.config, limit, 64)
         _FLEX["fn"] = torch.compile(flex_attention, dynamic=False)
+        _FLEX["mask"] = torch.compile(create_block_mask)  # what the deprecated _compile=True did
     mask_mod = _document_mask_mod(wl, b)
-    build = lambda: create_block_mask(mask_mod, 1, None, total, total, device=DEVICE, _compile=True)  # noqa: E731
+    build = lambda: _FLEX["mask"](mask_mod, 1, None, total, total, device=DEVICE)  # noqa: E731
     started = time.perf_counter()
     block_mask = build()
     torch.cuda.synchronize()
@@ -243,14 +264,6 @@ def padded_impl(wl: Workload, b: Batch) -> Impl:
     return _autograd_impl("padded_sdpa(incl. pad/unpad)", forward, b)
 
 
-PEERS = {
-    "torch_varlen_flash": flash_impl,
-    "nested_sdpa": nested_impl,
-    "flex_attention": flex_impl,
-    "padded_sdpa(incl. pad/unpad)": padded_impl,
-}
-
-
 def _sub_batch_rows(lengths: torch.Tensor) -> tuple[int, int]:
     """(number of leading sequences, their tokens) for the reference check."""
     count, tokens = 0, 0
@@ -261,7 +274,7 @@ def _sub_batch_rows(lengths: torch.Tensor) -> tuple[int, int]:
     return count, tokens
 
 
-def _errors(results: tuple[torch.Tensor, ...], wl: Workload, b: Batch, want: list[torch.Tensor]) -> float:
+def _errors(results: tuple[torch.Tensor, ...], wl: Workload, want: list[torch.Tensor]) -> float:
     _, rows = _sub_batch_rows(wl.lengths)
     return max(relative_error(got[:rows], w) for got, w in zip(results, want))
 
@@ -275,91 +288,171 @@ def _reference_sub_batch(wl: Workload, b: Batch) -> list[torch.Tensor]:
     return [out.detach(), *grads]
 
 
-def _measure(impl: Impl, wl: Workload, b: Batch, pairs: int, want: list[torch.Tensor]) -> dict:
+class CudaContextLost(RuntimeError):
+    """A device fault (e.g. an illegal memory access) poisoned the CUDA context: nothing after it can run."""
+
+
+class Recorder:
+    """The rows of this run, rewritten to ``benchmarks/results/jfa.json`` after every change, so that a run
+    killed by a timeout or a device fault leaves every finished number behind."""
+
+    def __init__(self, meta: dict):
+        self.rows: list[dict] = []
+        self.meta = meta
+
+    def add(self, row: dict) -> dict:
+        self.rows.append(row)
+        self.save()
+        return row
+
+    def save(self) -> None:
+        write_results("jfa", self.rows, self.meta)
+
+
+def say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _cuda_alive() -> bool:
+    try:
+        torch.cuda.synchronize()
+        return True
+    except Exception:  # noqa: BLE001  (torch.AcceleratorError after a fault; any failure here means the same)
+        return False
+
+
+def _synced(fn: Callable[[], object]) -> tuple[object, float]:
+    """(result, seconds) of ``fn`` with the device drained, so a fault is raised by the step that caused it."""
+    started = time.perf_counter()
+    result = fn()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    results = impl.fwd_bwd()
-    torch.cuda.synchronize()
-    peak_gb = (torch.cuda.max_memory_allocated() - base) / 1e9
-    error = _errors(results, wl, b, want)
-    del results
-    fwd_ms = bench_ms(impl.fwd)
-    fwd_bwd_ms = bench_ms(impl.fwd_bwd)
-    bwd_ms = bench_ms(impl.bwd) if impl.bwd is not None else fwd_bwd_ms - fwd_ms
-    flops = 4 * HEADS * HEAD_DIM * pairs
-    row = {
-        "workload": wl.name,
-        "impl": impl.name,
-        "tokens": int(wl.lengths.sum()),
-        "batch": wl.lengths.numel(),
-        "max_len": wl.max_len,
-        "fwd_ms": fwd_ms,
-        "bwd_ms": bwd_ms,
-        "fwd_bwd_ms": fwd_bwd_ms,
-        "fwd_tflops": flops / fwd_ms / 1e9,
-        "bwd_tflops": 2.5 * flops / bwd_ms / 1e9,
-        "fwd_bwd_tflops": 3.5 * flops / fwd_bwd_ms / 1e9,
-        "peak_mem_gb": peak_gb,
-        "max_rel_err": error,
-    }
-    row.update(impl.setup or {})
+    return result, time.perf_counter() - started
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+
+
+def _measure(name: str, make: Callable[[Workload, Batch], Impl], wl: Workload, b: Batch, pairs: int,
+             want: list[torch.Tensor], rec: Recorder) -> dict:  # fmt: skip
+    """First calls (checked against the reference), then timed forward, backward, forward+backward; each step
+    synchronized, printed and saved. A peer failing (API missing, unsupported mask) becomes a note."""
+    row = rec.add({"workload": wl.name, "impl": name, "tokens": int(wl.lengths.sum()), "batch": wl.lengths.numel(),
+                   "max_len": wl.max_len})  # fmt: skip
+    tag = f"[{wl.name}] {name}"
+    step = "setup"
+    try:
+        impl, row["setup_s"] = _synced(lambda: make(wl, b))
+        row.update(impl.setup or {})
+        if impl.setup:
+            say(f"{tag}: setup ok ({row['setup_s']:.2f} s)")
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        step = "first forward"
+        out, seconds = _synced(impl.fwd)
+        say(f"{tag}: first forward ok ({seconds:.2f} s)")
+        step = "first backward"
+        if impl.bwd is not None:
+            grads, seconds = _synced(impl.bwd)
+            results = (out, *grads)
+            del grads
+        else:
+            results, seconds = _synced(impl.fwd_bwd)
+        del out
+        row["peak_mem_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+        row["max_rel_err"] = _errors(results, wl, want)
+        del results
+        say(f"{tag}: first backward ok ({seconds:.2f} s), max_rel_err {row['max_rel_err']:.2e}")
+        rec.save()
+        flops = 4 * HEADS * HEAD_DIM * pairs
+        for variant, fn, work in (("fwd", impl.fwd, 1.0), ("bwd", impl.bwd, 2.5), ("fwd_bwd", impl.fwd_bwd, 3.5)):
+            if fn is None:  # autograd peers: backward = (forward + backward) - forward, filled in below
+                continue
+            step = f"timing {variant}"
+            ms = bench_ms(fn)
+            torch.cuda.synchronize()
+            row[f"{variant}_ms"], row[f"{variant}_tflops"] = ms, work * flops / ms / 1e9
+            say(f"{tag}: {variant} {ms:.3f} ms, {row[f'{variant}_tflops']:.1f} TFLOP/s")
+            rec.save()
+        if impl.bwd is None:
+            row["bwd_ms"] = row["fwd_bwd_ms"] - row["fwd_ms"]
+            row["bwd_tflops"] = 2.5 * flops / row["bwd_ms"] / 1e9 if row["bwd_ms"] > 0 else None
+    except NotImplementedError as err:
+        row["note"] = f"skipped: {_first_line(err)}"
+        say(f"{tag}: {row['note']}")
+    except Exception as err:  # noqa: BLE001  (one implementation failing must not hide the others)
+        row["note"] = f"error in {step}: {_first_line(err)}"
+        row["error"] = f"{type(err).__name__}: {err}"[:2000]
+        say(f"{tag}: {row['note']}")
+        if not _cuda_alive():
+            rec.save()
+            raise CudaContextLost(f"{tag}, {step}: {_first_line(err)}") from err
+    rec.save()
+    torch.cuda.empty_cache()
     return row
 
 
-def run_workload(wl: Workload, seed: int = 0) -> list[dict]:
+def _compare(rows: list[dict]) -> None:
+    """JFA's speed against the best timed peer of its workload (>1: JFA faster), and against varlen flash."""
+    for jfa in (r for r in rows if r["impl"] == "jfa" and "fwd_bwd_ms" in r):
+        peers = [r for r in rows if r["workload"] == jfa["workload"] and r["impl"] != "jfa" and "fwd_bwd_ms" in r]
+        for metric in ("fwd", "bwd", "fwd_bwd"):
+            best = max((r[f"{metric}_tflops"] or 0.0 for r in peers), default=0.0)
+            jfa[f"{metric}_vs_best_peer"] = (jfa[f"{metric}_tflops"] or 0.0) / best if best else None
+        flash = next((r for r in peers if r["impl"] == "torch_varlen_flash"), None)
+        if flash:
+            jfa["fwd_vs_flash"] = flash["fwd_ms"] / jfa["fwd_ms"]
+            jfa["bwd_vs_flash"] = flash["bwd_ms"] / jfa["bwd_ms"]
+    by_name = {(r["workload"], r["impl"]): r for r in rows}
+    full, window = by_name.get(("a_power_law_causal", "jfa"), {}), by_name.get(("d_power_law_window256", "jfa"), {})
+    if "fwd_bwd_ms" in full and "fwd_bwd_ms" in window:
+        window["speedup_vs_full_causal"] = full["fwd_bwd_ms"] / window["fwd_bwd_ms"]
+
+
+def run_workload(wl: Workload, peers: dict[str, Callable], rec: Recorder, seed: int = 0) -> None:
     b = _batch(wl, seed)
     pairs = attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
     want = _reference_sub_batch(wl, b)
-    rows = [_measure(jfa_impl(wl, b), wl, b, pairs, want)]
-    for peer, make in PEERS.items():
-        try:
-            rows.append(_measure(make(wl, b), wl, b, pairs, want))
-        except Exception as err:  # noqa: BLE001  (a peer failing, e.g. an API missing in this torch, must not hide the others)
-            first_line = (str(err).strip().splitlines() or [type(err).__name__])[0][:160]
-            kind = "skipped" if isinstance(err, NotImplementedError) else "error"
-            rows.append({"workload": wl.name, "impl": peer, "note": f"{kind}: {first_line}"})
-        torch.cuda.empty_cache()
-    timed = [r for r in rows[1:] if "fwd_ms" in r]
-    for metric in ("fwd", "bwd", "fwd_bwd"):
-        best = max((r[f"{metric}_tflops"] for r in timed), default=None)
-        rows[0][f"{metric}_vs_best_peer"] = rows[0][f"{metric}_tflops"] / best if best else None
-    flash = next((r for r in timed if r["impl"] == "torch_varlen_flash"), None)
-    if flash:
-        rows[0]["fwd_vs_flash"] = flash["fwd_ms"] / rows[0]["fwd_ms"]
-        rows[0]["bwd_vs_flash"] = flash["bwd_ms"] / rows[0]["bwd_ms"]
-    for r in rows:
-        r.update(pairs=pairs, causal=wl.causal, window=wl.window, targets=wl.num_targets is not None)
-    del b
+    torch.cuda.synchronize()
+    say(f"[{wl.name}] {int(wl.lengths.sum())} tokens, B = {wl.lengths.numel()}, max_len {wl.max_len}, {pairs} pairs")
+    for name, make in peers.items():
+        _measure(name, make, wl, b, pairs, want, rec)
+        for r in rec.rows:
+            if r["workload"] == wl.name:
+                r.update(pairs=pairs, causal=wl.causal, window=wl.window, targets=wl.num_targets is not None)
+        _compare(rec.rows)
+        rec.save()
+    del b, want
     torch.cuda.empty_cache()
-    return rows
 
 
 def workloads(quick: bool) -> list[Workload]:
     gen = torch.Generator().manual_seed(0)
     power_law = power_law_lengths(150_000, 100, 16384, gen)
     out = [Workload("a_power_law_causal", power_law)]
-    max_lens = (1024, 4096) if quick else (512, 1024, 2048, 4096)
-    for max_len in max_lens:
-        for sparsity in (1.0,) if quick else (0.5, 1.0):
-            lengths = sparsity_lengths(1152, max_len, sparsity, gen)
-            for causal in (True,) if quick else (True, False):
-                name = f"b_L{max_len}_s{sparsity}_{'causal' if causal else 'full'}"
-                out.append(Workload(name, lengths, causal=causal))
     if not quick:
+        for max_len in (512, 1024, 2048, 4096):
+            for sparsity in (0.5, 1.0):
+                lengths = sparsity_lengths(1152, max_len, sparsity, gen)
+                for causal in (True, False):
+                    name = f"b_L{max_len}_s{sparsity}_{'causal' if causal else 'full'}"
+                    out.append(Workload(name, lengths, causal=causal))
         out.append(Workload("c_1024_hist_64_targets", torch.full((144,), 1088), num_targets=torch.full((144,), 64)))
     out.append(Workload("d_power_law_window256", power_law, window=256))
     return out
 
 
-def run(quick: bool) -> list[dict]:
-    rows: list[dict] = []
+def run(quick: bool, rec: Recorder) -> None:
+    """Our kernel first, then the eager peers, workload by workload; FlexAttention (compiled, the riskiest:
+    its device fault would poison the context) last of all, in a pass of its own."""
+    safe = {"jfa": jfa_impl, "torch_varlen_flash": flash_impl, "nested_sdpa": nested_impl}
+    if not quick:
+        safe["padded_sdpa(incl. pad/unpad)"] = padded_impl
     for wl in workloads(quick):
-        rows.extend(run_workload(wl))
-    full = next(r for r in rows if r["workload"] == "a_power_law_causal" and r["impl"] == "jfa")
-    window = next(r for r in rows if r["workload"] == "d_power_law_window256" and r["impl"] == "jfa")
-    window["speedup_vs_full_causal"] = full["fwd_bwd_ms"] / window["fwd_bwd_ms"]
-    return rows
+        run_workload(wl, safe, rec)
+    if not quick:
+        for wl in workloads(quick):
+            run_workload(wl, {"flex_attention": flex_impl}, rec)
 
 
 COLUMNS = [
@@ -395,17 +488,37 @@ def plot(rows: list[dict], path) -> bool:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a few representative shapes (< 90 s)")
+    parser.add_argument(
+        "--quick", action="store_true", help="workloads (a), (d): JFA untuned, varlen flash, nested SDPA (< 75 s)"
+    )
     args = parser.parse_args()
-    rows = run(args.quick)
-    print_table(rows, COLUMNS)
-    window = next(r for r in rows if r.get("speedup_vs_full_causal"))
-    print(f"window 256 vs full causal (fwd+bwd): {window['speedup_vs_full_causal']:.2f}x")
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks.jfa needs a CUDA device")
+    if args.quick:  # each kernel's default config: no autotuning on a cold start
+        os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
+    started = time.perf_counter()
+    rec = Recorder({"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+                    "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
+    say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
+    lost = None
+    try:
+        run(args.quick, rec)
+    except CudaContextLost as err:
+        lost = str(err)
+        rec.meta["aborted"] = f"CUDA context lost at {lost}"
+        rec.save()
+    print_table(rec.rows, COLUMNS)
+    window = next((r for r in rec.rows if r.get("speedup_vs_full_causal")), None)
+    if window:
+        print(f"window 256 vs full causal (fwd+bwd): {window['speedup_vs_full_causal']:.2f}x")
     print("TFLOP/s count useful work only (GEM_SPEC section 8); peak 989 TFLOP/s dense bf16")
-    path = write_results("jfa", rows, {"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE)})
-    print(f"wrote {path}")
-    if plot(rows, path.with_suffix(".png")):
+    path = write_results("jfa", rec.rows, rec.meta)
+    print(f"wrote {path} ({time.perf_counter() - started:.0f} s)")
+    if not lost and plot(rec.rows, path.with_suffix(".png")):
         print(f"wrote {path.with_suffix('.png')}")
+    ours_failed = any(r["impl"] == "jfa" and "fwd_bwd_ms" not in r for r in rec.rows)
+    if lost or ours_failed:
+        raise SystemExit(f"ABORTED: CUDA context lost at {lost}" if lost else "FAILED: a JFA measurement errored")
 
 
 if __name__ == "__main__":

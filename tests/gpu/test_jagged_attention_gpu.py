@@ -106,3 +106,78 @@ def test_new_lengths_in_the_same_bucket_reuse_the_tuned_config(monkeypatch):
     assert len(kernels._fwd_kernel.cache) == tuned
     want = reference(q.float(), k.float(), v.float(), offsets, 290)
     assert _rel(out, want) < 1e-2
+
+
+def _power_law_lengths(total: int = 150_000, low: int = 100, high: int = 16384, seed: int = 0) -> list[int]:
+    """The benchmark's shape class: heavy-tailed lengths (pdf ~ x^-1.5) up to ``total`` tokens, one sample
+    of exactly ``high`` among them, and a long last sample whose final tile runs past the end of the batch."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [high]
+    while sum(lengths) < total - 5000:
+        u = float(torch.rand((), generator=gen))
+        lengths.append(int(min(high, max(low, (low**-0.5 + u * (high**-0.5 - low**-0.5)) ** -2))))
+    lengths.insert(len(lengths) // 2, lengths.pop(0))  # the 16384 one in the middle of the batch
+    return [*lengths, 4999]
+
+
+@pytest.fixture
+def poisoned_outputs(monkeypatch):
+    """Buffers the kernels allocate start as NaN: a row they forget to write fails the finiteness check."""
+    empty_like, empty = torch.empty_like, torch.empty
+
+    def nan_like(*args, **kwargs):
+        out = empty_like(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    def nan_empty(*args, **kwargs):
+        out = empty(*args, **kwargs)
+        return out.fill_(float("nan")) if out.is_floating_point() else out
+
+    monkeypatch.setattr(torch, "empty_like", nan_like)
+    monkeypatch.setattr(torch, "empty", nan_empty)
+
+
+def _check_samples(lengths, samples, tol, **kwargs):
+    """Whole-batch run (every output finite), then the listed samples against the fp32 reference on each
+    sample alone (a sample's outputs depend on it only), which keeps the reference small."""
+    q, k, v, dout, offsets = _batch(lengths, 4, 4, 128, torch.bfloat16, seed=3)
+    got = _forward_backward(q, k, v, dout, offsets, max(lengths), **kwargs)
+    for name, g in zip(("out", "dq", "dk", "dv"), got):
+        assert torch.isfinite(g).all(), name
+    bounds = offsets.tolist()
+    for b in samples:
+        rows = slice(bounds[b], bounds[b + 1])
+        one = torch.tensor([0, lengths[b]], dtype=torch.int32, device="cuda")
+        sample = (t[rows].float() for t in (q, k, v, dout))
+        want = _forward_backward(*sample, one, lengths[b], backend="reference", **kwargs)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
+            assert _rel(g[rows], w) < tol, (b, lengths[b], name, _rel(g[rows], w))
+
+
+@pytest.mark.parametrize("window", [None, 256])
+def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
+    """benchmarks/jfa.py workloads (a) and (d): ~150k tokens, a 16384-long sample, H = 4, D = 128, bf16."""
+    lengths = _power_law_lengths()
+    assert 140_000 < sum(lengths) < 160_000 and 16384 in lengths
+    samples = [0, lengths.index(16384), len(lengths) - 1]
+    _check_samples(lengths, samples, 2e-2, causal=True, window=window)
+
+
+@pytest.mark.parametrize(
+    "configs",
+    [
+        # (BLOCK_M, BLOCK_N, num_warps, num_stages) of fwd, dkdv, dq: the curated non-default tile shapes
+        ((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),  # 64-row schedules in every kernel
+        ((128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)),
+    ],
+)
+def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):
+    import triton
+
+    from opengem.ops.triton import jagged_attention as kernels
+
+    for kernel, (m, n, warps, stages) in zip((kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), configs):
+        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+        monkeypatch.setattr(kernel, "configs", [config])
+    lengths = [4100, 2, 1500, 129, 64, 63, 3001]
+    _check_samples(lengths, range(len(lengths)), 1.5e-2, causal=True)

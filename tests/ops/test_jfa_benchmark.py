@@ -1,0 +1,73 @@
+"""The JFA benchmark's control flow on CPU (tiny shapes, interpreter kernels, CUDA calls stubbed): it runs
+once on the GPU, so its ordering, incremental results and failure handling are checked here."""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+import benchmarks.common as common
+from benchmarks import jfa
+
+
+
+@pytest.fixture
+def cpu_bench(monkeypatch, tmp_path):
+    monkeypatch.setattr(jfa, "DEVICE", "cpu")
+    monkeypatch.setattr(jfa, "HEADS", 2)
+    monkeypatch.setattr(jfa, "HEAD_DIM", 16)
+    monkeypatch.setattr(jfa, "DTYPE", torch.float32)
+    monkeypatch.setattr(jfa, "SUB_BATCH_TOKENS", 20)
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    monkeypatch.setattr(jfa, "bench_ms", lambda fn: (fn(), 1.0)[1])
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: None)
+    for name in ("memory_allocated", "max_memory_allocated"):
+        monkeypatch.setattr(torch.cuda, name, lambda *args: 0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "cpu (stubbed)")
+    lengths = torch.tensor([21, 3, 40])
+
+    def tiny(quick):
+        return [jfa.Workload("a_power_law_causal", lengths), jfa.Workload("d_power_law_window256", lengths, window=5)]
+
+    monkeypatch.setattr(jfa, "workloads", tiny)
+    monkeypatch.setattr(sys, "argv", ["jfa", "--quick"])
+    monkeypatch.delenv("OPENGEM_JFA_AUTOTUNE", raising=False)
+    return tmp_path / "jfa.json"
+
+
+def test_quick_run_orders_steps_checks_errors_and_saves_rows(cpu_bench, capsys):
+    jfa.main()
+    lines = capsys.readouterr().out.splitlines()
+    steps = [line for line in lines if line.startswith("[a_power_law_causal] jfa:")]
+    assert [s.split(": ")[1].split(" ")[0:2] for s in steps[:2]] == [["first", "forward"], ["first", "backward"]]
+    assert lines.index(steps[-1]) < min(i for i, line in enumerate(lines) if "torch_varlen_flash" in line)
+    rows = json.loads(cpu_bench.read_text())["rows"]
+    impls = ("jfa", "torch_varlen_flash", "nested_sdpa")
+    assert [(r["workload"], r["impl"]) for r in rows] == [
+        (w, i) for w in ("a_power_law_causal", "d_power_law_window256") for i in impls
+    ]
+    for row in (r for r in rows if r["impl"] == "jfa"):
+        assert row["max_rel_err"] < 1e-5 and row["fwd_bwd_ms"] == 1.0
+    assert rows[-1]["note"].startswith("skipped")  # nested SDPA cannot express a window
+    assert all("note" in r or "fwd_bwd_ms" in r for r in rows)
+
+
+def test_lost_context_stops_the_run_and_keeps_rows(cpu_bench, monkeypatch):
+    def faulting_peer(wl, b):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(jfa, "flash_impl", faulting_peer)
+    monkeypatch.setattr(jfa, "_cuda_alive", lambda: False)
+    with pytest.raises(SystemExit, match="ABORTED: CUDA context lost"):
+        jfa.main()
+    saved = json.loads(cpu_bench.read_text())
+    assert [r["impl"] for r in saved["rows"]] == ["jfa", "torch_varlen_flash"]
+    assert "fwd_bwd_ms" in saved["rows"][0]
+    assert saved["rows"][1]["note"].startswith("error in setup: CUDA error: an illegal memory access")
+    assert "aborted" in saved
