@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+import triton
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
@@ -270,3 +271,15 @@ def test_bad_inputs_raise(change, message):
             q, k, v, change.get("offsets", _offsets(lengths)), change.get("max_len", 11),
             backend=change.get("backend", "triton"), **kwargs,
         )  # fmt: skip
+
+
+def test_fp32_head_dim_128_gets_the_small_tile_configs(monkeypatch):
+    """On an H200 the default dK/dV config needed 296 KB of shared memory for fp32 at D = 128 (limit
+    227 KB); fp32 rows are as wide as bf16 rows of D = 256, so they get the same pruned configs."""
+    monkeypatch.setattr(kernels, "_INTERPRET", False)
+    configs = [triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_warps=8, num_stages=3)]
+    fp32 = kernels._prune(configs, {"Q": torch.empty(1, 1, 128), "HEAD_DIM": 128})
+    bf16 = kernels._prune(configs, {"Q": torch.empty(1, 1, 128, dtype=torch.bfloat16), "HEAD_DIM": 128})
+    assert [c.num_stages for c in fp32] and all(c.num_stages <= 2 for c in fp32)
+    assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 128 for c in fp32)
+    assert bf16 == configs

@@ -47,13 +47,12 @@ def test_training_improves_held_out_ne(tmp_path):
 
 
 def test_resume_continues_exactly(tmp_path):
-    straight = _config(tmp_path, "steps=6", "eval_every=3", "name=straight")
+    straight = _config(tmp_path, "steps=6", "eval_every=3", "checkpoint_every=3", "name=straight")
     train(straight, progress=False)
-    interrupted = _config(tmp_path, "steps=3", "eval_every=3", "name=resumed")
-    train(interrupted, progress=False)
-    resumed = apply_overrides(interrupted, ["steps=6"])
-    train(resumed, resume=tmp_path / "resumed", progress=False)
-    assert _losses(tmp_path / "straight") == _losses(tmp_path / "resumed")
+    middle = tmp_path / "straight" / "checkpoints" / "step_00000003"
+    train(apply_overrides(straight, ["name=resumed"]), resume=middle, progress=False)
+    expected = {step: loss for step, loss in _losses(tmp_path / "straight").items() if step > 3}
+    assert _losses(tmp_path / "resumed") == expected
     a = _final_weights(tmp_path / "straight")
     b = _final_weights(tmp_path / "resumed")
     assert a.keys() == b.keys()

@@ -49,7 +49,7 @@ class Learner:
         self.model.train()
         logits = self.model(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
-        value = float(loss)
+        value = float(loss.detach())
         if math.isfinite(value):
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()

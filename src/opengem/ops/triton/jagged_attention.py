@@ -47,11 +47,12 @@ def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """Drop configs that cannot fit: D = 256 needs smaller tiles and shallower pipelines."""
+    """Drop configs that cannot fit: 256 bytes-of-bf16 rows (D = 256 in 16-bit, or D = 128 in fp32, which
+    overflowed shared memory on an H200 in the dK/dV pass) need smaller tiles and shallower pipelines."""
     if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0":
         configs = configs[:1]
     head_dim = kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM"))
-    if _INTERPRET or head_dim is None or head_dim < 256:
+    if _INTERPRET or head_dim is None or _row_width(head_dim, named_args.get("Q")) < 256:
         return configs
     kept: dict[tuple, triton.Config] = {}
     for c in [*configs, triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]:
@@ -60,6 +61,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
             stages = min(c.num_stages, 2)
             kept.setdefault((m, n, c.num_warps, stages), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
     return list(kept.values())
+
+
+def _row_width(head_dim: int, q: torch.Tensor | None) -> int:
+    """Head dim in 16-bit units: what the tiles' shared memory scales with."""
+    return head_dim * (q.element_size() // 2 if q is not None else 1)
 
 
 def _tuning_bench(kernel_call, quantiles):
