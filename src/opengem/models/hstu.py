@@ -125,16 +125,17 @@ class SequentialRecommender(nn.Module):
         """Logits ``[N, num_items + 1]`` of every item for user states ``[N, dim]`` (column 0 is padding)."""
         return states @ self.item_vectors().T / self.config.temperature
 
-    def sampled_softmax_loss(
-        self, states: torch.Tensor, targets: torch.Tensor, in_batch_negatives: int, uniform_negatives: int
-    ) -> torch.Tensor:
-        """Mean next-item cross-entropy of ``states [T, dim]`` against ``targets [T]`` among the positive and
-        shared negatives: ``in_batch_negatives`` draws from ``targets`` (so popular items are drawn more,
-        as in in-batch softmax) and ``uniform_negatives`` uniform items of 1..num_items."""
-        negatives = torch.cat([
-            targets[torch.randint(targets.numel(), (in_batch_negatives,), device=targets.device)],
-            torch.randint(1, self.config.num_items + 1, (uniform_negatives,), device=targets.device),
+    def sample_negatives(self, targets: torch.Tensor, in_batch: int, uniform: int) -> torch.Tensor:
+        """Shared negatives ``[in_batch + uniform]``: ``in_batch`` draws from the batch's ``targets`` (so
+        popular items are drawn more, as in in-batch softmax) and ``uniform`` items of 1..num_items."""
+        return torch.cat([
+            targets[torch.randint(targets.numel(), (in_batch,), device=targets.device)],
+            torch.randint(1, self.config.num_items + 1, (uniform,), device=targets.device),
         ])  # fmt: skip
+
+    def sampled_softmax_loss(self, states: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of each row's positive ``targets [T]`` among itself and the shared
+        ``negatives [M]`` for user states ``states [T, dim]``; a negative equal to the row's positive is masked."""
         positive = (states * self.item_vectors(targets)).sum(-1, keepdim=True)
         negative = states @ self.item_vectors(negatives).T
         negative = negative.masked_fill(negatives[None, :] == targets[:, None], float("-inf"))
