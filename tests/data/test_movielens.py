@@ -55,6 +55,11 @@ def test_numeric_tokens_sort_numerically_and_repeats_keep_first(tmp_path: Path) 
     assert seq.sequence(0).tolist() == [3, 1, 2]  # the repeat of item 100 at time 3 is dropped
 
 
+def test_fractional_timestamps_order_exactly(tmp_path: Path) -> None:
+    path = write_inter(tmp_path / "f.inter", ["1\t10\t1\t1.7", "1\t20\t1\t1.2", "1\t30\t1\t2.0"])
+    assert read_inter(path).sequence(0).tolist() == [2, 1, 3]  # 20 @ 1.2 before 10 @ 1.7
+
+
 def test_leave_one_out(small: Path) -> None:
     split = leave_one_out(read_inter(small))
     assert [s.tolist() for s in split.train] == [[3], [5, 1, 2]]

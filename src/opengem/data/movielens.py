@@ -41,7 +41,7 @@ class Sequences:
     ``item_tokens[i - 1]`` are the original tokens of user row ``u`` and item id ``i``."""
 
     items: np.ndarray  # [T] int64, 1..num_items
-    timestamps: np.ndarray  # [T] int64
+    timestamps: np.ndarray  # [T] int64 (rounded; the order uses the file's exact values)
     offsets: np.ndarray  # [num_users + 1] int64
     user_tokens: list[str]
     item_tokens: list[str]
@@ -108,7 +108,7 @@ def read_inter(path: str | Path | None = None) -> Sequences:
     rows = keep_user[user_ids]
     kept_tokens = [t for t, keep in zip(user_tokens, keep_user) if keep]
     offsets = np.concatenate([[0], np.cumsum(counts[keep_user])]).astype(np.int64)
-    return Sequences(item_ids[rows] + 1, times[rows], offsets, kept_tokens, item_tokens)
+    return Sequences(item_ids[rows] + 1, np.round(times[rows]).astype(np.int64), offsets, kept_tokens, item_tokens)
 
 
 def leave_one_out(sequences: Sequences) -> LeaveOneOut:
@@ -209,7 +209,7 @@ def _parse(path: Path) -> tuple[list[str], list[str], np.ndarray]:
             items.append(fields[item_col])
     if not users:
         raise ValueError(f"{path}: no interactions after the header")
-    return users, items, np.asarray(times).astype(np.int64)
+    return users, items, np.asarray(times, dtype=np.float64)
 
 
 def _renumber(tokens: list[str]) -> tuple[list[str], np.ndarray]:

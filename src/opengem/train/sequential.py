@@ -47,8 +47,8 @@ class SequentialConfig:
     lr: float = 2e-3
     weight_decay: float = 0.0
     batch_size: int = 32
-    epochs: int = 12
-    eval_every: int = 3  # epochs
+    epochs: int = 30
+    eval_every: int = 5  # epochs
     in_batch_negatives: int = 128
     uniform_negatives: int = 128
     eval_batch_size: int = 256
@@ -159,8 +159,8 @@ def train_sequential(config: SequentialConfig, progress: bool = True) -> dict[st
         log.flush()
 
     scorer = model_scorer(model, config.max_len, device)
-    popularity = {part: evaluate_scorer(popularity_scorer(split), split, part, config.eval_batch_size)
-                  for part in ("valid", "test")}  # fmt: skip
+    by_count = popularity_scorer(split)
+    popularity = {part: evaluate_scorer(by_count, split, part, config.eval_batch_size) for part in ("valid", "test")}
     record({"popularity/valid": popularity["valid"], "popularity/test": popularity["test"]})
     bar = tqdm(total=config.epochs * steps_per_epoch, desc=config.run_name, disable=not progress)
     generator = np.random.default_rng(config.seed)
