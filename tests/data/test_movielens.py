@@ -9,7 +9,7 @@ import pytest
 
 from opengem.cli.movielens import add_movielens_parser, movielens_command
 from opengem.data import movielens
-from opengem.data.movielens import leave_one_out, load_sequences, read_inter, read_parquet, write_parquet
+from opengem.data.movielens import leave_one_out, load_sequences, read_inter, read_parquet
 
 HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
 

@@ -195,7 +195,9 @@ def _parse(path: Path) -> tuple[list[str], list[str], np.ndarray]:
                 continue
             fields = line.split("\t")
             if len(fields) != len(header):
-                raise ValueError(f"{path}, line {line_number}: expected {len(header)} tab-separated fields, got {len(fields)}")
+                raise ValueError(
+                    f"{path}, line {line_number}: expected {len(header)} tab-separated fields, got {len(fields)}"
+                )
             for name, column in zip(_REQUIRED_FIELDS[:2], (user_col, item_col)):
                 if not fields[column]:
                     raise ValueError(f"{path}, line {line_number}, column {column + 1} ({name}): empty token")

@@ -102,7 +102,9 @@ class SequentialRecommender(nn.Module):
             self.item_embedding.weight[0].zero_()
         self.input_dropout = nn.Dropout(config.dropout)
         layer = HSTULayer if config.architecture == "hstu" else SASRecLayer
-        self.layers = nn.ModuleList(layer(config.dim, config.num_heads, config.dropout) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(
+            layer(config.dim, config.num_heads, config.dropout) for _ in range(config.num_layers)
+        )
         self.output_norm = nn.LayerNorm(config.dim)
 
     def forward(self, items: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
@@ -133,7 +135,9 @@ class SequentialRecommender(nn.Module):
             torch.randint(1, self.config.num_items + 1, (uniform,), device=targets.device),
         ])  # fmt: skip
 
-    def sampled_softmax_loss(self, states: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor) -> torch.Tensor:
+    def sampled_softmax_loss(
+        self, states: torch.Tensor, targets: torch.Tensor, negatives: torch.Tensor
+    ) -> torch.Tensor:
         """Mean cross-entropy of each row's positive ``targets [T]`` among itself and the shared
         ``negatives [M]`` for user states ``states [T, dim]``; a negative equal to the row's positive is masked."""
         positive = (states * self.item_vectors(targets)).sum(-1, keepdim=True)

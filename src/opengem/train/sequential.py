@@ -183,7 +183,8 @@ def train_sequential(config: SequentialConfig, progress: bool = True) -> dict[st
             losses.append(float(loss.detach()))
             bar.update()
             bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
-        entry: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses)), "elapsed_s": time.perf_counter() - start}
+        entry: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses)),
+                                 "elapsed_s": time.perf_counter() - start}  # fmt: skip
         if epoch % config.eval_every == 0 or epoch == config.epochs:
             valid = evaluate_scorer(scorer, split, "valid", config.eval_batch_size)
             entry["valid"] = valid
@@ -192,8 +193,10 @@ def train_sequential(config: SequentialConfig, progress: bool = True) -> dict[st
         record(entry)
     bar.close()
     test = evaluate_scorer(scorer, split, "test", config.eval_batch_size)
-    summary = {"run_dir": str(run_dir), "model": config.model, "epochs": config.epochs, "seed": config.seed,
-               "valid": valid, "test": test, "popularity": popularity, "train_s": time.perf_counter() - start}  # fmt: skip
+    summary = {
+        "run_dir": str(run_dir), "model": config.model, "epochs": config.epochs, "seed": config.seed,
+        "valid": valid, "test": test, "popularity": popularity, "train_s": time.perf_counter() - start,
+    }  # fmt: skip
     record({"test": test})
     log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
