@@ -1,0 +1,230 @@
+"""MovieLens-100K as per-user chronological item sequences with a leave-one-out split.
+
+The interaction file is the one the ``recbole`` package ships in its example data
+(``recbole/dataset_example/ml-100k/ml-100k.inter``; install it with ``pip install --no-deps recbole==1.2.1``).
+MovieLens is GroupLens data for research use (F. M. Harper and J. A. Konstan, "The MovieLens Datasets:
+History and Context", ACM TiiS 5(4), 2015); opengem does not redistribute it.
+
+Conventions (the usual ones of sequential recommendation, e.g. SASRec / HSTU):
+
+* every rating is an implicit interaction; a repeated (user, item) pair keeps its first occurrence;
+* users and items are renumbered 1..N in the order of their original tokens (numerically when every
+  token is an integer, else as strings); 0 is left free for padding;
+* a user's sequence is sorted by timestamp, equal timestamps by the new item id (hence by the original
+  item token): a fixed tie-break, so the split does not depend on the file's row order;
+* users with fewer than ``MIN_INTERACTIONS`` interactions are dropped (the split needs a test item, a
+  validation item and at least one training transition);
+* leave-one-out: the last item is the test target, the second to last the validation target, the rest
+  is the training sequence.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+RECBOLE_INSTALL = "pip install --no-deps recbole==1.2.1"
+MIN_INTERACTIONS = 3
+_REQUIRED_FIELDS = ("user_id", "item_id", "timestamp")
+
+
+@dataclass(frozen=True)
+class Sequences:
+    """Per-user chronological item sequences, stored flat: user ``u`` (0-based row) owns
+    ``items[offsets[u]:offsets[u + 1]]``. Item ids are 1..``num_items``; ``user_tokens[u]`` and
+    ``item_tokens[i - 1]`` are the original tokens of user row ``u`` and item id ``i``."""
+
+    items: np.ndarray  # [T] int64, 1..num_items
+    timestamps: np.ndarray  # [T] int64 (rounded; the order uses the file's exact values)
+    offsets: np.ndarray  # [num_users + 1] int64
+    user_tokens: list[str]
+    item_tokens: list[str]
+
+    @property
+    def num_users(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def num_items(self) -> int:
+        return len(self.item_tokens)
+
+    def sequence(self, user: int) -> np.ndarray:
+        return self.items[self.offsets[user] : self.offsets[user + 1]]
+
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+@dataclass(frozen=True)
+class LeaveOneOut:
+    """The leave-one-out split: ``train`` holds each user's sequence without its last two items;
+    ``valid_target[u]`` and ``test_target[u]`` are the second to last and last items."""
+
+    train: list[np.ndarray]
+    valid_target: np.ndarray  # [num_users] int64
+    test_target: np.ndarray  # [num_users] int64
+    num_items: int
+
+    def valid_history(self, user: int) -> np.ndarray:
+        return self.train[user]
+
+    def test_history(self, user: int) -> np.ndarray:
+        return np.append(self.train[user], self.valid_target[user])
+
+
+def recbole_inter_path() -> Path:
+    """Path of ML-100K's interaction file inside the installed ``recbole`` package."""
+    spec = importlib.util.find_spec("recbole")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"MovieLens-100K is read from the recbole package's example data, but recbole is not installed: "
+            f"run `{RECBOLE_INSTALL}`"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "dataset_example" / "ml-100k" / "ml-100k.inter"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the installed recbole; reinstall it with `{RECBOLE_INSTALL}`")
+    return path
+
+
+def read_inter(path: str | Path | None = None) -> Sequences:
+    """Read a RecBole ``.inter`` file (tab-separated, header ``name:type`` per column, needing ``user_id``,
+    ``item_id`` and a numeric ``timestamp``) into sequences; ``None`` reads ML-100K from recbole."""
+    path = Path(path) if path is not None else recbole_inter_path()
+    users, items, times = _parse(path)
+    user_tokens, user_ids = _renumber(users)
+    item_tokens, item_ids = _renumber(items)
+    order = np.lexsort((item_ids, times, user_ids))  # by user, then time, then item id (the tie-break)
+    user_ids, item_ids, times = user_ids[order], item_ids[order], times[order]
+    first = _first_occurrences(user_ids, item_ids)
+    user_ids, item_ids, times = user_ids[first], item_ids[first], times[first]
+    counts = np.bincount(user_ids, minlength=len(user_tokens))
+    keep_user = counts >= MIN_INTERACTIONS
+    rows = keep_user[user_ids]
+    kept_tokens = [t for t, keep in zip(user_tokens, keep_user) if keep]
+    offsets = np.concatenate([[0], np.cumsum(counts[keep_user])]).astype(np.int64)
+    return Sequences(item_ids[rows] + 1, np.round(times[rows]).astype(np.int64), offsets, kept_tokens, item_tokens)
+
+
+def leave_one_out(sequences: Sequences) -> LeaveOneOut:
+    train = [sequences.sequence(u)[:-2] for u in range(sequences.num_users)]
+    last = sequences.offsets[1:] - 1
+    return LeaveOneOut(train, sequences.items[last - 1].copy(), sequences.items[last].copy(), sequences.num_items)
+
+
+def stats(sequences: Sequences) -> dict[str, float]:
+    lengths = sequences.lengths()
+    return {
+        "users": sequences.num_users,
+        "items": sequences.num_items,
+        "interactions": int(lengths.sum()),
+        "density": float(lengths.sum()) / max(1, sequences.num_users * sequences.num_items),
+        "min_length": int(lengths.min()) if len(lengths) else 0,
+        "median_length": float(np.median(lengths)) if len(lengths) else 0.0,
+        "max_length": int(lengths.max()) if len(lengths) else 0,
+    }
+
+
+def write_parquet(sequences: Sequences, out: str | Path) -> list[Path]:
+    """Write ``sequences.parquet`` (one row per user: user_id, user_token, item_ids, timestamps),
+    ``items.parquet`` (item_id, item_token) and ``stats.json`` under ``out``."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    splits = sequences.offsets[1:-1]
+    table = pa.table({
+        "user_id": pa.array(np.arange(1, sequences.num_users + 1), pa.int64()),
+        "user_token": pa.array(sequences.user_tokens, pa.string()),
+        "item_ids": pa.array(np.split(sequences.items, splits), pa.list_(pa.int64())),
+        "timestamps": pa.array(np.split(sequences.timestamps, splits), pa.list_(pa.int64())),
+    })  # fmt: skip
+    items = pa.table({
+        "item_id": pa.array(np.arange(1, sequences.num_items + 1), pa.int64()),
+        "item_token": pa.array(sequences.item_tokens, pa.string()),
+    })  # fmt: skip
+    paths = [out / "sequences.parquet", out / "items.parquet", out / "stats.json"]
+    pq.write_table(table, paths[0])
+    pq.write_table(items, paths[1])
+    paths[2].write_text(json.dumps(stats(sequences), indent=2) + "\n")
+    return paths
+
+
+def read_parquet(folder: str | Path) -> Sequences:
+    """Read what :func:`write_parquet` wrote."""
+    folder = Path(folder)
+    table = pq.read_table(folder / "sequences.parquet")
+    items = pq.read_table(folder / "items.parquet")
+    lengths = np.array([len(x) for x in table["item_ids"].to_pylist()], dtype=np.int64)
+    return Sequences(
+        items=table["item_ids"].combine_chunks().flatten().to_numpy().astype(np.int64),
+        timestamps=table["timestamps"].combine_chunks().flatten().to_numpy().astype(np.int64),
+        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        user_tokens=table["user_token"].to_pylist(),
+        item_tokens=items["item_token"].to_pylist(),
+    )
+
+
+def load_sequences(source: str | Path | None = None) -> Sequences:
+    """A folder written by :func:`write_parquet`, a ``.inter`` file, or (``None`` / empty) ML-100K from recbole."""
+    if source and Path(source).is_dir():
+        return read_parquet(source)
+    return read_inter(source or None)
+
+
+def _parse(path: Path) -> tuple[list[str], list[str], np.ndarray]:
+    with path.open(encoding="utf-8") as handle:
+        header = handle.readline().rstrip("\n").split("\t")
+        names = [column.split(":", 1)[0] for column in header]
+        missing = [name for name in _REQUIRED_FIELDS if name not in names]
+        if missing:
+            raise ValueError(
+                f"{path}, line 1: header has no column {', '.join(missing)} (expected tab-separated "
+                f"name:type columns including user_id, item_id and timestamp; got {header})"
+            )
+        user_col, item_col, time_col = (names.index(name) for name in _REQUIRED_FIELDS)
+        users: list[str] = []
+        items: list[str] = []
+        times: list[float] = []
+        for line_number, line in enumerate(handle, start=2):
+            line = line.rstrip("\n")
+            if not line:
+                continue
+            fields = line.split("\t")
+            if len(fields) != len(header):
+                raise ValueError(
+                    f"{path}, line {line_number}: expected {len(header)} tab-separated fields, got {len(fields)}"
+                )
+            for name, column in zip(_REQUIRED_FIELDS[:2], (user_col, item_col)):
+                if not fields[column]:
+                    raise ValueError(f"{path}, line {line_number}, column {column + 1} ({name}): empty token")
+            try:
+                times.append(float(fields[time_col]))
+            except ValueError:
+                raise ValueError(
+                    f"{path}, line {line_number}, column {time_col + 1} (timestamp): not a number: {fields[time_col]!r}"
+                ) from None
+            users.append(fields[user_col])
+            items.append(fields[item_col])
+    if not users:
+        raise ValueError(f"{path}: no interactions after the header")
+    return users, items, np.asarray(times, dtype=np.float64)
+
+
+def _renumber(tokens: list[str]) -> tuple[list[str], np.ndarray]:
+    """Distinct tokens in order (numeric when all are integers) and each token's 0-based index."""
+    distinct = sorted(set(tokens))
+    if all(t.lstrip("-").isdigit() for t in distinct):
+        distinct.sort(key=int)
+    index = {token: i for i, token in enumerate(distinct)}
+    return distinct, np.fromiter((index[t] for t in tokens), dtype=np.int64, count=len(tokens))
+
+
+def _first_occurrences(user_ids: np.ndarray, item_ids: np.ndarray) -> np.ndarray:
+    """Sorted row indices keeping the first row of each (user, item) pair (rows are in time order)."""
+    pairs = user_ids * (int(item_ids.max()) + 1) + item_ids
+    _, first = np.unique(pairs, return_index=True)
+    return np.sort(first)

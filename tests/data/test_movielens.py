@@ -1,0 +1,119 @@
+"""MovieLens loader on small hand-written .inter files (no recbole needed)."""
+
+import argparse
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from opengem.cli.movielens import add_movielens_parser, movielens_command
+from opengem.data import movielens
+from opengem.data.movielens import leave_one_out, load_sequences, read_inter, read_parquet
+
+HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
+
+
+def write_inter(path: Path, rows: list[str], header: str = HEADER) -> Path:
+    path.write_text(header + "".join(row + "\n" for row in rows))
+    return path
+
+
+@pytest.fixture
+def small(tmp_path: Path) -> Path:
+    # user 7: items 30, 10, 20 at time 5 (tie, listed out of order), then 40 at 9, 50 at 1 (earliest)
+    # user 3: 20 at 2, 30 at 1, 10 at 3; user 9 has two interactions only (dropped)
+    return write_inter(tmp_path / "small.inter", [
+        "7\t30\t4\t5", "3\t20\t1\t2", "7\t10\t5\t5", "9\t10\t3\t1", "7\t40\t2\t9",
+        "3\t30\t3\t1", "7\t20\t4\t5", "3\t10\t5\t3", "7\t50\t1\t1", "9\t20\t2\t2",
+    ])  # fmt: skip
+
+
+def test_sequences_are_chronological_with_item_tie_break_and_contiguous_ids(small: Path) -> None:
+    seq = read_inter(small)
+    # users renumbered by token (3, 7; 9 dropped for < 3 interactions), items 10..50 -> 1..5
+    assert seq.user_tokens == ["3", "7"]
+    assert seq.item_tokens == ["10", "20", "30", "40", "50"]
+    assert seq.num_items == 5
+    assert seq.sequence(0).tolist() == [3, 2, 1]  # 30@1, 20@2, 10@3
+    assert seq.sequence(1).tolist() == [5, 1, 2, 3, 4]  # 50@1, then the tie at 5 by item: 10, 20, 30; 40@9
+    assert seq.timestamps[seq.offsets[1] : seq.offsets[2]].tolist() == [1, 5, 5, 5, 9]
+
+
+def test_row_order_does_not_change_the_result(small: Path, tmp_path: Path) -> None:
+    lines = small.read_text().splitlines(keepends=True)
+    shuffled = tmp_path / "shuffled.inter"
+    shuffled.write_text(lines[0] + "".join(reversed(lines[1:])))
+    a, b = read_inter(small), read_inter(shuffled)
+    assert np.array_equal(a.items, b.items) and np.array_equal(a.offsets, b.offsets)
+
+
+def test_numeric_tokens_sort_numerically_and_repeats_keep_first(tmp_path: Path) -> None:
+    path = write_inter(tmp_path / "r.inter", ["1\t100\t1\t1", "1\t9\t1\t2", "1\t100\t1\t3", "1\t20\t1\t4"])
+    seq = read_inter(path)
+    assert seq.item_tokens == ["9", "20", "100"]
+    assert seq.sequence(0).tolist() == [3, 1, 2]  # the repeat of item 100 at time 3 is dropped
+
+
+def test_fractional_timestamps_order_exactly(tmp_path: Path) -> None:
+    path = write_inter(tmp_path / "f.inter", ["1\t10\t1\t1.7", "1\t20\t1\t1.2", "1\t30\t1\t2.0"])
+    assert read_inter(path).sequence(0).tolist() == [2, 1, 3]  # 20 @ 1.2 before 10 @ 1.7
+
+
+def test_leave_one_out(small: Path) -> None:
+    split = leave_one_out(read_inter(small))
+    assert [s.tolist() for s in split.train] == [[3], [5, 1, 2]]
+    assert split.valid_target.tolist() == [2, 3]
+    assert split.test_target.tolist() == [1, 4]
+    assert split.test_history(1).tolist() == [5, 1, 2, 3]
+    assert split.valid_history(1).tolist() == [5, 1, 2]
+
+
+def test_parquet_round_trip_and_cli(small: Path, tmp_path: Path, capsys) -> None:
+    parser = argparse.ArgumentParser()
+    add_movielens_parser(parser.add_subparsers())
+    out = tmp_path / "out"
+    assert movielens_command(parser.parse_args(["movielens", "--out", str(out), "--inter", str(small)])) == 0
+    printed = capsys.readouterr().out
+    assert "users         2" in printed and "items         5" in printed
+    back, original = read_parquet(out), read_inter(small)
+    assert np.array_equal(back.items, original.items) and np.array_equal(back.timestamps, original.timestamps)
+    assert np.array_equal(back.offsets, original.offsets)
+    assert (back.user_tokens, back.item_tokens) == (original.user_tokens, original.item_tokens)
+    assert np.array_equal(load_sequences(out).items, original.items)
+
+
+@pytest.mark.parametrize(
+    ("header", "row", "message"),
+    [
+        ("user_id:token\titem_id:token\trating:float\n", "1\t2\t3", "line 1: header has no column timestamp"),
+        (HEADER, "1\t2\t3", "line 3: expected 4 tab-separated fields, got 3"),
+        (HEADER, "1\t2\t3\tsoon", "line 3, column 4 (timestamp): not a number: 'soon'"),
+        (HEADER, "1\t\t3\t4", "line 3, column 2 (item_id): empty token"),
+    ],
+)
+def test_malformed_files_name_file_line_and_column(tmp_path: Path, header: str, row: str, message: str) -> None:
+    path = write_inter(tmp_path / "bad.inter", ["1\t1\t1\t1", row], header=header)
+    with pytest.raises(ValueError) as error:
+        read_inter(path)
+    assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_header_only_file_is_an_error(tmp_path: Path) -> None:
+    path = write_inter(tmp_path / "empty.inter", [])
+    with pytest.raises(ValueError, match="no interactions after the header"):
+        read_inter(path)
+
+
+def test_missing_recbole_says_how_to_install(monkeypatch) -> None:
+    monkeypatch.setattr(movielens.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match=r"pip install --no-deps recbole==1\.2\.1"):
+        read_inter()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("recbole") is None, reason="recbole (the ML-100K file) not installed")
+def test_ml100k_from_recbole() -> None:
+    seq = read_inter()
+    assert (seq.num_users, seq.num_items, len(seq.items)) == (943, 1682, 100_000)
+    assert seq.lengths().min() >= 20
+    assert all(np.all(np.diff(seq.timestamps[a:b]) >= 0) for a, b in zip(seq.offsets[:-1], seq.offsets[1:]))
