@@ -12,6 +12,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
 	$(PY) -m pip install -q -e ".[test]"
+	# MovieLens-100K ships inside recbole's example data; its own (heavy) requirements are not needed
+	$(PY) -m pip install -q --no-deps "recbole==1.2.1"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -100,3 +100,16 @@ def test_cli_synth_then_train_from_parquet(tmp_path, capsys):
 def test_cli_synth_rejects_unknown_preset(tmp_path, capsys):
     assert main(["data", "synth", "--out", str(tmp_path), "--samples", "10", "--preset", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+
+
+def test_cli_sequential_presets_reject_step_counts(capsys):
+    assert main(["train", "--preset", "hstu-ml100k", "--steps", "3"]) == 2
+    assert "--steps is not supported for hstu-ml100k" in capsys.readouterr().err
+
+
+def test_cli_movielens_reports_a_malformed_file(tmp_path, capsys):
+    bad = tmp_path / "bad.inter"
+    bad.write_text("user_id:token\titem_id:token\ttimestamp:float\n1\t2\tnot-a-time\n")
+    assert main(["data", "movielens", "--out", str(tmp_path / "out"), "--inter", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.inter" in err and "line 2" in err

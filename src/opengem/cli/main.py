@@ -1,4 +1,4 @@
-"""The `opengem` command: train, data synth, info."""
+"""The `opengem` command: train, data synth, data movielens."""
 
 from __future__ import annotations
 
@@ -7,7 +7,9 @@ import sys
 import time
 from pathlib import Path
 
+from opengem.cli.movielens import add_movielens_parser, movielens_command
 from opengem.train.checkpoint import checkpoint_config
+from opengem.train.sequential import SEQUENTIAL_PRESETS
 from opengem.train.config import PRESETS, apply_overrides, config_from_dict, load_config
 
 
@@ -17,7 +19,9 @@ def main(argv: list[str] | None = None) -> int:
 
     train_parser = commands.add_parser("train", help="train a model (default: the CPU demo preset)")
     train_parser.add_argument("--config", help="TOML file of settings (top-level keys and a [model] table)")
-    train_parser.add_argument("--preset", choices=sorted(PRESETS), help="start from this preset")
+    train_parser.add_argument(
+        "--preset", choices=sorted(PRESETS) + sorted(SEQUENTIAL_PRESETS), help="start from this preset"
+    )
     train_parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     train_parser.add_argument("--steps", type=int, help="total training steps")
     train_parser.add_argument("--device", help="auto, cpu or cuda")
@@ -31,13 +35,16 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--samples", type=int, required=True)
     synth.add_argument("--preset", default="gem-tiny")
     synth.add_argument("--seed", type=int, default=0)
+    add_movielens_parser(data_commands)
 
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return _train(args)
+        if args.data_command == "movielens":
+            return movielens_command(args)
         return _synth(args)
-    except ValueError as error:
+    except (ValueError, FileNotFoundError) as error:
         print(f"opengem: error: {error}", file=sys.stderr)
         return 2
 
@@ -46,6 +53,8 @@ def _train(args: argparse.Namespace) -> int:
     from opengem.train.trainer import train
 
     overrides = list(args.set)
+    if args.preset in SEQUENTIAL_PRESETS:
+        return _train_sequential(args, overrides)
     if args.steps is not None:
         overrides.append(f"steps={args.steps}")
     if args.device is not None:
@@ -56,6 +65,20 @@ def _train(args: argparse.Namespace) -> int:
     else:
         config = load_config(args.preset, args.config, overrides)
     summary = train(config, resume=args.resume, progress=not args.no_progress)
+    print(f"run folder: {summary['run_dir']}")
+    return 0
+
+
+def _train_sequential(args: argparse.Namespace, overrides: list[str]) -> int:
+    """Next-item models on MovieLens (counted in epochs; no --steps, --config or --resume)."""
+    from opengem.train.sequential import load_sequential_config, train_sequential
+
+    for flag, value in (("--steps", args.steps), ("--config", args.config), ("--resume", args.resume)):
+        if value is not None:
+            raise ValueError(f"{flag} is not supported for {args.preset}; use --set epochs=N and friends")
+    if args.device is not None:
+        overrides.append(f"device={args.device}")
+    summary = train_sequential(load_sequential_config(args.preset, overrides), progress=not args.no_progress)
     print(f"run folder: {summary['run_dir']}")
     return 0
 
