@@ -62,9 +62,10 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def environment() -> dict[str, Any]:
     commit = os.environ.get("OPENGEM_GIT_COMMIT", "")  # the GPU machine gets a copy of the tree without .git
     try:
-        commit = subprocess.run(
+        measured = subprocess.run(
             ["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False, cwd=Path(__file__).parent
-        ).stdout.strip() or commit
+        ).stdout.strip()
+        commit = commit or (measured if len(measured) >= 7 and measured != "HEAD" else "")
     except OSError:
         pass
     env: dict[str, Any] = {
