@@ -21,5 +21,6 @@ setup: $(VENV)/.installed
 demo: setup
 	$(VENV)/bin/opengem train --preset gem-tiny
 
+# One thread per test worker: two workers of two threads each oversubscribe 2 cores (OpenMP spin-waits).
 test: setup
-	$(PY) -m pytest -q -n 2 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n 2 tests
