@@ -1,5 +1,6 @@
 """GEM: shapes, gradients, ablations, domain heads, empty histories, training, FLOPs and presets."""
 
+import argparse
 import dataclasses
 
 import pytest
@@ -7,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
+from opengem.cli.info import add_info_parser, run_info
 from opengem.data.parquet import batches_from_table
 from opengem.data.schema import TASKS, Batch
 from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
@@ -187,3 +189,13 @@ def test_trainer_builds_gem_and_keeps_the_history_free_baseline():
         build_learner(load_config("gem-tiny", None, ["architecture=dlrm"]), "attention", torch.device("cpu"))
     with pytest.raises(ValueError, match="expected one of"):
         load_config("gem-tiny", None, ["gem.self_attention=flash"])
+
+
+def test_info_prints_counts_and_flops(capsys):
+    parser = argparse.ArgumentParser()
+    add_info_parser(parser.add_subparsers(dest="command"))
+    assert run_info(parser.parse_args(["info", "--preset", "gem-large"])) == 0
+    out = capsys.readouterr().out
+    summary = describe("gem-large")
+    assert f"{summary.dense_parameters / 1e6:,.1f} M" in out and "attention share" in out
+    assert "GEM_SPEC section 8" in out and "gem-tiny" not in out
