@@ -78,8 +78,8 @@ class SeedPooling(nn.Module):
     """PMA: ``num_seeds`` learned queries shared by the batch attend over each sample's sequence.
 
     One broadcast-Q GDPA call (``[B * num_seeds, H, D]`` out, dq summed over the batch inside the op);
-    the sum over a variable number of keys is normalized by a LayerNorm on the output (finite for an
-    empty sequence too).
+    the sum over a variable number of keys is normalized by a LayerNorm before the output projection
+    (finite for an empty sequence too).
     """
 
     def __init__(self, dim: int, num_heads: int, num_seeds: int, activation: str = "silu") -> None:
