@@ -199,3 +199,9 @@ def test_info_prints_counts_and_flops(capsys):
     summary = describe("gem-large")
     assert f"{summary.dense_parameters / 1e6:,.1f} M" in out and "attention share" in out
     assert "GEM_SPEC section 8" in out and "gem-tiny" not in out
+
+
+def test_attention_backend_reference_is_the_cpu_default(batch):
+    auto = _model(dataclasses.replace(SMALL, self_attention="block", block_size=16))
+    forced = _model(dataclasses.replace(SMALL, self_attention="block", block_size=16, attention_backend="reference"))
+    torch.testing.assert_close(forced(batch), auto(batch))

@@ -61,6 +61,7 @@ class GEMConfig:
     head_dims: tuple[int, ...] = (256, 64)
     domain_feature: str = "surface"
     event_type_feature: str = "hist_event_type"
+    attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on CUDA, reference on CPU
     use_sequence: bool = True
     use_pffn: bool = True
     use_pooling: bool = True
@@ -78,15 +79,17 @@ class GEMLayer(nn.Module):
         if config.use_sequence:
             if config.use_pffn:  # X_sum feeds the PFFN's keys and values
                 self.x_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
-                self.pffn = PersonalizedFFN(d, config.num_heads, config.attention_activation)
+                self.pffn = PersonalizedFFN(d, config.num_heads, config.attention_activation, config.attention_backend)
             self.self_attention = SequenceSelfAttention(
                 d, config.num_heads, config.self_attention, window=config.window, block_size=config.block_size,
                 contextual_len=config.num_cls, ffn_mult=config.ffn_mult, time_scale=config.time_scale,
+                backend=config.attention_backend,
             )  # fmt: skip
             if config.use_wukong or last:  # S_sum feeds the interaction branch, or the heads after the last layer
                 seeds = config.num_seeds if config.use_pooling else 0
                 self.s_summary = SequenceSummary(
-                    d, config.num_heads, config.num_cls, seeds, config.num_recent, config.attention_activation
+                    d, config.num_heads, config.num_cls, seeds, config.num_recent, config.attention_activation,
+                    config.attention_backend,
                 )
                 summary_tokens = self.s_summary.num_tokens
         self.interaction = None

@@ -52,9 +52,9 @@ class PersonalizedFFN(nn.Module):
     (short dense K/V, the layout GDPA keeps resident). Residual: ``S + W_o gdpa(W_q LN(S), W_k C, W_v C)``.
     """
 
-    def __init__(self, dim: int, num_heads: int, activation: str = "silu") -> None:
+    def __init__(self, dim: int, num_heads: int, activation: str = "silu", backend: str = "auto") -> None:
         super().__init__()
-        self.num_heads, self.head_dim, self.activation = num_heads, dim // num_heads, activation
+        self.num_heads, self.head_dim, self.activation, self.backend = num_heads, dim // num_heads, activation, backend
         self.norm = nn.LayerNorm(dim)
         self.context_norm = nn.LayerNorm(dim)
         self.q = nn.Linear(dim, dim)
@@ -69,7 +69,7 @@ class PersonalizedFFN(nn.Module):
         k_offsets = torch.arange(batch + 1, device=h.device, dtype=sequence.offsets.dtype) * m
         attended = gdpa(
             q, k.contiguous(), v.contiguous(), sequence.offsets, k_offsets, sequence.max_len, m,
-            activation=self.activation, pre_scale=self.head_dim**-0.5, post_scale=1.0 / m,
+            activation=self.activation, pre_scale=self.head_dim**-0.5, post_scale=1.0 / m, backend=self.backend,
         )  # fmt: skip
         return sequence.with_values(h + self.out(attended.reshape(h.shape[0], -1)))
 
@@ -82,9 +82,10 @@ class SeedPooling(nn.Module):
     (finite for an empty sequence too).
     """
 
-    def __init__(self, dim: int, num_heads: int, num_seeds: int, activation: str = "silu") -> None:
+    def __init__(self, dim: int, num_heads: int, num_seeds: int, activation: str = "silu", backend: str = "auto") -> None:
         super().__init__()
-        self.num_heads, self.head_dim, self.num_seeds, self.activation = num_heads, dim // num_heads, num_seeds, activation
+        self.num_heads, self.head_dim, self.num_seeds = num_heads, dim // num_heads, num_seeds
+        self.activation, self.backend = activation, backend
         self.seeds = nn.Parameter(torch.randn(num_seeds, num_heads, self.head_dim) / math.sqrt(self.head_dim))
         self.norm = nn.LayerNorm(dim)
         self.kv = nn.Linear(dim, 2 * dim)
@@ -98,6 +99,7 @@ class SeedPooling(nn.Module):
         pooled = gdpa(
             self.seeds.to(k.dtype), k.contiguous(), v.contiguous(), None, sequence.offsets, self.num_seeds,
             sequence.max_len, activation=self.activation, pre_scale=self.head_dim**-0.5, broadcast_q=True,
+            backend=self.backend,
         )  # fmt: skip
         pooled = pooled.reshape(sequence.batch_size, self.num_seeds, -1)
         return self.out(self.out_norm(pooled))
@@ -122,12 +124,14 @@ class SequenceSelfAttention(nn.Module):
         contextual_len: int,
         ffn_mult: int,
         time_scale: float,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         if kind not in ("block", "jfa"):
             raise ValueError(f"self_attention must be 'block' or 'jfa', got {kind!r}")
         self.kind, self.num_heads, self.head_dim = kind, num_heads, dim // num_heads
         self.window, self.block_size, self.contextual_len, self.time_scale = window, block_size, contextual_len, time_scale
+        self.backend = backend
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)
@@ -141,12 +145,13 @@ class SequenceSelfAttention(nn.Module):
             attended = block_attention_from_hidden(
                 x, self.qkv.weight, sequence.offsets, sequence.max_len, self.num_heads, bias=self.qkv.bias,
                 block_size=self.block_size, rotary=Rotary(time_gaps=age, time_scale=self.time_scale),
+                backend=self.backend,
             )  # fmt: skip
         else:
             q, k, v = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
             attended = jagged_attention(
                 q, k, v, sequence.offsets, sequence.max_len, causal=False, contextual_len=self.contextual_len,
-                window=self.window,
+                window=self.window, backend=None if self.backend == "auto" else self.backend,
             ).reshape(h.shape[0], -1)
         h = h + self.out(attended)
         if self.ffn is not None:
@@ -162,10 +167,10 @@ class SequenceSummary(nn.Module):
     """
 
     def __init__(self, dim: int, num_heads: int, num_cls: int, num_seeds: int, num_recent: int,
-                 activation: str = "silu") -> None:
+                 activation: str = "silu", backend: str = "auto") -> None:
         super().__init__()
         self.num_cls, self.num_recent = num_cls, num_recent
-        self.pooling = SeedPooling(dim, num_heads, num_seeds, activation) if num_seeds > 0 else None
+        self.pooling = SeedPooling(dim, num_heads, num_seeds, activation, backend) if num_seeds > 0 else None
         self.gate = SelfGate(dim)
 
     @property
