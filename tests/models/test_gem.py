@@ -2,6 +2,7 @@
 
 import argparse
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from opengem.models.presets import GEM_PRESETS, describe, gem_flops
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.gem_layers import PersonalizedFFN, SeedPooling
 from opengem.nn.wukong import DenseExperts
-from opengem.train.config import load_config
+from opengem.train.config import config_from_dict, load_config
 from opengem.train.trainer import build_learner
 
 DATA = SYNTHETIC_PRESETS["gem-tiny"]
@@ -189,6 +190,8 @@ def test_trainer_builds_gem_and_keeps_the_history_free_baseline():
         build_learner(load_config("gem-tiny", None, ["architecture=dlrm"]), "attention", torch.device("cpu"))
     with pytest.raises(ValueError, match="expected one of"):
         load_config("gem-tiny", None, ["gem.self_attention=flash"])
+    saved = json.loads(json.dumps(dataclasses.asdict(config)))  # as a checkpoint stores it
+    assert config_from_dict(saved) == config
 
 
 def test_info_prints_counts_and_flops(capsys):
