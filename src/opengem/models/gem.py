@@ -237,7 +237,8 @@ def prepend_reversed(
     prefix_rows = (new_offsets[:-1].unsqueeze(1) + torch.arange(c, device=offsets.device)).flatten()
     total = history.num_values + batch * c
     values = tokens.new_zeros((total, tokens.shape[1]))
-    values = values.index_copy(0, history_rows, tokens).index_copy(0, prefix_rows, prefix.flatten(0, 1).to(tokens.dtype))
+    values = values.index_copy(0, history_rows, tokens)
+    values = values.index_copy(0, prefix_rows, prefix.flatten(0, 1).to(tokens.dtype))
     new_ages = ages.new_zeros(total).index_copy(0, history_rows, ages)
     host_offsets = history.offsets_host + torch.arange(batch + 1, dtype=history.offsets_host.dtype) * c
     return Jagged(values, new_offsets, host_offsets, history.max_len + c), new_ages

@@ -82,7 +82,9 @@ class SeedPooling(nn.Module):
     (finite for an empty sequence too).
     """
 
-    def __init__(self, dim: int, num_heads: int, num_seeds: int, activation: str = "silu", backend: str = "auto") -> None:
+    def __init__(
+        self, dim: int, num_heads: int, num_seeds: int, activation: str = "silu", backend: str = "auto"
+    ) -> None:
         super().__init__()
         self.num_heads, self.head_dim, self.num_seeds = num_heads, dim // num_heads, num_seeds
         self.activation, self.backend = activation, backend
@@ -130,8 +132,8 @@ class SequenceSelfAttention(nn.Module):
         if kind not in ("block", "jfa"):
             raise ValueError(f"self_attention must be 'block' or 'jfa', got {kind!r}")
         self.kind, self.num_heads, self.head_dim = kind, num_heads, dim // num_heads
-        self.window, self.block_size, self.contextual_len, self.time_scale = window, block_size, contextual_len, time_scale
-        self.backend = backend
+        self.window, self.block_size, self.contextual_len = window, block_size, contextual_len
+        self.time_scale, self.backend = time_scale, backend
         self.attn_norm = nn.LayerNorm(dim)
         self.qkv = nn.Linear(dim, 3 * dim)
         self.out = nn.Linear(dim, dim)

@@ -76,9 +76,8 @@ def build_learner(config: TrainConfig, history: str, device: torch.device) -> Le
     if config.architecture == "gem" and history != "none":
         model: nn.Module = GEM(data.feature_specs(), data.num_dense, config.gem, embedding_optimizer)
     else:
-        model = SequenceCTRModel(
-            data.feature_specs(), data.num_dense, dataclasses.replace(config.model, history=history), embedding_optimizer
-        )
+        sequence_config = dataclasses.replace(config.model, history=history)
+        model = SequenceCTRModel(data.feature_specs(), data.num_dense, sequence_config, embedding_optimizer)
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
