@@ -149,9 +149,8 @@ def test_flop_formula_matches_flop_counter(batch, self_attention):
 
 
 def test_flop_formula_of_ablations_matches_flop_counter(batch):
-    for flag, value in (("use_sequence", False), ("use_pffn", False), ("use_pooling", False), ("use_wukong", False),
-                        ("candidate_feature", "ad_category")):
-        config = dataclasses.replace(GEM_PRESETS["gem-tiny"].model, num_layers=2, **{flag: value})
+    for flag in ("use_sequence", "use_pffn", "use_pooling", "use_wukong"):
+        config = dataclasses.replace(GEM_PRESETS["gem-tiny"].model, num_layers=2, **{flag: False})
         with FlopCounterMode(display=False) as counter:
             _model(config)(batch)
         expected = gem_flops(config, DATA, batch.history_age.lengths().tolist())
@@ -175,8 +174,6 @@ def test_unknown_preset_and_bad_config_raise():
         describe("gem-huge")
     with pytest.raises(ValueError, match="domain_feature"):
         GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, domain_feature="hist_item"))
-    with pytest.raises(ValueError, match="candidate_feature"):
-        GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, candidate_feature="hist_category"))
     with pytest.raises(ValueError, match="divisible"):
         GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, num_heads=3))
 

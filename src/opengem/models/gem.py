@@ -5,8 +5,7 @@ Data flow per batch (B samples, n = one token per non-sequence feature + one den
     X [B, n, d]     <- per-feature projections of the sparse embeddings, plus a token from the dense features
     S  Jagged [T', d] <- [CLS tokens | history, newest first]; a history token is a projection of its
                        features' embeddings, scaled and shifted per event type, plus an event-age embedding;
-                       the CLS tokens start as learned vectors plus a projection of X's summary (and, with
-                       ``candidate_feature``, of the candidate's embedding: a direct, target-aware query)
+                       the CLS tokens start as learned vectors plus a projection of X's summary
     each layer:  X_sum = gate(linear-compress(X))                        [B, m, d]
                  S <- S + PFFN(S, X_sum)     GDPA cross-attention, K/V = the sample's m summary tokens
                  S <- S + SelfAttention(S)   windowed JFA (CLS rows see everything) or BlockAttention
@@ -62,7 +61,6 @@ class GEMConfig:
     head_dims: tuple[int, ...] = (256, 64)
     domain_feature: str = "surface"
     event_type_feature: str = "hist_event_type"
-    candidate_feature: str = ""  # e.g. "ad_category": its embedding goes straight into the CLS tokens
     attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on CUDA, reference on CPU
     use_sequence: bool = True
     use_pffn: bool = True
@@ -174,11 +172,6 @@ class GEM(nn.Module):
             self.cls_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
             self.cls_proj = nn.Linear(config.num_summary_tokens * d, config.num_cls * d)
             self.cls = nn.Parameter(torch.randn(config.num_cls, d) * 0.02)
-            if config.candidate_feature:
-                candidate = by_name.get(config.candidate_feature)
-                if candidate is None or candidate.kind != "categorical":
-                    raise ValueError(f"candidate_feature {config.candidate_feature!r} must name a categorical feature")
-                self.candidate_proj = nn.Linear(e, config.num_cls * d)
         self.layers = nn.ModuleList(
             GEMLayer(num_tokens, config, last=i == config.num_layers - 1) for i in range(config.num_layers)
         )
@@ -220,10 +213,7 @@ class GEM(nn.Module):
         tokens = self.sequence_proj(torch.cat([embedded[n].values for n in self.sequence_names], dim=1))
         tokens = tokens * self.event_scale(event_type) + self.event_shift(event_type)
         tokens = tokens + self.age_embedding(age_buckets(ages))
-        cls_input = self.cls_proj(self.cls_summary(x).flatten(1))
-        if self.config.candidate_feature:  # the candidate as a direct query over the history (target-aware)
-            cls_input = cls_input + self.candidate_proj(embedded[self.config.candidate_feature])
-        cls = self.cls + cls_input.view(x.shape[0], self.config.num_cls, -1)
+        cls = self.cls + self.cls_proj(self.cls_summary(x).flatten(1)).view(x.shape[0], self.config.num_cls, -1)
         return prepend_reversed(history, tokens, cls, ages)
 
 

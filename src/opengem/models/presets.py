@@ -108,7 +108,6 @@ def gem_flops(config: GEMConfig, data: SyntheticConfig, history_lengths: Sequenc
         summary_tokens = c + seeds + config.num_recent
         gemm += (tokens - batch * c) * num_sequence * e * d  # history token projection
         gemm += batch * (n * m * d + m * d * d + m * d * c * d)  # CLS from the X summary
-        gemm += batch * e * c * d if config.candidate_feature else 0  # CLS from the candidate embedding
         per_layer = tokens * (4 * d * d + 2 * config.ffn_mult * d * d)  # qkv, out, feed-forward
         if config.use_pffn:
             per_layer += tokens * 2 * d * d + batch * (n * m * d + m * d * d + m * 2 * d * d)  # q/out; X_sum; k/v
