@@ -9,7 +9,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from opengem.models.gem import GEMConfig
+from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
+
+ARCHITECTURES = ("sequence_ctr", "gem")
 
 
 @dataclass(frozen=True)
@@ -37,7 +41,9 @@ class TrainConfig:
     baseline: bool = True  # also train the history-free baseline on the same batches
     device: str = "auto"
     num_workers: int = 0
+    architecture: str = "sequence_ctr"  # "sequence_ctr" (section `model`) or "gem" (section `gem`)
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
+    gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
@@ -68,6 +74,7 @@ PRESETS: dict[str, TrainConfig] = {
         eval_samples=50000,
         num_workers=4,
         model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
+        gem=GEM_PRESETS["gem-small"].model,
     ),
 }
 
@@ -105,8 +112,13 @@ def apply_overrides(config: TrainConfig, overrides: typing.Sequence[str]) -> Tra
 
 def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
     """Rebuild a TrainConfig from ``dataclasses.asdict`` output (as stored in checkpoints)."""
-    model = SequenceCTRConfig(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved["model"].items()})
-    return replace(TrainConfig(**{k: v for k, v in saved.items() if k != "model"}), model=model)
+    sections = {"model": SequenceCTRConfig, "gem": GEMConfig}
+    rebuilt = {
+        name: kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
+        for name, kind in sections.items()
+        if name in saved  # checkpoints written before the gem section existed lack it
+    }
+    return replace(TrainConfig(**{k: v for k, v in saved.items() if k not in sections}), **rebuilt)
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -149,6 +161,10 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
             if lowered not in ("true", "false", "1", "0"):
                 raise ValueError(f"expected true or false, got {value!r}")
             return lowered in ("true", "1")
+        if origin is typing.Literal:
+            if str(value) not in typing.get_args(hint):
+                raise ValueError(f"expected one of {typing.get_args(hint)}, got {value!r}")
+            return str(value)
         if hint in (int, float, str):
             if hint is int and isinstance(value, float):
                 raise ValueError(f"expected an integer, got {value!r}")

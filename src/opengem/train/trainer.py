@@ -19,14 +19,16 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 from tqdm import tqdm
 
 from opengem.data.schema import TASKS, Batch
 from opengem.data.synthetic import SYNTHETIC_PRESETS
+from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingOptimizer
 from opengem.train.checkpoint import load_checkpoint, save_checkpoint
-from opengem.train.config import TrainConfig
+from opengem.train.config import ARCHITECTURES, TrainConfig
 from opengem.train.guards import StepGuard
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.metrics import binary_metrics
@@ -36,7 +38,7 @@ from opengem.train.metrics import binary_metrics
 class Learner:
     """A model and its dense optimizer (the sparse optimizer lives inside the embedding collection)."""
 
-    model: SequenceCTRModel
+    model: SequenceCTRModel | GEM
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
 
@@ -74,13 +76,17 @@ def resolve_device(name: str) -> torch.device:
 
 
 def build_learner(config: TrainConfig, history: str, device: torch.device) -> Learner:
+    """The configured architecture; ``history="none"`` always builds the history-free SequenceCTR baseline."""
     data = SYNTHETIC_PRESETS[config.data_preset]
-    model = SequenceCTRModel(
-        data.feature_specs(),
-        data.num_dense,
-        dataclasses.replace(config.model, history=history),
-        EmbeddingOptimizer(lr=config.embedding_lr),
-    ).to(device)
+    embedding_optimizer = EmbeddingOptimizer(lr=config.embedding_lr)
+    if config.architecture not in ARCHITECTURES:
+        raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {config.architecture!r}")
+    if config.architecture == "gem" and history != "none":
+        model: nn.Module = GEM(data.feature_specs(), data.num_dense, config.gem, embedding_optimizer)
+    else:
+        sequence_config = dataclasses.replace(config.model, history=history)
+        model = SequenceCTRModel(data.feature_specs(), data.num_dense, sequence_config, embedding_optimizer)
+    model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     return Learner(model, optimizer, scheduler)

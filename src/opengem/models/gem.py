@@ -1,0 +1,244 @@
+"""GEM: the reference hybrid model of GEM_SPEC section 6 (Wukong interaction + InterFormer-style sequence branch).
+
+Data flow per batch (B samples, n = one token per non-sequence feature + one dense token, d = d_model)::
+
+    X [B, n, d]     <- per-feature projections of the sparse embeddings, plus a token from the dense features
+    S  Jagged [T', d] <- [CLS tokens | history, newest first]; a history token is a projection of its
+                       features' embeddings, scaled and shifted per event type, plus an event-age embedding;
+                       the CLS tokens start as learned vectors plus a projection of X's summary
+    each layer:  X_sum = gate(linear-compress(X))                        [B, m, d]
+                 S <- S + PFFN(S, X_sum)     GDPA cross-attention, K/V = the sample's m summary tokens
+                 S <- S + SelfAttention(S)   windowed JFA (CLS rows see everything) or BlockAttention
+                                             with time-aware rotary; then a feed-forward
+                 S_sum = gate([CLS | seed-pooled (broadcast-Q GDPA) | K most recent])   [B, s, d]
+                 X <- Wukong(concat(X, S_sum))   (dense experts: several Wukong layers summed)
+    heads: per task an MLP on flatten([X_sum | S_sum]) with one output per domain; the ``domain_feature``
+           (surface) of each sample picks its domain's logit.
+
+Ablations: ``use_sequence`` (no history at all), ``use_pffn``, ``use_pooling``, ``use_wukong`` (X passes
+through unchanged). The model has no parallelism inside; attention runs through ``opengem.ops``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+
+from opengem.data.schema import TASKS, Batch, FeatureSpec
+from opengem.jagged import Jagged, KeyedJagged
+from opengem.models.sequence_ctr import AGE_BUCKETS, age_buckets
+from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
+from opengem.nn.gem_layers import PersonalizedFFN, SequenceSelfAttention, SequenceSummary, TokenSummary
+from opengem.nn.layers import MLP
+from opengem.nn.wukong import DenseExperts, WukongLayer
+
+
+@dataclass(frozen=True)
+class GEMConfig:
+    """Defaults: the gem-tiny CPU demo (``opengem.models.presets.GEM_PRESETS`` has the larger sizes)."""
+
+    embedding_dim: int = 32  # every table's dim (<= 256 in the presets)
+    d_model: int = 64
+    num_heads: int = 2
+    num_layers: int = 1
+    num_summary_tokens: int = 4  # m: X_sum tokens, the PFFN's K/V per sample
+    num_cls: int = 2
+    num_seeds: int = 2  # PMA seed queries
+    num_recent: int = 4  # most recent history tokens copied into S_sum
+    self_attention: Literal["jfa", "block"] = "jfa"
+    window: int = 32  # jfa: |i - j| <= window
+    block_size: int = 64  # block: tokens per attention block
+    time_scale: float = 3600.0  # block: rotary phase log(1 + age / time_scale)
+    ffn_mult: int = 2  # sequence feed-forward width / d_model (0: none)
+    attention_activation: str = "silu"  # GDPA activation of PFFN and seed pooling
+    fm_rank: int = 8  # Wukong's k
+    wukong_hidden: int = 256
+    num_experts: int = 1  # dense experts: Wukong layers run in parallel and summed
+    head_dims: tuple[int, ...] = (256, 64)
+    domain_feature: str = "surface"
+    event_type_feature: str = "hist_event_type"
+    attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on CUDA, reference on CPU
+    use_sequence: bool = True
+    use_pffn: bool = True
+    use_pooling: bool = True
+    use_wukong: bool = True
+
+
+class GEMLayer(nn.Module):
+    """One interleaved layer: summaries of both sides, the sequence branch, the interaction branch."""
+
+    def __init__(self, num_tokens: int, config: GEMConfig, last: bool) -> None:
+        super().__init__()
+        d = config.d_model
+        self.x_summary = self.pffn = self.self_attention = self.s_summary = None
+        summary_tokens = 0
+        if config.use_sequence:
+            if config.use_pffn:  # X_sum feeds the PFFN's keys and values
+                self.x_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
+                self.pffn = PersonalizedFFN(d, config.num_heads, config.attention_activation, config.attention_backend)
+            self.self_attention = SequenceSelfAttention(
+                d, config.num_heads, config.self_attention, window=config.window, block_size=config.block_size,
+                contextual_len=config.num_cls, ffn_mult=config.ffn_mult, time_scale=config.time_scale,
+                backend=config.attention_backend,
+            )  # fmt: skip
+            if config.use_wukong or last:  # S_sum feeds the interaction branch, or the heads after the last layer
+                seeds = config.num_seeds if config.use_pooling else 0
+                self.s_summary = SequenceSummary(
+                    d, config.num_heads, config.num_cls, seeds, config.num_recent, config.attention_activation,
+                    config.attention_backend,
+                )
+                summary_tokens = self.s_summary.num_tokens
+        self.interaction = None
+        if config.use_wukong:
+            fm_tokens = (num_tokens + 1) // 2
+            experts = [
+                WukongLayer(num_tokens + summary_tokens, d, fm_tokens, num_tokens - fm_tokens, config.fm_rank,
+                            config.wukong_hidden)
+                for _ in range(config.num_experts)
+            ]  # fmt: skip
+            self.interaction = experts[0] if len(experts) == 1 else DenseExperts(experts)
+
+    def forward(
+        self, x: torch.Tensor, sequence: Jagged | None, age: torch.Tensor | None
+    ) -> tuple[torch.Tensor, Jagged | None, torch.Tensor | None]:
+        """Returns the new ``X``, the new sequence and this layer's ``S_sum`` (None without a sequence)."""
+        s_sum = None
+        interaction_input = x
+        if sequence is not None:
+            if self.pffn is not None:
+                sequence = self.pffn(sequence, self.x_summary(x))
+            sequence = self.self_attention(sequence, age)
+            if self.s_summary is not None:
+                s_sum = self.s_summary(sequence)
+                interaction_input = torch.cat([x, s_sum], dim=1)
+        if self.interaction is not None:
+            x = self.interaction(interaction_input)
+        return x, sequence, s_sum
+
+
+class GEM(nn.Module):
+    def __init__(
+        self,
+        features: Sequence[FeatureSpec],
+        num_dense: int,
+        config: GEMConfig,
+        embedding_optimizer: EmbeddingOptimizer | None = EmbeddingOptimizer(),
+    ) -> None:
+        super().__init__()
+        self.config = config
+        by_name = {f.name: f for f in features}
+        self.sparse_names = [f.name for f in features if f.kind != "sequence"]
+        self.sequence_names = [f.name for f in features if f.kind == "sequence"] if config.use_sequence else []
+        domain = by_name.get(config.domain_feature)
+        if domain is None or domain.kind != "categorical":
+            raise ValueError(f"domain_feature {config.domain_feature!r} must name a categorical feature")
+        if config.use_sequence and by_name.get(config.event_type_feature, domain).kind != "sequence":
+            raise ValueError(f"event_type_feature {config.event_type_feature!r} must name a sequence feature")
+        if config.num_layers < 1:
+            raise ValueError(f"num_layers must be >= 1, got {config.num_layers}")
+        if config.d_model % config.num_heads:
+            raise ValueError(f"d_model {config.d_model} must be divisible by num_heads {config.num_heads}")
+        if config.use_sequence and config.num_cls < 1:
+            raise ValueError("num_cls must be >= 1 with use_sequence (the CLS tokens carry the sequence summary)")
+        self.num_domains = domain.num_embeddings
+        e, d = config.embedding_dim, config.d_model
+        tables = [
+            EmbeddingTableConfig(
+                name=f.name, num_embeddings=f.num_embeddings, embedding_dim=e, feature_names=(f.name,),
+                pooling="none" if f.kind == "sequence" else ("mean" if f.kind == "multi_hot" else "sum"),
+            )
+            for f in features
+            if f.kind != "sequence" or config.use_sequence
+        ]  # fmt: skip
+        self.embeddings = EmbeddingCollection(tables, optimizer=embedding_optimizer)
+        num_features = len(self.sparse_names)
+        self.feature_proj = nn.Parameter(torch.randn(num_features, e, d) / e**0.5)
+        self.feature_bias = nn.Parameter(torch.zeros(num_features, d))
+        self.dense_proj = nn.Linear(num_dense, d)
+        self.token_norm = nn.LayerNorm(d)
+        num_tokens = num_features + 1
+        if config.use_sequence:
+            event_types = by_name[config.event_type_feature].num_embeddings
+            self.sequence_proj = nn.Linear(e * len(self.sequence_names), d)
+            self.event_scale = nn.Embedding(event_types, d)
+            self.event_shift = nn.Embedding(event_types, d)
+            nn.init.ones_(self.event_scale.weight)
+            nn.init.zeros_(self.event_shift.weight)
+            self.age_embedding = nn.Embedding(AGE_BUCKETS, d)
+            self.cls_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
+            self.cls_proj = nn.Linear(config.num_summary_tokens * d, config.num_cls * d)
+            self.cls = nn.Parameter(torch.randn(config.num_cls, d) * 0.02)
+        self.layers = nn.ModuleList(
+            GEMLayer(num_tokens, config, last=i == config.num_layers - 1) for i in range(config.num_layers)
+        )
+        self.final_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
+        summary_tokens = self.layers[-1].s_summary.num_tokens if config.use_sequence else 0
+        head_in = (config.num_summary_tokens + summary_tokens) * d
+        self.heads = nn.ModuleDict(
+            {task: MLP(head_in, config.head_dims, self.num_domains) for task in TASKS}
+        )
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """Logits ``[B, len(TASKS)]``."""
+        features = KeyedJagged.concat([batch.sparse, batch.sequence]) if self.sequence_names else batch.sparse
+        embedded = self.embeddings(features)
+        x = self._feature_tokens(batch, embedded)
+        sequence = age = s_sum = None
+        if self.sequence_names:
+            sequence, age = self._sequence_tokens(batch, embedded, x)
+        for layer in self.layers:
+            x, sequence, s_sum = layer(x, sequence, age)
+        summaries = [self.final_summary(x)] + ([s_sum] if s_sum is not None else [])
+        hidden = torch.cat(summaries, dim=1).flatten(1)
+        domain = batch.sparse[self.config.domain_feature].values.long().unsqueeze(1)
+        return torch.cat([self.heads[task](hidden).gather(1, domain) for task in TASKS], dim=1)
+
+    def _feature_tokens(self, batch: Batch, embedded: dict[str, torch.Tensor | Jagged]) -> torch.Tensor:
+        stacked = torch.stack([embedded[name] for name in self.sparse_names], dim=1)  # [B, F, e]
+        tokens = torch.einsum("bfe,fed->bfd", stacked, self.feature_proj) + self.feature_bias
+        dense = self.dense_proj(batch.dense).unsqueeze(1)
+        return self.token_norm(torch.cat([tokens, dense], dim=1))
+
+    def _sequence_tokens(
+        self, batch: Batch, embedded: dict[str, torch.Tensor | Jagged], x: torch.Tensor
+    ) -> tuple[Jagged, torch.Tensor]:
+        """The ``[CLS | newest-first history]`` sequence and each row's event age (0 on CLS rows)."""
+        history: Jagged = embedded[self.sequence_names[0]]
+        event_type = batch.sequence[self.config.event_type_feature].values.long()
+        ages = batch.history_age.values.float()
+        tokens = self.sequence_proj(torch.cat([embedded[n].values for n in self.sequence_names], dim=1))
+        tokens = tokens * self.event_scale(event_type) + self.event_shift(event_type)
+        tokens = tokens + self.age_embedding(age_buckets(ages))
+        cls = self.cls + self.cls_proj(self.cls_summary(x).flatten(1)).view(x.shape[0], self.config.num_cls, -1)
+        return prepend_reversed(history, tokens, cls, ages)
+
+
+def prepend_reversed(
+    history: Jagged, tokens: torch.Tensor, prefix: torch.Tensor, ages: torch.Tensor
+) -> tuple[Jagged, torch.Tensor]:
+    """Per sample ``[prefix rows | history rows in reverse order]``.
+
+    ``tokens [T, d]`` and ``ages [T]`` follow ``history``'s layout (oldest first); ``prefix [B, c, d]``.
+    Returns the new Jagged ``[T + B c, d]`` and the ages in the new layout (0 on prefix rows). No host sync:
+    the new host offsets and max_len come from the old ones.
+    """
+    batch, c = prefix.shape[0], prefix.shape[1]
+    offsets = history.offsets
+    shift = torch.arange(batch + 1, device=offsets.device, dtype=offsets.dtype) * c
+    new_offsets = offsets + shift
+    sample = history.sample_ids()
+    position = torch.arange(history.num_values, device=offsets.device) - offsets[sample]
+    lengths = history.lengths()
+    history_rows = new_offsets[sample] + c + (lengths[sample] - 1 - position)
+    prefix_rows = (new_offsets[:-1].unsqueeze(1) + torch.arange(c, device=offsets.device)).flatten()
+    total = history.num_values + batch * c
+    values = tokens.new_zeros((total, tokens.shape[1]))
+    values = values.index_copy(0, history_rows, tokens)
+    values = values.index_copy(0, prefix_rows, prefix.flatten(0, 1).to(tokens.dtype))
+    new_ages = ages.new_zeros(total).index_copy(0, history_rows, ages)
+    host_offsets = history.offsets_host + torch.arange(batch + 1, dtype=history.offsets_host.dtype) * c
+    return Jagged(values, new_offsets, host_offsets, history.max_len + c), new_ages

@@ -1,0 +1,210 @@
+"""GEM: shapes, gradients, ablations, domain heads, empty histories, training, FLOPs and presets."""
+
+import argparse
+import dataclasses
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
+
+from opengem.cli.info import add_info_parser, run_info
+from opengem.data.parquet import batches_from_table
+from opengem.data.schema import TASKS, Batch
+from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
+from opengem.jagged import Jagged, KeyedJagged
+from opengem.models.gem import GEM, GEMConfig, prepend_reversed
+from opengem.models.presets import GEM_PRESETS, describe, gem_flops
+from opengem.models.sequence_ctr import SequenceCTRModel
+from opengem.nn.gem_layers import PersonalizedFFN, SeedPooling
+from opengem.nn.wukong import DenseExperts
+from opengem.train.config import config_from_dict, load_config
+from opengem.train.trainer import build_learner
+
+DATA = SYNTHETIC_PRESETS["gem-tiny"]
+SMALL = GEMConfig(embedding_dim=8, d_model=16, num_heads=2, num_layers=2, wukong_hidden=32, head_dims=(32,))
+
+
+@pytest.fixture(scope="module")
+def batch() -> Batch:
+    return next(iter(batches_from_table(generate(DATA, 48, seed=3), 48)))
+
+
+def _model(config: GEMConfig = SMALL, seed: int = 0) -> GEM:
+    torch.manual_seed(seed)
+    return GEM(DATA.feature_specs(), DATA.num_dense, config)
+
+
+def _without_histories(batch: Batch, empty: torch.Tensor) -> Batch:
+    """The batch with the histories of samples ``empty`` (bool ``[B]``) removed."""
+
+    def drop(jagged: Jagged) -> Jagged:
+        keep = ~empty[jagged.sample_ids()]
+        return Jagged.from_lengths(jagged.values[keep], torch.where(empty, 0, jagged.lengths()))
+
+    sequence = KeyedJagged.from_dict({key: drop(batch.sequence[key]) for key in batch.sequence.keys})
+    return dataclasses.replace(batch, sequence=sequence, history_age=drop(batch.history_age))
+
+
+@pytest.mark.parametrize("self_attention", ["jfa", "block"])
+def test_forward_shape_and_finite(batch, self_attention):
+    logits = _model(dataclasses.replace(SMALL, self_attention=self_attention, block_size=16))(batch)
+    assert logits.shape == (batch.batch_size(), len(TASKS))
+    assert torch.isfinite(logits).all()
+
+
+def test_gradients_reach_every_parameter_and_the_tables(batch):
+    model = _model(dataclasses.replace(SMALL, num_experts=2))
+    tables_before = model.embeddings.weights_float32.clone()
+    model(batch).sum().backward()
+    for name, parameter in model.named_parameters():
+        assert parameter.grad is not None, name
+        assert parameter.grad.abs().sum() > 0, name
+    assert not torch.equal(model.embeddings.weights_float32, tables_before)  # fused sparse update ran
+
+
+@pytest.mark.parametrize(
+    "flag, absent",
+    [("use_sequence", SeedPooling), ("use_pffn", PersonalizedFFN), ("use_pooling", SeedPooling),
+     ("use_wukong", DenseExperts)],
+)  # fmt: skip
+def test_each_ablation_removes_its_part(batch, flag, absent):
+    full_config = dataclasses.replace(SMALL, num_experts=2)
+    full, ablated = _model(full_config), _model(dataclasses.replace(full_config, **{flag: False}))
+    assert any(isinstance(m, absent) for m in full.modules())
+    assert not any(isinstance(m, absent) for m in ablated.modules())
+    assert sum(p.numel() for p in ablated.parameters()) < sum(p.numel() for p in full.parameters())
+    logits = ablated(batch)
+    assert logits.shape == (batch.batch_size(), len(TASKS)) and torch.isfinite(logits).all()
+    logits.sum().backward()
+    assert all(p.grad is not None for p in ablated.parameters())
+
+
+def test_without_sequence_the_history_is_not_read(batch):
+    model = _model(dataclasses.replace(SMALL, use_sequence=False))
+    emptied = _without_histories(batch, torch.ones(batch.batch_size(), dtype=torch.bool))
+    torch.testing.assert_close(model(batch), model(emptied))
+
+
+def test_domain_heads_gather_the_sample_surface(batch):
+    model = _model()
+    every_domain = {}
+    for task in TASKS:
+        model.heads[task].register_forward_hook(lambda _m, _i, out, task=task: every_domain.__setitem__(task, out))
+    logits = model(batch)
+    surface = batch.sparse["surface"].values.long()
+    assert every_domain["click"].shape == (batch.batch_size(), DATA.num_surfaces)
+    assert len(set(surface.tolist())) > 1  # the check below distinguishes domains
+    for t, task in enumerate(TASKS):
+        torch.testing.assert_close(logits[:, t], every_domain[task][torch.arange(batch.batch_size()), surface])
+
+
+@pytest.mark.parametrize("self_attention", ["jfa", "block"])
+def test_zero_length_histories(batch, self_attention):
+    model = _model(dataclasses.replace(SMALL, self_attention=self_attention, block_size=16))
+    some = torch.arange(batch.batch_size()) % 3 == 0
+    for empty in (some, torch.ones_like(some)):
+        logits = model(_without_histories(batch, empty))
+        assert torch.isfinite(logits).all()
+        logits.sum().backward()
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+        model.zero_grad()
+
+
+def test_prepend_reversed_layout():
+    history = Jagged.from_lengths(torch.arange(5.0).unsqueeze(1), torch.tensor([3, 0, 2]))
+    prefix = torch.full((3, 2, 1), -1.0)
+    sequence, ages = prepend_reversed(history, history.values, prefix, torch.arange(5.0) + 10)
+    assert sequence.offsets.tolist() == [0, 5, 7, 11] and sequence.max_len == 5
+    assert sequence.values.squeeze(1).tolist() == [-1, -1, 2, 1, 0, -1, -1, -1, -1, 4, 3]
+    assert ages.tolist() == [0, 0, 12, 11, 10, 0, 0, 0, 0, 14, 13]
+
+
+def test_short_training_run_lowers_the_loss(batch):
+    model = _model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(12):
+        loss = F.binary_cross_entropy_with_logits(model(batch), batch.labels)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(float(loss.detach()))
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("self_attention", ["jfa", "block"])
+def test_flop_formula_matches_flop_counter(batch, self_attention):
+    config = dataclasses.replace(
+        GEM_PRESETS["gem-tiny"].model, self_attention=self_attention, num_experts=2, num_layers=2
+    )
+    model = _model(config)
+    with FlopCounterMode(display=False) as counter:
+        model(batch)
+    lengths = batch.history_age.lengths().tolist()
+    expected = gem_flops(config, DATA, lengths)
+    assert expected["attention"] > 0
+    assert sum(expected.values()) == pytest.approx(counter.get_total_flops(), rel=0.02)
+
+
+def test_flop_formula_of_ablations_matches_flop_counter(batch):
+    for flag in ("use_sequence", "use_pffn", "use_pooling", "use_wukong"):
+        config = dataclasses.replace(GEM_PRESETS["gem-tiny"].model, num_layers=2, **{flag: False})
+        with FlopCounterMode(display=False) as counter:
+            _model(config)(batch)
+        expected = gem_flops(config, DATA, batch.history_age.lengths().tolist())
+        assert sum(expected.values()) == pytest.approx(counter.get_total_flops(), rel=0.02), flag
+
+
+def test_presets_sizes_and_attention_share():
+    expected_dense = {"gem-small": 100e6, "gem-large": 1e9, "gem-xl": 10e9}
+    for name, dense in expected_dense.items():
+        summary = describe(name)
+        assert 0.8 * dense <= summary.dense_parameters <= 1.3 * dense, name
+        assert summary.attention_share >= 0.15, name
+        assert GEM_PRESETS[name].model.embedding_dim <= 256
+    assert 0.8e12 <= describe("gem-xl").sparse_parameters <= 1.3e12
+    assert GEM_PRESETS["gem-large"].data.max_history >= 8192
+    assert describe("gem-tiny").dense_parameters < 2e6  # a CPU demo
+
+
+def test_unknown_preset_and_bad_config_raise():
+    with pytest.raises(ValueError, match="unknown GEM preset"):
+        describe("gem-huge")
+    with pytest.raises(ValueError, match="domain_feature"):
+        GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, domain_feature="hist_item"))
+    with pytest.raises(ValueError, match="divisible"):
+        GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, num_heads=3))
+
+
+def test_trainer_builds_gem_and_keeps_the_history_free_baseline():
+    config = load_config("gem-tiny", None, ["architecture=gem", "gem.num_layers=3", "gem.self_attention=block"])
+    learner = build_learner(config, config.model.history, torch.device("cpu"))
+    assert isinstance(learner.model, GEM)
+    assert len(learner.model.layers) == 3 and learner.model.config.self_attention == "block"
+    baseline = build_learner(config, "none", torch.device("cpu"))
+    assert isinstance(baseline.model, SequenceCTRModel) and baseline.model.config.history == "none"
+    assert isinstance(build_learner(load_config("gem-tiny"), "attention", torch.device("cpu")).model, SequenceCTRModel)
+    with pytest.raises(ValueError, match="architecture"):
+        build_learner(load_config("gem-tiny", None, ["architecture=dlrm"]), "attention", torch.device("cpu"))
+    with pytest.raises(ValueError, match="expected one of"):
+        load_config("gem-tiny", None, ["gem.self_attention=flash"])
+    saved = json.loads(json.dumps(dataclasses.asdict(config)))  # as a checkpoint stores it
+    assert config_from_dict(saved) == config
+
+
+def test_info_prints_counts_and_flops(capsys):
+    parser = argparse.ArgumentParser()
+    add_info_parser(parser.add_subparsers(dest="command"))
+    assert run_info(parser.parse_args(["info", "--preset", "gem-large"])) == 0
+    out = capsys.readouterr().out
+    summary = describe("gem-large")
+    assert f"{summary.dense_parameters / 1e6:,.1f} M" in out and "attention share" in out
+    assert "GEM_SPEC section 8" in out and "gem-tiny" not in out
+
+
+def test_attention_backend_reference_is_the_cpu_default(batch):
+    auto = _model(dataclasses.replace(SMALL, self_attention="block", block_size=16))
+    forced = _model(dataclasses.replace(SMALL, self_attention="block", block_size=16, attention_backend="reference"))
+    torch.testing.assert_close(forced(batch), auto(batch))
