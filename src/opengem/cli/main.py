@@ -1,4 +1,4 @@
-"""The `opengem` command: train, data synth, data movielens."""
+"""The `opengem` command: train, data synth, data movielens, info."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from opengem.cli.info import add_info_parser, run_info
 from opengem.cli.movielens import add_movielens_parser, movielens_command
 from opengem.train.checkpoint import checkpoint_config
 from opengem.train.sequential import SEQUENTIAL_PRESETS
@@ -36,11 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--preset", default="gem-tiny")
     synth.add_argument("--seed", type=int, default=0)
     add_movielens_parser(data_commands)
+    add_info_parser(commands)
 
     args = parser.parse_args(argv)
     try:
         if args.command == "train":
             return _train(args)
+        if args.command == "info":
+            return run_info(args)
         if args.data_command == "movielens":
             return movielens_command(args)
         return _synth(args)
