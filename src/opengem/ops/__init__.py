@@ -1,5 +1,6 @@
 """One public function per operation; CUDA tensors run Triton kernels, CPU tensors the reference."""
 
+from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden
 from opengem.ops.embedding import FusedUpdate, LookupLayout, check_ids, embedding_lookup
 from opengem.ops.fp8_gemm import (
     RECIPES,
@@ -12,11 +13,13 @@ from opengem.ops.fp8_gemm import (
     quantize_operand_with_transpose,
     scaled_gemm,
 )
+from opengem.ops.gdpa import gdpa, hstu_attention
 from opengem.ops.mx import MXTensor, mx_dequantize, mx_quantize
 from opengem.ops.jagged_attention import attention_pairs, jagged_attention
 
 __all__ = [
     "RECIPES",
+    "Rotary",
     "FusedUpdate",
     "LookupLayout",
     "MXTensor",
@@ -25,8 +28,12 @@ __all__ = [
     "dequantize_operand",
     "embedding_lookup",
     "fp8_matmul",
+    "gdpa",
     "hadamard_rotate",
+    "hstu_attention",
     "attention_pairs",
+    "block_attention",
+    "block_attention_from_hidden",
     "jagged_attention",
     "mx_dequantize",
     "mx_quantize",
