@@ -121,42 +121,45 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
     evaluations: list[dict[str, Any]] = []
     stream: Iterator[Batch] = train_batches(config, start_step)
     bar = tqdm(range(start_step, config.steps), desc="train", disable=not progress, initial=start_step, total=config.steps)
-    window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
-    for step in bar:
-        batch = next(stream).to(device, non_blocking=True)
-        losses = {name: learner.step(batch) for name, learner in learners.items()}
-        health = guard.check(step + 1, losses["model"])
-        if health is not None:
-            log.write(json.dumps({"step": step + 1, "event": health, "loss/model": losses["model"]}) + "\n")
-        window_samples += batch.batch_size()
-        window_tokens += batch.num_history_tokens()
-        if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
-            elapsed = time.perf_counter() - window_start
-            record = {
-                "step": step + 1,
-                **{f"loss/{name}": float(loss) for name, loss in losses.items()},
-                "samples_per_s": window_samples / elapsed,
-                "tokens_per_s": window_tokens / elapsed,
-            }
-            log.write(json.dumps(record) + "\n")
-            log.flush()
-            bar.set_postfix(loss=f"{record['loss/model']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
-                            tokens_s=f"{record['tokens_per_s']:.0f}")
-            window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
-        if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-            evaluation = {"step": step + 1, **evaluate(learners, holdout)}
-            evaluations.append(evaluation)
-            log.write(json.dumps(evaluation) + "\n")
-            log.flush()
-            if progress:
-                tqdm.write(format_evaluation(evaluation))
-        if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
-            try:
-                save_checkpoint(run_dir, learners, step + 1, config, keep=config.keep_checkpoints)
-            except OSError as error:  # e.g. disk full: the previous checkpoints are intact, keep training
-                warnings.warn(f"step {step + 1}: checkpoint not saved ({error}); the previous ones are intact",
-                              stacklevel=2)
-    log.close()
+    try:
+        window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+        for step in bar:
+            batch = next(stream).to(device, non_blocking=True)
+            losses = {name: learner.step(batch) for name, learner in learners.items()}
+            health = guard.check(step + 1, losses["model"])
+            if health is not None:
+                log.write(json.dumps({"step": step + 1, "event": health, "loss/model": losses["model"]}) + "\n")
+            window_samples += batch.batch_size()
+            window_tokens += batch.num_history_tokens()
+            if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                elapsed = time.perf_counter() - window_start
+                record = {
+                    "step": step + 1,
+                    **{f"loss/{name}": float(loss) for name, loss in losses.items()},
+                    "samples_per_s": window_samples / elapsed,
+                    "tokens_per_s": window_tokens / elapsed,
+                }
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+                bar.set_postfix(loss=f"{record['loss/model']:.4f}", samples_s=f"{record['samples_per_s']:.0f}",
+                                tokens_s=f"{record['tokens_per_s']:.0f}")
+                window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+            if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
+                evaluation = {"step": step + 1, **evaluate(learners, holdout)}
+                evaluations.append(evaluation)
+                log.write(json.dumps(evaluation) + "\n")
+                log.flush()
+                if progress:
+                    tqdm.write(format_evaluation(evaluation))
+            if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
+                try:
+                    save_checkpoint(run_dir, learners, step + 1, config, keep=config.keep_checkpoints)
+                except OSError as error:  # e.g. disk full: the previous checkpoints are intact, keep training
+                    warnings.warn(f"step {step + 1}: checkpoint not saved ({error}); the previous ones are intact",
+                                  stacklevel=2)
+    finally:
+        log.close()
+        bar.close()
     summary = {
         "run_dir": str(run_dir),
         "steps": config.steps,
