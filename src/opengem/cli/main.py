@@ -9,7 +9,7 @@ from pathlib import Path
 
 from opengem.cli.info import add_info_parser, run_info
 from opengem.cli.movielens import add_movielens_parser, movielens_command
-from opengem.train.checkpoint import checkpoint_config
+from opengem.train.checkpoint import checkpoint_config, resolve_checkpoint
 from opengem.train.sequential import SEQUENTIAL_PRESETS
 from opengem.train.config import PRESETS, apply_overrides, config_from_dict, load_config
 
@@ -65,6 +65,7 @@ def _train(args: argparse.Namespace) -> int:
         overrides.append(f"device={args.device}")
     if args.resume is not None:
         # a resumed run keeps the settings it was started with, plus explicit overrides
+        args.resume = resolve_checkpoint(args.resume)  # settings and state from the same checkpoint
         config = apply_overrides(config_from_dict(checkpoint_config(args.resume)), overrides)
     else:
         config = load_config(args.preset, args.config, overrides)

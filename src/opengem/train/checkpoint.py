@@ -1,8 +1,8 @@
 """Checkpoints that survive crashes: atomic, checksummed, the last K kept, bad ones skipped.
 
 Layout: ``<run>/checkpoints/step_00000100/`` holding ``state.pt`` (every learner's model, optimizer
-and scheduler state, the step, the config and the RNG state) and ``manifest.json`` (step and the
-SHA-256 of ``state.pt``). A checkpoint is written into a temporary folder and renamed into place only
+and scheduler state, the step, the config and the RNG state) and ``manifest.json`` (step, the
+SHA-256 of ``state.pt`` and the config, so reading the settings never loads the state). A checkpoint is written into a temporary folder and renamed into place only
 when complete, so a crash or a full disk mid-save never leaves a half-written checkpoint where the
 loader looks; the loader verifies the checksum and falls back to the previous good checkpoint, with a
 warning, when the newest one is corrupt.
@@ -62,7 +62,7 @@ def save_checkpoint(
             },
         }
         torch.save(state, tmp / STATE_FILE)
-        manifest = {"step": step, "sha256": _sha256(tmp / STATE_FILE)}
+        manifest = {"step": step, "sha256": _sha256(tmp / STATE_FILE), "config": state["config"]}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -127,8 +127,8 @@ def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
 
 
 def checkpoint_config(path: Path) -> dict[str, Any]:
-    """The TrainConfig (as a dict) the checkpoint was written with."""
-    return _read(resolve_checkpoint(path))["config"]
+    """The TrainConfig (as a dict) the checkpoint was written with, from its manifest."""
+    return json.loads((resolve_checkpoint(path) / MANIFEST_FILE).read_text())["config"]
 
 
 def _read(folder: Path) -> dict[str, Any]:

@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opengem.ops.reference.mx import ELEM_FORMATS, MX_BLOCK
+from opengem.ops.reference.mx import ELEM_FORMATS
 
 
 @triton.jit
