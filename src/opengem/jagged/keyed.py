@@ -84,22 +84,27 @@ class KeyedJagged:
         return offsets_from_lengths(self.lengths)
 
     def __getitem__(self, key: str) -> Jagged:
-        if key not in self.keys:
-            raise KeyError(f"no feature {key!r}; features are {list(self.keys)}")
-        index = self.keys.index(key)
-        per_key = self.lengths_per_key()
-        start = sum(per_key[:index])
-        stride = self.stride
-        lengths = self.lengths[index * stride : (index + 1) * stride]
-        return Jagged.from_lengths(self.values[start : start + per_key[index]], lengths)
+        return Jagged.from_lengths(self.values[self._value_range(key)], self._lengths_of(key))
 
     def weights_of(self, key: str) -> Jagged:
         if self.weights is None:
             raise ValueError("this KeyedJagged carries no weights")
-        ids = self[key]
-        start = self.keys.index(key)
-        begin = sum(self.lengths_per_key()[:start])
-        return ids.with_values(self.weights[begin : begin + ids.num_values])
+        return Jagged.from_lengths(self.weights[self._value_range(key)], self._lengths_of(key))
+
+    def _index(self, key: str) -> int:
+        if key not in self.keys:
+            raise KeyError(f"no feature {key!r}; features are {list(self.keys)}")
+        return self.keys.index(key)
+
+    def _value_range(self, key: str) -> slice:
+        index = self._index(key)
+        per_key = self.lengths_per_key()
+        start = sum(per_key[:index])
+        return slice(start, start + per_key[index])
+
+    def _lengths_of(self, key: str) -> torch.Tensor:
+        index = self._index(key)
+        return self.lengths[index * self.stride : (index + 1) * self.stride]
 
     def to_dict(self) -> dict[str, Jagged]:
         return {k: self[k] for k in self.keys}

@@ -114,15 +114,18 @@ def _length_groups(
 
 def _pad(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
     """Jagged rows ``[rows, H, D]`` -> ``[G, H, size, D]`` with zeros after each sequence."""
-    valid = torch.arange(size, device=x.device)[None, :] < lengths[:, None]
     padded = x.new_zeros((lengths.numel(), size, *x.shape[1:]))
-    padded[valid] = x
+    padded[_valid(lengths, size)] = x
     return padded.transpose(1, 2)
 
 
 def _unpad(x: torch.Tensor, lengths: torch.Tensor, size: int) -> torch.Tensor:
-    valid = torch.arange(size, device=x.device)[None, :] < lengths[:, None]
-    return x.transpose(1, 2)[valid]
+    """Inverse of :func:`_pad`: ``[G, H, size, D]`` -> the jagged rows ``[rows, H, D]``."""
+    return x.transpose(1, 2)[_valid(lengths, size)]
+
+
+def _valid(lengths: torch.Tensor, size: int) -> torch.Tensor:
+    return torch.arange(size, device=lengths.device)[None, :] < lengths[:, None]
 
 
 def _attention_weights(
