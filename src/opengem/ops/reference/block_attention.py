@@ -9,44 +9,14 @@ normalization. Rotary, if any, is applied to q and k before the dot products.
 from __future__ import annotations
 
 import math
-from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
+from opengem.ops.activations import ACTIVATIONS as POINTWISE_ACTIVATIONS
+from opengem.ops.activations import activation_grad, activation_value
 from opengem.ops.reference.rotary import apply_rotary
 
-POINTWISE: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "identity": lambda x: x,
-    "relu": F.relu,
-    "relu2": lambda x: F.relu(x) ** 2,
-    "leaky_relu": lambda x: F.leaky_relu(x, 0.01),
-    "silu": F.silu,
-    "fast_gelu": lambda x: x * torch.sigmoid(1.702 * x),
-    "gelu": F.gelu,
-    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "hardswish": F.hardswish,
-}
-# Derivatives phi' (custom-op backward runs below autograd, so it cannot differentiate POINTWISE itself;
-# tests hold these against autograd).
-POINTWISE_GRAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "identity": torch.ones_like,
-    "relu": lambda x: (x > 0).float(),
-    "relu2": lambda x: 2.0 * F.relu(x),
-    "leaky_relu": lambda x: torch.where(x > 0, 1.0, 0.01),
-    "silu": lambda x: torch.sigmoid(x) * (1.0 + x * (1.0 - torch.sigmoid(x))),
-    "fast_gelu": lambda x: torch.sigmoid(1.702 * x) * (1.0 + 1.702 * x * (1.0 - torch.sigmoid(1.702 * x))),
-    "gelu": lambda x: 0.5 * (1.0 + torch.erf(x / math.sqrt(2.0))) + x * torch.exp(-0.5 * x * x) / math.sqrt(2 * math.pi),
-    "gelu_tanh": lambda x: _gelu_tanh_grad(x),
-    "hardswish": lambda x: torch.where(x < -3.0, 0.0, torch.where(x > 3.0, 1.0, (2.0 * x + 3.0) / 6.0)),
-}
-ACTIVATIONS = ("softmax", *POINTWISE)
-
-
-def _gelu_tanh_grad(x: torch.Tensor) -> torch.Tensor:
-    c = math.sqrt(2.0 / math.pi)
-    t = torch.tanh(c * (x + 0.044715 * x**3))
-    return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x)
+ACTIVATIONS = ("softmax", *POINTWISE_ACTIVATIONS)
 
 
 def block_attention(
@@ -72,7 +42,7 @@ def block_attention(
     for start, end in _blocks(offsets, block_size):
         qb, kb, vb = (t[start:end].transpose(0, 1) for t in (qf, kf, vf))  # [H, n, D]
         logits = (qb @ kb.transpose(1, 2)) * scale
-        weights = torch.softmax(logits, dim=-1) if activation == "softmax" else POINTWISE[activation](logits)
+        weights = torch.softmax(logits, dim=-1) if activation == "softmax" else activation_value(activation, logits)
         outputs.append((weights @ vb).transpose(0, 1))
     out = torch.cat(outputs) if outputs else qf * 0.0
     return out.to(q.dtype)
@@ -104,8 +74,8 @@ def block_attention_backward(
             p = torch.softmax(logits, dim=-1)
             ds = p * (dp - (dp * p).sum(-1, keepdim=True))
         else:
-            p = POINTWISE[activation](logits)
-            ds = dp * POINTWISE_GRAD[activation](logits)
+            p = activation_value(activation, logits)
+            ds = dp * activation_grad(activation, logits)
         dv[start:end] = (p.transpose(1, 2) @ dob).transpose(0, 1)
         dq[start:end] = (ds @ kb * scale).transpose(0, 1)
         dk[start:end] = (ds.transpose(1, 2) @ qb * scale).transpose(0, 1)

@@ -22,10 +22,13 @@ import torch
 import triton
 import triton.language as tl
 
-from opengem.ops.triton.block_activations import ACTIVATION_CODES, activation, activation_grad
+from opengem.ops.activations import activation_id
+from opengem.ops.triton.activations import activation_value_and_grad
 
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+# ACT: the id of opengem.ops.activations, or SOFTMAX (normalized over the block's keys)
+SOFTMAX = tl.constexpr(-1)
 # 2 pi split Cody-Waite style: k * _TWO_PI_HI is exact in fp32 for k < 2^15, so range reduction of
 # angles up to ~1e5 rad keeps ~1e-6 accuracy before the (fast) hardware sin/cos.
 _TWO_PI_HI = tl.constexpr(6.28125)
@@ -91,12 +94,12 @@ def _unrotate(lo, hi, cos, sin):
 @triton.jit
 def _weights(s, key_valid, scale, ACT: tl.constexpr):
     """Attention weights ``P [BLOCK, BLOCK]`` from raw scores ``s = q . k`` (fp32)."""
-    if ACT == 0:
+    if ACT == SOFTMAX:
         logits = tl.where(key_valid[None, :], s * (scale * _LOG2E), float("-inf"))
         p = tl.exp2(logits - tl.max(logits, 1)[:, None])
         p = p * (1.0 / tl.sum(p, 1))[:, None]
     else:
-        p = tl.where(key_valid[None, :], activation(s * scale, ACT), 0.0)
+        p = tl.where(key_valid[None, :], activation_value_and_grad(s * scale, ACT)[0], 0.0)
     return p
 
 
@@ -173,10 +176,10 @@ def _block_attention_bwd(
         p = _weights(s, valid, scale, ACT)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
         dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
-        if ACT == 0:
+        if ACT == SOFTMAX:
             ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
         else:
-            ds = tl.where(valid[None, :], dp * activation_grad(s * scale, ACT), 0.0)
+            ds = tl.where(valid[None, :], dp * activation_value_and_grad(s * scale, ACT)[1], 0.0)
         ds = (ds * scale).to(q_lo.dtype)
         dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
         dq_hi = tl.dot(ds, k_hi)
@@ -231,7 +234,7 @@ def _common_args(q, k, schedule, rotary_values, inv_freq, scale, time_scale, act
     dummy = schedule  # any tensor: unused pointers are compiled out by the ROT constexpr
     meta = dict(
         GROUP=q.shape[1] // k.shape[1], BLOCK=block_size, HALF=head_dim // 2,
-        ACT=ACTIVATION_CODES[activation_name], ROT=rotary_mode,
+        ACT=SOFTMAX if activation_name == "softmax" else activation_id(activation_name), ROT=rotary_mode,
     )  # fmt: skip
     pointers = (rotary_values if rotary_values is not None else dummy, inv_freq if inv_freq is not None else dummy)
     return pointers, (float(scale), float(time_scale)), meta
