@@ -113,3 +113,23 @@ def test_cli_movielens_reports_a_malformed_file(tmp_path, capsys):
     assert main(["data", "movielens", "--out", str(tmp_path / "out"), "--inter", str(bad)]) == 2
     err = capsys.readouterr().err
     assert "bad.inter" in err and "line 2" in err
+
+
+@pytest.mark.parametrize("architecture", ["gem", "sequence_ctr"])
+def test_bf16_autocast_tracks_fp32(tmp_path, architecture):
+    """bf16 autocast runs every op (attention included) in one dtype and stays near the fp32 loss curve."""
+    runs = {}
+    for precision in ("fp32", "bf16"):
+        config = _config(tmp_path, "steps=4", "eval_every=4", "eval_samples=500", "baseline=false",
+                         f"architecture={architecture}", f"precision={precision}", f"name={precision}")
+        train(config, progress=False)
+        runs[precision] = _losses(tmp_path / precision)
+    assert runs["bf16"].keys() == runs["fp32"].keys() == {1, 2, 3, 4}
+    for step, loss in runs["fp32"].items():
+        assert runs["bf16"][step] == pytest.approx(loss, rel=0.03), step
+    assert runs["bf16"] != runs["fp32"]  # bf16 really ran in bf16
+
+
+def test_bad_precision_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="precision must be one of"):
+        _config(tmp_path, "precision=fp8")

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
@@ -99,14 +100,17 @@ def block_attention(
     offsets on the host, are skipped. The Triton path builds a per-block schedule from the offsets on the
     host once per offsets tensor (cached) and reuses it for every layer and the backward.
     """
+    (q, k, v), autocast_off = cast_inputs(q, k, v)
     if not torch.compiler.is_compiling():
         _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mode, values = (ROTARY_NONE, None) if rotary is None else (rotary.mode(), rotary.values())
     config = rotary or Rotary()
-    return torch.ops.opengem.block_attention_fwd(
-        q, k, v, offsets, block_size, scale, activation, mode, values, float(config.base), float(config.time_scale), backend
-    )
+    with autocast_off:
+        return torch.ops.opengem.block_attention_fwd(
+            q, k, v, offsets, block_size, scale, activation, mode, values, float(config.base),
+            float(config.time_scale), backend,
+        )
 
 
 def block_attention_from_hidden(

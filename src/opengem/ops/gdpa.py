@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.ops.autocast import cast_inputs
 from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 from opengem.ops.checks import check_attention_inputs, check_mask_options
@@ -72,6 +73,7 @@ def gdpa(
     """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    (q, k, v), autocast_off = cast_inputs(q, k, v)
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)
     out_scale = float(post_scale) / _norm_value(norm, max_len_k)
@@ -91,11 +93,12 @@ def gdpa(
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if use_triton:
         check_triton_head_dim(q.shape[2])
-    return torch.ops.opengem.gdpa_fwd(
-        q, k, v, k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
-        [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
-        -1 if window is None else window, broadcast_q, use_triton,
-    )
+    with autocast_off:
+        return torch.ops.opengem.gdpa_fwd(
+            q, k, v, k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
+            [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
+            -1 if window is None else window, broadcast_q, use_triton,
+        )
 
 
 def hstu_attention(

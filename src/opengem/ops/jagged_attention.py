@@ -16,6 +16,7 @@ import os
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
@@ -219,6 +220,7 @@ def jagged_attention(
         ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.
         Differentiable in q, k and v (the Triton backward is deterministic, without atomics).
     """
+    (q, k, v), autocast_off = cast_inputs(q, k, v)
     use_triton = _use_triton(q, backend)
     if not torch.compiler.is_compiling():  # validation reads host values, which a traced graph cannot
         check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
@@ -233,7 +235,8 @@ def jagged_attention(
     if normalize_by_max_len:
         scale = scale / max(max_len, 1)
     window_arg = _NO_WINDOW if window is None else window
-    out, _ = _jagged_attention_fwd(
-        q, k, v, offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton
-    )
+    with autocast_off:
+        out, _ = _jagged_attention_fwd(
+            q, k, v, offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton
+        )
     return out

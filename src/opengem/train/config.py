@@ -14,6 +14,7 @@ from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 
 ARCHITECTURES = ("sequence_ctr", "gem")
+PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
 
 @dataclass(frozen=True)
@@ -42,6 +43,7 @@ class TrainConfig:
     device: str = "auto"
     num_workers: int = 0
     architecture: str = "sequence_ctr"  # "sequence_ctr" (section `model`) or "gem" (section `gem`)
+    precision: str = "fp32"  # one of PRECISIONS
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 
@@ -50,6 +52,8 @@ class TrainConfig:
                      "keep_checkpoints", "max_bad_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         for name in ("warmup_steps", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -41,6 +41,13 @@ class Learner:
     model: SequenceCTRModel | GEM
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the parameters' fp32)
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        """fp32 logits; the dense compute runs under autocast when ``compute_dtype`` is set."""
+        device_type = batch.labels.device.type
+        with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
+            return self.model(batch).float()
 
     def step(self, batch: Batch) -> float:
         """One optimizer step; a non-finite loss skips it (nothing is updated) and is returned as is.
@@ -49,7 +56,7 @@ class Learner:
         (the embedding optimizer runs inside the backward, so the check must come before it).
         """
         self.model.train()
-        logits = self.model(batch)
+        logits = self.forward(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
         value = float(loss.detach())
         if math.isfinite(value):
@@ -62,7 +69,7 @@ class Learner:
     @torch.no_grad()
     def predict(self, batches: list[Batch]) -> torch.Tensor:
         self.model.eval()
-        return torch.cat([torch.sigmoid(self.model(b)).float().cpu() for b in batches])
+        return torch.cat([torch.sigmoid(self.forward(b)).cpu() for b in batches])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -89,7 +96,8 @@ def build_learner(config: TrainConfig, history: str, device: torch.device) -> Le
     model = model.to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
-    return Learner(model, optimizer, scheduler)
+    compute_dtype = {"fp32": None, "bf16": torch.bfloat16}[config.precision]
+    return Learner(model, optimizer, scheduler, compute_dtype)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:

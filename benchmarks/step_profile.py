@@ -1,0 +1,150 @@
+"""Diagnostic: where one GEM training step spends its time on the GPU (throughput, MFU, syncs, top kernels).
+
+    python -m benchmarks.step_profile --preset gem-small --batch-sizes 512,2048 --out DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+import traceback
+import warnings
+from pathlib import Path
+
+import torch
+from torch.utils.data import DataLoader
+
+from opengem.data.synthetic import SYNTHETIC_PRESETS
+from opengem.models.presets import GEM_PRESETS, gem_flops
+from opengem.train.config import load_config
+from opengem.train.data_stream import SyntheticBatches
+from opengem.train.trainer import build_learner
+
+PEAK_BF16 = 989e12  # H100 SXM / H200 dense BF16
+
+
+def config_for(preset: str, batch_size: int, precision: str):
+    base = "gem-small" if preset == "gem-small" else "gem-tiny"
+    config = load_config(base, overrides=[f"batch_size={batch_size}", "architecture=gem", f"precision={precision}",
+                                          "baseline=false", "num_workers=0", f"data_preset={preset}"])
+    import dataclasses
+    return dataclasses.replace(config, gem=GEM_PRESETS[preset].model)
+
+
+def syncs_in_step(learner, batch) -> list[str]:
+    found: list[str] = []
+    original = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        stack = [f for f in traceback.format_stack() if "/opengem/" in f or "/benchmarks/" in f]
+        found.append(str(message)[:80] + " @ " + " | ".join(s.strip().splitlines()[0] for s in stack[-3:]))
+
+    warnings.showwarning = record
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("always")
+            warnings.showwarning = record
+            learner.step(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+        warnings.showwarning = original
+    return found
+
+
+def run(preset: str, batch_size: int, precision: str, steps: int, profile: bool) -> dict:
+    config = config_for(preset, batch_size, precision)
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    learner = build_learner(config, config.model.history, device)
+    dataset = iter(SyntheticBatches(config, 0))
+    host_batches = [next(dataset) for _ in range(6)]
+    batches = [b.to(device) for b in host_batches]
+    data = SYNTHETIC_PRESETS[preset]
+    flops = []
+    for b in host_batches:
+        lengths = b.history_age.lengths().tolist()
+        f = gem_flops(config.gem, data, lengths)
+        flops.append(3 * f["gemm"] + 3.5 * f["attention"])
+    t0 = time.perf_counter()
+    for i in range(6):  # warm-up: compiles and autotunes
+        learner.step(batches[i % len(batches)])
+    torch.cuda.synchronize()
+    warm_s = time.perf_counter() - t0
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    total_flops = 0.0
+    for i in range(steps):
+        learner.step(batches[i % len(batches)])
+        total_flops += flops[i % len(batches)]
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    result = {
+        "preset": preset, "batch_size": batch_size, "precision": precision, "steps": steps,
+        "warmup_s": warm_s, "step_ms": 1e3 * elapsed / steps, "samples_per_s": steps * batch_size / elapsed,
+        "tflops": total_flops / elapsed / 1e12, "mfu_vs_989": total_flops / elapsed / PEAK_BF16,
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+        "train_flops_per_sample": sum(flops) / len(flops) / batch_size,
+    }
+    result["syncs"] = syncs_in_step(learner, batches[0])
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as prof
+        with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
+            for i in range(3):
+                learner.step(batches[i])
+            torch.cuda.synchronize()
+        events = p.key_averages()
+        result["top_cuda"] = events.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70)
+        result["top_cpu"] = events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)
+        cuda_total = sum(e.self_device_time_total for e in events) / 3 / 1e3
+        result["gpu_busy_ms_per_step"] = cuda_total
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith("top")}, indent=1), flush=True)
+    if profile:
+        print(result["top_cuda"], flush=True)
+        print(result["top_cpu"], flush=True)
+    del learner, batches
+    torch.cuda.empty_cache()
+    return result
+
+
+def loader_rate(preset: str, batch_size: int, workers: int, batches: int = 40) -> float:
+    config = config_for(preset, batch_size, "bf16")
+    loader = DataLoader(SyntheticBatches(config, 0), batch_size=None, num_workers=workers, pin_memory=True)
+    it = iter(loader)
+    for _ in range(workers + 2):
+        next(it)
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    rate = batches * batch_size / (time.perf_counter() - t0)
+    del it
+    return rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", default="gem-small:512:bf16,gem-small:2048:bf16")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--loader-workers", default="8,14")
+    parser.add_argument("--out", default="benchmarks/results")
+    args = parser.parse_args()
+    results = {"device": torch.cuda.get_device_name(), "runs": [], "loader": []}
+    out = Path(args.out) / "step_profile.json"
+    for spec in args.runs.split(","):
+        preset, batch_size, precision = spec.split(":")
+        try:
+            results["runs"].append(run(preset, int(batch_size), precision, args.steps, profile=True))
+        except Exception as error:  # keep going: the other runs still tell us something
+            traceback.print_exc()
+            results["runs"].append({"spec": spec, "error": repr(error)})
+        out.write_text(json.dumps(results, indent=1))
+    for workers in map(int, args.loader_workers.split(",")):
+        rate = loader_rate("gem-small", 2048, workers)
+        results["loader"].append({"workers": workers, "batch_size": 2048, "samples_per_s": rate})
+        print(f"loader gem-small workers={workers}: {rate:.0f} samples/s", flush=True)
+        out.write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
