@@ -29,8 +29,9 @@ def torchrun_env(monkeypatch):
     """The variables torchrun sets for a 1-rank job (restored afterwards, so later tests run single-process)."""
     from opengem.parallel.testing import free_port
 
-    for key, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                           MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port())).items():
+    variables = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    for key, value in variables.items():
         monkeypatch.setenv(key, value)
 
 

@@ -13,7 +13,6 @@ from typing import Any
 
 import pytest
 import scenarios
-import torch
 
 from opengem.parallel.testing import run_once
 

@@ -6,15 +6,17 @@ The rank sessions live in ``distributed_runs.py``; each world size is spawned on
 from __future__ import annotations
 
 import functools
+import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import distributed_runs as runs
 import pytest
+import torch.distributed as dist
 
 from opengem.cli.main import main
-from opengem.parallel.testing import run_once
+from opengem.parallel.testing import free_port, run_once
 from opengem.train.trainer import train
 
 RTOL = 1e-4
@@ -45,8 +47,8 @@ def single_process(architecture: str) -> tuple[dict[int, float], dict[str, Any]]
 
 def assert_close(actual: dict[int, float], expected: dict[int, float]) -> None:
     assert actual.keys() == expected.keys()
-    for step in expected:
-        assert actual[step] == pytest.approx(expected[step], rel=RTOL), step
+    for step, loss in expected.items():
+        assert actual[step] == pytest.approx(loss, rel=RTOL), step
 
 
 @pytest.mark.parametrize("architecture", ["gem", "sequence_ctr"])
@@ -106,3 +108,15 @@ def test_cli_rejects_bad_parallel_strings(capsys, spec, message):
     assert main(["train", "--parallel", spec, "--steps", "1"]) == 2
     error = capsys.readouterr().err
     assert "--parallel" in error and message in error
+
+
+def test_resuming_a_distributed_checkpoint_in_one_process(world4, out_dir, tmp_path, monkeypatch):
+    """No torchrun, no --parallel: a DCP checkpoint resumes as a 1-rank gloo job, then the process is as before."""
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    config = runs.tiny_config(str(tmp_path), "resumed_world1", "gem")
+    summary = train(config, resume=out_dir / "gem_world4" / "checkpoints" / f"step_{runs.SAVE_AFTER:08d}",
+                    progress=False)
+    resumed = runs.losses(Path(summary["run_dir"]))
+    assert_close(resumed, {step: world4["gem"]["losses"][step] for step in resumed})
+    assert list(resumed) == [4, 5]
+    assert not dist.is_initialized() and "WORLD_SIZE" not in os.environ

@@ -46,7 +46,7 @@ from opengem.nn.wukong import DenseExperts
 from opengem.parallel.collectives import CommStats, probe_capabilities, select_collectives
 from opengem.parallel.fsdp import data_parallel_loss, fsdp_step_bytes, parallelize
 from opengem.parallel.mesh import ParallelConfig, init_distributed
-from opengem.parallel.sparse import ShardedEmbeddingCollection, shard_embeddings
+from opengem.parallel.sparse import shard_embeddings
 from opengem.parallel.sparse_plan import ShardingPlan, plan_sharding, state_bytes_per_row
 from opengem.train.config import TrainConfig
 from opengem.train.data_stream import eval_batches, rank_slice, train_batches
@@ -130,7 +130,9 @@ class DistributedRun:
         self.device = _rank_device(config.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         self.owns_process_group = not dist.is_initialized()
+        environment = set(os.environ)  # init_distributed fills in torchrun's variables for a 1-rank job
         meshes = init_distributed(parallel, backend=backend)
+        self.added_variables = set(os.environ) - environment
         self.layout = meshes.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
@@ -214,5 +216,9 @@ class DistributedRun:
         return {f"comm/{dim}/{collective}_bytes": n for (dim, collective), n in sorted(counts.items())}
 
     def close(self) -> None:
+        """Leave the process as it was: no process group (when this run created it), no added variables
+        (a later ``train`` in this process would otherwise see a torchrun job)."""
         if self.owns_process_group:
             dist.destroy_process_group()
+        for key in self.added_variables:
+            os.environ.pop(key, None)
