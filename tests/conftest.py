@@ -5,7 +5,9 @@ a FLOP formula) loads triton.language, and the interpreter flag is read at that 
 """
 
 import os
+from pathlib import Path
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -22,3 +24,10 @@ if not torch.cuda.is_available():
         scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
 
     _interpreter._patch_lang_tensor = _patch_lang_tensor
+
+
+@pytest.fixture(scope="session")
+def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A temporary directory shared by all pytest-xdist workers of this run (for once-per-run sessions)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base

@@ -2,38 +2,19 @@
 
 Starting processes dominates the cost on a small CPU machine, so each world size is spawned once
 and runs several scenarios (see ``scenarios.py``); the 2-rank session resumes the 4-rank checkpoints.
-Under pytest-xdist the sessions still run once: the first worker to need one runs it under a file
-lock and leaves its results in the run's shared temporary directory for the other workers.
+Under pytest-xdist the sessions still run once (``run_once``, in the run's shared temporary directory,
+the ``shared_dir`` fixture of ``tests/conftest.py``).
 """
 
 from __future__ import annotations
 
-import fcntl
-import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import scenarios
-import torch
 
-from opengem.parallel.testing import run_distributed
-
-
-@pytest.fixture(scope="session")
-def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    base = tmp_path_factory.getbasetemp()
-    return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
-
-
-def run_once(shared_dir: Path, name: str, fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    results = shared_dir / f"{name}.pt"
-    with open(shared_dir / f"{name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not results.exists():
-            torch.save(run_distributed(fn, world_size, *args), results)
-    return torch.load(results, weights_only=False)
+from opengem.parallel.testing import run_once
 
 
 @pytest.fixture(scope="session")

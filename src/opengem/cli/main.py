@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
 
 from opengem.cli.info import add_info_parser, run_info
 from opengem.cli.movielens import add_movielens_parser, movielens_command
+from opengem.parallel.mesh import parse_parallel
 from opengem.train.checkpoint import checkpoint_config, resolve_checkpoint
 from opengem.train.sequential import SEQUENTIAL_PRESETS
 from opengem.train.config import PRESETS, apply_overrides, config_from_dict, load_config
@@ -28,6 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     train_parser.add_argument("--device", help="auto, cpu or cuda")
     train_parser.add_argument("--resume", type=Path, help="run folder (or checkpoint file) to continue from")
     train_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train_parser.add_argument(
+        "--parallel", metavar="KEY=VALUE,...",
+        help="distributed layout, e.g. dense_shard=2,expert=2 (keys: dense_replicate, dense_shard, expert, "
+             "sparse_group, sparse_replicate, reshard_after_forward, prefetch, activation_checkpointing, "
+             "collectives); launch with torchrun. Under torchrun without it: FSDP over all ranks",
+    )  # fmt: skip
 
     data_parser = commands.add_parser("data", help="data tools")
     data_commands = data_parser.add_subparsers(dest="data_command", required=True)
@@ -57,7 +65,10 @@ def _train(args: argparse.Namespace) -> int:
     from opengem.train.trainer import train
 
     overrides = list(args.set)
+    parallel = parse_parallel(args.parallel) if args.parallel is not None else None
     if args.preset in SEQUENTIAL_PRESETS:
+        if parallel is not None:
+            raise ValueError(f"--parallel is not supported for {args.preset}")
         return _train_sequential(args, overrides)
     if args.steps is not None:
         overrides.append(f"steps={args.steps}")
@@ -69,8 +80,9 @@ def _train(args: argparse.Namespace) -> int:
         config = apply_overrides(config_from_dict(checkpoint_config(args.resume)), overrides)
     else:
         config = load_config(args.preset, args.config, overrides)
-    summary = train(config, resume=args.resume, progress=not args.no_progress)
-    print(f"run folder: {summary['run_dir']}")
+    summary = train(config, resume=args.resume, progress=not args.no_progress, parallel=parallel)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"run folder: {summary['run_dir']}")
     return 0
 
 

@@ -10,13 +10,14 @@ The directory must be on a filesystem all ranks share.
 from __future__ import annotations
 
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
@@ -28,15 +29,21 @@ class ModelOptimizerState(Stateful):
 
     Uses ``get_state_dict`` / ``set_state_dict`` so that FSDP's sharded (DTensor) parameters and the
     optimizer state are saved by fully qualified parameter name, independent of the layout.
+    ``exclude``: module-path prefixes whose entries are left out (e.g. sharded embedding collections,
+    whose per-rank state names depend on the layout and are saved separately); loading then leaves
+    those modules untouched.
     """
 
-    def __init__(self, model: nn.Module, optimizer: Optimizer | None = None) -> None:
+    def __init__(self, model: nn.Module, optimizer: Optimizer | None = None, exclude: tuple[str, ...] = ()) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.exclude = tuple(f"{prefix}." for prefix in exclude)
 
     def state_dict(self) -> dict[str, Any]:
         optimizers = [self.optimizer] if self.optimizer is not None else []
         model_state, optimizer_state = get_state_dict(self.model, optimizers)
+        if self.exclude:
+            model_state = {k: v for k, v in model_state.items() if not k.startswith(self.exclude)}
         return {"model": model_state, "optimizer": optimizer_state}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -46,6 +53,7 @@ class ModelOptimizerState(Stateful):
             optimizers,
             model_state_dict=state_dict["model"],
             optim_state_dict=state_dict["optimizer"],
+            options=StateDictOptions(strict=not self.exclude),
         )
 
 
@@ -58,11 +66,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_distributed(state: dict[str, Any], directory: str | Path) -> Path:
+def save_distributed(
+    state: dict[str, Any], directory: str | Path, on_complete: Callable[[Path], None] | None = None
+) -> Path:
     """Save ``state`` (tensors, DTensors, ``Stateful`` objects such as ``ModelOptimizerState``) to ``directory``.
 
     Every rank calls this. An existing ``directory`` is replaced only after the new one is complete.
-    Returns the final path.
+    ``on_complete``: rank 0 calls it with the temporary directory once every rank has written its part,
+    before the rename (e.g. to add a manifest). Returns the final path.
     """
     final = Path(directory)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
@@ -73,6 +84,8 @@ def save_distributed(state: dict[str, Any], directory: str | Path) -> Path:
     dcp.save(state, checkpoint_id=str(partial))
     _barrier()
     if _rank() == 0:
+        if on_complete is not None:
+            on_complete(partial)
         if final.exists():
             shutil.rmtree(final)
         partial.rename(final)

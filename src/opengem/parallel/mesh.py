@@ -232,10 +232,13 @@ def build_meshes(config: ParallelConfig, topology: Topology | None = None) -> Pa
     return ParallelMeshes(config=config, dense=dense, expert=expert, sparse=sparse)
 
 
-def init_distributed(config: ParallelConfig, topology: Topology | None = None) -> ParallelMeshes:
+def init_distributed(
+    config: ParallelConfig, topology: Topology | None = None, backend: str | None = None
+) -> ParallelMeshes:
     """Initialize torch.distributed from torchrun's environment and build the meshes (every rank calls this).
 
-    NCCL with one GPU per rank (``LOCAL_RANK``) when CUDA is available, gloo on CPU otherwise. The
+    ``backend`` defaults to NCCL with one GPU per rank (``LOCAL_RANK``) when CUDA is available, gloo
+    otherwise (pass ``"gloo"`` to keep a CPU run on CPU on a GPU machine). The
     collective environment (``opengem.parallel.collectives.setup_environment``: multicast off, the
     zero-CTA policy when ``config.collectives == "copy_engine"`` allows it) is set before the
     communicators are created. Without torchrun's variables this is a 1-rank job. ``topology``
@@ -243,7 +246,7 @@ def init_distributed(config: ParallelConfig, topology: Topology | None = None) -
     """
     from opengem.parallel.collectives import probe_capabilities, setup_environment
 
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     setup_environment(config.collectives, probe_capabilities(backend))
     if not dist.is_initialized():
         for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):

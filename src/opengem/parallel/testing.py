@@ -4,10 +4,12 @@
 process group on a free localhost port, calls ``fn(*args)`` and returns the per-rank results in rank
 order. ``fn`` must be importable by module path (a module-level function). Each worker uses one
 intra-op thread (``OMP_NUM_THREADS=1``) so that N workers share a small machine without thrashing.
+``run_once`` runs such a session once per test run, however many pytest-xdist workers need it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import socket
 import tempfile
@@ -52,3 +54,14 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list
     with tempfile.TemporaryDirectory() as result_dir:
         mp.spawn(_worker, args=(world_size, free_port(), result_dir, fn, args), nprocs=world_size, join=True)
         return [torch.load(Path(result_dir) / f"rank{rank}.pt", weights_only=False) for rank in range(world_size)]
+
+
+def run_once(shared_dir: Path, name: str, fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``run_distributed(fn, world_size, *args)`` once per ``shared_dir``: the first caller runs it under a
+    file lock and leaves the results there for the others (pytest-xdist workers share the directory)."""
+    results = shared_dir / f"{name}.pt"
+    with open(shared_dir / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not results.exists():
+            torch.save(run_distributed(fn, world_size, *args), results)
+    return torch.load(results, weights_only=False)

@@ -2,7 +2,9 @@
 
 Layout: ``<run>/checkpoints/step_00000100/`` holding ``state.pt`` (every learner's model, optimizer
 and scheduler state, the step, the config and the RNG state) and ``manifest.json`` (step, the
-SHA-256 of ``state.pt`` and the config, so reading the settings never loads the state). A checkpoint is written into a temporary folder and renamed into place only
+SHA-256 of ``state.pt`` and the config, so reading the settings never loads the state). Distributed
+runs write the same folders with a DCP checkpoint inside (``opengem.train.distributed_checkpoint``);
+their manifest says ``"format": "dcp"`` and lists every file's size. A checkpoint is written into a temporary folder and renamed into place only
 when complete, so a crash or a full disk mid-save never leaves a half-written checkpoint where the
 loader looks; the loader verifies the checksum and falls back to the previous good checkpoint, with a
 warning, when the newest one is corrupt.
@@ -25,6 +27,12 @@ from opengem.train.config import TrainConfig
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
+DISTRIBUTED_FORMAT = "dcp"  # manifest "format" of checkpoints written by opengem.train.distributed
+
+
+def is_distributed_checkpoint(folder: Path) -> bool:
+    """Whether the (resolved) checkpoint ``folder`` was written by a distributed run."""
+    return json.loads((folder / MANIFEST_FILE).read_text()).get("format") == DISTRIBUTED_FORMAT
 
 
 class _Learner(Protocol):
@@ -91,6 +99,11 @@ def verify_checkpoint(folder: Path) -> str | None:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as error:
         return f"unreadable manifest ({error})"
+    if manifest.get("format") == DISTRIBUTED_FORMAT:  # every rank's file, at the size written
+        for name, size in manifest.get("files", {}).items():
+            if not (folder / name).is_file() or (folder / name).stat().st_size != size:
+                return f"{name} is missing or has the wrong size (truncated or corrupt)"
+        return None
     if not (folder / STATE_FILE).exists():
         return f"{STATE_FILE} is missing"
     if _sha256(folder / STATE_FILE) != manifest.get("sha256"):
@@ -113,6 +126,9 @@ def resolve_checkpoint(path: Path) -> Path:
 def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
     """Restore ``learners`` from a run folder or checkpoint folder; returns the step to continue from."""
     folder = resolve_checkpoint(path)
+    if is_distributed_checkpoint(folder):
+        raise ValueError(f"--resume: {folder} was written by a distributed run; resume it with --parallel "
+                         "(any layout and world size, 1 included)")
     state = _read(folder)
     missing = set(learners) - set(state["learners"])
     if missing:

@@ -20,34 +20,51 @@ from opengem.train.config import TrainConfig
 HOLDOUT_START = 1 << 40  # first sample index of the held-out set
 
 
-class SyntheticBatches(IterableDataset):
-    """Endless batches of fresh synthetic samples; DataLoader workers take every W-th batch in turn."""
+def rank_slice(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Rows ``[start, stop)`` of a global batch that data-parallel rank ``rank`` of ``world_size`` trains on."""
+    return rank * batch_size // world_size, (rank + 1) * batch_size // world_size
 
-    def __init__(self, config: TrainConfig, start_step: int) -> None:
+
+class SyntheticBatches(IterableDataset):
+    """Endless batches of fresh synthetic samples; DataLoader workers take every W-th batch in turn.
+
+    With ``world_size`` data-parallel ranks, rank r yields only its slice (``rank_slice``) of each
+    global batch, so the ranks together see exactly the single-process run's batches.
+    """
+
+    def __init__(self, config: TrainConfig, start_step: int, rank: int = 0, world_size: int = 1) -> None:
         self.data = SYNTHETIC_PRESETS[config.data_preset]
         self.batch_size = config.batch_size
         self.seed = config.seed
         self.start_step = start_step
+        self.rows = rank_slice(config.batch_size, rank, world_size)
 
     def __iter__(self) -> Iterator[Batch]:
         info = get_worker_info()
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         step = self.start_step + worker
+        start, stop = self.rows
         while True:
-            table = generate(self.data, self.batch_size, self.seed, start=step * self.batch_size)
-            yield from batches_from_table(table, self.batch_size)
+            table = generate(self.data, stop - start, self.seed, start=step * self.batch_size + start)
+            yield from batches_from_table(table, stop - start)
             step += workers
 
 
-def train_batches(config: TrainConfig, start_step: int) -> Iterator[Batch]:
+def train_batches(config: TrainConfig, start_step: int, rank: int = 0, world_size: int = 1) -> Iterator[Batch]:
+    """Training batches from ``start_step`` on; rank ``rank`` of ``world_size`` gets its share of each.
+
+    Parquet: each rank reads its own files, ``batch_size / world_size`` samples per batch, with Base
+    Batch Shuffling per rank when distributed.
+    """
     if config.data_dir:
-        loader = make_loader(config.data_dir, batch_size=config.batch_size, num_workers=config.num_workers,
-                             pin_memory=torch.cuda.is_available())
+        loader = make_loader(config.data_dir, batch_size=config.batch_size // world_size, num_workers=config.num_workers,
+                             pin_memory=torch.cuda.is_available(), batch_shuffling=world_size > 1, seed=config.seed,
+                             rank=rank, world_size=world_size)
         batches = iter(loader)
         for _ in range(start_step):  # exact resume: skip what the run already consumed
             next(batches)
         return batches
-    dataset = SyntheticBatches(config, start_step)
+    dataset = SyntheticBatches(config, start_step, rank, world_size)
     loader = DataLoader(
         dataset,
         batch_size=None,
@@ -58,7 +75,16 @@ def train_batches(config: TrainConfig, start_step: int) -> Iterator[Batch]:
     return iter(loader)
 
 
-def eval_batches(config: TrainConfig) -> list[Batch]:
+def eval_batches(config: TrainConfig, rank: int = 0, world_size: int = 1) -> list[Batch]:
+    """The held-out set in batches of ``batch_size``; rank ``rank`` of ``world_size`` gets its slice of each."""
     data = SYNTHETIC_PRESETS[config.data_preset]
-    table = generate(data, config.eval_samples, config.seed, start=HOLDOUT_START)
-    return list(batches_from_table(table, config.batch_size))
+    if world_size == 1:
+        table = generate(data, config.eval_samples, config.seed, start=HOLDOUT_START)
+        return list(batches_from_table(table, config.batch_size))
+    batches = []
+    for first in range(0, config.eval_samples, config.batch_size):
+        size = min(config.batch_size, config.eval_samples - first)
+        start, stop = rank_slice(size, rank, world_size)
+        table = generate(data, stop - start, config.seed, start=HOLDOUT_START + first + start)
+        batches.extend(batches_from_table(table, stop - start))
+    return batches

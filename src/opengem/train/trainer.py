@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import time
 import warnings
 from collections.abc import Iterator
@@ -27,7 +28,8 @@ from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingOptimizer
-from opengem.train.checkpoint import load_checkpoint, save_checkpoint
+from opengem.parallel.mesh import ParallelConfig
+from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from opengem.train.config import ARCHITECTURES, TrainConfig
 from opengem.train.guards import StepGuard
 from opengem.train.data_stream import eval_batches, train_batches
@@ -49,6 +51,12 @@ class Learner:
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
             return self.model(batch).float()
 
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, float]:
+        """(the loss to backpropagate, its value): BCE averaged over the batch, summed over the tasks."""
+        logits = self.forward(batch)
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
+        return loss, float(loss.detach())
+
     def step(self, batch: Batch) -> float:
         """One optimizer step; a non-finite loss skips it (nothing is updated) and is returned as is.
 
@@ -56,9 +64,7 @@ class Learner:
         (the embedding optimizer runs inside the backward, so the check must come before it).
         """
         self.model.train()
-        logits = self.forward(batch)
-        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
-        value = float(loss.detach())
+        loss, value = self.loss(batch)
         if math.isfinite(value):
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
@@ -84,6 +90,11 @@ def resolve_device(name: str) -> torch.device:
 
 def build_learner(config: TrainConfig, history: str, device: torch.device) -> Learner:
     """The configured architecture; ``history="none"`` always builds the history-free SequenceCTR baseline."""
+    return make_learner(build_model(config, history, device), config)
+
+
+def build_model(config: TrainConfig, history: str, device: torch.device) -> nn.Module:
+    """The model of ``build_learner``, without its optimizer (the distributed trainer shards it first)."""
     data = SYNTHETIC_PRESETS[config.data_preset]
     embedding_optimizer = EmbeddingOptimizer(lr=config.embedding_lr)
     if config.architecture not in ARCHITECTURES:
@@ -93,11 +104,15 @@ def build_learner(config: TrainConfig, history: str, device: torch.device) -> Le
     else:
         sequence_config = dataclasses.replace(config.model, history=history)
         model = SequenceCTRModel(data.feature_specs(), data.num_dense, sequence_config, embedding_optimizer)
-    model = model.to(device)
+    return model.to(device)
+
+
+def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:
+    """AdamW on the dense parameters (the embedding tables have their own fused optimizer) and the schedule."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     compute_dtype = {"fp32": None, "bf16": torch.bfloat16}[config.precision]
-    return Learner(model, optimizer, scheduler, compute_dtype)
+    return kind(model, optimizer, scheduler, compute_dtype)
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -108,44 +123,108 @@ def lr_factor(step: int, config: TrainConfig) -> float:
     return config.min_lr_ratio + (1 - config.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def train(config: TrainConfig, resume: Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Train for ``config.steps`` steps (counted from step 0, so a resumed run continues to the same end)."""
+class LocalRun:
+    """The single-process trainer's side of the loop: whole batches, one-file checkpoints, the baseline.
+
+    ``opengem.train.distributed.DistributedRun`` is the same interface over torch.distributed.
+    """
+
+    is_main = True
+
+    def __init__(self, config: TrainConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        torch.manual_seed(config.seed)
+        self.learners = {"model": build_learner(config, config.model.history, self.device)}
+        if config.baseline:
+            self.learners["history_free"] = build_learner(config, "none", self.device)
+
+    def restore(self, checkpoint: Path) -> int:
+        return load_checkpoint(checkpoint, self.learners)
+
+    def save(self, run_dir: Path, step: int) -> None:
+        save_checkpoint(run_dir, self.learners, step, self.config, keep=self.config.keep_checkpoints)
+
+    def batches(self, start_step: int) -> Iterator[Batch]:
+        return train_batches(self.config, start_step)
+
+    def holdout(self) -> list[Batch]:
+        return [b.to(self.device) for b in eval_batches(self.config)]
+
+    def predictions(self, holdout: list[Batch]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """Every learner's and the oracle's probabilities on the held-out set, and its labels."""
+        predictions = {name: learner.predict(holdout) for name, learner in self.learners.items()}
+        predictions["oracle"] = torch.cat([b.oracle.float().cpu() for b in holdout])
+        return predictions, torch.cat([b.labels.float().cpu() for b in holdout])
+
+    def sum_over_ranks(self, values: list[float]) -> list[float]:
+        return values
+
+    def step_bytes(self) -> dict[str, int]:
+        """Bytes moved by collectives in the last step (none in one process)."""
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def train(
+    config: TrainConfig, resume: Path | None = None, progress: bool = True, parallel: ParallelConfig | None = None
+) -> dict[str, Any]:
+    """Train for ``config.steps`` steps (counted from step 0, so a resumed run continues to the same end).
+
+    With ``parallel`` (or under torchrun, where it defaults to FSDP over all ranks, or when resuming a
+    distributed checkpoint: one rank) every rank calls this and trains its share of each global batch
+    (``opengem.train.distributed``).
+    """
     if config.data_preset not in SYNTHETIC_PRESETS:
         raise ValueError(f"unknown data preset {config.data_preset!r}; choose one of {sorted(SYNTHETIC_PRESETS)}")
-    device = resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    learners = {"model": build_learner(config, config.model.history, device)}
-    if config.baseline:
-        learners["history_free"] = build_learner(config, "none", device)
-    start_step = 0
+    from opengem.train import distributed
+
     if resume is not None:
-        start_step = load_checkpoint(resume, learners)
+        resume = resolve_checkpoint(resume)
+    if parallel is not None or distributed.launched_by_torchrun() or (resume and is_distributed_checkpoint(resume)):
+        run: LocalRun | distributed.DistributedRun = distributed.DistributedRun(config, parallel or ParallelConfig())
+    else:
+        run = LocalRun(config)
+    try:
+        return _loop(config, run, resume, progress)
+    finally:
+        run.close()
+
+
+def _loop(config: TrainConfig, run: LocalRun | Any, resume: Path | None, progress: bool) -> dict[str, Any]:
+    start_step = run.restore(resume) if resume is not None else 0
     run_dir = Path(config.out_dir) / config.run_name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    holdout = [b.to(device) for b in eval_batches(config)]
-    log = (run_dir / "metrics.jsonl").open("a")
+    if run.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
+    progress = progress and run.is_main
+    holdout = run.holdout()
+    log = (run_dir / "metrics.jsonl").open("a") if run.is_main else open(os.devnull, "w")  # noqa: SIM115
     guard = StepGuard(config.max_bad_steps, config.spike_factor)
     evaluations: list[dict[str, Any]] = []
-    stream: Iterator[Batch] = train_batches(config, start_step)
+    stream: Iterator[Batch] = run.batches(start_step)
     bar = tqdm(range(start_step, config.steps), desc="train", disable=not progress, initial=start_step, total=config.steps)
     try:
         window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
         for step in bar:
-            batch = next(stream).to(device, non_blocking=True)
-            losses = {name: learner.step(batch) for name, learner in learners.items()}
+            batch = next(stream).to(run.device, non_blocking=True)
+            losses = {name: learner.step(batch) for name, learner in run.learners.items()}
             health = guard.check(step + 1, losses["model"])
             if health is not None:
                 log.write(json.dumps({"step": step + 1, "event": health, "loss/model": losses["model"]}) + "\n")
             window_samples += batch.batch_size()
             window_tokens += batch.num_history_tokens()
             if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
+                samples, tokens = run.sum_over_ranks([window_samples, window_tokens])
                 elapsed = time.perf_counter() - window_start
                 record = {
                     "step": step + 1,
                     **{f"loss/{name}": float(loss) for name, loss in losses.items()},
-                    "samples_per_s": window_samples / elapsed,
-                    "tokens_per_s": window_tokens / elapsed,
+                    "samples_per_s": samples / elapsed,
+                    "tokens_per_s": tokens / elapsed,
+                    **run.step_bytes(),
                 }
                 log.write(json.dumps(record) + "\n")
                 log.flush()
@@ -153,7 +232,7 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
                                 tokens_s=f"{record['tokens_per_s']:.0f}")
                 window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                evaluation = {"step": step + 1, **evaluate(learners, holdout)}
+                evaluation = {"step": step + 1, **evaluate(*run.predictions(holdout))}
                 evaluations.append(evaluation)
                 log.write(json.dumps(evaluation) + "\n")
                 log.flush()
@@ -161,7 +240,7 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
                     tqdm.write(format_evaluation(evaluation))
             if (step + 1) % config.checkpoint_every == 0 or step + 1 == config.steps:
                 try:
-                    save_checkpoint(run_dir, learners, step + 1, config, keep=config.keep_checkpoints)
+                    run.save(run_dir, step + 1)
                 except OSError as error:  # e.g. disk full: the previous checkpoints are intact, keep training
                     warnings.warn(f"step {step + 1}: checkpoint not saved ({error}); the previous ones are intact",
                                   stacklevel=2)
@@ -175,15 +254,13 @@ def train(config: TrainConfig, resume: Path | None = None, progress: bool = True
         "loss_spikes": guard.spikes,
         "final": evaluations[-1] if evaluations else None,
     }
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
+    if run.is_main:
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
 
 
-def evaluate(learners: dict[str, Learner], holdout: list[Batch]) -> dict[str, Any]:
-    """NE / AUC / calibration per task for every learner and for the generator's oracle."""
-    labels = torch.cat([b.labels.float().cpu() for b in holdout])
-    predictions = {name: learner.predict(holdout) for name, learner in learners.items()}
-    predictions["oracle"] = torch.cat([b.oracle.float().cpu() for b in holdout])
+def evaluate(predictions: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, Any]:
+    """NE / AUC / calibration per task for every set of probabilities (learners and the generator's oracle)."""
     out: dict[str, Any] = {}
     for name, probabilities in predictions.items():
         for t, task in enumerate(TASKS):
