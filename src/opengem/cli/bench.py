@@ -47,8 +47,8 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "plot":
         print(f"wrote {plot.plot_file(args.file, args.out)}")
         return 0
-    common = dict(preset=args.preset, precision=args.precision, device=args.device, batch_size=args.batch_size,
-                  peak_tflops=args.peak_tflops, overrides=tuple(args.set))
+    common = {"preset": args.preset, "precision": args.precision, "device": args.device,
+              "batch_size": args.batch_size, "peak_tflops": args.peak_tflops, "overrides": tuple(args.set)}
     if args.bench_command == "layers":
         payload = layers.bench_layers(step.TrainBenchOptions(**common), repeats=args.repeats)
         path = write_json(args.out or layers.default_output(args.preset), payload)

@@ -13,6 +13,7 @@ second figure, the measured BF16 matmul ceiling of the device (:func:`measured_m
 
 from __future__ import annotations
 
+import itertools
 import re
 import time
 from collections.abc import Sequence
@@ -94,7 +95,7 @@ def _sequence_ctr_flops(model: SequenceCTRModel, lengths: list[int]) -> dict[str
             gemm += (tokens + batch) * (4 * d * d + 2 * d * hidden)  # qkv, out, feed-forward
             attention += 2 * d * pairs  # 4 H D per pair, halved like the GEMMs (doubled below)
     dims = [model.interaction[0].in_features, *config.mlp_dims]
-    gemm += batch * sum(a * b for a, b in zip(dims[:-1], dims[1:]))
+    gemm += batch * sum(a * b for a, b in itertools.pairwise(dims))
     gemm += len(TASKS) * batch * config.mlp_dims[-1]  # one logit per task
     return {"gemm": 2 * gemm, "attention": 2 * attention}
 

@@ -42,10 +42,10 @@ class LayerCase:
 def bench_layers(options: TrainBenchOptions, repeats: int = 10) -> dict[str, Any]:
     """Time each layer type alone; ``options`` as for `bench train` (preset, batch size, precision, device)."""
     config, device, precision = bench_config(options)
+    if config.architecture != "gem":
+        raise ValueError(f"bench layers covers the GEM architecture, got {config.architecture!r}")
     torch.manual_seed(config.seed)
     model = build_learner(config, config.model.history, device).model
-    if not isinstance(model, GEM):
-        raise ValueError(f"bench layers covers the GEM model, got {type(model).__name__}")
     model.train()
     batch = next(train_batches(dataclasses.replace(config, num_workers=0), start_step=0)).to(device)  # one batch
     autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
@@ -177,8 +177,8 @@ def _scalar(out: Any) -> torch.Tensor:
 def format_report(payload: dict[str, Any]) -> str:
     settings = payload["settings"]
     lines = [
-        f"bench layers {payload['preset']} on {payload['environment']['device']}: batch {settings['batch_size']} "
-        f"({settings['history_tokens']} history tokens), {settings['precision']}, forward + backward alone",
+        (f"bench layers {payload['preset']} on {payload['environment']['device']}: batch {settings['batch_size']} "
+        f"({settings['history_tokens']} history tokens), {settings['precision']}, forward + backward alone"),
         f"  {'layer':<18}{'count':>6}{'ms':>10}{'GFLOP':>10}{'TFLOP/s':>10}{'local MFU':>11}{'time':>8}",
     ]
     for row in payload["rows"]:

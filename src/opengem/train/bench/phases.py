@@ -7,6 +7,8 @@ The benchmark marks the data fetch, the host-to-device copy and the model's forw
 under the ``opengem::embedding*`` ops. Each CUDA kernel (or, on a CPU run, each op's self CPU time) goes
 to the innermost of those it was launched from. ``data`` is the host time spent in the data range
 (the GPU is idle then while the step synchronizes on the host; it overlaps GPU work otherwise).
+``unattributed``: GPU time of kernels the profiler could not link to the op that launched them (0 when
+every launch is correlated; a large value means the split above under-counts).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from opengem.data.schema import Batch
 DATA_RANGE = "opengem.bench/data"
 HOST_TO_DEVICE_RANGE = "opengem.bench/host_to_device"
 FORWARD_RANGE = "opengem.bench/forward"
-PHASES = ("data", "host_to_device", "forward", "embeddings", "backward", "optimizer", "other")
+PHASES = ("data", "host_to_device", "forward", "embeddings", "backward", "optimizer", "other", "unattributed")
 
 
 class ForwardRange(nn.Module):
@@ -62,8 +64,12 @@ def phase_of(event: FunctionEvent) -> str:
 def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dict[str, float]:
     """Microseconds per phase: CUDA kernel time on a GPU (host time for ``data``), self CPU time on a CPU."""
     totals = dict.fromkeys(PHASES, 0.0)
+    device_total = 0.0
     for event in events:
-        if event.is_async or event.device_type != torch.autograd.DeviceType.CPU:
+        if event.device_type != torch.autograd.DeviceType.CPU:
+            device_total += event.time_range.elapsed_us()  # every kernel, memcpy and memset, linked or not
+            continue
+        if event.is_async:
             continue
         if device.type == "cuda":
             if event.name == DATA_RANGE:
@@ -73,4 +79,7 @@ def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dic
             spent = event.self_cpu_time_total
         if spent:
             totals[phase_of(event)] += spent
+    if device.type == "cuda":
+        attributed = sum(v for k, v in totals.items() if k != "data")
+        totals["unattributed"] = max(0.0, device_total - attributed)
     return totals

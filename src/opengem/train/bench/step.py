@@ -206,23 +206,23 @@ def format_report(payload: dict[str, Any]) -> str:
     if r["mfu"] is None:
         e2e = "n/a: no dense peak for this device (pass --peak-tflops)"
     else:
-        e2e = f"{100 * r['mfu']:>12.1f} % of the dense BF16 peak ({r['device_peak_tflops']:.0f} TFLOP/s)"
-    memory = "n/a (CPU)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:>12.2f} GiB"
+        e2e = f"{100 * r['mfu']:.1f} % of the dense BF16 peak ({r['device_peak_tflops']:.0f} TFLOP/s)"
+    memory = "n/a (CPU)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GiB"
     lines = [
-        f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
-        f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}",
+        (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
+        f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
         f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} warm-up)",
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
-        f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "
-        f"(attention {100 * r['attention_share']:.1f} %)",
+        (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "
+        f"(attention {100 * r['attention_share']:.1f} %)"),
         f"  model FLOP/s      {r['flops_per_s'] / 1e12:>12.2f} TFLOP/s",
         f"  E2E MFU           {e2e}",
-        f"  vs matmul ceiling {100 * r['mfu_vs_matmul_ceiling']:>12.1f} % of {r['matmul_ceiling_tflops']:.3g} TFLOP/s "
-        "measured",
+        (f"  vs matmul ceiling {100 * r['mfu_vs_matmul_ceiling']:>12.1f} % of {r['matmul_ceiling_tflops']:.3g} TFLOP/s "
+        "measured"),
         f"  peak memory       {memory}",
-        f"  loader alone      {r['loader_samples_per_s']:>12,.0f} samples/s = {r['loader_over_step_rate']:.2f}x the "
-        f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)",
+        (f"  loader alone      {r['loader_samples_per_s']:>12,.0f} samples/s = {r['loader_over_step_rate']:.2f}x the "
+        f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)"),
         f"  phase split (ms / step over profiled steps of {r['profiled_step_ms']:.2f} ms):",
         *(f"    {name:<16}{ms:>10.3f}" for name, ms in payload["phases_ms"].items()),
         f"  {payload['flop_convention']}",

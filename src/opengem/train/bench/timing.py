@@ -71,7 +71,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         except OSError:
             pass
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "git_commit": commit or "unknown",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
