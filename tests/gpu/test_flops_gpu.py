@@ -16,8 +16,7 @@ from opengem.train.flops import batch_train_flops, device_peak_flops, measured_f
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 DATA = SYNTHETIC_PRESETS["gem-tiny"]
-# fp32 unless TrainConfig has the lead's `precision` field (then the trainer autocasts to bf16)
-TINY = ["--preset", "gem-tiny", "--batch-size", "128", "--device", "cuda", "--precision", "fp32"]
+TINY = ["--preset", "gem-tiny", "--batch-size", "128", "--device", "cuda", "--precision", "bf16"]
 
 
 @pytest.mark.parametrize("self_attention", ["jfa", "block"])

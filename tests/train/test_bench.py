@@ -83,6 +83,7 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
     config, device, precision = bench_config(TrainBenchOptions("gem-small", device="cpu", batch_size=64))
     assert (config.architecture, config.batch_size, device.type, precision) == ("gem", 64, "cpu", "fp32")
     assert config.gem == GEM_PRESETS["gem-small"].model
+    assert bench_config(TrainBenchOptions("gem-tiny", device="cpu", precision="bf16"))[0].precision == "bf16"
     large = load_config("gem-large")
     assert (large.architecture, large.data_preset, large.gem) == ("gem", "gem-large", GEM_PRESETS["gem-large"].model)
     with pytest.raises(ValueError, match="low_precision_mlp must be one of"):

@@ -5,11 +5,11 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from opengem.train.config import PRESETS
+from opengem.train.config import PRECISIONS, PRESETS
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from opengem.train.bench.step import LOW_PRECISION_MLPS, PRECISIONS
+    from opengem.train.bench.step import LOW_PRECISION_MLPS
 
     parser = commands.add_parser("bench", help="training speed benchmarks (MFU, phase split, layers alone)")
     kinds = parser.add_subparsers(dest="bench_command", required=True)

@@ -45,10 +45,13 @@ def bench_layers(options: TrainBenchOptions, repeats: int = 10) -> dict[str, Any
     if config.architecture != "gem":
         raise ValueError(f"bench layers covers the GEM architecture, got {config.architecture!r}")
     torch.manual_seed(config.seed)
-    model = build_learner(config, config.model.history, device).model
+    learner = build_learner(config, config.model.history, device)
+    model = learner.model
     model.train()
     batch = next(train_batches(dataclasses.replace(config, num_workers=0), start_step=0)).to(device)  # one batch
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+    # the trainer's autocast (Learner.forward), around each layer's forward
+    dtype = learner.compute_dtype
+    autocast = torch.autocast(device.type, dtype=dtype, enabled=dtype is not None)
     peak = None
     if device.type == "cuda" or options.peak_tflops is not None:
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"

@@ -23,12 +23,11 @@ from opengem.data.schema import Batch
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize
-from opengem.train.config import TrainConfig, apply_overrides, load_config
+from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
 from opengem.train.trainer import Learner, build_learner, resolve_device
 
-PRECISIONS = ("bf16", "fp32")
 LOW_PRECISION_MLPS = ("none", *(name for name in NAMED_RECIPES if name != "bf16"))
 
 
@@ -37,7 +36,7 @@ class TrainBenchOptions:
     preset: str
     steps: int = 50
     warmup: int = 10
-    precision: str | None = None  # None: bf16 on CUDA, fp32 on CPU
+    precision: str | None = None  # TrainConfig.precision; None: bf16 on CUDA, fp32 on CPU
     low_precision_mlp: str = "none"  # a recipe of opengem.nn.low_precision for the large Linear layers
     compile: bool = False
     device: str = "auto"
@@ -72,13 +71,7 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
     config = load_config(options.preset, overrides=[*overrides, *options.overrides])
     device = resolve_device(config.device)
     precision = options.precision or ("bf16" if device.type == "cuda" else "fp32")
-    # TODO(lead): TrainConfig.precision (bf16 autocast in Learner.step) lands on another branch; once
-    # merged, always apply `precision=...` here and drop this check.
-    if "precision" in {f.name for f in dataclasses.fields(TrainConfig)}:
-        config = apply_overrides(config, [f"precision={precision}"])
-    elif precision != "fp32":
-        raise ValueError(f"--precision {precision} needs TrainConfig.precision (the trainer's autocast), which "
-                         "this tree does not have yet; run with --precision fp32")
+    config = apply_overrides(config, [f"precision={precision}"])
     return config, device, precision
 
 
