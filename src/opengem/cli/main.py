@@ -1,4 +1,4 @@
-"""The `opengem` command: train, data synth, data movielens, info."""
+"""The `opengem` command: train, data synth, data movielens, info, bench."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from opengem.cli.bench import add_bench_parser, run_bench
 from opengem.cli.info import add_info_parser, run_info
 from opengem.cli.movielens import add_movielens_parser, movielens_command
 from opengem.parallel.mesh import parse_parallel
@@ -46,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--seed", type=int, default=0)
     add_movielens_parser(data_commands)
     add_info_parser(commands)
+    add_bench_parser(commands)
 
     args = parser.parse_args(argv)
     try:
@@ -53,6 +55,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(args)
         if args.command == "info":
             return run_info(args)
+        if args.command == "bench":
+            return run_bench(args)
         if args.data_command == "movielens":
             return movielens_command(args)
         return _synth(args)

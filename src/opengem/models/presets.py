@@ -91,12 +91,23 @@ def parameter_counts(preset: GEMPreset) -> tuple[int, int]:
 def gem_flops(config: GEMConfig, data: SyntheticConfig, history_lengths: Sequence[int]) -> dict[str, int]:
     """Forward FLOPs of one batch with these history lengths: ``{"gemm": ..., "attention": ...}``."""
     features = data.feature_specs()
-    batch = len(history_lengths)
-    e, d, m = config.embedding_dim, config.d_model, config.num_summary_tokens
     num_sparse = sum(f.kind != "sequence" for f in features)
     num_sequence = sum(f.kind == "sequence" for f in features)
+    return _gem_flops(config, num_sparse, num_sequence, data.num_dense, data.num_surfaces, history_lengths)
+
+
+def gem_model_flops(model: GEM, history_lengths: Sequence[int]) -> dict[str, int]:
+    """:func:`gem_flops` of a built model (feature counts read from the model, not from a data preset)."""
+    return _gem_flops(model.config, len(model.sparse_names), len(model.sequence_names),
+                      model.dense_proj.in_features, model.num_domains, history_lengths)
+
+
+def _gem_flops(config: GEMConfig, num_sparse: int, num_sequence: int, num_dense: int, num_domains: int,
+               history_lengths: Sequence[int]) -> dict[str, int]:
+    batch = len(history_lengths)
+    e, d, m = config.embedding_dim, config.d_model, config.num_summary_tokens
     n = num_sparse + 1  # feature tokens + the dense token
-    gemm = batch * (num_sparse * e * d + data.num_dense * d)  # feature and dense projections (2x below)
+    gemm = batch * (num_sparse * e * d + num_dense * d)  # feature and dense projections (2x below)
     gemm += batch * (n * m * d + m * d * d)  # the final X summary: compression + gate
     attention = 0
     summary_tokens = 0
@@ -133,7 +144,7 @@ def gem_flops(config: GEMConfig, data: SyntheticConfig, history_lengths: Sequenc
         expert += d * tokens_in * (n - fm_tokens)  # linear compression
         expert += d * tokens_in * n if tokens_in != n else 0  # residual token projection
         gemm += config.num_layers * config.num_experts * batch * expert
-    head_dims = [(m + summary_tokens) * d, *config.head_dims, data.num_surfaces]
+    head_dims = [(m + summary_tokens) * d, *config.head_dims, num_domains]
     gemm += len(TASKS) * batch * sum(a * b for a, b in zip(head_dims[:-1], head_dims[1:]))
     return {"gemm": 2 * gemm, "attention": 2 * attention}
 

@@ -80,6 +80,23 @@ PRESETS: dict[str, TrainConfig] = {
         model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
         gem=GEM_PRESETS["gem-small"].model,
     ),
+    # One H100/H200, the GEM model (~1B dense): histories up to 16k tokens (mean ~510), so ~65k history
+    # tokens per batch of 128; with bf16 activations that leaves headroom in 80 GB next to the ~22 GB
+    # of fp32 tables and the ~18 GB of fp32 weights + AdamW state.
+    "gem-large": TrainConfig(
+        preset="gem-large",
+        data_preset="gem-large",
+        steps=2000,
+        batch_size=128,
+        lr=5e-4,
+        embedding_lr=0.02,
+        eval_every=500,
+        eval_samples=20000,
+        num_workers=4,
+        architecture="gem",
+        model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
+        gem=GEM_PRESETS["gem-large"].model,
+    ),
 }
 
 

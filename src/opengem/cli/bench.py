@@ -1,0 +1,72 @@
+"""`opengem bench train | layers | plot`: training speed, MFU and the phase split (GEM_SPEC section 8)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from opengem.train.config import PRECISIONS, PRESETS
+
+
+def add_bench_parser(commands: argparse._SubParsersAction) -> None:
+    from opengem.train.bench.step import LOW_PRECISION_MLPS
+
+    parser = commands.add_parser("bench", help="training speed benchmarks (MFU, phase split, layers alone)")
+    kinds = parser.add_subparsers(dest="bench_command", required=True)
+    for name, help_text in (("train", "steady-state speed of the whole training step"),
+                            ("layers", "each layer type of the model run alone: local MFU")):
+        sub = kinds.add_parser(name, help=help_text)
+        sub.add_argument("--preset", choices=sorted(PRESETS), default="gem-small")
+        sub.add_argument("--precision", choices=PRECISIONS, help="default: bf16 on CUDA, fp32 on CPU")
+        sub.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+        sub.add_argument("--batch-size", type=int, help="default: the preset's")
+        sub.add_argument("--peak-tflops", type=float, help="dense BF16 peak of a device not in the table")
+        sub.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+        sub.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/<kind>_<preset>.json)")
+    train = kinds.choices["train"]
+    train.add_argument("--steps", type=int, default=50, help="timed steps")
+    train.add_argument("--warmup", type=int, default=10, help="steps before timing")
+    train.add_argument("--low-precision-mlp", choices=LOW_PRECISION_MLPS, default="none",
+                       help="FP8 recipe for the large Linear layers (opengem.nn.low_precision)")
+    train.add_argument("--compile", action="store_true", help="torch.compile the model")
+    train.add_argument("--num-workers", type=int, help="data loader workers (default: the preset's)")
+    train.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the phase split")
+    train.add_argument("--loader-batches", type=int, default=20, help="batches timed for the loader alone")
+    train.add_argument("--matmul-size", type=int, help="GEMM size of the measured ceiling (default 8192 on CUDA)")
+    layers = kinds.choices["layers"]
+    layers.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median)")
+    plot = kinds.add_parser("plot", help="render a `bench train` JSON result as a PNG of the phase split")
+    plot.add_argument("file", type=Path)
+    plot.add_argument("--out", type=Path, help="PNG file (default: the JSON's name with .png)")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    from opengem.train.bench import layers, plot, step
+    from opengem.train.bench.timing import write_json
+
+    if args.bench_command == "plot":
+        print(f"wrote {plot.plot_file(args.file, args.out)}")
+        return 0
+    common = {"preset": args.preset, "precision": args.precision, "device": args.device,
+              "batch_size": args.batch_size, "peak_tflops": args.peak_tflops, "overrides": tuple(args.set)}
+    if args.bench_command == "layers":
+        payload = layers.bench_layers(step.TrainBenchOptions(**common), repeats=args.repeats)
+        path = write_json(args.out or layers.default_output(args.preset), payload)
+        print(layers.format_report(payload))
+        print(f"wrote {path}")
+        return 0
+    options = step.TrainBenchOptions(
+        **common, steps=args.steps, warmup=args.warmup, low_precision_mlp=args.low_precision_mlp,
+        compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps,
+        loader_batches=args.loader_batches, matmul_size=args.matmul_size,
+    )  # fmt: skip
+    payload = step.bench_train(options)
+    path = write_json(args.out or step.default_output(args.preset), payload)
+    print(step.format_report(payload))
+    print(f"wrote {path}")
+    if plot.matplotlib_available():
+        print(f"wrote {plot.plot_phases(payload, path.with_suffix('.png'))}")
+    else:
+        print(f"note: matplotlib is not installed (pip install 'opengem[plot]'): no PNG; "
+              f"render it later with `opengem bench plot {path}`")
+    return 0

@@ -1,0 +1,227 @@
+"""`opengem bench train`: steady-state speed of the whole training step, its MFU and where the time goes.
+
+The learner is built exactly as the trainer builds it (``build_learner``, the GEM architecture of the
+preset) and fed by the trainer's data stream. After ``warmup`` steps, ``steps`` steps run between two
+timing points (CUDA events; the only synchronization of the window is at its end). FLOPs are the
+analytic count of the batches actually drawn (`opengem.train.flops`). Then a few more steps run under
+the profiler for the phase split (`opengem.train.bench.phases`), and the data stream runs alone to
+check that the loader outpaces the step (GEM issue 10: >= 2x).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from opengem.data.schema import Batch
+from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
+from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
+from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize
+from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
+from opengem.train.data_stream import train_batches
+from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
+from opengem.train.trainer import Learner, build_learner, resolve_device
+
+LOW_PRECISION_MLPS = ("none", *(name for name in NAMED_RECIPES if name != "bf16"))
+
+
+@dataclass(frozen=True)
+class TrainBenchOptions:
+    preset: str
+    steps: int = 50
+    warmup: int = 10
+    precision: str | None = None  # TrainConfig.precision; None: bf16 on CUDA, fp32 on CPU
+    low_precision_mlp: str = "none"  # a recipe of opengem.nn.low_precision for the large Linear layers
+    compile: bool = False
+    device: str = "auto"
+    batch_size: int | None = None
+    num_workers: int | None = None
+    profile_steps: int = 3
+    loader_batches: int = 20
+    peak_tflops: float | None = None  # the device's dense BF16 peak when it is not in DEVICE_PEAKS
+    matmul_size: int | None = None  # measured-ceiling GEMM size; None: 8192 on CUDA, 512 on CPU
+    overrides: tuple[str, ...] = ()  # further `--set key=value` settings of the TrainConfig
+
+    def __post_init__(self) -> None:
+        for name in ("steps", "profile_steps", "loader_batches"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.warmup < 0:
+            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.low_precision_mlp not in LOW_PRECISION_MLPS:
+            raise ValueError(f"low_precision_mlp must be one of {LOW_PRECISION_MLPS}, got {self.low_precision_mlp!r}")
+
+
+def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device, str]:
+    """The preset's TrainConfig with the GEM architecture and the benchmark's settings; device; precision."""
+    overrides = ["architecture=gem", f"device={options.device}", "baseline=false"]
+    if options.batch_size is not None:
+        overrides.append(f"batch_size={options.batch_size}")
+    if options.num_workers is not None:
+        overrides.append(f"num_workers={options.num_workers}")
+    overrides.append(f"steps={options.warmup + options.steps + options.profile_steps}")  # the LR schedule's length
+    config = load_config(options.preset, overrides=[*overrides, *options.overrides])
+    device = resolve_device(config.device)
+    precision = options.precision or ("bf16" if device.type == "cuda" else "fp32")
+    config = apply_overrides(config, [f"precision={precision}"])
+    return config, device, precision
+
+
+def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
+    """Run the benchmark; returns the JSON payload (see `format_report` for what each figure is)."""
+    config, device, precision = bench_config(options)
+    torch.manual_seed(config.seed)
+    learner = build_learner(config, config.model.history, device)
+    model = learner.model
+    converted = []
+    if options.low_precision_mlp != "none":
+        converted = convert_to_low_precision(model, options.low_precision_mlp)
+    if options.compile:
+        model.compile()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    stream = train_batches(config, start_step=0)
+
+    for _ in range(options.warmup):
+        learner.step(next(stream).to(device, non_blocking=True))
+    synchronize(device)
+
+    timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
+    timer.start()
+    for _ in range(options.steps):
+        fetch = time.perf_counter()
+        batch = next(stream)
+        data_wait += time.perf_counter() - fetch
+        lengths.append(batch.history_age.lengths_host())
+        loss = learner.step(batch.to(device, non_blocking=True))
+    elapsed = timer.stop()
+
+    phases_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
+    del stream  # stop its loader workers before the loader runs alone
+    loader_samples_per_s = _loader_rate(config, options.loader_batches)
+
+    flops = [train_flops(model, n) for n in lengths]
+    samples = options.steps * config.batch_size
+    total_flops = sum(f.train for f in flops)
+    flops_per_s = total_flops / elapsed
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    device_peak = None
+    if device.type == "cuda" or options.peak_tflops is not None:
+        device_peak = device_peak_flops(device_name, "bf16", options.peak_tflops)
+    matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    ceiling = measured_matmul_peak(device, matmul_dtype, options.matmul_size or (8192 if device.type == "cuda" else 512))
+    results = {
+        "step_ms": 1e3 * elapsed / options.steps,
+        "samples_per_s": samples / elapsed,
+        "tokens_per_s": sum(int(n.sum()) for n in lengths) / elapsed,
+        "train_flops_per_sample": total_flops / samples,
+        "attention_share": sum(3.5 * f.attention for f in flops) / total_flops,
+        "flops_per_s": flops_per_s,
+        "device_peak_tflops": None if device_peak is None else device_peak / 1e12,
+        "mfu": None if device_peak is None else mfu(flops_per_s, device_peak),
+        "matmul_ceiling_tflops": ceiling / 1e12,
+        "mfu_vs_matmul_ceiling": mfu(flops_per_s, ceiling),
+        "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "data_wait_ms": 1e3 * data_wait / options.steps,
+        "loader_samples_per_s": loader_samples_per_s,
+        "loader_over_step_rate": loader_samples_per_s * elapsed / samples,
+        "profiled_step_ms": profiled_step_ms,
+        "last_loss": loss,
+    }
+    settings = {
+        **{k: v for k, v in dataclasses.asdict(options).items() if k != "overrides"},
+        "overrides": list(options.overrides),
+        "precision": precision,
+        "batch_size": config.batch_size,
+        "num_workers": config.num_workers,
+        "low_precision_layers": converted,
+        "device": str(device),
+    }
+    return {
+        "benchmark": "train",
+        "preset": options.preset,
+        "environment": environment(device),
+        "settings": settings,
+        "flop_convention": FLOP_CONVENTION,
+        "results": results,
+        "phases_ms": phases_ms,
+    }
+
+
+def _profile_phases(
+    learner: Learner, stream: Any, device: torch.device, steps: int
+) -> tuple[dict[str, float], float]:
+    """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
+    not covered by any phase: GPU idle, or host time outside any op on a CPU run) and the step time."""
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    model = learner.model
+    learner.model = ForwardRange(model)
+    try:
+        with profile(activities=activities) as profiler:
+            begin = time.perf_counter()
+            for _ in range(steps):
+                with record_function(DATA_RANGE):
+                    batch: Batch = next(stream)
+                with record_function(HOST_TO_DEVICE_RANGE):
+                    batch = batch.to(device, non_blocking=True)
+                learner.step(batch)
+            synchronize(device)
+            step_ms = 1e3 * (time.perf_counter() - begin) / steps
+    finally:
+        learner.model = model
+    phases = {name: us / 1e3 / steps for name, us in phase_split_us(profiler.events(), device).items()}
+    phases["idle"] = max(0.0, step_ms - sum(phases.values()))
+    return phases, step_ms
+
+
+def _loader_rate(config: TrainConfig, batches: int) -> float:
+    """Samples/s of the trainer's data stream alone (fresh samples, after two batches of worker start-up)."""
+    stream = train_batches(config, start_step=1 << 20)
+    for _ in range(2):
+        next(stream)
+    begin = time.perf_counter()
+    for _ in range(batches):
+        next(stream)
+    return batches * config.batch_size / (time.perf_counter() - begin)
+
+
+def format_report(payload: dict[str, Any]) -> str:
+    r, s = payload["results"], payload["settings"]
+
+    if r["mfu"] is None:
+        e2e = "n/a: no dense peak for this device (pass --peak-tflops)"
+    else:
+        e2e = f"{100 * r['mfu']:.1f} % of the dense BF16 peak ({r['device_peak_tflops']:.0f} TFLOP/s)"
+    memory = "n/a (CPU)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GiB"
+    lines = [
+        (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
+        f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
+        f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} warm-up)",
+        f"  samples/s         {r['samples_per_s']:>12,.0f}",
+        f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
+        (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "
+        f"(attention {100 * r['attention_share']:.1f} %)"),
+        f"  model FLOP/s      {r['flops_per_s'] / 1e12:>12.2f} TFLOP/s",
+        f"  E2E MFU           {e2e}",
+        (f"  vs matmul ceiling {100 * r['mfu_vs_matmul_ceiling']:>12.1f} % of {r['matmul_ceiling_tflops']:.3g} TFLOP/s "
+        "measured"),
+        f"  peak memory       {memory}",
+        (f"  loader alone      {r['loader_samples_per_s']:>12,.0f} samples/s = {r['loader_over_step_rate']:.2f}x the "
+        f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)"),
+        f"  phase split (ms / step over profiled steps of {r['profiled_step_ms']:.2f} ms):",
+        *(f"    {name:<16}{ms:>10.3f}" for name, ms in payload["phases_ms"].items()),
+        f"  {payload['flop_convention']}",
+    ]
+    return "\n".join(lines)
+
+
+def default_output(preset: str) -> Path:
+    return Path("benchmarks/results") / f"train_{preset}.json"

@@ -1,0 +1,84 @@
+"""Timing and result-file plumbing shared by the training benchmarks."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FLOP_CONVENTION = (
+    "useful FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM on real rows, attention 4*H*D per unmasked pair, "
+    "backward 2x GEMMs (the dense features have no input gradient) and 2.5x attention; embeddings, norms, "
+    "element-wise and recompute count zero; MFU = FLOP/s / dense BF16 peak, also when FP8 runs"
+)
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class WindowTimer:
+    """Elapsed seconds between ``start()`` and ``stop()``: CUDA events on a GPU (one synchronization, at the
+    end of the window), wall clock on the CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def start(self) -> None:
+        if self.device.type == "cuda":
+            self._begin = torch.cuda.Event(enable_timing=True)
+            self._end = torch.cuda.Event(enable_timing=True)
+            self._begin.record()
+        else:
+            self._wall = time.perf_counter()
+
+    def stop(self) -> float:
+        if self.device.type == "cuda":
+            self._end.record()
+            self._end.synchronize()
+            return self._begin.elapsed_time(self._end) / 1e3
+        return time.perf_counter() - self._wall
+
+
+def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 10) -> float:
+    """Median milliseconds of ``fn`` over ``repeats`` runs (after ``warmup`` runs), each timed alone."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    timer, times = WindowTimer(device), []
+    for _ in range(repeats):
+        timer.start()
+        fn()
+        times.append(timer.stop() * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    """Date, versions, device name and git commit (``OPENGEM_GIT_COMMIT`` when the tree has no .git)."""
+    commit = os.environ.get("OPENGEM_GIT_COMMIT", "")
+    if not commit:
+        try:
+            found = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False)
+            commit = found.stdout.strip() if found.returncode == 0 else ""
+        except OSError:
+            pass
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "git_commit": commit or "unknown",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+    }
+
+
+def write_json(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(payload, indent=2))
+    return path

@@ -1,0 +1,92 @@
+"""`opengem bench train | layers | plot` on the CPU: tiny config, a few steps, every figure present."""
+
+import json
+
+import pytest
+
+from opengem.cli.main import main
+from opengem.models.presets import GEM_PRESETS
+from opengem.train.bench.phases import PHASES
+from opengem.train.bench.step import TrainBenchOptions, bench_config
+from opengem.train.config import load_config
+
+TINY = ["--preset", "gem-tiny", "--batch-size", "24", "--device", "cpu", "--precision", "fp32"]
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture(scope="module")
+def train_result(tmp_path_factory) -> tuple[dict, str]:
+    out = tmp_path_factory.mktemp("bench") / "train_tiny.json"
+    argv = ["bench", "train", *TINY, "--steps", "3", "--warmup", "1", "--profile-steps", "2",
+            "--loader-batches", "3", "--peak-tflops", "1", "--out", str(out)]
+    assert main(argv) == 0
+    return json.loads(out.read_text()), str(out)
+
+
+def test_bench_train_reports_every_figure(train_result):
+    payload, _ = train_result
+    results = payload["results"]
+    assert payload["settings"]["batch_size"] == 24 and payload["settings"]["precision"] == "fp32"
+    assert results["samples_per_s"] > 0 and results["tokens_per_s"] > results["samples_per_s"]
+    assert results["step_ms"] == pytest.approx(1e3 * 24 / results["samples_per_s"])
+    assert results["flops_per_s"] == pytest.approx(results["train_flops_per_sample"] * results["samples_per_s"])
+    assert 0 < results["attention_share"] < 1
+    assert results["device_peak_tflops"] == 1.0
+    assert results["mfu"] == pytest.approx(results["flops_per_s"] / 1e12)
+    assert results["matmul_ceiling_tflops"] > 0 and results["mfu_vs_matmul_ceiling"] > 0
+    assert results["peak_memory_gb"] is None  # CPU
+    assert results["loader_samples_per_s"] > 0
+    assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
+    assert payload["environment"]["device"] == "cpu"
+
+
+def test_bench_train_phases_cover_the_step(train_result):
+    phases = train_result[0]["phases_ms"]
+    assert set(phases) == {*PHASES, "idle"}
+    for name in ("data", "forward", "embeddings", "backward", "optimizer"):
+        assert phases[name] > 0, name
+    step_ms = train_result[0]["results"]["profiled_step_ms"]
+    assert sum(v for k, v in phases.items() if k != "idle") <= 1.05 * step_ms
+    assert sum(phases.values()) == pytest.approx(step_ms, rel=0.05)
+
+
+def test_bench_train_writes_the_png_and_plot_renders_it_again(train_result, tmp_path):
+    _, json_path = train_result
+    with open(json_path.replace(".json", ".png"), "rb") as png:
+        assert png.read(8) == PNG_SIGNATURE
+    out = tmp_path / "again.png"
+    assert main(["bench", "plot", json_path, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == PNG_SIGNATURE
+
+
+def test_plot_rejects_a_file_that_is_not_a_train_result(tmp_path, capsys):
+    bad = tmp_path / "layers.json"
+    bad.write_text(json.dumps({"benchmark": "layers"}))
+    assert main(["bench", "plot", str(bad)]) == 2
+    assert "not an `opengem bench train` result" in capsys.readouterr().err
+
+
+def test_bench_layers_cover_the_model_flops(tmp_path):
+    out = tmp_path / "layers.json"
+    assert main(["bench", "layers", *TINY, "--repeats", "2", "--out", str(out)]) == 0
+    payload = json.loads(out.read_text())
+    rows = {row["layer"]: row for row in payload["rows"]}
+    assert {"embeddings", "pffn", "self_attention", "sequence_summary", "interaction", "heads"} <= set(rows)
+    assert rows["embeddings"]["gflop"] == 0 and rows["self_attention"]["gflop"] > 0
+    assert all(row["ms"] > 0 for row in rows.values())
+    assert payload["flops_coverage"] == pytest.approx(1.0, rel=1e-9)
+    assert sum(row["time_share"] for row in rows.values()) == pytest.approx(1.0)
+    assert payload["local_mfu"] is None  # no peak for a CPU
+
+
+def test_bench_config_uses_the_gem_architecture_and_settings():
+    config, device, precision = bench_config(TrainBenchOptions("gem-small", device="cpu", batch_size=64))
+    assert (config.architecture, config.batch_size, device.type, precision) == ("gem", 64, "cpu", "fp32")
+    assert config.gem == GEM_PRESETS["gem-small"].model
+    assert bench_config(TrainBenchOptions("gem-tiny", device="cpu", precision="bf16"))[0].precision == "bf16"
+    large = load_config("gem-large")
+    assert (large.architecture, large.data_preset, large.gem) == ("gem", "gem-large", GEM_PRESETS["gem-large"].model)
+    with pytest.raises(ValueError, match="low_precision_mlp must be one of"):
+        TrainBenchOptions("gem-small", low_precision_mlp="fp4")
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        TrainBenchOptions("gem-small", steps=0)
