@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from opengem.jagged.host import host_copy, register_host_copy, to_device
+
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
 
@@ -22,7 +24,7 @@ def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offset
         raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must have shape [B + 1] with B >= 0, got {tuple(offsets.shape)}")
-    host = offsets.detach().cpu()
+    host = host_copy(offsets)
     if int(host[0]) != 0:
         raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
     steps = host[1:] - host[:-1]
@@ -37,11 +39,21 @@ def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offset
 
 
 def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
-    """``[B]`` lengths -> ``[B + 1]`` offsets starting at 0."""
-    if bool((lengths < 0).any()):
-        raise ValueError(f"lengths must be non-negative, got minimum {int(lengths.min())}")
+    """``[B]`` lengths -> ``[B + 1]`` offsets starting at 0 (with a host mirror when the lengths have one)."""
+    host_lengths = host_copy(lengths)
+    if bool((host_lengths < 0).any()):
+        raise ValueError(f"lengths must be non-negative, got minimum {int(host_lengths.min())}")
     offsets = torch.zeros(lengths.numel() + 1, dtype=dtype, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
+    if lengths.device.type != "cpu":
+        register_host_copy(offsets, offsets_from_lengths(host_lengths, dtype))
+    return offsets
+
+
+def uniform_offsets(batch: int, length: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """``[B + 1]`` offsets of B sequences of ``length`` rows each, made on ``device`` with a host mirror."""
+    offsets = torch.arange(batch + 1, device=device, dtype=dtype) * length
+    register_host_copy(offsets, torch.arange(batch + 1, dtype=dtype) * length)
     return offsets
 
 
@@ -58,6 +70,9 @@ class Jagged:
     offsets_host: torch.Tensor
     max_len: int
 
+    def __post_init__(self) -> None:
+        register_host_copy(self.offsets, self.offsets_host)  # ops read the layout without a device sync
+
     @classmethod
     def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
         if not isinstance(values, torch.Tensor) or values.dim() < 1:
@@ -65,7 +80,7 @@ class Jagged:
         validate_offsets(offsets, values.shape[0])
         if offsets.device != values.device:
             raise ValueError(f"values are on {values.device} but offsets are on {offsets.device}")
-        host = offsets.detach().cpu()
+        host = host_copy(offsets)
         max_len = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
         return cls(values, offsets, host, max_len)
 
@@ -129,12 +144,8 @@ class Jagged:
         return Jagged(values, self.offsets, self.offsets_host, self.max_len)
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Jagged:
-        return Jagged(
-            self.values.to(device, non_blocking=non_blocking),
-            self.offsets.to(device, non_blocking=non_blocking),
-            self.offsets_host,
-            self.max_len,
-        )
+        offsets = self.offsets if self.offsets.device == torch.device(device) else to_device(self.offsets_host, device)
+        return Jagged(self.values.to(device, non_blocking=non_blocking), offsets, self.offsets_host, self.max_len)
 
     def pin_memory(self) -> Jagged:
         return Jagged(self.values.pin_memory(), self.offsets.pin_memory(), self.offsets_host, self.max_len)

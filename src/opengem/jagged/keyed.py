@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opengem.jagged.host import host_copy, register_host_copy, to_device
 from opengem.jagged.jagged import Jagged, offsets_from_lengths
 
 
@@ -37,9 +38,10 @@ class KeyedJagged:
             raise ValueError("lengths must be empty when there are no keys")
         if self.values.device != self.lengths.device:
             raise ValueError(f"values are on {self.values.device} but lengths are on {self.lengths.device}")
-        if self.lengths.numel() and bool((self.lengths < 0).any()):
+        host_lengths = host_copy(self.lengths)
+        if self.lengths.numel() and bool((host_lengths < 0).any()):
             raise ValueError("lengths must be non-negative")
-        total = int(self.lengths.sum()) if self.lengths.numel() else 0
+        total = int(host_lengths.sum()) if self.lengths.numel() else 0
         if total != self.values.numel():
             raise ValueError(f"lengths sum to {total} but there are {self.values.numel()} values")
         if self.weights is not None and self.weights.shape != self.values.shape:
@@ -77,7 +79,7 @@ class KeyedJagged:
 
     def lengths_per_key(self) -> list[int]:
         """Total number of ids of each feature, in key order."""
-        return self.lengths.view(len(self.keys), -1).sum(dim=1).tolist() if self.keys else []
+        return host_copy(self.lengths).view(len(self.keys), -1).sum(dim=1).tolist() if self.keys else []
 
     def offsets(self) -> torch.Tensor:
         """``[F * B + 1]`` offsets over the flat ``values`` buffer."""
@@ -103,8 +105,10 @@ class KeyedJagged:
         return slice(start, start + per_key[index])
 
     def _lengths_of(self, key: str) -> torch.Tensor:
-        index = self._index(key)
-        return self.lengths[index * self.stride : (index + 1) * self.stride]
+        rows = slice(self._index(key) * self.stride, (self._index(key) + 1) * self.stride)
+        lengths = self.lengths[rows]
+        register_host_copy(lengths, host_copy(self.lengths)[rows])
+        return lengths
 
     def to_dict(self) -> dict[str, Jagged]:
         return {k: self[k] for k in self.keys}
@@ -114,16 +118,17 @@ class KeyedJagged:
         if sum(segments) != len(self.keys) or any(s < 0 for s in segments):
             raise ValueError(f"segments {list(segments)} must be non-negative and sum to {len(self.keys)} keys")
         per_key = self.lengths_per_key()
+        host_lengths = host_copy(self.lengths)
         out, key_start, value_start, stride = [], 0, 0, self.stride
         for size in segments:
             count = sum(per_key[key_start : key_start + size])
             weights = None if self.weights is None else self.weights[value_start : value_start + count]
+            rows = slice(key_start * stride, (key_start + size) * stride)
+            lengths = self.lengths[rows]
+            register_host_copy(lengths, host_lengths[rows])
             out.append(
                 KeyedJagged._trusted(
-                    self.keys[key_start : key_start + size],
-                    self.values[value_start : value_start + count],
-                    self.lengths[key_start * stride : (key_start + size) * stride],
-                    weights,
+                    self.keys[key_start : key_start + size], self.values[value_start : value_start + count], lengths, weights
                 )
             )
             key_start += size
@@ -142,18 +147,20 @@ class KeyedJagged:
         if len(with_weights) > 1:
             raise ValueError("cannot concat KeyedJagged with and without weights")
         weights = torch.cat([p.weights for p in parts]) if with_weights == {True} else None
+        lengths = torch.cat([p.lengths for p in parts])
+        register_host_copy(lengths, torch.cat([host_copy(p.lengths) for p in parts]))
         return KeyedJagged._trusted(
-            tuple(k for p in parts for k in p.keys),
-            torch.cat([p.values for p in parts]),
-            torch.cat([p.lengths for p in parts]),
-            weights,
+            tuple(k for p in parts for k in p.keys), torch.cat([p.values for p in parts]), lengths, weights
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
+        """Also keeps the lengths' host copy, so the layout is known on the host without a device sync."""
+        host_lengths = host_copy(self.lengths)
+        lengths = self.lengths if self.lengths.device == torch.device(device) else to_device(host_lengths, device)
         return KeyedJagged._trusted(
             self.keys,
             self.values.to(device, non_blocking=non_blocking),
-            self.lengths.to(device, non_blocking=non_blocking),
+            lengths,
             None if self.weights is None else self.weights.to(device, non_blocking=non_blocking),
         )
 

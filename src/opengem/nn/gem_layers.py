@@ -14,7 +14,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from opengem.jagged import Jagged
+from opengem.jagged import Jagged, uniform_offsets
 from opengem.nn.layers import MLP
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa
@@ -66,7 +66,7 @@ class PersonalizedFFN(nn.Module):
         batch, m, _ = context.shape
         q = self.q(self.norm(h)).view(h.shape[0], self.num_heads, self.head_dim)
         k, v = self.kv(self.context_norm(context)).view(batch * m, 2, self.num_heads, self.head_dim).unbind(1)
-        k_offsets = torch.arange(batch + 1, device=h.device, dtype=sequence.offsets.dtype) * m
+        k_offsets = uniform_offsets(batch, m, h.device, sequence.offsets.dtype)
         attended = gdpa(
             q, k.contiguous(), v.contiguous(), sequence.offsets, k_offsets, sequence.max_len, m,
             activation=self.activation, pre_scale=self.head_dim**-0.5, post_scale=1.0 / m, backend=self.backend,

@@ -24,12 +24,12 @@ def visible_pairs(
     cross-attention (``q_len * k_len`` pairs). With ``masked`` (self-attention, ``q_lengths == k_lengths``)
     the recommendation mask is counted in closed form per query row, O(total tokens).
     """
-    q_len = q_lengths.detach().cpu().long()
-    k_len = k_lengths.detach().cpu().long()
+    q_len = host_copy(q_lengths).long()
+    k_len = host_copy(k_lengths).long()
     if not masked:
         return int((q_len * k_len).sum())
     lengths = k_len
-    targets = torch.zeros_like(lengths) if num_targets is None else num_targets.detach().cpu().long()
+    targets = torch.zeros_like(lengths) if num_targets is None else host_copy(num_targets).long()
     sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     starts = torch.cumsum(lengths, 0) - lengths
     i = torch.arange(int(lengths.sum())) - starts[sample]
@@ -53,4 +53,5 @@ def visible_pairs(
 def attention_flops(pairs: int, heads: int, head_dim: int) -> tuple[int, int]:
     """``(forward, backward)`` useful FLOPs: ``4 H D pairs`` and 2.5x that."""
     forward = 4 * heads * head_dim * pairs
-    return forward, forward * 5 // 2
+    return forward, forward * 5 // 2from opengem.jagged.host import host_copy
+

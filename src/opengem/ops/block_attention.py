@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.jagged.host import host_copy
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs
 from opengem.ops.reference import block_attention as reference
@@ -295,7 +296,8 @@ _block_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 def block_pairs(offsets: torch.Tensor, block_size: int) -> int:
     """Number of (query, key) pairs inside blocks: sum over blocks of ``length^2``."""
-    lengths = (offsets[1:] - offsets[:-1]).detach().cpu().long()
+    host = host_copy(offsets).long()
+    lengths = host[1:] - host[:-1]
     full, rest = lengths // block_size, lengths % block_size
     return int((full * block_size**2 + rest**2).sum())
 

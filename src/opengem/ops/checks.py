@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from opengem.jagged import validate_offsets
+from opengem.jagged.host import host_copy
 
 
 def check_attention_inputs(
@@ -52,7 +53,7 @@ def check_attention_inputs(
 def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
     if not isinstance(max_len, int) or max_len < 0:
         raise ValueError(f"{name} must be a non-negative host int, got {max_len!r}")
-    host = offsets.detach().cpu()
+    host = host_copy(offsets)
     longest = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
     if longest > max_len:
         raise ValueError(f"{name} = {max_len} is shorter than the longest sequence ({longest})")
@@ -73,9 +74,9 @@ def check_mask_options(
         raise ValueError(f"num_targets must have shape [{batch}], got {tuple(num_targets.shape)}")
     if num_targets.dtype not in (torch.int32, torch.int64):
         raise ValueError(f"num_targets must be int32 or int64, got {num_targets.dtype}")
-    host = offsets.detach().cpu()
+    host = host_copy(offsets)
     lengths = host[1:] - host[:-1]
-    targets = num_targets.detach().cpu().to(lengths.dtype)
+    targets = host_copy(num_targets).to(lengths.dtype)
     bad = torch.nonzero((targets < 0) | (targets > lengths)).flatten()
     if bad.numel():
         b = int(bad[0])

@@ -14,6 +14,7 @@ from typing import Sequence
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.jagged.host import host_copy, to_device
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, visible_pairs
@@ -183,12 +184,12 @@ def _check_contents(
             raise ValueError(f"q must have shape [Lq, heads, head_dim] with broadcast_q, got {tuple(q.shape)}")
         # validate q against a stand-in batch whose first sample holds the shared rows
         batch = k_offsets.numel() - 1
-        stand_in = torch.tensor([0] + [q.shape[0]] * batch, dtype=k_offsets.dtype, device=k_offsets.device)
+        stand_in = to_device(torch.arange(batch + 1, dtype=k_offsets.dtype) * q.shape[0], k_offsets.device)
         check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k)
         return
     check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k)
     if masked:
-        if not torch.equal(q_offsets, k_offsets):
+        if q_offsets is not k_offsets and not torch.equal(host_copy(q_offsets), host_copy(k_offsets)):
             raise ValueError(
                 "causal/num_targets/contextual_len/window apply to self-attention: q_offsets must equal k_offsets"
             )
@@ -270,12 +271,12 @@ gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q) -> int:
-    k_host = k_offsets.detach().cpu()
+    k_host = host_copy(k_offsets)
     k_len = k_host[1:] - k_host[:-1]
     if broadcast_q:
         q_len = torch.full_like(k_len, q.shape[0])
     else:
-        q_host = q_offsets.detach().cpu()
+        q_host = host_copy(q_offsets)
         q_len = q_host[1:] - q_host[:-1]
     masked = causal or num_targets is not None or contextual_len > 0 or window >= 0
     return visible_pairs(q_len, k_len, masked=masked, causal=causal, num_targets=num_targets,

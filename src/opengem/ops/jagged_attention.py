@@ -16,6 +16,7 @@ import os
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.jagged.host import host_copy
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
@@ -39,11 +40,11 @@ def attention_pairs(
     a contextual row sees the ``H`` history keys, any other row the history keys within its causal /
     window range around ``p``; a target row also sees itself.
     """
-    bounds = offsets.detach().cpu().to(torch.int64)
+    bounds = host_copy(offsets).to(torch.int64)
     lengths = bounds[1:] - bounds[:-1]
     if lengths.numel() == 0 or int(lengths.sum()) == 0:
         return 0
-    targets = torch.zeros_like(lengths) if num_targets is None else num_targets.detach().cpu().to(torch.int64)
+    targets = torch.zeros_like(lengths) if num_targets is None else host_copy(num_targets).to(torch.int64)
     sample = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
     i = torch.arange(int(lengths.sum())) - bounds[:-1][sample]
     hist = (lengths - targets)[sample]
@@ -69,8 +70,8 @@ def _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, s
     from opengem.ops.triton import jagged_attention as kernels
 
     opts = kernels.MaskOptions(causal, contextual_len, None if window == _NO_WINDOW else window)
-    host_targets = None if num_targets is None else num_targets.detach().cpu()
-    sched = kernels.schedule(offsets.detach().cpu(), host_targets, opts, q.device)
+    host_targets = None if num_targets is None else host_copy(num_targets)
+    sched = kernels.schedule(host_copy(offsets), host_targets, opts, q.device)
     targets = None if num_targets is None else num_targets.contiguous()
     return kernels, kernels.Problem(offsets.contiguous(), targets, sched, opts, max_len, scale)
 

@@ -22,6 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
+from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import activation_id
 from opengem.ops.triton.activations import activation_value_and_grad
 
@@ -215,14 +216,14 @@ def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
     if hit is not None and hit[0] is offsets:
         _SCHEDULE_CACHE.move_to_end(key)
         return hit[1]
-    host = offsets.detach().to("cpu", torch.int64)
+    host = host_copy(offsets).to(torch.int64)
     lengths = host[1:] - host[:-1]
     blocks_per_seq = (lengths + block_size - 1) // block_size
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), blocks_per_seq)
     first_block = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
     pos0 = (torch.arange(seq.numel()) - first_block[seq]) * block_size
     schedule = torch.stack((host[:-1][seq] + pos0, torch.clamp(lengths[seq] - pos0, max=block_size), pos0))
-    schedule = schedule.to(torch.int32).to(offsets.device)
+    schedule = to_device(schedule.to(torch.int32), offsets.device)
     _SCHEDULE_CACHE[key] = (offsets, schedule)
     if len(_SCHEDULE_CACHE) > _SCHEDULE_CACHE_SIZE:
         _SCHEDULE_CACHE.popitem(last=False)

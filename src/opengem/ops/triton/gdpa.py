@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.testing
 
+from opengem.jagged.host import host_copy, to_device
 from opengem.ops.triton.gdpa_kernels import (
     gdpa_bwd_dkdv_kernel,
     gdpa_bwd_dq_broadcast_kernel,
@@ -153,13 +154,13 @@ def _work_list(
     if window > 0:
         other = np.minimum(other, 2 * window + step)
     order = np.argsort(-(span * np.maximum(other, 1)), kind="stable")
-    work_b = torch.from_numpy(sample[order].astype(np.int32)).to(device)
-    work_t = torch.from_numpy((first[order] * tiles).astype(np.int32)).to(device)
+    work_b = to_device(torch.from_numpy(sample[order].astype(np.int32)), device)
+    work_t = to_device(torch.from_numpy((first[order] * tiles).astype(np.int32)), device)
     return work_b, work_t
 
 
 def _lengths(offsets: torch.Tensor) -> np.ndarray:
-    host = offsets.detach().cpu().to(torch.int64).numpy()
+    host = host_copy(offsets).to(torch.int64).numpy()
     return np.ascontiguousarray(host[1:] - host[:-1])
 
 

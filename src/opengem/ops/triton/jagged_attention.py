@@ -20,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from opengem.jagged.host import to_device
 from opengem.ops.triton.masks import key_range, tile_mask
 
 LOG2E = 1.4426950408889634
@@ -431,7 +432,7 @@ def _tiles(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
 
 def _order(sample: torch.Tensor, row: torch.Tensor, work: torch.Tensor, device: torch.device) -> torch.Tensor:
     order = torch.argsort(work, descending=True, stable=True)
-    return torch.stack([sample[order], row[order]], 1).to(torch.int32).contiguous().to(device)
+    return to_device(torch.stack([sample[order], row[order]], 1).to(torch.int32).contiguous(), device)
 
 
 def _query_tile_work(lengths, hist, block, opts: MaskOptions):

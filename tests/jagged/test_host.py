@@ -1,0 +1,72 @@
+"""Host mirrors: the layout of device tensors known on the host without a device sync.
+
+The CPU has no second device, so "device" tensors here live on the meta device: reading one back to the
+host raises, which makes any unintended sync visible.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from opengem.jagged import Jagged, KeyedJagged, host_copy, offsets_from_lengths, register_host_copy, uniform_offsets
+from opengem.jagged.host import _MIRRORS
+
+
+def test_cpu_tensors_are_their_own_mirror():
+    t = torch.tensor([0, 2, 5])
+    assert host_copy(t) is t
+
+
+def test_registered_mirror_is_returned_without_reading_the_device():
+    device = torch.empty(3, dtype=torch.int64, device="meta")
+    host = torch.tensor([0, 2, 5])
+    register_host_copy(device, host)
+    assert host_copy(device) is host
+
+
+def test_in_place_change_invalidates_the_mirror():
+    device = torch.empty(3, dtype=torch.int64, device="meta")
+    register_host_copy(device, torch.tensor([0, 2, 5]))
+    device.add_(1)  # the mirror is stale now: host_copy must read the tensor (impossible on meta)
+    with pytest.raises(NotImplementedError):
+        host_copy(device)
+
+
+def test_mirror_dies_with_its_tensor():
+    device = torch.empty(3, dtype=torch.int64, device="meta")
+    register_host_copy(device, torch.tensor([0, 2, 5]))
+    key = id(device)
+    del device
+    gc.collect()
+    assert key not in _MIRRORS
+
+
+def test_jagged_and_derived_offsets_carry_mirrors():
+    host = torch.tensor([0, 2, 5])
+    jagged = Jagged(torch.empty(5, 4, device="meta"), torch.empty(3, dtype=torch.int64, device="meta"), host, 3)
+    assert torch.equal(host_copy(jagged.offsets), host)
+    offsets = uniform_offsets(3, 4, torch.device("meta"))
+    assert host_copy(offsets).tolist() == [0, 4, 8, 12]
+
+
+def test_offsets_from_mirrored_lengths_have_a_mirror():
+    lengths = torch.empty(3, dtype=torch.int64, device="meta")
+    register_host_copy(lengths, torch.tensor([2, 0, 3]))
+    assert host_copy(offsets_from_lengths(lengths)).tolist() == [0, 2, 2, 5]
+    register_host_copy(lengths, torch.tensor([2, -1, 3]))
+    with pytest.raises(ValueError, match="non-negative"):
+        offsets_from_lengths(lengths)
+
+
+def test_keyed_jagged_split_and_concat_keep_mirrors():
+    host_lengths = torch.tensor([1, 2, 0, 3])  # two features, batch 2
+    features = KeyedJagged._trusted(("a", "b"), torch.empty(6, dtype=torch.int64, device="meta"),
+                                    torch.empty(4, dtype=torch.int64, device="meta"), None)
+    register_host_copy(features.lengths, host_lengths)
+    assert features.lengths_per_key() == [3, 3]
+    first, second = features.split([1, 1])
+    assert host_copy(second.lengths).tolist() == [0, 3]
+    joined = KeyedJagged.concat([second, first])
+    assert host_copy(joined.lengths).tolist() == [0, 3, 1, 2]
+    assert host_copy(joined["a"].offsets).tolist() == [0, 1, 3]
