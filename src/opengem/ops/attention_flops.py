@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import torch
 
+from opengem.jagged.host import host_copy
+
 
 def visible_pairs(
     q_lengths: torch.Tensor,
@@ -53,5 +55,5 @@ def visible_pairs(
 def attention_flops(pairs: int, heads: int, head_dim: int) -> tuple[int, int]:
     """``(forward, backward)`` useful FLOPs: ``4 H D pairs`` and 2.5x that."""
     forward = 4 * heads * head_dim * pairs
-    return forward, forward * 5 // 2from opengem.jagged.host import host_copy
+    return forward, forward * 5 // 2
 
