@@ -184,7 +184,7 @@ def _check_contents(
             raise ValueError(f"q must have shape [Lq, heads, head_dim] with broadcast_q, got {tuple(q.shape)}")
         # validate q against a stand-in batch whose first sample holds the shared rows
         batch = k_offsets.numel() - 1
-        stand_in = to_device(torch.arange(batch + 1, dtype=k_offsets.dtype) * q.shape[0], k_offsets.device)
+        stand_in = to_device(torch.tensor([0] + [q.shape[0]] * batch, dtype=k_offsets.dtype), k_offsets.device)
         check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k)
         return
     check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k)

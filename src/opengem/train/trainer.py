@@ -30,6 +30,7 @@ from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingOptimizer
 from opengem.parallel.mesh import ParallelConfig
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
+from opengem.train.compile import compile_regions
 from opengem.train.config import ARCHITECTURES, TrainConfig
 from opengem.train.guards import StepGuard
 from opengem.train.data_stream import eval_batches, train_batches
@@ -108,7 +109,12 @@ def build_model(config: TrainConfig, history: str, device: torch.device) -> nn.M
 
 
 def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:
-    """AdamW on the dense parameters (the embedding tables have their own fused optimizer) and the schedule."""
+    """AdamW on the dense parameters (the embedding tables have their own fused optimizer) and the schedule.
+
+    With ``config.compile`` the dense blocks are compiled here, after any parallel wrapping.
+    """
+    if config.compile:
+        compile_regions(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     compute_dtype = {"fp32": None, "bf16": torch.bfloat16}[config.precision]

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from opengem.data.schema import Batch
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
+from opengem.train.compile import compile_regions
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
@@ -84,8 +85,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     converted = []
     if options.low_precision_mlp != "none":
         converted = convert_to_low_precision(model, options.low_precision_mlp)
-    if options.compile:
-        model.compile()
+    if options.compile:  # after the low-precision conversion, so the compiled blocks include it
+        compile_regions(model)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
