@@ -24,10 +24,11 @@ from opengem.train.trainer import build_learner
 PEAK_BF16 = 989e12  # H100 SXM / H200 dense BF16
 
 
-def config_for(preset: str, batch_size: int, precision: str):
+def config_for(preset: str, batch_size: int, precision: str, compile_: bool = False):
     base = "gem-small" if preset == "gem-small" else "gem-tiny"
     config = load_config(base, overrides=[f"batch_size={batch_size}", "architecture=gem", f"precision={precision}",
-                                          "baseline=false", "num_workers=0", f"data_preset={preset}"])
+                                          "baseline=false", "num_workers=0", f"data_preset={preset}",
+                                          f"compile={str(compile_).lower()}"])
     import dataclasses
     return dataclasses.replace(config, gem=GEM_PRESETS[preset].model)
 
@@ -37,8 +38,8 @@ def syncs_in_step(learner, batch) -> list[str]:
     original = warnings.showwarning
 
     def record(message, category, filename, lineno, file=None, line=None):
-        stack = [f for f in traceback.format_stack() if "/opengem/" in f or "/benchmarks/" in f]
-        found.append(str(message)[:80] + " @ " + " | ".join(s.strip().splitlines()[0] for s in stack[-3:]))
+        stack = [f for f in traceback.format_stack() if "/opengem/" in f]
+        found.append(str(message)[:30] + " @ " + " | ".join(s.strip().splitlines()[0] for s in stack[-3:]))
 
     warnings.showwarning = record
     torch.cuda.set_sync_debug_mode("warn")
@@ -53,8 +54,8 @@ def syncs_in_step(learner, batch) -> list[str]:
     return found
 
 
-def run(preset: str, batch_size: int, precision: str, steps: int, profile: bool) -> dict:
-    config = config_for(preset, batch_size, precision)
+def run(preset: str, batch_size: int, precision: str, compile_: bool, steps: int, profile: bool) -> dict:
+    config = config_for(preset, batch_size, precision, compile_)
     device = torch.device("cuda")
     torch.manual_seed(0)
     learner = build_learner(config, config.model.history, device)
@@ -81,13 +82,14 @@ def run(preset: str, batch_size: int, precision: str, steps: int, profile: bool)
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     result = {
-        "preset": preset, "batch_size": batch_size, "precision": precision, "steps": steps,
+        "preset": preset, "batch_size": batch_size, "precision": precision, "compile": compile_, "steps": steps,
         "warmup_s": warm_s, "step_ms": 1e3 * elapsed / steps, "samples_per_s": steps * batch_size / elapsed,
         "tflops": total_flops / elapsed / 1e12, "mfu_vs_989": total_flops / elapsed / PEAK_BF16,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "train_flops_per_sample": sum(flops) / len(flops) / batch_size,
     }
-    result["syncs"] = syncs_in_step(learner, batches[0])
+    syncs = syncs_in_step(learner, batches[0])
+    result["syncs"] = {site: syncs.count(site) for site in dict.fromkeys(syncs)}
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
@@ -126,20 +128,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", default="gem-small:512:bf16,gem-small:2048:bf16")
     parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--loader-workers", default="8,14")
+    parser.add_argument("--loader-workers", default="")
     parser.add_argument("--out", default="benchmarks/results")
     args = parser.parse_args()
     results = {"device": torch.cuda.get_device_name(), "runs": [], "loader": []}
     out = Path(args.out) / "step_profile.json"
     for spec in args.runs.split(","):
-        preset, batch_size, precision = spec.split(":")
+        preset, batch_size, precision, *flags = spec.split(":")
         try:
-            results["runs"].append(run(preset, int(batch_size), precision, args.steps, profile=True))
+            results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, args.steps, profile=True))
         except Exception as error:  # keep going: the other runs still tell us something
             traceback.print_exc()
             results["runs"].append({"spec": spec, "error": repr(error)})
         out.write_text(json.dumps(results, indent=1))
-    for workers in map(int, args.loader_workers.split(",")):
+    for workers in (int(w) for w in args.loader_workers.split(",") if w):
         rate = loader_rate("gem-small", 2048, workers)
         results["loader"].append({"workers": workers, "batch_size": 2048, "samples_per_s": rate})
         print(f"loader gem-small workers={workers}: {rate:.0f} samples/s", flush=True)
