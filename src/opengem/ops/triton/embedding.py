@@ -296,7 +296,8 @@ def _aggregate_update(
     pieces_before, piece_starts = _pieces(parts["run_starts"], segment)
     block_d = triton.next_power_of_2(max_dim)
     rows = max(1, min(16, 4096 // block_d))  # a [ROWS, BLOCK_D] fp32 tile of at most 16 KiB
-    sizes = dict(SEGMENT=segment, ALIGN=dim_align, ROWS=rows, UNROLL=4, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 2048 else 4)
+    sizes = {"SEGMENT": segment, "ALIGN": dim_align, "ROWS": rows, "UNROLL": 4, "BLOCK_D": block_d}
+    sizes["num_warps"] = 8 if rows * block_d >= 2048 else 4
     contributions = (parts["grad_starts"], parts["grad_scales"])
     partials = _new_output(piece_starts.numel() * block_d, grad_out.new_empty(0, dtype=torch.float32))
     if piece_starts.numel():
