@@ -378,7 +378,7 @@ def update_correctness(w: Workload) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 tables of 1M x 128 + events, B = 4096, no compiled peer")
+    parser.add_argument("--quick", action="store_true", help="6 tables + events, B = 4096, no compiled peer")
     parser.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile peer of the full run")
     parser.add_argument("--uniform-ids", action="store_true", help="ids uniform over the rows instead of a power law")
     args = parser.parse_args()
