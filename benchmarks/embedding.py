@@ -1,14 +1,20 @@
 """Fused embedding lookup + in-backward row-wise Adagrad against PyTorch's sparse embedding stack.
 
 Workload (issue 8): 20 tables of 1M to 10M rows (log-spaced), dims 64 to 256, pooling factors 1 to 100
-(bag lengths uniform on [0, 2L], ids uniform over the rows), plus sequence features (pooling "none")
-with power-law lengths in [1, 512], B = 16384. ``--quick`` (< 60 s cold): 5 pooled tables and one
-sequence table of 1M x 128, B = 4096, no ``torch.compile`` peer. fp32 weights throughout.
+(bag lengths uniform on [0, 2L]), plus sequence features (pooling "none") with power-law lengths in
+[1, 512], B = 16384. Ids follow a power law over the rows (pdf ~ rank^-1.1: a few popular rows take a
+large share), and a hot-row feature like GEM's event type (8 categories, one id per history token of the
+last sequence feature: runs of tens of thousands of equal rows in the backward's sorted index) is
+included. ``--quick`` (< 90 s cold): 5 pooled tables, one sequence table of 1M x 128 and the event
+table, B = 4096, no ``torch.compile`` peer. ``--uniform-ids`` draws ids uniformly (the old workload).
+fp32 weights throughout.
 
 Timed side by side (CUDA events, median), ours first, then the peers (each in try/except, time-capped):
 - ``opengem op``: the fused lookup alone on a prepared layout (the kernel figure), forward and
   forward + backward + row-wise Adagrad update;
-- ``opengem module``: ``EmbeddingCollection(validate_ids=False)`` on a KeyedJagged, host work included;
+- ``opengem module``: ``EmbeddingCollection(validate_ids=False)`` on a KeyedJagged moved with ``.to``
+  (no device sync in the step), host work included; ``opengem module +validate``: the same with the
+  default id check (one sync per forward);
 - ``reference eager``: the PyTorch reference (lookup + fused update);
 - ``EmbeddingBag+Adagrad`` / ``EmbeddingBag+SparseAdam``: one ``nn.EmbeddingBag(mode="sum",
   sparse=True)`` per pooled table, ``nn.Embedding(sparse=True)`` per sequence table, ``torch.optim``;
@@ -44,6 +50,8 @@ DIMS = (64, 128, 96, 256, 64)
 LR = 0.01
 PEER_SLOW_CALL_S = 0.25  # a peer call slower than this is reported from one timed call, not benchmarked
 COLUMNS = ["impl", "forward_ms", "forward_GBps", "pct_of_copy", "step_ms", "step_speedup_of_opengem", "error"]
+ID_EXPONENT = 1.1  # popularity of rows: pdf ~ rank^-1.1
+EVENT_TABLE = EmbeddingTableConfig("event_table", 8, 64, ("event",), pooling="none")  # one id per history token
 
 
 @dataclass
@@ -51,14 +59,16 @@ class Workload:
     tables: list[EmbeddingTableConfig]
     pooling_factor: dict[str, int]  # mean bag length of each pooled feature
     batch_size: int
+    power_law_ids: bool = True
+    token_of: str = "seq0"  # the event feature has one id per token of this sequence feature
 
 
-def workload(quick: bool) -> Workload:
+def workload(quick: bool, power_law_ids: bool) -> Workload:
     if quick:
         factors = (1, 4, 16, 50, 100)
         tables = [EmbeddingTableConfig(f"table{i}", 1_000_000, 128, (f"f{i}",)) for i in range(len(factors))]
-        tables.append(EmbeddingTableConfig("seq_table0", 1_000_000, 128, ("seq0",), pooling="none"))
-        return Workload(tables, {f"f{i}": factor for i, factor in enumerate(factors)}, 4096)
+        tables += [EmbeddingTableConfig("seq_table0", 1_000_000, 128, ("seq0",), pooling="none"), EVENT_TABLE]
+        return Workload(tables, {f"f{i}": factor for i, factor in enumerate(factors)}, 4096, power_law_ids)
     count, max_rows = 20, 10_000_000
     tables, pooling = [], {}
     for i in range(count):
@@ -67,7 +77,7 @@ def workload(quick: bool) -> Workload:
         pooling[f"f{i}"] = round(100 ** (((i * 7) % count) / (count - 1)))  # decoupled from the table size
     for j in range(2):
         tables.append(EmbeddingTableConfig(f"seq_table{j}", max_rows // 2, (128, 64)[j], (f"seq{j}",), pooling="none"))
-    return Workload(tables, pooling, 16384)
+    return Workload([*tables, EVENT_TABLE], pooling, 16384, power_law_ids, token_of="seq1")
 
 
 def power_law(count: int, low: int, high: int, generator: torch.Generator, exponent: float = 1.5) -> torch.Tensor:
@@ -78,18 +88,33 @@ def power_law(count: int, low: int, high: int, generator: torch.Generator, expon
 
 
 def make_batch(w: Workload, device: str, seed: int) -> KeyedJagged:
+    """Moved with ``KeyedJagged.to``: the device batch carries the host mirror of its lengths."""
     g = torch.Generator().manual_seed(seed)
     keys, lengths, ids = [], [], []
     for table in w.tables:
         (feature,) = table.feature_names
-        if table.pooling == "none":
+        if table is EVENT_TABLE and w.token_of in keys:
+            feature_lengths = lengths[keys.index(w.token_of)]
+        elif table.pooling == "none":
             feature_lengths = power_law(w.batch_size, 1, 512, g)
         else:
             feature_lengths = torch.randint(0, 2 * w.pooling_factor[feature] + 1, (w.batch_size,), generator=g)
         keys.append(feature)
         lengths.append(feature_lengths)
-        ids.append(torch.randint(0, table.num_embeddings, (int(feature_lengths.sum()),), generator=g))
+        count = int(feature_lengths.sum())
+        if w.power_law_ids:
+            ids.append(power_law(count, 1, table.num_embeddings, g, ID_EXPONENT) - 1)
+        else:
+            ids.append(torch.randint(0, table.num_embeddings, (count,), generator=g))
     return KeyedJagged(tuple(keys), torch.cat(ids), torch.cat(lengths)).to(device)
+
+
+def longest_run(batch: KeyedJagged) -> int:
+    """The most lookups of one row of one table in the batch (the longest run of the backward's sorted index)."""
+    per_key = batch.lengths_per_key()
+    starts = [sum(per_key[:i]) for i in range(len(per_key))]
+    runs = [torch.unique(batch.values[s : s + n], return_counts=True)[1].max() for s, n in zip(starts, per_key) if n]
+    return int(torch.stack(runs).max()) if runs else 0
 
 
 def values_of(x: torch.Tensor | Jagged) -> torch.Tensor:
@@ -234,7 +259,13 @@ def run_ours(ours: Ours, batch: KeyedJagged, report: Report) -> None:
         out = ec(batch)
         torch.autograd.backward([values_of(out[k]) for k in batch.keys], [grads[k] for k in batch.keys])
 
-    for name, forward, step in (("opengem op", op_forward, op_step), ("opengem module", module_forward, module_step)):
+    cases = (
+        ("opengem op", op_forward, op_step, False),
+        ("opengem module", module_forward, module_step, False),
+        ("opengem module +validate", module_forward, module_step, True),
+    )
+    for name, forward, step, validate_ids in cases:
+        ec.validate_ids = validate_ids
         forward_ms = bench_ms(forward)
         torch.cuda.synchronize()
         step_ms = bench_ms(step)
@@ -242,6 +273,7 @@ def run_ours(ours: Ours, batch: KeyedJagged, report: Report) -> None:
         if name == "opengem module":  # the figure the peers' steps are compared with (host work included)
             report.ours_step_ms = step_ms
         report.measured(name, forward_ms, step_ms)
+    ec.validate_ids = False
 
 
 def run_reference(ours: Ours, batch: KeyedJagged, report: Report, compiled: bool) -> None:
@@ -315,11 +347,13 @@ def update_correctness(w: Workload) -> dict[str, float]:
     """One fused step on small copies of the first tables, GPU (Triton) against CPU (reference)."""
     small = Workload(
         [
-            EmbeddingTableConfig(t.name, 20_000, t.embedding_dim, t.feature_names, t.pooling)
-            for t in w.tables[:3] + w.tables[-1:]
+            t if t is EVENT_TABLE else EmbeddingTableConfig(t.name, 20_000, t.embedding_dim, t.feature_names, t.pooling)
+            for t in w.tables[:3] + w.tables[-2:]
         ],
         w.pooling_factor,
         256,
+        w.power_law_ids,
+        w.token_of,
     )
     errors = {}
     for kind in ("rowwise_adagrad", "sgd", "rowwise_adam"):
@@ -344,11 +378,12 @@ def update_correctness(w: Workload) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="6 tables of 1M x 128, B = 4096, no compiled peer (< 60 s)")
+    parser.add_argument("--quick", action="store_true", help="6 tables + events, B = 4096, no compiled peer")
     parser.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile peer of the full run")
+    parser.add_argument("--uniform-ids", action="store_true", help="ids uniform over the rows instead of a power law")
     args = parser.parse_args()
     report = Report(args.quick)
-    w = workload(args.quick)
+    w = workload(args.quick, power_law_ids=not args.uniform_ids)
     report.fact(
         f"embedding benchmark ({'quick' if args.quick else 'full'}): {len(w.tables)} tables, B = {w.batch_size}",
         batch_size=w.batch_size,
@@ -361,9 +396,10 @@ def main() -> None:
     rows_read = sum(n * t.embedding_dim * 4 for t, n in zip(w.tables, per_key))
     outputs = sum((n if t.pooling == "none" else batch.stride) * t.embedding_dim * 4 for t, n in zip(w.tables, per_key))
     report.forward_bytes = rows_read + outputs
+    run = longest_run(batch)
     report.fact(
-        f"{sum(per_key)} ids, {report.forward_bytes / 1e9:.3f} GB per forward",
-        num_ids=sum(per_key), forward_bytes=report.forward_bytes,
+        f"{sum(per_key)} ids, {report.forward_bytes / 1e9:.3f} GB per forward, longest run of one row {run}",
+        num_ids=sum(per_key), forward_bytes=report.forward_bytes, longest_run=run, power_law_ids=w.power_law_ids,
     )  # fmt: skip
     with report.phase("copy bandwidth"):
         report.copy_gbs = copy_bandwidth_gbs()

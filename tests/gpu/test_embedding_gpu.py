@@ -1,5 +1,7 @@
 """EmbeddingCollection on the GPU (Triton kernels) against the same collection on the CPU (reference)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -79,15 +81,27 @@ def test_fused_training_matches_cpu(dtype: torch.dtype, kind: str) -> None:
     assert list(gpu.parameters()) == []
 
 
-def test_hot_row_many_duplicates() -> None:
-    """One row looked up 20000 times in one batch: a long run of the sorted index."""
-    configs = [EmbeddingTableConfig("t", 10, 128, ("f",))]
-    cpu, gpu = twin(configs, EmbeddingOptimizer("rowwise_adagrad", lr=0.1))
-    ids = torch.cat([torch.full((20000,), 3), torch.randint(0, 10, (100,))])
-    batch = KeyedJagged(("f",), ids, torch.tensor([10000, 10050, 50]))
+@pytest.mark.parametrize("kind", ["rowwise_adagrad", "rowwise_adam", "sgd", None])
+def test_hot_row_many_duplicates(kind: str | None) -> None:
+    """One row looked up 200000 times in one batch (a feature with a handful of categories read by every
+    history token): a run of the sorted index thousands of times longer than a segment, through pass 1."""
+    configs = [EmbeddingTableConfig("t", 10, 128, ("f",)), EmbeddingTableConfig("s", 10, 64, ("g",), pooling="none")]
+    cpu, gpu = twin(configs, None if kind is None else EmbeddingOptimizer(kind, lr=0.1))
+    g = torch.Generator().manual_seed(0)
+    ids = torch.cat([torch.full((200000,), 3), torch.randint(0, 10, (100,), generator=g)])
+    seq = torch.where(torch.rand(30000, generator=g) < 0.9, 7, torch.randint(0, 10, (30000,), generator=g))
+    batch = KeyedJagged(("f", "g"), torch.cat([ids, seq]), torch.tensor([100000, 100050, 50, 10000, 0, 20000]))
     for ec, device in ((cpu, "cpu"), (gpu, "cuda")):
-        ec(batch.to(device))["f"].sum().backward()
-    assert_state_close(cpu, gpu, torch.float32)
+        out = ec(batch.to(device))
+        # gradients in eighths: every partial sum of 200000 of them is exact in fp32 in any order, so the
+        # CPU's serial sum and the GPU's segmented sum agree exactly
+        eighths = {k: (torch.arange(d, device=device) % 16 - 8) / 8 for k, d in (("f", 128), ("g", 64))}
+        sum((values_of(out[k]) * eighths[k]).sum() for k in eighths).backward()
+    if kind is None:
+        for p_cpu, p_gpu in zip(cpu.parameters(), gpu.parameters()):
+            torch.testing.assert_close(p_gpu.grad.cpu(), p_cpu.grad, rtol=0, atol=0)
+    else:
+        assert_state_close(cpu, gpu, torch.float32)
 
 
 def test_dense_gradients_match_cpu() -> None:
@@ -123,3 +137,45 @@ def test_empty_batch_and_int32_ids() -> None:
     batch32 = KeyedJagged(batch.keys, batch.values.int(), batch.lengths.int()).to("cuda")
     with torch.no_grad():
         torch.testing.assert_close(gpu(batch32)["wide"], gpu(batch.to("cuda"))["wide"])
+
+
+def sync_free_setup(validate_ids: bool) -> tuple[EmbeddingCollection, list[KeyedJagged]]:
+    """Two weight groups (fp32 and bf16), pooled and sequence features, Adam (bias corrections on the device);
+    batches moved with ``KeyedJagged.to`` (they carry the host mirror of their lengths); one warm-up step."""
+    half = EmbeddingTableConfig("half", 1000, 32, ("h",), pooling="mean", dtype=torch.bfloat16)
+    configs = [*tables(torch.float32), half]
+    ec = EmbeddingCollection(configs, EmbeddingOptimizer("rowwise_adam"), device="cuda", validate_ids=validate_ids)
+    batches = [make_batch(configs, 32, seed=seed).to("cuda") for seed in range(2)]
+    train_step(ec, batches[0])  # Triton compiles outside the checked step
+    torch.cuda.synchronize()
+    return ec, batches
+
+
+def train_step(ec: EmbeddingCollection, batch: KeyedJagged) -> None:
+    out = ec(batch)
+    sum(values_of(v).float().sum() for v in out.values()).backward()
+
+
+def test_forward_backward_without_sync() -> None:
+    ec, batches = sync_free_setup(validate_ids=False)
+    before = ec.state_dict()["weights_bfloat16"].clone()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing call raises
+    try:
+        train_step(ec, batches[1])
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert int(ec.step_float32) == 2 and int(ec.step_bfloat16) == 2
+    assert not torch.equal(ec.state_dict()["weights_bfloat16"], before)  # the fused update ran
+
+
+def test_id_validation_costs_one_sync() -> None:
+    ec, batches = sync_free_setup(validate_ids=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step(ec, batches[1])
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+    assert len(syncs) == 1, syncs

@@ -227,6 +227,33 @@ def test_out_of_range_id_names_feature_position_and_id() -> None:
         ec(KeyedJagged(keys, torch.tensor([-1, 2, 0, 3]), torch.tensor([1, 1, 1, 1])))
 
 
+def test_bad_id_in_any_group_raises_before_any_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two weight groups (fp32, bf16): every group's ids are checked before the first lookup runs."""
+    from opengem.nn import embedding as module
+
+    tables = TABLES + (EmbeddingTableConfig("half", 7, 2, ("h",), dtype=torch.bfloat16),)
+    keys = ("user", "friend", "history", "cat", "h")
+    lookups = []
+    monkeypatch.setattr(module, "embedding_lookup", lambda *args: lookups.append(args))
+    for validate_ids in (True, False):  # on the CPU the check always runs
+        ec = EmbeddingCollection(tables, validate_ids=validate_ids)
+        with pytest.raises(ValueError, match=r"feature 'h': id 7 at position 1 is out of range \[0, 7\)"):
+            ec(KeyedJagged(keys, torch.tensor([1, 2, 0, 3, 6, 7]), torch.tensor([1, 1, 1, 1, 2])))
+    assert lookups == []
+
+
+def test_raise_bad_ids_reports_the_first_bad_check() -> None:
+    from opengem.ops.embedding import IdCheck, raise_bad_ids
+
+    good = IdCheck.start(torch.tensor([0, 2, 1]), torch.tensor([0, 1, 3]), 1, [1, 3], ["a", "b"])
+    bad = IdCheck.start(torch.tensor([4, 5]), torch.tensor([0, 0, 2]), 1, [9, 5], ["c", "d"])
+    empty = IdCheck.start(torch.zeros(0, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0, [3], ["e"])
+    raise_bad_ids([good, empty])
+    raise_bad_ids([])
+    with pytest.raises(ValueError, match=r"feature 'd': id 5 at position 1 is out of range \[0, 5\)"):
+        raise_bad_ids([empty, good, bad])
+
+
 def test_bad_batches_raise() -> None:
     ec = EmbeddingCollection(TABLES)
     with pytest.raises(ValueError, match=r"missing keys \['cat'\]"):

@@ -100,17 +100,20 @@ def test_triton_forward_empty_bags_are_zero_fp16() -> None:
     assert out.dtype == torch.float16 and torch.equal(out, torch.zeros(48, dtype=torch.float16))
 
 
-def run_update(p: Problem, module, kind: str, grad_out: torch.Tensor, steps: int) -> tuple[torch.Tensor, ...]:
+def run_update(
+    p: Problem, module, kind: str, grad_out: torch.Tensor, steps: int, segment: int = kernels.SEGMENT
+) -> tuple[torch.Tensor, ...]:
     g = torch.Generator().manual_seed(0)  # the same starting state for every backend
     weights = p.weights.clone()
     row_state = torch.rand(p.total_rows, generator=g) if kind != "sgd" else torch.zeros(0)
     elem_state = torch.randn(weights.numel(), generator=g) * 0.1 if kind == "rowwise_adam" else torch.zeros(0)
     step = torch.tensor([3])
     extra = (p.layout.max_dim, p.layout.dim_align) if module is kernels else ()
+    options = {"segment": segment} if module is kernels else {}
     for _ in range(steps):
         module.embedding_fused_update_(
             grad_out, weights, row_state, elem_state, step, p.layout.feature_meta, p.ids, p.offsets,
-            p.layout.batch_size, *extra, KINDS[kind], 0.05, 1e-6, 0.8, 0.9, 0.01,
+            p.layout.batch_size, *extra, KINDS[kind], 0.05, 1e-6, 0.8, 0.9, 0.01, **options,
         )  # fmt: skip
     return weights, row_state, elem_state, step
 
@@ -142,6 +145,64 @@ def test_triton_dense_grad_matches_reference() -> None:
     torch.testing.assert_close(kernels.embedding_dense_grad(*args, p.layout.max_dim, p.layout.dim_align), reference.embedding_dense_grad(*args))
 
 
+def make_hot_problem(hot_share: float, seed: int) -> Problem:
+    """Power-law-like skew: ``hot_share`` of every feature's ids hit row 2 of its table (runs of ~100 equal
+    rows, far longer than the segments of these tests, spanning several [ROWS, BLOCK_D] tiles)."""
+    features = [(0, "sum"), (0, "mean"), (1, "none"), (1, "mean"), (0, "none")]
+    p = make_problem(dims=[5, 33], rows=[6, 9], features=features, batch_size=6, max_len=20, seed=seed)
+    g = torch.Generator().manual_seed(seed)
+    hot = torch.rand(p.ids.shape, generator=g) < hot_share
+    p.ids = torch.where(hot, torch.full_like(p.ids, 2), p.ids)
+    return p
+
+
+def longest_run(p: Problem) -> int:
+    """The most gradient contributions one row of the flat tables receives."""
+    bounds = p.offsets[:: p.layout.batch_size].long()
+    feature_of_id = torch.repeat_interleave(torch.arange(bounds.numel() - 1), bounds[1:] - bounds[:-1])
+    return int(torch.bincount(p.layout.feature_meta[feature_of_id, reference.ROW_OFFSET] + p.ids).max())
+
+
+def test_pieces_of_long_runs() -> None:
+    """Runs of 9, 1 and 5 equal keys, segment 4: pieces start 4 and 8 into the first run and 4 into the last."""
+    sorted_keys = torch.tensor([0] * 9 + [1] + [2] * 5)
+    pieces_before, piece_starts = kernels._pieces(torch.searchsorted(sorted_keys, sorted_keys), 4)
+    assert piece_starts.tolist() == [4, 8, 14]  # N // 4 = 3 slots, all used
+    assert pieces_before.tolist() == [0] * 5 + [1] * 4 + [2] * 6
+    _, unused = kernels._pieces(torch.arange(9), 2)  # all runs of length 1: no piece, every slot -1
+    assert unused.tolist() == [-1] * 4
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("segment", [1, 4])
+def test_triton_update_hot_rows_in_segments(kind: str, segment: int) -> None:
+    p = make_hot_problem(hot_share=0.8, seed=11)
+    assert longest_run(p) > 20 * segment  # one row gets many more contributions than a segment
+    grad_out = torch.randn(p.layout.out_numel)
+    expected = run_update(p, reference, kind, grad_out, steps=2)
+    for got, want in zip(run_update(p, kernels, kind, grad_out, steps=2, segment=segment), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("segment", [3, kernels.SEGMENT])
+def test_triton_dense_grad_hot_rows_in_segments(segment: int) -> None:
+    p = make_hot_problem(hot_share=0.9, seed=12)
+    grad_out = torch.randn(p.layout.out_numel)
+    args = (grad_out, p.weights, p.layout.feature_meta, p.ids, p.offsets, p.layout.batch_size)
+    got = kernels.embedding_dense_grad(*args, p.layout.max_dim, p.layout.dim_align, segment=segment)
+    torch.testing.assert_close(got, reference.embedding_dense_grad(*args), rtol=1e-5, atol=1e-5)
+
+
+def test_triton_update_single_row_table() -> None:
+    """Every id of every feature is row 0: one run of all N contributions (N // segment pieces, all used)."""
+    p = make_problem(dims=[16], rows=[1], features=[(0, "mean"), (0, "none")], batch_size=5, max_len=30, seed=13)
+    assert longest_run(p) > 40
+    grad_out = torch.randn(p.layout.out_numel)
+    for kind in KINDS:
+        for got, want in zip(run_update(p, kernels, kind, grad_out, 1, segment=4), run_update(p, reference, kind, grad_out, 1)):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     dims=st.lists(st.integers(1, 40), min_size=1, max_size=3),
@@ -149,14 +210,15 @@ def test_triton_dense_grad_matches_reference() -> None:
     batch_size=st.integers(0, 3),
     max_len=st.integers(0, 6),
     kind=st.sampled_from(list(KINDS)),
+    segment=st.sampled_from([1, 2, 5, kernels.SEGMENT]),
     seed=st.integers(0, 1000),
 )
-def test_triton_matches_reference_property(dims, poolings, batch_size, max_len, kind, seed) -> None:
+def test_triton_matches_reference_property(dims, poolings, batch_size, max_len, kind, segment, seed) -> None:
     features = [(f % len(dims), pooling) for f, pooling in enumerate(poolings)]
     p = make_problem(dims, [3] * len(dims), features, batch_size, max_len, seed)
     torch.testing.assert_close(lookup(p, kernels), lookup(p, reference))
     grad_out = torch.randn(p.layout.out_numel)
-    for got, want in zip(run_update(p, kernels, kind, grad_out, 1), run_update(p, reference, kind, grad_out, 1)):
+    for got, want in zip(run_update(p, kernels, kind, grad_out, 1, segment), run_update(p, reference, kind, grad_out, 1)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 

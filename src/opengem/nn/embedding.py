@@ -13,9 +13,14 @@ Initialization: ``init_std=None`` -> uniform on ``[-1/sqrt(num_embeddings), +1/s
 (TorchRec's default); otherwise normal with that standard deviation.
 
 Id validation: ids outside ``[0, num_embeddings)`` raise ``ValueError`` naming the feature, the position
-and the id. Always on CPU; on the GPU when ``validate_ids=True``, at the cost of one extra host
-synchronization per batch (set it False in a tuned training loop once the data pipeline is trusted).
-Reading the batch's lengths costs one synchronization in any case (outputs are sized on the host).
+and the id, before any lookup reads a row. Always on CPU; on the GPU when ``validate_ids=True`` (the
+default), at the cost of ONE host synchronization per forward (the checks of all weight groups are read
+together). ``validate_ids=False`` removes it (a tuned training loop, once the data pipeline is trusted).
+
+No other device synchronization: outputs are sized from the host mirror of the batch's lengths, which a
+``KeyedJagged`` moved with ``.to(device)`` carries (`opengem.jagged.host`); the layout and the sequence
+outputs' offsets go to the device through pinned memory. (A batch whose device lengths have no host mirror
+is read to the host once.)
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ import torch
 from torch import nn
 
 from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
-from opengem.ops.embedding import FusedUpdate, LookupLayout, check_ids, embedding_lookup
+from opengem.jagged.host import host_copy, to_device
+from opengem.ops.embedding import FusedUpdate, IdCheck, LookupLayout, embedding_lookup, raise_bad_ids
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -196,14 +202,23 @@ class EmbeddingCollection(nn.Module):
     def forward(self, features: KeyedJagged) -> dict[str, torch.Tensor | Jagged]:
         """One entry per feature of the collection: pooled -> ``[B, dim]``; pooling "none" -> Jagged ``[T, dim]``."""
         batch = _HostBatch(features, tuple(self.feature_table))
-        out: dict[str, torch.Tensor | Jagged] = {}
+        lookups = []
         for group in self._groups:
             feature_names = [f for f in self.feature_table if self.feature_table[f] in group.tables]
             if feature_names:
-                out.update(self._lookup_group(group, feature_names, batch))
+                lookups.append(self._prepare_group(group, feature_names, batch))
+        # every group's ids are checked before any lookup runs (a bad id must never reach a kernel), and
+        # all the checks are read with one synchronization
+        raise_bad_ids([lookup.check for lookup in lookups if lookup.check is not None])
+        out: dict[str, torch.Tensor | Jagged] = {}
+        for lookup in lookups:
+            update = self._update(lookup.group, lookup.weights.device)
+            flat = embedding_lookup(lookup.weights, lookup.layout, lookup.ids, lookup.offsets, update)
+            for name, config, values in zip(lookup.feature_names, lookup.configs, lookup.layout.split_outputs(flat)):
+                out[name] = batch.jagged(name, values) if config.pooling == "none" else values
         return {name: out[name] for name in self.feature_table}
 
-    def _lookup_group(self, group: _Group, feature_names: list[str], batch: _HostBatch) -> dict[str, torch.Tensor | Jagged]:
+    def _prepare_group(self, group: _Group, feature_names: list[str], batch: _HostBatch) -> _GroupLookup:
         weights = self._flat_weights(group)
         ids, lengths = batch.select(feature_names)
         ids, lengths = ids.to(weights.device), lengths.to(weights.device)
@@ -212,8 +227,9 @@ class EmbeddingCollection(nn.Module):
         torch.cumsum(lengths, 0, out=offsets[1:])
         positions = [group.tables.index(self.feature_table[f]) for f in feature_names]
         configs = [self.tables[group.tables[p]] for p in positions]
+        check = None
         if ids.device.type == "cpu" or self.validate_ids:
-            check_ids(ids, offsets, batch.batch_size, [c.num_embeddings for c in configs], feature_names)
+            check = IdCheck.start(ids, offsets, batch.batch_size, [c.num_embeddings for c in configs], feature_names)
         layout = LookupLayout.build(
             tables=[
                 (weight_offset, row_offset, self.tables[i].num_embeddings, self.tables[i].embedding_dim)
@@ -225,11 +241,21 @@ class EmbeddingCollection(nn.Module):
             batch_size=batch.batch_size,
             device=weights.device,
         )
-        flat = embedding_lookup(weights, layout, ids, offsets, self._update(group, weights.device))
-        result: dict[str, torch.Tensor | Jagged] = {}
-        for name, config, values in zip(feature_names, configs, layout.split_outputs(flat)):
-            result[name] = batch.jagged(name, values) if config.pooling == "none" else values
-        return result
+        return _GroupLookup(group, tuple(feature_names), tuple(configs), weights, ids, offsets, layout, check)
+
+
+@dataclass(frozen=True)
+class _GroupLookup:
+    """One weight group's lookup of a batch, prepared (and its id check started) before any lookup runs."""
+
+    group: _Group
+    feature_names: tuple[str, ...]
+    configs: tuple[EmbeddingTableConfig, ...]
+    weights: torch.Tensor
+    ids: torch.Tensor
+    offsets: torch.Tensor
+    layout: LookupLayout
+    check: IdCheck | None
 
 
 def _prefix_sums(sizes: Sequence[int]) -> tuple[int, ...]:
@@ -241,7 +267,7 @@ def _prefix_sums(sizes: Sequence[int]) -> tuple[int, ...]:
 
 
 class _HostBatch:
-    """A validated KeyedJagged with its lengths read to the host once (the batch's one required sync)."""
+    """A validated KeyedJagged with its lengths on the host (the mirror a ``.to(device)`` batch carries)."""
 
     def __init__(self, features: KeyedJagged, needed: tuple[str, ...]) -> None:
         if not isinstance(features, KeyedJagged):
@@ -257,7 +283,7 @@ class _HostBatch:
             raise ValueError("per-id weights are not supported by EmbeddingCollection")
         self.features = features
         self.batch_size = features.stride
-        self.lengths_host = features.lengths.cpu().long().view(len(features.keys), self.batch_size)
+        self.lengths_host = host_copy(features.lengths).long().view(len(features.keys), self.batch_size)
         if bool((self.lengths_host < 0).any()):
             raise ValueError("feature lengths must be non-negative")
         counts = self.lengths_host.sum(dim=1).tolist()
@@ -270,17 +296,19 @@ class _HostBatch:
         return self.counts[name]
 
     def select(self, names: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Ids and lengths of ``names`` only, feature-major (a copy unless they are the whole batch)."""
+        """Ids and lengths of ``names`` only, feature-major (a copy unless they are the whole batch).
+
+        Slices and ``cat`` only: indexing with a host list would copy the index to the device (a sync).
+        """
         keys = self.features.keys
         if tuple(names) == keys:
             return self.features.values, self.features.lengths
-        index = [keys.index(n) for n in names]
         ids = torch.cat([self.features.values[self.starts[n] : self.starts[n] + self.counts[n]] for n in names])
-        lengths = self.features.lengths.view(len(keys), self.batch_size)[index].flatten()
-        return ids, lengths
+        per_key = self.features.lengths.view(len(keys), self.batch_size)
+        return ids, torch.cat([per_key[keys.index(n)] for n in names])
 
     def jagged(self, name: str, values: torch.Tensor) -> Jagged:
         lengths_host = self.lengths_host[self.features.keys.index(name)]
         offsets_host = offsets_from_lengths(lengths_host)
         max_len = int(lengths_host.max()) if self.batch_size else 0
-        return Jagged(values, offsets_host.to(values.device), offsets_host, max_len)
+        return Jagged(values, to_device(offsets_host, values.device), offsets_host, max_len)

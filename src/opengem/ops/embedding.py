@@ -48,6 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
+from opengem.jagged.host import to_device
 from opengem.ops.reference import embedding as reference
 from opengem.ops.reference.embedding import (
     DIM,
@@ -295,7 +296,8 @@ class LookupLayout:
             rows.append((weight_offset, dim, code, out, row_offset, num_rows))
             out += (count if code == POOL_NONE else batch_size) * dim
             max_dim = max(max_dim, dim)
-        meta = torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLUMNS).to(device)
+        # through pinned memory: a copy from pageable memory would wait for all queued GPU work
+        meta = to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, META_COLUMNS), torch.device(device))
         dim_align = math.gcd(8, *(row[DIM] for row in rows))  # 8, 4, 2 or 1: every offset is a multiple
         return cls(meta, tuple(rows), batch_size, out, max_dim, dim_align)
 
@@ -333,29 +335,69 @@ def check_embedding_inputs(
             raise ValueError(f"{name} must be contiguous (the kernels index it as a dense buffer)")
 
 
+@dataclass(frozen=True)
+class IdCheck:
+    """A range check of one lookup's ids, started on the ids' device without a sync (:meth:`start`).
+
+    ``bad`` (bool ``[N]``) marks the ids outside ``[0, num_rows[f])``. :func:`raise_bad_ids` reads the
+    checks of many lookups with ONE host synchronization and raises for the first bad id.
+    """
+
+    ids: torch.Tensor
+    feature_starts: torch.Tensor  # [F + 1]: where each feature's ids begin
+    num_rows: tuple[int, ...]
+    feature_names: tuple[str, ...]
+    bad: torch.Tensor
+
+    @classmethod
+    def start(
+        cls,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        batch_size: int,
+        num_rows: Sequence[int],
+        feature_names: Sequence[str],
+    ) -> IdCheck:
+        """``ids [N]`` and ``offsets [F * B + 1]`` in the KeyedJagged layout; feature f has ``num_rows[f]`` rows."""
+        if ids.numel() == 0:  # also covers B = 0
+            starts = torch.zeros(len(num_rows) + 1, dtype=torch.int64)
+            return cls(ids, starts, tuple(num_rows), tuple(feature_names), torch.zeros(0, dtype=torch.bool, device=ids.device))
+        limits = to_device(torch.tensor(list(num_rows), dtype=torch.int64), ids.device)  # pinned: no sync
+        starts = offsets[::batch_size].long()
+        limit_of_id = torch.repeat_interleave(limits, starts[1:] - starts[:-1], output_size=ids.numel())
+        return cls(ids, starts, tuple(num_rows), tuple(feature_names), (ids < 0) | (ids >= limit_of_id))
+
+    def raise_first(self) -> None:
+        """Raise ``ValueError`` naming the feature, position and id of the first bad id (syncs; error path)."""
+        if not bool(self.bad.any()):
+            return
+        position = int(torch.nonzero(self.bad)[0])
+        host_starts = self.feature_starts.tolist()
+        feature = max(f for f in range(len(self.num_rows)) if host_starts[f] <= position)
+        raise ValueError(
+            f"feature {self.feature_names[feature]!r}: id {int(self.ids[position])} at position "
+            f"{position - host_starts[feature]} is out of range [0, {self.num_rows[feature]})"
+        )
+
+
+def raise_bad_ids(checks: Sequence[IdCheck]) -> None:
+    """Raise for the first bad id of ``checks``; one host synchronization for all of them together."""
+    if not checks:
+        return
+    if bool(torch.stack([check.bad.any() for check in checks]).any()):
+        for check in checks:
+            check.raise_first()
+
+
 def check_ids(
     ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, num_rows: Sequence[int], feature_names: Sequence[str]
 ) -> None:
     """Raise ``ValueError`` naming the feature, position and id of the first id outside ``[0, num_rows[f])``.
 
-    One host synchronization (a single ``any()``); the detailed search runs only when an id is bad.
+    One host synchronization (on a device); the detailed search runs only when an id is bad. To check many
+    lookups with one synchronization, start an :class:`IdCheck` for each and pass them to :func:`raise_bad_ids`.
     """
-    if ids.numel() == 0:  # also covers B = 0
-        return
-    limits = torch.tensor(list(num_rows), dtype=torch.int64, device=ids.device)
-    starts = offsets[::batch_size].long()  # [F + 1]: where each feature's ids begin
-    per_feature = starts[1:] - starts[:-1]
-    limit_of_id = torch.repeat_interleave(limits, per_feature, output_size=ids.numel())
-    bad = (ids < 0) | (ids >= limit_of_id)
-    if not bool(bad.any()):
-        return
-    position = int(torch.nonzero(bad)[0])
-    host_starts = starts.tolist()
-    feature = max(f for f in range(len(num_rows)) if host_starts[f] <= position)
-    raise ValueError(
-        f"feature {feature_names[feature]!r}: id {int(ids[position])} at position {position - host_starts[feature]} "
-        f"is out of range [0, {num_rows[feature]})"
-    )
+    raise_bad_ids([IdCheck.start(ids, offsets, batch_size, num_rows, feature_names)])
 
 
 def embedding_lookup(
@@ -391,4 +433,12 @@ def embedding_lookup(
     )  # fmt: skip
 
 
-__all__ = ["FusedUpdate", "LookupLayout", "check_embedding_inputs", "check_ids", "embedding_lookup"]
+__all__ = [
+    "FusedUpdate",
+    "IdCheck",
+    "LookupLayout",
+    "check_embedding_inputs",
+    "check_ids",
+    "embedding_lookup",
+    "raise_bad_ids",
+]

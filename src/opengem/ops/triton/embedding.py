@@ -13,6 +13,15 @@ position of each run of equal rows owns the row: it sums the run's gradient cont
 applies the optimizer to the whole row (row-wise state needs the mean of g**2 over the row). Tiles of
 several rows keep many independent loads in flight (most runs are 1 or 2 long).
 
+Hot rows (a feature with a handful of categories read by every history token, popular items) make runs
+of 100k contributions; summed by one lane, they kept a few programs looping for tens of milliseconds. So
+no lane sums more than SEGMENT contributions: a run's owner sums its first SEGMENT itself, and every later
+SEGMENT-long piece of a long run is summed by pass 1 (``_segment_sum_kernel``, one lane per piece) into an
+fp32 partial row; the owner then adds its run's partial rows, one per SEGMENT contributions, before the
+update. A lane's serial work drops from L to at most SEGMENT + L / SEGMENT loads (100k -> ~1.6k at 64).
+Everything is a fixed-order sum (no float atomics): results are deterministic. The pieces are found with
+torch ops (cumsum, searchsorted), sized by the host bound N // SEGMENT on their number.
+
 Loops over runtime bounds are ``while`` loops: Triton 3.6's interpreter cannot take a loaded scalar as a
 ``range`` bound with NumPy >= 2.3 (its scalars are 1-element arrays); compiled code is the same.
 """
@@ -40,6 +49,7 @@ from opengem.ops.reference.embedding import (
 )
 
 DENSE_GRAD = 3  # "optimizer" code of the unfused path: write the aggregated row gradient out
+SEGMENT = 64  # most gradient contributions one program lane sums serially (longer runs are split)
 
 
 def _new_output(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -99,11 +109,51 @@ def _lookup_kernel(
 
 
 @triton.jit
+def _add_contributions(
+    acc, grad_out, grad_starts, grad_scales, first, count, row_mask, columns, ALIGN: tl.constexpr, UNROLL: tl.constexpr
+):  # fmt: skip
+    """acc [ROWS, BLOCK_D] + each lane's ``count`` gradient rows listed at sorted positions ``first, first + 1, ...``
+    (scaled by 1/bag length for mean pooling), UNROLL per lane per iteration so that their loads are in flight
+    together."""
+    longest = tl.max(count, axis=0)
+    done = 0
+    while done < longest:
+        for k in tl.static_range(UNROLL):
+            active = (done + k) < count
+            source = tl.multiple_of(tl.load(grad_starts + first + done + k, mask=active, other=0), ALIGN)
+            scale = tl.load(grad_scales + first + done + k, mask=active, other=0.0)
+            tile = tl.load(grad_out + source[:, None] + columns[None, :], mask=active[:, None] & row_mask, other=0.0)
+            acc += tile.to(tl.float32) * scale[:, None]
+        done += UNROLL
+    return acc
+
+
+@triton.jit
+def _segment_sum_kernel(
+    grad_out, partials, segment_starts, run_ends, grad_starts, grad_scales, dims, num_slots,
+    SEGMENT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
+):  # fmt: skip
+    # Pass 1: lane s sums piece s (the SEGMENT contributions from sorted position segment_starts[s] on, cut
+    # at the end of the run) into partials[s]; slots past the real number of pieces hold start -1.
+    slots = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    first = tl.load(segment_starts + slots, mask=slots < num_slots, other=-1)
+    live = first >= 0
+    count = tl.where(live, tl.minimum(tl.load(run_ends + first, mask=live, other=0) - first, SEGMENT), 0)
+    dim = tl.load(dims + first, mask=live, other=0)
+    columns = tl.arange(0, BLOCK_D)
+    row_mask = live[:, None] & (columns[None, :] < dim[:, None])
+    total = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
+    total = _add_contributions(total, grad_out, grad_starts, grad_scales, first, count, row_mask, columns, ALIGN, UNROLL)
+    tl.store(partials + slots[:, None] * BLOCK_D + columns[None, :], total, mask=row_mask)
+
+
+@triton.jit
 def _aggregate_update_kernel(
-    grad_out, weights, row_state, elem_state, corrections,
-    sorted_keys, run_ends, grad_starts, grad_scales, weight_starts, dims, num_positions,
+    grad_out, partials, weights, row_state, elem_state, corrections,
+    sorted_keys, run_ends, pieces_before, grad_starts, grad_scales, weight_starts, dims, num_positions,
     lr, eps, beta1, beta2, weight_decay,
-    OPTIMIZER: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
+    OPTIMIZER: tl.constexpr, SEGMENT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr,
+    BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     # ROWS consecutive positions of the sorted index; a position that starts a run of equal rows owns
     # that row (runs are contiguous after sorting), the others are masked out.
@@ -117,18 +167,20 @@ def _aggregate_update_kernel(
     weight_start = tl.multiple_of(tl.load(weight_starts + positions, mask=first, other=0), ALIGN)
     columns = tl.arange(0, BLOCK_D)
     row_mask = first[:, None] & (columns[None, :] < dim[:, None])
-    # 1. sum each row's gradient contributions (scaled by 1/bag length for mean pooling), UNROLL
-    #    contributions per row per iteration so that their loads are in flight together
+    # 1. sum each row's gradient: its first SEGMENT contributions, then the partial sums of the run's
+    #    later pieces (pass 1 numbered them consecutively from pieces_before[position] on)
     grad = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
-    longest = tl.max(run_length, axis=0)
+    direct = tl.minimum(run_length, SEGMENT)
+    grad = _add_contributions(grad, grad_out, grad_starts, grad_scales, positions, direct, row_mask, columns, ALIGN, UNROLL)
+    pieces = tl.where(first, (run_length - 1) // SEGMENT, 0)  # ceil(run_length / SEGMENT) - 1
+    piece_base = tl.load(pieces_before + positions, mask=first, other=0)
+    longest = tl.max(pieces, axis=0)
     done = 0
     while done < longest:
         for k in tl.static_range(UNROLL):
-            active = (done + k) < run_length
-            source = tl.multiple_of(tl.load(grad_starts + positions + done + k, mask=active, other=0), ALIGN)
-            scale = tl.load(grad_scales + positions + done + k, mask=active, other=0.0)
-            tile = tl.load(grad_out + source[:, None] + columns[None, :], mask=active[:, None] & row_mask, other=0.0)
-            grad += tile.to(tl.float32) * scale[:, None]
+            active = (done + k) < pieces
+            slot = piece_base + done + k
+            grad += tl.load(partials + slot[:, None] * BLOCK_D + columns[None, :], mask=active[:, None] & row_mask, other=0.0)
         done += UNROLL
     row_ptrs = weights + weight_start[:, None] + columns[None, :]
     if OPTIMIZER == 3:  # DENSE_GRAD: write each row's plain gradient
@@ -194,12 +246,30 @@ def _sorted_contributions(
     sorted_keys, order = torch.sort(keys, stable=True)
     return {
         "sorted_keys": sorted_keys,
+        "run_starts": torch.searchsorted(sorted_keys, sorted_keys),
         "run_ends": torch.searchsorted(sorted_keys, sorted_keys, right=True),
         "grad_starts": (meta[:, OUT_OFFSET] + grad_row * dim)[order],
         "grad_scales": scale[order],
         "weight_starts": (meta[:, WEIGHT_OFFSET] + ids.long() * dim)[order],
         "dims": dim[order],
     }
+
+
+def _pieces(run_starts: torch.Tensor, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The later pieces of long runs: a piece starts at every multiple of ``segment`` past a run's start.
+
+    Returns (pieces_before [N]: how many pieces start before each position, so a run's pieces are numbered
+    from pieces_before[run start] on; piece_starts [N // segment]: each piece's first position, -1 past the
+    real number of pieces, which N // segment bounds since every piece follows ``segment`` positions of its
+    run). Torch ops only: no device sync.
+    """
+    num_positions = run_starts.numel()
+    into_run = torch.arange(num_positions, device=run_starts.device) - run_starts
+    starts_piece = ((into_run >= segment) & (into_run % segment == 0)).long()
+    through = torch.cumsum(starts_piece, 0)
+    slots = torch.arange(num_positions // segment, device=run_starts.device)
+    piece_starts = torch.searchsorted(through, slots, right=True)  # first position with more than s piece starts
+    return through - starts_piece, torch.where(piece_starts < num_positions, piece_starts, -1)
 
 
 def _aggregate_update(
@@ -216,28 +286,48 @@ def _aggregate_update(
     dim_align: int,
     optimizer: int,
     hyper: tuple[float, float, float, float, float],
+    segment: int,
 ) -> None:
     if ids.numel() == 0:
         return
+    if segment < 1:
+        raise ValueError(f"segment must be >= 1, got {segment}")
     parts = _sorted_contributions(feature_meta, ids, offsets, batch_size)
+    pieces_before, piece_starts = _pieces(parts["run_starts"], segment)
     block_d = triton.next_power_of_2(max_dim)
     rows = max(1, min(16, 4096 // block_d))  # a [ROWS, BLOCK_D] fp32 tile of at most 16 KiB
+    sizes = {"SEGMENT": segment, "ALIGN": dim_align, "ROWS": rows, "UNROLL": 4, "BLOCK_D": block_d}
+    sizes["num_warps"] = 8 if rows * block_d >= 2048 else 4
+    contributions = (parts["grad_starts"], parts["grad_scales"])
+    partials = _new_output(piece_starts.numel() * block_d, grad_out.new_empty(0, dtype=torch.float32))
+    if piece_starts.numel():
+        _segment_sum_kernel[(triton.cdiv(piece_starts.numel(), rows),)](
+            grad_out, partials, piece_starts, parts["run_ends"], *contributions, parts["dims"], piece_starts.numel(), **sizes
+        )  # fmt: skip
     _aggregate_update_kernel[(triton.cdiv(ids.numel(), rows),)](
-        grad_out, target, row_state, elem_state, corrections,
-        parts["sorted_keys"], parts["run_ends"], parts["grad_starts"], parts["grad_scales"],
-        parts["weight_starts"], parts["dims"], ids.numel(), *hyper,
-        OPTIMIZER=optimizer, ALIGN=dim_align, ROWS=rows, UNROLL=4, BLOCK_D=block_d, num_warps=8 if rows * block_d >= 2048 else 4,
+        grad_out, partials, target, row_state, elem_state, corrections,
+        parts["sorted_keys"], parts["run_ends"], pieces_before, *contributions,
+        parts["weight_starts"], parts["dims"], ids.numel(), *hyper, OPTIMIZER=optimizer, **sizes,
     )  # fmt: skip
 
 
 def embedding_dense_grad(
-    grad_out: torch.Tensor, weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int, max_dim: int, dim_align: int
+    grad_out: torch.Tensor,
+    weights: torch.Tensor,
+    feature_meta: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    batch_size: int,
+    max_dim: int,
+    dim_align: int,
+    segment: int = SEGMENT,
 ) -> torch.Tensor:
     grad = torch.zeros_like(weights)
     empty = torch.empty(0, device=weights.device)
     _aggregate_update(
-        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, dim_align, DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0)
-    )
+        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, dim_align, DENSE_GRAD,
+        (0.0, 0.0, 0.0, 0.0, 0.0), segment,
+    )  # fmt: skip
     return grad
 
 
@@ -259,14 +349,18 @@ def embedding_fused_update_(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    segment: int = SEGMENT,
 ) -> None:
-    step += 1
-    # Adam's bias corrections 1 - beta**t, computed on the device (no sync for the step count)
-    betas = torch.tensor([beta1, beta2], dtype=torch.float64, device=weights.device)
-    corrections = (1 - betas ** step.double()).float()
     if optimizer not in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM):
         raise ValueError(f"unknown optimizer code {optimizer}")
+    step += 1
+    corrections = torch.empty(0, device=weights.device)
+    if optimizer == OPT_ROWWISE_ADAM:
+        # bias corrections 1 - beta**t from the step count on the device: no sync, and no tensor made from
+        # host values (a copy from pageable memory would wait for the queued GPU work)
+        t = step.double()
+        corrections = torch.cat([1 - torch.pow(beta1, t), 1 - torch.pow(beta2, t)]).float()
     _aggregate_update(
         grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, dim_align, optimizer,
-        (lr, eps, beta1, beta2, weight_decay),
+        (lr, eps, beta1, beta2, weight_decay), segment,
     )  # fmt: skip
