@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from opengem.data.schema import TASKS, Batch, FeatureSpec
-from opengem.jagged import Jagged, KeyedJagged
+from opengem.jagged import Jagged, KeyedJagged, uniform_offsets
 from opengem.models.sequence_ctr import AGE_BUCKETS, age_buckets
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.nn.gem_layers import PersonalizedFFN, SequenceSelfAttention, SequenceSummary, TokenSummary
@@ -103,14 +103,17 @@ class GEMLayer(nn.Module):
             self.interaction = experts[0] if len(experts) == 1 else DenseExperts(experts)
 
     def forward(
-        self, x: torch.Tensor, sequence: Jagged | None, age: torch.Tensor | None
+        self, x: torch.Tensor, sequence: Jagged | None, age: torch.Tensor | None,
+        summary_offsets: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, Jagged | None, torch.Tensor | None]:
-        """Returns the new ``X``, the new sequence and this layer's ``S_sum`` (None without a sequence)."""
+        """Returns the new ``X``, the new sequence and this layer's ``S_sum`` (None without a sequence).
+
+        ``summary_offsets``: the jagged layout of ``X_sum`` (``m`` rows per sample) for the PFFN."""
         s_sum = None
         interaction_input = x
         if sequence is not None:
             if self.pffn is not None:
-                sequence = self.pffn(sequence, self.x_summary(x))
+                sequence = self.pffn(sequence, self.x_summary(x), summary_offsets)
             sequence = self.self_attention(sequence, age)
             if self.s_summary is not None:
                 s_sum = self.s_summary(sequence)
@@ -187,11 +190,12 @@ class GEM(nn.Module):
         features = KeyedJagged.concat([batch.sparse, batch.sequence]) if self.sequence_names else batch.sparse
         embedded = self.embeddings(features)
         x = self._feature_tokens(batch, embedded)
-        sequence = age = s_sum = None
+        sequence = age = s_sum = summary_offsets = None
         if self.sequence_names:
             sequence, age = self._sequence_tokens(batch, embedded, x)
+            summary_offsets = uniform_offsets(x.shape[0], self.config.num_summary_tokens, x.device, sequence.offsets.dtype)
         for layer in self.layers:
-            x, sequence, s_sum = layer(x, sequence, age)
+            x, sequence, s_sum = layer(x, sequence, age, summary_offsets)
         summaries = [self.final_summary(x)] + ([s_sum] if s_sum is not None else [])
         hidden = torch.cat(summaries, dim=1).flatten(1)
         domain = batch.sparse[self.config.domain_feature].values.long().unsqueeze(1)

@@ -61,12 +61,14 @@ class PersonalizedFFN(nn.Module):
         self.kv = nn.Linear(dim, 2 * dim)
         self.out = nn.Linear(dim, dim)
 
-    def forward(self, sequence: Jagged, context: torch.Tensor) -> Jagged:
+    def forward(self, sequence: Jagged, context: torch.Tensor, context_offsets: torch.Tensor | None = None) -> Jagged:
+        """``context_offsets``: ``arange(B + 1) * m``; pass it from outside a compiled region (made inside one,
+        it has no host mirror, and the kernel would read it back with a device sync)."""
         h = sequence.values
         batch, m, _ = context.shape
         q = self.q(self.norm(h)).view(h.shape[0], self.num_heads, self.head_dim)
         k, v = self.kv(self.context_norm(context)).view(batch * m, 2, self.num_heads, self.head_dim).unbind(1)
-        k_offsets = uniform_offsets(batch, m, h.device, sequence.offsets.dtype)
+        k_offsets = uniform_offsets(batch, m, h.device, sequence.offsets.dtype) if context_offsets is None else context_offsets
         attended = gdpa(
             q, k.contiguous(), v.contiguous(), sequence.offsets, k_offsets, sequence.max_len, m,
             activation=self.activation, pre_scale=self.head_dim**-0.5, post_scale=1.0 / m, backend=self.backend,

@@ -128,7 +128,7 @@ def _add_contributions(
     return acc
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_slots"])  # sizes change every batch: no recompiles on their divisibility
 def _segment_sum_kernel(
     grad_out, partials, segment_starts, run_ends, grad_starts, grad_scales, dims, num_slots,
     SEGMENT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -147,7 +147,7 @@ def _segment_sum_kernel(
     tl.store(partials + slots[:, None] * BLOCK_D + columns[None, :], total, mask=row_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_positions"])
 def _aggregate_update_kernel(
     grad_out, partials, weights, row_state, elem_state, corrections,
     sorted_keys, run_ends, pieces_before, grad_starts, grad_scales, weight_starts, dims, num_positions,

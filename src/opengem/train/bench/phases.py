@@ -64,10 +64,10 @@ def phase_of(event: FunctionEvent) -> str:
 def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dict[str, float]:
     """Microseconds per phase: CUDA kernel time on a GPU (host time for ``data``), self CPU time on a CPU."""
     totals = dict.fromkeys(PHASES, 0.0)
-    device_total = 0.0
+    device_spans: set[tuple[str, int, int]] = set()  # a kernel can be listed more than once: count it once
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
-            device_total += event.time_range.elapsed_us()  # every kernel, memcpy and memset, linked or not
+            device_spans.add((event.name, event.time_range.start, event.time_range.end))
             continue
         if event.is_async:
             continue
@@ -81,5 +81,6 @@ def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dic
             totals[phase_of(event)] += spent
     if device.type == "cuda":
         attributed = sum(v for k, v in totals.items() if k != "data")
+        device_total = sum(end - start for _, start, end in device_spans)  # kernels, memcpys, memsets
         totals["unattributed"] = max(0.0, device_total - attributed)
     return totals
