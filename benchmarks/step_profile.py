@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader
 
 from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.presets import GEM_PRESETS, gem_flops
+from opengem.nn.embedding import EmbeddingCollection
 from opengem.train.config import load_config
 from opengem.train.data_stream import SyntheticBatches
 from opengem.train.trainer import build_learner
@@ -54,14 +55,19 @@ def syncs_in_step(learner, batch) -> list[str]:
     return found
 
 
-def run(preset: str, batch_size: int, precision: str, compile_: bool, steps: int, profile: bool) -> dict:
+def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: bool, steps: int, profile: bool) -> dict:
     config = config_for(preset, batch_size, precision, compile_)
     device = torch.device("cuda")
     torch.manual_seed(0)
     learner = build_learner(config, config.model.history, device)
+    for module in learner.model.modules():  # synthetic ids are in range: no id check (one sync) per step
+        if isinstance(module, EmbeddingCollection):
+            module.validate_ids = False
     dataset = iter(SyntheticBatches(config, 0))
-    host_batches = [next(dataset) for _ in range(6)]
-    batches = [b.to(device) for b in host_batches]
+    # fresh batches (as in training: new layouts every step) unless FRESH is off: then 6 batches cycle
+    count = 6 + steps + 3 if fresh else 6
+    host_batches = [next(dataset) for _ in range(count)]
+    batches = [b.pin_memory().to(device, non_blocking=True) for b in host_batches]
     data = SYNTHETIC_PRESETS[preset]
     flops = []
     for b in host_batches:
@@ -76,13 +82,13 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, steps: int
     torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
     total_flops = 0.0
-    for i in range(steps):
+    for i in range(6, 6 + steps):
         learner.step(batches[i % len(batches)])
         total_flops += flops[i % len(batches)]
     torch.cuda.synchronize()
     elapsed = time.perf_counter() - t0
     result = {
-        "preset": preset, "batch_size": batch_size, "precision": precision, "compile": compile_, "steps": steps,
+        "preset": preset, "batch_size": batch_size, "precision": precision, "compile": compile_, "fresh": fresh, "steps": steps,
         "warmup_s": warm_s, "step_ms": 1e3 * elapsed / steps, "samples_per_s": steps * batch_size / elapsed,
         "tflops": total_flops / elapsed / 1e12, "mfu_vs_989": total_flops / elapsed / PEAK_BF16,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
@@ -93,8 +99,8 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, steps: int
     if profile:
         from torch.profiler import ProfilerActivity, profile as prof
         with prof(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
-            for i in range(3):
-                learner.step(batches[i])
+            for i in range(6 + steps, 6 + steps + 3):
+                learner.step(batches[i % len(batches)])
             torch.cuda.synchronize()
         events = p.key_averages()
         result["top_cuda"] = events.table(sort_by="self_cuda_time_total", row_limit=35, max_name_column_width=70)
@@ -136,7 +142,7 @@ def main() -> None:
     for spec in args.runs.split(","):
         preset, batch_size, precision, *flags = spec.split(":")
         try:
-            results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, args.steps, profile=True))
+            results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, "fresh" in flags, args.steps, profile=True))
         except Exception as error:  # keep going: the other runs still tell us something
             traceback.print_exc()
             results["runs"].append({"spec": spec, "error": repr(error)})
