@@ -70,3 +70,14 @@ def test_keyed_jagged_split_and_concat_keep_mirrors():
     joined = KeyedJagged.concat([second, first])
     assert host_copy(joined.lengths).tolist() == [0, 3, 1, 2]
     assert host_copy(joined["a"].offsets).tolist() == [0, 1, 3]
+
+
+def test_jagged_is_a_pytree_node():
+    """FSDP2 finds a block's output tensors (for its backward hooks) by flattening the output."""
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+
+    jagged = Jagged.from_lengths(torch.randn(5, 2, requires_grad=True), torch.tensor([2, 3]))
+    leaves, spec = tree_flatten((jagged, 1))
+    assert leaves[0] is jagged.values and leaves[1] is jagged.offsets
+    rebuilt = tree_unflatten([leaves[0] * 2, *leaves[1:]], spec)[0]
+    assert torch.equal(rebuilt.values, jagged.values * 2) and rebuilt.max_len == 3

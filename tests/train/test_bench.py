@@ -90,3 +90,10 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
         TrainBenchOptions("gem-small", low_precision_mlp="fp4")
     with pytest.raises(ValueError, match="steps must be >= 1"):
         TrainBenchOptions("gem-small", steps=0)
+
+
+def test_gpu_busy_time_counts_overlaps_once():
+    from opengem.train.bench.phases import _union_length
+
+    assert _union_length([(0, 10), (5, 15), (5, 15), (20, 25), (21, 22)]) == 20
+    assert _union_length([]) == 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.utils._pytree
 
 from opengem.jagged.host import host_copy, register_host_copy, to_device
 
@@ -154,3 +155,13 @@ class Jagged:
         """One tensor per sample (views into ``values``)."""
         bounds = self.offsets_host.tolist()
         return [self.values[bounds[b] : bounds[b + 1]] for b in range(self.batch_size)]
+
+
+# A pytree node, so that code walking a module's outputs for tensors (FSDP2's backward hooks, torch.compile)
+# sees the values of a Jagged returned by a block; max_len is static context.
+torch.utils._pytree.register_pytree_node(
+    Jagged,
+    lambda j: ([j.values, j.offsets, j.offsets_host], j.max_len),
+    lambda children, max_len: Jagged(*children, max_len),
+    serialized_type_name="opengem.jagged.Jagged",
+)

@@ -151,7 +151,7 @@ def _segment_sum_kernel(
 def _aggregate_update_kernel(
     grad_out, partials, weights, row_state, elem_state, corrections,
     sorted_keys, run_ends, pieces_before, grad_starts, grad_scales, weight_starts, dims, num_positions,
-    lr, eps, beta1, beta2, weight_decay,
+    lr, eps, beta1, beta2, weight_decay, one_minus_beta1, one_minus_beta2,
     OPTIMIZER: tl.constexpr, SEGMENT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr,
     BLOCK_D: tl.constexpr,
 ):  # fmt: skip
@@ -198,8 +198,8 @@ def _aggregate_update_kernel(
             w = w - lr * grad / (tl.sqrt(state)[:, None] + eps)
         else:  # row-wise Adam: per-element first moment, per-row second moment, bias-corrected
             moment_ptrs = elem_state + weight_start[:, None] + columns[None, :]
-            m = beta1 * tl.load(moment_ptrs, mask=row_mask, other=0.0) + (1 - beta1) * grad
-            v = beta2 * tl.load(row_state + keys, mask=first, other=0.0) + (1 - beta2) * mean_square
+            m = beta1 * tl.load(moment_ptrs, mask=row_mask, other=0.0) + one_minus_beta1 * grad
+            v = beta2 * tl.load(row_state + keys, mask=first, other=0.0) + one_minus_beta2 * mean_square
             tl.store(moment_ptrs, m, mask=row_mask)
             tl.store(row_state + keys, v, mask=first)
             m_hat = m / tl.load(corrections + 0)
@@ -307,7 +307,9 @@ def _aggregate_update(
     _aggregate_update_kernel[(triton.cdiv(ids.numel(), rows),)](
         grad_out, partials, target, row_state, elem_state, corrections,
         parts["sorted_keys"], parts["run_ends"], pieces_before, *contributions,
-        parts["weight_starts"], parts["dims"], ids.numel(), *hyper, OPTIMIZER=optimizer, **sizes,
+        parts["weight_starts"], parts["dims"], ids.numel(), *hyper,
+        1.0 - hyper[2], 1.0 - hyper[3],  # in float64 here: 1 - 0.999 computed in fp32 is off by 1.3e-5
+        OPTIMIZER=optimizer, **sizes,
     )  # fmt: skip
 
 

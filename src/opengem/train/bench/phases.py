@@ -64,7 +64,7 @@ def phase_of(event: FunctionEvent) -> str:
 def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dict[str, float]:
     """Microseconds per phase: CUDA kernel time on a GPU (host time for ``data``), self CPU time on a CPU."""
     totals = dict.fromkeys(PHASES, 0.0)
-    device_spans: set[tuple[str, int, int]] = set()  # a kernel can be listed more than once: count it once
+    device_spans: set[tuple[str, int, int]] = set()  # kernels, memcpys, memsets
     for event in events:
         if event.device_type != torch.autograd.DeviceType.CPU:
             device_spans.add((event.name, event.time_range.start, event.time_range.end))
@@ -81,6 +81,17 @@ def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dic
             totals[phase_of(event)] += spent
     if device.type == "cuda":
         attributed = sum(v for k, v in totals.items() if k != "data")
-        device_total = sum(end - start for _, start, end in device_spans)  # kernels, memcpys, memsets
+        device_total = _union_length((start, end) for _, start, end in device_spans)  # GPU busy time
         totals["unattributed"] = max(0.0, device_total - attributed)
     return totals
+
+
+def _union_length(intervals: Iterable[tuple[int, int]]) -> int:
+    """Total length covered by the intervals: busy time, whatever overlaps or repeats the profiler reports."""
+    total, reach = 0, None
+    for start, end in sorted(intervals):
+        if reach is None or start > reach:
+            total, reach = total + end - start, end
+        elif end > reach:
+            total, reach = total + end - reach, end
+    return total
