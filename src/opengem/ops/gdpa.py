@@ -15,9 +15,9 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import host_copy, to_device
-from opengem.ops.autocast import cast_inputs
 from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, visible_pairs
+from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward

@@ -32,8 +32,8 @@ from opengem.parallel.mesh import ParallelConfig
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from opengem.train.compile import compile_regions
 from opengem.train.config import ARCHITECTURES, TrainConfig
-from opengem.train.guards import StepGuard
 from opengem.train.data_stream import eval_batches, train_batches
+from opengem.train.guards import StepGuard
 from opengem.train.metrics import binary_metrics
 
 

@@ -26,7 +26,6 @@ from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import activation_id
 from opengem.ops.triton.activations import activation_value_and_grad
 
-
 _LOG2E = tl.constexpr(1.4426950408889634)
 # ACT: the id of opengem.ops.activations, or SOFTMAX (normalized over the block's keys)
 SOFTMAX = tl.constexpr(-1)

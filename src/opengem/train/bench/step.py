@@ -22,9 +22,9 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from opengem.data.schema import Batch
 from opengem.nn.embedding import EmbeddingCollection
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
-from opengem.train.compile import compile_regions
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize
+from opengem.train.compile import compile_regions
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
