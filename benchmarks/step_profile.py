@@ -55,7 +55,8 @@ def syncs_in_step(learner, batch) -> list[str]:
     return found
 
 
-def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: bool, steps: int, profile: bool) -> dict:
+def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: bool, steps: int, profile: bool,
+        host_profile: bool = False) -> dict:
     config = config_for(preset, batch_size, precision, compile_)
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -94,6 +95,21 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: boo
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
         "train_flops_per_sample": sum(flops) / len(flops) / batch_size,
     }
+    if host_profile:  # where the host time of a step goes, by Python function
+        import cProfile
+        import io
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(6 + steps, 6 + steps + 3):
+            learner.step(batches[i % len(batches)])
+        torch.cuda.synchronize()
+        profiler.disable()
+        text = io.StringIO()
+        pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(45)
+        result["host_top"] = text.getvalue()
+        print(result["host_top"], flush=True)
     syncs = syncs_in_step(learner, batches[0])
     result["syncs"] = {site: syncs.count(site) for site in dict.fromkeys(syncs)}
     if profile:
@@ -107,7 +123,7 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: boo
         result["top_cpu"] = events.table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=70)
         cuda_total = sum(e.self_device_time_total for e in events) / 3 / 1e3
         result["gpu_busy_ms_per_step"] = cuda_total
-    print(json.dumps({k: v for k, v in result.items() if not k.startswith("top")}, indent=1), flush=True)
+    print(json.dumps({k: v for k, v in result.items() if not k.startswith(("top", "host_top"))}, indent=1), flush=True)
     if profile:
         print(result["top_cuda"], flush=True)
         print(result["top_cpu"], flush=True)
@@ -142,7 +158,8 @@ def main() -> None:
     for spec in args.runs.split(","):
         preset, batch_size, precision, *flags = spec.split(":")
         try:
-            results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, "fresh" in flags, args.steps, profile=True))
+            results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, "fresh" in flags, args.steps,
+                                       profile="noprofile" not in flags, host_profile="host" in flags))
         except Exception as error:  # keep going: the other runs still tell us something
             traceback.print_exc()
             results["runs"].append({"spec": spec, "error": repr(error)})
