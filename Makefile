@@ -18,8 +18,9 @@ $(VENV)/.installed: pyproject.toml
 
 setup: $(VENV)/.installed
 
+# The demo trains GEM (the model of the GEM paper, gem-tiny size) on the embedded synthetic data.
 demo: setup
-	$(VENV)/bin/opengem train --preset gem-tiny
+	$(VENV)/bin/opengem train --preset gem-tiny --set architecture=gem
 
 # One thread per test worker: two workers of two threads each oversubscribe 2 cores (OpenMP spin-waits).
 test: setup
