@@ -239,11 +239,19 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
     items = pb.sched.query_tiles
     if total == 0 or items[_SMALL].shape[0] == 0:
         return out, lse
-    q8, k8, v8, qs, ks, vs, block_base = quantize_qkv(q, k, v, pb)
-    constexprs = {key: value for key, value in pb.constexprs(q, k).items() if key != "PRECISION"}
+    attend(quantize_qkv(q, k, v, pb), out, lse, k.shape[1], pb)
+    return out, lse
+
+
+def attend(quantized: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, kv_heads: int, pb: Problem) -> None:
+    """The attention kernel alone, from :func:`quantize_qkv`'s output, into ``out [T, H, D]`` and ``lse [H, T]``."""
+    q8, k8, v8, qs, ks, vs, block_base = quantized
+    total, heads, head_dim = out.shape
+    items = pb.sched.query_tiles
+    constexprs = dict(HEAD_DIM=head_dim, GROUP=heads // kv_heads, CAUSAL=pb.opts.causal, HAS_WINDOW=pb.opts.window is not None,
+                      HAS_CONTEXT=pb.opts.contextual_len > 0, HAS_TARGETS=pb.num_targets is not None, SMALL=_SMALL)  # fmt: skip
     _fwd_fp8_kernel[_grid(items, heads, "BLOCK_M")](
         q8, k8, v8, qs, ks, vs, out, lse, pb.offsets, pb.targets_arg(), block_base, items[_SMALL], items[_LARGE],
         out.stride(0), out.stride(1), total, heads, q8.shape[1], pb.scale * LOG2E, **pb.runtime(), **constexprs,
         EXACT=_INTERPRET, BLOCK_N=BLOCK,
     )  # fmt: skip
-    return out, lse
