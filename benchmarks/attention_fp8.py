@@ -49,7 +49,12 @@ def measure(wl: Workload) -> dict:
     outs = {p: run(p) for p in ("bf16", "fp8")}
     torch.cuda.synchronize()
     count, rows = _sub_batch_rows(wl.lengths)
-    sub = dict(causal=wl.causal, num_targets=None if b.targets is None else b.targets[:count], window=wl.window, scale=b.scale)
+    sub = {
+        "causal": wl.causal,
+        "num_targets": None if b.targets is None else b.targets[:count],
+        "window": wl.window,
+        "scale": b.scale,
+    }
     q, k, v, offsets = b.q[:rows], b.k[:rows], b.v[:rows], b.offsets[: count + 1]
     want = reference(q.float(), k.float(), v.float(), offsets, wl.max_len, **sub)
     errors = {p: relative_error(out[:rows], want) for p, out in outs.items()}

@@ -15,12 +15,12 @@ from opengem.ops.triton import jagged_attention_fp8 as kernels
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 MASKS = {
-    "causal": dict(causal=True),
-    "full": dict(causal=False),
-    "causal_window": dict(causal=True, window=64),
-    "full_window": dict(causal=False, window=37),
-    "targets_context": dict(causal=True, contextual_len=10, targets=True),
-    "all_options": dict(causal=True, window=50, contextual_len=7, targets=True),
+    "causal": {"causal": True},
+    "full": {"causal": False},
+    "causal_window": {"causal": True, "window": 64},
+    "full_window": {"causal": False, "window": 37},
+    "targets_context": {"causal": True, "contextual_len": 10, "targets": True},
+    "all_options": {"causal": True, "window": 50, "contextual_len": 7, "targets": True},
 }
 LENGTHS = [300, 0, 1, 128, 77, 513]  # several blocks of 128, empty, single token, exact and partial blocks
 
@@ -37,7 +37,10 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _batch(lengths, heads=4, kv_heads=4, head_dim=128, seed=0):
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v = (torch.randn(sum(lengths), h, head_dim, generator=gen, device="cuda").bfloat16() for h in (heads, kv_heads, kv_heads))
+    q, k, v = (
+        torch.randn(sum(lengths), h, head_dim, generator=gen, device="cuda").bfloat16()
+        for h in (heads, kv_heads, kv_heads)
+    )
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     return q, k, v, offsets
 
@@ -62,7 +65,9 @@ def test_hardware_e4m3_rounding_is_torchs():
     gen = torch.Generator(device="cuda").manual_seed(0)
     p = torch.rand(1 << 20, generator=gen, device="cuda") ** 8  # P-like values, many subnormal after * 256
     ties = torch.arange(0, 1 << 12, device="cuda", dtype=torch.float32) / 64  # exact E4M3 midpoints among them
-    x = torch.cat([p * 256, ties.clamp(max=448), -ties.clamp(max=448), torch.randn(1 << 16, generator=gen, device="cuda") * 100])
+    x = torch.cat(
+        [p * 256, ties.clamp(max=448), -ties.clamp(max=448), torch.randn(1 << 16, generator=gen, device="cuda") * 100]
+    )
     x = x.clamp(-448, 448)
     hw, exact = (torch.empty(x.shape, dtype=torch.float8_e4m3fn, device="cuda") for _ in range(2))
     _cast_kernel[(triton.cdiv(x.numel(), 1024),)](x, hw, exact, x.numel(), BLOCK=1024)

@@ -61,7 +61,7 @@ def test_quantize_pass_is_bit_exact(kv_heads, head_dim):
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
-def test_kernel_matches_emulation(poisoned, mask):
+def test_kernel_matches_emulation(poisoned, mask):  # noqa: F811 (the imported fixture)
     _assert_matches_emulation(*_forward_pair(LENGTHS, 2, 1, 32, **_mask_kwargs(MASKS[mask])))
 
 
@@ -100,7 +100,7 @@ def test_backward_is_the_bf16_one():
         torch.testing.assert_close(got, want)
 
 
-def test_triton_backward_after_fp8_forward(poisoned):
+def test_triton_backward_after_fp8_forward(poisoned):  # noqa: F811 (the imported fixture)
     """The bf16 kernels' backward uses the fp8 forward's output and log-sum-exp: fp8-level gradient error."""
     lengths = [37, 1, 20]
     q, k, v, dout = _inputs(lengths, heads=2, kv_heads=1, head_dim=32, seed=2)
@@ -123,7 +123,9 @@ def _cast_kernel(x_ptr, exact_ptr, plain_ptr, n: tl.constexpr):
 
 def test_interpreter_fp8_cast_and_the_exact_one():
     """Why the interpreter needs the integer rounding: its own cast breaks on mantissa carries."""
-    values = torch.tensor([1.9375, 0.5, -3.0, 1.0625, 1.1875, 2.0**-9, 2.0**-10 * 3, 300.0, 447.0, 0.0], dtype=torch.float32)
+    values = torch.tensor(
+        [1.9375, 0.5, -3.0, 1.0625, 1.1875, 2.0**-9, 2.0**-10 * 3, 300.0, 447.0, 0.0], dtype=torch.float32
+    )
     values = torch.cat([values, torch.randn(54) * 20]).clamp(-448, 448)
     exact = torch.empty(64, dtype=torch.float8_e4m3fn)
     plain = torch.empty(64, dtype=torch.float8_e4m3fn)

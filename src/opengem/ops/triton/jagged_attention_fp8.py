@@ -69,7 +69,10 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     kept = {}
     for c in configs:
         stages = min(c.num_stages, 2)
-        kept.setdefault((c.kwargs["BLOCK_M"], c.num_warps, stages), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
+        kept.setdefault(
+            (c.kwargs["BLOCK_M"], c.num_warps, stages),
+            triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages),
+        )
     return list(kept.values())
 
 
@@ -117,10 +120,16 @@ def _quantize_kernel(
     h = tl.program_id(1)
     start, seq_len, _ = _sample(offsets, offsets, b, False)
     block_id = tl.load(block_base + b) + row // BLOCK
-    _quantize_block(Q + h * stride_qh, Q8, QS, start, row, seq_len, stride_qt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False)
+    _quantize_block(
+        Q + h * stride_qh, Q8, QS, start, row, seq_len, stride_qt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False
+    )
     if h < kv_heads:
-        _quantize_block(K + h * stride_kh, K8, KS, start, row, seq_len, stride_kt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False)
-        _quantize_block(V + h * stride_vh, V8, VS, start, row, seq_len, stride_vt, h, block_id, num_blocks, HEAD_DIM, BLOCK, True)
+        _quantize_block(
+            K + h * stride_kh, K8, KS, start, row, seq_len, stride_kt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False
+        )
+        _quantize_block(
+            V + h * stride_vh, V8, VS, start, row, seq_len, stride_vt, h, block_id, num_blocks, HEAD_DIM, BLOCK, True
+        )
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -142,7 +151,9 @@ def _fwd_fp8_tiles(
         v = tl.load(V8 + blk * BLOCK_N * HEAD_DIM + offs_d[None, :] * BLOCK_N + offs_j[:, None])
         s = tl.dot(q, kT) * (qk_scale * tl.load(KS + blk))  # logits in base 2, dequantized
         if MASKED:
-            visible = tile_mask(offs_m, n_start + offs_j, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
+            visible = tile_mask(
+                offs_m, n_start + offs_j, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT
+            )
             s = tl.where(visible, s, float("-inf"))
         # online softmax: rescale the running sum and accumulator to the new row maximum
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -172,24 +183,113 @@ def _fwd_fp8_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     q_block = h * num_blocks + block0 + m_start // BLOCK_N
-    q = tl.load(Q8 + q_block * BLOCK_N * HEAD_DIM + (m_start % BLOCK_N + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM + offs_d[None, :])
+    q = tl.load(
+        Q8
+        + q_block * BLOCK_N * HEAD_DIM
+        + (m_start % BLOCK_N + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM
+        + offs_d[None, :]
+    )
     qk_scale = tl.load(QS + q_block) * scale_log2
     kv_block0 = (h // GROUP) * num_blocks + block0
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: rows that see nothing stay free of inf - inf
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     v_scale = scale_log2 * 0.0 + 1.0  # acc starts at 0: any finite unit does
-    lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, lo, f_lo, offs_m, offs_d, seq_len,
-                                            hist_len, contextual_len, window, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT)
-    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, f_lo, f_hi, offs_m, offs_d, seq_len,
-                                            hist_len, contextual_len, window, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT)
-    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, f_hi, hi, offs_m, offs_d, seq_len,
-                                            hist_len, contextual_len, window, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT)
+    lo, f_lo, f_hi, hi = _key_tiles(
+        m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT
+    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
+        acc,
+        l_i,
+        m_i,
+        v_scale,
+        q,
+        K8,
+        V8,
+        KS,
+        VS,
+        kv_block0,
+        qk_scale,
+        lo,
+        f_lo,
+        offs_m,
+        offs_d,
+        seq_len,
+        hist_len,
+        contextual_len,
+        window,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_CONTEXT,
+        EXACT,
+    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
+        acc,
+        l_i,
+        m_i,
+        v_scale,
+        q,
+        K8,
+        V8,
+        KS,
+        VS,
+        kv_block0,
+        qk_scale,
+        f_lo,
+        f_hi,
+        offs_m,
+        offs_d,
+        seq_len,
+        hist_len,
+        contextual_len,
+        window,
+        HEAD_DIM,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_CONTEXT,
+        EXACT,
+    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
+        acc,
+        l_i,
+        m_i,
+        v_scale,
+        q,
+        K8,
+        V8,
+        KS,
+        VS,
+        kv_block0,
+        qk_scale,
+        f_hi,
+        hi,
+        offs_m,
+        offs_d,
+        seq_len,
+        hist_len,
+        contextual_len,
+        window,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_CONTEXT,
+        EXACT,
+    )
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
     out = acc * (v_scale / P_SCALE) / l_i[:, None]
     row_ok = offs_m < seq_len
-    tl.store(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    tl.store(
+        O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
     tl.store(LSE + h * total_tokens + start + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)  # fmt: skip
 
 
@@ -205,9 +305,13 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     lengths = pb.offsets[1:] - pb.offsets[:-1]
     block_base = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=q.device)
     torch.cumsum(torch.div(lengths + BLOCK - 1, BLOCK, rounding_mode="floor"), 0, out=block_base[1:])
-    new = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn, device=q.device)  # noqa: E731
-    scales = lambda h: torch.empty((h, num_blocks), dtype=torch.float32, device=q.device)  # noqa: E731
-    q8, k8, v8 = new(heads, num_blocks, BLOCK, head_dim), new(kv_heads, num_blocks, BLOCK, head_dim), new(kv_heads, num_blocks, head_dim, BLOCK)
+    new = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn, device=q.device)
+    scales = lambda h: torch.empty((h, num_blocks), dtype=torch.float32, device=q.device)
+    q8, k8, v8 = (
+        new(heads, num_blocks, BLOCK, head_dim),
+        new(kv_heads, num_blocks, BLOCK, head_dim),
+        new(kv_heads, num_blocks, head_dim, BLOCK),
+    )
     qs, ks, vs = scales(heads), scales(kv_heads), scales(kv_heads)
     if num_blocks:
         _quantize_kernel[(num_blocks, heads)](
@@ -218,7 +322,9 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     return q8, k8, v8, qs, ks, vs, block_base
 
 
-def unblock(data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def unblock(
+    data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocked ``data`` and ``scale`` back as jagged ``[T, H, D]`` E4M3 and per-row ``[T, H]`` scales (tests)."""
     if transposed:
         data = data.transpose(-1, -2)
@@ -243,13 +349,15 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
     return out, lse
 
 
-def attend(quantized: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, kv_heads: int, pb: Problem) -> None:
+def attend(
+    quantized: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, kv_heads: int, pb: Problem
+) -> None:
     """The attention kernel alone, from :func:`quantize_qkv`'s output, into ``out [T, H, D]`` and ``lse [H, T]``."""
     q8, k8, v8, qs, ks, vs, block_base = quantized
     total, heads, head_dim = out.shape
     items = pb.sched.query_tiles
-    constexprs = dict(HEAD_DIM=head_dim, GROUP=heads // kv_heads, CAUSAL=pb.opts.causal, HAS_WINDOW=pb.opts.window is not None,
-                      HAS_CONTEXT=pb.opts.contextual_len > 0, HAS_TARGETS=pb.num_targets is not None, SMALL=_SMALL)  # fmt: skip
+    constexprs = {"HEAD_DIM": head_dim, "GROUP": heads // kv_heads, "CAUSAL": pb.opts.causal, "HAS_WINDOW": pb.opts.window is not None,
+                      "HAS_CONTEXT": pb.opts.contextual_len > 0, "HAS_TARGETS": pb.num_targets is not None, "SMALL": _SMALL}  # fmt: skip
     _fwd_fp8_kernel[_grid(items, heads, "BLOCK_M")](
         q8, k8, v8, qs, ks, vs, out, lse, pb.offsets, pb.targets_arg(), block_base, items[_SMALL], items[_LARGE],
         out.stride(0), out.stride(1), total, heads, q8.shape[1], pb.scale * LOG2E, **pb.runtime(), **constexprs,
