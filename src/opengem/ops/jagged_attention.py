@@ -21,8 +21,10 @@ from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
+from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as reference_jagged_attention_fp8
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
+PRECISIONS = ("bf16", "fp8")
 _NO_WINDOW = -1  # custom ops take plain ints: -1 stands for "no window"
 
 
@@ -76,8 +78,15 @@ def _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, s
     return kernels, kernels.Problem(offsets.contiguous(), targets, sched, opts, max_len, scale)
 
 
-def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale) -> torch.Tensor:
+def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, precision) -> torch.Tensor:
     window = None if window == _NO_WINDOW else window
+    if precision == "fp8":
+        from opengem.ops.triton.jagged_attention_fp8 import BLOCK
+
+        return reference_jagged_attention_fp8(
+            q, k, v, offsets, block=BLOCK, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
+            window=window, scale=scale,
+        )  # fmt: skip
     return reference_jagged_attention(
         q, k, v, offsets, max_len, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
         window=window, scale=scale,
@@ -104,19 +113,24 @@ def _jagged_attention_fwd(
     window: int,
     scale: float,
     use_triton: bool,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The registered forward: ``window = -1`` means none, ``scale`` is final (max_len division included),
-    ``use_triton`` picks the kernels. Returns ``out [T, H, D]`` and ``lse [H, T]`` fp32 in base 2
-    (``[H, 0]`` on the reference path, whose backward recomputes)."""
+    ``use_triton`` picks the kernels, ``precision`` the forward's arithmetic. Returns ``out [T, H, D]`` and
+    ``lse [H, T]`` fp32 in base 2 (``[H, 0]`` on the reference path, whose backward recomputes)."""
     if not use_triton:
-        out = _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+        out = _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, precision)
         return out, q.new_empty((q.shape[1], 0), dtype=torch.float32)
     kernels, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+    if precision == "fp8":
+        from opengem.ops.triton import jagged_attention_fp8
+
+        return jagged_attention_fp8.forward(q, k, v, pb)
     return kernels.forward(q, k, v, pb)
 
 
 @_jagged_attention_fwd.register_fake
-def _(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton):
+def _(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16"):
     lse_len = q.shape[0] if use_triton else 0
     return torch.empty_like(q), q.new_empty((q.shape[1], lse_len), dtype=torch.float32)
 
@@ -151,7 +165,7 @@ def _(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton = inputs
+    q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, _ = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, offsets, num_targets)
     ctx.options = (max_len, causal, contextual_len, window, scale, use_triton)
@@ -160,7 +174,7 @@ def _setup_context(ctx, inputs, output):
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse, offsets, num_targets = ctx.saved_tensors
     dq, dk, dv = _jagged_attention_bwd(dout, q, k, v, out, lse, offsets, num_targets, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 _jagged_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -172,7 +186,7 @@ def _pairs_of(offsets, num_targets, causal, contextual_len, window) -> int:
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_fwd, get_raw=True)
-def _fwd_flops(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, out_val=None):
+def _fwd_flops(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
     """4 * H * D per unmasked pair (two GEMMs, GEM_SPEC section 8)."""
     return 4 * q.shape[1] * q.shape[2] * _pairs_of(offsets, num_targets, causal, contextual_len, window)
 
@@ -197,6 +211,7 @@ def jagged_attention(
     scale: float | None = None,
     normalize_by_max_len: bool = False,
     backend: str | None = None,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Softmax attention per sample and head over jagged sequences: ``softmax(scale q k^T + mask) v``.
 
@@ -216,6 +231,12 @@ def jagged_attention(
         scale: logit scale, default ``1 / sqrt(D)``.
         normalize_by_max_len: further divide the logits by ``max_len`` (FBGEMM ``sll``'s option).
         backend: ``"triton"`` or ``"reference"``; default Triton for CUDA tensors, the reference on CPU.
+        precision: the forward's arithmetic. ``"bf16"``: the inputs' dtype with fp32 accumulation.
+            ``"fp8"``: Q, K and V quantized to E4M3 with one fp32 scale per (block of 128 rows of a sample,
+            head), E4M3 ``Q K^T`` and ``P V`` (P quantized as ``p * 256``) with fp32 accumulation, output
+            in q's dtype; head_dim >= 32 on the Triton path; the reference path emulates it exactly
+            (:mod:`opengem.ops.reference.attention_fp8`). Forward-only low precision: the backward is the
+            bf16 one, from the saved unquantized inputs and the fp8 forward's output and log-sum-exp.
 
     Returns:
         ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.
@@ -223,6 +244,8 @@ def jagged_attention(
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     use_triton = _use_triton(q, backend)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if not torch.compiler.is_compiling():  # validation reads host values, which a traced graph cannot
         check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
         check_mask_options(offsets, num_targets, contextual_len, window)
@@ -230,6 +253,8 @@ def jagged_attention(
             raise ValueError(f"num_targets must be on {q.device}, got {num_targets.device}")
         if use_triton and q.shape[2] not in KERNEL_HEAD_DIMS:
             raise ValueError(f"head_dim must be one of {KERNEL_HEAD_DIMS} for the Triton kernel, got {q.shape[2]}")
+        if use_triton and precision == "fp8" and q.shape[2] < 32:
+            raise ValueError(f"head_dim must be at least 32 for precision='fp8' (E4M3 MMA), got {q.shape[2]}")
         if use_triton and q.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             raise ValueError(f"q, k, v must be float16, bfloat16 or float32 for the Triton kernel, got {q.dtype}")
     scale = 1.0 / math.sqrt(q.shape[2]) if scale is None else float(scale)
@@ -238,6 +263,6 @@ def jagged_attention(
     window_arg = _NO_WINDOW if window is None else window
     with autocast_off:
         out, _ = _jagged_attention_fwd(
-            q, k, v, offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton
+            q, k, v, offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton, precision
         )
     return out

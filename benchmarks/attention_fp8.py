@@ -1,0 +1,107 @@
+"""FP8 JFA forward (issue 12) against the same kernel family in bf16, same process, same data.
+
+Workloads of :mod:`benchmarks.jfa` (bf16 inputs, H = 4, D = 128): (a) power-law lengths 100..16384, about
+150k tokens, causal; the full run adds (c) 1024-token histories plus 64 targets and (d) window 256 on (a).
+Per workload: the bf16 forward and the fp8 forward through the registered op
+(``torch.ops.opengem.jagged_attention_fwd``, quantize pass included), the fp8 attention kernel alone
+(pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
+alone. Correctness in the same run, on the first sequences of the batch: both outputs against the fp32
+reference (relative error, fp64 norms) and their ratio (issue 12 asks fp8 <= 3x bf16), and the fp8 kernel
+against the exact emulation (:mod:`opengem.ops.reference.attention_fp8`). FLOPs: 4 H D per unmasked pair.
+
+Run: ``PYTHONPATH=src python -m benchmarks.attention_fp8 [--quick]``. ``--quick``: workload (a), each
+kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), autotuned, a few minutes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import torch
+
+from benchmarks.common import bench_ms, print_table, relative_error, write_results
+from benchmarks.jfa import HEAD_DIM, HEADS, Workload, _batch, _sub_batch_rows, workloads
+from opengem.ops.jagged_attention import _problem, attention_pairs
+from opengem.ops.reference.attention import jagged_attention as reference
+from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
+from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
+
+COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
+           "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "fp8_vs_emulation"]  # fmt: skip
+
+
+def _selected(quick: bool) -> list[Workload]:
+    chosen = ("a_",) if quick else ("a_", "c_", "d_")
+    return [wl for wl in workloads(quick=False) if wl.name.startswith(chosen)]
+
+
+def measure(wl: Workload) -> dict:
+    b = _batch(wl, seed=0)
+    window = -1 if wl.window is None else wl.window
+    options = (b.offsets, b.targets, wl.max_len, wl.causal, 0, window, b.scale, True)
+    forward = torch.ops.opengem.jagged_attention_fwd
+
+    def run(precision: str) -> torch.Tensor:
+        with torch.no_grad():
+            return forward(b.q, b.k, b.v, *options, precision)[0]
+
+    outs = {p: run(p) for p in ("bf16", "fp8")}
+    torch.cuda.synchronize()
+    count, rows = _sub_batch_rows(wl.lengths)
+    sub = {
+        "causal": wl.causal,
+        "num_targets": None if b.targets is None else b.targets[:count],
+        "window": wl.window,
+        "scale": b.scale,
+    }
+    q, k, v, offsets = b.q[:rows], b.k[:rows], b.v[:rows], b.offsets[: count + 1]
+    want = reference(q.float(), k.float(), v.float(), offsets, wl.max_len, **sub)
+    errors = {p: relative_error(out[:rows], want) for p, out in outs.items()}
+    emulated = emulation(q, k, v, offsets, block=fp8_kernels.BLOCK, **sub)
+    kernel_vs_emulation = relative_error(outs["fp8"][:rows], emulated)
+    del want, emulated
+
+    _, pb = _problem(b.q, b.offsets, b.targets, wl.max_len, wl.causal, 0, window, b.scale)
+    quantized = fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb)
+    out, lse = torch.empty_like(b.q), torch.empty((HEADS, b.q.shape[0]), device=b.q.device)
+    times = {p: bench_ms(lambda p=p: run(p)) for p in ("bf16", "fp8")}
+    kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
+    quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
+    flops = 4 * HEADS * HEAD_DIM * attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
+    return {
+        "workload": wl.name,
+        "tokens": int(wl.lengths.sum()),
+        "bf16_ms": times["bf16"],
+        "fp8_ms": times["fp8"],
+        "fp8_kernel_ms": kernel_ms,
+        "quantize_ms": quantize_ms,
+        "speedup": times["bf16"] / times["fp8"],
+        "kernel_speedup": times["bf16"] / kernel_ms,
+        "bf16_tflops": flops / times["bf16"] / 1e9,
+        "fp8_tflops": flops / times["fp8"] / 1e9,
+        "bf16_err": errors["bf16"],
+        "fp8_err": errors["fp8"],
+        "err_ratio": errors["fp8"] / max(errors["bf16"], 1e-30),
+        "fp8_vs_emulation": kernel_vs_emulation,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="workload (a), default kernel configs (< 90 s)")
+    args = parser.parse_args()
+    if args.quick:
+        os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
+    rows = []
+    for wl in _selected(args.quick):
+        rows.append(measure(wl))
+        print_table(rows[-1:], COLUMNS)
+        write_results("attention_fp8", rows, {"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM})
+        torch.cuda.empty_cache()
+    print()
+    print_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Exact emulation of the FP8 JFA forward (``precision="fp8"``): quantize as the kernel does, then fp32 attention.
+
+The recipe (the specification :mod:`opengem.ops.triton.jagged_attention_fp8` is tested against):
+
+- Q, K and V are cut, per sample and head, into blocks of ``block`` rows starting at the sample's first
+  token (the last block of a sample is partial). Each block gets one fp32 scale ``amax / 448`` (amax over
+  the block's rows and the head dim, at least 1e-12) and its elements become E4M3
+  ``rne(clamp(x * (448 / amax), -448, 448))``; both quotients correctly rounded, rounding to
+  nearest-even with subnormals (torch's ``float8_e4m3fn`` cast), so the kernel's fp8 bits are the same.
+- Logits in base 2, ``(q8 * sq) (k8 * sk)^T * scale * log2(e)``, masked as the reference mask says.
+- An online softmax over the key blocks (the kernel's key tiles are the same blocks, in the same order):
+  running row maximum ``m``, ``p = exp2(s - m)`` in fp32, the row sum of the fp32 ``p``, and
+  ``P V`` with ``P`` quantized to E4M3 as ``rne(p * 256)``: p <= 1, so the fixed power-of-two scale 256
+  cannot overflow (<= 448) and scales exactly; every p >= 2^-14 keeps E4M3's full 3-bit mantissa and
+  smaller ones (under 6e-5 of the running maximum) go subnormal, then to zero below 2^-17.
+  A per-tile scale from the tile maximum would buy nothing: the tile maximum is 1 in any tile holding
+  a row's running maximum, and elsewhere only a tile far below the maximum, which adds little, would gain.
+
+Only fp32 rounding differs from the kernel: sums in another order, ``exp2`` to a few ulps, so a ``p``
+within an ulp of an E4M3 rounding boundary may round the other way. The backward of ``precision="fp8"``
+is the bf16 one (forward-only low precision), so no backward is emulated here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from opengem.ops.reference.attention import _length_groups, _pad, _unpad
+from opengem.ops.reference.masks import batched_attention_mask
+
+E4M3_MAX = 448.0
+P_SCALE = 256.0  # P's fixed quantization scale (a power of two <= 448 / max(p) = 448)
+LOG2E = 1.4426950408889634
+MIN_AMAX = 1e-12  # blocks of zeros get a finite scale
+
+
+def quantize_padded_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Padded ``x [G, H, L, D]`` (L a multiple of ``block``, zeros past each sample) -> E4M3 ``[G, H, L, D]``
+    and the fp32 dequantization scale of each row's block ``[G, H, L, 1]``."""
+    g, h, length, d = x.shape
+    blocks = x.float().reshape(g, h, length // block, block * d)
+    amax = blocks.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)
+    data = (blocks * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (amax / E4M3_MAX).expand(-1, -1, -1, block)
+    return data.reshape(x.shape), scale.reshape(g, h, length, 1)
+
+
+def quantize_jagged_blocks(x: torch.Tensor, offsets: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Jagged ``x [T, H, D]`` -> E4M3 ``[T, H, D]`` and each row's block scale ``[T, H]`` fp32."""
+    data = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty(x.shape[:2], dtype=torch.float32, device=x.device)
+    for rows, lengths, size, _ in _length_groups(offsets, None, x.shape[1], x.device):
+        padded = _pad(x[rows].float(), lengths, _round_up(size, block))
+        q8, s = quantize_padded_blocks(padded, block)
+        data[rows] = _unpad(q8.view(torch.uint8), lengths, padded.shape[2]).view(torch.float8_e4m3fn)
+        scale[rows] = _unpad(s, lengths, padded.shape[2])[..., 0]
+    return data, scale
+
+
+def quantize_p(p: torch.Tensor) -> torch.Tensor:
+    """fp32 ``p`` in [0, 1] -> the E4M3 values of ``p * 256``, as fp32."""
+    return (p * P_SCALE).to(torch.float8_e4m3fn).float()
+
+
+def jagged_attention_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block: int,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The FP8 forward of :func:`opengem.ops.jagged_attention` (``scale`` final, default ``1 / sqrt(D)``);
+    returns ``[T, H, D]`` in q's dtype. Shapes as in :func:`opengem.ops.reference.attention.jagged_attention`."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
+    scale_log2 = (1.0 / math.sqrt(head_dim) if scale is None else scale) * LOG2E
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
+        padded = _round_up(size, block)
+        qd, kd, vd = (_dequantized(_pad(x[rows].float(), lengths, padded), block) for x in (q, k, v))
+        kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
+        mask = batched_attention_mask(
+            lengths, padded, causal=causal, num_targets=targets, contextual_len=contextual_len, window=window
+        )
+        logits = (qd @ kd.transpose(-1, -2)) * scale_log2
+        logits = logits.masked_fill(~mask[:, None], float("-inf"))
+        out[rows] = _unpad(_online_softmax_pv(logits, vd, block), lengths, padded)
+    return out.to(q.dtype)
+
+
+def _online_softmax_pv(logits: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    """``softmax(logits) v`` key block by key block, as the kernel runs it, with P quantized per block."""
+    row_max = torch.full(logits.shape[:-1], -1.0e30, device=logits.device)  # the kernel's finite start
+    row_sum = torch.zeros_like(row_max)
+    acc = torch.zeros((*logits.shape[:-1], v.shape[-1]), device=logits.device)
+    for start in range(0, logits.shape[-1], block):
+        s = logits[..., start : start + block]
+        new_max = torch.maximum(row_max, s.amax(-1))
+        p = torch.exp2(s - new_max[..., None])
+        alpha = torch.exp2(row_max - new_max)
+        row_sum = row_sum * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + quantize_p(p) @ v[..., start : start + block, :] / P_SCALE
+        row_max = new_max
+    return acc / torch.where(row_sum > 0, row_sum, 1.0)[..., None]
+
+
+def _dequantized(x: torch.Tensor, block: int) -> torch.Tensor:
+    data, scale = quantize_padded_blocks(x, block)
+    return data.float() * scale
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -1,0 +1,365 @@
+"""FP8 JFA forward (``precision="fp8"``): one fused quantize pass over Q, K, V, then E4M3 Q K^T and P V.
+
+The numerics are those of :mod:`opengem.ops.reference.attention_fp8` (per sample-aligned block of
+``BLOCK`` rows and head: one fp32 scale, E4M3 elements; P quantized as ``rne(p * 256)``). ``BLOCK`` is the
+JFA large tile (128 on the GPU, 32 in the interpreter); the forward's key tile is one block, its query
+tile (64 or 128) lies inside one, so every tile has a single scale per operand, applied to the fp32 result.
+
+Blocked layout written by the quantize pass, ``NB`` the number of blocks of the batch (one per large
+query tile of the schedule) and ``block_base [B + 1]`` the first block of each sample:
+q8 ``[H, NB, BLOCK, D]``, k8 ``[H_kv, NB, BLOCK, D]``, v8 ``[H_kv, NB, D, BLOCK]`` (transposed: the P V
+operand is then contiguous along its reduction, what Hopper's FP8 MMA wants), rows past a sample zero;
+scales ``[H, NB]`` / ``[H_kv, NB]`` fp32. Padded blocks keep every load aligned and unmasked.
+
+Rounding: the quantize pass rounds with integer arithmetic (:func:`fp32_to_fp8_bits`), bit-exact against
+torch's round-to-nearest-even cast everywhere. P is rounded in the hot loop by the hardware conversion
+``.to(tl.float8e4nv, fp_downcast_rounding="rtne")`` (PTX ``cvt.rn.satfinite.e4m3x2.f32``: nearest-even,
+saturating, so torch's cast for |x| <= 448; tests/gpu checks that assumption bit for bit), and in the
+interpreter by :func:`fp32_to_fp8_bits`: Triton 3.6's interpreter rounds fp32 -> fp8 half-away-from-zero
+on the truncated mantissa and ORs a mantissa carry into the exponent field instead of adding it
+(1.9375 -> 1.0 rather than 2.0), which is what made its fp8 dots disagree with torch. Its fp8 ``dot``
+itself (exact fp8 -> fp16 upcast, fp32 matmul) is fine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from opengem.ops.reference.attention_fp8 import E4M3_MAX, MIN_AMAX, P_SCALE
+from opengem.ops.triton.jagged_attention import (
+    _INTERPRET,
+    _KEY,
+    _LARGE,
+    _SMALL,
+    LOG2E,
+    Problem,
+    _grid,
+    _item,
+    _key_tiles,
+    _sample,
+    _tuning_bench,
+)
+from opengem.ops.triton.masks import tile_mask
+from opengem.ops.triton.mx import fp32_to_fp8_bits
+
+BLOCK = _LARGE
+FP8_HEAD_DIMS = (32, 64, 128, 256)  # the E4M3 MMA reduces over at least 32
+
+# (BLOCK_M, num_warps, num_stages); BLOCK_N is always BLOCK. The first is the untuned default.
+_FWD_FP8 = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (128, 8, 4), (64, 4, 4)]
+
+
+def _configs() -> list[triton.Config]:
+    if _INTERPRET:  # query tiles of 16 inside blocks of 32: several tiles share one block's scale
+        return [triton.Config({"BLOCK_M": _SMALL}, num_warps=1, num_stages=1)]
+    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s) for m, w, s in _FWD_FP8]
+
+
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """OPENGEM_JFA_AUTOTUNE=0 keeps the default; D = 256 keeps two stages (a 128 x 256 E4M3 K and V tile
+    per stage would overflow shared memory at three)."""
+    if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0":
+        configs = configs[:1]
+    if kwargs.get("HEAD_DIM", named_args.get("HEAD_DIM")) != 256 or _INTERPRET:
+        return configs
+    kept = {}
+    for c in configs:
+        stages = min(c.num_stages, 2)
+        kept.setdefault(
+            (c.kwargs["BLOCK_M"], c.num_warps, stages),
+            triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages),
+        )
+    return list(kept.values())
+
+
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """fp32 ``x`` (|x| <= 448) to E4M3, nearest-even: the hardware conversion, or integer arithmetic when ``EXACT``."""
+    if EXACT:
+        return fp32_to_fp8_bits(x, 3, 7).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+# ------------------------------------------------------------------------------------------ quantize
+
+
+@triton.jit
+def _quantize_block(X, X8, XS, start, row, seq_len, stride_t, h, block_id, num_blocks,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):  # fmt: skip
+    """One (block, head): fp32 scale amax / 448 and E4M3 elements, rows past the sample written as zeros."""
+    offs_r = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (row + offs_r)[:, None] < seq_len
+    x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), MIN_AMAX)
+    e4m3_max = amax * 0.0 + E4M3_MAX
+    # both quotients correctly rounded, as torch divides (a compiled ``/`` is approximate)
+    tl.store(XS + h * num_blocks + block_id, tl.math.div_rn(amax, e4m3_max))
+    scaled = x * tl.math.div_rn(e4m3_max, amax)
+    x8 = to_e4m3(tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX), True)
+    base = X8 + (h * num_blocks + block_id).to(tl.int64) * BLOCK * HEAD_DIM
+    if TRANSPOSE:
+        tl.store(base + offs_d[None, :] * BLOCK + offs_r[:, None], x8)
+    else:
+        tl.store(base + offs_r[:, None] * HEAD_DIM + offs_d[None, :], x8)
+
+
+@triton.jit(do_not_specialize=["num_blocks"])
+def _quantize_kernel(
+    Q, K, V, Q8, K8, V8, QS, KS, VS, offsets, block_base, items,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Program (block item, head): Q's block of head h, and K's and V's when h is also a K/V head."""
+    b = tl.load(items + 2 * tl.program_id(0))
+    row = tl.load(items + 2 * tl.program_id(0) + 1)
+    h = tl.program_id(1)
+    start, seq_len, _ = _sample(offsets, offsets, b, False)
+    block_id = tl.load(block_base + b) + row // BLOCK
+    _quantize_block(
+        Q + h * stride_qh, Q8, QS, start, row, seq_len, stride_qt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False
+    )
+    if h < kv_heads:
+        _quantize_block(
+            K + h * stride_kh, K8, KS, start, row, seq_len, stride_kt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False
+        )
+        _quantize_block(
+            V + h * stride_vh, V8, VS, start, row, seq_len, stride_vt, h, block_id, num_blocks, HEAD_DIM, BLOCK, True
+        )
+
+
+# ------------------------------------------------------------------------------------------- forward
+
+
+@triton.jit
+def _fwd_fp8_tiles(
+    acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, n_lo, n_hi,
+    offs_m, offs_d, seq_len, hist_len, contextual_len, window,
+    HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, EXACT: tl.constexpr,
+):  # fmt: skip
+    """Key tiles ``[n_lo, n_hi)`` (whole blocks). ``acc`` holds sum(p8 v8) in units of the current
+    block's ``v_scale / 256``: a new block's scale ratio is folded into the softmax rescale ``alpha``."""
+    offs_j = tl.arange(0, BLOCK_N)
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        blk = kv_block0 + n_start // BLOCK_N
+        kT = tl.load(K8 + blk * BLOCK_N * HEAD_DIM + offs_j[None, :] * HEAD_DIM + offs_d[:, None])
+        v = tl.load(V8 + blk * BLOCK_N * HEAD_DIM + offs_d[None, :] * BLOCK_N + offs_j[:, None])
+        s = tl.dot(q, kT) * (qk_scale * tl.load(KS + blk))  # logits in base 2, dequantized
+        if MASKED:
+            visible = tile_mask(
+                offs_m, n_start + offs_j, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT
+            )
+            s = tl.where(visible, s, float("-inf"))
+        # online softmax: rescale the running sum and accumulator to the new row maximum
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.math.exp2(s - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        new_v_scale = tl.load(VS + blk)
+        p8 = to_e4m3(p * P_SCALE, EXACT)
+        acc = tl.dot(p8, v, acc * (alpha * (v_scale / new_v_scale))[:, None])
+        v_scale = new_v_scale
+        m_i = m_new
+    return acc, l_i, m_i, v_scale
+
+
+@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
+def _fwd_fp8_kernel(
+    Q8, K8, V8, QS, KS, VS, O, LSE, offsets, num_targets, block_base, sched_small, sched_large,
+    stride_ot, stride_oh, total_tokens, heads, num_blocks, scale_log2, contextual_len, window, LEN_BUCKET,
+    HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, EXACT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
+    start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
+    block0 = tl.load(block_base + b).to(tl.int64)
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_block = h * num_blocks + block0 + m_start // BLOCK_N
+    q = tl.load(
+        Q8
+        + q_block * BLOCK_N * HEAD_DIM
+        + (m_start % BLOCK_N + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM
+        + offs_d[None, :]
+    )
+    qk_scale = tl.load(QS + q_block) * scale_log2
+    kv_block0 = (h // GROUP) * num_blocks + block0
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: rows that see nothing stay free of inf - inf
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    v_scale = scale_log2 * 0.0 + 1.0  # acc starts at 0: any finite unit does
+    lo, f_lo, f_hi, hi = _key_tiles(
+        m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT
+    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
+        acc,
+        l_i,
+        m_i,
+        v_scale,
+        q,
+        K8,
+        V8,
+        KS,
+        VS,
+        kv_block0,
+        qk_scale,
+        lo,
+        f_lo,
+        offs_m,
+        offs_d,
+        seq_len,
+        hist_len,
+        contextual_len,
+        window,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_CONTEXT,
+        EXACT,
+    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
+        acc,
+        l_i,
+        m_i,
+        v_scale,
+        q,
+        K8,
+        V8,
+        KS,
+        VS,
+        kv_block0,
+        qk_scale,
+        f_lo,
+        f_hi,
+        offs_m,
+        offs_d,
+        seq_len,
+        hist_len,
+        contextual_len,
+        window,
+        HEAD_DIM,
+        BLOCK_N,
+        False,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_CONTEXT,
+        EXACT,
+    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
+        acc,
+        l_i,
+        m_i,
+        v_scale,
+        q,
+        K8,
+        V8,
+        KS,
+        VS,
+        kv_block0,
+        qk_scale,
+        f_hi,
+        hi,
+        offs_m,
+        offs_d,
+        seq_len,
+        hist_len,
+        contextual_len,
+        window,
+        HEAD_DIM,
+        BLOCK_N,
+        True,
+        CAUSAL,
+        HAS_WINDOW,
+        HAS_CONTEXT,
+        EXACT,
+    )
+    l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
+    out = acc * (v_scale / P_SCALE) / l_i[:, None]
+    row_ok = offs_m < seq_len
+    tl.store(
+        O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :],
+        out.to(O.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+    tl.store(LSE + h * total_tokens + start + offs_m, m_i + tl.math.log2(l_i), mask=row_ok)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------ launchers
+
+
+def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, ...]:
+    """One launch quantizing Q, K and V per (sample-aligned block of ``BLOCK`` rows, head); returns
+    ``(q8, k8, v8, q_scale, k_scale, v_scale, block_base)`` in the blocked layout of the module docstring."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    items = pb.sched.query_tiles[BLOCK]  # one item per block
+    num_blocks = items.shape[0]
+    lengths = pb.offsets[1:] - pb.offsets[:-1]
+    block_base = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=q.device)
+    torch.cumsum(torch.div(lengths + BLOCK - 1, BLOCK, rounding_mode="floor"), 0, out=block_base[1:])
+    new = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn, device=q.device)
+    scales = lambda h: torch.empty((h, num_blocks), dtype=torch.float32, device=q.device)
+    q8, k8, v8 = (
+        new(heads, num_blocks, BLOCK, head_dim),
+        new(kv_heads, num_blocks, BLOCK, head_dim),
+        new(kv_heads, num_blocks, head_dim, BLOCK),
+    )
+    qs, ks, vs = scales(heads), scales(kv_heads), scales(kv_heads)
+    if num_blocks:
+        _quantize_kernel[(num_blocks, heads)](
+            q, k, v, q8, k8, v8, qs, ks, vs, pb.offsets, block_base, items,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, kv_heads,
+            HEAD_DIM=head_dim, BLOCK=BLOCK,
+        )  # fmt: skip
+    return q8, k8, v8, qs, ks, vs, block_base
+
+
+def unblock(
+    data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocked ``data`` and ``scale`` back as jagged ``[T, H, D]`` E4M3 and per-row ``[T, H]`` scales (tests)."""
+    if transposed:
+        data = data.transpose(-1, -2)
+    rows = torch.arange(int(offsets[-1]), device=offsets.device)
+    sample = torch.searchsorted(offsets, rows, right=True) - 1
+    pos = rows - offsets[sample]
+    block = block_base[sample].long() + pos // BLOCK
+    values = data.view(torch.uint8)[:, block, pos % BLOCK].transpose(0, 1).view(torch.float8_e4m3fn)
+    return values, scale[:, block].transpose(0, 1)
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 forward: ``out [T, H, D]`` in q's dtype and ``lse [H, T]`` fp32 base 2 (for the bf16 backward)."""
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    total, heads, _ = q.shape
+    out = torch.empty_like(q)
+    lse = torch.empty((heads, total), device=q.device, dtype=torch.float32)
+    items = pb.sched.query_tiles
+    if total == 0 or items[_SMALL].shape[0] == 0:
+        return out, lse
+    attend(quantize_qkv(q, k, v, pb), out, lse, k.shape[1], pb)
+    return out, lse
+
+
+def attend(
+    quantized: tuple[torch.Tensor, ...], out: torch.Tensor, lse: torch.Tensor, kv_heads: int, pb: Problem
+) -> None:
+    """The attention kernel alone, from :func:`quantize_qkv`'s output, into ``out [T, H, D]`` and ``lse [H, T]``."""
+    q8, k8, v8, qs, ks, vs, block_base = quantized
+    total, heads, head_dim = out.shape
+    items = pb.sched.query_tiles
+    constexprs = {"HEAD_DIM": head_dim, "GROUP": heads // kv_heads, "CAUSAL": pb.opts.causal, "HAS_WINDOW": pb.opts.window is not None,
+                      "HAS_CONTEXT": pb.opts.contextual_len > 0, "HAS_TARGETS": pb.num_targets is not None, "SMALL": _SMALL}  # fmt: skip
+    _fwd_fp8_kernel[_grid(items, heads, "BLOCK_M")](
+        q8, k8, v8, qs, ks, vs, out, lse, pb.offsets, pb.targets_arg(), block_base, items[_SMALL], items[_LARGE],
+        out.stride(0), out.stride(1), total, heads, q8.shape[1], pb.scale * LOG2E, **pb.runtime(), **constexprs,
+        EXACT=_INTERPRET, BLOCK_N=BLOCK,
+    )  # fmt: skip
