@@ -56,6 +56,7 @@ class ExpertShape:
 
     module: str
     expert_params: tuple[nn.Parameter, ...]  # one expert's
+    all_params: tuple[nn.Parameter, ...]  # every expert's (what an EP rank drops from its block)
     num_experts: int
     input_elems: int  # per sample: tokens in x d_model
     output_elems: int  # per sample: tokens out x d_model
@@ -86,7 +87,7 @@ class Workload:
 
     def block_params(self, expert_parallel: bool) -> int:
         """Parameters of the largest FSDP block (gathered at once), experts left out under EP."""
-        taken = {id(p) for e in self.experts for p in e.expert_params} if expert_parallel else set()
+        taken = {id(p) for e in self.experts for p in e.all_params} if expert_parallel else set()
         return max((sum(p.numel() for p in params if id(p) not in taken) for _, params in self.blocks), default=0)
 
 
@@ -115,7 +116,7 @@ def _fsdp_structure(model: GEM) -> tuple[tuple, tuple, tuple]:
             first = module.experts[0]
             tokens_out = first.fm_tokens + first.lc.out_features
             d = first.fm_projection.shape[0], first.norm.normalized_shape[-1]
-            experts.append(ExpertShape(name, tuple(first.parameters()), len(module.experts), d[0] * d[1], tokens_out * d[1]))
+            experts.append(ExpertShape(name, tuple(first.parameters()), tuple(module.parameters()), len(module.experts), d[0] * d[1], tokens_out * d[1]))
     sparse = {p for m in model.modules() if getattr(m, "opengem_sparse", False) for p in m.parameters()}
     taken = {n for n, p in _own_params("", model, set()).items() if p in sparse}
     blocks = []
