@@ -139,13 +139,16 @@ def _ids_per_sample(data: SyntheticConfig, model: GEM) -> dict[str, float]:
     return {t.name: sum(per_feature.get(f, 0.0) for f in t.feature_names) for t in model.embeddings.tables}
 
 
-@functools.cache
 def workload(name: str) -> Workload:
     """The :class:`Workload` of a ``GEM_PRESETS`` entry (cached: a few seconds for gem-xl)."""
     if name not in GEM_PRESETS:
         raise ValueError(f"unknown GEM preset {name!r}; choose one of {sorted(GEM_PRESETS)}")
-    preset = GEM_PRESETS[name]
-    config, data = preset.model, preset.data
+    return workload_of(name, GEM_PRESETS[name].model, GEM_PRESETS[name].data)
+
+
+@functools.cache
+def workload_of(name: str, config: GEMConfig, data: SyntheticConfig) -> Workload:
+    """The :class:`Workload` of a GEM model ``config`` reading the synthetic world ``data``."""
     law = LengthLaw.of(data)
     grid = np.unique(np.geomspace(law.lengths[0], law.lengths[-1], GRID_POINTS).round().astype(int))
     if config.self_attention == "jfa":  # the window bends the attention curve: sample around it
