@@ -1,4 +1,4 @@
-"""The `opengem` command: train, data synth, data movielens, info, bench."""
+"""The `opengem` command: train, data synth, data movielens, info, bench, plan."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 from opengem.cli.bench import add_bench_parser, run_bench
 from opengem.cli.info import add_info_parser, run_info
 from opengem.cli.movielens import add_movielens_parser, movielens_command
+from opengem.cli.plan import add_plan_parser, run_plan
 from opengem.parallel.mesh import parse_parallel
 from opengem.train.checkpoint import checkpoint_config, resolve_checkpoint
 from opengem.train.sequential import SEQUENTIAL_PRESETS
@@ -48,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     add_movielens_parser(data_commands)
     add_info_parser(commands)
     add_bench_parser(commands)
+    add_plan_parser(commands)
 
     args = parser.parse_args(argv)
     try:
@@ -57,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
             return run_info(args)
         if args.command == "bench":
             return run_bench(args)
+        if args.command == "plan":
+            return run_plan(args)
         if args.data_command == "movielens":
             return movielens_command(args)
         return _synth(args)

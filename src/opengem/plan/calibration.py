@@ -1,0 +1,153 @@
+"""Calibration tables: what the kernels reach on a real GPU, for the cost model.
+
+A table (JSON, written by ``opengem bench calibrate`` or shipped in ``opengem/plan/calibrations``)::
+
+    {"device": ..., "source": ..., "peak_bf16_tflops": 989, "hbm_gbps": 4800,
+     "gemm": [[M, N, K, TFLOP/s], ...],                          # bf16 GEMMs
+     "attention": {"jfa": [[keys_per_query, fwd TFLOP/s, bwd TFLOP/s], ...], "gdpa": [...]},
+     "block_attention_gbps": [fwd, bwd],                          # bandwidth-bound
+     "embedding_gbps": ..., "copy_gbps": ...,
+     "elementwise_bytes": ...,   # bytes per token, layer and d_model element moved by norms / casts / element-wise
+     "activation_bytes": ...,    # bytes per token, layer and d_model element kept for backward
+     "host": {"launch_us": ..., "attention_call_us": ..., "launches_per_layer": ..., "launches_per_step": ...},
+     "sm_contention": ...,       # compute slowdown while NCCL kernels run beside it (fraction)
+     "notes": {...}}             # where each figure comes from
+
+Rates transfer to another GPU of the cluster as fractions: compute by ``peak_bf16_tflops``, memory-bound
+work by ``hbm_gbps`` (``Rates``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from opengem.plan.cluster import GPUSpec
+
+SHIPPED = ("h200",)
+ATTENTION_FAMILIES = ("jfa", "gdpa")
+GEMM_M_SATURATION = 2**16  # beyond this many rows a GEMM's efficiency no longer depends on M
+
+
+@dataclass(frozen=True)
+class HostCosts:
+    launch_us: float  # host time per launched kernel in a training step (framework + launch)
+    attention_call_us: float  # extra host work per attention-op call (schedules, tuning lookups)
+    launches_per_layer: float  # kernels per GEM layer, forward + backward
+    launches_per_step: float  # kernels outside the layers (embeddings, heads, loss, optimizer)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str
+    source: str
+    peak_bf16_tflops: float
+    hbm_gbps: float
+    gemm: list[list[float]]
+    attention: dict[str, list[list[float]]]
+    block_attention_gbps: list[float]
+    embedding_gbps: float
+    copy_gbps: float
+    elementwise_bytes: float
+    activation_bytes: float
+    host: HostCosts
+    sm_contention: float
+    notes: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def save(self, path: Path) -> Path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        return path
+
+
+def calibration_from_dict(data: dict[str, Any], source: str) -> Calibration:
+    """Build a :class:`Calibration`; a missing or non-positive entry raises naming ``source`` and the key."""
+    try:
+        table = Calibration(**{**data, "host": HostCosts(**data["host"])})
+    except (KeyError, TypeError) as error:
+        raise ValueError(f"{source}: not a calibration table ({error})") from None
+    if not table.gemm or any(len(p) != 4 or min(p) <= 0 for p in table.gemm):
+        raise ValueError(f"{source}: gemm must be a non-empty list of positive [M, N, K, TFLOP/s]")
+    for family in ATTENTION_FAMILIES:
+        points = table.attention.get(family)
+        if not points or any(len(p) != 3 or min(p) <= 0 for p in points):
+            raise ValueError(f"{source}: attention.{family} must be a non-empty list of positive [keys, fwd, bwd]")
+    for key in ("peak_bf16_tflops", "hbm_gbps", "embedding_gbps", "copy_gbps", "elementwise_bytes", "activation_bytes"):
+        if getattr(table, key) <= 0:
+            raise ValueError(f"{source}: {key} must be positive, got {getattr(table, key)}")
+    return table
+
+
+def load_calibration(name_or_path: str | Path) -> Calibration:
+    """A shipped table by name (``h200``) or a JSON file written by ``opengem bench calibrate``."""
+    if str(name_or_path) in SHIPPED:
+        text = resources.files("opengem.plan").joinpath("calibrations", f"{name_or_path}.json").read_text()
+        source = f"{name_or_path}.json (shipped)"
+    else:
+        path = Path(name_or_path)
+        if not path.is_file():
+            raise FileNotFoundError(f"calibration file {path} not found (shipped: {', '.join(SHIPPED)})")
+        text, source = path.read_text(), str(path)
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{source}: not valid JSON: {error}") from None
+    return calibration_from_dict(data, source)
+
+
+def _interpolate_log(points: list[list[float]], x: float, column: int) -> float:
+    """Piecewise linear in log(x) over sorted points, clamped at both ends."""
+    ordered = sorted(points)
+    if x <= ordered[0][0]:
+        return ordered[0][column]
+    for low, high in zip(ordered, ordered[1:]):
+        if x <= high[0]:
+            t = math.log(x / low[0]) / math.log(high[0] / low[0])
+            return low[column] + t * (high[column] - low[column])
+    return ordered[-1][column]
+
+
+@dataclass(frozen=True)
+class Rates:
+    """A calibration table carried over to ``gpu``: achieved FLOP/s and bytes/s of each kind of work."""
+
+    table: Calibration
+    gpu: GPUSpec
+
+    @property
+    def compute_scale(self) -> float:
+        return self.gpu.bf16_tflops / self.table.peak_bf16_tflops
+
+    @property
+    def memory_scale(self) -> float:
+        return self.gpu.hbm_gbps / self.table.hbm_gbps
+
+    def gemm_flops_per_s(self, m: float, n: float, k: float) -> float:
+        """Inverse-distance weighting (log2 space, M saturating) over the measured GEMM shapes."""
+        def coords(a: float, b: float, c: float) -> tuple[float, ...]:
+            return math.log2(min(a, GEMM_M_SATURATION)), math.log2(b), math.log2(c)
+
+        target = coords(m, n, k)
+        total = weight_sum = 0.0
+        for pm, pn, pk, tflops in self.table.gemm:
+            distance = sum((a - b) ** 2 for a, b in zip(coords(pm, pn, pk), target))
+            if distance < 1e-12:
+                return tflops * 1e12 * self.compute_scale
+            weight = 1.0 / distance
+            total, weight_sum = total + weight * tflops, weight_sum + weight
+        return total / weight_sum * 1e12 * self.compute_scale
+
+    def attention_flops_per_s(self, family: str, keys_per_query: float) -> tuple[float, float]:
+        points = self.table.attention[family]
+        fwd, bwd = (_interpolate_log(points, max(keys_per_query, 1.0), c) for c in (1, 2))
+        return fwd * 1e12 * self.compute_scale, bwd * 1e12 * self.compute_scale
+
+    def bytes_per_s(self, gbps: float) -> float:
+        return gbps * 1e9 * self.memory_scale

@@ -1,0 +1,79 @@
+"""The cost model against a measurement, the planner's speed, bad cluster files."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from opengem.cli.main import main
+from opengem.parallel.mesh import ParallelConfig
+from opengem.plan.cluster import load_cluster
+from opengem.plan.cost import Layout
+from opengem.plan.planner import Planner
+
+MEASURED_GEM_SMALL_MS = 326.0
+
+
+def test_one_gpu_gem_small_step_within_15_percent_of_the_measurement():
+    """Measured: 326 ms per step, gem-small, batch 2048, bf16, compiled, fresh batches, one H200
+    (benchmarks/results/step_profile.json, RESULTS.md "Training on the GPU", session 2 call 4).
+    Predicted from the shipped H200 calibration. Note: that table's host cost per launch was fitted to
+    this same run, so this checks the model's composition; gem-large has no measurement yet."""
+    planner = Planner("gem-small", load_cluster("h200"), 1)
+    prediction = planner.predict(Layout(ParallelConfig().resolved(1), 2048))
+    assert prediction.fits
+    assert prediction.step_s * 1e3 == pytest.approx(MEASURED_GEM_SMALL_MS, rel=0.15)
+    assert prediction.host_s > prediction.device_s  # the measured step is host-bound (165 ms of GPU work)
+
+
+def test_planning_gem_xl_on_4096_gpus_is_fast():
+    start = time.perf_counter()
+    plan = Planner("gem-xl", load_cluster("h100"), 4096).plan()
+    elapsed = time.perf_counter() - start
+    print(f"planned gem-xl on 4096 GPUs in {elapsed:.1f} s")
+    assert elapsed < 90
+    best = plan.best
+    assert best.fits and best.memory_total <= load_cluster("h100").gpu.hbm_bytes
+    assert 0 < best.e2e_mfu < best.local_mfu < 1
+    assert [p.e2e_mfu for p in plan.ranked] == sorted((p.e2e_mfu for p in plan.ranked), reverse=True)
+
+
+def test_plan_cli_writes_json_and_plot(tmp_path, capsys):
+    out, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "--preset", "gem-small", "--cluster", "h200", "--gpus", "16", "--out", str(out), "--plot", str(png)]) == 0
+    assert "best: dense_replicate=" in capsys.readouterr().out
+    assert out.stat().st_size > 0 and png.stat().st_size > 0
+
+
+GOOD = (Path(__file__).resolve().parents[2] / "src/opengem/plan/clusters/h100.toml").read_text()
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (("hbm_gib = 80.0\n", ""), "[gpu]: missing key 'hbm_gib'"),
+        (("gpus_per_host = 8", 'gpus_per_host = "8"'), "[topology]: gpus_per_host must be an integer"),
+        (("gpus_per_host = 8", "gpus_per_host = 8.5"), "[topology]: gpus_per_host must be an integer"),
+        (("bf16_tflops = 989.0", "bf16_tflops = -1.0"), "[gpu]: bf16_tflops must be positive"),
+        (("latency_us = 8.0", "latency_us = 0"), "[network.intra_zone]: latency_us must be positive"),
+        (("oversubscription = 4.0", "oversubscription = 0.5"), "[network.cross_zone]: oversubscription must be >= 1"),
+        (("[network.nvlink]", "[network.nvlinks]"), "[network]: missing table [nvlink]"),
+        (("name = \"h100\"", "name = "), "not valid TOML"),
+    ],
+)
+def test_bad_cluster_files_name_the_key_and_file(tmp_path, edit, message):
+    path = tmp_path / "bad.toml"
+    assert edit[0] in GOOD
+    path.write_text(GOOD.replace(edit[0], edit[1], 1))
+    with pytest.raises(ValueError) as error:
+        load_cluster(path)
+    assert str(path) in str(error.value) and message in str(error.value)
+
+
+def test_missing_cluster_file_and_cli_error(tmp_path, capsys):
+    with pytest.raises(FileNotFoundError, match="shipped clusters: h100, h200"):
+        load_cluster(tmp_path / "none.toml")
+    assert main(["plan", "--preset", "gem-small", "--gpus", "100000"]) == 2
+    assert "the cluster h100 has 4096 GPUs" in capsys.readouterr().err
