@@ -36,6 +36,7 @@ from opengem.ops.reference import embedding as embedding_reference
 from opengem.plan.calibration import Measurements
 from opengem.train.flops import DEVICE_PEAKS, device_peak_flops
 
+DEVICE = "cuda"
 HEADS, HEAD_DIM, BLOCK = 4, 128, 64  # every GEM preset has 128-wide heads; block: BlockAttention's default
 TOLERANCE = 3e-2  # relative error of a bf16 op against its fp32 reference
 CEILING = (8192, 8192, 8192)  # the square GEMM: the device's reachable BF16 ceiling
@@ -90,7 +91,7 @@ class Run:
     def __init__(self, sizes: Sizes) -> None:
         self.sizes = sizes
         self.errors: dict[str, float] = {}
-        self.generator = torch.Generator(device="cuda").manual_seed(0)
+        self.generator = torch.Generator(device=DEVICE).manual_seed(0)
 
     def ms(self, fn: Callable[[], object]) -> float:
         import triton.testing
@@ -100,7 +101,7 @@ class Run:
         return float(triton.testing.do_bench(fn, warmup=self.sizes.warmup_ms, rep=self.sizes.rep_ms, return_mode="median"))
 
     def randn(self, *shape: int, dtype: torch.dtype = torch.bfloat16, grad: bool = False) -> torch.Tensor:
-        x = torch.randn(*shape, device="cuda", generator=self.generator).to(dtype)
+        x = torch.randn(*shape, device=DEVICE, generator=self.generator).to(dtype)
         return x.requires_grad_(grad)
 
     def check(self, name: str, got: tuple[torch.Tensor, ...], want: tuple[torch.Tensor, ...]) -> None:
@@ -129,7 +130,7 @@ def jagged(lengths: list[int]) -> tuple[torch.Tensor, int]:
     """Offsets on the GPU with their host mirror (the ops' validation then reads it without a sync)."""
     host = torch.zeros(len(lengths) + 1, dtype=torch.int32)
     host[1:] = torch.cumsum(torch.tensor(lengths), 0)
-    return to_device(host, torch.device("cuda")), max(lengths, default=0)
+    return to_device(host, torch.device(DEVICE)), max(lengths, default=0)
 
 
 def measure_gemm(run: Run) -> list[list[float]]:
@@ -230,13 +231,13 @@ def embedding_batch(run: Run, tables: int, rows: int, dim: int, batch: int, pool
     lengths = torch.randint(0, 2 * pooling + 1, (len(features), batch), generator=cpu)
     ids = torch.randint(0, rows, (int(lengths.sum()),), generator=cpu)
     layout = LookupLayout.build([(t * rows * dim, t * rows, rows, dim) for t in range(tables)], features,
-                                ["sum"] * tables + ["none"], lengths.sum(1).tolist(), batch, "cuda")
+                                ["sum"] * tables + ["none"], lengths.sum(1).tolist(), batch, DEVICE)
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths.flatten(), 0)
-    weights = torch.randn(tables * rows * dim, device="cuda", generator=run.generator)
-    update = FusedUpdate("rowwise_adagrad", torch.zeros(tables * rows, device="cuda"), torch.zeros(0, device="cuda"),
-                         torch.zeros(1, dtype=torch.int64, device="cuda"), torch.zeros(0, device="cuda", requires_grad=True))
-    return EmbeddingBatch(weights, layout, ids.cuda(), offsets.cuda(), update, ids.numel() * dim * 4)
+    weights = torch.randn(tables * rows * dim, device=DEVICE, generator=run.generator)
+    update = FusedUpdate("rowwise_adagrad", torch.zeros(tables * rows, device=DEVICE), torch.zeros(0, device=DEVICE),
+                         torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.zeros(0, device=DEVICE, requires_grad=True))
+    return EmbeddingBatch(weights, layout, ids.to(DEVICE), offsets.to(DEVICE), update, ids.numel() * dim * 4)
 
 
 def measure_embedding(run: Run) -> tuple[float, float]:
@@ -244,18 +245,18 @@ def measure_embedding(run: Run) -> tuple[float, float]:
     small = embedding_batch(run, 2, 50, 16, 6, 3)
     meta = (small.layout.feature_meta, small.ids, small.offsets, small.layout.batch_size)
     state = (small.update.row_state.clone(), small.update.elem_state, small.update.step.clone())
-    want_weights = small.weights.clone()
+    before, want_weights = small.weights.clone(), small.weights.clone()
     with torch.no_grad():
         want = embedding_reference.embedding_lookup(small.weights, *meta, small.layout.out_numel)
-    grad = torch.randn(small.layout.out_numel, device="cuda", generator=run.generator)
+    grad = torch.randn(small.layout.out_numel, device=DEVICE, generator=run.generator)
     embedding_reference.embedding_fused_update_(grad, want_weights, *state, *meta, embedding_reference.OPT_ROWWISE_ADAGRAD,
                                                 small.update.lr, small.update.eps, *small.update.betas, 0.0)
     out = embedding_lookup(small.weights, small.layout, small.ids, small.offsets, small.update)
     got = out.detach().clone()
     out.backward(grad)
-    run.check("embedding", (got, small.weights), (want, want_weights))
+    run.check("embedding", (got, small.weights - before), (want, want_weights - before))  # output and the update
     big = embedding_batch(run, 4, run.sizes.embedding_rows, 128, run.sizes.embedding_batch, 20)
-    grad = torch.randn(big.layout.out_numel, device="cuda", generator=run.generator)
+    grad = torch.randn(big.layout.out_numel, device=DEVICE, generator=run.generator)
     with torch.no_grad():
         forward = run.ms(lambda: embedding_lookup(big.weights, big.layout, big.ids, big.offsets))
     step = run.ms(lambda: embedding_lookup(big.weights, big.layout, big.ids, big.offsets, big.update).backward(grad))
@@ -276,7 +277,7 @@ def measure_memory(run: Run) -> dict[str, float]:
     grad = run.randn(1 << 16, 1024)
     norm_ms = run.ms(lambda: torch.autograd.grad(F.layer_norm(x, (1024,), w), (x, w), grad))
     figures = {"norm_gbps": 5 * x.numel() * 2 / norm_ms / 1e6}  # fwd reads x, writes y; bwd reads dy, x, writes dx
-    source = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    source = torch.empty(1 << 30, dtype=torch.uint8, device=DEVICE)
     target = torch.empty_like(source)
     figures["copy_gbps"] = 2 * source.numel() / run.ms(lambda: target.copy_(source)) / 1e6
     pinned = torch.empty(1 << 28, dtype=torch.uint8).pin_memory()
@@ -287,7 +288,7 @@ def measure_memory(run: Run) -> dict[str, float]:
 
 def measure_launch_us() -> float:
     """Host microseconds per launch of a tiny kernel (eager op dispatch + CUDA launch; the GPU keeps up)."""
-    x = torch.zeros(1, device="cuda")
+    x = torch.zeros(1, device=DEVICE)
     for _ in range(100):
         x.add_(1)
     torch.cuda.synchronize()
