@@ -13,8 +13,16 @@ from opengem.train.bench.calibrate import QUICK, TOLERANCE, measure
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
-SMALL = dataclasses.replace(QUICK, gemm_rows=(4096,), jfa_lengths=(256,), gdpa_short=(16,), tokens=1 << 15,
-                            history=512, embedding_batch=512, embedding_rows=100_000)
+SMALL = dataclasses.replace(
+    QUICK,
+    gemm_rows=(4096,),
+    jfa_lengths=(256,),
+    gdpa_short=(16,),
+    tokens=1 << 15,
+    history=512,
+    embedding_batch=512,
+    embedding_rows=100_000,
+)
 
 
 def test_small_calibration_is_correct_plausible_and_plannable(tmp_path, monkeypatch):

@@ -42,9 +42,16 @@ def test_written_table_has_the_shipped_schema_and_loads(tmp_path):
     assert set(written) == shipped_keys() | {"measured"}
     assert set(written["host"]) == set(dataclasses.asdict(base.host))
     assert set(written["attention"]) == {"jfa", "gdpa"}
-    assert all(len(point) == 4 for point in written["gemm"]) and len(written["gemm"]) == len(gemm_shapes(FULL.gemm_rows))
-    assert written["measured"] == {"launch_us": 6.0, "norm_gbps": 3000.0, "h2d_gbps": 50.0,
-                                   "embedding_forward_gbps": 2100.0, "copy_gbps": 4000.0}
+    assert all(len(point) == 4 for point in written["gemm"]) and len(written["gemm"]) == len(
+        gemm_shapes(FULL.gemm_rows)
+    )
+    assert written["measured"] == {
+        "launch_us": 6.0,
+        "norm_gbps": 3000.0,
+        "h2d_gbps": 50.0,
+        "embedding_forward_gbps": 2100.0,
+        "copy_gbps": 4000.0,
+    }
     table = load_calibration(path)
     assert table.attention["gdpa"] == [[8, 30.0, 12.0], [32, 90.0, 60.0]] and table.copy_gbps == 4000.0
     # the shipped table has no raw figures: the step-fitted entries come over unchanged, and the notes say so

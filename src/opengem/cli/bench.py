@@ -44,7 +44,7 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     calibrate.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration.json"),
                            help="calibration JSON, for `opengem plan --calibration` (default: %(default)s)")
     calibrate.add_argument("--quick", action="store_true", help="fewer shapes, no kernel autotuning (< 45 s)")
-    calibrate.add_argument("--base", default="h200", help="table the step-fitted entries come from (shipped name or file)")
+    calibrate.add_argument("--base", default="h200", help="table of the step-fitted entries (shipped name or file)")
     calibrate.add_argument("--peak-tflops", type=float, help="dense BF16 peak of a device not in the table")
     calibrate.add_argument("--hbm-gbps", type=float, help="nominal HBM bandwidth of a device not in the table")
 

@@ -123,7 +123,7 @@ class Measurements:
     hbm_gbps: float  # the device's nominal HBM bandwidth (datasheet)
     gemm: list[list[float]]  # [M, N, K, TFLOP/s]: bf16 nn.Linear forward + backward, 6 M N K per pass
     jfa: list[list[float]]  # [keys per query, fwd TFLOP/s, bwd TFLOP/s]
-    gdpa: list[list[float]]  # [short length, fwd, bwd]: cross-attention (K/V that long) + seed pooling (that many seeds)
+    gdpa: list[list[float]]  # [short length, fwd, bwd]: cross-attention (K/V that long) + pooling (that many seeds)
     block_attention_gbps: list[float]  # [fwd, bwd]
     embedding_gbps: float  # 3 x bytes of rows read / (lookup + fused backward and update): the cost model's charge
     copy_gbps: float  # device-to-device copy, bytes read + written
@@ -150,7 +150,8 @@ def table_from_measurements(m: Measurements, base: Calibration, base_name: str) 
         "jfa": "causal JFA, equal lengths, H 4, D 128; keys per query = visible pairs / tokens; bwd = 2.5x fwd FLOPs",
         "gdpa": "silu GDPA, H 4, D 128: PFFN cross-attention (K/V of that length) and seed pooling (that many "
                 "broadcast queries) over the same histories, FLOPs and times summed",
-        "block_attention_gbps": "block 64, H 4, D 128: fwd bytes q + k + v + o, bwd q + k + v + do + dq + dk + dv (bf16)",
+        "block_attention_gbps": "block 64, H 4, D 128: fwd bytes q + k + v + o, bwd q + k + v + do + dq + dk + dv "
+                                "(bf16)",
         "embedding_gbps": "fused lookup + row-wise Adagrad backward: 3 x rows-read bytes per step time (the cost "
                           "model's charge); measured.embedding_forward_gbps: the lookup alone (rows read + output)",
         "copy_gbps": "device-to-device copy (read + write); measured.h2d_gbps: pinned host-to-device copy",

@@ -63,8 +63,16 @@ class Sizes:
     rep_ms: int = 50
 
 
-FULL = Sizes((4096, 16384, 65536), (256, 512, 1024, 2048, 4096, 8192), (8, 16, 32, 64, 256), 1 << 18, 1024, 4096,
-             1_000_000, tune=True)
+FULL = Sizes(
+    (4096, 16384, 65536),
+    (256, 512, 1024, 2048, 4096, 8192),
+    (8, 16, 32, 64, 256),
+    1 << 18,
+    1024,
+    4096,
+    1_000_000,
+    tune=True,
+)
 QUICK = Sizes((65536,), (512, 4096), (16, 32), 1 << 18, 1024, 2048, 1_000_000, tune=False, warmup_ms=5, rep_ms=25)
 
 
@@ -98,7 +106,9 @@ class Run:
 
         fn()  # compiles and tunes outside the timed window
         torch.cuda.synchronize()
-        return float(triton.testing.do_bench(fn, warmup=self.sizes.warmup_ms, rep=self.sizes.rep_ms, return_mode="median"))
+        return float(
+            triton.testing.do_bench(fn, warmup=self.sizes.warmup_ms, rep=self.sizes.rep_ms, return_mode="median")
+        )
 
     def randn(self, *shape: int, dtype: torch.dtype = torch.bfloat16, grad: bool = False) -> torch.Tensor:
         x = torch.randn(*shape, device=DEVICE, generator=self.generator).to(dtype)
@@ -138,7 +148,11 @@ def measure_gemm(run: Run) -> list[list[float]]:
     out = F.linear(x, w)
     ref = F.linear(x.float(), w.float())
     grad = torch.randn_like(ref)
-    run.check("gemm", (out, *torch.autograd.grad(out, (x, w), grad.bfloat16())), (ref, *torch.autograd.grad(ref, (x, w), grad)))
+    run.check(
+        "gemm",
+        (out, *torch.autograd.grad(out, (x, w), grad.bfloat16())),
+        (ref, *torch.autograd.grad(ref, (x, w), grad)),
+    )
     points = []
     for m, n, k in gemm_shapes(run.sizes.gemm_rows):
         x, w = run.randn(m, k, grad=True), run.randn(n, k, grad=True)
@@ -146,7 +160,6 @@ def measure_gemm(run: Run) -> list[list[float]]:
         ms = run.ms(lambda: torch.autograd.grad(F.linear(x, w), (x, w), grad))
         points.append([m, n, k, 6 * m * n * k / ms / 1e9])
         print(f"[gemm] {m} x {n} x {k}: {points[-1][3]:.0f} TFLOP/s", flush=True)
-        del x, w, grad
     return points
 
 
@@ -164,7 +177,6 @@ def measure_jfa(run: Run) -> list[list[float]]:
         flops = 4 * HEADS * HEAD_DIM * pairs
         points.append([pairs / tokens, flops / forward / 1e9, 2.5 * flops / backward / 1e9])
         print(f"[jfa] L {length}: fwd {points[-1][1]:.0f}, bwd {points[-1][2]:.0f} TFLOP/s", flush=True)
-        del q, k, v
     return points
 
 
@@ -172,11 +184,20 @@ def measure_gdpa(run: Run) -> list[list[float]]:
     scale = HEAD_DIM**-0.5
     q_off, max_q = jagged([7, 30, 0, 12])
     k_off, max_k = jagged([3, 8, 2, 0])
-    q, k, v = run.randn(49, 2, HEAD_DIM, grad=True), run.randn(13, 2, HEAD_DIM, grad=True), run.randn(13, 2, HEAD_DIM, grad=True)
-    run.check_backends("gdpa_cross", lambda b: gdpa(q, k, v, q_off, k_off, max_q, max_k, pre_scale=scale, backend=b), (q, k, v))
+    q, k, v = (
+        run.randn(49, 2, HEAD_DIM, grad=True),
+        run.randn(13, 2, HEAD_DIM, grad=True),
+        run.randn(13, 2, HEAD_DIM, grad=True),
+    )
+    run.check_backends(
+        "gdpa_cross", lambda b: gdpa(q, k, v, q_off, k_off, max_q, max_k, pre_scale=scale, backend=b), (q, k, v)
+    )
     seeds, kv = run.randn(4, 2, HEAD_DIM, grad=True), run.randn(49, 2, HEAD_DIM, grad=True)
-    run.check_backends("gdpa_pooling", lambda b: gdpa(seeds, kv, kv, None, q_off, 4, max_q, pre_scale=scale,
-                                                      broadcast_q=True, backend=b), (seeds, kv))
+    run.check_backends(
+        "gdpa_pooling",
+        lambda b: gdpa(seeds, kv, kv, None, q_off, 4, max_q, pre_scale=scale, broadcast_q=True, backend=b),
+        (seeds, kv),
+    )
     history = run.sizes.history
     batch = max(run.sizes.tokens // history, 1)
     h_off, _ = jagged([history] * batch)
@@ -186,22 +207,25 @@ def measure_gdpa(run: Run) -> list[list[float]]:
         s_off, _ = jagged([short] * batch)
         kv_short = run.randn(batch * short, HEADS, HEAD_DIM, grad=True)
         seeds = run.randn(short, HEADS, HEAD_DIM, grad=True)
-        cross = run.fwd_bwd_ms(lambda: gdpa(x, kv_short, kv_short, h_off, s_off, history, short, pre_scale=scale,
-                                            post_scale=1.0 / short), (x, kv_short))
-        pooling = run.fwd_bwd_ms(lambda: gdpa(seeds, x, x, None, h_off, short, history, pre_scale=scale,
-                                              broadcast_q=True), (seeds, x))
+        cross = run.fwd_bwd_ms(
+            lambda: gdpa(x, kv_short, kv_short, h_off, s_off, history, short, pre_scale=scale, post_scale=1.0 / short),
+            (x, kv_short),
+        )
+        pooling = run.fwd_bwd_ms(
+            lambda: gdpa(seeds, x, x, None, h_off, short, history, pre_scale=scale, broadcast_q=True), (seeds, x)
+        )
         flops = 2 * 4 * HEADS * HEAD_DIM * batch * history * short  # both ops see history x short pairs per sample
         points.append([short, flops / (cross[0] + pooling[0]) / 1e9, 2.5 * flops / (cross[1] + pooling[1]) / 1e9])
         print(f"[gdpa] short {short}: fwd {points[-1][1]:.0f}, bwd {points[-1][2]:.0f} TFLOP/s", flush=True)
-        del kv_short, seeds
     return points
 
 
 def measure_block_attention(run: Run) -> list[float]:
     offsets, max_len = jagged([70, 1, 0, 129])
     q, k, v = (run.randn(200, 2, HEAD_DIM, grad=True) for _ in range(3))
-    run.check_backends("block_attention", lambda b: block_attention(q, k, v, offsets, max_len, block_size=BLOCK,
-                                                                    backend=b), (q, k, v))
+    run.check_backends(
+        "block_attention", lambda b: block_attention(q, k, v, offsets, max_len, block_size=BLOCK, backend=b), (q, k, v)
+    )
     history = run.sizes.history
     offsets, _ = jagged([history] * max(run.sizes.tokens // history, 1))
     tokens = int(offsets[-1])
@@ -230,13 +254,24 @@ def embedding_batch(run: Run, tables: int, rows: int, dim: int, batch: int, pool
     features = list(range(tables)) + [tables - 1]
     lengths = torch.randint(0, 2 * pooling + 1, (len(features), batch), generator=cpu)
     ids = torch.randint(0, rows, (int(lengths.sum()),), generator=cpu)
-    layout = LookupLayout.build([(t * rows * dim, t * rows, rows, dim) for t in range(tables)], features,
-                                ["sum"] * tables + ["none"], lengths.sum(1).tolist(), batch, DEVICE)
+    layout = LookupLayout.build(
+        [(t * rows * dim, t * rows, rows, dim) for t in range(tables)],
+        features,
+        ["sum"] * tables + ["none"],
+        lengths.sum(1).tolist(),
+        batch,
+        DEVICE,
+    )
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int64)
     offsets[1:] = torch.cumsum(lengths.flatten(), 0)
     weights = torch.randn(tables * rows * dim, device=DEVICE, generator=run.generator)
-    update = FusedUpdate("rowwise_adagrad", torch.zeros(tables * rows, device=DEVICE), torch.zeros(0, device=DEVICE),
-                         torch.zeros(1, dtype=torch.int64, device=DEVICE), torch.zeros(0, device=DEVICE, requires_grad=True))
+    update = FusedUpdate(
+        "rowwise_adagrad",
+        torch.zeros(tables * rows, device=DEVICE),
+        torch.zeros(0, device=DEVICE),
+        torch.zeros(1, dtype=torch.int64, device=DEVICE),
+        torch.zeros(0, device=DEVICE, requires_grad=True),
+    )
     return EmbeddingBatch(weights, layout, ids.to(DEVICE), offsets.to(DEVICE), update, ids.numel() * dim * 4)
 
 
@@ -249,8 +284,17 @@ def measure_embedding(run: Run) -> tuple[float, float]:
     with torch.no_grad():
         want = embedding_reference.embedding_lookup(small.weights, *meta, small.layout.out_numel)
     grad = torch.randn(small.layout.out_numel, device=DEVICE, generator=run.generator)
-    embedding_reference.embedding_fused_update_(grad, want_weights, *state, *meta, embedding_reference.OPT_ROWWISE_ADAGRAD,
-                                                small.update.lr, small.update.eps, *small.update.betas, 0.0)
+    embedding_reference.embedding_fused_update_(
+        grad,
+        want_weights,
+        *state,
+        *meta,
+        embedding_reference.OPT_ROWWISE_ADAGRAD,
+        small.update.lr,
+        small.update.eps,
+        *small.update.betas,
+        0.0,
+    )
     out = embedding_lookup(small.weights, small.layout, small.ids, small.offsets, small.update)
     got = out.detach().clone()
     out.backward(grad)
@@ -272,7 +316,11 @@ def measure_memory(run: Run) -> dict[str, float]:
     out = F.layer_norm(x, (256,), w)
     ref = F.layer_norm(x.float(), (256,), w.float())
     grad = torch.randn_like(ref)
-    run.check("layer_norm", (out, *torch.autograd.grad(out, (x, w), grad.bfloat16())), (ref, *torch.autograd.grad(ref, (x, w), grad)))
+    run.check(
+        "layer_norm",
+        (out, *torch.autograd.grad(out, (x, w), grad.bfloat16())),
+        (ref, *torch.autograd.grad(ref, (x, w), grad)),
+    )
     x, w = run.randn(1 << 16, 1024, grad=True), run.randn(1024, grad=True)
     grad = run.randn(1 << 16, 1024)
     norm_ms = run.ms(lambda: torch.autograd.grad(F.layer_norm(x, (1024,), w), (x, w), grad))
@@ -281,7 +329,9 @@ def measure_memory(run: Run) -> dict[str, float]:
     target = torch.empty_like(source)
     figures["copy_gbps"] = 2 * source.numel() / run.ms(lambda: target.copy_(source)) / 1e6
     pinned = torch.empty(1 << 28, dtype=torch.uint8).pin_memory()
-    figures["h2d_gbps"] = pinned.numel() / run.ms(lambda: target[: pinned.numel()].copy_(pinned, non_blocking=True)) / 1e6
+    figures["h2d_gbps"] = (
+        pinned.numel() / run.ms(lambda: target[: pinned.numel()].copy_(pinned, non_blocking=True)) / 1e6
+    )
     print("[memory] " + ", ".join(f"{k} {v:.0f}" for k, v in figures.items()), flush=True)
     return figures
 
@@ -326,11 +376,12 @@ def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | No
         raise ValueError(f"ops off their reference (relative error > {TOLERANCE}): {bad}; no table written")
     import triton
 
-    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     tuning = "autotuned" if sizes.tune else "default kernel configs (no autotuning)"
+    kind = "quick" if sizes is QUICK else "full" if sizes is FULL else "custom"
     return Measurements(
         device=device, peak_bf16_tflops=peak, hbm_gbps=hbm,
-        run=(f"opengem bench calibrate ({'quick' if sizes is QUICK else 'full' if sizes is FULL else 'custom'} sizes) on {device}, {date}, torch {torch.__version__}, "
+        run=(f"opengem bench calibrate ({kind} sizes) on {device}, {date}, torch {torch.__version__}, "
              f"triton {triton.__version__}, attention {tuning}, {time.perf_counter() - start:.0f} s"),
         gemm=gemm, jfa=jfa, gdpa=gdpa_points, block_attention_gbps=block, embedding_gbps=embedding_gbps,
         copy_gbps=memory.pop("copy_gbps"),
@@ -340,8 +391,10 @@ def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | No
 
 def format_table(m: Measurements) -> str:
     lines = [f"calibration of {m.device} (peak {m.peak_bf16_tflops:.0f} TFLOP/s, HBM {m.hbm_gbps:.0f} GB/s)"]
-    lines += [f"  gemm {mm} x {n} x {k}: {t:.0f} TFLOP/s ({100 * t / m.peak_bf16_tflops:.0f} % of peak)"
-              for mm, n, k, t in m.gemm]
+    lines += [
+        f"  gemm {mm} x {n} x {k}: {t:.0f} TFLOP/s ({100 * t / m.peak_bf16_tflops:.0f} % of peak)"
+        for mm, n, k, t in m.gemm
+    ]
     for family, points in (("jfa", m.jfa), ("gdpa", m.gdpa)):
         lines += [f"  {family} at {x:.0f} keys: fwd {f:.0f}, bwd {b:.0f} TFLOP/s" for x, f, b in points]
     lines.append(f"  block attention: fwd {m.block_attention_gbps[0]:.0f}, bwd {m.block_attention_gbps[1]:.0f} GB/s")
@@ -349,4 +402,3 @@ def format_table(m: Measurements) -> str:
     lines.append("  " + ", ".join(f"{k} {v:.3g}" for k, v in m.raw.items()))
     lines.append("  errors: " + ", ".join(f"{k} {v:.1e}" for k, v in m.errors.items()))
     return "\n".join(lines)
-
