@@ -90,7 +90,7 @@ def nominal_hbm_gbps(device_name: str) -> float:
 
 
 class NoCudaDevice(RuntimeError):
-    pass
+    """Calibration measures a GPU: there is none."""
 
 
 class Run:
