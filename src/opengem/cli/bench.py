@@ -1,8 +1,10 @@
-"""`opengem bench train | layers | plot`: training speed, MFU and the phase split (GEM_SPEC section 8)."""
+"""`opengem bench train | layers | plot | calibrate`: training speed, MFU, the phase split (GEM_SPEC section 8) and
+the planner's calibration table."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from opengem.train.config import PRECISIONS, PRESETS
@@ -38,12 +40,21 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     plot = kinds.add_parser("plot", help="render a `bench train` JSON result as a PNG of the phase split")
     plot.add_argument("file", type=Path)
     plot.add_argument("--out", type=Path, help="PNG file (default: the JSON's name with .png)")
+    calibrate = kinds.add_parser("calibrate", help="measure the planner's calibration table on this GPU")
+    calibrate.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration.json"),
+                           help="calibration JSON, for `opengem plan --calibration` (default: %(default)s)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer shapes, no kernel autotuning (< 45 s)")
+    calibrate.add_argument("--base", default="h200", help="table of the step-fitted entries (shipped name or file)")
+    calibrate.add_argument("--peak-tflops", type=float, help="dense BF16 peak of a device not in the table")
+    calibrate.add_argument("--hbm-gbps", type=float, help="nominal HBM bandwidth of a device not in the table")
 
 
 def run_bench(args: argparse.Namespace) -> int:
     from opengem.train.bench import layers, plot, step
     from opengem.train.bench.timing import write_json
 
+    if args.bench_command == "calibrate":
+        return run_calibrate(args)
     if args.bench_command == "plot":
         print(f"wrote {plot.plot_file(args.file, args.out)}")
         return 0
@@ -69,4 +80,19 @@ def run_bench(args: argparse.Namespace) -> int:
     else:
         print(f"note: matplotlib is not installed (pip install 'opengem[plot]'): no PNG; "
               f"render it later with `opengem bench plot {path}`")
+    return 0
+
+
+def run_calibrate(args: argparse.Namespace) -> int:
+    from opengem.plan.calibration import load_calibration, table_from_measurements
+    from opengem.train.bench import calibrate
+
+    base = load_calibration(args.base)  # a bad --base fails before minutes of measuring
+    try:
+        measured = calibrate.measure(calibrate.QUICK if args.quick else calibrate.FULL, args.peak_tflops, args.hbm_gbps)
+    except calibrate.NoCudaDevice as error:
+        print(f"opengem: error: {error}", file=sys.stderr)
+        return 2
+    print(calibrate.format_table(measured))
+    print(f"wrote {table_from_measurements(measured, base, args.base).save(args.out)}")
     return 0

@@ -11,7 +11,13 @@ A table (JSON, written by ``opengem bench calibrate`` or shipped in ``opengem/pl
      "activation_bytes": ...,    # bytes per token, layer and d_model element kept for backward
      "host": {"launch_us": ..., "attention_call_us": ..., "launches_per_layer": ..., "launches_per_step": ...},
      "sm_contention": ...,       # compute slowdown while NCCL kernels run beside it (fraction)
-     "notes": {...}}             # where each figure comes from
+     "notes": {...},             # where each figure comes from
+     "measured": {...}}          # optional: raw microbenchmarks of the run (launch_us, norm_gbps, ...)
+
+``elementwise_bytes``, ``activation_bytes``, ``sm_contention`` and the host counts are fitted on a
+training step, not measurable by kernels alone: ``table_from_measurements`` carries them over from a base
+table, rescaling element-wise bytes and host times by this machine's microbenchmarks against the base's
+``measured`` figures when it has them.
 
 Rates transfer to another GPU of the cluster as fractions: compute by ``peak_bf16_tflops``, memory-bound
 work by ``hbm_gbps`` (``Rates``).
@@ -19,6 +25,7 @@ work by ``hbm_gbps`` (``Rates``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -57,6 +64,7 @@ class Calibration:
     host: HostCosts
     sm_contention: float
     notes: dict[str, str] = field(default_factory=dict)
+    measured: dict[str, float] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -100,6 +108,64 @@ def load_calibration(name_or_path: str | Path) -> Calibration:
     except json.JSONDecodeError as error:
         raise ValueError(f"{source}: not valid JSON: {error}") from None
     return calibration_from_dict(data, source)
+
+
+RESCALING_FIGURES = ("launch_us", "norm_gbps", "copy_gbps")  # raw figures that carry step-fitted entries over
+
+
+@dataclass(frozen=True)
+class Measurements:
+    """What one ``opengem bench calibrate`` run measured on its GPU (rates at the sizes it ran)."""
+
+    device: str
+    run: str  # how it was measured (command, date, versions, sizes): the table's ``source``
+    peak_bf16_tflops: float  # the device's dense BF16 peak (datasheet)
+    hbm_gbps: float  # the device's nominal HBM bandwidth (datasheet)
+    gemm: list[list[float]]  # [M, N, K, TFLOP/s]: bf16 nn.Linear forward + backward, 6 M N K per pass
+    jfa: list[list[float]]  # [keys per query, fwd TFLOP/s, bwd TFLOP/s]
+    gdpa: list[list[float]]  # [short length, fwd, bwd]: cross-attention (K/V that long) + pooling (that many seeds)
+    block_attention_gbps: list[float]  # [fwd, bwd]
+    embedding_gbps: float  # 3 x bytes of rows read / (lookup + fused backward and update): the cost model's charge
+    copy_gbps: float  # device-to-device copy, bytes read + written
+    raw: dict[str, float]  # microbenchmarks kept in the table's ``measured``: launch_us, norm_gbps, h2d_gbps, ...
+    errors: dict[str, float]  # relative error of each measured op against its reference (small case)
+
+
+def table_from_measurements(m: Measurements, base: Calibration, base_name: str) -> Calibration:
+    """The calibration table of a run; step-fitted entries come from ``base`` (see the module doc)."""
+    measured = {**m.raw, "copy_gbps": m.copy_gbps}
+    host, elementwise = base.host, base.elementwise_bytes
+    if all(key in base.measured for key in RESCALING_FIGURES):
+        cpu = measured["launch_us"] / base.measured["launch_us"]
+        host = dataclasses.replace(host, launch_us=host.launch_us * cpu, attention_call_us=host.attention_call_us * cpu)
+        base_ratio = base.measured["norm_gbps"] / base.measured["copy_gbps"]
+        elementwise *= base_ratio / (measured["norm_gbps"] / measured["copy_gbps"])
+        carried = (f"from {base_name}, rescaled: host times x{cpu:.2f} (tiny-kernel launch time), element-wise bytes "
+                   f"by the fused norm's share of the copy bandwidth ({base_ratio:.2f} there)")
+    else:
+        carried = f"carried from {base_name} unchanged (it has no {'/'.join(RESCALING_FIGURES)} figures to rescale by)"
+    errors = ", ".join(f"{op} {error:.1e}" for op, error in m.errors.items())
+    notes = {
+        "gemm": "bf16 nn.Linear forward + backward (dX, dW) on [M, K] x [K, N], 6 M N K FLOPs per pass",
+        "jfa": "causal JFA, equal lengths, H 4, D 128; keys per query = visible pairs / tokens; bwd = 2.5x fwd FLOPs",
+        "gdpa": "silu GDPA, H 4, D 128: PFFN cross-attention (K/V of that length) and seed pooling (that many "
+                "broadcast queries) over the same histories, FLOPs and times summed",
+        "block_attention_gbps": "block 64, H 4, D 128: fwd bytes q + k + v + o, bwd q + k + v + do + dq + dk + dv "
+                                "(bf16)",
+        "embedding_gbps": "fused lookup + row-wise Adagrad backward: 3 x rows-read bytes per step time (the cost "
+                          "model's charge); measured.embedding_forward_gbps: the lookup alone (rows read + output)",
+        "copy_gbps": "device-to-device copy (read + write); measured.h2d_gbps: pinned host-to-device copy",
+        "step_fitted": f"elementwise_bytes, activation_bytes, host, sm_contention: {carried}",
+        "checks": f"relative error against the reference (small case): {errors}",
+    }
+    table = Calibration(
+        device=m.device, source=m.run, peak_bf16_tflops=m.peak_bf16_tflops, hbm_gbps=m.hbm_gbps, gemm=m.gemm,
+        attention={"jfa": m.jfa, "gdpa": m.gdpa}, block_attention_gbps=m.block_attention_gbps,
+        embedding_gbps=m.embedding_gbps, copy_gbps=m.copy_gbps, elementwise_bytes=elementwise,
+        activation_bytes=base.activation_bytes, host=host, sm_contention=base.sm_contention, notes=notes,
+        measured=measured,
+    )  # fmt: skip
+    return calibration_from_dict(table.to_json(), m.run)  # the loader's checks, before anything is written
 
 
 def _interpolate_log(points: list[list[float]], x: float, column: int) -> float:
