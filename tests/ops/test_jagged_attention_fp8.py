@@ -27,6 +27,7 @@ from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulatio
 from opengem.ops.reference import attention_fp8
 from opengem.ops.reference.attention_fp8 import quantize_jagged_blocks, rotate, rotation, rotation_size
 from opengem.ops.triton import jagged_attention_fp8 as kernels
+from tests.ops.fp8_checks import assert_quantized_like
 from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
 
 
@@ -44,19 +45,6 @@ def _forward_pair(lengths, heads, kv_heads, head_dim, seed=0, **kwargs):
     out = jagged_attention(q, k, v, offsets, max_len, backend="triton", precision="fp8", **kwargs)
     emulated = jagged_attention(q, k, v, offsets, max_len, backend="reference", precision="fp8", **kwargs)
     return out, emulated, v
-
-
-def assert_quantized_like(got_data, got_scale, want_data, want_scale, exact: bool) -> None:
-    """Same E4M3 bits and scales; unless ``exact``, up to one E4M3 step on a few elements and an fp32 ulp or
-    two on the scales (the rotation's sums in another order)."""
-    got_bits, want_bits = got_data.contiguous().view(torch.uint8), want_data.view(torch.uint8)
-    if exact:
-        assert torch.equal(got_bits, want_bits) and torch.equal(got_scale, want_scale)
-        return
-    torch.testing.assert_close(got_scale, want_scale, rtol=5e-7, atol=0)
-    assert (got_bits != want_bits).double().mean() <= 1e-3
-    got, want = got_data.float(), want_data.float()
-    assert ((got - want).abs() <= want.abs().clamp_min(2.0**-6) / 8).all()
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
