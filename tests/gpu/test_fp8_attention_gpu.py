@@ -1,5 +1,6 @@
-"""FP8 JFA forward on the GPU: the hardware E4M3 rounding assumption, the quantize pass, the kernel against the
-exact emulation, and the error against the fp32 reference next to the bf16 kernel's."""
+"""FP8 JFA forward on the GPU: the hardware E4M3 rounding assumption, the quantize pass (Hadamard-rotated Q
+and K), the kernel against the exact emulation, and the error against the fp32 reference next to the bf16
+kernel's, on N(0, 1) and on outlier-heavy inputs (docs/fp8_attention.md has the CPU-measured table)."""
 
 import pytest
 import torch
@@ -9,8 +10,9 @@ import triton.language as tl
 from opengem.ops.jagged_attention import _problem, jagged_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
-from opengem.ops.reference.attention_fp8 import quantize_jagged_blocks
+from opengem.ops.reference.attention_fp8 import quantize_jagged_blocks, rotate
 from opengem.ops.triton import jagged_attention_fp8 as kernels
+from tests.ops.fp8_checks import assert_quantized_like
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -35,12 +37,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def _batch(lengths, heads=4, kv_heads=4, head_dim=128, seed=0):
+def _batch(lengths, heads=4, kv_heads=4, head_dim=128, seed=0, outliers=False):
+    """N(0, 1) bf16 inputs; ``outliers``: 4 channels of Q, K and V 10x the others (real Q and K look so)."""
     gen = torch.Generator(device="cuda").manual_seed(seed)
     q, k, v = (
-        torch.randn(sum(lengths), h, head_dim, generator=gen, device="cuda").bfloat16()
-        for h in (heads, kv_heads, kv_heads)
+        torch.randn(sum(lengths), h, head_dim, generator=gen, device="cuda") for h in (heads, kv_heads, kv_heads)
     )
+    if outliers:
+        channels = torch.randperm(head_dim, generator=gen, device="cuda")[:4]
+        for x in (q, k, v):
+            x[..., channels] *= 10
+    q, k, v = (x.bfloat16() for x in (q, k, v))
     offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     return q, k, v, offsets
 
@@ -77,16 +84,16 @@ def test_hardware_e4m3_rounding_is_torchs():
 
 
 @pytest.mark.parametrize("kv_heads", [1, 4])
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_quantize_pass_is_bit_exact(kv_heads, head_dim):
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_quantize_pass_matches_emulation(kv_heads, head_dim):
+    """V bit for bit; rotated Q and K up to the rotation's fp32 summation order (a bf16 MMA here)."""
     q, k, v, offsets = _batch(LENGTHS, kv_heads=kv_heads, head_dim=head_dim)
     _, pb = _problem(q, offsets, None, max(LENGTHS), True, 0, -1, 1.0)
     q8, k8, v8, qs, ks, vs, block_base = kernels.quantize_qkv(q, k, v, pb)
-    for x, data, scale, transposed in ((q, q8, qs, False), (k, k8, ks, False), (v, v8, vs, True)):
-        want_data, want_scale = quantize_jagged_blocks(x, offsets, kernels.BLOCK)
-        got_data, got_scale = kernels.unblock(data, scale, block_base, offsets.long(), transposed)
-        assert torch.equal(got_data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
-        assert torch.equal(got_scale, want_scale)
+    for x, data, scale, transposed in ((rotate(q), q8, qs, False), (rotate(k), k8, ks, False), (v, v8, vs, True)):
+        want = quantize_jagged_blocks(x, offsets, kernels.BLOCK)
+        got = kernels.unblock(data, scale, block_base, offsets.long(), transposed)
+        assert_quantized_like(*got, *want, exact=transposed)
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -112,22 +119,31 @@ def _power_law_lengths(total: int, seed: int) -> list[int]:
     return lengths
 
 
-def _errors(seed: int) -> tuple[float, float]:
+def _errors(seed: int, outliers: bool = False) -> tuple[float, float]:
     lengths = _power_law_lengths(20_000, seed)
-    q, k, v, offsets = _batch(lengths, seed=seed)
+    q, k, v, offsets = _batch(lengths, seed=seed, outliers=outliers)
     want = reference(q.float(), k.float(), v.float(), offsets, max(lengths))
     errors = [_rel(jagged_attention(q, k, v, offsets, max(lengths), precision=p), want) for p in ("bf16", "fp8")]
     return errors[0], errors[1]
 
 
 def test_error_against_fp32_reference():
-    """E4M3 Q, K, V and P: the CPU emulation measured 4.4e-2 relative (bf16 kernel ~2.2e-3) at D = 128."""
+    """E4M3 Q, K, V and P: the CPU emulation measured 4.5e-2 relative (bf16 kernel ~2e-3) at D = 128."""
     bf16_error, fp8_error = _errors(seed=0)
     assert bf16_error < 5e-3
     assert fp8_error < 6e-2
 
 
-@pytest.mark.xfail(strict=True, reason="issue 12 acceptance (fp8 error <= 3x bf16's) is not met by E4M3 P and V: ~20x")
+def test_error_on_outlier_channels():
+    """The Hadamard rotation keeps outlier-heavy Q and K near the N(0, 1) error: emulation 5.3e-2 (1.9e-1
+    without the rotation)."""
+    bf16_error, fp8_error = _errors(seed=0, outliers=True)
+    assert bf16_error < 5e-3
+    assert fp8_error < 8e-2
+
+
+@pytest.mark.xfail(strict=True, reason="issue 12 acceptance (fp8 error <= 3x bf16's): E4M3 operands alone give ~15x "
+                   "on N(0, 1), no scale or rotation recipe reaches 3x (docs/fp8_attention.md)")
 def test_error_acceptance_three_times_bf16():
     bf16_error, fp8_error = _errors(seed=1)
     assert fp8_error <= 3 * bf16_error

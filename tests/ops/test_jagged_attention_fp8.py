@@ -1,6 +1,8 @@
 """FP8 JFA forward: the Triton kernels (interpreter) against the exact emulation, the emulation against fp32.
 
-Kernel vs emulation: the fp8 bits of Q, K, V and their scales are compared for equality; the outputs
+Kernel vs emulation: the fp8 bits of V and its scales are compared for equality, those of the rotated Q and
+K too, up to the rotation's fp32 sums (an element within an ulp of an E4M3 midpoint may round to the
+neighbouring value); the outputs
 differ only by fp32 rounding (sums in another order, exp2), except that a ``p * 256`` within a few fp32
 ulps of an E4M3 rounding midpoint (about 2^-19 of the elements) may round the other way, moving its
 row's output by up to ``|v| p / 16 / rowsum``. So: almost every element within 1e-4, all within max|v| / 8.
@@ -22,8 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from opengem.ops.jagged_attention import _problem, jagged_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
-from opengem.ops.reference.attention_fp8 import quantize_jagged_blocks
+from opengem.ops.reference import attention_fp8
+from opengem.ops.reference.attention_fp8 import quantize_jagged_blocks, rotate, rotation, rotation_size
 from opengem.ops.triton import jagged_attention_fp8 as kernels
+from tests.ops.fp8_checks import assert_quantized_like
 from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
 
 
@@ -44,20 +48,33 @@ def _forward_pair(lengths, heads, kv_heads, head_dim, seed=0, **kwargs):
 
 
 @pytest.mark.parametrize("kv_heads", [1, 2])
-@pytest.mark.parametrize("head_dim", [32, 64])
-def test_quantize_pass_is_bit_exact(kv_heads, head_dim):
+@pytest.mark.parametrize("head_dim, dtype", [(32, torch.float32), (64, torch.float32), (64, torch.float16)])
+def test_quantize_pass_matches_emulation(kv_heads, head_dim, dtype):
     lengths = [37, 0, 1, 64, 33]  # partial, empty, single-row and exact blocks of 32
     q, k, v, _ = _inputs(lengths, heads=2, kv_heads=kv_heads, head_dim=head_dim, seed=3)
     q[3] = 0.0  # a block with a zero row, and a scale of 2^-something from tiny values
     k[40:45] *= 1e-6
+    q, k, v = (x.to(dtype) for x in (q, k, v))
     offsets = _offsets(lengths)
     _, pb = _problem(q, offsets, None, max(lengths), True, 0, -1, 1.0)
     q8, k8, v8, qs, ks, vs, block_base = kernels.quantize_qkv(q, k, v, pb)
-    for x, data, scale, transposed in ((q, q8, qs, False), (k, k8, ks, False), (v, v8, vs, True)):
-        want_data, want_scale = quantize_jagged_blocks(x, offsets, kernels.BLOCK)
-        got_data, got_scale = kernels.unblock(data, scale, block_base, offsets.long(), transposed)
-        assert torch.equal(got_data.contiguous().view(torch.uint8), want_data.view(torch.uint8))
-        assert torch.equal(got_scale, want_scale)
+    for x, data, scale, transposed in ((rotate(q), q8, qs, False), (rotate(k), k8, ks, False), (v, v8, vs, True)):
+        want = quantize_jagged_blocks(x, offsets, kernels.BLOCK)
+        got = kernels.unblock(data, scale, block_base, offsets.long(), transposed)
+        assert_quantized_like(*got, *want, exact=transposed)  # V is not rotated
+
+
+@pytest.mark.parametrize("head_dim, n", [(16, 16), (32, 32), (48, 16), (128, 128), (256, 128), (1, 1)])
+def test_rotation_preserves_logits(head_dim, n):
+    assert rotation_size(head_dim) == n
+    r = rotation(n)
+    assert set(r.unique().tolist()) <= {-1.0, 1.0}
+    torch.testing.assert_close(r @ r.T, n * torch.eye(n))
+    q, k = torch.randn(2, 5, head_dim, dtype=torch.float64, generator=torch.Generator().manual_seed(0)).unbind()
+    want = n * (q @ k.T)  # exactly, but for the fp32 rounding of the rotated q and k
+    torch.testing.assert_close(rotate(q).double() @ rotate(k).double().T, want, rtol=0, atol=1e-6 * n * head_dim)
+    if n > 1:  # it does mix the channels
+        assert not torch.allclose(rotate(q)[:, :n].abs(), q[:, :n].float().abs())
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -77,13 +94,36 @@ def test_kernel_matches_emulation_property(lengths, heads, causal, seed):
 
 
 def test_emulation_error_against_fp32():
-    """E4M3 Q, K, V and P: ~3-5% relative error on N(0, 1) inputs (measured 0.044 at D = 128, about 20x the
-    bf16 kernel's 0.0022); an error-free P or nothing quantized would show as much smaller."""
+    """E4M3 Q, K, V and P: ~3-5% relative error on N(0, 1) inputs (measured 0.045 at D = 128, about 20x the
+    bf16 kernel's 0.002, docs/fp8_attention.md); an error-free P or nothing quantized would show as much
+    smaller."""
     lengths = [40, 7, 33]
     q, k, v, _ = _inputs(lengths, heads=2, kv_heads=2, head_dim=64, seed=5)
     offsets = _offsets(lengths)
     err = _rel(emulation(q, k, v, offsets, block=32), reference(q, k, v, offsets, 40))
     assert 0.01 < err < 0.1
+
+
+def _outlier_inputs(lengths, head_dim, seed):
+    """Q, K, V with 4 channels 10x the others, as real Q and K have (massive activations)."""
+    q, k, v, _ = _inputs(lengths, heads=2, kv_heads=2, head_dim=head_dim, seed=seed)
+    channels = torch.randperm(head_dim, generator=torch.Generator().manual_seed(seed))[:4]
+    for x in (q, k, v):
+        x[..., channels] *= 10
+    return q, k, v
+
+
+def test_rotation_cuts_the_error_of_outlier_channels(monkeypatch):
+    """On outlier-heavy Q and K the Hadamard rotation is worth ~3-4x (0.19 -> 0.05 at D = 128)."""
+    lengths = [200, 120]
+    q, k, v = _outlier_inputs(lengths, 128, seed=11)
+    offsets = _offsets(lengths)
+    want = reference(q, k, v, offsets, 200)
+    rotated = _rel(emulation(q, k, v, offsets, block=128), want)  # measured 0.050
+    monkeypatch.setattr(attention_fp8, "rotate", lambda x: x.float())
+    monkeypatch.setattr(attention_fp8, "rotation_size", lambda head_dim: 1)
+    plain = _rel(emulation(q, k, v, offsets, block=128), want)  # measured 0.174
+    assert rotated < 0.07 and plain > 2.5 * rotated
 
 
 def test_backward_is_the_bf16_one():

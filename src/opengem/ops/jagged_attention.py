@@ -232,8 +232,10 @@ def jagged_attention(
         normalize_by_max_len: further divide the logits by ``max_len`` (FBGEMM ``sll``'s option).
         backend: ``"triton"`` or ``"reference"``; default Triton for CUDA tensors, the reference on CPU.
         precision: the forward's arithmetic. ``"bf16"``: the inputs' dtype with fp32 accumulation.
-            ``"fp8"``: Q, K and V quantized to E4M3 with one fp32 scale per (block of 128 rows of a sample,
-            head), E4M3 ``Q K^T`` and ``P V`` (P quantized as ``p * 256``) with fp32 accumulation, output
+            ``"fp8"``: Q and K rotated along D by a randomized Hadamard matrix (``Q K^T`` unchanged, outlier
+            channels spread out), then Q, K and V quantized to E4M3 with one fp32 scale per (block of 128 rows
+            of a sample, head), E4M3 ``Q K^T`` and ``P V`` (P quantized as ``p * 256``) with fp32 accumulation,
+            ~20x the bf16 error on N(0, 1) inputs (``docs/fp8_attention.md``), output
             in q's dtype; head_dim >= 32 on the Triton path; the reference path emulates it exactly
             (:mod:`opengem.ops.reference.attention_fp8`). Forward-only low precision: the backward is the
             bf16 one, from the saved unquantized inputs and the fp8 forward's output and log-sum-exp.

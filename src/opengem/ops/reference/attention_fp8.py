@@ -1,13 +1,20 @@
 """Exact emulation of the FP8 JFA forward (``precision="fp8"``): quantize as the kernel does, then fp32 attention.
 
-The recipe (the specification :mod:`opengem.ops.triton.jagged_attention_fp8` is tested against):
+The recipe (the specification :mod:`opengem.ops.triton.jagged_attention_fp8` is tested against; why this
+one: ``docs/fp8_attention.md``):
 
-- Q, K and V are cut, per sample and head, into blocks of ``block`` rows starting at the sample's first
-  token (the last block of a sample is partial). Each block gets one fp32 scale ``amax / 448`` (amax over
-  the block's rows and the head dim, at least 1e-12) and its elements become E4M3
-  ``rne(clamp(x * (448 / amax), -448, 448))``; both quotients correctly rounded, rounding to
+- Q and K are first rotated along the head dim by the same randomized Hadamard matrix (FlashAttention-3's
+  incoherent processing): ``x R`` with ``R = diag(signs) H_n`` (``H_n`` Sylvester's, entries +-1,
+  unnormalized; ``n = min(D, 128)``, or the largest power of two dividing D; block diagonal when D > n;
+  ``signs`` fixed by :data:`ROTATION_SEED`). ``R R^T = n I``, so ``(q R)(k R)^T = n q k^T`` exactly and
+  the logit scale absorbs ``1 / n``, a power of two. The rotation spreads an outlier channel over all n,
+  so one large product no longer carries a large rounding error into every logit.
+- Rotated Q and K, and V, are cut, per sample and head, into blocks of ``block`` rows starting at the
+  sample's first token (the last block of a sample is partial). Each block gets one fp32 scale
+  ``amax / 448`` (amax over the block's rows and the head dim, at least 1e-12) and its elements become
+  E4M3 ``rne(clamp(x * (448 / amax), -448, 448))``; both quotients correctly rounded, rounding to
   nearest-even with subnormals (torch's ``float8_e4m3fn`` cast), so the kernel's fp8 bits are the same.
-- Logits in base 2, ``(q8 * sq) (k8 * sk)^T * scale * log2(e)``, masked as the reference mask says.
+- Logits in base 2, ``(q8 * sq) (k8 * sk)^T * scale * log2(e) / n``, masked as the reference mask says.
 - An online softmax over the key blocks (the kernel's key tiles are the same blocks, in the same order):
   running row maximum ``m``, ``p = exp2(s - m)`` in fp32, the row sum of the fp32 ``p``, and
   ``P V`` with ``P`` quantized to E4M3 as ``rne(p * 256)``: p <= 1, so the fixed power-of-two scale 256
@@ -16,13 +23,15 @@ The recipe (the specification :mod:`opengem.ops.triton.jagged_attention_fp8` is 
   A per-tile scale from the tile maximum would buy nothing: the tile maximum is 1 in any tile holding
   a row's running maximum, and elsewhere only a tile far below the maximum, which adds little, would gain.
 
-Only fp32 rounding differs from the kernel: sums in another order, ``exp2`` to a few ulps, so a ``p``
-within an ulp of an E4M3 rounding boundary may round the other way. The backward of ``precision="fp8"``
-is the bf16 one (forward-only low precision), so no backward is emulated here.
+Only fp32 rounding differs from the kernel: the rotation's sums (the kernel's is a matmul), the attention's
+sums in another order, ``exp2`` to a few ulps; so a rotated element or a ``p`` within an ulp of an E4M3
+rounding boundary may round the other way. The backward of ``precision="fp8"`` is the bf16 one
+(forward-only low precision), so no backward is emulated here.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -34,6 +43,36 @@ E4M3_MAX = 448.0
 P_SCALE = 256.0  # P's fixed quantization scale (a power of two <= 448 / max(p) = 448)
 LOG2E = 1.4426950408889634
 MIN_AMAX = 1e-12  # blocks of zeros get a finite scale
+MAX_ROTATION = 128  # the Hadamard block: wider buys little (docs/fp8_attention.md), and it stays one MMA
+ROTATION_SEED = 12  # the signs of the randomized Hadamard matrix, shared with the kernel
+
+
+def rotation_size(head_dim: int) -> int:
+    """The Hadamard block ``n`` for a head dim: the largest power of two dividing it, at most 128."""
+    return min(MAX_ROTATION, head_dim & -head_dim)
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(n: int) -> torch.Tensor:
+    hadamard = torch.ones(1, 1)
+    while hadamard.shape[0] < n:
+        hadamard = torch.cat([torch.cat([hadamard, hadamard], 1), torch.cat([hadamard, -hadamard], 1)])
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(ROTATION_SEED)) * 2 - 1
+    return signs[:, None].float() * hadamard
+
+
+def rotation(n: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> torch.Tensor:
+    """``[n, n]`` randomized Hadamard matrix ``diag(signs) H_n``, entries +-1 (exact in every float dtype)."""
+    return _rotation(n).to(dtype=dtype, device=device)
+
+
+def rotate(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., D]`` -> fp32 ``x R`` with ``R`` block diagonal of :func:`rotation` (``n = rotation_size(D)``),
+    correctly rounded: fp64 sums of n fp32 terms times +-1 are exact for 16-bit inputs and carry 29 more
+    bits than fp32 otherwise; so no TF32 or summation order setting changes it."""
+    n = rotation_size(x.shape[-1])
+    blocks = x.double().reshape(*x.shape[:-1], x.shape[-1] // n, n)
+    return (blocks @ rotation(n, torch.float64, x.device)).float().reshape(x.shape)
 
 
 def quantize_padded_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -81,11 +120,13 @@ def jagged_attention_fp8(
     returns ``[T, H, D]`` in q's dtype. Shapes as in :func:`opengem.ops.reference.attention.jagged_attention`."""
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
-    scale_log2 = (1.0 / math.sqrt(head_dim) if scale is None else scale) * LOG2E
+    # (q R)(k R)^T = n q k^T: the power of two 1 / n goes with the logit scale
+    scale_log2 = (1.0 / math.sqrt(head_dim) if scale is None else scale) * LOG2E / rotation_size(head_dim)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
         padded = _round_up(size, block)
-        qd, kd, vd = (_dequantized(_pad(x[rows].float(), lengths, padded), block) for x in (q, k, v))
+        operands = (rotate(q[rows]), rotate(k[rows]), v[rows].float())
+        qd, kd, vd = (_dequantized(_pad(x, lengths, padded), block) for x in operands)
         kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
         mask = batched_attention_mask(
             lengths, padded, causal=causal, num_targets=targets, contextual_len=contextual_len, window=window

@@ -1,7 +1,9 @@
 """FP8 JFA forward (``precision="fp8"``): one fused quantize pass over Q, K, V, then E4M3 Q K^T and P V.
 
-The numerics are those of :mod:`opengem.ops.reference.attention_fp8` (per sample-aligned block of
-``BLOCK`` rows and head: one fp32 scale, E4M3 elements; P quantized as ``rne(p * 256)``). ``BLOCK`` is the
+The numerics are those of :mod:`opengem.ops.reference.attention_fp8` (Q and K rotated by a randomized
+Hadamard matrix along the head dim, one MMA per ``n``-wide slice in the quantize pass, its ``1 / n`` in the
+logit scale; per sample-aligned block of ``BLOCK`` rows and head: one fp32 scale, E4M3 elements; P
+quantized as ``rne(p * 256)``). ``BLOCK`` is the
 JFA large tile (128 on the GPU, 32 in the interpreter); the forward's key tile is one block, its query
 tile (64 or 128) lies inside one, so every tile has a single scale per operand, applied to the fp32 result.
 
@@ -12,7 +14,9 @@ operand is then contiguous along its reduction, what Hopper's FP8 MMA wants), ro
 scales ``[H, NB]`` / ``[H_kv, NB]`` fp32. Padded blocks keep every load aligned and unmasked.
 
 Rounding: the quantize pass rounds with integer arithmetic (:func:`fp32_to_fp8_bits`), bit-exact against
-torch's round-to-nearest-even cast everywhere. P is rounded in the hot loop by the hardware conversion
+torch's round-to-nearest-even cast everywhere (of V exactly; of rotated Q and K up to the rotation's fp32
+sums, whose order differs from the emulation's, so an element within an fp32 ulp of a rounding midpoint,
+about 2^-20 of them, may take the neighbouring E4M3 value). P is rounded in the hot loop by the hardware conversion
 ``.to(tl.float8e4nv, fp_downcast_rounding="rtne")`` (PTX ``cvt.rn.satfinite.e4m3x2.f32``: nearest-even,
 saturating, so torch's cast for |x| <= 448; tests/gpu checks that assumption bit for bit), and in the
 interpreter by :func:`fp32_to_fp8_bits`: Triton 3.6's interpreter rounds fp32 -> fp8 half-away-from-zero
@@ -23,13 +27,14 @@ itself (exact fp8 -> fp16 upcast, fp32 matmul) is fine.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
 import triton
 import triton.language as tl
 
-from opengem.ops.reference.attention_fp8 import E4M3_MAX, MIN_AMAX, P_SCALE
+from opengem.ops.reference.attention_fp8 import E4M3_MAX, MIN_AMAX, P_SCALE, rotation, rotation_size
 from opengem.ops.triton.jagged_attention import (
     _INTERPRET,
     _KEY,
@@ -88,13 +93,21 @@ def to_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block(X, X8, XS, start, row, seq_len, stride_t, h, block_id, num_blocks,
-                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):  # fmt: skip
-    """One (block, head): fp32 scale amax / 448 and E4M3 elements, rows past the sample written as zeros."""
+def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr,
+                    ROT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+    """One (block, head): fp32 scale amax / 448 and E4M3 elements, rows past the sample written as zeros;
+    ``ROTATE``: of ``x R``, ``R`` the ``[ROT, ROT]`` +-1 Hadamard block, on every ROT-wide slice of each row."""
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = (row + offs_r)[:, None] < seq_len
-    x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0).to(tl.float32)
+    x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0)
+    if ROTATE:  # one MMA: products by +-1 are exact, the sums fp32
+        offs_n = tl.arange(0, ROT)
+        r = tl.load(R + offs_n[:, None] * ROT + offs_n[None, :])
+        slices = tl.reshape(x, (BLOCK * HEAD_DIM // ROT, ROT))
+        x = tl.reshape(tl.dot(slices, r, input_precision=PRECISION), (BLOCK, HEAD_DIM))
+    x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), MIN_AMAX)
     e4m3_max = amax * 0.0 + E4M3_MAX
     # both quotients correctly rounded, as torch divides (a compiled ``/`` is approximate)
@@ -110,26 +123,24 @@ def _quantize_block(X, X8, XS, start, row, seq_len, stride_t, h, block_id, num_b
 
 @triton.jit(do_not_specialize=["num_blocks"])
 def _quantize_kernel(
-    Q, K, V, Q8, K8, V8, QS, KS, VS, offsets, block_base, items,
+    Q, K, V, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
-    """Program (block item, head): Q's block of head h, and K's and V's when h is also a K/V head."""
+    """Program (block item, head): Q's block of head h, and K's and V's when h is also a K/V head;
+    Q and K rotated by ``R``."""
     b = tl.load(items + 2 * tl.program_id(0))
     row = tl.load(items + 2 * tl.program_id(0) + 1)
     h = tl.program_id(1)
     start, seq_len, _ = _sample(offsets, offsets, b, False)
     block_id = tl.load(block_base + b) + row // BLOCK
-    _quantize_block(
-        Q + h * stride_qh, Q8, QS, start, row, seq_len, stride_qt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False
-    )
+    _quantize_block(Q + h * stride_qh, Q8, QS, R, start, row, seq_len, stride_qt, h, block_id, num_blocks,
+                    HEAD_DIM, BLOCK, False, True, ROT, PRECISION)  # fmt: skip
     if h < kv_heads:
-        _quantize_block(
-            K + h * stride_kh, K8, KS, start, row, seq_len, stride_kt, h, block_id, num_blocks, HEAD_DIM, BLOCK, False
-        )
-        _quantize_block(
-            V + h * stride_vh, V8, VS, start, row, seq_len, stride_vt, h, block_id, num_blocks, HEAD_DIM, BLOCK, True
-        )
+        _quantize_block(K + h * stride_kh, K8, KS, R, start, row, seq_len, stride_kt, h, block_id, num_blocks,
+                        HEAD_DIM, BLOCK, False, True, ROT, PRECISION)  # fmt: skip
+        _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
+                        HEAD_DIM, BLOCK, True, False, ROT, PRECISION)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -296,9 +307,15 @@ def _fwd_fp8_kernel(
 # ------------------------------------------------------------------------------------------ launchers
 
 
+@functools.lru_cache(maxsize=None)
+def _rotation_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The Hadamard block in the inputs' dtype on their device, copied there once."""
+    return rotation(n, dtype, device)
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, ...]:
-    """One launch quantizing Q, K and V per (sample-aligned block of ``BLOCK`` rows, head); returns
-    ``(q8, k8, v8, q_scale, k_scale, v_scale, block_base)`` in the blocked layout of the module docstring."""
+    """One launch rotating Q and K and quantizing Q, K and V per (sample-aligned block of ``BLOCK`` rows, head);
+    returns ``(q8, k8, v8, q_scale, k_scale, v_scale, block_base)`` in the blocked layout of the module docstring."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     items = pb.sched.query_tiles[BLOCK]  # one item per block
     num_blocks = items.shape[0]
@@ -314,10 +331,12 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     )
     qs, ks, vs = scales(heads), scales(kv_heads), scales(kv_heads)
     if num_blocks:
+        n = rotation_size(head_dim)
         _quantize_kernel[(num_blocks, heads)](
-            q, k, v, q8, k8, v8, qs, ks, vs, pb.offsets, block_base, items,
+            q, k, v, q8, k8, v8, qs, ks, vs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, kv_heads,
-            HEAD_DIM=head_dim, BLOCK=BLOCK,
+            HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            num_warps=8 if head_dim > 128 else 4,
         )  # fmt: skip
     return q8, k8, v8, qs, ks, vs, block_base
 
@@ -360,6 +379,7 @@ def attend(
                       "HAS_CONTEXT": pb.opts.contextual_len > 0, "HAS_TARGETS": pb.num_targets is not None, "SMALL": _SMALL}  # fmt: skip
     _fwd_fp8_kernel[_grid(items, heads, "BLOCK_M")](
         q8, k8, v8, qs, ks, vs, out, lse, pb.offsets, pb.targets_arg(), block_base, items[_SMALL], items[_LARGE],
-        out.stride(0), out.stride(1), total, heads, q8.shape[1], pb.scale * LOG2E, **pb.runtime(), **constexprs,
+        out.stride(0), out.stride(1), total, heads, q8.shape[1], pb.scale * LOG2E / rotation_size(head_dim),
+        **pb.runtime(), **constexprs,
         EXACT=_INTERPRET, BLOCK_N=BLOCK,
     )  # fmt: skip
