@@ -8,9 +8,9 @@ two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); t
 dq/dk back with the transposed rotation. Programs of one kv head loop over its GQA group in the
 backward so dk/dv are accumulated in registers, never with atomics.
 
-Schedule: ``[3, num_blocks]`` int32 (block start token, block length, position of the block's first
-token within its sequence), one column per block across all sequences, built once on the host from the
-offsets and cached.
+Schedule: ``[2, num_blocks]`` int32 (block start token, block length), one column per block across all
+sequences, built once on the host from the offsets and cached. Rotary angles are taken relative to the
+block (see :func:`_rotary_cos_sin`), so the kernels need no position of the block in its sequence.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ from collections import OrderedDict
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import activation_id
 from opengem.ops.triton.activations import activation_value_and_grad
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 # ACT: the id of opengem.ops.activations, or SOFTMAX (normalized over the block's keys)
 SOFTMAX = tl.constexpr(-1)
 # 2 pi split Cody-Waite style: k * _TWO_PI_HI is exact in fp32 for k < 2^15, so range reduction of
@@ -34,6 +36,7 @@ SOFTMAX = tl.constexpr(-1)
 _TWO_PI_HI = tl.constexpr(6.28125)
 _TWO_PI_LO = tl.constexpr(0.0019353071795864769)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
+FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def _configs() -> list[triton.Config]:
@@ -52,23 +55,48 @@ _AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"
 
 
 @triton.jit
-def _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr):
-    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase(token) * inv_freq[i]``.
+def _sin_cos_approx(angle, FAST: tl.constexpr):
+    """``(cos, sin)`` of fp32 angles: the SFU's ``cos.approx``/``sin.approx`` (one MUFU op each, abs. error
+    ~2^-20 on [-pi, pi], ~1e-5 up to 128 rad) instead of the ~40-instruction polynomials tl.cos/tl.sin
+    compile to; the interpreter (FAST false) has no libdevice and uses tl.cos/tl.sin."""
+    if FAST:
+        return libdevice.fast_cosf(angle), libdevice.fast_sinf(angle)
+    else:
+        return tl.cos(angle), tl.sin(angle)
 
-    ROT 1: phase = position in the sequence (from the schedule); 2: phase = PHASE[token] (given
-    positions); 3: phase = log(1 + max(PHASE[token], 0) / time_scale) (PHASE holds time gaps).
+
+@triton.jit
+def _log_approx(x, FAST: tl.constexpr):
+    """Natural log of fp32 ``x >= 1`` via the SFU's ``lg2.approx`` (rel. error ~2^-22), as above."""
+    if FAST:
+        return libdevice.fast_log2f(x) * _LN2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr):
+    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase * inv_freq[i]`` of each row of the block.
+
+    ROT 1 (position in the sequence) rotates by the row *in the block* instead: rotations of one channel
+    pair compose (``R(a + b) = R(a) R(b)``) and are orthogonal, so the block's start position rotates q
+    and k alike and cancels in every score ``q_i . k_j`` and, once dq/dk are rotated back, in every
+    gradient; angles stay below BLOCK rad and need no range reduction. ROT 2 (given positions, possibly
+    far apart inside a block) reduces the angle to [-pi, pi] first. ROT 3 (time gaps): phase =
+    log(1 + max(gap, 0) / time_scale) <= 89 for any fp32 gap, so angles are small already.
     """
     if ROT == 1:
-        phase = (pos0 + rows).to(tl.float32)
+        phase = rows.to(tl.float32)
     else:
         phase = tl.load(PHASE + start + rows, mask=valid, other=0.0).to(tl.float32)
-        if ROT == 3:
-            phase = tl.log(1.0 + tl.maximum(phase, 0.0) / time_scale)
+        if ROT == 3:  # one division per program, not per token
+            phase = _log_approx(1.0 + tl.maximum(phase, 0.0) * (1.0 / time_scale), FAST_MATH)
     freq = tl.load(INV_FREQ + tl.arange(0, HALF))
     angle = phase[:, None] * freq[None, :]
-    turns = tl.floor(angle * _INV_TWO_PI + 0.5)
-    angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
-    return tl.cos(angle), tl.sin(angle)
+    if ROT == 2:
+        turns = tl.floor(angle * _INV_TWO_PI + 0.5)
+        angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+    return _sin_cos_approx(angle, FAST_MATH)
 
 
 @triton.jit
@@ -105,10 +133,7 @@ def _weights(s, key_valid, scale, ACT: tl.constexpr):
 
 @triton.jit
 def _block_of(SCHED, num_blocks, blk):
-    start = tl.load(SCHED + blk)
-    length = tl.load(SCHED + num_blocks + blk)
-    pos0 = tl.load(SCHED + 2 * num_blocks + blk)
-    return start, length, pos0
+    return tl.load(SCHED + blk), tl.load(SCHED + num_blocks + blk)
 
 
 @triton.autotune(**_AUTOTUNE)
@@ -121,7 +146,7 @@ def _block_attention_fwd(
 ):  # fmt: skip
     blk, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUP
-    start, length, pos0 = _block_of(SCHED, num_blocks, blk)
+    start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
     valid = rows < length  # rows past the block end load as zeros and are never stored
     tok = (start + rows).to(tl.int64)
@@ -129,7 +154,7 @@ def _block_attention_fwd(
     q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     if ROT != 0:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF, ROT)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT)
         q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     # S = Q K^T over the two head-dim halves.
@@ -151,7 +176,7 @@ def _block_attention_bwd(
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
 ):  # fmt: skip
     blk, kv_head = tl.program_id(0), tl.program_id(1)
-    start, length, pos0 = _block_of(SCHED, num_blocks, blk)
+    start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
     valid = rows < length
     tok = (start + rows).to(tl.int64)
@@ -160,7 +185,7 @@ def _block_attention_bwd(
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
     if ROT != 0:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF, ROT)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
     dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
@@ -204,7 +229,7 @@ _SCHEDULE_CACHE_SIZE = 16
 
 
 def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[3, num_blocks]`` int32 on offsets' device: (start token, length, position in sequence) per block.
+    """``[2, num_blocks]`` int32 on offsets' device: (start token, length) per block.
 
     Built on the host (one device-to-host copy of the offsets) and cached per offsets tensor and
     version, so every layer of a step (forward and backward) reuses it; the cache holds a reference to
@@ -221,7 +246,7 @@ def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), blocks_per_seq)
     first_block = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
     pos0 = (torch.arange(seq.numel()) - first_block[seq]) * block_size
-    schedule = torch.stack((host[:-1][seq] + pos0, torch.clamp(lengths[seq] - pos0, max=block_size), pos0))
+    schedule = torch.stack((host[:-1][seq] + pos0, torch.clamp(lengths[seq] - pos0, max=block_size)))
     schedule = to_device(schedule.to(torch.int32), offsets.device)
     _SCHEDULE_CACHE[key] = (offsets, schedule)
     if len(_SCHEDULE_CACHE) > _SCHEDULE_CACHE_SIZE:
