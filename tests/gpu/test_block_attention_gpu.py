@@ -135,11 +135,14 @@ def test_every_autotune_config(block_size, monkeypatch):
 
 
 @triton.jit
-def _cos_sin_kernel(PHASE, INV_FREQ, COS, SIN, total, time_scale, BLOCK: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr):
+def _cos_sin_kernel(
+    PHASE, INV_FREQ, COS, SIN, total, time_scale,
+    BLOCK: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr,
+):  # fmt: skip
     start = tl.program_id(0) * BLOCK
     rows = tl.arange(0, BLOCK)
     valid = start + rows < total
-    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT)
+    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
     at = (start + rows)[:, None] * HALF + tl.arange(0, HALF)[None, :]
     tl.store(COS + at, cos, mask=valid[:, None])
     tl.store(SIN + at, sin, mask=valid[:, None])
@@ -164,9 +167,9 @@ def test_rotary_cos_sin_accuracy(rot):
     # The reference's fp32 angle (phase * inv_freq), evaluated exactly.
     angle = (phase.float()[:, None] * freq[None, :]).double()
     cos, sin = (torch.full((total, half), math.nan, device="cuda") for _ in range(2))
-    dummy = freq
     _cos_sin_kernel[(total // block,)](
-        values if values is not None else dummy, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot
+        values if values is not None else freq, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
+        REDUCE=rot == 2,
     )
     # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one.
     bound = {1: 3e-5, 2: 1e-5, 3: 6e-5}[rot]

@@ -109,6 +109,16 @@ def test_rotary_depends_only_on_positions_within_the_block():
             torch.testing.assert_close(a, e, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.parametrize("rotary", [Rotary(base=0.05), Rotary(time_gaps=torch.rand(40, generator=torch.Generator().manual_seed(1)) * 1e4, base=0.05)])
+def test_rotary_base_below_one_reduces_large_angles(rotary):
+    """inv_freq up to ~17: angles of hundreds of rad, which the kernel range-reduces before sin/cos."""
+    q, k, v, grad = _inputs([40], 2, 2, 32, seed=9)
+    expected = _run("reference", q, k, v, grad, _offsets([40]), 40, block_size=32, rotary=rotary)
+    actual = _run("triton", q, k, v, grad, _offsets([40]), 40, block_size=32, rotary=rotary)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(a, e, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_head_dim_64_fp16_gqa_group_of_two():
     q, k, v, grad = _inputs([20, 33], 4, 2, 64, dtype=torch.float16)
     offsets = _offsets([20, 33])
