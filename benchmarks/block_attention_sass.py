@@ -3,7 +3,8 @@ bundled ptxas) and count registers, local-memory spills and SASS instructions pe
 
 Both kernels are straight-line code per program for GROUP = 1 (no loops), so the static count is the
 dynamic one; instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
-to compare with the memory time of this bandwidth-bound kernel. Run on any machine (CPU is enough):
+to compare with the memory time of this bandwidth-bound kernel. Compiled as the launcher specializes a
+contiguous bf16 ``[T, 4, 128]`` call: block 64, 16-byte aligned pointers and strides. Run on any machine (CPU is enough):
 ``PYTHONPATH=src python -m benchmarks.block_attention_sass``. Not run under ``TRITON_INTERPRET=1``
 (the kernels would compile their interpreter variant).
 """
@@ -51,7 +52,11 @@ def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
 def compiled_cost(kernel, num_warps: int, **constants) -> dict[str, int]:
     """Registers, spill stack bytes, SASS instructions per thread and selected opcodes of one variant."""
     fn = _jit_function(kernel)
-    source = ASTSource(fn=fn, signature=_signature(fn, constants), constexprs=constants)
+    signature = _signature(fn, constants)
+    # As the launcher specializes them for contiguous [T, H, D] tensors: 16-aligned pointers and strides.
+    aligned = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name.startswith("stride")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
