@@ -15,9 +15,10 @@ number it finished; every variant ends with a device sync so an asynchronous err
 Correctness: ours (and the SDPA peers' forward) against the fp32 reference on the first
 CHECK_SEQUENCES sequences, sliced out of the full-batch run (blocks are independent).
 
-Run: ``PYTHONPATH=src python -m benchmarks.block_attention [--quick]``. ``--quick`` (< 75 s cold): the
-sparsity workload, ours with rotary off and positional rotary, the copy bandwidth, padded and nested
-SDPA; one pinned kernel config (no autotuning), no Flex, no JFA, no block-size sweep.
+Run: ``PYTHONPATH=src python -m benchmarks.block_attention [--quick]``. ``--quick`` (< 80 s cold): the
+sparsity workload, ours with rotary off, positional and time-aware rotary (``rope_overhead`` = time with
+rotary / time without - 1), the copy bandwidth, padded and nested SDPA; one pinned kernel config (no
+autotuning), no Flex, no JFA, no block-size sweep.
 """
 
 from __future__ import annotations
@@ -50,9 +51,10 @@ TIME_SCALE = 60.0
 DTYPE = torch.bfloat16
 DEVICE = "cuda"  # the smoke test of this module swaps in "cpu"
 CHECK_SEQUENCES = 8  # correctness is checked on the first sequences (the fp32 reference loops per block)
-# (label, rotary mode): 0 off, 1 in-sequence positions, 3 time gaps (opengem.ops.block_attention.ROTARY_*)
-OURS = (("ours", 0), ("ours+pos_rope", 1), ("ours+time_rope", 3))
-QUICK_OURS = OURS[:2]
+# (label, rotary mode): 0 off, 1 in-sequence positions, 2 given positions, 3 time gaps
+# (opengem.ops.block_attention.ROTARY_*)
+OURS = (("ours", 0), ("ours+pos_rope", 1), ("ours+time_rope", 3), ("ours+given_pos_rope", 2))
+QUICK_OURS = OURS[:3]
 COLUMNS = ["workload", "method", "direction", "ms", "tflops", "gbps", "copy_pct", "vs_ours", "speedup_vs_best_peer",
            "rope_overhead", "rel_err", "error"]
 
@@ -110,6 +112,7 @@ class Batch:
     v: torch.Tensor
     grad: torch.Tensor
     time_gaps: torch.Tensor
+    positions: torch.Tensor  # in-sequence positions handed to the kernel as given positions (mode 2)
     flops: int  # forward, block 64
     bytes_fwd: int
     bytes_bwd: int
@@ -123,7 +126,7 @@ class Batch:
         return int(self.lengths.max())
 
     def rotary_values(self, mode: int) -> torch.Tensor | None:
-        return self.time_gaps if mode == 3 else None
+        return {2: self.positions, 3: self.time_gaps}.get(mode)
 
 
 def make_batch(name: str, lengths: torch.Tensor) -> Batch:
@@ -135,8 +138,9 @@ def make_batch(name: str, lengths: torch.Tensor) -> Batch:
     grad = torch.randn(total, HEADS, HEAD_DIM, device=DEVICE, dtype=DTYPE)
     elem = q.element_size() * HEADS * HEAD_DIM * total
     flops = 4 * HEADS * HEAD_DIM * block_pairs(offsets, BLOCK_SIZE)
-    return Batch(name, lengths, offsets, q, k, v, grad, torch.rand(total, device=DEVICE) * 86400.0, flops,
-                 4 * elem, 7 * elem)
+    time_gaps = torch.rand(total, device=DEVICE) * 86400.0
+    positions = positions_in_sequence(offsets, total).float()
+    return Batch(name, lengths, offsets, q, k, v, grad, time_gaps, positions, flops, 4 * elem, 7 * elem)
 
 
 class Results:
@@ -310,6 +314,8 @@ def check_ours(results: Results, b: Batch, label: str, mode: int) -> None:
         phase = None
         if mode == 1:
             phase = positions_in_sequence(sub_offsets, n).float()
+        elif mode == 2:
+            phase = values[:n]
         elif mode == 3:
             phase = time_phase(values[:n], TIME_SCALE)
         ref_in = [t[:n].detach().float().requires_grad_(True) for t in (b.q, b.k, b.v)]
@@ -462,7 +468,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help="sparsity workload, ours (rotary off/positional), copy, SDPA peers; no autotuning (< 75 s)")
+                        help="sparsity workload, ours (rotary off/positional/time), copy, SDPA peers; no autotuning (< 80 s)")
     rows = run(parser.parse_args().quick)
     print_table(rows, COLUMNS)
     print("vs_ours = peer time / our time (> 1: ours faster); copy_pct = achieved GB/s as % of the d2d copy")

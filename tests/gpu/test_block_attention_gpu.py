@@ -1,12 +1,17 @@
 """BlockAttention Triton kernels on CUDA in bf16 against the fp32 reference (skipped without CUDA)."""
 
+import math
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from opengem.jagged import offsets_from_lengths
 from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden
 from opengem.ops.reference import block_attention as reference
-from opengem.ops.reference.rotary import positions_in_sequence, time_phase
+from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
+from opengem.ops.triton.block_attention import _rotary_cos_sin
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -39,6 +44,9 @@ def _check(lengths, heads=4, kv_heads=4, head_dim=128, block_size=64, rotary="no
     config, phase = None, None
     if rotary == "sequence":
         config, phase = Rotary(), positions_in_sequence(offsets, total).float()
+    elif rotary == "positions":  # far apart inside a block: the kernel reduces the angles to [-pi, pi]
+        positions = torch.randint(0, 100_000, (total,), generator=g, device="cuda")
+        config, phase = Rotary(positions=positions), positions.float()
     elif rotary == "time":
         gaps = torch.rand(total, generator=g, device="cuda") * 1e6
         config, phase = Rotary(time_gaps=gaps, time_scale=60.0), time_phase(gaps, 60.0)
@@ -71,8 +79,8 @@ def test_other_head_dims(head_dim, block_size):
     _check([129, 3, 64], head_dim=head_dim, block_size=block_size)
 
 
-@pytest.mark.parametrize("rotary", ["sequence", "time"])
-@pytest.mark.parametrize("block_size", [32, 64])
+@pytest.mark.parametrize("rotary", ["sequence", "positions", "time"])
+@pytest.mark.parametrize("block_size", [32, 64, 128])
 def test_rotary(rotary, block_size):
     _check([5000, 70, 1], block_size=block_size, rotary=rotary)
 
@@ -124,3 +132,46 @@ def test_every_autotune_config(block_size, monkeypatch):
         for config in configs:
             monkeypatch.setattr(kernel, "configs", [config])  # a single config skips benchmarking
             _check([300, 64, 5], block_size=block_size, rotary="time")
+
+
+@triton.jit
+def _cos_sin_kernel(
+    PHASE, INV_FREQ, COS, SIN, total, time_scale,
+    BLOCK: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr,
+):  # fmt: skip
+    start = tl.program_id(0) * BLOCK
+    rows = tl.arange(0, BLOCK)
+    valid = start + rows < total
+    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
+    at = (start + rows)[:, None] * HALF + tl.arange(0, HALF)[None, :]
+    tl.store(COS + at, cos, mask=valid[:, None])
+    tl.store(SIN + at, sin, mask=valid[:, None])
+
+
+@pytest.mark.parametrize("rot", [1, 2, 3])
+def test_rotary_cos_sin_accuracy(rot):
+    """The SFU sin/cos (MUFU, no libdevice polynomial) against float64 at the largest angles each mode meets:
+    rows of a 128 block (< 128 rad, unreduced), positions up to 1e5 (reduced), time gaps up to 1e30."""
+    block, half, total, time_scale = 128, 64, 4096, 60.0
+    g = torch.Generator(device="cuda").manual_seed(0)
+    freq = inv_freq(2 * half, 10000.0, "cuda")
+    if rot == 1:
+        values = None
+        phase = (torch.arange(total, device="cuda") % block).double()
+    elif rot == 2:
+        values = torch.randint(0, 100_000, (total,), generator=g, device="cuda").float()
+        phase = values.double()
+    else:
+        values = torch.exp(torch.rand(total, generator=g, device="cuda") * 70.0) - 1.0  # 0 .. 2.5e30
+        phase = time_phase(values, time_scale).double()
+    # The reference's fp32 angle (phase * inv_freq), evaluated exactly.
+    angle = (phase.float()[:, None] * freq[None, :]).double()
+    cos, sin = (torch.full((total, half), math.nan, device="cuda") for _ in range(2))
+    _cos_sin_kernel[(total // block,)](
+        values if values is not None else freq, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
+        REDUCE=rot == 2,
+    )
+    # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one.
+    bound = {1: 3e-5, 2: 1e-5, 3: 6e-5}[rot]
+    assert (cos.double() - angle.cos()).abs().max() < bound
+    assert (sin.double() - angle.sin()).abs().max() < bound

@@ -16,7 +16,7 @@ from opengem.jagged import offsets_from_lengths  # noqa: E402
 from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden, block_pairs  # noqa: E402
 from opengem.ops.reference import block_attention as reference  # noqa: E402
 from opengem.ops.reference.attention import jagged_attention  # noqa: E402
-from opengem.ops.reference.rotary import apply_rotary  # noqa: E402
+from opengem.ops.reference.rotary import apply_rotary, positions_in_sequence  # noqa: E402
 import triton  # noqa: E402
 
 from opengem.ops.triton.block_attention import _prune, block_schedule  # noqa: E402
@@ -95,6 +95,30 @@ def test_every_activation_matches_reference(activation):
     _compare([19, 30], heads=1, kv_heads=1, block_size=16, activation=activation, scale=0.3)
 
 
+def test_rotary_depends_only_on_positions_within_the_block():
+    """The kernel rotates by the row in the block for in-sequence positions (the block's start cancels in
+    every score and gradient): it must equal given positions shifted by any constant."""
+    lengths = [37, 0, 21]
+    q, k, v, grad = _inputs(lengths, 2, 1, 32, seed=4)
+    offsets = _offsets(lengths)
+    positions = positions_in_sequence(offsets, sum(lengths))
+    expected = _run("reference", q, k, v, grad, offsets, 37, block_size=16, rotary=Rotary(positions=positions))
+    for rotary in (Rotary(), Rotary(positions=positions + 700), Rotary(positions=positions.float() - 50.5)):
+        actual = _run("triton", q, k, v, grad, offsets, 37, block_size=16, rotary=rotary)
+        for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
+            torch.testing.assert_close(a, e, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
+@pytest.mark.parametrize("rotary", [Rotary(base=0.05), Rotary(time_gaps=torch.rand(40, generator=torch.Generator().manual_seed(1)) * 1e4, base=0.05)])
+def test_rotary_base_below_one_reduces_large_angles(rotary):
+    """inv_freq up to ~17: angles of hundreds of rad, which the kernel range-reduces before sin/cos."""
+    q, k, v, grad = _inputs([40], 2, 2, 32, seed=9)
+    expected = _run("reference", q, k, v, grad, _offsets([40]), 40, block_size=32, rotary=rotary)
+    actual = _run("triton", q, k, v, grad, _offsets([40]), 40, block_size=32, rotary=rotary)
+    for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
+        torch.testing.assert_close(a, e, **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_head_dim_64_fp16_gqa_group_of_two():
     q, k, v, grad = _inputs([20, 33], 4, 2, 64, dtype=torch.float16)
     offsets = _offsets([20, 33])
@@ -146,7 +170,7 @@ def test_rotary_scores_depend_only_on_relative_position():
 
 def test_block_schedule_columns():
     schedule = block_schedule(_offsets([0, 40, 16, 3]), 16)
-    assert schedule.tolist() == [[0, 16, 32, 40, 56], [16, 16, 8, 16, 3], [0, 16, 32, 0, 0]]
+    assert schedule.tolist() == [[0, 16, 32, 40, 56], [16, 16, 8, 16, 3]]
     offsets = _offsets([5, 5])
     assert block_schedule(offsets, 16) is block_schedule(offsets, 16)
 

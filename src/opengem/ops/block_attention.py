@@ -90,7 +90,10 @@ def block_attention(
             (identity, relu, relu2, leaky_relu (slope 0.01), silu, fast_gelu, gelu, gelu_tanh,
             hardswish), giving ``O_i = sum_j phi(scale q_i . k_j) v_j`` over the block, unnormalized.
         rotary: optional :class:`Rotary`; q and k are rotated (in fp32, then rounded to q's dtype on the
-            GPU) before the dot products; gradients are rotated back with the transposed rotation.
+            GPU) before the dot products; gradients are rotated back with the transposed rotation. The GPU
+            takes cos/sin from its special-function unit (absolute error below ~3e-5, far under the bf16
+            rounding of the rotated q/k) and rotates in-sequence positions relative to each block, which
+            leaves scores and gradients unchanged.
         backend: ``"auto"`` (CUDA -> Triton, CPU -> reference), ``"triton"`` or ``"reference"``.
 
     Returns:
@@ -201,9 +204,12 @@ def _reference_phase(offsets, total, rotary_mode, rotary_values, time_scale) -> 
 
 
 def _triton_options(q, block_size, scale, activation, rotary_mode, rotary_values, rotary_base, time_scale) -> dict:
+    # In-sequence positions (rotated relative to the block: < block_size) and time phases (<= 89) give
+    # angles below 128 rad when every inv_freq <= 1, i.e. base >= 1; given positions may be any size.
+    reduce_angles = rotary_mode == ROTARY_POSITIONS or rotary_base < 1.0
     return dict(
         block_size=block_size, scale=scale, activation_name=activation, rotary_mode=rotary_mode,
-        rotary_values=rotary_values, time_scale=time_scale,
+        rotary_values=rotary_values, time_scale=time_scale, reduce_angles=reduce_angles,
         inv_freq=_inv_freq(q.shape[-1], rotary_base, q.device) if rotary_mode != ROTARY_NONE else None,
     )  # fmt: skip
 

@@ -8,9 +8,9 @@ two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); t
 dq/dk back with the transposed rotation. Programs of one kv head loop over its GQA group in the
 backward so dk/dv are accumulated in registers, never with atomics.
 
-Schedule: ``[3, num_blocks]`` int32 (block start token, block length, position of the block's first
-token within its sequence), one column per block across all sequences, built once on the host from the
-offsets and cached.
+Schedule: ``[2, num_blocks]`` int32 (block start token, block length), one column per block across all
+sequences, built once on the host from the offsets and cached. Rotary angles are taken relative to the
+block (see :func:`_rotary_cos_sin`), so the kernels need no position of the block in its sequence.
 """
 
 from __future__ import annotations
@@ -21,19 +21,23 @@ from collections import OrderedDict
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import activation_id
 from opengem.ops.triton.activations import activation_value_and_grad
 
 _LOG2E = tl.constexpr(1.4426950408889634)
+_LN2 = tl.constexpr(0.6931471805599453)
 # ACT: the id of opengem.ops.activations, or SOFTMAX (normalized over the block's keys)
 SOFTMAX = tl.constexpr(-1)
 # 2 pi split Cody-Waite style: k * _TWO_PI_HI is exact in fp32 for k < 2^15, so range reduction of
-# angles up to ~1e5 rad keeps ~1e-6 accuracy before the (fast) hardware sin/cos.
+# angles up to ~1e5 rad keeps ~1e-6 accuracy before the hardware (SFU) sin/cos.
 _TWO_PI_HI = tl.constexpr(6.28125)
 _TWO_PI_LO = tl.constexpr(0.0019353071795864769)
 _INV_TWO_PI = tl.constexpr(0.15915494309189535)
+# The SFU's approximate sin/cos/log2 (libdevice fast_*) do not exist in the interpreter.
+FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def _configs() -> list[triton.Config]:
@@ -48,27 +52,55 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return [c for c in configs if c.num_warps <= 8 or large]
 
 
-_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT"], prune_configs_by={"early_config_prune": _prune})
+_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"], prune_configs_by={"early_config_prune": _prune})
 
 
 @triton.jit
-def _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr):
-    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase(token) * inv_freq[i]``.
+def _sin_cos_approx(angle, FAST: tl.constexpr):
+    """``(cos, sin)`` of fp32 angles: the SFU's ``cos.approx``/``sin.approx`` (one MUFU op each, abs. error
+    ~2^-20 on [-pi, pi], ~1e-5 up to 128 rad) instead of the ~40-instruction polynomials tl.cos/tl.sin
+    compile to; the interpreter (FAST false) has no libdevice and uses tl.cos/tl.sin."""
+    if FAST:
+        return libdevice.fast_cosf(angle), libdevice.fast_sinf(angle)
+    else:
+        return tl.cos(angle), tl.sin(angle)
 
-    ROT 1: phase = position in the sequence (from the schedule); 2: phase = PHASE[token] (given
-    positions); 3: phase = log(1 + max(PHASE[token], 0) / time_scale) (PHASE holds time gaps).
+
+@triton.jit
+def _log_approx(x, FAST: tl.constexpr):
+    """Natural log of fp32 ``x >= 1`` via the SFU's ``lg2.approx`` (rel. error ~2^-22), as above."""
+    if FAST:
+        return libdevice.fast_log2f(x) * _LN2
+    else:
+        return tl.log(x)
+
+
+@triton.jit
+def _rotary_cos_sin(
+    PHASE, INV_FREQ, start, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr
+):  # fmt: skip
+    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase * inv_freq[i]`` of each row of the block.
+
+    ROT 1 (position in the sequence) rotates by the row *in the block* instead: rotations of one channel
+    pair compose (``R(a + b) = R(a) R(b)``) and are orthogonal, so the block's start position rotates q
+    and k alike and cancels in every score ``q_i . k_j`` and, once dq/dk are rotated back, in every
+    gradient. ROT 2: PHASE holds given positions; ROT 3: time gaps, phase = log(1 + max(gap, 0) /
+    time_scale) <= 89 for any fp32 gap. With inv_freq <= 1 (base >= 1), ROT 1 and 3 angles stay below
+    128 rad, where the SFU is accurate as is; REDUCE (the host sets it for ROT 2, or base < 1) first
+    reduces the angles to [-pi, pi].
     """
     if ROT == 1:
-        phase = (pos0 + rows).to(tl.float32)
+        phase = rows.to(tl.float32)
     else:
         phase = tl.load(PHASE + start + rows, mask=valid, other=0.0).to(tl.float32)
-        if ROT == 3:
-            phase = tl.log(1.0 + tl.maximum(phase, 0.0) / time_scale)
+        if ROT == 3:  # one division per program, not per token
+            phase = _log_approx(1.0 + tl.maximum(phase, 0.0) * (1.0 / time_scale), FAST_MATH)
     freq = tl.load(INV_FREQ + tl.arange(0, HALF))
     angle = phase[:, None] * freq[None, :]
-    turns = tl.floor(angle * _INV_TWO_PI + 0.5)
-    angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
-    return tl.cos(angle), tl.sin(angle)
+    if REDUCE:
+        turns = tl.floor(angle * _INV_TWO_PI + 0.5)
+        angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+    return _sin_cos_approx(angle, FAST_MATH)
 
 
 @triton.jit
@@ -105,10 +137,7 @@ def _weights(s, key_valid, scale, ACT: tl.constexpr):
 
 @triton.jit
 def _block_of(SCHED, num_blocks, blk):
-    start = tl.load(SCHED + blk)
-    length = tl.load(SCHED + num_blocks + blk)
-    pos0 = tl.load(SCHED + 2 * num_blocks + blk)
-    return start, length, pos0
+    return tl.load(SCHED + blk), tl.load(SCHED + num_blocks + blk)
 
 
 @triton.autotune(**_AUTOTUNE)
@@ -118,10 +147,11 @@ def _block_attention_fwd(
     num_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):  # fmt: skip
     blk, head = tl.program_id(0), tl.program_id(1)
     kv_head = head // GROUP
-    start, length, pos0 = _block_of(SCHED, num_blocks, blk)
+    start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
     valid = rows < length  # rows past the block end load as zeros and are never stored
     tok = (start + rows).to(tl.int64)
@@ -129,7 +159,7 @@ def _block_attention_fwd(
     q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     if ROT != 0:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF, ROT)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
         q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     # S = Q K^T over the two head-dim halves.
@@ -149,9 +179,10 @@ def _block_attention_bwd(
     stride_dqt, stride_dqh, stride_dkt, stride_dkh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):  # fmt: skip
     blk, kv_head = tl.program_id(0), tl.program_id(1)
-    start, length, pos0 = _block_of(SCHED, num_blocks, blk)
+    start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
     valid = rows < length
     tok = (start + rows).to(tl.int64)
@@ -160,7 +191,7 @@ def _block_attention_bwd(
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
     if ROT != 0:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, pos0, rows, valid, time_scale, HALF, ROT)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
     dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
@@ -204,7 +235,7 @@ _SCHEDULE_CACHE_SIZE = 16
 
 
 def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[3, num_blocks]`` int32 on offsets' device: (start token, length, position in sequence) per block.
+    """``[2, num_blocks]`` int32 on offsets' device: (start token, length) per block.
 
     Built on the host (one device-to-host copy of the offsets) and cached per offsets tensor and
     version, so every layer of a step (forward and backward) reuses it; the cache holds a reference to
@@ -220,8 +251,8 @@ def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
     blocks_per_seq = (lengths + block_size - 1) // block_size
     seq = torch.repeat_interleave(torch.arange(lengths.numel()), blocks_per_seq)
     first_block = torch.cumsum(blocks_per_seq, 0) - blocks_per_seq
-    pos0 = (torch.arange(seq.numel()) - first_block[seq]) * block_size
-    schedule = torch.stack((host[:-1][seq] + pos0, torch.clamp(lengths[seq] - pos0, max=block_size), pos0))
+    offset_in_seq = (torch.arange(seq.numel()) - first_block[seq]) * block_size
+    schedule = torch.stack((host[:-1][seq] + offset_in_seq, torch.clamp(lengths[seq] - offset_in_seq, max=block_size)))
     schedule = to_device(schedule.to(torch.int32), offsets.device)
     _SCHEDULE_CACHE[key] = (offsets, schedule)
     if len(_SCHEDULE_CACHE) > _SCHEDULE_CACHE_SIZE:
@@ -229,12 +260,15 @@ def block_schedule(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
     return schedule
 
 
-def _common_args(q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, block_size):
+def _common_args(
+    q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, reduce_angles, block_size
+):  # fmt: skip
     head_dim = q.shape[-1]
     dummy = schedule  # any tensor: unused pointers are compiled out by the ROT constexpr
     meta = dict(
         GROUP=q.shape[1] // k.shape[1], BLOCK=block_size, HALF=head_dim // 2,
         ACT=SOFTMAX if activation_name == "softmax" else activation_id(activation_name), ROT=rotary_mode,
+        REDUCE=bool(reduce_angles),
     )  # fmt: skip
     pointers = (rotary_values if rotary_values is not None else dummy, inv_freq if inv_freq is not None else dummy)
     return pointers, (float(scale), float(time_scale)), meta
@@ -257,8 +291,13 @@ def block_attention_fwd(
     rotary_values: torch.Tensor | None,
     inv_freq: torch.Tensor | None,
     time_scale: float,
+    reduce_angles: bool,
 ) -> torch.Tensor:
-    """Output ``[T, H, D]`` (q's dtype). q/k/v may be strided views (e.g. of a fused QKV projection)."""
+    """Output ``[T, H, D]`` (q's dtype). q/k/v may be strided views (e.g. of a fused QKV projection).
+
+    ``reduce_angles``: range-reduce rotary angles before the SFU sin/cos (needed for given positions and
+    for ``inv_freq > 1``; see :func:`_rotary_cos_sin`).
+    """
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out = q.new_empty(q.shape)
     schedule = block_schedule(offsets, block_size)
@@ -266,8 +305,9 @@ def block_attention_fwd(
     if num_blocks == 0:
         return out
     pointers, floats, meta = _common_args(
-        q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, block_size
-    )
+        q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, reduce_angles,
+        block_size,
+    )  # fmt: skip
     _block_attention_fwd[(num_blocks, q.shape[1])](
         q, k, v, out, schedule, *pointers, num_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -290,6 +330,7 @@ def block_attention_bwd(
     rotary_values: torch.Tensor | None,
     inv_freq: torch.Tensor | None,
     time_scale: float,
+    reduce_angles: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` shaped like q, k, v (contiguous), in the inputs' dtype."""
     q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
@@ -299,8 +340,9 @@ def block_attention_bwd(
     if num_blocks == 0:
         return dq, dk, dv
     pointers, floats, meta = _common_args(
-        q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, block_size
-    )
+        q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, reduce_angles,
+        block_size,
+    )  # fmt: skip
     _block_attention_bwd[(num_blocks, k.shape[1])](
         q, k, v, grad_out, dq, dk, dv, schedule, *pointers, num_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),

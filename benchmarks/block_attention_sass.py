@@ -1,0 +1,89 @@
+"""Static cost of BlockAttention's rotary modes, without a GPU: compile the kernels for sm_90 (Triton's
+bundled ptxas) and count registers, local-memory spills and SASS instructions per thread.
+
+Both kernels are straight-line code per program for GROUP = 1 (no loops), so the static count is the
+dynamic one; instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
+to compare with the memory time of this bandwidth-bound kernel. Compiled as the launcher specializes a
+contiguous bf16 ``[T, 4, 128]`` call: block 64, 16-byte aligned pointers and strides. Run on any machine (CPU is enough):
+``PYTHONPATH=src python -m benchmarks.block_attention_sass``. Not run under ``TRITON_INTERPRET=1``
+(the kernels would compile their interpreter variant).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+from opengem.ops.triton import block_attention as kernels
+
+TARGET = GPUTarget("cuda", 90, 32)
+COUNTED = ("MUFU", "FFMA", "FMUL", "LDG", "LDL", "STL")
+MODES = ((0, "off"), (1, "in-sequence positions"), (2, "given positions"), (3, "time gaps"))
+POINTER_TYPES = {"SCHED": "*i32", "PHASE": "*fp32", "INV_FREQ": "*fp32"}
+
+
+def _jit_function(kernel) -> JITFunction:
+    while not isinstance(kernel, JITFunction):  # unwrap the autotuner
+        kernel = kernel.fn
+    return kernel
+
+
+def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
+    def kind(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name in POINTER_TYPES:
+            return POINTER_TYPES[name]
+        if name.isupper():
+            return "*bf16"  # Q, K, V, O, DO, DQ, DK, DV
+        return "fp32" if name in ("scale", "time_scale") else "i32"
+
+    return {name: kind(name) for name in fn.arg_names}
+
+
+def compiled_cost(kernel, num_warps: int, **constants) -> dict[str, int]:
+    """Registers, spill stack bytes, SASS instructions per thread and selected opcodes of one variant."""
+    fn = _jit_function(kernel)
+    signature = _signature(fn, constants)
+    # As the launcher specializes them for contiguous [T, H, D] tensors: 16-aligned pointers and strides.
+    aligned = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name.startswith("stride")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
+    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+    return dict(**resources, instructions=sum(opcodes.values()), **{op: opcodes.get(op, 0) for op in COUNTED})
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
+    print("kernel | warps | rotary | regs | spill stack B | SASS instr/thread (vs off) | " + " | ".join(COUNTED))
+    for name, kernel, warps in (("fwd", kernels._block_attention_fwd, 4), ("fwd", kernels._block_attention_fwd, 8),
+                                ("bwd", kernels._block_attention_bwd, 8)):
+        base = None
+        for mode, label in MODES:
+            cost = compiled_cost(kernel, warps, GROUP=1, BLOCK=64, HALF=64, ACT=kernels.SOFTMAX.value, ROT=mode,
+                                 REDUCE=mode == 2)
+            base = base or cost["instructions"]
+            ratio = f"{cost['instructions']} ({cost['instructions'] / base - 1:+.0%})"
+            counts = " | ".join(str(cost[op]) for op in COUNTED)
+            print(f"{name} | {warps} | {label} | {cost['reg']} | {cost['stack']} | {ratio} | {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
