@@ -63,7 +63,7 @@ def _shard_mesh(mesh: DeviceMesh, replicate_dim: str, shard_dim: str) -> DeviceM
     return mesh[shard_dim]
 
 
-def _select_blocks(
+def select_blocks(
     model: nn.Module, blocks: BlockSelector | None, sparse_types: Sequence[type[nn.Module]]
 ) -> list[tuple[str, nn.Module]]:
     """Blocks in forward-definition order; never the root, never inside sparse modules or other blocks."""
@@ -101,7 +101,7 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
-def _own_params(prefix: str, module: nn.Module, taken: set[str]) -> dict[str, nn.Parameter]:
+def own_params(prefix: str, module: nn.Module, taken: set[str]) -> dict[str, nn.Parameter]:
     """Parameters of ``module`` not yet owned by an inner unit, by checkpoint-wrapper-free qualified name.
 
     By name, not identity: ``fully_shard`` replaces each parameter by a new (DTensor) parameter.
@@ -144,10 +144,10 @@ def parallelize(
     on_cuda = meshes.device_type == "cuda"
     mixed = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if on_cuda else MixedPrecisionPolicy()
     units: list[FSDPUnit] = []
-    taken = {name for name, p in _own_params("", model, set()).items() if p in sparse_params}  # never sharded
+    taken = {name for name, p in own_params("", model, set()).items() if p in sparse_params}  # never sharded
 
     def shard(name: str, module: nn.Module, mesh: DeviceMesh, reshard: bool) -> None:
-        params = _own_params(name, module, taken)
+        params = own_params(name, module, taken)
         fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mixed, ignored_params=sparse_params)
         units.append(FSDPUnit(name or ROOT, mesh, tuple(params.values()), reshard))
         taken.update(params)
@@ -162,7 +162,7 @@ def parallelize(
             shard(name, parallel, expert_mesh, config.reshard_after_forward)
 
     dense_mesh = _shard_mesh(meshes.dense, "replicate", "shard")
-    selected = _select_blocks(model, blocks, sparse_types)
+    selected = select_blocks(model, blocks, sparse_types)
     fsdp_blocks: list[FSDPModule] = []
     for index, (name, block) in enumerate(selected):
         if config.activation_checkpointing:

@@ -23,7 +23,7 @@ from opengem.models.gem import GEM, GEMConfig
 from opengem.models.presets import GEM_PRESETS, gem_flops
 from opengem.nn.embedding import EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.nn.wukong import DenseExperts
-from opengem.parallel.fsdp import _own_params, _select_blocks
+from opengem.parallel.fsdp import own_params, select_blocks
 
 GRID_POINTS = 96
 ID_SAMPLES = 64  # generated samples that give the mean ids per sample of multi-hot features
@@ -118,13 +118,13 @@ def _fsdp_structure(model: GEM) -> tuple[tuple, tuple, tuple]:
             d = first.fm_projection.shape[0], first.norm.normalized_shape[-1]
             experts.append(ExpertShape(name, tuple(first.parameters()), tuple(module.parameters()), len(module.experts), d[0] * d[1], tokens_out * d[1]))
     sparse = {p for m in model.modules() if getattr(m, "opengem_sparse", False) for p in m.parameters()}
-    taken = {n for n, p in _own_params("", model, set()).items() if p in sparse}
+    taken = {n for n, p in own_params("", model, set()).items() if p in sparse}
     blocks = []
-    for name, block in _select_blocks(model, None, ()):
-        owned = _own_params(name, block, taken)
+    for name, block in select_blocks(model, None, ()):
+        owned = own_params(name, block, taken)
         blocks.append((name, tuple(owned.values())))
         taken.update(owned)
-    root = tuple(_own_params("", model, taken).values())
+    root = tuple(own_params("", model, taken).values())
     return tuple(blocks), root, tuple(experts)
 
 
