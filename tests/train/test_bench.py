@@ -18,7 +18,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def train_result(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("bench") / "train_tiny.json"
     argv = ["bench", "train", *TINY, "--steps", "3", "--warmup", "1", "--profile-steps", "2",
-            "--loader-batches", "3", "--peak-tflops", "1", "--out", str(out)]
+            "--loader-batches", "3", "--peak-tflops", "1", "--with-layers", "--out", str(out)]
     assert main(argv) == 0
     return json.loads(out.read_text()), str(out)
 
@@ -38,6 +38,13 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["loader_samples_per_s"] > 0
     assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
     assert payload["environment"]["device"] == "cpu"
+
+
+def test_bench_train_reports_the_scaling_ratio(train_result):
+    """GEM_SPEC section 8: scaling ratio = E2E MFU / local MFU (the layers alone, FLOP-weighted)."""
+    r = train_result[0]["results"]
+    assert 0 < r["local_mfu"] and 0 < r["mfu"]
+    assert r["scaling_ratio"] == pytest.approx(r["mfu"] / r["local_mfu"])
 
 
 def test_bench_train_phases_cover_the_step(train_result):

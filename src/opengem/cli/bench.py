@@ -34,6 +34,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--num-workers", type=int, help="data loader workers (default: the preset's)")
     train.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the phase split")
     train.add_argument("--loader-batches", type=int, default=20, help="batches timed for the loader alone")
+    train.add_argument("--with-layers", action="store_true",
+                       help="also time each layer alone (`bench layers`): local MFU and the scaling ratio E2E / local")
     train.add_argument("--matmul-size", type=int, help="GEMM size of the measured ceiling (default 8192 on CUDA)")
     layers = kinds.choices["layers"]
     layers.add_argument("--repeats", type=int, default=10, help="timed runs per layer (median)")
@@ -72,6 +74,8 @@ def run_bench(args: argparse.Namespace) -> int:
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip
     payload = step.bench_train(options)
+    if args.with_layers:
+        step.add_scaling_ratio(payload, layers.bench_layers(options, repeats=5))
     path = write_json(args.out or step.default_output(args.preset), payload)
     print(step.format_report(payload))
     print(f"wrote {path}")

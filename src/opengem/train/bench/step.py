@@ -198,6 +198,13 @@ def _loader_rate(config: TrainConfig, batches: int) -> float:
     return batches * config.batch_size / (time.perf_counter() - begin)
 
 
+def add_scaling_ratio(payload: dict[str, Any], layers_payload: dict[str, Any]) -> None:
+    """GEM_SPEC section 8: scaling ratio = E2E MFU / local MFU (each layer alone, FLOP-weighted)."""
+    r = payload["results"]
+    r["local_mfu"] = layers_payload["local_mfu"]
+    r["scaling_ratio"] = None if r["mfu"] is None or not r["local_mfu"] else r["mfu"] / r["local_mfu"]
+
+
 def format_report(payload: dict[str, Any]) -> str:
     r, s = payload["results"], payload["settings"]
 
@@ -218,6 +225,8 @@ def format_report(payload: dict[str, Any]) -> str:
         f"  E2E MFU           {e2e}",
         (f"  vs matmul ceiling {100 * r['mfu_vs_matmul_ceiling']:>12.1f} % of {r['matmul_ceiling_tflops']:.3g} TFLOP/s "
         "measured"),
+        *([f"  local MFU         {100 * r['local_mfu']:>12.1f} % (layers alone); scaling ratio "
+           f"{r['scaling_ratio']:.2f}"] if r.get("scaling_ratio") is not None else []),
         f"  peak memory       {memory}",
         (f"  loader alone      {r['loader_samples_per_s']:>12,.0f} samples/s = {r['loader_over_step_rate']:.2f}x the "
         f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)"),
