@@ -81,3 +81,12 @@ def test_jagged_is_a_pytree_node():
     assert leaves[0] is jagged.values and leaves[1] is jagged.offsets
     rebuilt = tree_unflatten([leaves[0] * 2, *leaves[1:]], spec)[0]
     assert torch.equal(rebuilt.values, jagged.values * 2) and rebuilt.max_len == 3
+
+
+def test_to_device_registers_the_mirror():
+    from opengem.jagged import to_device
+
+    host = torch.tensor([0, 3, 7])
+    moved = to_device(host, torch.device("meta"))  # pinning is only for CUDA targets
+    assert moved.device.type == "meta" and host_copy(moved) is host
+    assert to_device(host, torch.device("cpu")) is host

@@ -14,8 +14,8 @@ from opengem.cli.movielens import add_movielens_parser, movielens_command
 from opengem.cli.plan import add_plan_parser, run_plan
 from opengem.parallel.mesh import parse_parallel
 from opengem.train.checkpoint import checkpoint_config, resolve_checkpoint
-from opengem.train.sequential import SEQUENTIAL_PRESETS
 from opengem.train.config import PRESETS, apply_overrides, config_from_dict, load_config
+from opengem.train.sequential import SEQUENTIAL_PRESETS
 
 
 def main(argv: list[str] | None = None) -> int:

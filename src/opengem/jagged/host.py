@@ -42,8 +42,10 @@ def to_device(host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     A copy from pageable memory would wait for all queued GPU work before starting.
     """
-    if torch.device(device).type == "cpu":
+    device = torch.device(device)
+    if device.type == "cpu":
         return host_tensor
-    out = host_tensor.pin_memory().to(device, non_blocking=True)
+    source = host_tensor.pin_memory() if device.type == "cuda" else host_tensor
+    out = source.to(device, non_blocking=True)
     register_host_copy(out, host_tensor)
     return out

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 from dataclasses import dataclass
 
-from opengem.parallel.mesh import ParallelConfig, validate_layout
-from opengem.parallel.sparse_plan import ROW_SPLIT_TYPES, ShardingPlan, plan_sharding, shard_bytes, state_bytes_per_row
-from opengem.parallel.mesh import Topology
+from opengem.parallel.fsdp import fsdp_step_bytes
+from opengem.parallel.mesh import ParallelConfig, Topology, validate_layout
+from opengem.parallel.sparse_plan import ROW_SPLIT_TYPES, ShardingPlan, plan_sharding, state_bytes_per_row
 from opengem.plan.calibration import Rates, load_calibration
 from opengem.plan.cluster import Cluster
 from opengem.plan.comm import expert_bytes, fsdp_units, sparse_index_bytes
-from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.plan.cost import BF16, FRAMEWORK_RESERVE, Layout, Prediction, SparseCost, dense_memory, estimate
 from opengem.plan.workload import Workload, workload
 
