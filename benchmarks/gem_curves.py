@@ -40,10 +40,13 @@ expectation; a correct kernel set is expected at a ratio <= 1 (smaller perturbat
 2x leaves room for that scatter, while a wrong mask or gradient drifts systematically and keeps
 growing; the control run shows whether such a bug exceeds the bound at this length.
 
-Writes ``benchmarks/results/gem_curves.json`` after every run (a time-out keeps what finished) and
-``gem_curves.png`` when matplotlib is installed. Time on an H200 (batch 128, mean history ~220 tokens,
-up to 4096): the Triton run ~0.1-0.2 s/step (host-bound), the reference runs ~0.3-0.6 s/step (the
-reference attention pads every sample to L x L), so ~5 minutes for 200 steps with the control.
+Writes ``benchmarks/results/gem_curves.json`` after every run (a time-out keeps what finished; the
+control runs last) and ``gem_curves.png`` when matplotlib is installed. Time on an H200 (estimates:
+batch 128, mean history ~220 tokens, up to 4096): building gem-small (1.4B embedding rows' worth of
+CPU initialization) ~10-15 s per run; the Triton run ~0.1-0.15 s/step (host-bound), the reference runs
+~0.25-0.5 s/step (the reference attention pads every sample to L x L, one sample per group above
+~1.4k tokens); ~4-6 minutes for 200 steps with the control. ``--quick``: 30 steps of batch 64, no
+control, ~1-1.5 minutes. Progress lines give each run's median ms/step.
 """
 
 from __future__ import annotations
