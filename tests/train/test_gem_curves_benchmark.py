@@ -49,6 +49,7 @@ def test_cpu_run_writes_every_field(cpu_result):
         "settings",
         "environment",
         "ratios_to_noise",
+        "first_logits_ratio_to_noise",
         "control_ratios_to_noise",
         "first_batch_logits_relative_error",
         "verdict",
