@@ -6,6 +6,7 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("OPENGEM_POISON_OUTPUTS", "1")
 
 from dataclasses import dataclass  # noqa: E402
+from types import SimpleNamespace  # noqa: E402
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -271,3 +272,17 @@ def test_bad_inputs_raise() -> None:
         ops.check_ids(ids, torch.tensor([0, 1, 2, 3]), 1, [4, 3, 2], ["a", "b", "c"])
     with pytest.raises(ValueError, match=r"feature 'c': id 3 at position 0 is out of range \[0, 2\)"):
         ops.check_ids(ids, torch.tensor([0, 1, 1, 3]), 1, [4, 3, 2], ["a", "b", "c"])  # b is empty
+
+
+@pytest.mark.parametrize(
+    ("env", "is_cuda", "expected"),
+    [(None, False, False), (None, True, True), ("triton", False, True), ("reference", True, False)],
+)
+def test_backend_environment_variable_overrides_the_device(monkeypatch, env, is_cuda, expected) -> None:
+    """``OPENGEM_EMBEDDING_BACKEND`` forces either path, so a CUDA training run can use the reference."""
+    if env is None:
+        monkeypatch.delenv("OPENGEM_EMBEDDING_BACKEND", raising=False)
+    else:
+        monkeypatch.setenv("OPENGEM_EMBEDDING_BACKEND", env)
+    tensor = SimpleNamespace(is_cuda=is_cuda)  # the dispatch reads only .is_cuda; no GPU needed
+    assert ops._use_triton(tensor) is expected

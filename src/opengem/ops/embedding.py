@@ -35,7 +35,8 @@ gradient of a row, plus ``weight_decay * w``, L2 style; rows absent from the bat
 Low-precision weights are updated in fp32 and rounded to nearest once per step.
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run the PyTorch reference; the environment
-variable ``OPENGEM_EMBEDDING_BACKEND=triton`` forces Triton (for interpreter tests).
+variable ``OPENGEM_EMBEDDING_BACKEND=triton`` forces Triton (for interpreter tests), ``=reference`` the
+reference (also on CUDA: the reference-kernel training run of ``benchmarks/gem_curves.py``).
 """
 
 from __future__ import annotations
@@ -69,7 +70,10 @@ INDEX_DTYPES = (torch.int32, torch.int64)
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda or os.environ.get("OPENGEM_EMBEDDING_BACKEND") == "triton"
+    backend = os.environ.get("OPENGEM_EMBEDDING_BACKEND")
+    if backend in ("triton", "reference"):
+        return backend == "triton"
+    return tensor.is_cuda
 
 
 def _triton():  # imported lazily: CPU-only installs need no Triton
