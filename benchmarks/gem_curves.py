@@ -193,7 +193,7 @@ def train_run(spec: RunSpec, options: CurveOptions, batches: list[Batch], names:
         begin = time.perf_counter()
         for step, batch in enumerate(batches, start=1):
             start = time.perf_counter()
-            losses.append(learner.step(batch.to(device, non_blocking=True)))  # reading the loss synchronizes
+            losses.append(float(learner.step(batch.to(device, non_blocking=True))))  # reading the loss synchronizes
             step_s.append(time.perf_counter() - start)
             if step % max(1, options.steps // 10) == 0 or step == options.steps:
                 print(

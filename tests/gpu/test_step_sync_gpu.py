@@ -43,3 +43,28 @@ def test_gem_forward_backward_without_sync(self_attention):
         torch.cuda.set_sync_debug_mode(0)
     torch.cuda.synchronize()
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_learner_step_without_sync():
+    """The whole optimizer step (forward, loss, backward, fused embedding update, fused AdamW, schedule):
+    a non-finite loss is skipped on the device, so the step never reads the GPU back."""
+    from opengem.train.config import load_config
+    from opengem.train.trainer import build_learner
+
+    config = load_config("gem-small", None, ["architecture=gem", "precision=bf16", "gem.num_layers=2",
+                                             "batch_size=256", "device=cuda"])
+    learner = build_learner(config, config.model.history, torch.device("cuda"))
+    assert learner.skip_on_device
+    for module in learner.model.modules():
+        if isinstance(module, EmbeddingCollection):
+            module.validate_ids = False
+    preset = GEM_PRESETS["gem-small"]
+    host_batch = next(iter(batches_from_table(generate(preset.data, 256, seed=4), 256))).pin_memory()
+    learner.step(host_batch.to("cuda", non_blocking=True))  # compiles, autotunes, fills caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        loss = learner.step(host_batch.to("cuda", non_blocking=True))
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert torch.isfinite(loss)

@@ -147,3 +147,32 @@ def test_step_guard_reports_spikes():
         warnings.simplefilter("error")
         with pytest.raises(TrainingDiverged):
             guard.check(6, float("nan"))
+
+
+@pytest.mark.parametrize("architecture", ["gem", "sequence_ctr"])
+def test_a_non_finite_step_is_skipped_on_the_device(architecture):
+    """The device-side skip (fused AdamW's found_inf, the embedding kernels' update_skip): a NaN loss leaves
+    every parameter, embedding table, optimizer state and step counter bit-identical, without the trainer
+    reading the loss first."""
+    import copy
+    import math
+
+    from opengem.train.data_stream import train_batches
+
+    config = load_config("gem-tiny", None, [*SMALL, f"architecture={architecture}"])
+    learner = trainer_module.build_learner(config, config.model.history, torch.device("cpu"))
+    assert learner.skip_on_device
+    stream = train_batches(config, 0)
+    learner.step(next(stream))  # a real step first: moments and step counters exist
+    model_before = copy.deepcopy(learner.model.state_dict())
+    optimizer_before = copy.deepcopy(learner.optimizer.state_dict()["state"])
+    bad = next(stream)
+    bad.dense[:] = float("nan")
+    assert not math.isfinite(float(learner.step(bad)))
+    for name, tensor in learner.model.state_dict().items():
+        assert torch.equal(tensor, model_before[name]), name
+    for index, state in learner.optimizer.state_dict()["state"].items():
+        for key, tensor in state.items():
+            assert torch.equal(tensor, optimizer_before[index][key]), (index, key)
+    learner.step(next(stream))  # and the next finite step trains again
+    assert any(not torch.equal(t, model_before[n]) for n, t in learner.model.state_dict().items())

@@ -122,6 +122,9 @@ class EmbeddingCollection(nn.Module):
             self._groups = tuple(_Group(str(i), (i,), (0,), (0,)) for i in range(len(self.tables)))
         else:
             self._groups = tuple(self._register_fused_groups(device))
+            # set to 1 (on the device) before a backward whose fused update must not apply, e.g. by the
+            # trainer when the loss is not finite: the kernels read it, so skipping costs no host sync
+            self.register_buffer("update_skip", torch.zeros(1, device=device), persistent=False)
 
     def _register_fused_groups(self, device: torch.device | str | None) -> Iterator[_Group]:
         assert self.optimizer is not None
@@ -191,6 +194,7 @@ class EmbeddingCollection(nn.Module):
             elem_state=getattr(self, f"elem_state_{group.key}"),
             step=getattr(self, f"step_{group.key}"),
             anchor=torch.zeros(0, device=device, requires_grad=True),
+            skip=self.update_skip,
             lr=opt.lr,
             eps=opt.eps,
             betas=opt.betas,

@@ -156,6 +156,7 @@ def _fused_update_op(
     row_state: torch.Tensor,
     elem_state: torch.Tensor,
     step: torch.Tensor,
+    skip: torch.Tensor,
     feature_meta: torch.Tensor,
     ids: torch.Tensor,
     offsets: torch.Tensor,
@@ -172,13 +173,14 @@ def _fused_update_op(
     state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
     hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
     if _use_triton(weights):
-        _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper)
+        _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper, skip=skip)
     else:
-        reference.embedding_fused_update_(*state, *hyper)
+        reference.embedding_fused_update_(*state, *hyper, skip=skip)
 
 
 @_fused_update_op.register_fake
-def _(grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size, max_dim, dim_align, *hyper):
+def _(grad_out, weights, row_state, elem_state, step, skip, feature_meta, ids, offsets, batch_size, max_dim, dim_align,
+      *hyper):
     return None
 
 
@@ -188,6 +190,7 @@ def _fused_lookup_op(
     row_state: torch.Tensor,
     elem_state: torch.Tensor,
     step: torch.Tensor,
+    skip: torch.Tensor,
     anchor: torch.Tensor,
     feature_meta: torch.Tensor,
     ids: torch.Tensor,
@@ -207,27 +210,27 @@ def _fused_lookup_op(
 
 
 @_fused_lookup_op.register_fake
-def _(weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align, *hyper):
+def _(weights, row_state, elem_state, step, skip, anchor, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align, *hyper):
     return weights.new_empty(out_numel)
 
 
 def _fused_setup(ctx, inputs, output) -> None:
-    weights, row_state, elem_state, step, anchor, feature_meta, ids, offsets, batch_size, _, max_dim, dim_align, *hyper = inputs
+    weights, row_state, elem_state, step, skip, anchor, feature_meta, ids, offsets, batch_size, _, max_dim, dim_align, *hyper = inputs
     # The tables are kept as attributes, not saved tensors: the update mutates them in the backward, and
-    # they are state (like an optimizer's), not activations.
-    ctx.tables = (weights, row_state, elem_state, step)
+    # they are state (like an optimizer's), not activations. ``skip`` too: it is set after the forward.
+    ctx.tables = (weights, row_state, elem_state, step, skip)
     ctx.save_for_backward(anchor, feature_meta, ids, offsets)
     ctx.sizes, ctx.hyper = (batch_size, max_dim, dim_align), hyper
 
 
 def _fused_backward(ctx, grad_out):
     anchor, feature_meta, ids, offsets = ctx.saved_tensors
-    weights, row_state, elem_state, step = ctx.tables
+    weights, row_state, elem_state, step, skip = ctx.tables
     _fused_update_op(
-        grad_out.contiguous(), weights, row_state, elem_state, step, feature_meta, ids, offsets,
+        grad_out.contiguous(), weights, row_state, elem_state, step, skip, feature_meta, ids, offsets,
         *ctx.sizes, *ctx.hyper,
     )  # fmt: skip
-    return (None, None, None, None, torch.zeros_like(anchor)) + (None,) * 13
+    return (None, None, None, None, None, torch.zeros_like(anchor)) + (None,) * 13
 
 
 _fused_lookup_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -251,6 +254,8 @@ class FusedUpdate:
     ``elem_state``: fp32 shaped like ``weights`` for ``rowwise_adam`` (first moment), else empty.
     ``step``: int64 ``[1]`` step counter. ``anchor``: any tensor with ``requires_grad=True``; it connects
     the output to autograd (the weights themselves are not autograd leaves) and receives a zero gradient.
+    ``skip``: optional ``[1]`` flag read on the device when the backward runs: nonzero leaves the tables,
+    the state and ``step`` untouched (the trainer sets it from ``isfinite(loss)``, without a host sync).
     """
 
     kind: str
@@ -262,6 +267,7 @@ class FusedUpdate:
     eps: float = 1e-8
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
+    skip: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)
@@ -430,8 +436,9 @@ def embedding_lookup(
         return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)
     if update.kind not in OPTIMIZER_CODES:
         raise ValueError(f"update.kind must be one of {sorted(OPTIMIZER_CODES)}, got {update.kind!r}")
+    skip = torch.zeros(1, device=weights.device) if update.skip is None else update.skip
     return _fused_lookup_op(
-        weights, update.row_state, update.elem_state, update.step, update.anchor, layout.feature_meta, ids, offsets,
+        weights, update.row_state, update.elem_state, update.step, skip, update.anchor, layout.feature_meta, ids, offsets,
         *sizes, OPTIMIZER_CODES[update.kind], update.lr, update.eps, update.betas[0], update.betas[1],
         update.weight_decay,
     )  # fmt: skip

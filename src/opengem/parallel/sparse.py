@@ -211,7 +211,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def _state_tensors(self) -> list[tuple[str, torch.Tensor]]:
         local = self.local_collection
-        return [(n.replace(".", "_"), t) for n, t in [*local.named_parameters(), *local.named_buffers()]]
+        persistent = [(n, b) for n, b in local.named_buffers() if n not in local._non_persistent_buffers_set]
+        return [(n.replace(".", "_"), t) for n, t in [*local.named_parameters(), *persistent]]
 
     def _chunk_name(self, name: str) -> str:
         return f"chunk_{self._state_prefix()}_{name}"

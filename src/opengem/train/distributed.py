@@ -70,7 +70,7 @@ class DistributedLearner(Learner):
 
     stats: CommStats | None = None
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, float]:
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's share of the global loss, the global-batch loss): one scalar all-reduce for the value."""
         logits = self.forward(batch)
         loss_sum = F.binary_cross_entropy_with_logits(logits.float(), batch.labels, reduction="none").sum()
@@ -79,9 +79,9 @@ class DistributedLearner(Learner):
         dist.all_reduce(totals)
         if self.stats is not None:  # the totals here, the sample count in data_parallel_loss
             self.stats.record("world", "all_reduce", totals.numel() * totals.element_size() + 8)
-        return data_parallel_loss(loss_sum, rows), float(totals[0] / totals[1])
+        return data_parallel_loss(loss_sum, rows), totals[0] / totals[1]
 
-    def step(self, batch: Batch) -> float:
+    def step(self, batch: Batch) -> torch.Tensor:
         if self.stats is not None:
             self.stats.reset()
         return super().step(batch)

@@ -16,7 +16,7 @@ import warnings
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 import torch.nn.functional as F
@@ -27,8 +27,9 @@ from opengem.data.schema import TASKS, Batch
 from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
-from opengem.nn.embedding import EmbeddingOptimizer
+from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
 from opengem.parallel.mesh import ParallelConfig
+from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from opengem.train.compile import compile_regions
 from opengem.train.config import ARCHITECTURES, TrainConfig
@@ -45,6 +46,7 @@ class Learner:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the parameters' fp32)
+    skip_on_device: bool = False  # see step(): set by make_learner when the optimizer is a fused AdamW
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits; the dense compute runs under autocast when ``compute_dtype`` is set."""
@@ -52,26 +54,39 @@ class Learner:
         with torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.compute_dtype is not None):
             return self.model(batch).float()
 
-    def loss(self, batch: Batch) -> tuple[torch.Tensor, float]:
-        """(the loss to backpropagate, its value): BCE averaged over the batch, summed over the tasks."""
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the loss to backpropagate, its detached value): BCE averaged over the batch, summed over the tasks."""
         logits = self.forward(batch)
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="none").mean(0).sum()
-        return loss, float(loss.detach())
+        return loss, loss.detach()
 
-    def step(self, batch: Batch) -> float:
-        """One optimizer step; a non-finite loss skips it (nothing is updated) and is returned as is.
+    def step(self, batch: Batch) -> torch.Tensor:
+        """One optimizer step; returns the loss as a device scalar (reading it is the caller's choice).
 
-        Reading the loss is one host synchronization per step, the price of never applying a NaN update
-        (the embedding optimizer runs inside the backward, so the check must come before it).
+        A non-finite loss skips the step: nothing is updated. With ``skip_on_device`` (a fused AdamW and
+        every embedding collection gated) the decision stays on the device: the flag ``!isfinite(loss)``
+        is written into the embedding collections' ``update_skip`` (read by the fused update kernels in
+        the backward) and handed to the fused AdamW as ``found_inf``, so the step has no host sync. Otherwise
+        the loss is read on the host first and the backward is not run.
         """
         self.model.train()
         loss, value = self.loss(batch)
-        if math.isfinite(value):
-            self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.skip_on_device:
+            skip = (~torch.isfinite(value)).to(torch.float32)  # 0-d, as fused AdamW expects
+            for gate in self._gates():
+                gate.copy_(skip)
+            self.optimizer.found_inf = skip  # fused AdamW leaves parameters, moments and steps unchanged
+            loss.backward()
+            self.optimizer.step()
+        elif math.isfinite(float(value)):
             loss.backward()
             self.optimizer.step()
         self.scheduler.step()
         return value
+
+    def _gates(self) -> list[torch.Tensor]:
+        return [m.update_skip for m in self.model.modules() if isinstance(m, EmbeddingCollection) and m.optimizer]
 
     @torch.no_grad()
     def predict(self, batches: list[Batch]) -> torch.Tensor:
@@ -115,10 +130,20 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     """
     if config.compile:
         compile_regions(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    parameters = list(model.parameters())
+    # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
+    # parameters and sharded embedding collections take the host-checked path)
+    fused = bool(parameters) and all(type(p) is nn.Parameter and p.device.type in ("cuda", "cpu") for p in parameters)
+    fused = fused and len({p.device for p in parameters}) == 1 and not _has_sharded_embeddings(model)
+    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     compute_dtype = {"fp32": None, "bf16": torch.bfloat16}[config.precision]
-    return kind(model, optimizer, scheduler, compute_dtype)
+    return kind(model, optimizer, scheduler, compute_dtype, skip_on_device=fused)
+
+
+def _has_sharded_embeddings(model: nn.Module) -> bool:
+    """Sharded collections may hold their local tables outside ``modules()``: their gates are not reachable."""
+    return any(isinstance(m, ShardedEmbeddingCollection) for m in model.modules())
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
@@ -214,14 +239,16 @@ def _loop(config: TrainConfig, run: LocalRun | Any, resume: Path | None, progres
     bar = tqdm(range(start_step, config.steps), desc="train", disable=not progress, initial=start_step, total=config.steps)
     try:
         window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
+        pending: list[tuple[int, dict[str, torch.Tensor]]] = []  # losses still on the device
         for step in bar:
             batch = next(stream).to(run.device, non_blocking=True)
-            losses = {name: learner.step(batch) for name, learner in run.learners.items()}
-            health = guard.check(step + 1, losses["model"])
-            if health is not None:
-                log.write(json.dumps({"step": step + 1, "event": health, "loss/model": losses["model"]}) + "\n")
+            pending.append((step + 1, {name: learner.step(batch) for name, learner in run.learners.items()}))
             window_samples += batch.batch_size()
             window_tokens += batch.num_history_tokens()
+            boundaries = (config.log_every, config.eval_every, config.checkpoint_every)
+            if any((step + 1) % every == 0 for every in boundaries) or step + 1 == config.steps:
+                losses = _read_losses(pending, guard, log)
+                pending.clear()
             if (step + 1) % config.log_every == 0 or step + 1 == config.steps:
                 samples, tokens = run.sum_over_ranks([window_samples, window_tokens])
                 elapsed = time.perf_counter() - window_start
@@ -263,6 +290,21 @@ def _loop(config: TrainConfig, run: LocalRun | Any, resume: Path | None, progres
     if run.is_main:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
     return summary
+
+
+def _read_losses(pending: list[tuple[int, dict[str, torch.Tensor]]], guard: StepGuard, log: IO[str]) -> dict[str, float]:
+    """Read the losses of the pending steps in one host transfer, in step order through the guard (which
+    logs skipped steps and spikes, and raises after too many bad steps in a row); the last step's losses.
+
+    Reading every step would synchronize every step; a skipped step was already skipped on the device.
+    """
+    names = list(pending[0][1])
+    values = torch.stack([torch.stack([losses[n].double() for n in names]) for _, losses in pending]).tolist()
+    for (step, _), row in zip(pending, values):
+        health = guard.check(step, row[names.index("model")])
+        if health is not None:
+            log.write(json.dumps({"step": step, "event": health, "loss/model": row[names.index("model")]}) + "\n")
+    return dict(zip(names, values[-1]))
 
 
 def evaluate(predictions: dict[str, torch.Tensor], labels: torch.Tensor) -> dict[str, Any]:

@@ -106,13 +106,17 @@ def embedding_fused_update_(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    skip: torch.Tensor | None = None,
 ) -> None:
     """Aggregate the gradient of each unique row of the batch, then apply one optimizer step to it, in place.
 
     ``row_state`` (fp32, one per row of all tables): the Adagrad accumulator or Adam's second moment.
     ``elem_state`` (fp32, shaped like ``weights``; empty unless Adam): Adam's first moment.
     ``step`` (int64 ``[1]``): the number of optimizer steps, incremented here (Adam's bias correction).
+    ``skip`` (``[1]``, optional): nonzero -> nothing changes (the step of a non-finite loss).
     """
+    if skip is not None and bool(skip.item() != 0):
+        return
     step += 1
     t = float(step.item()) if optimizer == OPT_ROWWISE_ADAM else 0.0
     metas = {m[ROW_OFFSET]: m for m in feature_meta.tolist()}

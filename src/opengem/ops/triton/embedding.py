@@ -149,7 +149,7 @@ def _segment_sum_kernel(
 
 @triton.jit(do_not_specialize=["num_positions"])
 def _aggregate_update_kernel(
-    grad_out, partials, weights, row_state, elem_state, corrections,
+    grad_out, partials, weights, row_state, elem_state, corrections, skip,
     sorted_keys, run_ends, pieces_before, grad_starts, grad_scales, weight_starts, dims, num_positions,
     lr, eps, beta1, beta2, weight_decay, one_minus_beta1, one_minus_beta2,
     OPTIMIZER: tl.constexpr, SEGMENT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr,
@@ -162,6 +162,7 @@ def _aggregate_update_kernel(
     keys = tl.load(sorted_keys + positions, mask=in_range, other=-1)
     previous = tl.load(sorted_keys + positions - 1, mask=in_range & (positions > 0), other=-1)
     first = keys != previous  # keys >= 0, so position 0 is a start and out-of-range lanes are not
+    first = first & (tl.load(skip + positions * 0) == 0)  # a skipped step (non-finite loss) writes nothing
     run_length = tl.where(first, tl.load(run_ends + positions, mask=first, other=0) - positions, 0)
     dim = tl.load(dims + positions, mask=first, other=0)
     weight_start = tl.multiple_of(tl.load(weight_starts + positions, mask=first, other=0), ALIGN)
@@ -278,6 +279,7 @@ def _aggregate_update(
     row_state: torch.Tensor,
     elem_state: torch.Tensor,
     corrections: torch.Tensor,
+    skip: torch.Tensor,
     feature_meta: torch.Tensor,
     ids: torch.Tensor,
     offsets: torch.Tensor,
@@ -305,7 +307,7 @@ def _aggregate_update(
             grad_out, partials, piece_starts, parts["run_ends"], *contributions, parts["dims"], piece_starts.numel(), **sizes
         )  # fmt: skip
     _aggregate_update_kernel[(triton.cdiv(ids.numel(), rows),)](
-        grad_out, partials, target, row_state, elem_state, corrections,
+        grad_out, partials, target, row_state, elem_state, corrections, skip,
         parts["sorted_keys"], parts["run_ends"], pieces_before, *contributions,
         parts["weight_starts"], parts["dims"], ids.numel(), *hyper,
         1.0 - hyper[2], 1.0 - hyper[3],  # in float64 here: 1 - 0.999 computed in fp32 is off by 1.3e-5
@@ -326,9 +328,10 @@ def embedding_dense_grad(
 ) -> torch.Tensor:
     grad = torch.zeros_like(weights)
     empty = torch.empty(0, device=weights.device)
+    no_skip = torch.zeros(1, device=weights.device)
     _aggregate_update(
-        grad_out, grad, empty, empty, empty, feature_meta, ids, offsets, batch_size, max_dim, dim_align, DENSE_GRAD,
-        (0.0, 0.0, 0.0, 0.0, 0.0), segment,
+        grad_out, grad, empty, empty, empty, no_skip, feature_meta, ids, offsets, batch_size, max_dim, dim_align,
+        DENSE_GRAD, (0.0, 0.0, 0.0, 0.0, 0.0), segment,
     )  # fmt: skip
     return grad
 
@@ -352,10 +355,14 @@ def embedding_fused_update_(
     beta2: float,
     weight_decay: float,
     segment: int = SEGMENT,
+    skip: torch.Tensor | None = None,
 ) -> None:
+    """``skip`` (``[1]`` on the device, optional): when nonzero the step leaves every table, state and the
+    step count untouched; read by the kernel, so a non-finite loss skips the update without a host sync."""
     if optimizer not in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM):
         raise ValueError(f"unknown optimizer code {optimizer}")
-    step += 1
+    skip = torch.zeros(1, device=weights.device) if skip is None else skip
+    step += (skip == 0).to(step.dtype)
     corrections = torch.empty(0, device=weights.device)
     if optimizer == OPT_ROWWISE_ADAM:
         # bias corrections 1 - beta**t from the step count on the device: no sync, and no tensor made from
@@ -363,6 +370,6 @@ def embedding_fused_update_(
         t = step.double()
         corrections = torch.cat([1 - torch.pow(beta1, t), 1 - torch.pow(beta2, t)]).float()
     _aggregate_update(
-        grad_out, weights, row_state, elem_state, corrections, feature_meta, ids, offsets, batch_size, max_dim, dim_align, optimizer,
-        (lr, eps, beta1, beta2, weight_decay), segment,
+        grad_out, weights, row_state, elem_state, corrections, skip, feature_meta, ids, offsets, batch_size, max_dim,
+        dim_align, optimizer, (lr, eps, beta1, beta2, weight_decay), segment,
     )  # fmt: skip

@@ -139,7 +139,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "loader_samples_per_s": loader_samples_per_s,
         "loader_over_step_rate": loader_samples_per_s * elapsed / samples,
         "profiled_step_ms": profiled_step_ms,
-        "last_loss": loss,
+        "last_loss": float(loss),
     }
     settings = {
         **{k: v for k, v in dataclasses.asdict(options).items() if k != "overrides"},
