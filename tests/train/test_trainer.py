@@ -153,3 +153,31 @@ def test_compiled_regions_trace_whole_and_match_eager(architecture):
     for _ in range(2):  # two batches of different jagged lengths: no recompile error with dynamic shapes
         batch = next(stream)
         torch.testing.assert_close(compiled(batch), eager(batch))
+
+
+def test_activation_checkpointing_recomputes_to_the_same_losses(tmp_path):
+    """Each block's activations recomputed in the backward: the same losses, the same checkpoint names."""
+    runs = {}
+    for checkpointing in ("false", "true"):
+        config = _config(tmp_path, "steps=3", "eval_every=3", "eval_samples=500", "baseline=false",
+                         "architecture=gem", "gem.num_layers=2", f"activation_checkpointing={checkpointing}",
+                         f"name=ac_{checkpointing}")
+        train(config, progress=False)
+        runs[checkpointing] = _losses(tmp_path / f"ac_{checkpointing}")
+    assert runs["true"] == runs["false"]
+    assert _final_weights(tmp_path / "ac_true").keys() == _final_weights(tmp_path / "ac_false").keys()
+
+
+def test_checkpoint_blocks_wraps_every_gem_layer():
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+
+    from opengem.parallel.fsdp import checkpoint_blocks
+    from opengem.train.trainer import build_learner, build_model
+
+    config = load_config("gem-tiny", None, ["architecture=gem", "gem.num_layers=2"])
+    model = build_model(config, config.model.history, torch.device("cpu"))
+    names = checkpoint_blocks(model)
+    assert names == ["layers.0", "layers.1"]
+    assert all(isinstance(layer, CheckpointWrapper) for layer in model.layers)
+    learner = build_learner(apply_overrides(config, ["activation_checkpointing=true"]), "attention", torch.device("cpu"))
+    assert all(isinstance(layer, CheckpointWrapper) for layer in learner.model.layers)  # the trainer's path

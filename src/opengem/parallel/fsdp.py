@@ -101,6 +101,23 @@ def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
 CHECKPOINT_PREFIX = "_checkpoint_wrapped_module."
 
 
+def _checkpointed(model: nn.Module, name: str, block: nn.Module) -> nn.Module:
+    """Replace ``block`` by an activation-checkpointed wrapper (state-dict names unchanged)."""
+    wrapped = checkpoint_wrapper(block)
+    _replace(model, name, wrapped)
+    return wrapped
+
+
+def checkpoint_blocks(model: nn.Module, blocks: BlockSelector | None = None) -> list[str]:
+    """Activation checkpointing of every block (``select_blocks``) of a plain model, in place, for
+    single-process training: each block's activations are recomputed in the backward instead of kept.
+    Returns the wrapped blocks' names."""
+    selected = select_blocks(model, blocks, ())
+    for name, block in selected:
+        _checkpointed(model, name, block)
+    return [name for name, _ in selected]
+
+
 def own_params(prefix: str, module: nn.Module, taken: set[str]) -> dict[str, nn.Parameter]:
     """Parameters of ``module`` not yet owned by an inner unit, by checkpoint-wrapper-free qualified name.
 
@@ -166,8 +183,7 @@ def parallelize(
     fsdp_blocks: list[FSDPModule] = []
     for index, (name, block) in enumerate(selected):
         if config.activation_checkpointing:
-            block = checkpoint_wrapper(block)
-            _replace(model, name, block)
+            block = _checkpointed(model, name, block)
         # The last block is not resharded: backward needs it first, right after forward.
         shard(name, block, dense_mesh, config.reshard_after_forward and index < len(selected) - 1)
         fsdp_blocks.append(block)

@@ -45,6 +45,7 @@ class TrainConfig:
     architecture: str = "sequence_ctr"  # "sequence_ctr" (section `model`) or "gem" (section `gem`)
     precision: str = "fp32"  # one of PRECISIONS
     compile: bool = False  # torch.compile the dense blocks (opengem.train.compile); worth it on GPUs
+    activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 

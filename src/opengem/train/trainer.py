@@ -21,6 +21,7 @@ from typing import IO, Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from tqdm import tqdm
 
 from opengem.data.schema import TASKS, Batch
@@ -28,6 +29,7 @@ from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
+from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
@@ -126,24 +128,29 @@ def build_model(config: TrainConfig, history: str, device: torch.device) -> nn.M
 def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:
     """AdamW on the dense parameters (the embedding tables have their own fused optimizer) and the schedule.
 
-    With ``config.compile`` the dense blocks are compiled here, after any parallel wrapping.
+    With ``config.compile`` the dense blocks are compiled here, after any parallel wrapping; with
+    ``config.activation_checkpointing`` a single-process model's blocks are checkpointed first (the
+    distributed trainer checkpoints them in ``parallelize``).
     """
+    if config.activation_checkpointing and not _is_sharded(model):
+        checkpoint_blocks(model)
     if config.compile:
         compile_regions(model)
     parameters = list(model.parameters())
     # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
     # parameters and sharded embedding collections take the host-checked path)
-    fused = bool(parameters) and all(type(p) is nn.Parameter and p.device.type in ("cuda", "cpu") for p in parameters)
-    fused = fused and len({p.device for p in parameters}) == 1 and not _has_sharded_embeddings(model)
+    fused = bool(parameters) and not _is_sharded(model) and len({p.device for p in parameters}) == 1
+    fused = fused and parameters[0].device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     compute_dtype = {"fp32": None, "bf16": torch.bfloat16}[config.precision]
     return kind(model, optimizer, scheduler, compute_dtype, skip_on_device=fused)
 
 
-def _has_sharded_embeddings(model: nn.Module) -> bool:
-    """Sharded collections may hold their local tables outside ``modules()``: their gates are not reachable."""
-    return any(isinstance(m, ShardedEmbeddingCollection) for m in model.modules())
+def _is_sharded(model: nn.Module) -> bool:
+    """Wrapped by the distributed trainer: FSDP2 blocks (DTensor parameters) or sharded embedding collections
+    (whose local tables may sit outside ``modules()``, out of reach of the skip flags)."""
+    return any(isinstance(m, (FSDPModule, ShardedEmbeddingCollection)) for m in model.modules())
 
 
 def lr_factor(step: int, config: TrainConfig) -> float:
