@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from opengem.cli.main import main
-from opengem.train.config import apply_overrides, load_config
 from opengem.train.checkpoint import latest_checkpoint
+from opengem.train.config import apply_overrides, load_config
 from opengem.train.trainer import train
 
 SMALL = [
