@@ -62,6 +62,7 @@ class GEMConfig:
     domain_feature: str = "surface"
     event_type_feature: str = "hist_event_type"
     attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on CUDA, reference on CPU
+    attention_precision: Literal["bf16", "fp8"] = "bf16"  # jfa self-attention's forward (fp8: E4M3, issue 12)
     use_sequence: bool = True
     use_pffn: bool = True
     use_pooling: bool = True
@@ -83,7 +84,7 @@ class GEMLayer(nn.Module):
             self.self_attention = SequenceSelfAttention(
                 d, config.num_heads, config.self_attention, window=config.window, block_size=config.block_size,
                 contextual_len=config.num_cls, ffn_mult=config.ffn_mult, time_scale=config.time_scale,
-                backend=config.attention_backend,
+                backend=config.attention_backend, precision=config.attention_precision,
             )  # fmt: skip
             if config.use_wukong or last:  # S_sum feeds the interaction branch, or the heads after the last layer
                 seeds = config.num_seeds if config.use_pooling else 0

@@ -114,7 +114,8 @@ class SequenceSelfAttention(nn.Module):
 
     ``kind="block"``: BlockAttention (``block_size`` tokens per block) with time-aware rotary on the
     event age; ``kind="jfa"``: windowed softmax JFA (``|i - j| <= window``) where the first
-    ``contextual_len`` rows (the CLS tokens) see the whole sequence.
+    ``contextual_len`` rows (the CLS tokens) see the whole sequence; ``precision="fp8"`` runs its forward
+    in E4M3 (``opengem.ops.jagged_attention``).
     """
 
     def __init__(
@@ -129,10 +130,14 @@ class SequenceSelfAttention(nn.Module):
         ffn_mult: int,
         time_scale: float,
         backend: str = "auto",
+        precision: str = "bf16",
     ) -> None:
         super().__init__()
         if kind not in ("block", "jfa"):
             raise ValueError(f"self_attention must be 'block' or 'jfa', got {kind!r}")
+        if precision != "bf16" and kind != "jfa":
+            raise ValueError(f"attention precision {precision!r} is available for jfa self-attention only")
+        self.precision = precision
         self.kind, self.num_heads, self.head_dim = kind, num_heads, dim // num_heads
         self.window, self.block_size, self.contextual_len = window, block_size, contextual_len
         self.time_scale, self.backend = time_scale, backend
@@ -155,7 +160,7 @@ class SequenceSelfAttention(nn.Module):
             q, k, v = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
             attended = jagged_attention(
                 q, k, v, sequence.offsets, sequence.max_len, causal=False, contextual_len=self.contextual_len,
-                window=self.window, backend=None if self.backend == "auto" else self.backend,
+                window=self.window, backend=None if self.backend == "auto" else self.backend, precision=self.precision,
             ).reshape(h.shape[0], -1)
         h = h + self.out(attended)
         if self.ffn is not None:
