@@ -130,7 +130,7 @@ def train_config(options: CurveOptions, spec: RunSpec) -> TrainConfig:
     overrides = [
         "architecture=gem", "baseline=false", f"batch_size={options.batch_size}", f"steps={options.steps}",
         f"seed={options.seed}", f"device={options.device}", f"precision={spec.precision}",
-        f"num_workers={options.num_workers}",
+        f"num_workers={options.num_workers}", "compile=false",  # eager: the kernels, not Inductor, are compared
     ]  # fmt: skip
     config = load_config(options.preset, overrides=overrides)
     gem = dataclasses.replace(GEM_PRESETS[options.preset].model, attention_backend=spec.backend)

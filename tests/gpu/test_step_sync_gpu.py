@@ -52,7 +52,7 @@ def test_learner_step_without_sync():
     from opengem.train.trainer import build_learner
 
     config = load_config("gem-small", None, ["architecture=gem", "precision=bf16", "gem.num_layers=2",
-                                             "batch_size=256", "device=cuda"])
+                                             "batch_size=256", "device=cuda", "compile=false"])
     learner = build_learner(config, config.model.history, torch.device("cuda"))
     assert learner.skip_on_device
     for module in learner.model.modules():

@@ -68,17 +68,21 @@ class TrainConfig:
 PRESETS: dict[str, TrainConfig] = {
     # The CPU demo: short histories, a small model; trains in a few minutes on 2 cores.
     "gem-tiny": TrainConfig(steps=800, eval_every=200),
-    # One GPU: long power-law histories.
+    # One GPU, the GEM model (~100M dense): long power-law histories; bf16 autocast and compiled blocks (the
+    # fastest measured setting on an H200, docs/performance.md); batch 2048 peaks at ~52 GiB.
     "gem-small": TrainConfig(
         preset="gem-small",
         data_preset="gem-small",
         steps=2000,
-        batch_size=512,
+        batch_size=2048,
         lr=1e-3,
         embedding_lr=0.02,
         eval_every=500,
         eval_samples=50000,
-        num_workers=4,
+        num_workers=8,
+        architecture="gem",
+        precision="bf16",
+        compile=True,
         model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
         gem=GEM_PRESETS["gem-small"].model,
     ),
@@ -94,8 +98,10 @@ PRESETS: dict[str, TrainConfig] = {
         embedding_lr=0.02,
         eval_every=500,
         eval_samples=20000,
-        num_workers=4,
+        num_workers=8,
         architecture="gem",
+        precision="bf16",
+        compile=True,
         model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
         gem=GEM_PRESETS["gem-large"].model,
     ),

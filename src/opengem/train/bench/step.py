@@ -64,7 +64,8 @@ class TrainBenchOptions:
 
 def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device, str]:
     """The preset's TrainConfig with the GEM architecture and the benchmark's settings; device; precision."""
-    overrides = ["architecture=gem", f"device={options.device}", "baseline=false"]
+    # compile=false: the benchmark compiles itself (--compile), after any low-precision conversion
+    overrides = ["architecture=gem", f"device={options.device}", "baseline=false", "compile=false"]
     if options.batch_size is not None:
         overrides.append(f"batch_size={options.batch_size}")
     if options.num_workers is not None:
