@@ -40,6 +40,7 @@ import dataclasses
 import gc
 import json
 import math
+import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -57,6 +58,7 @@ from opengem.parallel.collectives import (
     enable_copy_engine_all_gather,
     probe_capabilities,
     reduce_scatter_single,
+    select_collectives,
 )
 from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, build_meshes, init_distributed, parse_parallel
 from opengem.train.bench.timing import WindowTimer, synchronize
@@ -67,6 +69,7 @@ from opengem.train.trainer import LocalRun
 
 ALL_LAYOUTS = ("fsdp", "hsdp", "expert", "sparse1d", "sparse2d")
 EXPERTS = 2
+COLLECTIVE_ENV = ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS", "NCCL_CTA_POLICY")
 QUICK = {"warmup": 2, "steps": 3, "collective_iters": 5}
 FULL = {"warmup": 10, "steps": 20, "collective_iters": 20}
 
@@ -313,7 +316,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     overrides = [*(["compile=false"] if args.quick else []), *args.overrides]
     on_cuda = args.device != "cpu" and torch.cuda.is_available()
     owns_process_group = not dist.is_initialized()  # a test's gloo session already has one
-    init_distributed(ParallelConfig(collectives=args.collectives), backend="nccl" if on_cuda else "gloo")
+    backend = "nccl" if on_cuda else "gloo"
+    os.environ.setdefault("NVSHMEM_DISABLE_NVLS", "1")  # with NCCL's and torch's multicast (setup_environment)
+    init_distributed(ParallelConfig(collectives=args.collectives), backend=backend)
     world, is_main = dist.get_world_size(), dist.get_rank() == 0
     device = torch.device("cuda", torch.cuda.current_device()) if on_cuda else torch.device("cpu")
     names = [n.strip() for n in args.layouts.split(",") if n.strip()]
@@ -344,7 +349,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     _add_scaling(layout_rows, args.single_gpu_mfu)
     payload = {"device_count": world, "device_type": torch.cuda.get_device_name(device) if on_cuda else "cpu",
                "preset": args.preset, "warmup": warmup, "steps": steps, "peak_tflops": None if peak is None else peak / 1e12,
-               "skipped": skipped, "collective_rows": collective_rows}
+               "skipped": skipped, "collective_rows": collective_rows,
+               "collective_plan": select_collectives(args.collectives, probe_capabilities(backend)).reason,
+               "collectives_env": {k: os.environ.get(k) for k in COLLECTIVE_ENV}}
     if is_main:
         _report(layout_rows, collective_rows, payload, args.out)
     dist.barrier()
@@ -368,7 +375,8 @@ def _add_scaling(rows: list[dict[str, Any]], single_gpu_mfu: float | None) -> No
 def _report(rows: list[dict[str, Any]], collective_rows: list[dict[str, Any]], payload: dict[str, Any],
             out: Path | None) -> None:
     print(f"{payload['preset']} on {payload['device_count']} x {payload['device_type']}: "
-          f"{payload['warmup']} warm-up + {payload['steps']} timed steps per layout")
+          f"{payload['warmup']} warm-up + {payload['steps']} timed steps per layout; collectives: "
+          f"{payload['collective_plan']}")
     print_table(rows, ["layout", "parallel", "collectives", "batch_per_gpu", "step_ms", "samples_per_s",
                        "samples_per_s_per_gpu", "e2e_mfu", "scaling_ratio", "loss_reference", "first_loss_rel_err", "peak_memory_gib"])
     if collective_rows:
