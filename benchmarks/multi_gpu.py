@@ -47,7 +47,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule
 
 from benchmarks.common import print_table, relative_error, write_results
 from opengem.nn.embedding import EmbeddingCollection
@@ -60,6 +59,7 @@ from opengem.parallel.collectives import (
     reduce_scatter_single,
     select_collectives,
 )
+from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, build_meshes, init_distributed, parse_parallel
 from opengem.train.bench.timing import WindowTimer, synchronize
 from opengem.train.config import TrainConfig, load_config
@@ -123,18 +123,20 @@ def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
 
 
 def _message_sizes(run: LocalRun | DistributedRun) -> dict[tuple[str, str], tuple[int, int]]:
-    """(mesh dim, collective) -> (bytes of the last step, calls). FSDP's bytes are analytic: one call per
-    FSDP unit and pass (an all-gather in forward, again in backward when resharded, a reduce-scatter)."""
+    """(mesh dim, collective) -> (bytes of the last step, calls). FSDP's bytes are analytic
+    (``fsdp_step_bytes``): per unit one call per collective it issues, the all-gather twice when the
+    unit reshards after forward (gathered again in backward)."""
     if not isinstance(run, DistributedRun):
         return {}
     stats = run.learners["model"].stats
     sizes = {key: (stats.bytes[key], stats.calls[key]) for key in stats.bytes} if stats is not None else {}
-    units = sum(isinstance(m, FSDPModule) for m in run.learners["model"].model.modules())
-    passes = {"all_gather": 2 if run.layout.reshard_after_forward else 1, "reduce_scatter": 1, "all_reduce": 1}
-    for (dim, collective), nbytes in run.fsdp_bytes.items():
-        calls = max(1, units * passes[collective])
-        old_bytes, old_calls = sizes.get((dim, collective), (0, 0))
-        sizes[(dim, collective)] = (old_bytes + nbytes, old_calls + calls)
+    calls: dict[tuple[str, str], int] = {}
+    for unit in run.fsdp_units:
+        for key in fsdp_step_bytes([unit], param_bytes=1, reduce_bytes=1):
+            calls[key] = calls.get(key, 0) + (2 if key[1] == "all_gather" and unit.reshard_after_forward else 1)
+    for key, nbytes in run.fsdp_bytes.items():
+        old_bytes, old_calls = sizes.get(key, (0, 0))
+        sizes[key] = (old_bytes + nbytes, old_calls + calls[key])
     return sizes
 
 
@@ -280,6 +282,9 @@ def measure_collectives(layout_name: str, layout: ParallelConfig, sizes: dict[tu
 
 
 def _free_memory(device: torch.device) -> None:
+    """Release the last layout: its memory, and its compiled regions (every layout compiles new modules
+    with the same code; without a reset they pile up in dynamo's per-code cache until it falls back to eager)."""
+    torch._dynamo.reset()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
