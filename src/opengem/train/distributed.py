@@ -142,6 +142,7 @@ class DistributedRun:
             learner.compute_dtype = torch.bfloat16
         self.learners: dict[str, DistributedLearner] = {"model": learner}  # type: ignore[dict-item]
         on_cuda = self.device.type == "cuda"
+        self.fsdp_units = units  # the fully_shard calls (benchmarks count their collectives per step)
         self.fsdp_bytes = fsdp_step_bytes(units, param_bytes=2 if on_cuda else 4, reduce_bytes=4)
 
     def _check(self, config: TrainConfig) -> None:
