@@ -209,90 +209,18 @@ def _fwd_fp8_kernel(
     lo, f_lo, f_hi, hi = _key_tiles(
         m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT
     )
-    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
-        acc,
-        l_i,
-        m_i,
-        v_scale,
-        q,
-        K8,
-        V8,
-        KS,
-        VS,
-        kv_block0,
-        qk_scale,
-        lo,
-        f_lo,
-        offs_m,
-        offs_d,
-        seq_len,
-        hist_len,
-        contextual_len,
-        window,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        HAS_WINDOW,
-        HAS_CONTEXT,
-        EXACT,
-    )
-    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
-        acc,
-        l_i,
-        m_i,
-        v_scale,
-        q,
-        K8,
-        V8,
-        KS,
-        VS,
-        kv_block0,
-        qk_scale,
-        f_lo,
-        f_hi,
-        offs_m,
-        offs_d,
-        seq_len,
-        hist_len,
-        contextual_len,
-        window,
-        HEAD_DIM,
-        BLOCK_N,
-        False,
-        CAUSAL,
-        HAS_WINDOW,
-        HAS_CONTEXT,
-        EXACT,
-    )
-    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(
-        acc,
-        l_i,
-        m_i,
-        v_scale,
-        q,
-        K8,
-        V8,
-        KS,
-        VS,
-        kv_block0,
-        qk_scale,
-        f_hi,
-        hi,
-        offs_m,
-        offs_d,
-        seq_len,
-        hist_len,
-        contextual_len,
-        window,
-        HEAD_DIM,
-        BLOCK_N,
-        True,
-        CAUSAL,
-        HAS_WINDOW,
-        HAS_CONTEXT,
-        EXACT,
-    )
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(  # keys [lo, f_lo), masked
+        acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, lo, f_lo, offs_m, offs_d, seq_len,
+        hist_len, contextual_len, window, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT
+    )  # fmt: skip
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(  # keys [f_lo, f_hi), all visible
+        acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, f_lo, f_hi, offs_m, offs_d, seq_len,
+        hist_len, contextual_len, window, HEAD_DIM, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT
+    )  # fmt: skip
+    acc, l_i, m_i, v_scale = _fwd_fp8_tiles(  # keys [f_hi, hi), masked
+        acc, l_i, m_i, v_scale, q, K8, V8, KS, VS, kv_block0, qk_scale, f_hi, hi, offs_m, offs_d, seq_len,
+        hist_len, contextual_len, window, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT
+    )  # fmt: skip
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
     out = acc * (v_scale / P_SCALE) / l_i[:, None]
     row_ok = offs_m < seq_len
