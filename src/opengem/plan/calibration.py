@@ -29,11 +29,10 @@ import dataclasses
 import json
 import math
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from opengem.plan.cluster import GPUSpec
+from opengem.plan.cluster import GPUSpec, read_shipped_or_file
 
 SHIPPED = ("h200",)
 ATTENTION_FAMILIES = ("jfa", "gdpa")
@@ -95,14 +94,7 @@ def calibration_from_dict(data: dict[str, Any], source: str) -> Calibration:
 
 def load_calibration(name_or_path: str | Path) -> Calibration:
     """A shipped table by name (``h200``) or a JSON file written by ``opengem bench calibrate``."""
-    if str(name_or_path) in SHIPPED:
-        text = resources.files("opengem.plan").joinpath("calibrations", f"{name_or_path}.json").read_text()
-        source = f"{name_or_path}.json (shipped)"
-    else:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"calibration file {path} not found (shipped: {', '.join(SHIPPED)})")
-        text, source = path.read_text(), str(path)
+    text, source = read_shipped_or_file(name_or_path, "calibrations", ".json", SHIPPED, "calibration")
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:

@@ -142,16 +142,22 @@ def cluster_from_dict(data: dict[str, Any], source: str) -> Cluster:
     return Cluster(_text(data, "name", source), _text(data, "calibration", source), spec, *counts, tiers, source)
 
 
+def read_shipped_or_file(
+    name_or_path: str | Path, folder: str, suffix: str, shipped: tuple[str, ...], what: str
+) -> tuple[str, str]:
+    """``(text, source)`` of a file shipped in ``opengem/plan/<folder>/`` by name, or of a file by path."""
+    if str(name_or_path) in shipped:
+        text = resources.files("opengem.plan").joinpath(folder, f"{name_or_path}{suffix}").read_text()
+        return text, f"{name_or_path}{suffix} (shipped)"
+    path = Path(name_or_path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} file {path} not found (shipped {what}s: {', '.join(shipped)})")
+    return path.read_text(), str(path)
+
+
 def load_cluster(name_or_path: str | Path) -> Cluster:
     """A shipped cluster by name (``h100``, ``h200``) or a TOML file by path."""
-    if str(name_or_path) in SHIPPED:
-        text = resources.files("opengem.plan").joinpath("clusters", f"{name_or_path}.toml").read_text()
-        source = f"{name_or_path}.toml (shipped)"
-    else:
-        path = Path(name_or_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"cluster file {path} not found (shipped clusters: {', '.join(SHIPPED)})")
-        text, source = path.read_text(), str(path)
+    text, source = read_shipped_or_file(name_or_path, "clusters", ".toml", SHIPPED, "cluster")
     try:
         data = tomllib.loads(text)
     except tomllib.TOMLDecodeError as error:
