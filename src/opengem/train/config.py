@@ -65,44 +65,34 @@ class TrainConfig:
         return self.name or self.preset
 
 
+_GEM_SMALL = TrainConfig(
+    preset="gem-small",
+    data_preset="gem-small",
+    steps=2000,
+    batch_size=2048,
+    lr=1e-3,
+    embedding_lr=0.02,
+    eval_every=500,
+    eval_samples=50000,
+    num_workers=8,
+    architecture="gem",
+    precision="bf16",
+    compile=True,
+    model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
+    gem=GEM_PRESETS["gem-small"].model,
+)
+
 PRESETS: dict[str, TrainConfig] = {
     # The CPU demo: short histories, a small model; trains in a few minutes on 2 cores.
     "gem-tiny": TrainConfig(steps=800, eval_every=200),
     # One GPU, the GEM model (~100M dense): long power-law histories; bf16 autocast and compiled blocks (the
     # fastest measured setting on an H200, docs/performance.md); batch 2048 peaks at ~52 GiB.
-    "gem-small": TrainConfig(
-        preset="gem-small",
-        data_preset="gem-small",
-        steps=2000,
-        batch_size=2048,
-        lr=1e-3,
-        embedding_lr=0.02,
-        eval_every=500,
-        eval_samples=50000,
-        num_workers=8,
-        architecture="gem",
-        precision="bf16",
-        compile=True,
-        model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
-        gem=GEM_PRESETS["gem-small"].model,
-    ),
+    "gem-small": _GEM_SMALL,
     # One H100/H200, the GEM model (~1B dense): histories up to 16k tokens (mean ~510), so ~65k history
     # tokens per batch of 128; with bf16 activations that leaves headroom in 80 GB next to the ~22 GB
     # of fp32 tables and the ~18 GB of fp32 weights + AdamW state.
-    "gem-large": TrainConfig(
-        preset="gem-large",
-        data_preset="gem-large",
-        steps=2000,
-        batch_size=128,
-        lr=5e-4,
-        embedding_lr=0.02,
-        eval_every=500,
-        eval_samples=20000,
-        num_workers=8,
-        architecture="gem",
-        precision="bf16",
-        compile=True,
-        model=SequenceCTRConfig(embedding_dim=64, d_model=256, num_heads=2, num_layers=4, mlp_dims=(1024, 512)),
+    "gem-large": replace(
+        _GEM_SMALL, preset="gem-large", data_preset="gem-large", batch_size=128, lr=5e-4, eval_samples=20000,
         gem=GEM_PRESETS["gem-large"].model,
     ),
 }

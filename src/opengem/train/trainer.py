@@ -49,6 +49,7 @@ class Learner:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the parameters' fp32)
     skip_on_device: bool = False  # see step(): set by make_learner when the optimizer is a fused AdamW
+    _skip_gates: list[torch.Tensor] | None = dataclasses.field(default=None, init=False, repr=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits; the dense compute runs under autocast when ``compute_dtype`` is set."""
@@ -88,7 +89,11 @@ class Learner:
         return value
 
     def _gates(self) -> list[torch.Tensor]:
-        return [m.update_skip for m in self.model.modules() if isinstance(m, EmbeddingCollection) and m.optimizer]
+        """The embedding collections' skip flags, found once (not a module walk every step)."""
+        if self._skip_gates is None:
+            modules = self.model.modules()
+            self._skip_gates = [m.update_skip for m in modules if isinstance(m, EmbeddingCollection) and m.optimizer]
+        return self._skip_gates
 
     @torch.no_grad()
     def predict(self, batches: list[Batch]) -> torch.Tensor:
