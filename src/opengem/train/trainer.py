@@ -137,14 +137,15 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     ``config.activation_checkpointing`` a single-process model's blocks are checkpointed first (the
     distributed trainer checkpoints them in ``parallelize``).
     """
-    if config.activation_checkpointing and not _is_sharded(model):
+    sharded = _is_sharded(model)
+    if config.activation_checkpointing and not sharded:
         checkpoint_blocks(model)
     if config.compile:
         compile_regions(model)
     parameters = list(model.parameters())
     # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
     # parameters and sharded embedding collections take the host-checked path)
-    fused = bool(parameters) and not _is_sharded(model) and len({p.device for p in parameters}) == 1
+    fused = bool(parameters) and not sharded and len({p.device for p in parameters}) == 1
     fused = fused and parameters[0].device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
