@@ -140,9 +140,10 @@ def _message_sizes(run: LocalRun | DistributedRun) -> dict[tuple[str, str], tupl
     return sizes
 
 
-def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
-                   collectives: str) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]], ParallelConfig | None]:
-    """Train ``warmup`` + ``steps`` steps of ``layout``; its row (rank 0's view), message sizes and layout."""
+def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int, collectives: str,
+                   curve: bool = False) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]], ParallelConfig | None]:
+    """Train ``warmup`` + ``steps`` steps of ``layout``; its row (rank 0's view), message sizes and layout.
+    ``curve``: the row also holds every step's global-batch loss (read once at the end: no sync per step)."""
     if layout.parallel is None:
         run: LocalRun | DistributedRun = LocalRun(config)
     else:
@@ -155,9 +156,11 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         stream = run.batches(0)
-        first_loss = float(learner.step(next(stream).to(device, non_blocking=True)))
+        first = learner.step(next(stream).to(device, non_blocking=True))
+        losses = [first]
+        first_loss = float(first)
         for _ in range(max(0, warmup - 1)):
-            learner.step(next(stream).to(device, non_blocking=True))
+            losses.append(learner.step(next(stream).to(device, non_blocking=True)))
         synchronize(device)
         if dist.is_initialized():
             dist.barrier()
@@ -167,6 +170,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             batch = next(stream)
             lengths.append(batch.history_age.lengths_host())
             loss = learner.step(batch.to(device, non_blocking=True))
+            losses.append(loss)
         elapsed = _reduce(timer.stop(), dist.ReduceOp.MAX, device)  # the step ends when the slowest rank does
         del stream
         world = dist.get_world_size() if dist.is_initialized() else 1
@@ -182,6 +186,8 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             "peak_memory_gib": _reduce(peak_gib, dist.ReduceOp.MAX, device) if peak_gib is not None else None,
             "comm_bytes_per_step": run.step_bytes(),
         }
+        if curve:
+            row["losses"] = torch.stack([value.detach().float() for value in losses]).tolist()
         return row, _message_sizes(run), getattr(run, "layout", None)
     finally:
         run.close()
@@ -305,6 +311,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="time only collectives whose mean message is at least this large")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--set", dest="overrides", action="append", default=[], help="TrainConfig key=value")
+    parser.add_argument("--curve", action="store_true",
+                        help="keep every step's loss in the rows (benchmarks.multi_gpu_curves compares them)")
     parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/multi_gpu.json")
     args = parser.parse_args(argv)
     for name in ("steps", "warmup", "batch_per_gpu"):
@@ -344,7 +352,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             continue
         config = train_config(args.preset, args.batch_per_gpu, world, warmup + steps, args.device,
                               [*layout.overrides, *overrides])
-        row, sizes, resolved = measure_layout(layout, config, warmup, steps, args.collectives)
+        row, sizes, resolved = measure_layout(layout, config, warmup, steps, args.collectives, args.curve)
         row["e2e_mfu"] = None if peak is None else row["flops_per_s"] / (world * peak)
         if resolved is not None and world > 1:
             collective_rows += measure_collectives(name, resolved, sizes, budget["collective_iters"], device,

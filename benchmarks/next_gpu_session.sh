@@ -1,41 +1,86 @@
 #!/usr/bin/env bash
-# The measurements waiting for a GPU (benchmarks/NOTES.md, "Waiting for the next GPU session"), in order
-# of value, each capped so that a part fits one 600 s device call:
+# The measurements waiting for a GPU (benchmarks/NOTES.md, "Waiting for the next GPU session"), each step
+# capped so that a part fits one 600 s device call. On a 2-GPU host the two chains of a part run side by
+# side, one per GPU; on one GPU they run one after the other (then a part needs two calls).
 #   bash benchmarks/next_gpu_session.sh OUT_DIR PART   (PART = 1, 2 or 3)
+# 1: GPU tests + gem_curves (GPU 0) | gem-large 1-GPU baseline, calibration, kernel benchmarks (GPU 1)
+# 2: issue 11 on 2 GPUs: every layout of gem-large, then FSDP with the SM-free all-gather
+# 3: 200-step loss curves 1 vs 2 GPUs (issue 11) | gem-small bench train with layers / fp8 MLPs
 # Logs and result JSON go to OUT_DIR; a one-line status per step is printed at the end.
 set -u
 out=$1; part=$2
-export PYTHONPATH=src PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 OMP_NUM_THREADS=4
+export PYTHONPATH=src:. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out/logs" "$out/results"
-status=()
-step() {  # step NAME SECONDS COMMAND...
+gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/status)
   local name=$1 cap=$2; shift 2
   local start=$SECONDS
-  timeout "$cap" "$@" > "$out/logs/$name.log" 2>&1
+  timeout "$cap" bash -c '"$@"' _ "$@" > "$out/logs/$name.log" 2>&1  # bash -c: the command may be a function
   local rc=$?
-  status+=("rc=$rc $((SECONDS - start))s $name :: $(tail -n 1 "$out/logs/$name.log" | cut -c1-160)")
+  echo "rc=$rc $((SECONDS - start))s $name :: $(tail -n 1 "$out/logs/$name.log" | cut -c1-200)" >> "$out/status"
+}
+on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background when there are two)
+  if [ "$gpus" -ge 2 ]; then (export CUDA_VISIBLE_DEVICES=$1; $2) & else $2; fi
 }
 tests() { python -m pytest -v -n 4 -p no:cacheprovider "$@"; }
-if [ "$part" = 1 ]; then
-  step fixed_failures 150 tests tests/gpu/test_embedding_gpu.py::test_hot_row_many_duplicates \
+train() { python -m opengem.cli.main "$@"; }
+multi() { local n=$1; shift; python -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.multi_gpu "$@"; }
+large_single() {  # large_single BATCH NAME: gem-large on one GPU with the multi-GPU harness (part 2's baseline)
+  multi 1 --preset gem-large --layouts single --batch-per-gpu "$1" --warmup 6 --steps 10 --out "$out/results/$2.json"
+}
+chain_1a() {
+  step fixed_failures 140 tests tests/gpu/test_embedding_gpu.py::test_hot_row_many_duplicates \
     tests/gpu/test_train_distributed_gpu.py tests/gpu/test_flops_gpu.py tests/gpu/test_step_sync_gpu.py
-  step new_gpu_tests 120 tests tests/gpu/test_fp8_attention_gpu.py tests/gpu/test_calibrate_gpu.py \
+  step new_gpu_tests 110 tests tests/gpu/test_fp8_attention_gpu.py tests/gpu/test_calibrate_gpu.py \
     tests/gpu/test_gem_curves_gpu.py tests/gpu/test_block_attention_gpu.py
-  step host_profile 100 python -m benchmarks.step_profile --runs gem-small:2048:bf16:compile:fresh:host:noprofile \
+  step gem_curves 290 python -m benchmarks.gem_curves --no-control
+}
+chain_1b() {
+  step large_single 200 large_single 256 multi_gpu_single
+  step calibrate 60 train bench calibrate --quick --out "$out/results/calibration_quick.json"
+  step large_single_b512 120 large_single 512 multi_gpu_single_b512
+  step host_profile 90 python -m benchmarks.step_profile --runs gem-small:2048:bf16:compile:fresh:host:noprofile \
     --steps 6 --out "$out/results"
-  step bench_train 150 python -m opengem.cli.main bench train --preset gem-small --batch-size 2048 --compile \
+  step block_attention 60 python -m benchmarks.block_attention --quick
+}
+curves_single() {
+  multi 1 --curve --preset gem-small --layouts single --batch-per-gpu 1024 --warmup 1 --steps 199 \
+    --set compile=false "$@"
+}
+chain_3a() {
+  step curve_single 150 curves_single --out "$out/results/curve_single.json"
+}
+chain_3b() {
+  step curve_single_fp32 150 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"
+}
+chain_3c() {
+  step bench_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
-elif [ "$part" = 2 ]; then
-  step gem_curves 300 python -m benchmarks.gem_curves --no-control
-  step attention_fp8 60 python -m benchmarks.attention_fp8 --quick
-  step block_attention 70 python -m benchmarks.block_attention --quick
-  step fp8_mlp_train 110 python -m opengem.cli.main bench train --preset gem-small --batch-size 2048 --compile \
+}
+chain_3d() {
+  step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+}
+export out
+export -f tests train multi large_single curves_single
+if [ "$part" = 1 ]; then
+  on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait
+elif [ "$part" = 2 ]; then
+  single=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['e2e_mfu'])" \
+    "${SINGLE_JSON:-benchmarks/results/multi_gpu_single.json}")
+  step layouts 380 multi "$gpus" --preset gem-large --batch-per-gpu 256 --warmup 6 --steps 10 --single-gpu-mfu "$single" \
+    --out "$out/results/multi_gpu.json"
+  step copy_engine 150 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 256 --warmup 6 --steps 10 \
+    --collectives copy_engine --single-gpu-mfu "$single" --out "$out/results/multi_gpu_copy_engine.json"
 else
-  step calibrate 60 python -m opengem.cli.main bench calibrate --quick --out "$out/results/calibration_quick.json"
-  step gem_large 200 python -m opengem.cli.main bench train --preset gem-large --compile --steps 10 --warmup 5 \
-    --num-workers 12 --out "$out/results/train_gem-large.json"
-  step jfa_full 300 python -m benchmarks.jfa
+  on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait
+  step curve_fsdp 130 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
+    --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
+  step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "$out/results/curve_single.json" \
+    --single-fp32 "$out/results/curve_single_fp32.json" --distributed "$out/results/curve_fsdp.json" \
+    --out "$out/results/multi_gpu_curves.json"
+  on_gpu 0 chain_3c; on_gpu 1 chain_3d; wait
 fi
 cp benchmarks/results/*.json "$out/results/" 2>/dev/null
-printf '%s\n' "${status[@]}"
+cat "$out/status"

@@ -83,3 +83,36 @@ def test_layouts_at_eight_ranks():
     assert layout_for("hsdp", 8).parallel == "dense_replicate=2,dense_shard=4"
     assert layout_for("expert", 8).overrides == ("gem.num_experts=2",)
     assert layout_for("sparse2d", 8).parallel == "sparse_group=4,sparse_replicate=2"
+
+
+def test_loss_curves_of_one_and_two_ranks_agree(tmp_path):
+    """--curve keeps every step's global-batch loss; the same global batch on 1 and 2 ranks gives the same
+    curve (fp32 on gloo), and benchmarks.multi_gpu_curves judges it against a measured noise floor."""
+    from benchmarks.multi_gpu_curves import main as compare_main
+
+    curve = ["--curve", "--warmup", "1", "--steps", "5", "--set", "compile=false"]
+    single, distributed = tmp_path / "single.json", tmp_path / "fsdp.json"
+    run_distributed(main, 1, [*ARGS, *curve, "--layouts", "single", "--batch-per-gpu", "16", "--out", str(single)])
+    run_distributed(main, 2, [*ARGS, *curve, "--layouts", "fsdp", "--out", str(distributed)])
+    one = json.loads(single.read_text())["rows"][0]["losses"]
+    two = json.loads(distributed.read_text())["rows"][0]["losses"]
+    assert len(one) == len(two) == 6 and one != [one[0]] * 6  # training moves the loss
+    assert two == pytest.approx(one, rel=1e-4)
+    # a fake noise floor: the single curve shifted by a known amount, so the ratios are known
+    noisy = tmp_path / "noisy.json"
+    payload = json.loads(single.read_text())
+    payload["rows"][0]["losses"] = [value + 0.01 for value in one]
+    noisy.write_text(json.dumps(payload))
+    result = compare_main(["--single", str(single), "--single-fp32", str(noisy), "--distributed", str(distributed),
+                           "--smooth", "2", "--out", str(tmp_path / "cmp.json")])
+    assert result["noise_bf16_vs_fp32"]["max_smoothed"] == pytest.approx(0.01, rel=1e-4)
+    assert result["layouts"]["fsdp@2"]["ratio_max"] < 0.1 and result["passed"]
+
+
+def test_curve_comparison_rejects_curves_of_different_lengths():
+    from benchmarks.multi_gpu_curves import compare
+
+    with pytest.raises(ValueError, match="different lengths"):
+        compare([1.0, 0.9], [1.0, 0.9], {"fsdp@2": [1.0]}, window=2, k=2.0)
+    far = compare([1.0, 0.9, 0.8], [1.0, 0.91, 0.81], {"fsdp@2": [1.2, 1.1, 1.0]}, window=1, k=2.0)
+    assert not far["passed"] and far["layouts"]["fsdp@2"]["ratio_max"] == pytest.approx(20.0)
