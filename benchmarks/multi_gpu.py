@@ -342,6 +342,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     layout_rows: list[dict[str, Any]] = []
     collective_rows: list[dict[str, Any]] = []
     skipped: dict[str, str] = {}
+    payload = {"device_count": world, "device_type": torch.cuda.get_device_name(device) if on_cuda else "cpu",
+               "preset": args.preset, "warmup": warmup, "steps": steps, "peak_tflops": None if peak is None else peak / 1e12,
+               "collective_rows": collective_rows,
+               "collective_plan": select_collectives(args.collectives, probe_capabilities(backend)).reason,
+               "collectives_env": {k: os.environ.get(k) for k in COLLECTIVE_ENV}}
     for name in names:
         try:
             layout = layout_for(name, world)
@@ -359,18 +364,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                                                    int(args.min_message_kib * 1024))
         layout_rows.append(row)
         _free_memory(device)
-    _add_scaling(layout_rows, args.single_gpu_mfu)
-    payload = {"device_count": world, "device_type": torch.cuda.get_device_name(device) if on_cuda else "cpu",
-               "preset": args.preset, "warmup": warmup, "steps": steps, "peak_tflops": None if peak is None else peak / 1e12,
-               "skipped": skipped, "collective_rows": collective_rows,
-               "collective_plan": select_collectives(args.collectives, probe_capabilities(backend)).reason,
-               "collectives_env": {k: os.environ.get(k) for k in COLLECTIVE_ENV}}
+        _add_scaling(layout_rows, args.single_gpu_mfu)
+        if is_main:  # after every layout: a run stopped by a time limit keeps what finished
+            print(f"{name}: {row['step_ms']:.1f} ms/step, {row['samples_per_s_per_gpu']:.0f} samples/s/GPU, "
+                  f"E2E MFU {row['e2e_mfu']}, scaling {row['scaling_ratio']}, {row['peak_memory_gib']} GiB", flush=True)
+            _write(layout_rows, {**payload, "skipped": skipped}, args.out)
     if is_main:
-        _report(layout_rows, collective_rows, payload, args.out)
+        _report(layout_rows, collective_rows, {**payload, "skipped": skipped}, args.out)
     dist.barrier()
     if owns_process_group:
         dist.destroy_process_group()
-    return {"rows": layout_rows, **payload}
+    return {"rows": layout_rows, **payload, "skipped": skipped}
 
 
 def _add_scaling(rows: list[dict[str, Any]], single_gpu_mfu: float | None) -> None:
@@ -395,13 +399,15 @@ def _report(rows: list[dict[str, Any]], collective_rows: list[dict[str, Any]], p
     if collective_rows:
         print()
         print_table(collective_rows, ["layout", "dim", "collective", "route", "ranks", "message_bytes", "us", "gb_per_s"])
+    print(f"wrote {_write(rows, payload, out)}")
+
+
+def _write(rows: list[dict[str, Any]], payload: dict[str, Any], out: Path | None) -> Path:
     if out is None:
-        path = write_results("multi_gpu", rows, payload)
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps({"family": "multi_gpu", "rows": rows, **payload}, indent=2))
-        path = out
-    print(f"wrote {path}")
+        return write_results("multi_gpu", rows, payload)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"family": "multi_gpu", "rows": rows, **payload}, indent=2))
+    return out
 
 
 if __name__ == "__main__":

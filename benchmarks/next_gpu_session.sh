@@ -2,13 +2,16 @@
 # The measurements waiting for a GPU (benchmarks/NOTES.md, "Waiting for the next GPU session"), each step
 # capped so that a part fits one 600 s device call. On a 2-GPU host the two chains of a part run side by
 # side, one per GPU; on one GPU they run one after the other (then a part needs two calls).
-#   bash benchmarks/next_gpu_session.sh OUT_DIR PART   (PART = 1, 2 or 3)
+#   bash benchmarks/next_gpu_session.sh OUT_DIR PART   (PART = 1, 2, 3 or 4)
 # 1: GPU tests + gem_curves (GPU 0) | gem-large 1-GPU baseline, calibration, kernel benchmarks (GPU 1)
-# 2: issue 11 on 2 GPUs: every layout of gem-large, then FSDP with the SM-free all-gather
-# 3: 200-step loss curves 1 vs 2 GPUs (issue 11) | gem-small bench train with layers / fp8 MLPs
-# Logs and result JSON go to OUT_DIR; a one-line status per step is printed at the end.
+# 2: gem_curves, GPU tests (GPU 0) | failed GPU tests again, calibration, 1-GPU loss curves (GPU 1)
+# 3: issue 11 on 2 GPUs: the FSDP loss curve, every layout of gem-large, FSDP with the SM-free all-gather
+# 4: gem-small bench train with layers | with fp8 MLPs
+# The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz, the one-line status
+# per step to OUT_DIR/status (also printed).
 set -u
-out=$1; part=$2
+final=$1; part=$2
+out=$final/work
 export PYTHONPATH=src:. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out/logs" "$out/results"
@@ -23,7 +26,7 @@ step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/stat
 on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background when there are two)
   if [ "$gpus" -ge 2 ]; then (export CUDA_VISIBLE_DEVICES=$1; $2) & else $2; fi
 }
-tests() { python -m pytest -v -n 4 -p no:cacheprovider "$@"; }
+tests() { python -m pytest -v -n 4 -p no:cacheprovider --timeout 170 --tb=short "$@"; }
 train() { python -m opengem.cli.main "$@"; }
 multi() { local n=$1; shift; python -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.multi_gpu "$@"; }
 large_single() {  # large_single BATCH NAME: gem-large on one GPU with the multi-GPU harness (part 2's baseline)
@@ -36,6 +39,18 @@ chain_1a() {
     tests/gpu/test_gem_curves_gpu.py tests/gpu/test_block_attention_gpu.py
   step gem_curves 290 python -m benchmarks.gem_curves --no-control
 }
+chain_2a() {
+  step gem_curves 400 python -m benchmarks.gem_curves --no-control
+  step new_gpu_tests 110 tests tests/gpu/test_fp8_attention_gpu.py tests/gpu/test_calibrate_gpu.py \
+    tests/gpu/test_gem_curves_gpu.py tests/gpu/test_block_attention_gpu.py
+}
+chain_2b() {
+  step retests 190 tests tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu tests/gpu/test_train_distributed_gpu.py \
+    tests/gpu/test_flops_gpu.py::test_analytic_flops_equal_the_flop_counter_on_the_triton_path
+  step calibrate 40 train bench calibrate --quick --out "$out/results/calibration_quick.json"
+  step curve_single 130 curves_single --out "$out/results/curve_single.json"
+  step curve_single_fp32 150 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"
+}
 chain_1b() {
   step large_single 200 large_single 256 multi_gpu_single
   step calibrate 60 train bench calibrate --quick --out "$out/results/calibration_quick.json"
@@ -47,12 +62,6 @@ chain_1b() {
 curves_single() {
   multi 1 --curve --preset gem-small --layouts single --batch-per-gpu 1024 --warmup 1 --steps 199 \
     --set compile=false "$@"
-}
-chain_3a() {
-  step curve_single 150 curves_single --out "$out/results/curve_single.json"
-}
-chain_3b() {
-  step curve_single_fp32 150 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"
 }
 chain_3c() {
   step bench_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
@@ -67,20 +76,18 @@ export -f tests train multi large_single curves_single
 if [ "$part" = 1 ]; then
   on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait
 elif [ "$part" = 2 ]; then
-  single=$(python -c "import json,sys; print(json.load(open(sys.argv[1]))['rows'][0]['e2e_mfu'])" \
-    "${SINGLE_JSON:-benchmarks/results/multi_gpu_single.json}")
-  step layouts 380 multi "$gpus" --preset gem-large --batch-per-gpu 256 --warmup 6 --steps 10 --single-gpu-mfu "$single" \
-    --out "$out/results/multi_gpu.json"
-  step copy_engine 150 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 256 --warmup 6 --steps 10 \
-    --collectives copy_engine --single-gpu-mfu "$single" --out "$out/results/multi_gpu_copy_engine.json"
-else
-  on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait
-  step curve_fsdp 130 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
+  on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait
+elif [ "$part" = 3 ]; then
+  step curve_fsdp 110 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
     --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
-  step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "$out/results/curve_single.json" \
-    --single-fp32 "$out/results/curve_single_fp32.json" --distributed "$out/results/curve_fsdp.json" \
-    --out "$out/results/multi_gpu_curves.json"
+  step layouts 340 multi "$gpus" --preset gem-large --layouts fsdp,hsdp,expert,sparse2d,sparse1d --batch-per-gpu 256 \
+    --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" --out "$out/results/multi_gpu.json"
+  step copy_engine 100 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 256 --warmup 4 --steps 8 \
+    --collectives copy_engine --single-gpu-mfu "$SINGLE_GPU_MFU" --out "$out/results/multi_gpu_copy_engine.json"
+else
   on_gpu 0 chain_3c; on_gpu 1 chain_3d; wait
 fi
-cp benchmarks/results/*.json "$out/results/" 2>/dev/null
-cat "$out/status"
+cp benchmarks/results/*.json benchmarks/results/*.png "$out/results/" 2>/dev/null
+cp "$out/status" "$final/status"
+tar czf "$final/results.tgz" -C "$out" . && rm -rf "$out"
+cat "$final/status"
