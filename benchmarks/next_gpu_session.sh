@@ -7,6 +7,7 @@
 # 2: gem_curves, GPU tests (GPU 0) | failed GPU tests again, calibration, 1-GPU loss curves (GPU 1)
 # 3: issue 11 on 2 GPUs: the FSDP loss curve, every layout of gem-large, FSDP with the SM-free all-gather
 # 4: gem-small bench train with layers | with fp8 MLPs
+# 5: the session-3 fixes: FP8 attention GPU tests | bench train test; gem-large FSDP/HSDP on 2 GPUs
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz, the one-line status
 # per step to OUT_DIR/status (also printed).
 set -u
@@ -22,6 +23,7 @@ step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/stat
   timeout "$cap" bash -c '"$@"' _ "$@" > "$out/logs/$name.log" 2>&1  # bash -c: the command may be a function
   local rc=$?
   echo "rc=$rc $((SECONDS - start))s $name :: $(tail -n 1 "$out/logs/$name.log" | cut -c1-200)" >> "$out/status"
+  tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null  # a call cut short keeps what finished
 }
 on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background when there are two)
   if [ "$gpus" -ge 2 ]; then (export CUDA_VISIBLE_DEVICES=$1; $2) & else $2; fi
@@ -73,6 +75,8 @@ chain_3d() {
 }
 export out
 export -f tests train multi large_single curves_single
+chain_5a() { step fp8_tests 85 tests tests/gpu/test_fp8_attention_gpu.py; }
+chain_5b() { step bench_train_test 85 python -m pytest -x -p no:cacheprovider --tb=long tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu; }
 if [ "$part" = 1 ]; then
   on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait
 elif [ "$part" = 2 ]; then
@@ -84,8 +88,12 @@ elif [ "$part" = 3 ]; then
     --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" --out "$out/results/multi_gpu.json"
   step copy_engine 100 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 256 --warmup 4 --steps 8 \
     --collectives copy_engine --single-gpu-mfu "$SINGLE_GPU_MFU" --out "$out/results/multi_gpu_copy_engine.json"
-else
+elif [ "$part" = 4 ]; then
   on_gpu 0 chain_3c; on_gpu 1 chain_3d; wait
+else
+  on_gpu 0 chain_5a; on_gpu 1 chain_5b; wait
+  step layouts 130 multi "$gpus" --preset gem-large --layouts fsdp,hsdp --batch-per-gpu 256 \
+    --warmup 3 --steps 5 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" --out "$out/results/multi_gpu.json"
 fi
 cp benchmarks/results/*.json benchmarks/results/*.png "$out/results/" 2>/dev/null
 cp "$out/status" "$final/status"

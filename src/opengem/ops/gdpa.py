@@ -142,9 +142,11 @@ def hstu_attention(
 
 
 def _head_activations(activation: str, head_activations: Sequence[str] | None, heads: int) -> list[str]:
+    """One name per head, or a single name for every head: that list does not depend on the head count,
+    which a compiled region may see as a symbolic int (FSDP2-wrapped modules on torch 2.11)."""
     if head_activations is None:
         activation_id(activation)
-        return [activation] * heads
+        return [activation]
     names = list(head_activations)
     if len(names) != heads:
         raise ValueError(f"head_activations must give one activation per head ({heads}), got {len(names)}")
@@ -217,7 +219,8 @@ def gdpa_fwd(
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
 ) -> torch.Tensor:
-    """GDPA forward (``window = -1``: none). See :func:`gdpa`."""
+    """GDPA forward (``window = -1``: none; ``head_acts``: one id per head, or one for all). See :func:`gdpa`."""
+    head_acts = _per_head(head_acts, q.shape[1])
     if use_triton:
         args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
         return gdpa_forward(q, k, v, q_offsets, k_offsets, num_targets, args)
@@ -240,6 +243,7 @@ def gdpa_bwd(
     use_triton: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GDPA backward: ``(dq, dk, dv)`` (Triton passes, or the reference's closed form)."""
+    head_acts = _per_head(head_acts, q.shape[1])
     if use_triton:
         args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
         return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args)
@@ -248,6 +252,10 @@ def gdpa_bwd(
         pre_scale=pre_scale, out_scale=out_scale, causal=causal, num_targets=num_targets,
         contextual_len=contextual_len, window=None if window < 0 else window, broadcast_q=broadcast_q,
     )
+
+
+def _per_head(head_acts: list[int], heads: int) -> list[int]:
+    return head_acts * heads if len(head_acts) == 1 else head_acts
 
 
 @gdpa_bwd.register_fake

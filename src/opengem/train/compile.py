@@ -10,6 +10,7 @@ token count changes every batch. The attention ops are custom ops, opaque to the
 from __future__ import annotations
 
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from opengem.models.gem import GEMLayer
 from opengem.nn.gem_layers import TokenSummary
@@ -22,12 +23,15 @@ def compile_regions(model: nn.Module, backend: str = "inductor", mode: str | Non
     """Compile, in place, the outermost submodules of ``model`` that are instances of :data:`REGIONS`.
 
     Returns how many were compiled. ``fullgraph=True``: a graph break inside a block is a bug to fix,
-    not a silent slowdown.
+    not a silent slowdown. The one exception is a block holding its own FSDP units (the expert-parallel
+    experts, sharded on their own mesh): FSDP2's hooks on a nested unit run eagerly (dynamo skips them on
+    torch 2.11), so the block's graph breaks around that unit, by design.
     """
     count = 0
     for child in model.children():
         if isinstance(child, REGIONS):
-            child.compile(backend=backend, mode=mode, dynamic=True, fullgraph=True)
+            nested_fsdp = any(isinstance(m, FSDPModule) for m in child.modules() if m is not child)
+            child.compile(backend=backend, mode=mode, dynamic=True, fullgraph=not nested_fsdp)
             count += 1
         else:
             count += compile_regions(child, backend, mode)

@@ -34,7 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
-from opengem.ops.reference.attention_fp8 import E4M3_MAX, MIN_AMAX, P_SCALE, rotation, rotation_size
+from opengem.ops.reference import attention_fp8 as emulation
+from opengem.ops.reference.attention_fp8 import rotation, rotation_size
 from opengem.ops.triton.jagged_attention import (
     _INTERPRET,
     _KEY,
@@ -52,6 +53,10 @@ from opengem.ops.triton.masks import tile_mask
 from opengem.ops.triton.mx import fp32_to_fp8_bits
 
 BLOCK = _LARGE
+# the emulation's constants, as constexpr: a compiled kernel reads no other globals (the interpreter would)
+E4M3_MAX = tl.constexpr(emulation.E4M3_MAX)
+MIN_AMAX = tl.constexpr(emulation.MIN_AMAX)
+P_SCALE = tl.constexpr(emulation.P_SCALE)
 FP8_HEAD_DIMS = (32, 64, 128, 256)  # the E4M3 MMA reduces over at least 32
 
 # (BLOCK_M, num_warps, num_stages); BLOCK_N is always BLOCK. The first is the untuned default.
