@@ -81,8 +81,11 @@ def quantize_padded_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, t
     g, h, length, d = x.shape
     blocks = x.float().reshape(g, h, length // block, block * d)
     amax = blocks.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)
-    data = (blocks * (E4M3_MAX / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-    scale = (amax / E4M3_MAX).expand(-1, -1, -1, block)
+    # tensor / tensor: torch divides by a python scalar as a product with its reciprocal on CUDA, and a
+    # scalar by a tensor as reciprocal times scalar everywhere; neither is the kernel's correctly rounded quotient
+    limit = torch.full_like(amax, E4M3_MAX)
+    data = (blocks * (limit / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    scale = (amax / limit).expand(-1, -1, -1, block)
     return data.reshape(x.shape), scale.reshape(g, h, length, 1)
 
 
