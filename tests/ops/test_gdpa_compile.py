@@ -55,3 +55,20 @@ def test_kernels_compile_for_sm90_without_a_gpu():
     env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
     result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+
+
+def test_compiles_with_a_symbolic_head_count():
+    """The head count as a symbolic int, as FSDP2-wrapped modules give it to a compiled region on torch 2.11:
+    GDPA's per-head activation list must not depend on it (torch 2.11 raised 'torch.* op returned
+    non-Tensor' on ``[activation] * heads``; torch 2.13 accepts both forms)."""
+    import torch
+
+    from opengem.ops import gdpa
+
+    def attend(x: torch.Tensor, offsets: torch.Tensor, heads: int) -> torch.Tensor:
+        q = x.view(x.shape[0], heads, -1)
+        return gdpa(q, q, q, offsets, offsets, 8, 8, activation="silu", backend="reference")
+
+    x, offsets = torch.randn(12, 2 * 32), torch.tensor([0, 5, 12], dtype=torch.int32)
+    compiled = torch.compile(attend, dynamic=True, fullgraph=True)
+    torch.testing.assert_close(compiled(x, offsets, 2), attend(x, offsets, 2))

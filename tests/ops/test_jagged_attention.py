@@ -283,3 +283,12 @@ def test_fp32_head_dim_128_gets_the_small_tile_configs(monkeypatch):
     assert [c.num_stages for c in fp32] and all(c.num_stages <= 2 for c in fp32)
     assert all(c.kwargs["BLOCK_M"] * c.kwargs["BLOCK_N"] <= 64 * 128 for c in fp32)
     assert bf16 == configs
+
+
+def test_tuning_bucket_stops_at_4096():
+    """Lengths past 4096 share one autotuning key: a batch whose longest history swings between 8k and 16k
+    does not re-time every candidate configuration (seconds of host time) each time it crosses 2^k."""
+    from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP, tuning_bucket
+
+    assert [tuning_bucket(n) for n in (0, 1, 17, 1000, 4096)] == [16, 16, 32, 1024, 4096]
+    assert tuning_bucket(4097) == tuning_bucket(9000) == tuning_bucket(16384) == TUNING_BUCKET_CAP == 4096

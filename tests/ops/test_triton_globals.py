@@ -21,7 +21,6 @@ from triton.runtime.jit import JITFunction
 
 import opengem.ops.triton as triton_ops
 
-
 KERNEL_TYPES = (JITFunction, InterpretedFunction)  # @triton.jit makes the second under TRITON_INTERPRET=1
 
 

@@ -104,3 +104,37 @@ def test_gpu_busy_time_counts_overlaps_once():
 
     assert _union_length([(0, 10), (5, 15), (5, 15), (20, 25), (21, 22)]) == 20
     assert _union_length([]) == 0
+
+
+def test_cuda_kernels_go_to_the_phase_of_their_launch_call():
+    """A synthetic CUDA trace whose kernels have no op links (as torch 2.11 gave on an H200): each kernel is
+    placed by its launch call's correlation id and the innermost marker range holding that call."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from opengem.train.bench.phases import DATA_RANGE, FORWARD_RANGE, phase_split_us
+
+    def cpu(id_, name, start, end, thread=1):
+        return FunctionEvent(id_, name, thread, start, end)
+
+    def kernel(id_, start, end):
+        return FunctionEvent(id_, f"kernel_{id_}", 7, start, end, device_type=DeviceType.CUDA)
+
+    events = [
+        cpu(1, DATA_RANGE, 0, 10),
+        cpu(2, FORWARD_RANGE, 10, 100),
+        cpu(3, "opengem::embedding_lookup", 12, 20),
+        cpu(4, "autograd::engine::evaluate_function: MmBackward0", 110, 150, thread=2),
+        cpu(5, "Optimizer.step#AdamW.step", 160, 190),
+        cpu(2, "cudaLaunchKernel", 14, 15),  # id 2: a correlation id equal to an op's id (the forward range)
+        cpu(11, "cuLaunchKernelEx", 30, 31),
+        cpu(12, "cudaLaunchKernel", 120, 121, thread=2),
+        cpu(13, "cudaLaunchKernel", 170, 171),
+        kernel(2, 20, 30), kernel(11, 31, 61), kernel(12, 121, 141), kernel(13, 171, 176),
+        kernel(99, 200, 203),  # no launch call in the trace
+        kernel(12, 121, 141),  # the profiler repeated one: counted once
+    ]
+    phases = phase_split_us(events, torch.device("cuda"))
+    assert phases["embeddings"] == 10 and phases["forward"] == 30 and phases["backward"] == 20
+    assert phases["optimizer"] == 5 and phases["unattributed"] == 3 and phases["data"] == 10

@@ -22,8 +22,8 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Callable, Sequence
 
 import numpy as np
 import torch
@@ -37,6 +37,7 @@ from opengem.ops.triton.gdpa_kernels import (
     gdpa_bwd_dq_kernel,
     gdpa_fwd_kernel,
 )
+from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP
 
 SHORT_KV_MAX = 256
 RESIDENT_KV_BYTES = 128 * 1024
@@ -89,7 +90,7 @@ def check_triton_head_dim(head_dim: int) -> None:
 
 
 def _bucket(n: int) -> int:
-    return triton.next_power_of_2(max(n, 1))
+    return min(TUNING_BUCKET_CAP, triton.next_power_of_2(max(n, 1)))  # see jagged_attention.tuning_bucket
 
 
 _TUNED: dict[tuple, Config] = {}
@@ -225,7 +226,7 @@ def gdpa_forward(
     common = _common(q, args, num_targets, k_offsets)
     q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
     masked = common["constexprs"]["MASKED"]
-    kv_block = max(16, _bucket(args.max_len_k))
+    kv_block = max(16, triton.next_power_of_2(max(args.max_len_k, 1)))
     # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
     resident = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
     kind = "causal_q" if masked and args.causal else "full"

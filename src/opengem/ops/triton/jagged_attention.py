@@ -76,6 +76,17 @@ def _tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
 
 
+TUNING_BUCKET_CAP = 4096
+
+
+def tuning_bucket(max_len: int) -> int:
+    """The length part of the autotuning key: powers of two from 16 up to 4096. Past a few thousand tokens
+    a sequence spans many tiles whatever their size, so the best configuration stops depending on it, and
+    a power-law batch whose longest history swings between 8k and 16k would otherwise re-tune (seconds of
+    timing on the host) whenever it crosses a power of two."""
+    return min(TUNING_BUCKET_CAP, max(16, triton.next_power_of_2(max(max_len, 1))))
+
+
 _KEY = ["LEN_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_CONTEXT", "HAS_TARGETS"]
 _TUNING = dict(key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
 
@@ -526,7 +537,7 @@ class Problem:
             contextual_len=self.opts.contextual_len,
             window=self.opts.window if self.opts.window is not None else 0,
             # buckets the length distribution for autotuning; a power of two >= 16 never respecializes
-            LEN_BUCKET=max(16, triton.next_power_of_2(max(self.max_len, 1))),
+            LEN_BUCKET=tuning_bucket(self.max_len),
         )
 
     def targets_arg(self) -> torch.Tensor:
