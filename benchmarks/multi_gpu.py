@@ -61,7 +61,7 @@ from opengem.parallel.collectives import (
 )
 from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, build_meshes, init_distributed, parse_parallel
-from opengem.train.bench.timing import WindowTimer, synchronize
+from opengem.train.bench.timing import WindowTimer, synchronize, warm_until_tuned
 from opengem.train.config import TrainConfig, load_config
 from opengem.train.distributed import DistributedRun
 from opengem.train.flops import device_peak_flops, train_flops
@@ -114,6 +114,10 @@ def train_config(preset: str, batch_per_gpu: int | None, world: int, steps: int,
     return load_config(preset, overrides=[*fixed, *overrides])
 
 
+def _any_rank(flag: bool, device: torch.device) -> bool:
+    return bool(_reduce(float(flag), dist.ReduceOp.MAX, device))
+
+
 def _reduce(value: float, op: dist.ReduceOp, device: torch.device) -> float:
     if not dist.is_initialized():
         return value
@@ -141,9 +145,11 @@ def _message_sizes(run: LocalRun | DistributedRun) -> dict[tuple[str, str], tupl
 
 
 def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int, collectives: str,
-                   curve: bool = False) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]], ParallelConfig | None]:
-    """Train ``warmup`` + ``steps`` steps of ``layout``; its row (rank 0's view), message sizes and layout.
-    ``curve``: the row also holds every step's global-batch loss (read once at the end: no sync per step)."""
+                   curve: bool = False, max_tuning_steps: int = 0,
+                   ) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]], ParallelConfig | None]:
+    """Train ``warmup`` (+ up to ``max_tuning_steps`` while the autotuners meet new keys) + ``steps`` steps
+    of ``layout``; its row (rank 0's view), message sizes and layout. ``curve``: the row also holds every
+    step's global-batch loss (read once at the end: no sync per step)."""
     if layout.parallel is None:
         run: LocalRun | DistributedRun = LocalRun(config)
     else:
@@ -159,8 +165,8 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
         first = learner.step(next(stream).to(device, non_blocking=True))
         losses = [first]
         first_loss = float(first)
-        for _ in range(max(0, warmup - 1)):
-            losses.append(learner.step(next(stream).to(device, non_blocking=True)))
+        tuning_steps = warm_until_tuned(lambda: losses.append(learner.step(next(stream).to(device, non_blocking=True))),
+                                        max(0, warmup - 1), max_tuning_steps, agree=lambda changed: _any_rank(changed, device))
         synchronize(device)
         if dist.is_initialized():
             dist.barrier()
@@ -184,7 +190,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             "samples_per_s_per_gpu": steps * config.batch_size / elapsed / world,
             "flops_per_s": flops / elapsed, "first_loss": first_loss, "last_loss": float(loss),
             "peak_memory_gib": _reduce(peak_gib, dist.ReduceOp.MAX, device) if peak_gib is not None else None,
-            "comm_bytes_per_step": run.step_bytes(),
+            "comm_bytes_per_step": run.step_bytes(), "tuning_steps": tuning_steps,
         }
         if curve:
             row["losses"] = torch.stack([value.detach().float() for value in losses]).tolist()
@@ -303,6 +309,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--layouts", default=",".join(ALL_LAYOUTS), help="comma-separated; 'single' is added at N == 1")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=None)
+    parser.add_argument("--max-tuning-steps", type=int, default=20,
+                        help="after --warmup, up to this many more steps while the autotuners meet new keys (0 with --curve)")
     parser.add_argument("--batch-per-gpu", type=int, default=None, help="default: the preset's batch size")
     parser.add_argument("--collectives", choices=("default", "copy_engine"), default="default")
     parser.add_argument("--single-gpu-mfu", type=float, default=None, help="E2E MFU of the 1-GPU run (a fraction)")
@@ -355,9 +363,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             if is_main:
                 print(f"skip {name}: {reason}")
             continue
-        config = train_config(args.preset, args.batch_per_gpu, world, warmup + steps, args.device,
+        # curves compare step by step (same steps everywhere); the CPU runs no autotuner
+        tuning = args.max_tuning_steps if on_cuda and not args.curve else 0
+        config = train_config(args.preset, args.batch_per_gpu, world, warmup + tuning + steps, args.device,
                               [*layout.overrides, *overrides])
-        row, sizes, resolved = measure_layout(layout, config, warmup, steps, args.collectives, args.curve)
+        row, sizes, resolved = measure_layout(layout, config, warmup, steps, args.collectives, args.curve, tuning)
         row["e2e_mfu"] = None if peak is None else row["flops_per_s"] / (world * peak)
         if resolved is not None and world > 1:
             collective_rows += measure_collectives(name, resolved, sizes, budget["collective_iters"], device,

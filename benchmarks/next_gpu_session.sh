@@ -6,7 +6,8 @@
 # 1 (1a | 1b): gem_curves alone (issue 7) | GPU tests of the session-3 fixes, gem-large on one GPU
 # 2 (2 GPUs): issue 11's loss curves (1 GPU bf16 | fp32, then FSDP on 2), FSDP with the SM-free all-gather
 # 3 (2 GPUs): issue 11's layouts of gem-large (SINGLE_GPU_MFU = part 1's gem-large b256 E2E MFU)
-# 4 (4a | 4b): gem-small bench train with layers, JFA full | with fp8 MLPs, FP8 attention, BlockAttention
+# 4 (4a | 4b): gem-small bench train with layers, JFA full | with fp8 MLPs, calibration with the host probe,
+#   FP8 attention, BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -57,6 +58,7 @@ chain_4a() {
 chain_4b() {
   step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+  step calibrate 150 train bench calibrate --quick --out "$out/results/calibration_quick.json"
   step attention_fp8 60 python -m benchmarks.attention_fp8 --quick
   step block_attention 60 python -m benchmarks.block_attention --quick
 }

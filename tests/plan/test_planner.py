@@ -13,19 +13,32 @@ from opengem.plan.cluster import load_cluster
 from opengem.plan.cost import Layout
 from opengem.plan.planner import Planner
 
-MEASURED_GEM_SMALL_MS = 326.0
+MEASURED_GEM_SMALL_MS = 167.8
+MEASURED_GEM_LARGE_B512_MS = 359.1
 
 
 def test_one_gpu_gem_small_step_within_15_percent_of_the_measurement():
-    """Measured: 326 ms per step, gem-small, batch 2048, bf16, compiled, fresh batches, one H200
-    (benchmarks/results/step_profile.json, RESULTS.md "Training on the GPU", session 2 call 4).
-    Predicted from the shipped H200 calibration. Note: that table's host cost per launch was fitted to
-    this same run, so this checks the model's composition; gem-large has no measurement yet."""
+    """Measured: 167.8 ms per step, gem-small, batch 2048, bf16, compiled, fresh batches, one H200
+    (RESULTS.md, session 3). Predicted from the shipped H200 calibration, whose kernel rates and
+    element-wise bytes were fitted on gem-small's own profile and whose host cost per launch was set so
+    that this step's host time is at most its measured time: this checks the model's composition."""
     planner = Planner("gem-small", load_cluster("h200"), 1)
     prediction = planner.predict(Layout(ParallelConfig().resolved(1), 2048))
     assert prediction.fits
     assert prediction.step_s * 1e3 == pytest.approx(MEASURED_GEM_SMALL_MS, rel=0.15)
-    assert prediction.host_s > prediction.device_s  # the measured step is host-bound (165 ms of GPU work)
+
+
+def test_one_gpu_gem_large_step_within_15_percent_of_the_measurement():
+    """Out of sample: nothing in the shipped table was fitted on gem-large. Measured 359.1 ms per step at
+    batch 512 on one H200 (RESULTS.md, session 3: `benchmarks.multi_gpu --layouts single`). The model
+    says the GPU bounds this step (its device time over the host time). Not matched: batch 256, measured
+    341 ms against 240 predicted, a step bound neither by the GPU nor by the host model (autotuning inside
+    the timed window is the suspect; see NOTES.md)."""
+    planner = Planner("gem-large", load_cluster("h200"), 1)
+    prediction = planner.predict(Layout(ParallelConfig().resolved(1), 512))
+    assert prediction.fits
+    assert prediction.step_s * 1e3 == pytest.approx(MEASURED_GEM_LARGE_B512_MS, rel=0.15)
+    assert prediction.device_s > prediction.host_s
 
 
 def test_planning_gem_xl_on_4096_gpus_is_fast():

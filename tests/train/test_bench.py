@@ -138,3 +138,36 @@ def test_cuda_kernels_go_to_the_phase_of_their_launch_call():
     phases = phase_split_us(events, torch.device("cuda"))
     assert phases["embeddings"] == 10 and phases["forward"] == 30 and phases["backward"] == 20
     assert phases["optimizer"] == 5 and phases["unattributed"] == 3 and phases["data"] == 10
+
+
+def test_warm_up_runs_until_the_autotuners_are_quiet(monkeypatch):
+    """At least ``min_steps``; then on while new tuning keys appear, until ``quiet_steps`` calm steps in a
+    row or ``max_extra`` more steps; every rank follows the agreed flag."""
+    import opengem.ops.triton.tuning as tuning
+    from opengem.train.bench.timing import warm_until_tuned
+
+    keys = iter([0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # new keys at the first and third steps
+    monkeypatch.setattr(tuning, "tuned_keys", lambda: next(keys))
+    ran = []
+    extra = warm_until_tuned(lambda: ran.append(1), min_steps=2, max_extra=10, quiet_steps=3)
+    assert len(ran) == 6 and extra == 4  # key 1 at step 1, key 2 at step 3, then 3 calm steps
+
+    monkeypatch.setattr(tuning, "tuned_keys", lambda: len(ran))  # a new key every step: capped
+    ran.clear()
+    assert warm_until_tuned(lambda: ran.append(1), min_steps=1, max_extra=4) == 4 and len(ran) == 5
+
+    monkeypatch.setattr(tuning, "tuned_keys", lambda: 0)  # quiet here, but another rank tunes twice
+    flags = iter([True, True, False, False, False])
+    ran.clear()
+    assert warm_until_tuned(lambda: ran.append(1), 0, 10, agree=lambda _: next(flags)) == 5
+
+
+def test_tuned_keys_counts_settled_autotuner_configs(monkeypatch):
+    import opengem.ops.triton.gdpa as gdpa
+    import opengem.ops.triton.jagged_attention as jfa
+    from opengem.ops.triton.tuning import tuned_keys
+
+    before = tuned_keys()
+    monkeypatch.setitem(jfa._fwd_kernel.cache, ("fake", "key"), "config")
+    monkeypatch.setitem(gdpa._TUNED, ("fake",), "config")
+    assert tuned_keys() == before + 2

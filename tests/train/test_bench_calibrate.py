@@ -105,3 +105,43 @@ def test_calibrate_without_cuda_fails_clearly(tmp_path, capsys, monkeypatch):
     assert main(["bench", "calibrate", "--quick", "--out", str(out)]) == 2
     assert "needs a CUDA device" in capsys.readouterr().err
     assert not out.exists()
+
+
+def test_measured_host_times_replace_the_launch_model(tmp_path):
+    """A run with the host probe: the table keeps its step_ms / layer_ms and the planner's host term is
+    step_ms + layer_ms x layers (x 4/3 per layer under activation checkpointing)."""
+    run = fake_run()
+    run = dataclasses.replace(run, raw={**run.raw, "host_step_ms": 50.0, "host_layer_ms": 10.0})
+    table = table_from_measurements(run, load_calibration("h200"), "h200")
+    assert (table.host.step_ms, table.host.layer_ms) == (50.0, 10.0) and "host" in table.notes
+    path = table.save(tmp_path / "calib.json")
+    planner = Planner("gem-small", load_cluster("h200"), 1, str(path))  # 8 layers
+    plain = planner.predict(Layout(ParallelConfig().resolved(1), 2048))
+    checkpointed = planner.predict(Layout(ParallelConfig(activation_checkpointing=True).resolved(1), 2048))
+    assert plain.host_s == pytest.approx(0.050 + 8 * 0.010)
+    assert checkpointed.host_s == pytest.approx(0.050 + 8 * 0.010 * 4 / 3)
+    # a later run without the probe, based on this table: the measured host times carried, rescaled
+    slower = table_from_measurements(fake_run(launch_us=12.0), table, "first run")
+    assert slower.host.step_ms == pytest.approx(100.0) and slower.host.layer_ms == pytest.approx(20.0)
+
+
+def test_host_times_come_in_pairs(tmp_path):
+    data = load_calibration("h200").to_json()
+    data["host"]["step_ms"] = 40.0
+    path = tmp_path / "half.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match=r"half.json: host.step_ms and host.layer_ms come together"):
+        load_calibration(path)
+
+
+def test_host_probe_runs_a_model_at_two_depths_on_the_cpu():
+    """The probe's plumbing on the CPU (gem-tiny, eager): two depths, a per-step and a per-layer figure."""
+    from opengem.train.bench.host_probe import HostProbe, measure_host
+
+    host = measure_host(HostProbe(preset="gem-tiny", depths=(1, 2), batch_size=8, steps=2, compile=False),
+                        torch.device("cpu"))
+    assert set(host) == {"host_step_ms", "host_layer_ms"}
+    assert host["host_step_ms"] >= 0 and host["host_layer_ms"] >= 0
+    assert host["host_step_ms"] + 2 * host["host_layer_ms"] > 0
+    with pytest.raises(ValueError, match="two increasing layer counts"):
+        HostProbe(depths=(4, 2))

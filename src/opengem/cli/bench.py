@@ -28,6 +28,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     train = kinds.choices["train"]
     train.add_argument("--steps", type=int, default=50, help="timed steps")
     train.add_argument("--warmup", type=int, default=10, help="steps before timing")
+    train.add_argument("--max-tuning-steps", type=int, default=20,
+                       help="after --warmup, up to this many more steps while the autotuners still meet new keys")
     train.add_argument("--low-precision-mlp", choices=LOW_PRECISION_MLPS, default="none",
                        help="FP8 recipe for the large Linear layers (opengem.nn.low_precision)")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -45,10 +47,13 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     calibrate = kinds.add_parser("calibrate", help="measure the planner's calibration table on this GPU")
     calibrate.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration.json"),
                            help="calibration JSON, for `opengem plan --calibration` (default: %(default)s)")
-    calibrate.add_argument("--quick", action="store_true", help="fewer shapes, no kernel autotuning (< 45 s)")
+    calibrate.add_argument("--quick", action="store_true", help="fewer shapes, no kernel autotuning (< 45 s before the host probe)")
     calibrate.add_argument("--base", default="h200", help="table of the step-fitted entries (shipped name or file)")
     calibrate.add_argument("--peak-tflops", type=float, help="dense BF16 peak of a device not in the table")
     calibrate.add_argument("--hbm-gbps", type=float, help="nominal HBM bandwidth of a device not in the table")
+    calibrate.add_argument("--no-host-probe", action="store_true",
+                           help="skip the host probe (gem-small trained at a tiny batch, 2 depths, compiled: ~1 min); "
+                                "the host term then stays the base table's")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -69,7 +74,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     options = step.TrainBenchOptions(
-        **common, steps=args.steps, warmup=args.warmup, low_precision_mlp=args.low_precision_mlp,
+        **common, steps=args.steps, warmup=args.warmup, max_tuning_steps=args.max_tuning_steps, low_precision_mlp=args.low_precision_mlp,
         compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps,
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip
@@ -90,10 +95,12 @@ def run_bench(args: argparse.Namespace) -> int:
 def run_calibrate(args: argparse.Namespace) -> int:
     from opengem.plan.calibration import load_calibration, table_from_measurements
     from opengem.train.bench import calibrate
+    from opengem.train.bench.host_probe import HostProbe
 
     base = load_calibration(args.base)  # a bad --base fails before minutes of measuring
     try:
-        measured = calibrate.measure(calibrate.QUICK if args.quick else calibrate.FULL, args.peak_tflops, args.hbm_gbps)
+        measured = calibrate.measure(calibrate.QUICK if args.quick else calibrate.FULL, args.peak_tflops, args.hbm_gbps,
+                                     host_probe=None if args.no_host_probe else HostProbe())
     except calibrate.NoCudaDevice as error:
         print(f"opengem: error: {error}", file=sys.stderr)
         return 2

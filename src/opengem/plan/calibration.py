@@ -9,7 +9,8 @@ A table (JSON, written by ``opengem bench calibrate`` or shipped in ``opengem/pl
      "embedding_gbps": ..., "copy_gbps": ...,
      "elementwise_bytes": ...,   # bytes per token, layer and d_model element moved by norms / casts / element-wise
      "activation_bytes": ...,    # bytes per token, layer and d_model element kept for backward
-     "host": {"launch_us": ..., "attention_call_us": ..., "launches_per_layer": ..., "launches_per_step": ...},
+     "host": {"launch_us": ..., "attention_call_us": ..., "launches_per_layer": ..., "launches_per_step": ...,
+              "step_ms": ..., "layer_ms": ...},                # the last two measured by the host probe (optional)
      "sm_contention": ...,       # compute slowdown while NCCL kernels run beside it (fraction)
      "notes": {...},             # where each figure comes from
      "measured": {...}}          # optional: raw microbenchmarks of the run (launch_us, norm_gbps, ...)
@@ -41,10 +42,16 @@ GEMM_M_SATURATION = 2**16  # beyond this many rows a GEMM's efficiency no longer
 
 @dataclass(frozen=True)
 class HostCosts:
+    """Host time of a training step. Measured (``step_ms`` + ``layer_ms`` x layers, from ``opengem bench
+    calibrate``'s host probe: a compiled GEM step at a tiny batch, at two depths) when the table has it;
+    else the launch model: launches x ``launch_us`` + attention calls x ``attention_call_us``."""
+
     launch_us: float  # host time per launched kernel in a training step (framework + launch)
     attention_call_us: float  # extra host work per attention-op call (schedules, tuning lookups)
     launches_per_layer: float  # kernels per GEM layer, forward + backward
     launches_per_step: float  # kernels outside the layers (embeddings, heads, loss, optimizer)
+    step_ms: float | None = None  # measured: host time of a step outside the GEM layers
+    layer_ms: float | None = None  # measured: host time per GEM layer, forward + backward
 
 
 @dataclass(frozen=True)
@@ -89,6 +96,9 @@ def calibration_from_dict(data: dict[str, Any], source: str) -> Calibration:
     for key in ("peak_bf16_tflops", "hbm_gbps", "embedding_gbps", "copy_gbps", "elementwise_bytes", "activation_bytes"):
         if getattr(table, key) <= 0:
             raise ValueError(f"{source}: {key} must be positive, got {getattr(table, key)}")
+    measured_host = (table.host.step_ms, table.host.layer_ms)
+    if measured_host.count(None) == 1 or any(v is not None and v < 0 for v in measured_host):
+        raise ValueError(f"{source}: host.step_ms and host.layer_ms come together and are >= 0, got {measured_host}")
     return table
 
 
@@ -127,9 +137,13 @@ def table_from_measurements(m: Measurements, base: Calibration, base_name: str) 
     """The calibration table of a run; step-fitted entries come from ``base`` (see the module doc)."""
     measured = {**m.raw, "copy_gbps": m.copy_gbps}
     host, elementwise = base.host, base.elementwise_bytes
+    if "host_step_ms" in measured:  # the host probe ran: measured host times replace the launch model
+        host = dataclasses.replace(host, step_ms=measured["host_step_ms"], layer_ms=measured["host_layer_ms"])
     if all(key in base.measured for key in RESCALING_FIGURES):
         cpu = measured["launch_us"] / base.measured["launch_us"]
         host = dataclasses.replace(host, launch_us=host.launch_us * cpu, attention_call_us=host.attention_call_us * cpu)
+        if host.step_ms is not None and "host_step_ms" not in measured:  # a base's measured host times, rescaled
+            host = dataclasses.replace(host, step_ms=host.step_ms * cpu, layer_ms=host.layer_ms * cpu)
         base_ratio = base.measured["norm_gbps"] / base.measured["copy_gbps"]
         elementwise *= base_ratio / (measured["norm_gbps"] / measured["copy_gbps"])
         carried = (f"from {base_name}, rescaled: host times x{cpu:.2f} (tiny-kernel launch time), element-wise bytes "
@@ -150,6 +164,9 @@ def table_from_measurements(m: Measurements, base: Calibration, base_name: str) 
         "step_fitted": f"elementwise_bytes, activation_bytes, host, sm_contention: {carried}",
         "checks": f"relative error against the reference (small case): {errors}",
     }
+    if "host_step_ms" in measured:
+        notes["host"] = ("step_ms, layer_ms: the host probe (compiled gem-small GEM at a tiny batch, two depths; "
+                         "opengem.train.bench.host_probe); the launch-model figures beside them are unused")
     table = Calibration(
         device=m.device, source=m.run, peak_bf16_tflops=m.peak_bf16_tflops, hbm_gbps=m.hbm_gbps, gemm=m.gemm,
         attention={"jfa": m.jfa, "gdpa": m.gdpa}, block_attention_gbps=m.block_attention_gbps,

@@ -5,8 +5,9 @@ Step time per GPU = max(host, device + exposed communication), where
 - device = kernel time (FLOPs / calibrated rates; memory-bound work / calibrated bandwidths) times the
   load imbalance of the slowest rank (``imbalance``) times the SM-contention penalty of NCCL kernels
   overlapping compute, plus the recomputed forward under activation checkpointing;
-- host = launches x per-launch host cost + attention-op calls x their host work (a host-bound step
-  runs at the host's pace: the GPU idles between launches);
+- host = the measured host time of a step (``bench calibrate``'s host probe: per step + per layer) or,
+  in tables without it, launches x per-launch host cost + attention-op calls x their host work (a
+  host-bound step runs at the host's pace: the GPU idles between launches);
 - exposed communication: FSDP all-gathers hidden behind forward compute and reduce-scatters /
   all-reduces behind backward compute when prefetching (the first unit's gather is always exposed);
   expert-parallel and sparse all-to-all traffic sits on the critical path; sparse replica syncs too.
@@ -151,6 +152,8 @@ def kernel_times(workload: Workload, rates: Rates, local_batch: int, embedding_b
 def host_seconds(workload: Workload, rates: Rates, checkpointing: bool) -> float:
     host = rates.table.host
     layers = workload.num_layers
+    if host.step_ms is not None:  # measured by the host probe; checkpointing reruns each layer's forward
+        return (host.step_ms + host.layer_ms * layers * (4 / 3 if checkpointing else 1)) * 1e-3
     launches = host.launches_per_layer * layers * (4 / 3 if checkpointing else 1) + host.launches_per_step
     per_layer_calls = 2 * (1 + workload.model.use_pffn + workload.model.use_pooling)  # fwd + bwd per op
     calls = layers * per_layer_calls * (1.5 if checkpointing else 1)

@@ -96,6 +96,11 @@ def _bucket(n: int) -> int:
 _TUNED: dict[tuple, Config] = {}
 
 
+def tuned_configs() -> int:
+    """How many (pass, key) configurations are settled (``opengem.ops.triton.tuning.tuned_keys``)."""
+    return len(_TUNED)
+
+
 def tuning_enabled() -> bool:
     """``OPENGEM_GDPA_TUNE=0`` uses each pass's first fitting candidate (no timing, 1 compile per variant)."""
     return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0"

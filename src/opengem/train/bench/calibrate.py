@@ -8,7 +8,9 @@ first checked against its reference on a small case in the same run (the run fai
   forward and backward, through the public ops (offsets carry host mirrors: no sync per call);
 - the fused embedding lookup and its row-wise Adagrad update inside the backward;
 - a fused norm (``layer_norm`` forward + backward: element-wise bandwidth), a device-to-device and a
-  pinned host-to-device copy, and the host time of one tiny kernel launch.
+  pinned host-to-device copy, and the host time of one tiny kernel launch;
+- with a host probe: the host time of a compiled GEM training step, per step and per layer
+  (``opengem.train.bench.host_probe``), which replaces the planner's launch-count host model.
 
 ``--quick`` measures fewer shapes with the kernels' default configs (no autotuning: fewer compiles).
 """
@@ -34,6 +36,7 @@ from opengem.ops.gdpa import gdpa
 from opengem.ops.jagged_attention import attention_pairs, jagged_attention
 from opengem.ops.reference import embedding as embedding_reference
 from opengem.plan.calibration import Measurements
+from opengem.train.bench.host_probe import HostProbe, measure_host
 from opengem.train.flops import DEVICE_PEAKS, device_peak_flops
 
 DEVICE = "cuda"
@@ -351,9 +354,11 @@ def measure_launch_us() -> float:
     return launch_us
 
 
-def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | None = None) -> Measurements:
+def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | None = None,
+            host_probe: HostProbe | None = None) -> Measurements:
     """Run every measurement on the current CUDA device; raises :class:`NoCudaDevice` without one,
-    ``ValueError`` when an op misses its reference by more than ``TOLERANCE``."""
+    ``ValueError`` when an op misses its reference by more than ``TOLERANCE``. ``host_probe``: also time
+    the host side of a training step (``opengem.train.bench.host_probe``)."""
     if not torch.cuda.is_available():
         raise NoCudaDevice("opengem bench calibrate needs a CUDA device (torch.cuda.is_available() is False)")
     if not sizes.tune:  # read by the kernels' tuners at their first call
@@ -371,6 +376,7 @@ def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | No
     gdpa_points = measure_gdpa(run)
     block = measure_block_attention(run)
     embedding_gbps, embedding_forward = measure_embedding(run)
+    host = measure_host(host_probe, torch.device(DEVICE)) if host_probe is not None else {}
     bad = {op: error for op, error in run.errors.items() if not error <= TOLERANCE}
     if bad:
         raise ValueError(f"ops off their reference (relative error > {TOLERANCE}): {bad}; no table written")
@@ -385,7 +391,7 @@ def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | No
              f"triton {triton.__version__}, attention {tuning}, {time.perf_counter() - start:.0f} s"),
         gemm=gemm, jfa=jfa, gdpa=gdpa_points, block_attention_gbps=block, embedding_gbps=embedding_gbps,
         copy_gbps=memory.pop("copy_gbps"),
-        raw={"launch_us": launch_us, **memory, "embedding_forward_gbps": embedding_forward}, errors=run.errors,
+        raw={"launch_us": launch_us, **memory, "embedding_forward_gbps": embedding_forward, **host}, errors=run.errors,
     )  # fmt: skip
 
 

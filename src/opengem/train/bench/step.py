@@ -23,7 +23,7 @@ from opengem.data.schema import Batch
 from opengem.nn.embedding import EmbeddingCollection
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
-from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize
+from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_tuned
 from opengem.train.compile import compile_regions
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
@@ -38,6 +38,7 @@ class TrainBenchOptions:
     preset: str
     steps: int = 50
     warmup: int = 10
+    max_tuning_steps: int = 20  # after ``warmup``: more steps while the autotuners still meet new keys
     precision: str | None = None  # TrainConfig.precision; None: bf16 on CUDA, fp32 on CPU
     low_precision_mlp: str = "none"  # a recipe of opengem.nn.low_precision for the large Linear layers
     compile: bool = False
@@ -54,8 +55,9 @@ class TrainBenchOptions:
         for name in ("steps", "profile_steps", "loader_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.warmup < 0:
-            raise ValueError(f"warmup must be >= 0, got {self.warmup}")
+        for name in ("warmup", "max_tuning_steps"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.low_precision_mlp not in LOW_PRECISION_MLPS:
@@ -70,7 +72,8 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
         overrides.append(f"batch_size={options.batch_size}")
     if options.num_workers is not None:
         overrides.append(f"num_workers={options.num_workers}")
-    overrides.append(f"steps={options.warmup + options.steps + options.profile_steps}")  # the LR schedule's length
+    steps = options.warmup + options.max_tuning_steps + options.steps + options.profile_steps
+    overrides.append(f"steps={steps}")  # the LR schedule's length
     config = load_config(options.preset, overrides=[*overrides, *options.overrides])
     device = resolve_device(config.device)
     precision = options.precision or ("bf16" if device.type == "cuda" else "fp32")
@@ -96,8 +99,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
 
-    for _ in range(options.warmup):
-        learner.step(next(stream).to(device, non_blocking=True))
+    tuning_steps = warm_until_tuned(lambda: learner.step(next(stream).to(device, non_blocking=True)),
+                                    options.warmup, options.max_tuning_steps if device.type == "cuda" else 0)
     synchronize(device)
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
@@ -150,6 +153,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "num_workers": config.num_workers,
         "low_precision_layers": converted,
         "device": str(device),
+        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` while the autotuners met new keys
     }
     return {
         "benchmark": "train",
@@ -217,7 +221,7 @@ def format_report(payload: dict[str, Any]) -> str:
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
-        f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} warm-up)",
+        f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + {s['tuning_steps']} warm-up)",
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
         (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "

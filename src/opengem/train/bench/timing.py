@@ -48,6 +48,24 @@ class WindowTimer:
         return time.perf_counter() - self._wall
 
 
+def warm_until_tuned(step: Callable[[], object], min_steps: int, max_extra: int, quiet_steps: int = 3,
+                     agree: Callable[[bool], bool] = lambda changed: changed) -> int:
+    """Warm-up: ``min_steps`` runs of ``step``, then more (at most ``max_extra``) until the autotuners have
+    met no new key for ``quiet_steps`` runs in a row. Returns the extra runs. ``agree`` turns this rank's
+    "a new key was tuned" into every rank's (an all-reduce under torch.distributed), so all ranks run the
+    same steps."""
+    from opengem.ops.triton.tuning import tuned_keys
+
+    seen, calm, ran = tuned_keys(), 0, 0
+    while ran < min_steps or (calm < quiet_steps and ran < min_steps + max_extra):
+        step()
+        ran += 1
+        now = tuned_keys()
+        calm = 0 if agree(now != seen) else calm + 1
+        seen = now
+    return ran - min_steps
+
+
 def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeats: int = 10) -> float:
     """Median milliseconds of ``fn`` over ``repeats`` runs (after ``warmup`` runs), each timed alone."""
     for _ in range(warmup):
