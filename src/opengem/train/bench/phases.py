@@ -19,7 +19,6 @@ above under-counts).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable
 
 import torch
@@ -102,11 +101,11 @@ def _split_by_launch(events: list[FunctionEvent]) -> dict[str, float]:
         (e.time_range.start, e.time_range.end, phase)
         for e in events if e.device_type == cpu and (phase := _marker_phase(e.name)) is not None
     )  # fmt: skip
+    placed = [(launch.time_range.start, kernel) for kernel in _device_spans(events).values()
+              if (launch := launches.get(kernel.id)) is not None]  # fmt: skip
     totals = dict.fromkeys(PHASES, 0.0)
-    for kernel in _device_spans(events).values():
-        launch = launches.get(kernel.id)
-        if launch is not None:
-            totals[_phase_at(markers, launch.time_range.start)] += kernel.time_range.end - kernel.time_range.start
+    for phase, kernel in zip(_phases_at(markers, [t for t, _ in placed]), (k for _, k in placed), strict=True):
+        totals[phase] += kernel.time_range.end - kernel.time_range.start
     return _with_data_and_unattributed(totals, events)
 
 
@@ -120,15 +119,21 @@ def _marker_phase(name: str) -> str | None:
     return {FORWARD_RANGE: "forward", HOST_TO_DEVICE_RANGE: "host_to_device", DATA_RANGE: "data"}.get(name)
 
 
-def _phase_at(markers: list[tuple[int, int, str]], time: int) -> str:
-    """The phase of the shortest marker range holding ``time`` (the innermost), else ``other``."""
-    best, best_length = "other", math.inf
-    for start, end, phase in markers:
-        if start > time:
-            break
-        if end >= time and end - start < best_length:
-            best, best_length = phase, end - start
-    return best
+def _phases_at(markers: list[tuple[int, int, str]], times: list[int]) -> list[str]:
+    """For each time, the phase of the shortest marker range holding it (the innermost), else ``other``.
+    A sweep over both in time order: the open ranges at any time are few (the nesting depth)."""
+    phases = ["other"] * len(times)
+    open_ranges: list[tuple[int, int, str]] = []
+    next_marker = 0
+    for index in sorted(range(len(times)), key=times.__getitem__):
+        time = times[index]
+        while next_marker < len(markers) and markers[next_marker][0] <= time:
+            open_ranges.append(markers[next_marker])
+            next_marker += 1
+        open_ranges = [r for r in open_ranges if r[1] >= time]
+        if open_ranges:
+            phases[index] = min(open_ranges, key=lambda r: r[1] - r[0])[2]
+    return phases
 
 
 def _union_length(intervals: Iterable[tuple[int, int]]) -> int:
