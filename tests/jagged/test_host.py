@@ -81,6 +81,10 @@ def test_jagged_is_a_pytree_node():
     assert leaves[0] is jagged.values and leaves[1] is jagged.offsets
     rebuilt = tree_unflatten([leaves[0] * 2, *leaves[1:]], spec)[0]
     assert torch.equal(rebuilt.values, jagged.values * 2) and rebuilt.max_len == 3
+    # a map to non-tensors rebuilds the node too (torch 2.11's checkpoint maps every leaf to None)
+    from torch.utils._pytree import tree_map
+
+    assert tree_map(lambda leaf: None, jagged).values is None
 
 
 def test_to_device_registers_the_mirror():

@@ -72,7 +72,10 @@ class Jagged:
     max_len: int
 
     def __post_init__(self) -> None:
-        register_host_copy(self.offsets, self.offsets_host)  # ops read the layout without a device sync
+        # pytree maps may rebuild a Jagged around non-tensor leaves (torch 2.11's checkpoint maps every
+        # leaf to None to find devices): only a real layout is registered
+        if isinstance(self.offsets, torch.Tensor) and isinstance(self.offsets_host, torch.Tensor):
+            register_host_copy(self.offsets, self.offsets_host)  # ops read the layout without a device sync
 
     @classmethod
     def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
