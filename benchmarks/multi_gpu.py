@@ -2,12 +2,16 @@
 
     torchrun --nproc-per-node N -m benchmarks.multi_gpu [--quick] [--preset gem-large]
         [--layouts fsdp,hsdp,expert,sparse1d,sparse2d] [--steps S] [--warmup W] [--batch-per-gpu B]
-        [--collectives default|copy_engine] [--single-gpu-mfu X] [--set key=value ...]
+        [--collectives default|copy_engine] [--single-gpu-mfu X] [--max-tuning-steps T] [--curve]
+        [--set key=value ...]
 
 1. Every layout trains the preset's GEM model with the distributed trainer's own pieces
    (``opengem.train.distributed.DistributedRun``: model, sparse sharding, FSDP2 / expert parallelism,
    ``DistributedLearner``) on its synthetic stream, ``--warmup`` steps then ``--steps`` timed steps
-   (weak scaling: the global batch is ``--batch-per-gpu`` x N). Layouts (N ranks):
+   (weak scaling: the global batch is ``--batch-per-gpu`` x N); on CUDA the warm-up goes on while the
+   attention autotuners still meet new keys (up to ``--max-tuning-steps`` more, every rank alike), so no
+   tuning lands in the timed steps. ``--curve`` keeps every step's global-batch loss in the row (no extra
+   warm-up then: curves compare step by step; ``benchmarks.multi_gpu_curves`` judges them). Layouts (N ranks):
 
    - ``fsdp``: dense_shard=N;             ``hsdp``: dense_replicate=2, dense_shard=N/2;
    - ``expert``: expert=2 (gem.num_experts=2): two expert-parallel ranks, each expert FSDP-sharded

@@ -3,11 +3,11 @@
 # capped so that a part fits one 600 s device call. On a 2-GPU host the two chains of a part run side by
 # side, one per GPU; on one GPU run a part's chains as separate calls (PART 1a, 1b, 4a, 4b).
 #   bash benchmarks/next_gpu_session.sh OUT_DIR PART
-# 1 (1a | 1b): gem_curves alone (issue 7) | GPU tests of the session-3 fixes, gem-large on one GPU
+# 1 (1a | 1b): gem_curves alone (issue 7) | GPU tests of the session-3 fixes, gem-large on one GPU, the
+#   calibration with the host probe (the caps of 1b add up past 600 s; the archive keeps what finished)
 # 2 (2 GPUs): issue 11's loss curves (1 GPU bf16 | fp32, then FSDP on 2), FSDP with the SM-free all-gather
 # 3 (2 GPUs): issue 11's layouts of gem-large (SINGLE_GPU_MFU = part 1's gem-large b256 E2E MFU)
-# 4 (4a | 4b): gem-small bench train with layers, JFA full | with fp8 MLPs, calibration with the host probe,
-#   FP8 attention, BlockAttention
+# 4 (4a | 4b): gem-small bench train with layers, JFA full | with fp8 MLPs, FP8 attention, BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -47,6 +47,7 @@ chain_1b() {
     tests/gpu/test_flops_gpu.py::test_analytic_flops_equal_the_flop_counter_on_the_triton_path
   step large_single 140 large_single 256 multi_gpu_single
   step large_single_b512 100 large_single 512 multi_gpu_single_b512
+  step calibrate 120 train bench calibrate --quick --out "$out/results/calibration_quick.json"  # with the host probe
 }
 chain_2a() { step curve_single 200 curves_single --out "$out/results/curve_single.json"; }
 chain_2b() { step curve_single_fp32 200 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -58,7 +59,6 @@ chain_4a() {
 chain_4b() {
   step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
-  step calibrate 150 train bench calibrate --quick --out "$out/results/calibration_quick.json"
   step attention_fp8 60 python -m benchmarks.attention_fp8 --quick
   step block_attention 60 python -m benchmarks.block_attention --quick
 }
