@@ -7,7 +7,8 @@
 #   calibration with the host probe (the caps of 1b add up past 600 s; the archive keeps what finished)
 # 2 (2 GPUs): issue 11's loss curves (1 GPU bf16 | fp32, then FSDP on 2), FSDP with the SM-free all-gather
 # 3 (2 GPUs): issue 11's layouts of gem-large (SINGLE_GPU_MFU = part 1's gem-large b256 E2E MFU)
-# 4 (4a | 4b): gem-small bench train with layers, JFA full | with fp8 MLPs, FP8 attention, BlockAttention
+# 4 (4a | 4b): gem-small bench train with layers, with Inductor's max-autotune, JFA full | with fp8 MLPs,
+#   FP8 attention, BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -54,7 +55,10 @@ chain_2b() { step curve_single_fp32 200 curves_single --set precision=fp32 --out
 chain_4a() {
   step bench_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
-  step jfa_full 300 python -m benchmarks.jfa
+  step max_autotune_train 200 train bench train --preset gem-small --batch-size 2048 --compile \
+    --set compile_mode=max-autotune-no-cudagraphs --steps 20 --warmup 8 --num-workers 12 \
+    --out "$out/results/train_gem-small_max_autotune.json"
+  step jfa_full 240 python -m benchmarks.jfa
 }
 chain_4b() {
   step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \

@@ -155,6 +155,26 @@ def test_compiled_regions_trace_whole_and_match_eager(architecture):
         torch.testing.assert_close(compiled(batch), eager(batch))
 
 
+def test_compile_mode_reaches_every_region(monkeypatch):
+    """``compile_mode`` is handed to torch.compile for each block ("default": torch's own default, None);
+    an unknown mode is refused when the config is built."""
+    from torch import nn
+
+    from opengem.train.compile import compile_regions
+    from opengem.train.trainer import build_model
+
+    config = load_config("gem-tiny", None, [*SMALL, "architecture=gem", "gem.num_layers=2",
+                                            "compile_mode=max-autotune-no-cudagraphs"])
+    model = build_model(config, config.model.history, torch.device("cpu"))
+    seen = []
+    monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs["mode"]))
+    assert compile_regions(model, mode=config.compile_mode) == 4
+    assert compile_regions(model) == 4
+    assert seen == ["max-autotune-no-cudagraphs"] * 4 + [None] * 4
+    with pytest.raises(ValueError, match="compile_mode must be one of"):
+        load_config("gem-tiny", None, ["compile_mode=reduce-overhead"])
+
+
 def test_activation_checkpointing_recomputes_to_the_same_losses(tmp_path):
     """Each block's activations recomputed in the backward: the same losses, the same checkpoint names."""
     runs = {}

@@ -19,7 +19,7 @@ from opengem.nn.layers import JaggedTransformerLayer
 REGIONS: tuple[type[nn.Module], ...] = (GEMLayer, TokenSummary, JaggedTransformerLayer)
 
 
-def compile_regions(model: nn.Module, backend: str = "inductor", mode: str | None = None) -> int:
+def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "default") -> int:
     """Compile, in place, the outermost submodules of ``model`` that are instances of :data:`REGIONS`.
 
     Returns how many were compiled. ``fullgraph=True``: a graph break inside a block is a bug to fix,
@@ -31,7 +31,8 @@ def compile_regions(model: nn.Module, backend: str = "inductor", mode: str | Non
     for child in model.children():
         if isinstance(child, REGIONS):
             nested_fsdp = any(isinstance(m, FSDPModule) for m in child.modules() if m is not child)
-            child.compile(backend=backend, mode=mode, dynamic=True, fullgraph=not nested_fsdp)
+            child.compile(backend=backend, mode=None if mode == "default" else mode, dynamic=True,
+                          fullgraph=not nested_fsdp)
             count += 1
         else:
             count += compile_regions(child, backend, mode)

@@ -14,6 +14,7 @@ from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 
 ARCHITECTURES = ("sequence_ctr", "gem")
+COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes of the dense blocks
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
 
@@ -45,6 +46,7 @@ class TrainConfig:
     architecture: str = "sequence_ctr"  # "sequence_ctr" (section `model`) or "gem" (section `gem`)
     precision: str = "fp32"  # one of PRECISIONS
     compile: bool = False  # torch.compile the dense blocks (opengem.train.compile); worth it on GPUs
+    compile_mode: str = "default"  # one of COMPILE_MODES; max-autotune times Inductor's kernel choices
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
@@ -56,6 +58,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.compile_mode not in COMPILE_MODES:
+            raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         for name in ("warmup_steps", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -141,7 +141,7 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     if config.activation_checkpointing and not sharded:
         checkpoint_blocks(model)
     if config.compile:
-        compile_regions(model)
+        compile_regions(model, mode=config.compile_mode)
     parameters = list(model.parameters())
     # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
     # parameters and sharded embedding collections take the host-checked path)

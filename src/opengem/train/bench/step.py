@@ -94,7 +94,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     if options.low_precision_mlp != "none":
         converted = convert_to_low_precision(model, options.low_precision_mlp)
     if options.compile:  # after the low-precision conversion, so the compiled blocks include it
-        compile_regions(model)
+        compile_regions(model, mode=config.compile_mode)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
