@@ -31,7 +31,11 @@
    the nccl-tests "algorithm bandwidth": the ``CommStats`` size / time. The NCCL zero-CTA policy is
    per communicator, set before the process group exists: compare it end to end with a second run
    under ``--collectives copy_engine``.
-3. ``benchmarks/results/multi_gpu.json`` (device count and type, one row per layout and per
+3. On CUDA, what a collective running beside compute costs that compute (issue 11's "how many SMs the
+   compute kernels got back"): a bf16 GEMM timed alone and beside 64 MiB all-gathers on a side stream,
+   per route (``measure_compute_beside_collectives``); rerun with ``--collectives copy_engine`` for the
+   zero-CTA NCCL policy.
+4. ``benchmarks/results/multi_gpu.json`` (device count and type, one row per layout and per
    collective) and a table. ``--out`` writes elsewhere (tests).
 
 NVLink multicast stays off (``opengem.parallel.collectives.setup_environment``).
@@ -65,7 +69,7 @@ from opengem.parallel.collectives import (
 )
 from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, build_meshes, init_distributed, parse_parallel
-from opengem.train.bench.timing import WindowTimer, synchronize, warm_until_tuned
+from opengem.train.bench.timing import WindowTimer, synchronize, time_ms, warm_until_tuned
 from opengem.train.config import TrainConfig, load_config
 from opengem.train.distributed import DistributedRun
 from opengem.train.flops import device_peak_flops, train_flops
@@ -182,7 +186,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             loss = learner.step(batch.to(device, non_blocking=True))
             losses.append(loss)
         elapsed = _reduce(timer.stop(), dist.ReduceOp.MAX, device)  # the step ends when the slowest rank does
-        del stream
+        stream = None  # drops the stream (and its loader workers) before the next layout
         world = dist.get_world_size() if dist.is_initialized() else 1
         flops = _reduce(float(sum(train_flops(learner.model, n).train for n in lengths)), dist.ReduceOp.SUM, device)
         peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
@@ -297,6 +301,47 @@ def measure_collectives(layout_name: str, layout: ParallelConfig, sizes: dict[tu
     return rows
 
 
+GEMM_SIZE = 8192  # the compute that collectives run beside: a square bf16 GEMM, long enough to time
+CONTENTION_BYTES = 64 << 20  # the all-gather message run beside it
+
+
+def measure_compute_beside_collectives(device: torch.device, reps: int = 10) -> list[dict[str, Any]]:
+    """How much GEMM throughput an all-gather running beside it takes, per available route: the GEMM timed
+    alone, then while all-gathers of ``CONTENTION_BYTES`` on the world group run on a side stream (enough
+    of them to cover the GEMMs). ``sms_lost``: the throughput lost as SMs of this device (NCCL kernels
+    occupy SMs; the copy-engine route and NCCL's zero-CTA policy should leave them to the GEMM). CUDA only."""
+    if device.type != "cuda" or dist.get_world_size() < 2:
+        return []
+    caps = probe_capabilities(dist.get_backend())
+    routes = [PROCESS_GROUP, *([SYMM_MEM_COPY_ENGINE] if caps.symm_mem_all_gather else [])]
+    a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, device=device, dtype=torch.bfloat16) for _ in range(2))
+    gemm_s = _reduce(time_ms(lambda: a @ b, device, warmup=3, repeats=reps) / 1e3, dist.ReduceOp.MAX, device)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    side, rows = torch.cuda.Stream(device), []
+    for route in routes:
+        gather = _collective("all_gather", route, CONTENTION_BYTES, dist.group.WORLD, device, torch.bfloat16)
+        gather_s = _time_collective(gather, 5, device)
+        calls = math.ceil(1.5 * reps * gemm_s / gather_s)  # the same on every rank: both times are reduced
+        synchronize(device)
+        dist.barrier()
+        with torch.cuda.stream(side):
+            for _ in range(calls):
+                gather()
+        timer = WindowTimer(device)
+        timer.start()
+        for _ in range(reps):
+            a @ b
+        beside_s = _reduce(timer.stop(), dist.ReduceOp.MAX, device) / reps
+        synchronize(device)
+        kept = gemm_s / beside_s
+        rows.append({
+            "route": "nccl" if route == PROCESS_GROUP else route, "nccl_cta_policy": os.environ.get("NCCL_CTA_POLICY"),
+            "gemm_alone_ms": 1e3 * gemm_s, "gemm_beside_ms": 1e3 * beside_s, "throughput_kept": kept,
+            "sms": sms, "sms_lost": max(0.0, 1 - kept) * sms, "all_gather_ms": 1e3 * gather_s,
+        })
+    return rows
+
+
 def _free_memory(device: torch.device) -> None:
     """Release the last layout: its memory, and its compiled regions (every layout compiles new modules
     with the same code; without a reset they pile up in dynamo's per-code cache until it falls back to eager)."""
@@ -383,6 +428,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print(f"{name}: {row['step_ms']:.1f} ms/step, {row['samples_per_s_per_gpu']:.0f} samples/s/GPU, "
                   f"E2E MFU {row['e2e_mfu']}, scaling {row['scaling_ratio']}, {row['peak_memory_gib']} GiB", flush=True)
             _write(layout_rows, {**payload, "skipped": skipped}, args.out)
+    payload["compute_beside_collectives"] = measure_compute_beside_collectives(device) if layout_rows else []
     if is_main:
         _report(layout_rows, collective_rows, {**payload, "skipped": skipped}, args.out)
     dist.barrier()
@@ -413,6 +459,10 @@ def _report(rows: list[dict[str, Any]], collective_rows: list[dict[str, Any]], p
     if collective_rows:
         print()
         print_table(collective_rows, ["layout", "dim", "collective", "route", "ranks", "message_bytes", "us", "gb_per_s"])
+    if payload.get("compute_beside_collectives"):
+        print()
+        print_table(payload["compute_beside_collectives"],
+                    ["route", "gemm_alone_ms", "gemm_beside_ms", "throughput_kept", "sms", "sms_lost"])
     print(f"wrote {_write(rows, payload, out)}")
 
 

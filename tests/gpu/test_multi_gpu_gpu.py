@@ -49,3 +49,6 @@ def test_two_gpus_every_layout_under_torchrun(tmp_path):
     kinds = {(row["kind"], row["route"]) for row in payload["collective_rows"]}
     assert {("all_gather", "nccl"), ("reduce_scatter", "nccl"), ("all_to_all", "nccl")} <= kinds
     assert all(row["gb_per_s"] > 0 for row in payload["collective_rows"])
+    beside = {row["route"]: row for row in payload["compute_beside_collectives"]}
+    assert "nccl" in beside and 0 < beside["nccl"]["throughput_kept"] <= 1.2
+    assert 0 <= beside["nccl"]["sms_lost"] < beside["nccl"]["sms"]

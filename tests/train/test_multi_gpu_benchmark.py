@@ -32,6 +32,7 @@ def test_every_layout_trains_and_reports(world2):
     assert list(rows) == list(ALL_LAYOUTS)
     assert payload["device_count"] == 2 and payload["device_type"] == "cpu" and payload["skipped"] == {}
     assert payload["collectives_env"]["NCCL_NVLS_ENABLE"] == "0"  # multicast off
+    assert payload["compute_beside_collectives"] == []  # a CUDA measurement (GEMM beside all-gathers)
     for row in rows.values():
         assert row["world"] == 2 and row["batch_per_gpu"] == 8
         assert row["samples_per_s"] == pytest.approx(16 * 1e3 / row["step_ms"])
