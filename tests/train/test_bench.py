@@ -143,7 +143,7 @@ def test_cuda_kernels_go_to_the_phase_of_their_launch_call():
 def test_warm_up_runs_until_the_autotuners_are_quiet(monkeypatch):
     """At least ``min_steps``; then on while new tuning keys appear, until ``quiet_steps`` calm steps in a
     row or ``max_extra`` more steps; every rank follows the agreed flag."""
-    import opengem.ops.triton.tuning as tuning
+    from opengem.ops.triton import tuning
     from opengem.train.bench.timing import warm_until_tuned
 
     keys = iter([0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # new keys at the first and third steps
@@ -163,8 +163,8 @@ def test_warm_up_runs_until_the_autotuners_are_quiet(monkeypatch):
 
 
 def test_tuned_keys_counts_settled_autotuner_configs(monkeypatch):
-    import opengem.ops.triton.gdpa as gdpa
-    import opengem.ops.triton.jagged_attention as jfa
+    from opengem.ops.triton import gdpa
+    from opengem.ops.triton import jagged_attention as jfa
     from opengem.ops.triton.tuning import tuned_keys
 
     before = tuned_keys()

@@ -114,7 +114,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     elapsed = timer.stop()
 
     phases_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
-    del stream  # stop its loader workers before the loader runs alone
+    stream = None  # stops its loader workers before the loader runs alone
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
 
     flops = [train_flops(model, n) for n in lengths]
