@@ -171,3 +171,35 @@ def test_tuned_keys_counts_settled_autotuner_configs(monkeypatch):
     monkeypatch.setitem(jfa._fwd_kernel.cache, ("fake", "key"), "config")
     monkeypatch.setitem(gdpa._TUNED, ("fake",), "config")
     assert tuned_keys() == before + 2
+
+
+def test_gpu_time_by_kernel_family():
+    """opengem's Triton kernels by the module that defines them, vendor GEMMs, Inductor's fused kernels,
+    the optimizer and copies; a kernel listed twice counts once."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from opengem.train.bench.kernels import FAMILIES, family_split_us, kernel_family
+
+    expected = {
+        "_dkdv_kernel": "attention", "gdpa_fwd_kernel": "attention", "_block_attention_fwd": "attention",
+        "_lookup_kernel": "embedding", "_blockwise_gemm_kernel": "low_precision",
+        "nvjet_sm90_tst_128x288_64x4_2x1_v_bz_coopA_NNT": "gemm",
+        "void cutlass::Kernel2<cutlass_80_tensorop_bf16_s16816gemm_relu_bf16_64x64_32x6_tn_align8>": "gemm",
+        "triton_per_fused__to_copy_add_native_layer_norm_16": "fused_elementwise",
+        "void at::native::multi_tensor_apply_kernel<FusedAdamMathFunctor<float, 4>>": "optimizer",
+        "Memcpy HtoD (Pinned -> Device)": "copy",
+        "void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>>": "other",
+    }  # fmt: skip
+    assert {name: kernel_family(name) for name in expected} == expected
+
+    def kernel(name, start, end):
+        return FunctionEvent(0, name, 7, start, end, device_type=DeviceType.CUDA)
+
+    events = [FunctionEvent(1, "aten::mm", 1, 0, 50), kernel("_dq_kernel", 0, 10),
+              kernel("nvjet_sm90_x", 10, 40), kernel("nvjet_sm90_x", 10, 40), kernel("triton_poi_fused_add_0", 40, 45)]
+    split = family_split_us(events)
+    assert list(split) == list(FAMILIES) and sum(split.values()) == 45
+    assert (split["attention"], split["gemm"], split["fused_elementwise"]) == (10, 30, 5)
+    assert torch.cuda.is_available() or split["other"] == 0

@@ -22,6 +22,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from opengem.data.schema import Batch
 from opengem.nn.embedding import EmbeddingCollection
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
+from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_tuned
 from opengem.train.compile import compile_regions
@@ -113,7 +114,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         loss = learner.step(batch.to(device, non_blocking=True))
     elapsed = timer.stop()
 
-    phases_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
+    phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
 
@@ -163,14 +164,16 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "flop_convention": FLOP_CONVENTION,
         "results": results,
         "phases_ms": phases_ms,
+        "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
     }
 
 
 def _profile_phases(
     learner: Learner, stream: Any, device: torch.device, steps: int
-) -> tuple[dict[str, float], float]:
+) -> tuple[dict[str, float], dict[str, float], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
-    not covered by any phase: GPU idle, or host time outside any op on a CPU run) and the step time."""
+    not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
+    per step by kernel family (``opengem.train.bench.kernels``; CUDA only); and the step time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
     learner.model = ForwardRange(model)
@@ -187,9 +190,11 @@ def _profile_phases(
             step_ms = 1e3 * (time.perf_counter() - begin) / steps
     finally:
         learner.model = model
-    phases = {name: us / 1e3 / steps for name, us in phase_split_us(profiler.events(), device).items()}
+    events = profiler.events()
+    phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
-    return phases, step_ms
+    families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()} if device.type == "cuda" else {}
+    return phases, families, step_ms
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
@@ -237,6 +242,8 @@ def format_report(payload: dict[str, Any]) -> str:
         f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)"),
         f"  phase split (ms / step over profiled steps of {r['profiled_step_ms']:.2f} ms):",
         *(f"    {name:<16}{ms:>10.3f}" for name, ms in payload["phases_ms"].items()),
+        *(["  GPU ms per step by kernel family:"] if payload.get("kernel_families_ms") else []),
+        *(f"    {name:<18}{ms:>8.3f}" for name, ms in payload.get("kernel_families_ms", {}).items()),
         f"  {payload['flop_convention']}",
     ]
     return "\n".join(lines)

@@ -1,0 +1,80 @@
+"""GPU time of a profiled step by kernel family: what the MFU gap is made of.
+
+Families: ``gemm`` (cuBLAS / CUTLASS / nvjet kernels, Inductor's extern GEMMs), ``attention`` and
+``embedding`` and ``low_precision`` (opengem's own Triton kernels, named from the modules that define
+them), ``optimizer`` (AdamW's multi-tensor kernels), ``fused_elementwise`` (Inductor's generated
+``triton_*`` kernels: norms, casts, activations, residual adds), ``copy`` (memcpy / memset / copies),
+and ``other`` (eager element-wise and reduction kernels, everything else).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import pkgutil
+import types
+from collections.abc import Iterable
+
+import torch
+from torch.autograd.profiler_util import FunctionEvent
+
+import opengem.ops.triton as triton_ops
+
+FAMILIES = ("gemm", "attention", "embedding", "low_precision", "optimizer", "fused_elementwise", "copy", "other")
+_MODULE_FAMILY = {  # opengem.ops.triton module -> family of its kernels
+    "jagged_attention": "attention", "jagged_attention_fp8": "attention", "gdpa": "attention",
+    "gdpa_kernels": "attention", "block_attention": "attention", "masks": "attention", "activations": "attention",
+    "embedding": "embedding", "fp8_gemm": "low_precision", "mx": "low_precision",
+}  # fmt: skip
+_GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk")
+
+
+@functools.cache
+def opengem_kernel_families() -> dict[str, str]:
+    """Name of every ``@triton.jit`` function in ``opengem.ops.triton`` -> its family."""
+    names: dict[str, str] = {}
+    for info in pkgutil.iter_modules(triton_ops.__path__):
+        family = _MODULE_FAMILY.get(info.name)
+        if family is None:
+            continue
+        module = importlib.import_module(f"{triton_ops.__name__}.{info.name}")
+        for value in vars(module).values():
+            fn = _python_function(value)
+            if fn is not None and fn.__module__ == module.__name__:
+                names[fn.__name__] = family
+    return names
+
+
+def _python_function(value: object) -> types.FunctionType | None:
+    """The Python function under a jit function (through autotuner / heuristics / interpreter wrappers)."""
+    for _ in range(4):
+        value = getattr(value, "fn", None)
+        if isinstance(value, types.FunctionType):
+            return value
+    return None
+
+
+def kernel_family(name: str) -> str:
+    ours = opengem_kernel_families().get(name)
+    if ours is not None:
+        return ours
+    lowered = name.lower()
+    if any(marker in lowered for marker in _GEMM_MARKERS):
+        return "gemm"
+    if "adam" in lowered or "multi_tensor_apply" in lowered:
+        return "optimizer"
+    if name.startswith("triton_"):
+        return "fused_elementwise"
+    if "memcpy" in lowered or "memset" in lowered or "copy" in lowered:
+        return "copy"
+    return "other"
+
+
+def family_split_us(events: Iterable[FunctionEvent]) -> dict[str, float]:
+    """Device microseconds per family, each kernel once (the profiler may list one twice)."""
+    cpu = torch.autograd.DeviceType.CPU
+    spans = {(e.name, e.time_range.start, e.time_range.end) for e in events if e.device_type != cpu}
+    totals = dict.fromkeys(FAMILIES, 0.0)
+    for name, start, end in spans:
+        totals[kernel_family(name)] += end - start
+    return totals
