@@ -6,7 +6,8 @@
 # 1 (1a | 1b): gem_curves alone (issue 7) | GPU tests of the session-3 fixes, gem-large on one GPU, the
 #   calibration with the host probe (the caps of 1b add up past 600 s; the archive keeps what finished)
 # 2 (2 GPUs): issue 11's loss curves (1 GPU bf16 | fp32, then FSDP on 2), FSDP with the SM-free all-gather
-# 3 (2 GPUs): issue 11's layouts of gem-large (SINGLE_GPU_MFU = part 1's gem-large b256 E2E MFU)
+# 3 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU, device-bound on one GPU (SINGLE_GPU_MFU =
+#   the e2e_mfu of part 1's multi_gpu_single_b512.json; part 2 needs it too)
 # 4 (4a | 4b): gem-small bench train with layers, with Inductor's max-autotune, JFA full | with fp8 MLPs,
 #   FP8 attention, BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -79,11 +80,11 @@ case "$part" in
     step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "$out/results/curve_single.json" \
       --single-fp32 "$out/results/curve_single_fp32.json" --distributed "$out/results/curve_fsdp.json" \
       --out "$out/results/multi_gpu_curves.json"
-    step copy_engine 150 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 256 --warmup 4 --steps 8 \
+    step copy_engine 150 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 512 --warmup 4 --steps 8 \
       --collectives copy_engine --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
       --out "$out/results/multi_gpu_copy_engine.json" ;;
   3)
-    step layouts 560 multi "$gpus" --preset gem-large --layouts fsdp,hsdp,expert,sparse2d,sparse1d --batch-per-gpu 256 \
+    step layouts 560 multi "$gpus" --preset gem-large --layouts fsdp,hsdp,expert,sparse2d,sparse1d --batch-per-gpu 512 \
       --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
       --out "$out/results/multi_gpu.json" ;;
   4) on_gpu 0 chain_4a; on_gpu 1 chain_4b; wait ;;
