@@ -9,7 +9,7 @@
 # 3 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU, device-bound on one GPU (SINGLE_GPU_MFU =
 #   the e2e_mfu of part 1's multi_gpu_single_b512.json; part 2 needs it too)
 # 4 (4a | 4b): gem-small bench train with layers, with Inductor's max-autotune, JFA full | with fp8 MLPs,
-#   FP8 attention, BlockAttention
+#   the embedding lookup (token-parallel sequence gather), FP8 attention, BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -64,6 +64,7 @@ chain_4a() {
 chain_4b() {
   step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+  step embedding 90 python -m benchmarks.embedding --quick
   step attention_fp8 60 python -m benchmarks.attention_fp8 --quick
   step block_attention 60 python -m benchmarks.block_attention --quick
 }

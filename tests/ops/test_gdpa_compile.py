@@ -5,10 +5,7 @@ ahead-of-time compile does. It runs in a subprocess because ``TRITON_INTERPRET=1
 interpreter tests) replaces ``triton.jit`` kernels at import time.
 """
 
-import os
-import subprocess
-import sys
-from pathlib import Path
+from tests.ops.aot import run_compiled
 
 _SCRIPT = r"""
 import triton
@@ -50,10 +47,7 @@ print("compiled")
 
 
 def test_kernels_compile_for_sm90_without_a_gpu():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    src = Path(__file__).resolve().parents[2] / "src"
-    env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")])
-    result = subprocess.run([sys.executable, "-c", _SCRIPT], env=env, capture_output=True, text=True, timeout=600)
+    result = run_compiled(_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
 
 

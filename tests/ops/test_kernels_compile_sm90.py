@@ -1,0 +1,50 @@
+"""The embedding forward and FP8 attention kernels compile for Hopper (sm_90) on a CPU-only machine.
+
+The interpreter runs kernels as Python and misses compile-time errors: a non-constexpr global in the FP8
+attention's quantize pass compiled on no GPU until the first GPU run (session 3). Triton's frontend and
+ptxas run here without a GPU (see also ``test_gdpa_compile.py``), in a subprocess without
+``TRITON_INTERPRET`` (which replaces ``triton.jit`` kernels at import time).
+"""
+
+from tests.ops.aot import run_compiled
+
+_SCRIPT = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from opengem.ops.triton import embedding as e
+from opengem.ops.triton import jagged_attention_fp8 as f
+
+
+def compile_sm90(fn, signature, constexprs, num_warps=4, num_stages=2):
+    signature = {**{name: signature.get(name, "i32") for name in fn.arg_names if name not in constexprs},
+                 **{name: "constexpr" for name in constexprs}}
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
+
+
+lookup = {"weights": "*fp32", "meta": "*i64", "ids": "*i64", "offsets": "*i64", "out": "*fp32"}
+compile_sm90(e._lookup_kernel, lookup, dict(META_COLS=6, ALIGN=8, BLOCK_N=16, BLOCK_D=128))
+compile_sm90(e._sequence_gather_kernel, {**lookup, "weights": "*bf16", "out": "*bf16"},
+             dict(NUM_FEATURES=5, FEATURES_POW2=8, META_COLS=6, ALIGN=8, BLOCK_N=32, BLOCK_D=128))
+
+bf16, fp8 = "*bf16", "*fp8e4nv"
+quantize = {"Q": bf16, "K": bf16, "V": bf16, "Q8": fp8, "K8": fp8, "V8": fp8, "QS": "*fp32", "KS": "*fp32",
+            "VS": "*fp32", "R": bf16, "offsets": "*i32", "block_base": "*i32", "items": "*i32"}
+ptx = compile_sm90(f._quantize_kernel, quantize, dict(HEAD_DIM=128, BLOCK=128, ROT=64, PRECISION="tf32"),
+                   num_warps=4).asm["ptx"]
+assert "wgmma" in ptx or "mma" in ptx  # the rotation is one MMA
+attend = {"Q8": fp8, "K8": fp8, "V8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": bf16,
+          "LSE": "*fp32", "offsets": "*i32", "num_targets": "*i32", "block_base": "*i32", "sched_small": "*i32",
+          "sched_large": "*i32", "scale_log2": "fp32"}
+ptx = compile_sm90(f._fwd_fp8_kernel.fn, attend,
+                   dict(HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True,
+                        SMALL=False, EXACT=False, BLOCK_M=128, BLOCK_N=128), num_warps=8, num_stages=3).asm["ptx"]
+assert "e4m3" in ptx  # E4M3 tensor-core MMAs
+print("compiled")
+"""
+
+
+def test_kernels_compile_for_sm90_without_a_gpu():
+    result = run_compiled(_SCRIPT)
+    assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
