@@ -548,15 +548,25 @@ def _grid(items: dict[int, torch.Tensor], heads: int, block_name: str):
     return lambda meta: (items[meta[block_name]].shape[0] * heads,)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32 (base 2)."""
+def forward_buffers(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, bool]:
+    """What every forward starts with (bf16 and FP8): q, k, v with unit column stride, the empty ``out``
+    ``[T, H, D]`` (q's dtype) and ``lse`` ``[H, T]`` fp32, and whether any query tile has work."""
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     total, heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((heads, total), device=q.device, dtype=torch.float32)
-    items = pb.sched.query_tiles
-    if total == 0 or items[_SMALL].shape[0] == 0:
+    return (q, k, v), out, lse, total > 0 and pb.sched.query_tiles[_SMALL].shape[0] > 0
+
+
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32 (base 2)."""
+    (q, k, v), out, lse, has_work = forward_buffers(q, k, v, pb)
+    if not has_work:
         return out, lse
+    total, heads, _ = q.shape
+    items = pb.sched.query_tiles
     _fwd_kernel[_grid(items, heads, "BLOCK_M")](
         q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE],
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

@@ -48,6 +48,7 @@ from opengem.ops.triton.jagged_attention import (
     _key_tiles,
     _sample,
     _tuning_bench,
+    forward_buffers,
 )
 from opengem.ops.triton.masks import tile_mask
 from opengem.ops.triton.mx import fp32_to_fp8_bits
@@ -290,14 +291,9 @@ def unblock(
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
     """FP8 forward: ``out [T, H, D]`` in q's dtype and ``lse [H, T]`` fp32 base 2 (for the bf16 backward)."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    total, heads, _ = q.shape
-    out = torch.empty_like(q)
-    lse = torch.empty((heads, total), device=q.device, dtype=torch.float32)
-    items = pb.sched.query_tiles
-    if total == 0 or items[_SMALL].shape[0] == 0:
-        return out, lse
-    attend(quantize_qkv(q, k, v, pb), out, lse, k.shape[1], pb)
+    (q, k, v), out, lse, has_work = forward_buffers(q, k, v, pb)
+    if has_work:
+        attend(quantize_qkv(q, k, v, pb), out, lse, k.shape[1], pb)
     return out, lse
 
 
