@@ -3,8 +3,9 @@
 # capped so that a part fits one 600 s device call. On a 2-GPU host the two chains of a part run side by
 # side, one per GPU; on one GPU run a part's chains as separate calls (PART 1a, 1b, 4a, 4b).
 #   bash benchmarks/next_gpu_session.sh OUT_DIR PART
-# 1 (1a | 1b): gem_curves alone (issue 7) | GPU tests of the session-3 fixes, gem-large on one GPU, the
-#   calibration with the host probe (the caps of 1b add up past 600 s; the archive keeps what finished)
+# 1 (1a | 1b): gem_curves (issue 7), then the GPU tests of the session-3 FP8 and phase-split fixes |
+#   the distributed-training tests, gem-large on one GPU, the calibration with the host probe, the embedding
+#   lookup (the caps of 1b add up past 600 s; the archive keeps what finished)
 # 2 (2 GPUs): issue 11's loss curves (1 GPU bf16 | fp32, then FSDP on 2), FSDP with the SM-free all-gather
 # 3 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU, device-bound on one GPU (SINGLE_GPU_MFU =
 #   the e2e_mfu of part 1's multi_gpu_single_b512.json; part 2 needs it too)
@@ -42,14 +43,15 @@ curves_single() {
 }
 chain_1a() {
   step gem_curves 480 python -m benchmarks.gem_curves --no-control
+  step fixed_tests 110 tests tests/gpu/test_fp8_attention_gpu.py tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
 }
 chain_1b() {
-  step fixed_tests 110 tests tests/gpu/test_fp8_attention_gpu.py tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
   step train_tests 170 tests tests/gpu/test_train_distributed_gpu.py tests/gpu/test_step_sync_gpu.py \
     tests/gpu/test_flops_gpu.py::test_analytic_flops_equal_the_flop_counter_on_the_triton_path
   step large_single 140 large_single 256 multi_gpu_single
   step large_single_b512 100 large_single 512 multi_gpu_single_b512
   step calibrate 120 train bench calibrate --quick --out "$out/results/calibration_quick.json"  # with the host probe
+  step embedding 90 python -m benchmarks.embedding --quick  # also in 4b; here in case part 4 does not run
 }
 chain_2a() { step curve_single 200 curves_single --out "$out/results/curve_single.json"; }
 chain_2b() { step curve_single_fp32 200 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
