@@ -11,6 +11,8 @@
 #   the e2e_mfu of part 1's multi_gpu_single_b512.json; part 2 needs it too)
 # 4 (4a | 4b): gem-small bench train with layers, with Inductor's max-autotune, JFA full | with fp8 MLPs,
 #   the embedding lookup (token-parallel sequence gather), FP8 attention, BlockAttention
+# 5 (5a | 5b): session 4's remainder: gem-large on one GPU at batch 256 and 512 | calibration with the host
+#   probe, the phase-split GPU test, bench train with layers and with fp8 MLPs
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -70,6 +72,18 @@ chain_4b() {
   step attention_fp8 60 python -m benchmarks.attention_fp8 --quick
   step block_attention 60 python -m benchmarks.block_attention --quick
 }
+chain_5a() {  # session 4: part 1b's gem-large steps again, with caps that fit a cold compile and the tuning warm-up
+  step large_single 280 large_single 256 multi_gpu_single
+  step large_single_b512 170 large_single 512 multi_gpu_single_b512
+}
+chain_5b() {  # session 4: the host probe (median step), the phase split without sync records, then part 4's MFU runs
+  step calibrate 130 train bench calibrate --quick --out "$out/results/calibration_quick.json"
+  step phase_test 80 tests tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
+  step bench_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
+    --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
+  step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
+    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+}
 export out
 export -f tests train multi large_single curves_single
 case "$part" in
@@ -91,11 +105,12 @@ case "$part" in
       --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
       --out "$out/results/multi_gpu.json" ;;
   4) on_gpu 0 chain_4a; on_gpu 1 chain_4b; wait ;;
+  5) on_gpu 0 chain_5a; on_gpu 1 chain_5b; wait ;;
   4a) chain_4a ;;
   4b) chain_4b ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
-cp benchmarks/results/*.json benchmarks/results/*.png "$out/results/" 2>/dev/null
+cp -n benchmarks/results/*.json benchmarks/results/*.png "$out/results/" 2>/dev/null  # -n: keep this run's files
 tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null
 cp "$out/status" "$final/status"
 rm -rf "$out"

@@ -27,6 +27,7 @@ from torch.autograd.profiler_util import FunctionEvent
 from torch.profiler import record_function
 
 from opengem.data.schema import Batch
+from opengem.train.bench.kernels import device_work
 
 DATA_RANGE = "opengem.bench/data"
 HOST_TO_DEVICE_RANGE = "opengem.bench/host_to_device"
@@ -70,15 +71,9 @@ def phase_split_us(events: Iterable[FunctionEvent], device: torch.device) -> dic
     return by_launch if attributed(by_launch) >= attributed(by_link) else by_link
 
 
-def _device_spans(events: list[FunctionEvent]) -> dict[tuple[str, int, int], FunctionEvent]:
-    """Kernels, memcpys and memsets, once each (the profiler may repeat one)."""
-    cpu = torch.autograd.DeviceType.CPU
-    return {(e.name, e.time_range.start, e.time_range.end): e for e in events if e.device_type != cpu}
-
-
 def _with_data_and_unattributed(totals: dict[str, float], events: list[FunctionEvent]) -> dict[str, float]:
     totals["data"] += sum(e.cpu_time_total for e in events if e.name == DATA_RANGE and not e.is_async)
-    device_total = _union_length((start, end) for _, start, end in _device_spans(events))  # GPU busy time
+    device_total = _union_length((start, end) for _, start, end in device_work(events))  # GPU busy time
     totals["unattributed"] = max(0.0, device_total - sum(v for k, v in totals.items() if k != "data"))
     return totals
 
@@ -101,7 +96,7 @@ def _split_by_launch(events: list[FunctionEvent]) -> dict[str, float]:
         (e.time_range.start, e.time_range.end, phase)
         for e in events if e.device_type == cpu and (phase := _marker_phase(e.name)) is not None
     )  # fmt: skip
-    placed = [(launch.time_range.start, kernel) for kernel in _device_spans(events).values()
+    placed = [(launch.time_range.start, kernel) for kernel in device_work(events).values()
               if (launch := launches.get(kernel.id)) is not None]  # fmt: skip
     totals = dict.fromkeys(PHASES, 0.0)
     for phase, kernel in zip(_phases_at(markers, [t for t, _ in placed]), (k for _, k in placed), strict=True):
