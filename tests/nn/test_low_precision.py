@@ -217,6 +217,29 @@ def test_fused_mlp_matches_unfused_layers() -> None:
         LowPrecisionMLP(fc1, nn.Linear(256, 256))
 
 
+def test_fp8_layers_compile_whole_graph_and_match_eager() -> None:
+    """One dynamo graph per layer (fullgraph), forward and gradients equal to eager. On torch 2.11 the
+    weight cache's dict write inside the autograd.Function broke `bench train --compile` with fp8 MLPs
+    on an H200 (dynamo: "HOP: Unsafe side effect")."""
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    torch.manual_seed(3)
+    fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+    x, g = torch.randn(48, 256), torch.randn(48, 256)
+    for layer in (LowPrecisionMLP(fc1, fc2), LowPrecisionLinear.from_linear(fc2, "fp8_rowwise")):
+        inputs = x if isinstance(layer, LowPrecisionMLP) else torch.randn(48, 512)
+        outputs = []
+        for run in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+            xi = inputs.clone().requires_grad_()
+            y = run(xi)
+            y.backward(g)
+            outputs.append((y.detach(), xi.grad))
+            torch._dynamo.reset()
+        (y_eager, dx_eager), (y_compiled, dx_compiled) = outputs
+        torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(dx_compiled, dx_eager, rtol=1e-5, atol=1e-5)
+
+
 def test_fallback_between_forward_and_backward_uses_the_forward_recipe() -> None:
     torch.manual_seed(8)
     layer = LowPrecisionLinear(128, 128, recipe="fp8_rowwise_all")

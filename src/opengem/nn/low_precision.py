@@ -167,8 +167,13 @@ class LowPrecisionLinear(nn.Linear):
 
     def quantized_weight(self, role: str, recipe: str, rotation: torch.Tensor | None) -> QuantizedOperand:
         """W (forward, [out, in]) or W^T (grad_input, [in, out]) quantized along its last dim, cached
-        until the weight's version, storage or the recipe changes."""
+        until the weight's version, storage or the recipe changes. Not cached in a compiled graph: dynamo
+        rejects the mutation inside the autograd.Function (torch 2.11), and Inductor fuses the quantization
+        into the graph anyway."""
         w = self.weight
+        if torch.compiler.is_compiling():
+            with torch.no_grad():
+                return self._quantize_weight(role, recipe, rotation)
         key = (w._version, w.data_ptr(), w.device, recipe, rotation is not None)
         hit = self._weight_cache.get(role)
         if hit is not None and hit[0] == key:
@@ -178,11 +183,14 @@ class LowPrecisionLinear(nn.Linear):
             if recipe == "fp8_blockwise" and rotation is None and other is not None and other[0] == key:
                 q = other[1].transpose()  # 128x128 blocks serve both directions
             else:
-                mat = w if role == "forward" else w.t()
-                mat = mat if rotation is None else hadamard_rotate(mat.to(rotation.dtype), rotation)
-                q = quantize_operand(mat, recipe, weight=True)
+                q = self._quantize_weight(role, recipe, rotation)
         self._weight_cache[role] = (key, q)
         return q
+
+    def _quantize_weight(self, role: str, recipe: str, rotation: torch.Tensor | None) -> QuantizedOperand:
+        mat = self.weight if role == "forward" else self.weight.t()
+        mat = mat if rotation is None else hadamard_rotate(mat.to(rotation.dtype), rotation)
+        return quantize_operand(mat, recipe, weight=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recipe.is_bf16:
