@@ -134,7 +134,7 @@ def test_cuda_kernels_go_to_the_phase_of_their_launch_call():
         kernel(2, 20, 30), kernel(11, 31, 61), kernel(12, 121, 141), kernel(13, 171, 176),
         kernel(99, 200, 203),  # no launch call in the trace
         kernel(12, 121, 141),  # the profiler repeated one: counted once
-        FunctionEvent(14, "Stream Wait Event", 7, 100, 160, device_type=DeviceType.CUDA),  # a wait, not work
+        FunctionEvent(14, FORWARD_RANGE, 7, 20, 61, device_type=DeviceType.CUDA, is_user_annotation=True),
     ]
     phases = phase_split_us(events, torch.device("cuda"))
     assert phases["embeddings"] == 10 and phases["forward"] == 30 and phases["backward"] == 20
@@ -200,7 +200,8 @@ def test_gpu_time_by_kernel_family():
 
     events = [FunctionEvent(1, "aten::mm", 1, 0, 50), kernel("_dq_kernel", 0, 10),
               kernel("nvjet_sm90_x", 10, 40), kernel("nvjet_sm90_x", 10, 40), kernel("triton_poi_fused_add_0", 40, 45),
-              kernel("Event Sync", 45, 900), kernel("Stream Sync", 0, 900)]  # CUPTI sync records: waits, not work
+              FunctionEvent(0, "opengem.bench/forward", 7, 0, 45, device_type=DeviceType.CUDA,
+                            is_user_annotation=True)]  # a record_function range seen on the GPU: not work
     split = family_split_us(events)
     assert list(split) == list(FAMILIES) and sum(split.values()) == 45
     assert (split["attention"], split["gemm"], split["fused_elementwise"]) == (10, 30, 5)
