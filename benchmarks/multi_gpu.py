@@ -9,8 +9,8 @@
    (``opengem.train.distributed.DistributedRun``: model, sparse sharding, FSDP2 / expert parallelism,
    ``DistributedLearner``) on its synthetic stream, ``--warmup`` steps then ``--steps`` timed steps
    (weak scaling: the global batch is ``--batch-per-gpu`` x N); on CUDA the warm-up goes on while the
-   attention autotuners still meet new keys (up to ``--max-tuning-steps`` more, every rank alike), so no
-   tuning lands in the timed steps. ``--curve`` keeps every step's global-batch loss in the row (no extra
+   attention autotuners still meet new keys or a step is 1.5x slower than the fastest (a compile; up to
+   ``--max-tuning-steps`` more, every rank alike), so no tuning or compiling lands in the timed steps. ``--curve`` keeps every step's global-batch loss in the row (no extra
    warm-up then: curves compare step by step; ``benchmarks.multi_gpu_curves`` judges them). Layouts (N ranks):
 
    - ``fsdp``: dense_shard=N;             ``hsdp``: dense_replicate=2, dense_shard=N/2;
@@ -69,7 +69,7 @@ from opengem.parallel.collectives import (
 )
 from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, build_meshes, init_distributed, parse_parallel
-from opengem.train.bench.timing import WindowTimer, synchronize, time_ms, warm_until_tuned
+from opengem.train.bench.timing import WindowTimer, synchronize, time_ms, warm_until_settled
 from opengem.train.config import TrainConfig, load_config
 from opengem.train.distributed import DistributedRun
 from opengem.train.flops import device_peak_flops, train_flops
@@ -173,8 +173,9 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
         first = learner.step(next(stream).to(device, non_blocking=True))
         losses = [first]
         first_loss = float(first)
-        tuning_steps = warm_until_tuned(lambda: losses.append(learner.step(next(stream).to(device, non_blocking=True))),
-                                        max(0, warmup - 1), max_tuning_steps, agree=lambda changed: _any_rank(changed, device))
+        tuning_steps = warm_until_settled(lambda: losses.append(learner.step(next(stream).to(device, non_blocking=True))),
+                                          max(0, warmup - 1), max_tuning_steps, agree=lambda changed: _any_rank(changed, device),
+                                          sync=lambda: synchronize(device))
         synchronize(device)
         if dist.is_initialized():
             dist.barrier()
@@ -359,7 +360,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per layout")
     parser.add_argument("--warmup", type=int, default=None)
     parser.add_argument("--max-tuning-steps", type=int, default=20,
-                        help="after --warmup, up to this many more steps while the autotuners meet new keys (0 with --curve)")
+                        help="after --warmup, up to this many more steps while the autotuners meet new keys or a "
+                             "step compiles (0 with --curve)")
     parser.add_argument("--batch-per-gpu", type=int, default=None, help="default: the preset's batch size")
     parser.add_argument("--collectives", choices=("default", "copy_engine"), default="default")
     parser.add_argument("--single-gpu-mfu", type=float, default=None, help="E2E MFU of the 1-GPU run (a fraction)")

@@ -145,22 +145,42 @@ def test_warm_up_runs_until_the_autotuners_are_quiet(monkeypatch):
     """At least ``min_steps``; then on while new tuning keys appear, until ``quiet_steps`` calm steps in a
     row or ``max_extra`` more steps; every rank follows the agreed flag."""
     from opengem.ops.triton import tuning
-    from opengem.train.bench.timing import warm_until_tuned
+    from opengem.train.bench.timing import warm_until_settled
 
     keys = iter([0, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2])  # new keys at the first and third steps
     monkeypatch.setattr(tuning, "tuned_keys", lambda: next(keys))
     ran = []
-    extra = warm_until_tuned(lambda: ran.append(1), min_steps=2, max_extra=10, quiet_steps=3)
+    extra = warm_until_settled(lambda: ran.append(1), min_steps=2, max_extra=10, quiet_steps=3)
     assert len(ran) == 6 and extra == 4  # key 1 at step 1, key 2 at step 3, then 3 calm steps
 
     monkeypatch.setattr(tuning, "tuned_keys", lambda: len(ran))  # a new key every step: capped
     ran.clear()
-    assert warm_until_tuned(lambda: ran.append(1), min_steps=1, max_extra=4) == 4 and len(ran) == 5
+    assert warm_until_settled(lambda: ran.append(1), min_steps=1, max_extra=4) == 4 and len(ran) == 5
 
     monkeypatch.setattr(tuning, "tuned_keys", lambda: 0)  # quiet here, but another rank tunes twice
     flags = iter([True, True, False, False, False])
     ran.clear()
-    assert warm_until_tuned(lambda: ran.append(1), 0, 10, agree=lambda _: next(flags)) == 5
+    assert warm_until_settled(lambda: ran.append(1), 0, 10, agree=lambda _: next(flags)) == 5
+
+
+def test_warm_up_runs_until_no_step_compiles(monkeypatch):
+    """A step much slower than the fastest so far (a recompile, a Triton specialization) is not calm,
+    even when no autotuner key is new; small jitter is."""
+    from opengem.ops.triton import tuning
+    from opengem.train.bench.timing import warm_until_settled
+
+    monkeypatch.setattr(tuning, "tuned_keys", lambda: 0)
+    durations = iter([30.0, 0.40, 0.45, 5.0, 0.38, 0.41, 0.52, 0.40, 9.0, 9.0])  # seconds per step
+    now = [0.0]
+    synced = []
+
+    def step():
+        now[0] += next(durations)
+
+    extra = warm_until_settled(step, min_steps=2, max_extra=20, sync=lambda: synced.append(1),
+                               clock=lambda: now[0])
+    # runs: 30 (compile) 0.40 | 0.45 calm, 5.0 slow, 0.38 0.41 0.52 calm (0.52 < 1.5 x 0.38)
+    assert extra == 5 and len(synced) == 2 * 7
 
 
 def test_tuned_keys_counts_settled_autotuner_configs(monkeypatch):

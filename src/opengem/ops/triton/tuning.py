@@ -2,7 +2,7 @@
 
 A kernel meeting a new tuning key (a new length bucket, mask or head dim) times every candidate on the
 host before it runs: seconds, not milliseconds. Benchmarks warm up until this count stops growing, so no
-tuning lands in a timed window (``opengem.train.bench.timing.warm_until_tuned``).
+tuning lands in a timed window (``opengem.train.bench.timing.warm_until_settled``).
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from opengem.nn.embedding import EmbeddingCollection
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
-from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_tuned
+from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.compile import compile_regions
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
@@ -100,8 +100,9 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
 
-    tuning_steps = warm_until_tuned(lambda: learner.step(next(stream).to(device, non_blocking=True)),
-                                    options.warmup, options.max_tuning_steps if device.type == "cuda" else 0)
+    tuning_steps = warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)),
+                                      options.warmup, options.max_tuning_steps if device.type == "cuda" else 0,
+                                      sync=lambda: synchronize(device))
     synchronize(device)
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")

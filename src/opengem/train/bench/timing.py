@@ -48,20 +48,32 @@ class WindowTimer:
         return time.perf_counter() - self._wall
 
 
-def warm_until_tuned(step: Callable[[], object], min_steps: int, max_extra: int, quiet_steps: int = 3,
-                     agree: Callable[[bool], bool] = lambda changed: changed) -> int:
-    """Warm-up: ``min_steps`` runs of ``step``, then more (at most ``max_extra``) until the autotuners have
-    met no new key for ``quiet_steps`` runs in a row. Returns the extra runs. ``agree`` turns this rank's
-    "a new key was tuned" into every rank's (an all-reduce under torch.distributed), so all ranks run the
+def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: int, quiet_steps: int = 3,
+                       agree: Callable[[bool], bool] = lambda unsettled: unsettled,
+                       sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
+                       slow_factor: float = 1.5, slow_floor_s: float = 0.05) -> int:
+    """Warm-up: ``min_steps`` runs of ``step``, then more (at most ``max_extra``) until ``quiet_steps`` calm
+    runs in a row. Returns the extra runs. A run is calm when the autotuners met no new key and it took at
+    most ``slow_factor`` x the fastest run so far (or less than ``slow_floor_s`` more): a run that compiles
+    (an Inductor recompile for a new shape, a Triton specialization) is seconds slower, and new keys alone
+    missed those; on an H200 gem-large at batch 256 averaged 432 ms per timed step against 360 ms at 512
+    run next with warm caches. Each run is timed between two ``sync()`` calls. ``agree`` turns this
+    rank's "not settled" into every rank's (an all-reduce under torch.distributed), so all ranks run the
     same steps."""
     from opengem.ops.triton.tuning import tuned_keys
 
-    seen, calm, ran = tuned_keys(), 0, 0
+    seen, calm, ran, fastest = tuned_keys(), 0, 0, float("inf")
     while ran < min_steps or (calm < quiet_steps and ran < min_steps + max_extra):
+        sync()
+        begin = clock()
         step()
+        sync()
+        took = clock() - begin
         ran += 1
+        fastest = min(fastest, took)
         now = tuned_keys()
-        calm = 0 if agree(now != seen) else calm + 1
+        slow = ran == 1 or (took > slow_factor * fastest and took - fastest > slow_floor_s)  # 1st: no reference
+        calm = 0 if agree(now != seen or slow) else calm + 1
         seen = now
     return ran - min_steps
 
