@@ -3,12 +3,9 @@
 Layout and optimizer definitions: `opengem.ops.embedding`. Same signatures as the reference in
 `opengem.ops.reference.embedding`; no autograd here.
 
-Forward, pooled features: one program per (bag, block of BLOCK_D columns). It gathers BLOCK_N rows at a
-time as a [BLOCK_N, BLOCK_D] tile (many independent row loads in flight, contiguous vectorized columns)
-and sums them in fp32. Sequence features (pooling "none"): every id is one output row, so a second
-launch is token-parallel, one program per GATHER_ROWS consecutive ids of the whole batch, each row's
-feature found among the feature start positions: a history thousands of tokens long is spread over
-many programs instead of being copied by one (power-law lengths left a long tail of single programs).
+Forward: one program per (bag, block of BLOCK_D columns). It gathers BLOCK_N rows at a time as a
+[BLOCK_N, BLOCK_D] tile (many independent row loads in flight, contiguous vectorized columns), and either
+sums them in fp32 (pooled) or writes each row out (sequence features).
 
 Backward: the host sorts the batch's (global row, contribution) pairs by row with torch ops, without a
 device sync. Each program takes ROWS consecutive sorted positions as a [ROWS, BLOCK_D] tile; the first
@@ -37,7 +34,6 @@ import torch
 import triton
 import triton.language as tl
 
-from opengem.jagged.host import host_copy
 from opengem.ops.reference.embedding import (
     DIM,
     META_COLUMNS,
@@ -54,7 +50,6 @@ from opengem.ops.reference.embedding import (
 
 DENSE_GRAD = 3  # "optimizer" code of the unfused path: write the aggregated row gradient out
 SEGMENT = 64  # most gradient contributions one program lane sums serially (longer runs are split)
-GATHER_ROWS = 32  # ids per program of the sequence features' token-parallel gather
 
 
 def _new_output(numel: int, like: torch.Tensor) -> torch.Tensor:
@@ -84,7 +79,19 @@ def _lookup_kernel(
         column_mask = columns < dim
         first = tl.load(offsets + bag).to(tl.int64)
         last = tl.load(offsets + bag + 1).to(tl.int64)
-        if pooling != 2:  # POOL_SUM / POOL_MEAN: fp32 sum of the bag's rows (POOL_NONE: _sequence_gather_kernel)
+        if pooling == 2:  # POOL_NONE: copy each row to its own output row
+            feature_first = tl.load(offsets + feature * batch_size).to(tl.int64)
+            start = first
+            while start < last:
+                positions = start + tl.arange(0, BLOCK_N)
+                mask = (positions < last)[:, None] & column_mask[None, :]
+                rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
+                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask)
+                out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
+                tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
+                start += BLOCK_N
+        else:  # POOL_SUM / POOL_MEAN: fp32 sum of the bag's rows
             total = tl.zeros([BLOCK_D], dtype=tl.float32)
             start = first
             while start < last:
@@ -99,36 +106,6 @@ def _lookup_kernel(
                 total = total / tl.maximum(last - first, 1).to(tl.float32)
             out_row = tl.multiple_of(out_start + sample * dim, ALIGN)
             tl.store(out + out_row + columns, total.to(out.dtype.element_ty), mask=column_mask)
-
-
-@triton.jit
-def _sequence_gather_kernel(
-    weights, meta, ids, offsets, out, num_ids, batch_size,
-    NUM_FEATURES: tl.constexpr, FEATURES_POW2: tl.constexpr, META_COLS: tl.constexpr, ALIGN: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-):  # fmt: skip
-    """Program (block of BLOCK_N consecutive ids, block of BLOCK_D columns): each id of a sequence feature
-    copies its row to its own output row; ids of pooled features are left to ``_lookup_kernel``."""
-    positions = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    features = tl.arange(0, FEATURES_POW2)
-    starts = tl.load(offsets + features * batch_size, mask=features < NUM_FEATURES, other=num_ids)
-    # a position belongs to the last feature starting at or before it (empty features start where the next does)
-    feature = tl.sum((starts[None, :] <= positions[:, None]).to(tl.int32), axis=1) - 1
-    feature = tl.minimum(tl.maximum(feature, 0), NUM_FEATURES - 1)
-    row_meta = meta + feature * META_COLS
-    pooling = tl.load(row_meta + 2)
-    is_row = (positions < num_ids) & (pooling == 2)
-    dim = tl.load(row_meta + 1, mask=is_row, other=0)
-    weight_start = tl.load(row_meta + 0, mask=is_row, other=0)
-    out_start = tl.load(row_meta + 3, mask=is_row, other=0)
-    feature_first = tl.load(offsets + feature * batch_size, mask=is_row, other=0).to(tl.int64)
-    columns = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask = is_row[:, None] & (columns[None, :] < dim[:, None])
-    rows = tl.load(ids + positions, mask=is_row, other=0).to(tl.int64)
-    row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
-    tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask)
-    out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
-    tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
 
 
 @triton.jit
@@ -245,13 +222,6 @@ def embedding_lookup(
         weights, feature_meta, ids, offsets, out, batch_size,
         META_COLS=META_COLUMNS, ALIGN=dim_align, BLOCK_N=16, BLOCK_D=block_d, num_warps=4,
     )  # fmt: skip
-    features = feature_meta.shape[0]
-    if ids.numel() and bool((host_copy(feature_meta)[:, POOLING] == POOL_NONE).any()):  # the layout's host mirror
-        _sequence_gather_kernel[(triton.cdiv(ids.numel(), GATHER_ROWS), grid[1])](
-            weights, feature_meta, ids, offsets, out, ids.numel(), batch_size,
-            NUM_FEATURES=features, FEATURES_POW2=triton.next_power_of_2(features), META_COLS=META_COLUMNS,
-            ALIGN=dim_align, BLOCK_N=GATHER_ROWS, BLOCK_D=block_d, num_warps=4,
-        )  # fmt: skip
     return out
 
 
