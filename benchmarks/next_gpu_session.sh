@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # The measurements waiting for a GPU (benchmarks/NOTES.md, "Waiting for the next GPU session"), each step
-# capped so that a part fits one 600 s device call. On a 2-GPU host the two chains of a part run side by
-# side, one per GPU; on one GPU run a part's chains as separate calls (PART 1a, 1b, 4a, 4b).
+# capped so that a part fits one 600 s device call (caps allow a cold compile cache: a first gem-large run
+# took 193 s in sessions 3 and 4). On a 2-GPU host the two chains of a part run side by side, one per GPU;
+# on one GPU run a part's chains as separate calls (PART 1a, 1b, 4a, 4b).
 #   bash benchmarks/next_gpu_session.sh OUT_DIR PART
-# 1 (1a | 1b): gem_curves (issue 7), then the GPU tests of the session-3 FP8 and phase-split fixes |
-#   the distributed-training tests, gem-large on one GPU, the calibration with the host probe, the embedding
-#   lookup (the caps of 1b add up past 600 s; the archive keeps what finished)
-# 2 (2 GPUs): issue 11's loss curves (1 GPU bf16 | fp32, then FSDP on 2), FSDP with the SM-free all-gather
-# 3 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU, device-bound on one GPU (SINGLE_GPU_MFU =
-#   the e2e_mfu of part 1's multi_gpu_single_b512.json; part 2 needs it too)
-# 4 (4a | 4b): gem-small bench train with layers, with Inductor's max-autotune, JFA full | with fp8 MLPs,
-#   the embedding lookup (token-parallel sequence gather), FP8 attention, BlockAttention
-# 5 (5a | 5b): session 4's remainder: gem-large on one GPU at batch 256 and 512 | calibration with the host
-#   probe, the phase-split GPU test, bench train with layers and with fp8 MLPs
+# 1 (1a | 1b): the calibration with the host probe (issue 13), the phase-split GPU test, bench train with
+#   layers and with fp8 MLPs (issue 10) | gem-large on one GPU at batch 256 then 512 (issues 13, 11), the
+#   embedding lookup (issue 8)
+# 2 (2 GPUs, one curve each): issue 11's 1-GPU loss curves, fp32 (the noise floor) | bf16
+# 3 (2 GPUs): issue 11's FSDP curve on 2 GPUs and its verdict against part 2's curves (carried in as
+#   CURVES_DIR), then FSDP with the SM-free all-gather (SINGLE_GPU_MFU = part 1b's batch-512 e2e_mfu)
+# 4 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 3)
+# 5 (5a | 5b): gem-small with Inductor's max-autotune, JFA full | FP8 attention, BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -44,45 +43,29 @@ curves_single() {
     --set compile=false "$@"
 }
 chain_1a() {
-  step gem_curves 480 python -m benchmarks.gem_curves --no-control
-  step fixed_tests 110 tests tests/gpu/test_fp8_attention_gpu.py tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
+  step calibrate 200 train bench calibrate --quick --out "$out/results/calibration_quick.json"  # with the host probe
+  step phase_test 90 tests tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
+  step bench_train 160 train bench train --preset gem-small --batch-size 2048 --compile \
+    --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
+  step fp8_mlp_train 140 train bench train --preset gem-small --batch-size 2048 --compile \
+    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
 }
 chain_1b() {
-  step train_tests 170 tests tests/gpu/test_train_distributed_gpu.py tests/gpu/test_step_sync_gpu.py \
-    tests/gpu/test_flops_gpu.py::test_analytic_flops_equal_the_flop_counter_on_the_triton_path
-  step large_single 140 large_single 256 multi_gpu_single
-  step large_single_b512 100 large_single 512 multi_gpu_single_b512
-  step calibrate 120 train bench calibrate --quick --out "$out/results/calibration_quick.json"  # with the host probe
-  step embedding 90 python -m benchmarks.embedding --quick  # also in 4b; here in case part 4 does not run
+  step large_single 300 large_single 256 multi_gpu_single
+  step large_single_b512 200 large_single 512 multi_gpu_single_b512
+  step embedding 90 python -m benchmarks.embedding --quick
 }
-chain_2a() { step curve_single 200 curves_single --out "$out/results/curve_single.json"; }
-chain_2b() { step curve_single_fp32 200 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
-chain_4a() {
-  step bench_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
-  step max_autotune_train 200 train bench train --preset gem-small --batch-size 2048 --compile \
+chain_2a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
+chain_2b() { step curve_single 200 curves_single --out "$out/results/curve_single.json"; }
+chain_5a() {
+  step max_autotune_train 300 train bench train --preset gem-small --batch-size 2048 --compile \
     --set compile_mode=max-autotune-no-cudagraphs --steps 20 --warmup 8 --num-workers 12 \
     --out "$out/results/train_gem-small_max_autotune.json"
-  step jfa_full 240 python -m benchmarks.jfa
+  step jfa_full 280 python -m benchmarks.jfa
 }
-chain_4b() {
-  step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
-  step embedding 90 python -m benchmarks.embedding --quick
-  step attention_fp8 60 python -m benchmarks.attention_fp8 --quick
-  step block_attention 60 python -m benchmarks.block_attention --quick
-}
-chain_5a() {  # session 4: part 1b's gem-large steps again, with caps that fit a cold compile and the tuning warm-up
-  step large_single 280 large_single 256 multi_gpu_single
-  step large_single_b512 170 large_single 512 multi_gpu_single_b512
-}
-chain_5b() {  # session 4: the host probe (median step), the phase split without sync records, then part 4's MFU runs
-  step calibrate 130 train bench calibrate --quick --out "$out/results/calibration_quick.json"
-  step phase_test 80 tests tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
-  step bench_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
-  step fp8_mlp_train 130 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+chain_5b() {
+  step attention_fp8 90 python -m benchmarks.attention_fp8 --quick
+  step block_attention 90 python -m benchmarks.block_attention --quick
 }
 export out
 export -f tests train multi large_single curves_single
@@ -90,24 +73,23 @@ case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   1a) chain_1a ;;
   1b) chain_1b ;;
-  2)
-    on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait
-    step curve_fsdp 150 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
+  2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
+  3)
+    step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
-    step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "$out/results/curve_single.json" \
-      --single-fp32 "$out/results/curve_single_fp32.json" --distributed "$out/results/curve_fsdp.json" \
+    step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "${CURVES_DIR:?the folder of part 2 curve files}/curve_single.json" \
+      --single-fp32 "$CURVES_DIR/curve_single_fp32.json" --distributed "$out/results/curve_fsdp.json" \
       --out "$out/results/multi_gpu_curves.json"
-    step copy_engine 150 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 512 --warmup 4 --steps 8 \
+    step copy_engine 300 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 512 --warmup 4 --steps 8 \
       --collectives copy_engine --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
       --out "$out/results/multi_gpu_copy_engine.json" ;;
-  3)
-    step layouts 560 multi "$gpus" --preset gem-large --layouts fsdp,hsdp,expert,sparse2d,sparse1d --batch-per-gpu 512 \
+  4)
+    step layouts 580 multi "$gpus" --preset gem-large --layouts fsdp,hsdp,expert,sparse2d,sparse1d --batch-per-gpu 512 \
       --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
       --out "$out/results/multi_gpu.json" ;;
-  4) on_gpu 0 chain_4a; on_gpu 1 chain_4b; wait ;;
   5) on_gpu 0 chain_5a; on_gpu 1 chain_5b; wait ;;
-  4a) chain_4a ;;
-  4b) chain_4b ;;
+  5a) chain_5a ;;
+  5b) chain_5b ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 cp -n benchmarks/results/*.json benchmarks/results/*.png "$out/results/" 2>/dev/null  # -n: keep this run's files
