@@ -60,6 +60,17 @@ def _new_output(numel: int, like: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
+def _row_tile(weights, ids, weight_start, dim, start, last, columns, column_mask, ALIGN: tl.constexpr,
+              BLOCK_N: tl.constexpr):  # fmt: skip
+    """The rows of ids[start : start + BLOCK_N] (up to ``last``) as a [BLOCK_N, BLOCK_D] tile, 0 past the end."""
+    positions = start + tl.arange(0, BLOCK_N)
+    mask = (positions < last)[:, None] & column_mask[None, :]
+    rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
+    row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+    return positions, mask, tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask, other=0.0)
+
+
+@triton.jit
 def _lookup_kernel(
     weights, meta, ids, offsets, out, batch_size,
     META_COLS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
@@ -83,11 +94,8 @@ def _lookup_kernel(
             feature_first = tl.load(offsets + feature * batch_size).to(tl.int64)
             start = first
             while start < last:
-                positions = start + tl.arange(0, BLOCK_N)
-                mask = (positions < last)[:, None] & column_mask[None, :]
-                rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
-                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
-                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask)
+                positions, mask, tile = _row_tile(weights, ids, weight_start, dim, start, last, columns, column_mask,
+                                                  ALIGN, BLOCK_N)
                 out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
                 tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
                 start += BLOCK_N
@@ -95,11 +103,7 @@ def _lookup_kernel(
             total = tl.zeros([BLOCK_D], dtype=tl.float32)
             start = first
             while start < last:
-                positions = start + tl.arange(0, BLOCK_N)
-                mask = (positions < last)[:, None] & column_mask[None, :]
-                rows = tl.load(ids + positions, mask=positions < last, other=0).to(tl.int64)
-                row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
-                tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask, other=0.0)
+                _, _, tile = _row_tile(weights, ids, weight_start, dim, start, last, columns, column_mask, ALIGN, BLOCK_N)
                 total += tl.sum(tile.to(tl.float32), axis=0)
                 start += BLOCK_N
             if pooling == 1:  # POOL_MEAN; an empty bag stays 0
