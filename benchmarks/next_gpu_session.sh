@@ -38,12 +38,22 @@ multi() { local n=$1; shift; python -m torch.distributed.run --standalone --npro
 large_single() {  # large_single BATCH NAME: gem-large on one GPU with the multi-GPU harness (part 3's baseline)
   multi 1 --preset gem-large --layouts single --batch-per-gpu "$1" --warmup 6 --steps 10 --out "$out/results/$2.json"
 }
+predict() {  # predict CALIBRATION: the planner's 1-GPU step for the runs of part 1 (issue 13)
+  local run
+  for run in "gem-small 2048" "gem-large 256" "gem-large 512"; do
+    set -- $run "$1"
+    train plan --preset "$1" --cluster h200 --gpus 1 --local-batch "$2" --calibration "$3" \
+      --out "$out/results/plan_$1_b$2.json" || return
+    set -- "$3"
+  done
+}
 curves_single() {
   multi 1 --curve --preset gem-small --layouts single --batch-per-gpu 1024 --warmup 1 --steps 199 \
     --set compile=false "$@"
 }
 chain_1a() {
   step calibrate 200 train bench calibrate --quick --out "$out/results/calibration_quick.json"  # with the host probe
+  step predict 60 predict "$out/results/calibration_quick.json"  # issue 13: before 1b's measurements are read
   step phase_test 90 tests tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
   step bench_train 160 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
@@ -68,7 +78,7 @@ chain_5b() {
   step block_attention 90 python -m benchmarks.block_attention --quick
 }
 export out
-export -f tests train multi large_single curves_single
+export -f tests train multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   1a) chain_1a ;;
