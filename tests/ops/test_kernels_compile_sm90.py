@@ -1,4 +1,4 @@
-"""The embedding forward and FP8 attention kernels compile for Hopper (sm_90) on a CPU-only machine.
+"""The embedding forward, FP8 attention and FP8 row-quantizer kernels compile for Hopper (sm_90) on a CPU-only machine.
 
 The interpreter runs kernels as Python and misses compile-time errors: a non-constexpr global in the FP8
 attention's quantize pass compiled on no GPU until the first GPU run (session 3). Triton's frontend and
@@ -13,6 +13,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from opengem.ops.triton import embedding as e
+from opengem.ops.triton import fp8_gemm as g
 from opengem.ops.triton import jagged_attention_fp8 as f
 
 
@@ -41,6 +42,10 @@ ptx = compile_sm90(f._fwd_fp8_kernel.fn, attend,
                    dict(HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True,
                         SMALL=False, EXACT=False, BLOCK_M=128, BLOCK_N=128), num_warps=8, num_stages=3).asm["ptx"]
 assert "e4m3" in ptx  # E4M3 tensor-core MMAs
+rowwise = {"x_ptr": bf16, "u_ptr": bf16, "out_ptr": bf16, "q_ptr": fp8, "scale_ptr": "*fp32"}
+for one_chunk in (True, False):  # the GELU quantizer of the FP8 MLP, rows in registers or re-read
+    compile_sm90(g._row_amax_quant_kernel, rowwise,
+                 dict(PROLOGUE=2, BLOCK_R=2, BLOCK_C=4096, ONE_CHUNK=one_chunk), num_warps=8)
 print("compiled")
 """
 

@@ -50,30 +50,46 @@ def _e4m3_multiplier(amax):
 @triton.jit
 def _row_amax_quant_kernel(
     x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
-    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
 ):
-    # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes
-    # re-reading the same rows, which a small per-program footprint keeps in L1/L2. With a prologue
-    # (GELU or its backward) pass 2 also writes the transformed values to out_ptr.
+    # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes. When a
+    # row fits one chunk (ONE_CHUNK: C <= BLOCK_C) the values stay in registers between the passes: one read
+    # and one prologue (the GELU's erf / exp) per element instead of two. Otherwise pass 2 re-reads the
+    # rows, which a small per-program footprint keeps in L1/L2. With a prologue (GELU or its backward)
+    # pass 2 also writes the transformed values to out_ptr.
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     base = r[:, None].to(tl.int64) * C
-    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE)
-        amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
-    amax = tl.maximum(amax, 1e-12)
-    tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
-    mult = _e4m3_multiplier(amax)
-    for c0 in range(0, C, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
+    if ONE_CHUNK:
+        c = tl.arange(0, BLOCK_C)
         m = rmask[:, None] & (c[None, :] < C)
         x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE)
-        if PROLOGUE != 0:
-            tl.store(out_ptr + base + c[None, :], x.to(out_ptr.dtype.element_ty), mask=m)
-        q = tl.minimum(tl.maximum(x * mult[:, None], -448.0), 448.0)
-        tl.store(q_ptr + base + c[None, :], q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+        tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
+        _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, base + c[None, :], m, PROLOGUE)
+    else:
+        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE)
+            amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
+        amax = tl.maximum(amax, 1e-12)
+        tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
+        mult = _e4m3_multiplier(amax)
+        for c0 in range(0, C, BLOCK_C):
+            c = c0 + tl.arange(0, BLOCK_C)
+            m = rmask[:, None] & (c[None, :] < C)
+            x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE)
+            _store_quantized(x, mult, out_ptr, q_ptr, base + c[None, :], m, PROLOGUE)
+
+
+@triton.jit
+def _store_quantized(x, mult, out_ptr, q_ptr, offsets, m, PROLOGUE: tl.constexpr):
+    """Stores x (when a prologue made it) and its E4M3 quantization x * mult (per-row multipliers)."""
+    if PROLOGUE != 0:
+        tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=m)
+    q = tl.minimum(tl.maximum(x * mult[:, None], -448.0), 448.0)
+    tl.store(q_ptr + offsets, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
 
 
 @triton.jit
@@ -129,7 +145,7 @@ def rowwise_quantize(
         block_r = max(1, 8192 // block_c)
         _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](
             x, x if u is None else u, q if out is None else out, q, scale, R, C,
-            PROLOGUE=PROLOGUES[prologue], BLOCK_R=block_r, BLOCK_C=block_c, num_warps=8,
+            PROLOGUE=PROLOGUES[prologue], BLOCK_R=block_r, BLOCK_C=block_c, ONE_CHUNK=C <= block_c, num_warps=8,
         )
     return q, scale, out
 
