@@ -11,7 +11,8 @@
 # 3 (2 GPUs): issue 11's FSDP curve on 2 GPUs and its verdict against part 2's curves (carried in as
 #   CURVES_DIR), then FSDP with the SM-free all-gather (SINGLE_GPU_MFU = part 1b's batch-512 e2e_mfu)
 # 4 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 3)
-# 5 (5a | 5b): gem-small with Inductor's max-autotune, JFA full | FP8 attention, BlockAttention
+# 5 (5a | 5b): gem-small with Inductor's max-autotune, JFA full | the FP8 MLP block, FP8 attention,
+#   BlockAttention
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -74,6 +75,7 @@ chain_5a() {
   step jfa_full 280 python -m benchmarks.jfa
 }
 chain_5b() {
+  step low_precision 150 python -m benchmarks.low_precision  # the row quantizer's tuned programs (issue 6)
   step attention_fp8 90 python -m benchmarks.attention_fp8 --quick
   step block_attention 90 python -m benchmarks.block_attention --quick
 }
