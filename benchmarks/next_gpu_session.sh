@@ -11,8 +11,8 @@
 # 3 (2 GPUs): issue 11's FSDP curve on 2 GPUs and its verdict against part 2's curves (carried in as
 #   CURVES_DIR), then FSDP with the SM-free all-gather (SINGLE_GPU_MFU = part 1b's batch-512 e2e_mfu)
 # 4 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 3)
-# 5 (5a | 5b): gem-small with Inductor's max-autotune, JFA full | the FP8 MLP block, FP8 attention,
-#   BlockAttention
+# 5 (5a | 5b): gem-large with the sequence stream in bf16, gem-small with Inductor's max-autotune | the FP8
+#   MLP block, FP8 attention, BlockAttention, JFA full
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -36,8 +36,9 @@ on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background whe
 tests() { python -m pytest -v -n 4 -p no:cacheprovider --timeout 170 --tb=short "$@"; }
 train() { python -m opengem.cli.main "$@"; }
 multi() { local n=$1; shift; python -m torch.distributed.run --standalone --nproc-per-node "$n" -m benchmarks.multi_gpu "$@"; }
-large_single() {  # large_single BATCH NAME: gem-large on one GPU with the multi-GPU harness (part 3's baseline)
-  multi 1 --preset gem-large --layouts single --batch-per-gpu "$1" --warmup 6 --steps 10 --out "$out/results/$2.json"
+large_single() {  # large_single BATCH NAME [ARGS]: gem-large on one GPU with the multi-GPU harness (the layouts' baseline)
+  local batch=$1 name=$2; shift 2
+  multi 1 --preset gem-large --layouts single --batch-per-gpu "$batch" --warmup 6 --steps 10 --out "$out/results/$name.json" "$@"
 }
 predict() {  # predict CALIBRATION: the planner's 1-GPU step for the runs of part 1 (issue 13)
   local run
@@ -69,15 +70,16 @@ chain_1b() {
 chain_2a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
 chain_2b() { step curve_single 200 curves_single --out "$out/results/curve_single.json"; }
 chain_5a() {
+  step large_bf16_sequence 220 large_single 512 multi_gpu_single_b512_bf16_sequence --set gem.sequence_dtype=compute
   step max_autotune_train 300 train bench train --preset gem-small --batch-size 2048 --compile \
     --set compile_mode=max-autotune-no-cudagraphs --steps 20 --warmup 8 --num-workers 12 \
     --out "$out/results/train_gem-small_max_autotune.json"
-  step jfa_full 280 python -m benchmarks.jfa
 }
 chain_5b() {
   step low_precision 150 python -m benchmarks.low_precision  # the row quantizer's tuned programs (issue 6)
   step attention_fp8 90 python -m benchmarks.attention_fp8 --quick
   step block_attention 90 python -m benchmarks.block_attention --quick
+  step jfa_full 240 python -m benchmarks.jfa
 }
 export out
 export -f tests train multi large_single curves_single predict

@@ -7,6 +7,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from opengem.cli.info import add_info_parser, run_info
@@ -222,3 +224,59 @@ def test_fp8_self_attention_runs_the_fp8_emulation(batch):
     assert all(torch.isfinite(p.grad).all() for p in fp8.parameters() if p.grad is not None)
     with pytest.raises(ValueError, match="jfa self-attention only"):
         _model(dataclasses.replace(config, self_attention="block", attention_precision="fp8"))
+
+
+class _ElementwiseBytes(TorchDispatchMode):
+    """Bytes read and written by the aten ops other than GEMMs, views and opengem's own (attention) ops."""
+
+    SKIP = {"mm", "addmm", "bmm", "baddbmm", "view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze",
+            "squeeze", "slice", "select", "permute", "as_strided", "detach", "alias", "split", "unbind",
+            "split_with_sizes", "_reshape_alias"}  # fmt: skip
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace != "opengem" and func.__name__.split(".")[0] not in self.SKIP:
+            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
+            self.total += sum(t.numel() * t.element_size() for t in tensors)
+        return out
+
+
+@pytest.mark.parametrize("self_attention", ["jfa", "block"])
+def test_sequence_stream_in_the_compute_dtype(batch, self_attention):
+    """``sequence_dtype="compute"``: under bf16 autocast the sequence enters every layer in bf16, the
+    element-wise ops move far fewer bytes, the activations saved for backward shrink (the norms' inputs),
+    and logits and gradients stay within bf16 noise of the fp32 stream; without autocast nothing changes."""
+    base = dataclasses.replace(SMALL, d_model=64, self_attention=self_attention, block_size=16)
+    fp32_stream, compute_stream = _model(base), _model(dataclasses.replace(base, sequence_dtype="compute"))
+    compute_stream.load_state_dict(fp32_stream.state_dict())
+    seen = []
+    for layer in compute_stream.layers:
+        layer.self_attention.register_forward_pre_hook(lambda _, args: seen.append(args[0].values.dtype))
+
+    def run(model):
+        saved = []
+        model.zero_grad()
+        with _ElementwiseBytes() as moved:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
+                                                          lambda t: t):
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    logits = model(batch).float()
+            logits.sum().backward()  # the fused embedding update changes the tables: compare before it
+        return logits.detach(), model.layers[0].self_attention.qkv.weight.grad.clone(), sum(saved), moved.total
+
+    with torch.no_grad():  # no autocast: the option changes nothing
+        torch.testing.assert_close(compute_stream(batch), fp32_stream(batch), rtol=0, atol=0)
+    assert seen == [torch.float32] * SMALL.num_layers
+    seen.clear()
+    logits_fp32, grad_fp32, saved_fp32, moved_fp32 = run(fp32_stream)
+    logits, grad, saved, moved = run(compute_stream)
+    assert seen == [torch.bfloat16] * SMALL.num_layers
+    assert moved < 0.75 * moved_fp32 and saved < 0.92 * saved_fp32
+    assert (logits - logits_fp32).norm() <= 0.03 * logits_fp32.norm()
+    assert (grad - grad_fp32).norm() <= 0.05 * grad_fp32.norm()
+    with pytest.raises(ValueError, match="sequence_dtype"):
+        _model(dataclasses.replace(base, sequence_dtype="bf16"))
