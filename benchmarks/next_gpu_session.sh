@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # The measurements waiting for a GPU (benchmarks/NOTES.md, "Waiting for the next GPU session"), each step
 # capped so that a part fits one 600 s device call (caps allow a cold compile cache: a first gem-large run
-# took 193 s in sessions 3 and 4). On a 2-GPU host the two chains of a part run side by side, one per GPU;
-# on one GPU run a part's chains as separate calls (PART 1a, 1b, 4a, 4b).
+# took 193 s in sessions 3 and 4). On a 2-GPU host the two chains of a part run side by side, one per GPU
+# and sharing the host's 16 cores, so each part pairs a CPU-heavy chain (compiles, 12 loader workers) with
+# a light one, and the gem-large timings (part 2) run beside nothing heavy. On one GPU run a part's chains
+# as separate calls (PART 1a, 1b, 2a, 2b).
 #   bash benchmarks/next_gpu_session.sh OUT_DIR PART
-# 1 (1a | 1b): the calibration with the host probe (issue 13), the phase-split GPU test, bench train with
-#   layers and with fp8 MLPs (issue 10) | gem-large on one GPU at batch 256 then 512 (issues 13, 11), the
-#   embedding lookup (issue 8)
-# 2 (2 GPUs, one curve each): issue 11's 1-GPU loss curves, fp32 (the noise floor) | bf16
-# 3 (2 GPUs): issue 11's FSDP curve on 2 GPUs and its verdict against part 2's curves (carried in as
-#   CURVES_DIR), then FSDP with the SM-free all-gather (SINGLE_GPU_MFU = part 1b's batch-512 e2e_mfu)
-# 4 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 3)
-# 5 (5a | 5b): gem-large with the sequence stream in bf16, gem-small with Inductor's max-autotune | the FP8
-#   MLP block, FP8 attention, BlockAttention, JFA full
+# 1 (1a | 1b): the calibration with the host probe and the planner's predictions from it (issue 13), the
+#   phase-split GPU test, bench train with layers and with fp8 MLPs (issue 10) | the FP8 MLP block (issue
+#   6), FP8 attention, BlockAttention, JFA full (kernel issues)
+# 2 (2a | 2b): gem-large on one GPU at batch 256 then 512 (issues 13, 11) | gem-large at batch 512 with the
+#   sequence stream in bf16 (issue 10), the embedding lookup (issue 8)
+# 3 (3a | 3b): issue 11's 1-GPU loss curves, fp32 (the noise floor) | bf16, then gem-small with Inductor's
+#   max-autotune (issue 10)
+# 4 (2 GPUs): issue 11's FSDP curve on 2 GPUs and its verdict against part 3's curves (carried in as
+#   CURVES_DIR), then FSDP with the SM-free all-gather (SINGLE_GPU_MFU = part 2a's batch-512 e2e_mfu)
+# 5 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 4)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -55,7 +58,7 @@ curves_single() {
 }
 chain_1a() {
   step calibrate 200 train bench calibrate --quick --out "$out/results/calibration_quick.json"  # with the host probe
-  step predict 60 predict "$out/results/calibration_quick.json"  # issue 13: before 1b's measurements are read
+  step predict 60 predict "$out/results/calibration_quick.json"  # issue 13: before part 2's measurements
   step phase_test 90 tests tests/gpu/test_flops_gpu.py::test_bench_train_on_the_gpu
   step bench_train 160 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
@@ -63,47 +66,46 @@ chain_1a() {
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
 }
 chain_1b() {
-  step large_single 300 large_single 256 multi_gpu_single
-  step large_single_b512 200 large_single 512 multi_gpu_single_b512
-  step embedding 90 python -m benchmarks.embedding --quick
-}
-chain_2a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
-chain_2b() { step curve_single 200 curves_single --out "$out/results/curve_single.json"; }
-chain_5a() {
-  step large_bf16_sequence 220 large_single 512 multi_gpu_single_b512_bf16_sequence --set gem.sequence_dtype=compute
-  step max_autotune_train 300 train bench train --preset gem-small --batch-size 2048 --compile \
-    --set compile_mode=max-autotune-no-cudagraphs --steps 20 --warmup 8 --num-workers 12 \
-    --out "$out/results/train_gem-small_max_autotune.json"
-}
-chain_5b() {
   step low_precision 150 python -m benchmarks.low_precision  # the row quantizer's tuned programs (issue 6)
   step attention_fp8 90 python -m benchmarks.attention_fp8 --quick
   step block_attention 90 python -m benchmarks.block_attention --quick
   step jfa_full 240 python -m benchmarks.jfa
 }
+chain_2a() {
+  step large_single 300 large_single 256 multi_gpu_single
+  step large_single_b512 200 large_single 512 multi_gpu_single_b512
+}
+chain_2b() {
+  step large_bf16_sequence 300 large_single 512 multi_gpu_single_b512_bf16_sequence --set gem.sequence_dtype=compute
+  step embedding 90 python -m benchmarks.embedding --quick
+}
+chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
+chain_3b() {
+  step curve_single 200 curves_single --out "$out/results/curve_single.json"
+  step max_autotune_train 300 train bench train --preset gem-small --batch-size 2048 --compile \
+    --set compile_mode=max-autotune-no-cudagraphs --steps 20 --warmup 8 --num-workers 12 \
+    --out "$out/results/train_gem-small_max_autotune.json"
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
-  1a) chain_1a ;;
-  1b) chain_1b ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
-  3)
+  3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
+  1a|1b|2a|2b|3a|3b) "chain_$part" ;;
+  4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
-    step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "${CURVES_DIR:?the folder of part 2 curve files}/curve_single.json" \
+    step curve_compare 30 python -m benchmarks.multi_gpu_curves --single "${CURVES_DIR:?the folder of part 3 curve files}/curve_single.json" \
       --single-fp32 "$CURVES_DIR/curve_single_fp32.json" --distributed "$out/results/curve_fsdp.json" \
       --out "$out/results/multi_gpu_curves.json"
     step copy_engine 300 multi "$gpus" --preset gem-large --layouts fsdp --batch-per-gpu 512 --warmup 4 --steps 8 \
-      --collectives copy_engine --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
+      --collectives copy_engine --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 2a}" \
       --out "$out/results/multi_gpu_copy_engine.json" ;;
-  4)
+  5)
     step layouts 580 multi "$gpus" --preset gem-large --layouts fsdp,hsdp,expert,sparse2d,sparse1d --batch-per-gpu 512 \
-      --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 1}" \
+      --warmup 4 --steps 8 --single-gpu-mfu "${SINGLE_GPU_MFU:?the 1-GPU E2E MFU of part 2a}" \
       --out "$out/results/multi_gpu.json" ;;
-  5) on_gpu 0 chain_5a; on_gpu 1 chain_5b; wait ;;
-  5a) chain_5a ;;
-  5b) chain_5b ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
 cp -n benchmarks/results/*.json benchmarks/results/*.png "$out/results/" 2>/dev/null  # -n: keep this run's files
