@@ -1,4 +1,5 @@
 """Diagnostic: which device events of a profiled gem-tiny bench step are not kernels we place (session 4)."""
+
 import collections
 import json
 import os
@@ -6,8 +7,8 @@ import sys
 
 import torch
 
-import opengem.train.bench.step as step
 from opengem.cli.main import main
+from opengem.train.bench import step
 
 seen = {}
 
@@ -33,11 +34,33 @@ def dump(events):
 
 original = step.family_split_us
 step.family_split_us = dump
-argv = ["bench", "train", "--preset", "gem-tiny", "--batch-size", "128", "--device", "cuda", "--precision", "bf16",
-        "--steps", "6", "--warmup", "3", "--num-workers", "2", "--loader-batches", "5", "--matmul-size", "2048",
-        "--out", os.path.join(sys.argv[1], "tiny.json")]
+argv = [
+    "bench",
+    "train",
+    "--preset",
+    "gem-tiny",
+    "--batch-size",
+    "128",
+    "--device",
+    "cuda",
+    "--precision",
+    "bf16",
+    "--steps",
+    "6",
+    "--warmup",
+    "3",
+    "--num-workers",
+    "2",
+    "--loader-batches",
+    "5",
+    "--matmul-size",
+    "2048",
+    "--out",
+    os.path.join(sys.argv[1], "tiny.json"),
+]
 main(argv)
 for row in seen["device_events"]:
     print(row)
 print(seen["launch_calls"])
-json.dump(seen, open(os.path.join(sys.argv[1], "profile_names.json"), "w"), indent=1)
+with open(os.path.join(sys.argv[1], "profile_names.json"), "w") as file:
+    json.dump(seen, file, indent=1)

@@ -31,11 +31,11 @@ from torch import nn
 from opengem.data.schema import TASKS, Batch, FeatureSpec
 from opengem.jagged import Jagged, KeyedJagged, uniform_offsets
 from opengem.models.sequence_ctr import AGE_BUCKETS, age_buckets
-from opengem.ops.autocast import autocast_dtype
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.nn.gem_layers import PersonalizedFFN, SequenceSelfAttention, SequenceSummary, TokenSummary
 from opengem.nn.layers import MLP
 from opengem.nn.wukong import DenseExperts, WukongLayer
+from opengem.ops.autocast import autocast_dtype
 
 
 @dataclass(frozen=True)

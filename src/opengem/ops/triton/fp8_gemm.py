@@ -127,6 +127,24 @@ def _tile_quant_kernel(
 
 PROLOGUES = {None: 0, "gelu": 1, "gelu_backward": 2}
 
+ROW_ELEMENTS = 8192  # the default program: BLOCK_R rows x BLOCK_C columns of about this many elements, 8 warps
+# (rows, warps): a program of 8192 elements with 8 warps holds ~170 registers per thread in the GELU backward
+# (x and u): one program per SM. Smaller programs or more warps keep more loads in flight; the tuner keeps
+# the candidates of 4096..16384 elements and picks per (C, prologue).
+ROW_CONFIGS = ((1, 4), (1, 8), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (16, 16))
+
+
+def _row_programs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+    kept = [c for c in configs if 4096 <= c.kwargs["BLOCK_R"] * kwargs["BLOCK_C"] <= 16384]
+    most_rows = max(c.kwargs["BLOCK_R"] for c in configs)  # narrow rows (C < 256): as many as allowed
+    return kept or [c for c in configs if c.kwargs["BLOCK_R"] == most_rows]
+
+
+_row_amax_quant_tuned = triton.autotune(
+    configs=[triton.Config({"BLOCK_R": rows}, num_warps=warps) for rows, warps in ROW_CONFIGS],
+    key=["C", "PROLOGUE"], prune_configs_by={"early_config_prune": _row_programs},
+)(_row_amax_quant_kernel)
+
 
 def rowwise_quantize(
     x: torch.Tensor, prologue: str | None = None, u: torch.Tensor | None = None
@@ -143,31 +161,13 @@ def rowwise_quantize(
     if x.numel():
         block_c = min(triton.next_power_of_2(C), 4096)
         args = (x, x if u is None else u, q if out is None else out, q, scale, R, C)
-        shape = dict(PROLOGUE=PROLOGUES[prologue], BLOCK_C=block_c, ONE_CHUNK=C <= block_c)
+        shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c}
         if x.is_cuda and autotune_enabled():
             _row_amax_quant_tuned[lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
         else:
             block_r = max(1, ROW_ELEMENTS // block_c)
             _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, num_warps=8)
     return q, scale, out
-
-
-ROW_ELEMENTS = 8192  # the default program: BLOCK_R rows x BLOCK_C columns of about this many elements, 8 warps
-# (rows, warps): a program of 8192 elements with 8 warps holds ~170 registers per thread in the GELU backward
-# (x and u): one program per SM. Smaller programs or more warps keep more loads in flight; the tuner keeps
-# the candidates of 4096..16384 elements and picks per (C, prologue).
-ROW_CONFIGS = ((1, 4), (1, 8), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (16, 16))
-
-
-def _row_programs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    kept = [c for c in configs if 4096 <= c.kwargs["BLOCK_R"] * kwargs["BLOCK_C"] <= 16384]
-    return kept or [c for c in configs if c.kwargs["BLOCK_R"] == 1]
-
-
-_row_amax_quant_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_R": rows}, num_warps=warps) for rows, warps in ROW_CONFIGS],
-    key=["C", "PROLOGUE"], prune_configs_by={"early_config_prune": _row_programs},
-)(_row_amax_quant_kernel)
 
 
 def rowwise_quantize_dual(

@@ -7,8 +7,9 @@ for the GPU to keep up, at two depths, and times the host loop alone: pre-staged
 synchronization until the last step is issued. Each step is timed on its own and the median kept: a step
 that meets a new shape (an Inductor recompile, a Triton specialization) takes seconds, and on an H200 a
 mean over 10 steps read 236 ms at 2 layers against 58 ms at 4. Per-step and per-layer costs are then the
-line through the two points. The batch's length-dependent host work (tile schedules over B samples) is included at the
-probe's batch, not the planned one: a lower bound there, to be compared against `bench train`.
+line through the two points. The batch's length-dependent host work (tile schedules over B samples) is
+included at the probe's batch, not the planned one: a lower bound there, to be compared against `bench
+train`.
 """
 
 from __future__ import annotations
