@@ -31,12 +31,21 @@ from tests.ops.fp8_checks import assert_quantized_like
 from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
 
 
-def _assert_matches_emulation(out: torch.Tensor, emulated: torch.Tensor, v: torch.Tensor) -> None:
+def _assert_matches_emulation(
+    out: torch.Tensor, emulated: torch.Tensor, v: torch.Tensor, flips: bool = False
+) -> None:
+    """Equal to fp32 rounding, or with ``flips`` (random data) within what one-step E4M3 flips of rotated Q / K
+    elements cause: the quantize pass may round a few of them the other way (``assert_quantized_like``), and
+    one flipped key moves every query row that sees it (measured up to 5.9e-3 relative, against FP8's own
+    ~4e-2 from fp32; a wrong scale or block shows as 1e-1 and more)."""
     assert torch.isfinite(out).all()
     diff = (out.double() - emulated.double()).abs()
     if diff.numel():
-        assert (diff <= 1e-4).double().mean() >= 0.99
         assert diff.max() <= v.abs().max() / 8
+        if flips:
+            assert diff.norm() <= 1.5e-2 * emulated.double().norm()
+        else:
+            assert (diff <= 1e-4).double().mean() >= 0.99
 
 
 def _forward_pair(lengths, heads, kv_heads, head_dim, seed=0, **kwargs):
@@ -90,7 +99,7 @@ def test_kernel_matches_emulation(poisoned, mask):  # noqa: F811 (the imported f
     seed=st.integers(0, 2**16),
 )
 def test_kernel_matches_emulation_property(lengths, heads, causal, seed):
-    _assert_matches_emulation(*_forward_pair(lengths, *heads, 32, seed=seed, causal=causal))
+    _assert_matches_emulation(*_forward_pair(lengths, *heads, 32, seed=seed, causal=causal), flips=True)
 
 
 def test_emulation_error_against_fp32():
