@@ -16,6 +16,8 @@
 # 4 (2 GPUs): issue 11's FSDP curve on 2 GPUs and its verdict against part 3's curves (carried in as
 #   CURVES_DIR), then FSDP with the SM-free all-gather (SINGLE_GPU_MFU = part 2a's batch-512 e2e_mfu)
 # 5 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 4)
+# 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
+#   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
 # every step, so a call cut short keeps what finished), the one-line status per step to OUT_DIR/status.
 set -u
@@ -79,6 +81,8 @@ chain_2b() {
   step large_bf16_sequence 300 large_single 512 multi_gpu_single_b512_bf16_sequence --set gem.sequence_dtype=compute
   step embedding 90 python -m benchmarks.embedding --quick
 }
+chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
+chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
 chain_3b() {
   step curve_single 200 curves_single --out "$out/results/curve_single.json"
@@ -92,7 +96,8 @@ case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
-  1a|1b|2a|2b|3a|3b) "chain_$part" ;;
+  6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
+  1a|1b|2a|2b|3a|3b|6a|6b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
