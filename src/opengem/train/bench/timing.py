@@ -56,8 +56,8 @@ def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: in
     runs in a row. Returns the extra runs. A run is calm when the autotuners met no new key and it took at
     most ``slow_factor`` x the fastest run so far (or less than ``slow_floor_s`` more): a run that compiles
     (an Inductor recompile for a new shape, a Triton specialization) is seconds slower, and new keys alone
-    missed those; on an H200 gem-large at batch 256 averaged 432 ms per timed step against 360 ms at 512
-    run next with warm caches. Each run is timed between two ``sync()`` calls. ``agree`` turns this
+    miss those (a suspect for gem-large at batch 256 on an H200: 432 ms per timed step as the first run on
+    cold caches, against 360 ms at batch 512). Each run is timed between two ``sync()`` calls. ``agree`` turns this
     rank's "not settled" into every rank's (an all-reduce under torch.distributed), so all ranks run the
     same steps."""
     from opengem.ops.triton.tuning import tuned_keys
