@@ -347,3 +347,29 @@ def test_work_list_covers_every_tile_once_longest_first():
     # longest first by rows x keys: the full 32-row item over 300 keys leads, empty-key work comes last
     assert (work_b[0].item(), work_t[0].item()) == (2, 0)
     assert work_b[-1].item() == 4
+
+
+@pytest.mark.parametrize("broadcast", [True, False])
+def test_triton_takes_strided_kv_views(broadcast):
+    """K and V as the two halves of one [T, 2, H, D] projection (token stride 2 H D): the seed pooling passes
+    them uncopied. Output and gradients equal those of contiguous copies."""
+    lengths = [20, 0, 7, 13]
+    offsets = _offsets(lengths)
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(sum(lengths), 2, 2, 16, generator=gen)
+    seeds = 6 if broadcast else sum(lengths)
+    q = torch.randn(seeds, 2, 16, generator=gen)
+    grad_out = torch.randn(len(lengths) * seeds if broadcast else seeds, 2, 16, generator=gen)
+
+    def run(split):
+        q_leaf, kv_leaf = q.clone().requires_grad_(), kv.clone().requires_grad_()
+        k, v = split(kv_leaf)
+        out = gdpa(q_leaf, k, v, None if broadcast else offsets, offsets, seeds if broadcast else max(lengths),
+                   max(lengths), activation="silu", pre_scale=0.25, broadcast_q=broadcast, backend="triton")
+        out.backward(grad_out)
+        return out.detach(), q_leaf.grad, kv_leaf.grad
+
+    strided_views = lambda t: t.unbind(1)  # noqa: E731
+    assert not strided_views(kv)[0].is_contiguous()
+    for got, want in zip(run(strided_views), run(lambda t: tuple(x.contiguous() for x in t.unbind(1)))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)

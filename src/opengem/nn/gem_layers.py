@@ -99,9 +99,11 @@ class SeedPooling(nn.Module):
     def forward(self, sequence: Jagged) -> torch.Tensor:
         """``[B, num_seeds, d]``."""
         h = sequence.values
+        # k and v stay strided views of the projection (GDPA takes token / head strides): contiguous copies
+        # would read and write 2 x [T, d] more per layer
         k, v = self.kv(self.norm(h)).view(h.shape[0], 2, self.num_heads, self.head_dim).unbind(1)
         pooled = gdpa(
-            self.seeds.to(k.dtype), k.contiguous(), v.contiguous(), None, sequence.offsets, self.num_seeds,
+            self.seeds.to(k.dtype), k, v, None, sequence.offsets, self.num_seeds,
             sequence.max_len, activation=self.activation, pre_scale=self.head_dim**-0.5, broadcast_q=True,
             backend=self.backend,
         )  # fmt: skip
