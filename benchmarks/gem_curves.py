@@ -70,7 +70,7 @@ from benchmarks import common
 from benchmarks.kernel_dispatch import TritonLaunches, dispatch_report, kernel_names, required_families
 from opengem.data.schema import Batch
 from opengem.models.presets import GEM_PRESETS
-from opengem.nn.embedding import EmbeddingCollection
+from opengem.nn.embedding import trust_ids
 from opengem.train.config import PRESETS, TrainConfig, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.trainer import build_learner
@@ -183,9 +183,7 @@ def train_run(spec: RunSpec, options: CurveOptions, batches: list[Batch], names:
     with embedding_backend(spec.backend), TritonLaunches() as launches:
         torch.manual_seed(config.seed)
         learner = build_learner(config, config.model.history, device)
-        for module in learner.model.modules():  # synthetic ids are in range: skip the per-step id check (a sync)
-            if isinstance(module, EmbeddingCollection) and device.type == "cuda":
-                module.validate_ids = False
+        trust_ids(learner.model)  # synthetic ids: skip the per-step id check (a sync on the GPU)
         fingerprint = weights_fingerprint(learner.model)
         with torch.no_grad():
             first_logits = learner.forward(batches[0].to(device)).cpu()

@@ -57,7 +57,7 @@ import torch
 import torch.distributed as dist
 
 from benchmarks.common import print_table, relative_error, write_results
-from opengem.nn.embedding import EmbeddingCollection
+from opengem.nn.embedding import trust_ids
 from opengem.parallel.collectives import (
     PROCESS_GROUP,
     SYMM_MEM_COPY_ENGINE,
@@ -155,7 +155,7 @@ def _message_sizes(run: LocalRun | DistributedRun) -> dict[tuple[str, str], tupl
 def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int, collectives: str,
                    curve: bool = False, max_tuning_steps: int = 0,
                    ) -> tuple[dict[str, Any], dict[tuple[str, str], tuple[int, int]], ParallelConfig | None]:
-    """Train ``warmup`` (+ up to ``max_tuning_steps`` while the autotuners meet new keys) + ``steps`` steps
+    """Train ``warmup`` (+ up to ``max_tuning_steps`` until the warm-up settles) + ``steps`` steps
     of ``layout``; its row (rank 0's view), message sizes and layout. ``curve``: the row also holds every
     step's global-batch loss (read once at the end: no sync per step)."""
     if layout.parallel is None:
@@ -164,9 +164,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
         run = DistributedRun(config, dataclasses.replace(parse_parallel(layout.parallel), collectives=collectives))
     try:
         learner, device = run.learners["model"], run.device
-        for module in learner.model.modules():  # synthetic ids are in range: no id check (a host sync) per step
-            if isinstance(module, EmbeddingCollection):
-                module.validate_ids = False
+        trust_ids(learner.model)  # synthetic ids: no id check (a host sync) per step
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
         stream = run.batches(0)

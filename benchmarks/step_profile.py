@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.presets import GEM_PRESETS, gem_flops
-from opengem.nn.embedding import EmbeddingCollection
+from opengem.nn.embedding import trust_ids
 from opengem.train.config import load_config
 from opengem.train.data_stream import SyntheticBatches
 from opengem.train.trainer import build_learner
@@ -61,9 +61,7 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: boo
     device = torch.device("cuda")
     torch.manual_seed(0)
     learner = build_learner(config, config.model.history, device)
-    for module in learner.model.modules():  # synthetic ids are in range: no id check (one sync) per step
-        if isinstance(module, EmbeddingCollection):
-            module.validate_ids = False
+    trust_ids(learner.model)  # synthetic ids: no id check (one sync) per step
     dataset = iter(SyntheticBatches(config, 0))
     # fresh batches (as in training: new layouts every step) unless FRESH is off: then 6 batches cycle
     count = 6 + steps + 3 if fresh else 6

@@ -242,6 +242,16 @@ def test_bad_id_in_any_group_raises_before_any_lookup(monkeypatch: pytest.Monkey
     assert lookups == []
 
 
+def test_trust_ids_turns_off_the_check_of_every_nested_collection() -> None:
+    from opengem.nn import trust_ids
+
+    model = torch.nn.ModuleDict({"a": EmbeddingCollection(TABLES), "deep": torch.nn.Sequential(EmbeddingCollection(TABLES))})
+    assert all(m.validate_ids for m in model.modules() if isinstance(m, EmbeddingCollection))
+    trust_ids(model)
+    flags = [m.validate_ids for m in model.modules() if isinstance(m, EmbeddingCollection)]
+    assert flags == [False, False]
+
+
 def test_raise_bad_ids_reports_the_first_bad_check() -> None:
     from opengem.ops.embedding import IdCheck, raise_bad_ids
 

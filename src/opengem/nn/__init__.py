@@ -1,6 +1,6 @@
 """Modules built from ops."""
 
-from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
+from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig, trust_ids
 from opengem.nn.layers import MLP, JaggedTransformerLayer
 from opengem.nn.low_precision import (
     NAMED_RECIPES,
@@ -30,4 +30,5 @@ __all__ = [
     "convert_with_precision",
     "default_filter",
     "select_precision",
+    "trust_ids",
 ]

@@ -262,6 +262,14 @@ class _GroupLookup:
     check: IdCheck | None
 
 
+def trust_ids(model: nn.Module) -> None:
+    """Turn off the GPU id range check (one device sync per forward) of every ``EmbeddingCollection`` in
+    ``model``: for ids in range by construction (the synthetic generators) or checked upstream."""
+    for module in model.modules():
+        if isinstance(module, EmbeddingCollection):
+            module.validate_ids = False
+
+
 def _prefix_sums(sizes: Sequence[int]) -> tuple[int, ...]:
     out, total = [], 0
     for size in sizes:

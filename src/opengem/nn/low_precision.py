@@ -168,8 +168,8 @@ class LowPrecisionLinear(nn.Linear):
     def quantized_weight(self, role: str, recipe: str, rotation: torch.Tensor | None) -> QuantizedOperand:
         """W (forward, [out, in]) or W^T (grad_input, [in, out]) quantized along its last dim, cached
         until the weight's version, storage or the recipe changes. Not cached in a compiled graph: dynamo
-        rejects the mutation inside the autograd.Function (torch 2.11), and Inductor fuses the quantization
-        into the graph anyway."""
+        rejects the mutation inside the autograd.Function (torch 2.11); the quantization is then part of
+        the graph, run every step."""
         w = self.weight
         if torch.compiler.is_compiling():
             with torch.no_grad():

@@ -21,7 +21,7 @@ from itertools import islice
 
 import torch
 
-from opengem.nn.embedding import EmbeddingCollection
+from opengem.nn.embedding import trust_ids
 from opengem.train.config import load_config
 from opengem.train.data_stream import SyntheticBatches
 from opengem.train.trainer import build_learner
@@ -51,9 +51,7 @@ def host_ms_per_step(probe: HostProbe, layers: int, device: torch.device) -> flo
     config = load_config(probe.preset, overrides=overrides)
     config = dataclasses.replace(config, gem=dataclasses.replace(config.gem, num_layers=layers))
     learner = build_learner(config, config.model.history, device)
-    for module in learner.model.modules():  # synthetic ids are in range: no id check (a sync) per step
-        if isinstance(module, EmbeddingCollection):
-            module.validate_ids = False
+    trust_ids(learner.model)  # synthetic ids: no id check (a sync) per step
     host_batches = list(islice(iter(SyntheticBatches(config, 0)), WARMUP + probe.steps))
     pinned = device.type == "cuda"
     batches = [(b.pin_memory() if pinned else b).to(device, non_blocking=True) for b in host_batches]

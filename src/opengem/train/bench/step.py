@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from opengem.data.schema import Batch
-from opengem.nn.embedding import EmbeddingCollection
+from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
@@ -39,7 +39,7 @@ class TrainBenchOptions:
     preset: str
     steps: int = 50
     warmup: int = 10
-    max_tuning_steps: int = 20  # after ``warmup``: more steps while the autotuners still meet new keys
+    max_tuning_steps: int = 20  # after ``warmup``: more steps until it settles (``warm_until_settled``)
     precision: str | None = None  # TrainConfig.precision; None: bf16 on CUDA, fp32 on CPU
     low_precision_mlp: str = "none"  # a recipe of opengem.nn.low_precision for the large Linear layers
     compile: bool = False
@@ -88,9 +88,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
     model = learner.model
-    for module in model.modules():  # the synthetic ids are in range by construction: no id check, no sync per step
-        if isinstance(module, EmbeddingCollection):
-            module.validate_ids = False
+    trust_ids(model)  # synthetic ids: no id check, no sync per step
     converted = []
     if options.low_precision_mlp != "none":
         converted = convert_to_low_precision(model, options.low_precision_mlp)
@@ -155,7 +153,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "num_workers": config.num_workers,
         "low_precision_layers": converted,
         "device": str(device),
-        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` while the autotuners met new keys
+        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` (new autotuner keys or slow steps)
     }
     return {
         "benchmark": "train",
