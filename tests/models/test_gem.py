@@ -3,13 +3,10 @@
 import argparse
 import dataclasses
 import json
-import typing
 
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from opengem.cli.info import add_info_parser, run_info
@@ -22,6 +19,7 @@ from opengem.models.presets import GEM_PRESETS, describe, gem_flops
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.gem_layers import PersonalizedFFN, SeedPooling
 from opengem.nn.wukong import DenseExperts
+from opengem.train.bench.elementwise import ElementwiseBytes
 from opengem.train.config import config_from_dict, load_config
 from opengem.train.trainer import build_learner
 
@@ -227,25 +225,6 @@ def test_fp8_self_attention_runs_the_fp8_emulation(batch):
         _model(dataclasses.replace(config, self_attention="block", attention_precision="fp8"))
 
 
-class _ElementwiseBytes(TorchDispatchMode):
-    """Bytes read and written by the aten ops other than GEMMs, views and opengem's own (attention) ops."""
-
-    SKIP: typing.ClassVar[set[str]] = {"mm", "addmm", "bmm", "baddbmm", "view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze",
-            "squeeze", "slice", "select", "permute", "as_strided", "detach", "alias", "split", "unbind",
-            "split_with_sizes", "_reshape_alias"}  # fmt: skip
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.total = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace != "opengem" and func.__name__.split(".")[0] not in self.SKIP:
-            tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.total += sum(t.numel() * t.element_size() for t in tensors)
-        return out
-
-
 @pytest.mark.parametrize("self_attention", ["jfa", "block"])
 def test_sequence_stream_in_the_compute_dtype(batch, self_attention):
     """``sequence_dtype="compute"``: under bf16 autocast the sequence enters every layer in bf16, the
@@ -263,7 +242,7 @@ def test_sequence_stream_in_the_compute_dtype(batch, self_attention):
         model.zero_grad()
         keep = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel() * t.element_size()) or t,
                                                         lambda t: t)
-        with _ElementwiseBytes() as moved:
+        with ElementwiseBytes() as moved:
             with keep, torch.autocast("cpu", dtype=torch.bfloat16):
                 logits = model(batch).float()
             logits.sum().backward()  # the fused embedding update changes the tables: compare before it

@@ -66,8 +66,8 @@ class GEMConfig:
     attention_precision: Literal["bf16", "fp8"] = "bf16"  # jfa self-attention's forward (fp8: E4M3, issue 12)
     # The sequence stream S (residual adds, norms' inputs, saved activations) in fp32, or in the forward's
     # compute dtype (bf16 under autocast; FSDP's bf16 parameters already give that). "compute" halves the
-    # element-wise traffic of the sequence branch: on CPU, gem-small at batch 256 moved 26.6 GB in its
-    # non-GEMM ops per step instead of 49.4 GB (eager, counted as in tests/models/test_gem.py).
+    # element-wise traffic of the sequence branch: on CPU, gem-small at batch 256 moved 25.7 GB in its
+    # non-GEMM ops per step instead of 48.5 GB (eager; benchmarks/diag/elementwise_bytes.py).
     sequence_dtype: Literal["fp32", "compute"] = "fp32"
     use_sequence: bool = True
     use_pffn: bool = True
