@@ -18,6 +18,8 @@
 # 5 (2 GPUs): issue 11's layouts of gem-large at batch 512 per GPU (SINGLE_GPU_MFU as in part 4)
 # k (one GPU, session 5): BlockAttention full (issue 5: power-law workload, Flex and JFA peers, the rotary
 #   cost since the SFU sin/cos), the FP8 MLP block (issue 6), the embedding lookup (issue 8)
+# plan (one GPU, session 5): the calibration with the host probe, the planner's predictions from it, then
+#   gem-large at batch 256 beside nothing else (issue 13)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -97,6 +99,11 @@ chain_k() {
   step low_precision 150 python -m benchmarks.low_precision
   step embedding 90 python -m benchmarks.embedding --quick
 }
+chain_plan() {
+  step calibrate 200 train bench calibrate --quick --out "$out/results/calibration_quick.json"
+  step predict 60 predict "$out/results/calibration_quick.json"
+  step large_single 290 large_single 256 multi_gpu_single
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -104,7 +111,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
