@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import json
 import math
 import os
+import statistics
 import subprocess
 from pathlib import Path
 from typing import Any, Callable
@@ -49,6 +52,81 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> f
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def bench_graph_ms(
+    fn: Callable[[], Any], rep_ms: int = 100, replays: int = 10, on_error: Callable[[str], None] | None = None
+) -> float | None:
+    """Median milliseconds of ``fn`` replayed from a CUDA graph of calls captured back to back (as
+    ``triton.testing.do_bench_cudagraph``), so host overhead (checks, dispatch, launches) drops out and only
+    device time is left; None without a GPU, for a ``fn`` that syncs, or when capture fails (``on_error`` gets
+    why).
+
+    ``fn`` must have run eagerly before (compiles, autotuning and host caches warm). The capture is done
+    here rather than by do_bench_cudagraph so that a failed one can be undone (see _undo_failed_capture)."""
+    if not torch.cuda.is_available():
+        return None
+    device, pool = torch.cuda.current_device(), torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        try:
+            debug_mode = torch.cuda.get_sync_debug_mode()
+            torch.cuda.set_sync_debug_mode("error")  # a call that syncs cannot be captured: refuse it before
+            try:
+                fn()
+            finally:
+                torch.cuda.set_sync_debug_mode(debug_mode)
+            repeat = max(1, int(rep_ms / max(_event_ms(fn, 5) / 5, 1e-3)))
+        except Exception as exc:  # noqa: BLE001 - no graph figure for this method
+            return _declined(on_error, "before capture", exc)
+        graph = torch.cuda.CUDAGraph()
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # a Triton kernel finalized by the GC would unload its module mid-capture
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                for _ in range(repeat):
+                    fn()
+        except Exception as exc:  # noqa: BLE001
+            _undo_failed_capture(device, pool)
+            return _declined(on_error, "capture", exc)
+        finally:
+            if gc_was_enabled:
+                gc.enable()
+        times = [_event_ms(graph.replay, 1) / repeat for _ in range(replays)]
+    return statistics.median(times)
+
+
+def _declined(on_error: Callable[[str], None] | None, stage: str, exc: BaseException) -> None:
+    if on_error is not None:
+        on_error(f"{stage}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:200])
+
+
+def _event_ms(fn: Callable[[], Any], calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(calls):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
+def _undo_failed_capture(device: int, pool: tuple[int, int]) -> None:
+    """``CUDAGraph.capture_end`` raises before its clean-up when the capture broke, which leaves the caching
+    allocator recording to the graph's pool (an H200 run ran out of its 140 GB a few methods after such
+    failures) and the CUDA generator in capture mode (every later random op fails with "Offset increment
+    outside graph capture"). Both are put back here (seen working on torch 2.11)."""
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize()  # raises, and so clears, an error the capture left
+    try:
+        torch._C._cuda_endAllocateToPool(device, pool)
+    except RuntimeError:
+        pass  # capture_end got past it: the graph releases its own pool
+    else:
+        torch._C._cuda_releasePool(device, pool)
+    generator = torch.cuda.default_generators[device]
+    generator.graphsafe_set_state(generator.clone_state())  # a fresh state is not capturing
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -90,6 +90,13 @@ def test_rotary_matches_reference(rotary):
     _compare([21, 0, 38], block_size=16, rotary=rotary)
 
 
+@pytest.mark.parametrize("rotary", ["none", "sequence", "time"])
+def test_rotary_with_gqa_covers_every_head(rotary):
+    """Four q heads over two kv heads (GQA groups of 2): every head's output and gradients are written,
+    with and without rotary (the in-sequence sin/cos table is shared by all heads)."""
+    _compare([21, 0, 38], heads=4, kv_heads=2, block_size=16, rotary=rotary)
+
+
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)
 def test_every_activation_matches_reference(activation):
     _compare([19, 30], heads=1, kv_heads=1, block_size=16, activation=activation, scale=0.3)
