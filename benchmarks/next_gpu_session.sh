@@ -107,8 +107,8 @@ chain_plan() {
   step large_single 290 large_single 256 multi_gpu_single
 }
 chain_k2() {
-  step block_attention_full 250 python -m benchmarks.block_attention
-  step large_b256_phases 290 train bench train --preset gem-large --batch-size 256 --compile --steps 8 --warmup 8 \
+  step block_attention_full 270 python -m benchmarks.block_attention
+  step large_b256_phases 300 train bench train --preset gem-large --batch-size 256 --compile --steps 8 --warmup 8 \
     --out "$out/results/train_gem-large_b256.json"
 }
 export out
