@@ -38,6 +38,22 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["loader_samples_per_s"] > 0
     assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
     assert payload["environment"]["device"] == "cpu"
+    assert payload["settings"]["keys_tuned_while_timed"] == 0  # no autotuner runs on CPU
+
+
+def test_keys_tuned_while_timed_counts_the_timed_window(monkeypatch, tmp_path):
+    """Autotuner keys met inside the timed steps (seconds of candidate timing each) are reported."""
+    import itertools
+
+    from opengem.ops.triton import tuning
+
+    counter = itertools.count()
+    monkeypatch.setattr(tuning, "tuned_keys", lambda: next(counter))  # one more key at every look
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", *TINY, "--steps", "2", "--warmup", "1", "--profile-steps", "1",
+            "--loader-batches", "2", "--peak-tflops", "1", "--out", str(out)]
+    assert main(argv) == 0
+    assert json.loads(out.read_text())["settings"]["keys_tuned_while_timed"] == 1  # read before and after: +1
 
 
 def test_bench_train_reports_the_scaling_ratio(train_result):

@@ -35,6 +35,7 @@ def test_every_layout_trains_and_reports(world2):
     assert payload["compute_beside_collectives"] == []  # a CUDA measurement (GEMM beside all-gathers)
     for row in rows.values():
         assert row["world"] == 2 and row["batch_per_gpu"] == 8
+        assert row["keys_tuned_while_timed"] == 0  # no autotuner on CPU: nothing tuned in the timed window
         assert row["samples_per_s"] == pytest.approx(16 * 1e3 / row["step_ms"])
         assert row["samples_per_s_per_gpu"] == pytest.approx(row["samples_per_s"] / 2)
         assert row["e2e_mfu"] == pytest.approx(row["flops_per_s"] / 2e12)

@@ -24,7 +24,9 @@ from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
-from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
+from opengem.train.bench.timing import (
+    FLOP_CONVENTION, WindowTimer, environment, synchronize, tuned_keys, warm_until_settled,
+)
 from opengem.train.compile import compile_regions
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
@@ -104,6 +106,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     synchronize(device)
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
+    keys_before = tuned_keys()
     timer.start()
     for _ in range(options.steps):
         fetch = time.perf_counter()
@@ -112,6 +115,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         lengths.append(batch.history_age.lengths_host())
         loss = learner.step(batch.to(device, non_blocking=True))
     elapsed = timer.stop()
+    keys_tuned_while_timed = tuned_keys() - keys_before
 
     phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
@@ -154,6 +158,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "low_precision_layers": converted,
         "device": str(device),
         "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` (new autotuner keys or slow steps)
+        # > 0: some autotuner timed its candidates inside the timed steps (seconds each), so step_ms is high
+        "keys_tuned_while_timed": keys_tuned_while_timed,
     }
     return {
         "benchmark": "train",

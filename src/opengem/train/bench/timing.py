@@ -48,6 +48,14 @@ class WindowTimer:
         return time.perf_counter() - self._wall
 
 
+def tuned_keys() -> int:
+    """Settled autotuner configurations so far (``opengem.ops.triton.tuning``; imported here, since Triton
+    is optional on CPU). A count that grows inside a timed window means candidates were timed there."""
+    from opengem.ops.triton.tuning import tuned_keys as count
+
+    return count()
+
+
 def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: int, quiet_steps: int = 3,
                        agree: Callable[[bool], bool] = lambda unsettled: unsettled,
                        sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
@@ -60,8 +68,6 @@ def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: in
     cold caches, against 360 ms at batch 512). Each run is timed between two ``sync()`` calls. ``agree`` turns this
     rank's "not settled" into every rank's (an all-reduce under torch.distributed), so all ranks run the
     same steps."""
-    from opengem.ops.triton.tuning import tuned_keys
-
     seen, calm, ran, fastest = tuned_keys(), 0, 0, float("inf")
     while ran < min_steps or (calm < quiet_steps and ran < min_steps + max_extra):
         sync()
