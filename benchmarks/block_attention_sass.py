@@ -1,8 +1,10 @@
 """Static cost of BlockAttention's rotary modes, without a GPU: compile the kernels for sm_90 (Triton's
 bundled ptxas) and count registers, local-memory spills and SASS instructions per thread.
 
-Both kernels are straight-line code per program for GROUP = 1 (no loops), so the static count is the
-dynamic one; instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
+The forward is straight-line code per program for GROUP = 1, so its static count is the dynamic one. The
+backward is compiled as the launcher runs it for 4 kv heads: one program per (block, head) without
+rotary, one per block over its 4 heads with (the loop body counted once; its sin/cos prologue is shared
+by the 4). Instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
 to compare with the memory time of this bandwidth-bound kernel. Compiled as the launcher specializes a
 contiguous bf16 ``[T, 4, 128]`` call: block 64, 16-byte aligned pointers and strides. Run on any machine (CPU is enough):
 ``PYTHONPATH=src python -m benchmarks.block_attention_sass``. Not run under ``TRITON_INTERPRET=1``
@@ -77,8 +79,9 @@ def main() -> None:
                                 ("bwd", kernels._block_attention_bwd, 8)):
         base = None
         for mode, label in MODES:
+            heads = {"HEADS": kernels._kv_heads_per_program(4, mode, 64, 128)} if name == "bwd" else {}
             cost = compiled_cost(kernel, warps, GROUP=1, BLOCK=64, HALF=64, ACT=kernels.SOFTMAX.value, ROT=mode,
-                                 REDUCE=mode == 2)
+                                 REDUCE=mode == 2, **heads)
             base = base or cost["instructions"]
             ratio = f"{cost['instructions']} ({cost['instructions'] / base - 1:+.0%})"
             counts = " | ".join(str(cost[op]) for op in COUNTED)

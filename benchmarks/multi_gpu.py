@@ -184,6 +184,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             lengths.append(batch.history_age.lengths_host())
             loss = learner.step(batch.to(device, non_blocking=True))
             losses.append(loss)
+            timer.lap()
         elapsed = _reduce(timer.stop(), dist.ReduceOp.MAX, device)  # the step ends when the slowest rank does
         # > 0: an autotuner timed its candidates inside the timed window (seconds each): step_ms is inflated
         keys_tuned_while_timed = int(_reduce(float(tuned_keys() - keys_before), dist.ReduceOp.MAX, device))
@@ -201,6 +202,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             "peak_memory_gib": _reduce(peak_gib, dist.ReduceOp.MAX, device) if peak_gib is not None else None,
             "comm_bytes_per_step": run.step_bytes(), "tuning_steps": tuning_steps,
             "keys_tuned_while_timed": keys_tuned_while_timed,
+            "step_ms_each": timer.laps_ms(),  # this rank's; a stall (tuning, a compile) shows as an outlier
         }
         if curve:
             row["losses"] = torch.stack([value.detach().float() for value in losses]).tolist()

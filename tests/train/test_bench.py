@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 from opengem.cli.main import main
 from opengem.models.presets import GEM_PRESETS
@@ -39,6 +40,24 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
     assert payload["environment"]["device"] == "cpu"
     assert payload["settings"]["keys_tuned_while_timed"] == 0  # no autotuner runs on CPU
+    each = results["step_ms_each"]  # one lap per timed step, adding up to (nearly) the whole window
+    assert len(each) == 3 and all(ms > 0 for ms in each)
+    assert sum(each) == pytest.approx(3 * results["step_ms"], rel=0.05)
+
+
+def test_window_timer_laps_split_the_window(monkeypatch):
+    """Each lap is the time from the previous mark; the window is start to stop, laps or not."""
+    from opengem.train.bench import timing
+
+    clock = iter([10.0, 10.5, 12.0, 12.25, 13.0])
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    timer = timing.WindowTimer(torch.device("cpu"))
+    timer.start()
+    timer.lap()
+    timer.lap()
+    timer.lap()
+    assert timer.stop() == pytest.approx(3.0)
+    assert timer.laps_ms() == pytest.approx([500.0, 1500.0, 250.0])
 
 
 def test_keys_tuned_while_timed_counts_the_timed_window(monkeypatch, tmp_path):

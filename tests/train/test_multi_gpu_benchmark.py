@@ -36,6 +36,7 @@ def test_every_layout_trains_and_reports(world2):
     for row in rows.values():
         assert row["world"] == 2 and row["batch_per_gpu"] == 8
         assert row["keys_tuned_while_timed"] == 0  # no autotuner on CPU: nothing tuned in the timed window
+        assert len(row["step_ms_each"]) == 3 and all(ms > 0 for ms in row["step_ms_each"])  # --quick: 3 timed steps
         assert row["samples_per_s"] == pytest.approx(16 * 1e3 / row["step_ms"])
         assert row["samples_per_s_per_gpu"] == pytest.approx(row["samples_per_s"] / 2)
         assert row["e2e_mfu"] == pytest.approx(row["flops_per_s"] / 2e12)

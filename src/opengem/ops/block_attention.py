@@ -89,11 +89,12 @@ def block_attention(
         activation: ``"softmax"`` (normalized over the block's keys) or a pointwise GDPA activation
             (identity, relu, relu2, leaky_relu (slope 0.01), silu, fast_gelu, gelu, gelu_tanh,
             hardswish), giving ``O_i = sum_j phi(scale q_i . k_j) v_j`` over the block, unnormalized.
-        rotary: optional :class:`Rotary`; q and k are rotated (in fp32, then rounded to q's dtype on the
-            GPU) before the dot products; gradients are rotated back with the transposed rotation. The GPU
-            takes cos/sin from its special-function unit (absolute error below ~3e-5, far under the bf16
-            rounding of the rotated q/k) and rotates in-sequence positions relative to each block, which
-            leaves scores and gradients unchanged.
+        rotary: optional :class:`Rotary`; q and k are rotated before the dot products; gradients are
+            rotated back with the transposed rotation (in fp32). On the GPU the rotation of q/k runs in
+            q's dtype (bf16/fp16: packed 16-bit math with cos/sin rounded to it, ~1.2x the output error of
+            an fp32 rotation, 6.0e-4 against 5.1e-4 in fp16); cos/sin come from the special-function unit
+            (absolute error below ~3e-5), and in-sequence positions are rotated relative to each block,
+            which leaves scores and gradients unchanged.
         backend: ``"auto"`` (CUDA -> Triton, CPU -> reference), ``"triton"`` or ``"reference"``.
 
     Returns:

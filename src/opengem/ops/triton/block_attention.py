@@ -5,8 +5,9 @@ a pointwise activation, and ``O = P V``; nothing but O is written. The backward 
 Q and K, gets the softmax ``delta = rowsum(dP * P)`` in-register (no preprocessing pass, no LSE), and
 writes dq, dk, dv. Rotary embedding is applied to the Q/K tiles after loading (rotate-half layout: the
 two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); the backward rotates
-dq/dk back with the transposed rotation. Programs of one kv head loop over its GQA group in the
-backward so dk/dv are accumulated in registers, never with atomics.
+dq/dk back with the transposed rotation. Backward programs loop over the GQA group of their kv head so
+dk/dv are accumulated in registers, never with atomics; with rotary one backward program takes every kv
+head of its block, so the block's sin/cos is computed once (:func:`_kv_heads_per_program`).
 
 Schedule: ``[2, num_blocks]`` int32 (block start token, block length), one column per block across all
 sequences, built once on the host from the offsets and cached. Rotary angles are taken relative to the
@@ -53,6 +54,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 
 _AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"], prune_configs_by={"early_config_prune": _prune})
+_AUTOTUNE_BWD = dict(_AUTOTUNE, key=[*_AUTOTUNE["key"], "HEADS"])
 
 
 @triton.jit
@@ -113,8 +115,11 @@ def _load_halves(ptr, valid):
 
 @triton.jit
 def _rotate(lo, hi, cos, sin):
-    lo32, hi32 = lo.to(tl.float32), hi.to(tl.float32)
-    return (lo32 * cos - hi32 * sin).to(lo.dtype), (hi32 * cos + lo32 * sin).to(lo.dtype)
+    """Rotate a loaded q/k tile in its own dtype: 16-bit inputs use packed two-lane math (HFMA2), half the
+    instructions of an fp32 round trip (~1.5 roundings of the input dtype instead of one: well inside the
+    tolerance of a bf16 attention); fp32 inputs rotate in fp32."""
+    c, s = cos.to(lo.dtype), sin.to(lo.dtype)
+    return lo * c - hi * s, hi * c + lo * s
 
 
 @triton.jit
@@ -171,7 +176,7 @@ def _block_attention_fwd(
     tl.store(O + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(O.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.autotune(**_AUTOTUNE)
+@triton.autotune(**_AUTOTUNE_BWD)
 @triton.jit
 def _block_attention_bwd(
     Q, K, V, DO, DQ, DK, DV, SCHED, PHASE, INV_FREQ,
@@ -179,55 +184,63 @@ def _block_attention_bwd(
     stride_dqt, stride_dqh, stride_dkt, stride_dkh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
-    REDUCE: tl.constexpr,
+    REDUCE: tl.constexpr, HEADS: tl.constexpr,
 ):  # fmt: skip
-    blk, kv_head = tl.program_id(0), tl.program_id(1)
+    """Program (block, chunk): kv heads ``chunk * HEADS ...`` of the block, each with its GQA group."""
+    blk = tl.program_id(0)
     start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
     valid = rows < length
     tok = (start + rows).to(tl.int64)
     half = tl.arange(0, HALF)
     dims = tl.arange(0, 2 * HALF)
-    k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
-    v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
     if ROT != 0:
+        # One sin/cos per block for all its heads (two MUFU ops per element bound the rotary backward),
+        # kept in the input dtype so the table stays small in registers across the head loop.
         cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
-        k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
-    dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
-    dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
-    dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
-    for g in range(GROUP):
-        head = kv_head * GROUP + g
-        q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
+        cos, sin = cos.to(Q.dtype.element_ty), sin.to(Q.dtype.element_ty)
+    for kh in range(HEADS):
+        kv_head = tl.program_id(1) * HEADS + kh
+        k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
+        v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
         if ROT != 0:
-            q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
-        do = tl.load(DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :], mask=valid[:, None], other=0.0)
-        # Recompute S and P exactly as the forward did.
-        s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
-        p = _weights(s, valid, scale, ACT)
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
-        dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
-        if ACT == SOFTMAX:
-            ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
-        else:
-            ds = tl.where(valid[None, :], dp * activation_value_and_grad(s * scale, ACT)[1], 0.0)
-        ds = (ds * scale).to(q_lo.dtype)
-        dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
-        dq_hi = tl.dot(ds, k_hi)
-        dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
-        dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
+            k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
+        dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
+        dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
+        dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
+        for g in range(GROUP):
+            head = kv_head * GROUP + g
+            q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
+            if ROT != 0:
+                q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
+            do_ptr = DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :]
+            do = tl.load(do_ptr, mask=valid[:, None], other=0.0)
+            # Recompute S and P exactly as the forward did.
+            s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+            p = _weights(s, valid, scale, ACT)
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
+            dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
+            if ACT == SOFTMAX:
+                ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
+            else:
+                ds = tl.where(valid[None, :], dp * activation_value_and_grad(s * scale, ACT)[1], 0.0)
+            ds = (ds * scale).to(q_lo.dtype)
+            dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
+            dq_hi = tl.dot(ds, k_hi)
+            dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
+            dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
+            if ROT != 0:
+                dq_lo, dq_hi = _unrotate(dq_lo, dq_hi, cos.to(tl.float32), sin.to(tl.float32))
+            dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
+            tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
+            tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
         if ROT != 0:
-            dq_lo, dq_hi = _unrotate(dq_lo, dq_hi, cos, sin)
-        dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
-        tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
-        tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
-    if ROT != 0:
-        dk_lo, dk_hi = _unrotate(dk_lo, dk_hi, cos, sin)
-    dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
-    tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
-    tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])
-    dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
-    tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
+            dk_lo, dk_hi = _unrotate(dk_lo, dk_hi, cos.to(tl.float32), sin.to(tl.float32))
+        dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
+        tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
+        tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])
+        dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
+        tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
 
 
 _SCHEDULE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -272,6 +285,16 @@ def _common_args(
     )  # fmt: skip
     pointers = (rotary_values if rotary_values is not None else dummy, inv_freq if inv_freq is not None else dummy)
     return pointers, (float(scale), float(time_scale)), meta
+
+
+def _kv_heads_per_program(kv_heads: int, rotary_mode: int, block_size: int, head_dim: int) -> int:
+    """Backward programs per block. With rotary, one program takes every kv head of its block, so the
+    block's sin/cos is computed once, not once per head (the MUFU pipe bounds the rotary backward; sm_90
+    ptxas at block 64, D 128, 8 warps: 255 registers either way, 8-16 B of spills, one program per SM).
+    Larger tiles (block 128 or D 256) already spill and spill ~3x more with the loop: a program per head
+    there. The forward keeps a program per (block, head): it is bandwidth-bound, and the loop would keep
+    cos/sin live and halve its occupancy."""
+    return kv_heads if rotary_mode != 0 and block_size * head_dim <= 64 * 128 else 1
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -343,10 +366,11 @@ def block_attention_bwd(
         q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, reduce_angles,
         block_size,
     )  # fmt: skip
-    _block_attention_bwd[(num_blocks, k.shape[1])](
+    heads = _kv_heads_per_program(k.shape[1], rotary_mode, block_size, q.shape[-1])
+    _block_attention_bwd[(num_blocks, k.shape[1] // heads)](
         q, k, v, grad_out, dq, dk, dv, schedule, *pointers, num_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-        *floats, **meta,
+        *floats, HEADS=heads, **meta,
     )  # fmt: skip
     return dq, dk, dv

@@ -114,6 +114,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         data_wait += time.perf_counter() - fetch
         lengths.append(batch.history_age.lengths_host())
         loss = learner.step(batch.to(device, non_blocking=True))
+        timer.lap()
     elapsed = timer.stop()
     keys_tuned_while_timed = tuned_keys() - keys_before
 
@@ -133,6 +134,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     ceiling = measured_matmul_peak(device, matmul_dtype, options.matmul_size or (8192 if device.type == "cuda" else 512))
     results = {
         "step_ms": 1e3 * elapsed / options.steps,
+        "step_ms_each": timer.laps_ms(),  # each timed step's share of the window (a stall shows as an outlier)
         "samples_per_s": samples / elapsed,
         "tokens_per_s": sum(int(n.sum()) for n in lengths) / elapsed,
         "train_flops_per_sample": total_flops / samples,
@@ -232,6 +234,8 @@ def format_report(payload: dict[str, Any]) -> str:
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
         f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + {s['tuning_steps']} warm-up)",
+        (f"  timed steps       {min(r['step_ms_each']):>12.2f} ms min, {max(r['step_ms_each']):.2f} max; "
+         f"{s['keys_tuned_while_timed']} autotuner keys tuned while timed"),
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
         (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "

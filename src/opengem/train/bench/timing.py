@@ -27,25 +27,39 @@ def synchronize(device: torch.device) -> None:
 
 class WindowTimer:
     """Elapsed seconds between ``start()`` and ``stop()``: CUDA events on a GPU (one synchronization, at the
-    end of the window), wall clock on the CPU."""
+    end of the window), wall clock on the CPU. ``lap()`` after each step marks its end the same way (an
+    event, no sync), so :meth:`laps_ms` gives every step's share of the window: a step that waited seconds
+    for the host (an autotuner timing its candidates, a compile) stands out from the median there."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
 
+    def _mark(self) -> torch.cuda.Event | float:
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def start(self) -> None:
-        if self.device.type == "cuda":
-            self._begin = torch.cuda.Event(enable_timing=True)
-            self._end = torch.cuda.Event(enable_timing=True)
-            self._begin.record()
-        else:
-            self._wall = time.perf_counter()
+        self._begin, self._laps = self._mark(), []
+
+    def lap(self) -> None:
+        self._laps.append(self._mark())
 
     def stop(self) -> float:
+        self._end = self._mark()
         if self.device.type == "cuda":
-            self._end.record()
             self._end.synchronize()
             return self._begin.elapsed_time(self._end) / 1e3
-        return time.perf_counter() - self._wall
+        return self._end - self._begin
+
+    def laps_ms(self) -> list[float]:
+        """Milliseconds from the start (then each lap) to the next lap; call after ``stop()``."""
+        marks = [self._begin, *self._laps]
+        if self.device.type == "cuda":
+            return [a.elapsed_time(b) for a, b in zip(marks, marks[1:])]
+        return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
 
 
 def tuned_keys() -> int:
