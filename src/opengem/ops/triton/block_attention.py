@@ -290,7 +290,8 @@ def _common_args(
 def _kv_heads_per_program(kv_heads: int, rotary_mode: int, block_size: int, head_dim: int) -> int:
     """Backward programs per block. With rotary, one program takes every kv head of its block, so the
     block's sin/cos is computed once, not once per head (the MUFU pipe bounds the rotary backward; sm_90
-    ptxas at block 64, D 128, 8 warps: 255 registers either way, 8-16 B of spills, one program per SM).
+    at block 64, D 128, 8 warps, Triton 3.6: 162 -> 255 registers, 40-48 B of spills, one program per SM
+    either way).
     Larger tiles (block 128 or D 256) already spill and spill ~3x more with the loop: a program per head
     there. The forward keeps a program per (block, head): it is bandwidth-bound, and the loop would keep
     cos/sin live and halve its occupancy."""
