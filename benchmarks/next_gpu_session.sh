@@ -22,7 +22,7 @@
 #   gem-large at batch 256 beside nothing else (issue 13)
 # k2 (one GPU, session 5): BlockAttention full again (Flex mask fixed, graph-replay timing), then gem-large
 #   b256 under bench train (its phase split: is the GPU idle in the step? issue 13)
-# s6 (one GPU, for session 6): BlockAttention full (the 16-bit rotation and the per-block rotary backward,
+# s6a, s6b (one GPU, for session 6, one call each): BlockAttention full (the 16-bit rotation and the per-block rotary backward,
 #   unmeasured; issue 5), then gem-large b256 in the multi-GPU harness and gem-small b2048 under bench
 #   train, both now reporting keys_tuned_while_timed and each timed step (issues 13, 10)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -114,9 +114,11 @@ chain_k2() {
   step large_b256_phases 300 train bench train --preset gem-large --batch-size 256 --compile --steps 8 --warmup 8 \
     --out "$out/results/train_gem-large_b256.json"
 }
-chain_s6() {
+chain_s6a() {
   step block_attention_full 270 python -m benchmarks.block_attention
   step large_single 290 large_single 256 multi_gpu_single
+}
+chain_s6b() {
   step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
     --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
 }
@@ -127,7 +129,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6a|s6b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
