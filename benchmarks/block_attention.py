@@ -315,13 +315,14 @@ def _timed(
     replay figure where capture worked (``timing`` says which)."""
     flops = b.flops if flops is None else flops
 
-    def row(direction: str, eager_ms: float, graph_ms: float | None, f: float, nbytes: int) -> dict:
+    def row(direction: str, eager_ms: float, graph_ms: float | None, graph_error: list[str], f: float,
+            nbytes: int) -> dict:
         ms = eager_ms if graph_ms is None else graph_ms
         gbps = nbytes / ms / 1e6 if with_bytes else None
         out = dict(workload=b.name, method=name, direction=direction, ms=ms, eager_ms=eager_ms,
                    timing="eager" if graph_ms is None else "graph", tflops=f / ms / 1e9, gbps=gbps)
-        if declined:
-            out["graph_error"] = declined.pop()  # why there is no replay figure (JSON only)
+        if graph_error:
+            out["graph_error"] = graph_error[-1]  # why there is no replay figure (JSON only)
         ours = results.ours(b.name, direction)
         if ours is not None and name.startswith(("sdpa", "flex", "jfa")):
             out["vs_ours"] = _like_ratio(out, ours)
@@ -329,8 +330,8 @@ def _timed(
             out["rope_overhead"] = _like_ratio(out, ours) - 1.0
         return out
 
-    declined: list[str] = []
     for direction in ("fwd", "bwd"):
+        declined: list[str] = []
         try:
             with _stream():
                 if direction == "fwd":
@@ -347,7 +348,7 @@ def _timed(
             results.add(_error_row(b.name, name, f"{direction}_error", exc))
             return
         nbytes = b.bytes_fwd if direction == "fwd" else b.bytes_bwd
-        results.add(row(direction, eager_ms, graph_ms, flops if direction == "fwd" else 2.5 * flops, nbytes))
+        results.add(row(direction, eager_ms, graph_ms, declined, flops if direction == "fwd" else 2.5 * flops, nbytes))
 
 
 def check_ours(results: Results, b: Batch, label: str, mode: int) -> None:

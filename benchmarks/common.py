@@ -15,6 +15,8 @@ from typing import Any, Callable
 
 import torch
 
+from opengem.train.bench.timing import WindowTimer
+
 RESULTS_DIR = Path(__file__).parent / "results"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense BF16 peak of H100 SXM / H200 (GEM_SPEC section 8)
 
@@ -103,13 +105,12 @@ def _declined(on_error: Callable[[str], None] | None, stage: str, exc: BaseExcep
 
 
 def _event_ms(fn: Callable[[], Any], calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
+    """Milliseconds of ``calls`` back-to-back calls on the current stream (CUDA events, one sync)."""
+    timer = WindowTimer(torch.device("cuda", torch.cuda.current_device()))
+    timer.start()
     for _ in range(calls):
         fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return timer.stop() * 1e3
 
 
 def _undo_failed_capture(device: int, pool: tuple[int, int]) -> None:

@@ -93,7 +93,7 @@ def test_rotary_matches_reference(rotary):
 @pytest.mark.parametrize("rotary", ["none", "sequence", "time"])
 def test_rotary_with_gqa_covers_every_head(rotary):
     """Four q heads over two kv heads (GQA groups of 2): every head's output and gradients are written,
-    with and without rotary (the in-sequence sin/cos table is shared by all heads)."""
+    with and without rotary (with it, one backward program covers both kv heads of a block)."""
     _compare([21, 0, 38], heads=4, kv_heads=2, block_size=16, rotary=rotary)
 
 
