@@ -86,7 +86,8 @@ def pin_default_configs() -> None:
     from opengem.ops.triton import block_attention as kernels
 
     for kernel, warps in ((kernels._block_attention_fwd, 4), (kernels._block_attention_bwd, 8)):
-        kernel.configs = [c for c in kernel.configs if c.num_warps == warps] or kernel.configs[:1]
+        uncapped = [c for c in kernel.configs if c.num_warps == warps and c.maxnreg is None]
+        kernel.configs = uncapped[:1] or kernel.configs[:1]
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:

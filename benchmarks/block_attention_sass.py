@@ -1,10 +1,8 @@
 """Static cost of BlockAttention's rotary modes, without a GPU: compile the kernels for sm_90 (Triton's
 bundled ptxas) and count registers, local-memory spills and SASS instructions per thread.
 
-The forward is straight-line code per program for GROUP = 1, so its static count is the dynamic one. The
-backward is compiled as the launcher runs it for 4 kv heads: one program per (block, head) without
-rotary, one per block over its 4 heads with (the loop body counted once; its sin/cos prologue is shared
-by the 4). Instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
+Both kernels are straight-line code per (block, head) program for GROUP = 1, so their static counts are
+the dynamic ones. Instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
 to compare with the memory time of this bandwidth-bound kernel. Compiled as the launcher specializes a
 contiguous bf16 ``[T, 4, 128]`` call: block 64, 16-byte aligned pointers and strides. Run on any machine (CPU is enough):
 ``PYTHONPATH=src python -m benchmarks.block_attention_sass``. Not run under ``TRITON_INTERPRET=1``
@@ -29,7 +27,7 @@ from opengem.ops.triton import block_attention as kernels
 TARGET = GPUTarget("cuda", 90, 32)
 COUNTED = ("MUFU", "FFMA", "FMUL", "LDG", "LDL", "STL")
 MODES = ((0, "off"), (1, "in-sequence positions"), (2, "given positions"), (3, "time gaps"))
-POINTER_TYPES = {"SCHED": "*i32", "PHASE": "*fp32", "INV_FREQ": "*fp32"}
+POINTER_TYPES = {"SCHED": "*i32", "INV_FREQ": "*fp32"}
 
 
 def _jit_function(kernel) -> JITFunction:
@@ -44,6 +42,8 @@ def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
             return "constexpr"
         if name in POINTER_TYPES:
             return POINTER_TYPES[name]
+        if name == "PHASE":  # in-sequence positions: the bf16 cos/sin table; else fp32 positions or gaps
+            return "*bf16" if constants.get("ROT") == 1 else "*fp32"
         if name.isupper():
             return "*bf16"  # Q, K, V, O, DO, DQ, DK, DV
         return "fp32" if name in ("scale", "time_scale") else "i32"
@@ -51,15 +51,17 @@ def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
     return {name: kind(name) for name in fn.arg_names}
 
 
-def compiled_cost(kernel, num_warps: int, **constants) -> dict[str, int]:
-    """Registers, spill stack bytes, SASS instructions per thread and selected opcodes of one variant."""
+def compiled_cost(kernel, num_warps: int, maxnreg: int | None = None, **constants) -> dict[str, int]:
+    """Registers, spill stack bytes, SASS instructions per thread and selected opcodes of one variant
+    (``maxnreg``: the register cap of an autotuner config that sets one)."""
     fn = _jit_function(kernel)
     signature = _signature(fn, constants)
     # As the launcher specializes them for contiguous [T, H, D] tensors: 16-aligned pointers and strides.
     aligned = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name.startswith("stride")]
     attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    compiled = triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=1))
+    options = dict(num_warps=num_warps, num_stages=1) | ({"maxnreg": maxnreg} if maxnreg else {})
+    compiled = triton.compile(source, target=TARGET, options=options)
     cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(compiled.asm["cubin"])
@@ -75,17 +77,19 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
     print("kernel | warps | rotary | regs | spill stack B | SASS instr/thread (vs off) | " + " | ".join(COUNTED))
-    for name, kernel, warps in (("fwd", kernels._block_attention_fwd, 4), ("fwd", kernels._block_attention_fwd, 8),
-                                ("bwd", kernels._block_attention_bwd, 8)):
+    for name, kernel, warps, cap in (("fwd", kernels._block_attention_fwd, 4, None),
+                                     ("fwd", kernels._block_attention_fwd, 8, None),
+                                     ("bwd", kernels._block_attention_bwd, 8, None),
+                                     ("bwd", kernels._block_attention_bwd, 8, 128),
+                                     ("bwd", kernels._block_attention_bwd, 16, None)):
         base = None
         for mode, label in MODES:
-            heads = {"HEADS": kernels._kv_heads_per_program(4, mode, 64, 128)} if name == "bwd" else {}
-            cost = compiled_cost(kernel, warps, GROUP=1, BLOCK=64, HALF=64, ACT=kernels.SOFTMAX.value, ROT=mode,
-                                 REDUCE=mode == 2, **heads)
+            cost = compiled_cost(kernel, warps, cap, GROUP=1, BLOCK=64, HALF=64, ACT=kernels.SOFTMAX.value, ROT=mode,
+                                 REDUCE=mode == 2)
             base = base or cost["instructions"]
             ratio = f"{cost['instructions']} ({cost['instructions'] / base - 1:+.0%})"
             counts = " | ".join(str(cost[op]) for op in COUNTED)
-            print(f"{name} | {warps} | {label} | {cost['reg']} | {cost['stack']} | {ratio} | {counts}", flush=True)
+            print(f"{name} | {warps}{f' (max {cap} regs)' if cap else ''} | {label} | {cost['reg']} | {cost['stack']} | {ratio} | {counts}", flush=True)
 
 
 if __name__ == "__main__":

@@ -49,6 +49,7 @@ import gc
 import json
 import math
 import os
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,8 @@ from opengem.parallel.collectives import (
 )
 from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.parallel.mesh import ParallelConfig, ParallelMeshes, build_meshes, init_distributed, parse_parallel
-from opengem.train.bench.timing import WindowTimer, synchronize, time_ms, tuned_keys, warm_until_settled
+from opengem.train.bench.timing import WindowTimer, synchronize, time_ms, warm_until_settled
+from opengem.train.bench.watch import events_report, host_events
 from opengem.train.config import TrainConfig, load_config
 from opengem.train.distributed import DistributedRun
 from opengem.train.flops import device_peak_flops, train_flops
@@ -177,7 +179,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
         synchronize(device)
         if dist.is_initialized():
             dist.barrier()
-        lengths, timer, keys_before = [], WindowTimer(device), tuned_keys()
+        lengths, timer, events_before = [], WindowTimer(device), host_events()
         timer.start()
         for _ in range(steps):
             batch = next(stream)
@@ -186,8 +188,8 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             losses.append(loss)
             timer.lap()
         elapsed = _reduce(timer.stop(), dist.ReduceOp.MAX, device)  # the step ends when the slowest rank does
-        # > 0: an autotuner timed its candidates inside the timed window (seconds each): step_ms is inflated
-        keys_tuned_while_timed = int(_reduce(float(tuned_keys() - keys_before), dist.ReduceOp.MAX, device))
+        # this rank's; any count > 0: seconds of host work (tuning, compiling, collecting) in the timed steps
+        while_timed = events_report(events_before)
         stream = None  # drops the stream (and its loader workers) before the next layout
         world = dist.get_world_size() if dist.is_initialized() else 1
         flops = _reduce(float(sum(train_flops(learner.model, n).train for n in lengths)), dist.ReduceOp.SUM, device)
@@ -201,8 +203,9 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             "flops_per_s": flops / elapsed, "first_loss": first_loss, "last_loss": float(loss),
             "peak_memory_gib": _reduce(peak_gib, dist.ReduceOp.MAX, device) if peak_gib is not None else None,
             "comm_bytes_per_step": run.step_bytes(), "tuning_steps": tuning_steps,
-            "keys_tuned_while_timed": keys_tuned_while_timed,
+            "host_events_while_timed": while_timed,
             "step_ms_each": timer.laps_ms(),  # this rank's; a stall (tuning, a compile) shows as an outlier
+            "step_ms_median": statistics.median(timer.laps_ms()),
         }
         if curve:
             row["losses"] = torch.stack([value.detach().float() for value in losses]).tolist()

@@ -27,6 +27,8 @@
 #   train, both now reporting keys_tuned_while_timed and each timed step (issues 13, 10)
 # s6t, s6l (one GPU, session 6): s6a regrouped so each call fits 600 s: BlockAttention full and its GPU tests |
 #   gem-large b256 in the multi-GPU harness, then gem-small b2048 under bench train
+# s6c, s6d (one GPU, session 6): each BlockAttention backward config alone, then the full benchmark and GPU
+#   tests (the in-block rotary table, 8 warps capped at 128 registers) | s6l again with the host-event counts
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -129,6 +131,16 @@ chain_s6l() {  # session 6, call 2: the two training harnesses with keys_tuned_w
   step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
     --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
 }
+chain_s6c() {  # session 6, call 3: the in-block rotary table and the 2-programs-per-SM backward config
+  step block_attention_configs 150 python -m benchmarks.diag.block_attention_configs
+  step block_attention_full 270 python -m benchmarks.block_attention
+  step block_attention_gpu_tests 150 tests tests/gpu/test_block_attention_gpu.py
+}
+chain_s6d() {  # session 6, call 4: both training harnesses, now counting kernel loads / graphs / GC while timed
+  step large_single 290 large_single 256 multi_gpu_single
+  step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
+    --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
+}
 chain_s6b() {
   step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
     --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
@@ -140,7 +152,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6a|s6b|s6t|s6l) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6a|s6b|s6t|s6l|s6c|s6d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

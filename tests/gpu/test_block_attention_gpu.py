@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from opengem.jagged import offsets_from_lengths
-from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden
+from opengem.ops.block_attention import Rotary, _in_block_cos_sin, block_attention, block_attention_from_hidden
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
 from opengem.ops.triton.block_attention import _rotary_cos_sin
@@ -127,11 +127,14 @@ def test_every_autotune_config(block_size, monkeypatch):
     """Autotuning picks one config per shape and the others could be picked on another GPU: check them all."""
     from opengem.ops.triton import block_attention as kernels
 
-    for kernel in (kernels._block_attention_fwd, kernels._block_attention_bwd):
-        configs = kernels._prune(list(kernel.configs), {}, BLOCK=block_size, HALF=64)
-        for config in configs:
+    forward = kernels._prune_forward(list(kernels._block_attention_fwd.configs), {}, BLOCK=block_size, HALF=64)
+    for kernel, configs in ((kernels._block_attention_fwd, forward),
+                            (kernels._block_attention_bwd, list(kernels._block_attention_bwd.configs))):
+        for config in configs:  # the backward's include 8 warps capped at 128 registers (spills)
             monkeypatch.setattr(kernel, "configs", [config])  # a single config skips benchmarking
-            _check([300, 64, 5], block_size=block_size, rotary="time")
+            kernel.cache.clear()
+            for rotary in ("sequence", "time"):  # the cos/sin table, the SFU
+                _check([300, 64, 5], block_size=block_size, rotary=rotary)
 
 
 @triton.jit
@@ -150,13 +153,14 @@ def _cos_sin_kernel(
 
 @pytest.mark.parametrize("rot", [1, 2, 3])
 def test_rotary_cos_sin_accuracy(rot):
-    """The SFU sin/cos (MUFU, no libdevice polynomial) against float64 at the largest angles each mode meets:
-    rows of a 128 block (< 128 rad, unreduced), positions up to 1e5 (reduced), time gaps up to 1e30."""
+    """The cos/sin the kernels rotate with against float64 at the largest angles each mode meets: rows of a
+    128 block (the host's fp32 table), and from the SFU (MUFU, no libdevice polynomial) positions up to 1e5
+    (reduced) and time gaps up to 1e30."""
     block, half, total, time_scale = 128, 64, 4096, 60.0
     g = torch.Generator(device="cuda").manual_seed(0)
     freq = inv_freq(2 * half, 10000.0, "cuda")
     if rot == 1:
-        values = None
+        values = _in_block_cos_sin(block, 2 * half, 10000.0, torch.float32, torch.device("cuda"))
         phase = (torch.arange(total, device="cuda") % block).double()
     elif rot == 2:
         values = torch.randint(0, 100_000, (total,), generator=g, device="cuda").float()
@@ -168,7 +172,7 @@ def test_rotary_cos_sin_accuracy(rot):
     angle = (phase.float()[:, None] * freq[None, :]).double()
     cos, sin = (torch.full((total, half), math.nan, device="cuda") for _ in range(2))
     _cos_sin_kernel[(total // block,)](
-        values if values is not None else freq, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
+        values, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
         REDUCE=rot == 2,
     )
     # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one.

@@ -39,7 +39,10 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["loader_samples_per_s"] > 0
     assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
     assert payload["environment"]["device"] == "cpu"
-    assert payload["settings"]["keys_tuned_while_timed"] == 0  # no autotuner runs on CPU
+    timed = payload["settings"]["host_events_while_timed"]  # no autotuner, no Triton kernel loads on CPU
+    assert timed["autotuner_keys"] == 0 and timed["kernels_loaded"] == 0 and timed["kernels"] == []
+    assert timed["gc_ms"] >= 0
+    assert min(each := results["step_ms_each"]) <= results["step_ms_median"] <= max(each)
     each = results["step_ms_each"]  # one lap per timed step, adding up to (nearly) the whole window
     assert len(each) == 3 and all(ms > 0 for ms in each)
     assert sum(each) == pytest.approx(3 * results["step_ms"], rel=0.05)
@@ -60,7 +63,7 @@ def test_window_timer_laps_split_the_window(monkeypatch):
     assert timer.laps_ms() == pytest.approx([500.0, 1500.0, 250.0])
 
 
-def test_keys_tuned_while_timed_counts_the_timed_window(monkeypatch, tmp_path):
+def test_autotuner_keys_tuned_while_timed_are_reported(monkeypatch, tmp_path):
     """Autotuner keys met inside the timed steps (seconds of candidate timing each) are reported."""
     import itertools
 
@@ -72,7 +75,8 @@ def test_keys_tuned_while_timed_counts_the_timed_window(monkeypatch, tmp_path):
     argv = ["bench", "train", *TINY, "--steps", "2", "--warmup", "1", "--profile-steps", "1",
             "--loader-batches", "2", "--peak-tflops", "1", "--out", str(out)]
     assert main(argv) == 0
-    assert json.loads(out.read_text())["settings"]["keys_tuned_while_timed"] == 1  # read before and after: +1
+    timed = json.loads(out.read_text())["settings"]["host_events_while_timed"]
+    assert timed["autotuner_keys"] == 1  # read before and after: +1
 
 
 def test_bench_train_reports_the_scaling_ratio(train_result):
@@ -216,6 +220,43 @@ def test_warm_up_runs_until_no_step_compiles(monkeypatch):
                                clock=lambda: now[0])
     # runs: 30 (compile) 0.40 | 0.45 calm, 5.0 slow, 0.38 0.41 0.52 calm (0.52 < 1.5 x 0.38)
     assert extra == 5 and len(synced) == 2 * 7
+
+
+def test_host_events_count_kernel_loads_graphs_and_collections():
+    """Triton's load hook (a JIT specialization, an Inductor kernel) and collections are counted; only
+    tuning and compiling make a step "compiled"."""
+    import gc
+
+    from triton import knobs
+
+    from opengem.train.bench.watch import events_report, host_events
+
+    before = host_events()
+    knobs.runtime.kernel_load_end_hook(None, None, "_block_attention_bwd", None, "hash")  # as Triton calls it
+    gc.collect()
+    now = host_events()
+    assert now.since(before).kernels_loaded == 1 and now.compiled_since(before)
+    assert now.gc_ms > before.gc_ms and not now.compiled_since(now._replace(gc_ms=0.0))
+    report = events_report(before)
+    assert report["kernels"] == ["_block_attention_bwd"] and report["autotuner_keys"] == 0
+
+
+def test_warm_up_waits_for_kernel_loads(monkeypatch):
+    """A step that loads a kernel (e.g. a new divisibility specialization) is not calm, fast or not."""
+    from triton import knobs
+
+    from opengem.ops.triton import tuning
+    from opengem.train.bench.timing import warm_until_settled
+
+    monkeypatch.setattr(tuning, "tuned_keys", lambda: 0)
+    ran = []
+
+    def step():
+        ran.append(1)
+        if len(ran) in (2, 4):
+            knobs.runtime.kernel_load_end_hook(None, None, "kernel", None, "hash")
+
+    assert warm_until_settled(step, min_steps=1, max_extra=20, quiet_steps=2) == 5  # loads at 2 and 4: calm 5, 6
 
 
 def test_tuned_keys_counts_settled_autotuner_configs(monkeypatch):

@@ -13,8 +13,8 @@ import torch
 
 def inv_freq(head_dim: int, base: float, device: torch.device | str) -> torch.Tensor:
     """``base ** (-2 i / head_dim)`` for ``i < head_dim / 2``, fp32 ``[head_dim / 2]``."""
-    exponents = torch.arange(0, head_dim // 2, dtype=torch.float64) * 2.0 / head_dim
-    return (float(base) ** -exponents).to(torch.float32).to(device)
+    exponents = torch.arange(0, head_dim // 2, dtype=torch.float64, device=device) * 2.0 / head_dim
+    return (float(base) ** -exponents).to(torch.float32)  # on the device: no host copy (graph capture)
 
 
 def positions_in_sequence(offsets: torch.Tensor, total: int) -> torch.Tensor:

@@ -6,8 +6,9 @@ Q and K, gets the softmax ``delta = rowsum(dP * P)`` in-register (no preprocessi
 writes dq, dk, dv. Rotary embedding is applied to the Q/K tiles after loading (rotate-half layout: the
 two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); the backward rotates
 dq/dk back with the transposed rotation. Backward programs loop over the GQA group of their kv head so
-dk/dv are accumulated in registers, never with atomics; with rotary one backward program takes every kv
-head of its block, so the block's sin/cos is computed once (:func:`_kv_heads_per_program`).
+dk/dv are accumulated in registers, never with atomics. (One backward program per block looping over its
+kv heads, to compute a block's sin/cos once, measured +58% over no rotary against +19% per head on an
+H200: 255 registers and spills. The in-sequence-position table below removes that sin/cos instead.)
 
 Schedule: ``[2, num_blocks]`` int32 (block start token, block length), one column per block across all
 sequences, built once on the host from the offsets and cached. Rotary angles are taken relative to the
@@ -41,20 +42,26 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
-def _configs() -> list[triton.Config]:
+def _configs(backward: bool) -> list[triton.Config]:
+    """Warps per (block, head) program. The backward also tries 8 warps capped at 128 registers: two
+    programs per SM instead of one (sm_90, block 64, D 128: 138-167 registers uncapped; capped, 48-144 B
+    spilled to L1), to overlap one program's loads with the other's math."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
+    configs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
+    return configs + ([triton.Config({}, num_warps=8, num_stages=1, maxnreg=128)] if backward else [])
 
 
-def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers."""
+def _prune_forward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """16 warps for the forward only on 128-row tiles with D >= 128, whose S/P tiles overflow 8 warps'
+    registers. The backward (five tiles live) tries every config at every size."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
     return [c for c in configs if c.num_warps <= 8 or large]
 
 
-_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"], prune_configs_by={"early_config_prune": _prune})
-_AUTOTUNE_BWD = dict(_AUTOTUNE, key=[*_AUTOTUNE["key"], "HEADS"])
+_KEY = ["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"]
+_AUTOTUNE = dict(configs=_configs(False), key=_KEY, prune_configs_by={"early_config_prune": _prune_forward})
+_AUTOTUNE_BWD = dict(configs=_configs(True), key=_KEY)
 
 
 @triton.jit
@@ -86,23 +93,27 @@ def _rotary_cos_sin(
     ROT 1 (position in the sequence) rotates by the row *in the block* instead: rotations of one channel
     pair compose (``R(a + b) = R(a) R(b)``) and are orthogonal, so the block's start position rotates q
     and k alike and cancels in every score ``q_i . k_j`` and, once dq/dk are rotated back, in every
-    gradient. ROT 2: PHASE holds given positions; ROT 3: time gaps, phase = log(1 + max(gap, 0) /
-    time_scale) <= 89 for any fp32 gap. With inv_freq <= 1 (base >= 1), ROT 1 and 3 angles stay below
-    128 rad, where the SFU is accurate as is; REDUCE (the host sets it for ROT 2, or base < 1) first
-    reduces the angles to [-pi, pi].
+    gradient. Every block then shares one table: PHASE holds its ``[2, BLOCK, HALF]`` cos/sin in the
+    rotation's dtype (16 KB at block 64, D 128 in bf16, cached in L1/L2 across programs), loaded in place
+    of 2 MUFU and ~3 FMUL per element. ROT 2: PHASE holds given positions; ROT 3: time gaps, phase =
+    log(1 + max(gap, 0) / time_scale) <= 89 for any fp32 gap. With inv_freq <= 1 (base >= 1), ROT 3
+    angles stay below 128 rad, where the SFU is accurate as is; REDUCE (the host sets it for ROT 2, or
+    base < 1) first reduces the angles to [-pi, pi]. ROT 2 and 3 return fp32.
     """
     if ROT == 1:
-        phase = rows.to(tl.float32)
+        table = PHASE + rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
+        cos, sin = tl.load(table), tl.load(table + rows.shape[0] * HALF)
     else:
         phase = tl.load(PHASE + start + rows, mask=valid, other=0.0).to(tl.float32)
         if ROT == 3:  # one division per program, not per token
             phase = _log_approx(1.0 + tl.maximum(phase, 0.0) * (1.0 / time_scale), FAST_MATH)
-    freq = tl.load(INV_FREQ + tl.arange(0, HALF))
-    angle = phase[:, None] * freq[None, :]
-    if REDUCE:
-        turns = tl.floor(angle * _INV_TWO_PI + 0.5)
-        angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
-    return _sin_cos_approx(angle, FAST_MATH)
+        freq = tl.load(INV_FREQ + tl.arange(0, HALF))
+        angle = phase[:, None] * freq[None, :]
+        if REDUCE:
+            turns = tl.floor(angle * _INV_TWO_PI + 0.5)
+            angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+        cos, sin = _sin_cos_approx(angle, FAST_MATH)
+    return cos, sin
 
 
 @triton.jit
@@ -146,7 +157,7 @@ def _block_of(SCHED, num_blocks, blk):
 
 
 @triton.autotune(**_AUTOTUNE)
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])
 def _block_attention_fwd(
     Q, K, V, O, SCHED, PHASE, INV_FREQ,
     num_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -177,70 +188,66 @@ def _block_attention_fwd(
 
 
 @triton.autotune(**_AUTOTUNE_BWD)
-@triton.jit
+@triton.jit(do_not_specialize=["num_blocks"])  # changes every batch: no recompile on its divisibility
 def _block_attention_bwd(
     Q, K, V, DO, DQ, DK, DV, SCHED, PHASE, INV_FREQ,
     num_blocks, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
-    REDUCE: tl.constexpr, HEADS: tl.constexpr,
+    REDUCE: tl.constexpr,
 ):  # fmt: skip
-    """Program (block, chunk): kv heads ``chunk * HEADS ...`` of the block, each with its GQA group."""
-    blk = tl.program_id(0)
+    """Program (block, kv head): dk/dv of the kv head, dq of each query head of its GQA group."""
+    blk, kv_head = tl.program_id(0), tl.program_id(1)
     start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
     valid = rows < length
     tok = (start + rows).to(tl.int64)
     half = tl.arange(0, HALF)
     dims = tl.arange(0, 2 * HALF)
+    k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
+    v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
     if ROT != 0:
-        # One sin/cos per block for all its heads (two MUFU ops per element bound the rotary backward),
-        # kept in the input dtype so the table stays small in registers across the head loop.
+        # Kept in the input dtype: half the registers of fp32 across the whole program.
         cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
         cos, sin = cos.to(Q.dtype.element_ty), sin.to(Q.dtype.element_ty)
-    for kh in range(HEADS):
-        kv_head = tl.program_id(1) * HEADS + kh
-        k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
-        v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+        k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
+    dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
+    dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
+    dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
+    for g in range(GROUP):
+        head = kv_head * GROUP + g
+        q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
         if ROT != 0:
-            k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
-        dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
-        dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
-        dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
-        for g in range(GROUP):
-            head = kv_head * GROUP + g
-            q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
-            if ROT != 0:
-                q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
-            do_ptr = DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :]
-            do = tl.load(do_ptr, mask=valid[:, None], other=0.0)
-            # Recompute S and P exactly as the forward did.
-            s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
-            p = _weights(s, valid, scale, ACT)
-            dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
-            dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
-            if ACT == SOFTMAX:
-                ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
-            else:
-                ds = tl.where(valid[None, :], dp * activation_value_and_grad(s * scale, ACT)[1], 0.0)
-            ds = (ds * scale).to(q_lo.dtype)
-            dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
-            dq_hi = tl.dot(ds, k_hi)
-            dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
-            dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
-            if ROT != 0:
-                dq_lo, dq_hi = _unrotate(dq_lo, dq_hi, cos.to(tl.float32), sin.to(tl.float32))
-            dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
-            tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
-            tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
+            q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
+        do_ptr = DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :]
+        do = tl.load(do_ptr, mask=valid[:, None], other=0.0)
+        # Recompute S and P exactly as the forward did.
+        s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
+        p = _weights(s, valid, scale, ACT)
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
+        dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
+        if ACT == SOFTMAX:
+            ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
+        else:
+            ds = tl.where(valid[None, :], dp * activation_value_and_grad(s * scale, ACT)[1], 0.0)
+        ds = (ds * scale).to(q_lo.dtype)
+        dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
+        dq_hi = tl.dot(ds, k_hi)
+        dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
+        dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
         if ROT != 0:
-            dk_lo, dk_hi = _unrotate(dk_lo, dk_hi, cos.to(tl.float32), sin.to(tl.float32))
-        dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
-        tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
-        tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])
-        dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
-        tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
+            dq_lo, dq_hi = _unrotate(dq_lo, dq_hi, cos.to(tl.float32), sin.to(tl.float32))
+        dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
+        tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
+        tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
+    if ROT != 0:
+        dk_lo, dk_hi = _unrotate(dk_lo, dk_hi, cos.to(tl.float32), sin.to(tl.float32))
+    dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
+    tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
+    tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])
+    dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
+    tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
 
 
 _SCHEDULE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
@@ -285,17 +292,6 @@ def _common_args(
     )  # fmt: skip
     pointers = (rotary_values if rotary_values is not None else dummy, inv_freq if inv_freq is not None else dummy)
     return pointers, (float(scale), float(time_scale)), meta
-
-
-def _kv_heads_per_program(kv_heads: int, rotary_mode: int, block_size: int, head_dim: int) -> int:
-    """Backward programs per block. With rotary, one program takes every kv head of its block, so the
-    block's sin/cos is computed once, not once per head (the MUFU pipe bounds the rotary backward; sm_90
-    at block 64, D 128, 8 warps, Triton 3.6: 162 -> 255 registers, 40-48 B of spills, one program per SM
-    either way).
-    Larger tiles (block 128 or D 256) already spill and spill ~3x more with the loop: a program per head
-    there. The forward keeps a program per (block, head): it is bandwidth-bound, and the loop would keep
-    cos/sin live and halve its occupancy."""
-    return kv_heads if rotary_mode != 0 and block_size * head_dim <= 64 * 128 else 1
 
 
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
@@ -367,11 +363,10 @@ def block_attention_bwd(
         q, k, schedule, rotary_values, inv_freq, scale, time_scale, activation_name, rotary_mode, reduce_angles,
         block_size,
     )  # fmt: skip
-    heads = _kv_heads_per_program(k.shape[1], rotary_mode, block_size, q.shape[-1])
-    _block_attention_bwd[(num_blocks, k.shape[1] // heads)](
+    _block_attention_bwd[(num_blocks, k.shape[1])](
         q, k, v, grad_out, dq, dk, dv, schedule, *pointers, num_blocks,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-        *floats, HEADS=heads, **meta,
+        *floats, **meta,
     )  # fmt: skip
     return dq, dk, dv

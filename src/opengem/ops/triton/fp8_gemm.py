@@ -47,7 +47,7 @@ def _e4m3_multiplier(amax):
     return tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # rows (tokens) change every batch; R is no stride here
 def _row_amax_quant_kernel(
     x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
@@ -238,9 +238,9 @@ def autotune_enabled() -> bool:
     return os.environ.get("OPENGEM_FP8_AUTOTUNE", "1") != "0"
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["M", "M_BUCKET"])  # as R above
 def _blockwise_gemm_kernel(
-    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, SK,
+    a_ptr, b_ptr, sa_ptr, sb_ptr, out_ptr, M, N, K, SK, M_BUCKET,
     B_BLOCKS: tl.constexpr, BLOCK_M: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     BLOCK_N: tl.constexpr = 128
@@ -277,7 +277,7 @@ def _blockwise_gemm_kernel(
 
 _blockwise_gemm_tuned = triton.autotune(
     configs=[triton.Config({"BLOCK_M": bm, "GROUP_M": GROUP_M}, num_warps=w, num_stages=s) for bm, w, s in GEMM_CONFIGS],
-    key=["M", "N", "K", "B_BLOCKS"],
+    key=["M_BUCKET", "N", "K", "B_BLOCKS"],  # M (tokens) changes every batch: tuned per power of two
 )(_blockwise_gemm_kernel)
 
 
@@ -292,11 +292,12 @@ def blockwise_gemm(
     out = torch.empty((M, N), dtype=out_dtype, device=a.device)
     if autotune_enabled():
         grid = lambda meta: (triton.cdiv(M, meta["BLOCK_M"]) * triton.cdiv(N, 128),)  # noqa: E731
-        _blockwise_gemm_tuned[grid](a, b, sa, sb, out, M, N, K, sa.shape[1], B_BLOCKS=b_blocks)
+        bucket = triton.next_power_of_2(M)
+        _blockwise_gemm_tuned[grid](a, b, sa, sb, out, M, N, K, sa.shape[1], bucket, B_BLOCKS=b_blocks)
     else:
         block_m, warps, stages = GEMM_CONFIGS[0]
         _blockwise_gemm_kernel[(triton.cdiv(M, block_m) * triton.cdiv(N, 128),)](
-            a, b, sa, sb, out, M, N, K, sa.shape[1],
+            a, b, sa, sb, out, M, N, K, sa.shape[1], triton.next_power_of_2(M),
             B_BLOCKS=b_blocks, BLOCK_M=block_m, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages,
         )
     return out

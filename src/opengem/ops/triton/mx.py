@@ -70,7 +70,7 @@ def fp32_to_fp8_bits(q, MANT: tl.constexpr, BIAS: tl.constexpr):
     return out | (sign << 7)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["rows"])  # rows (tokens) change every batch; cols is the stride
 def _mx_quantize_kernel(
     x_ptr, data_ptr, scale_ptr, rows, cols, scale_cols,
     SQUARE: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_COLS: tl.constexpr,

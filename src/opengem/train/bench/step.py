@@ -11,6 +11,7 @@ check that the loader outpaces the step (GEM issue 10: >= 2x).
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,8 +26,9 @@ from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import (
-    FLOP_CONVENTION, WindowTimer, environment, synchronize, tuned_keys, warm_until_settled,
+    FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled,
 )
+from opengem.train.bench.watch import events_report, host_events
 from opengem.train.compile import compile_regions
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
@@ -106,7 +108,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     synchronize(device)
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
-    keys_before = tuned_keys()
+    events_before = host_events()
     timer.start()
     for _ in range(options.steps):
         fetch = time.perf_counter()
@@ -116,7 +118,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         loss = learner.step(batch.to(device, non_blocking=True))
         timer.lap()
     elapsed = timer.stop()
-    keys_tuned_while_timed = tuned_keys() - keys_before
+    while_timed = events_report(events_before)
 
     phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
@@ -135,6 +137,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     results = {
         "step_ms": 1e3 * elapsed / options.steps,
         "step_ms_each": timer.laps_ms(),  # each timed step's share of the window (a stall shows as an outlier)
+        "step_ms_median": statistics.median(timer.laps_ms()),
         "samples_per_s": samples / elapsed,
         "tokens_per_s": sum(int(n.sum()) for n in lengths) / elapsed,
         "train_flops_per_sample": total_flops / samples,
@@ -159,9 +162,9 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "num_workers": config.num_workers,
         "low_precision_layers": converted,
         "device": str(device),
-        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` (new autotuner keys or slow steps)
-        # > 0: some autotuner timed its candidates inside the timed steps (seconds each), so step_ms is high
-        "keys_tuned_while_timed": keys_tuned_while_timed,
+        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` (something compiled, or slow steps)
+        # any count > 0: seconds of host work (tuning, compiling, collecting) inside the timed steps
+        "host_events_while_timed": while_timed,
     }
     return {
         "benchmark": "train",
@@ -234,8 +237,9 @@ def format_report(payload: dict[str, Any]) -> str:
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
         f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + {s['tuning_steps']} warm-up)",
-        (f"  timed steps       {min(r['step_ms_each']):>12.2f} ms min, {max(r['step_ms_each']):.2f} max; "
-         f"{s['keys_tuned_while_timed']} autotuner keys tuned while timed"),
+        (f"  timed steps       {r['step_ms_median']:>12.2f} ms median, {min(r['step_ms_each']):.2f} min, "
+         f"{max(r['step_ms_each']):.2f} max"),
+        "  while timed       " + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
         (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "

@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from opengem.train.bench.watch import host_events
+
 FLOP_CONVENTION = (
     "useful FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM on real rows, attention 4*H*D per unmasked pair, "
     "backward 2x GEMMs (the dense features have no input gradient) and 2.5x attention; embeddings, norms, "
@@ -62,27 +64,17 @@ class WindowTimer:
         return [1e3 * (b - a) for a, b in zip(marks, marks[1:])]
 
 
-def tuned_keys() -> int:
-    """Settled autotuner configurations so far (``opengem.ops.triton.tuning``; imported here, since Triton
-    is optional on CPU). A count that grows inside a timed window means candidates were timed there."""
-    from opengem.ops.triton.tuning import tuned_keys as count
-
-    return count()
-
-
 def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: int, quiet_steps: int = 3,
                        agree: Callable[[bool], bool] = lambda unsettled: unsettled,
                        sync: Callable[[], None] = lambda: None, clock: Callable[[], float] = time.perf_counter,
                        slow_factor: float = 1.5, slow_floor_s: float = 0.05) -> int:
     """Warm-up: ``min_steps`` runs of ``step``, then more (at most ``max_extra``) until ``quiet_steps`` calm
-    runs in a row. Returns the extra runs. A run is calm when the autotuners met no new key and it took at
-    most ``slow_factor`` x the fastest run so far (or less than ``slow_floor_s`` more): a run that compiles
-    (an Inductor recompile for a new shape, a Triton specialization) is seconds slower, and new keys alone
-    miss those (a suspect for gem-large at batch 256 on an H200: 432 ms per timed step as the first run on
-    cold caches, against 360 ms at batch 512). Each run is timed between two ``sync()`` calls. ``agree`` turns this
+    runs in a row. Returns the extra runs. A run is calm when nothing was tuned or compiled in it (no new
+    autotuner key, Triton kernel load or Dynamo graph: :mod:`opengem.train.bench.watch`) and it took at
+    most ``slow_factor`` x the fastest run so far (or less than ``slow_floor_s`` more). Each run is timed between two ``sync()`` calls. ``agree`` turns this
     rank's "not settled" into every rank's (an all-reduce under torch.distributed), so all ranks run the
     same steps."""
-    seen, calm, ran, fastest = tuned_keys(), 0, 0, float("inf")
+    seen, calm, ran, fastest = host_events(), 0, 0, float("inf")
     while ran < min_steps or (calm < quiet_steps and ran < min_steps + max_extra):
         sync()
         begin = clock()
@@ -91,9 +83,9 @@ def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: in
         took = clock() - begin
         ran += 1
         fastest = min(fastest, took)
-        now = tuned_keys()
+        now = host_events()
         slow = ran == 1 or (took > slow_factor * fastest and took - fastest > slow_floor_s)  # 1st: no reference
-        calm = 0 if agree(now != seen or slow) else calm + 1
+        calm = 0 if agree(now.compiled_since(seen) or slow) else calm + 1
         seen = now
     return ran - min_steps
 

@@ -1,0 +1,84 @@
+"""Host-side events that stall a training step for far longer than its kernels, counted so a timed window
+can say whether it held one: an autotuner timing candidates, a Triton kernel loaded (a new JIT
+specialization of one of ours, or an Inductor kernel: 0.1-1 s each), a Dynamo graph compiled, a Python
+garbage collection. Counters only, no device synchronization."""
+
+from __future__ import annotations
+
+import gc
+import time
+from typing import NamedTuple
+
+_loaded_kernels: list[str] = []
+_gc = {"ms": 0.0, "began": 0.0}
+_installed = False
+
+
+class HostEvents(NamedTuple):
+    autotuner_keys: int
+    kernels_loaded: int
+    dynamo_graphs: int
+    gc_ms: float
+
+    def since(self, before: HostEvents) -> HostEvents:
+        return HostEvents(*(now - then for now, then in zip(self, before)))
+
+    def compiled_since(self, before: HostEvents) -> bool:
+        """Whether anything was tuned or compiled after ``before`` (a collection alone is not a compile)."""
+        return self[:3] != before[:3]
+
+
+def _on_kernel_load(module, function, name, metadata_group, hash) -> None:  # noqa: A002 (Triton's hook signature)
+    _loaded_kernels.append(name)
+
+
+def _on_gc(phase: str, info: dict) -> None:
+    if phase == "start":
+        _gc["began"] = time.perf_counter()
+    else:
+        _gc["ms"] += 1e3 * (time.perf_counter() - _gc["began"])
+
+
+def _install() -> None:
+    global _installed
+    if _installed:
+        return
+    try:
+        from triton import knobs
+
+        knobs.runtime.kernel_load_end_hook.add(_on_kernel_load)
+    except (ImportError, AttributeError):  # no Triton (or one without load hooks): nothing loads kernels
+        pass
+    gc.callbacks.append(_on_gc)
+    _installed = True
+
+
+def tuned_keys() -> int:
+    """Settled autotuner configurations so far (``opengem.ops.triton.tuning``; imported here, since Triton
+    is optional on CPU). A count that grows inside a timed window means candidates were timed there."""
+    from opengem.ops.triton.tuning import tuned_keys as count
+
+    return count()
+
+
+def host_events() -> HostEvents:
+    """Totals so far (the kernel-load and collection counters start at the first call)."""
+    _install()
+    try:
+        from torch._dynamo.utils import counters
+
+        graphs = int(counters["stats"]["unique_graphs"])
+    except ImportError:
+        graphs = 0
+    return HostEvents(tuned_keys(), len(_loaded_kernels), graphs, _gc["ms"])
+
+
+def kernels_loaded_since(before: HostEvents) -> list[str]:
+    """Names of the Triton kernels loaded after ``before`` was taken, in load order."""
+    return _loaded_kernels[before.kernels_loaded:]
+
+
+def events_report(before: HostEvents, limit: int = 20) -> dict[str, object]:
+    """What happened after ``before``: the counts, and the first ``limit`` kernels loaded."""
+    delta = host_events().since(before)
+    return {**delta._asdict(), "gc_ms": round(delta.gc_ms, 3), "kernels": kernels_loaded_since(before)[:limit]}
