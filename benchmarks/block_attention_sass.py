@@ -27,7 +27,7 @@ from opengem.ops.triton import block_attention as kernels
 TARGET = GPUTarget("cuda", 90, 32)
 COUNTED = ("MUFU", "FFMA", "FMUL", "LDG", "LDL", "STL")
 MODES = ((0, "off"), (1, "in-sequence positions"), (2, "given positions"), (3, "time gaps"))
-POINTER_TYPES = {"SCHED": "*i32", "INV_FREQ": "*fp32"}
+POINTER_TYPES = {"SCHED": "*i32", "PHASE": "*fp32", "INV_FREQ": "*fp32"}
 
 
 def _jit_function(kernel) -> JITFunction:
@@ -42,8 +42,6 @@ def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
             return "constexpr"
         if name in POINTER_TYPES:
             return POINTER_TYPES[name]
-        if name == "PHASE":  # in-sequence positions: the bf16 cos/sin table; else fp32 positions or gaps
-            return "*bf16" if constants.get("ROT") == 1 else "*fp32"
         if name.isupper():
             return "*bf16"  # Q, K, V, O, DO, DQ, DK, DV
         return "fp32" if name in ("scale", "time_scale") else "i32"
@@ -79,9 +77,9 @@ def main() -> None:
     print("kernel | warps | rotary | regs | spill stack B | SASS instr/thread (vs off) | " + " | ".join(COUNTED))
     for name, kernel, warps, cap in (("fwd", kernels._block_attention_fwd, 4, None),
                                      ("fwd", kernels._block_attention_fwd, 8, None),
+                                     ("bwd", kernels._block_attention_bwd, 4, None),
                                      ("bwd", kernels._block_attention_bwd, 8, None),
-                                     ("bwd", kernels._block_attention_bwd, 8, 128),
-                                     ("bwd", kernels._block_attention_bwd, 16, None)):
+                                     ("bwd", kernels._block_attention_bwd, 8, 128)):
         base = None
         for mode, label in MODES:
             cost = compiled_cost(kernel, warps, cap, GROUP=1, BLOCK=64, HALF=64, ACT=kernels.SOFTMAX.value, ROT=mode,

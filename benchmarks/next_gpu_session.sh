@@ -29,6 +29,8 @@
 #   gem-large b256 in the multi-GPU harness, then gem-small b2048 under bench train
 # s6c, s6d (one GPU, session 6): each BlockAttention backward config alone, then the full benchmark and GPU
 #   tests (the in-block rotary table, 8 warps capped at 128 registers) | s6l again with the host-event counts
+# s6e (one GPU, session 6): BlockAttention full (the backward recomputes its cos/sin), gem-large b256 (GDPA
+#   no longer specialized on the token count), the BlockAttention GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -141,6 +143,11 @@ chain_s6d() {  # session 6, call 4: both training harnesses, now counting kernel
   step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
     --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
 }
+chain_s6e() {  # session 6, call 5: the backward's recomputed cos/sin (4 warps), gem-large with GDPA's fix, GPU tests
+  step block_attention_full 200 python -m benchmarks.block_attention
+  step large_single 240 large_single 256 multi_gpu_single
+  step block_attention_gpu_tests 120 tests tests/gpu/test_block_attention_gpu.py
+}
 chain_s6b() {
   step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
     --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
@@ -152,7 +159,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6a|s6b|s6t|s6l|s6c|s6d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6a|s6b|s6t|s6l|s6c|s6d|s6e) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from opengem.jagged import offsets_from_lengths
-from opengem.ops.block_attention import Rotary, _in_block_cos_sin, block_attention, block_attention_from_hidden
+from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
 from opengem.ops.triton.block_attention import _rotary_cos_sin
@@ -127,40 +127,39 @@ def test_every_autotune_config(block_size, monkeypatch):
     """Autotuning picks one config per shape and the others could be picked on another GPU: check them all."""
     from opengem.ops.triton import block_attention as kernels
 
-    forward = kernels._prune_forward(list(kernels._block_attention_fwd.configs), {}, BLOCK=block_size, HALF=64)
-    for kernel, configs in ((kernels._block_attention_fwd, forward),
-                            (kernels._block_attention_bwd, list(kernels._block_attention_bwd.configs))):
-        for config in configs:  # the backward's include 8 warps capped at 128 registers (spills)
+    for kernel in (kernels._block_attention_fwd, kernels._block_attention_bwd):
+        for config in kernels._prune(list(kernel.configs), {}, BLOCK=block_size, HALF=64):
             monkeypatch.setattr(kernel, "configs", [config])  # a single config skips benchmarking
             kernel.cache.clear()
-            for rotary in ("sequence", "time"):  # the cos/sin table, the SFU
+            for rotary in ("sequence", "time"):
                 _check([300, 64, 5], block_size=block_size, rotary=rotary)
 
 
 @triton.jit
 def _cos_sin_kernel(
     PHASE, INV_FREQ, COS, SIN, total, time_scale,
-    BLOCK: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr,
+    BLOCK: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, SIGN: tl.constexpr,
 ):  # fmt: skip
     start = tl.program_id(0) * BLOCK
     rows = tl.arange(0, BLOCK)
     valid = start + rows < total
-    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
+    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, SIGN)
     at = (start + rows)[:, None] * HALF + tl.arange(0, HALF)[None, :]
     tl.store(COS + at, cos, mask=valid[:, None])
     tl.store(SIN + at, sin, mask=valid[:, None])
 
 
+@pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize("rot", [1, 2, 3])
-def test_rotary_cos_sin_accuracy(rot):
-    """The cos/sin the kernels rotate with against float64 at the largest angles each mode meets: rows of a
-    128 block (the host's fp32 table), and from the SFU (MUFU, no libdevice polynomial) positions up to 1e5
-    (reduced) and time gaps up to 1e30."""
+def test_rotary_cos_sin_accuracy(rot, sign):
+    """The SFU sin/cos (MUFU, no libdevice polynomial) against float64 at the largest angles each mode meets:
+    rows of a 128 block (< 128 rad, unreduced), positions up to 1e5 (reduced), time gaps up to 1e30; and the
+    inverse rotation's (negated angles) the same."""
     block, half, total, time_scale = 128, 64, 4096, 60.0
     g = torch.Generator(device="cuda").manual_seed(0)
     freq = inv_freq(2 * half, 10000.0, "cuda")
     if rot == 1:
-        values = _in_block_cos_sin(block, 2 * half, 10000.0, torch.float32, torch.device("cuda"))
+        values = None
         phase = (torch.arange(total, device="cuda") % block).double()
     elif rot == 2:
         values = torch.randint(0, 100_000, (total,), generator=g, device="cuda").float()
@@ -169,11 +168,11 @@ def test_rotary_cos_sin_accuracy(rot):
         values = torch.exp(torch.rand(total, generator=g, device="cuda") * 70.0) - 1.0  # 0 .. 2.5e30
         phase = time_phase(values, time_scale).double()
     # The reference's fp32 angle (phase * inv_freq), evaluated exactly.
-    angle = (phase.float()[:, None] * freq[None, :]).double()
+    angle = sign * (phase.float()[:, None] * freq[None, :]).double()
     cos, sin = (torch.full((total, half), math.nan, device="cuda") for _ in range(2))
     _cos_sin_kernel[(total // block,)](
-        values, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
-        REDUCE=rot == 2,
+        values if values is not None else freq, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
+        REDUCE=rot == 2, SIGN=sign,
     )
     # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one.
     bound = {1: 3e-5, 2: 1e-5, 3: 6e-5}[rot]

@@ -197,18 +197,6 @@ def _inv_freq(head_dim: int, base: float, device: torch.device) -> torch.Tensor:
     return inv_freq(head_dim, base, device)
 
 
-@functools.lru_cache(maxsize=32)
-def _in_block_cos_sin(block_size: int, head_dim: int, base: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """``[2, block_size, head_dim / 2]`` cos and sin of ``row * inv_freq`` for the rows of one block, in
-    ``dtype`` (the rotation's): in-sequence positions rotate relative to the block (see the kernels), so
-    every block and head shares this table and the kernels load it instead of running the SFU per token.
-    Built on the device (no host copy, so a first call inside a CUDA-graph capture works) from the fp32
-    inv_freq the other modes use, in float64."""
-    freq = inv_freq(head_dim, base, device).double()
-    angle = torch.arange(block_size, dtype=torch.float64, device=device)[:, None] * freq[None, :]
-    return torch.stack((angle.cos(), angle.sin())).to(dtype)
-
-
 def _reference_phase(offsets, total, rotary_mode, rotary_values, time_scale) -> torch.Tensor | None:
     if rotary_mode == ROTARY_SEQUENCE_POSITION:
         return positions_in_sequence(offsets, total).float()
@@ -221,8 +209,6 @@ def _triton_options(q, block_size, scale, activation, rotary_mode, rotary_values
     # In-sequence positions (rotated relative to the block: < block_size) and time phases (<= 89) give
     # angles below 128 rad when every inv_freq <= 1, i.e. base >= 1; given positions may be any size.
     reduce_angles = rotary_mode == ROTARY_POSITIONS or rotary_base < 1.0
-    if rotary_mode == ROTARY_SEQUENCE_POSITION:
-        rotary_values = _in_block_cos_sin(block_size, q.shape[-1], rotary_base, q.dtype, q.device)
     return dict(
         block_size=block_size, scale=scale, activation_name=activation, rotary_mode=rotary_mode,
         rotary_values=rotary_values, time_scale=time_scale, reduce_angles=reduce_angles,

@@ -6,9 +6,8 @@ Q and K, gets the softmax ``delta = rowsum(dP * P)`` in-register (no preprocessi
 writes dq, dk, dv. Rotary embedding is applied to the Q/K tiles after loading (rotate-half layout: the
 two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); the backward rotates
 dq/dk back with the transposed rotation. Backward programs loop over the GQA group of their kv head so
-dk/dv are accumulated in registers, never with atomics. (One backward program per block looping over its
-kv heads, to compute a block's sin/cos once, measured +58% over no rotary against +19% per head on an
-H200: 255 registers and spills. The in-sequence-position table below removes that sin/cos instead.)
+dk/dv are accumulated in registers, never with atomics. The backward computes the rotary cos/sin twice
+(for q/k, then for dq/dk) rather than keep it live: see :func:`_rotate_back`.
 
 Schedule: ``[2, num_blocks]`` int32 (block start token, block length), one column per block across all
 sequences, built once on the host from the offsets and cached. Rotary angles are taken relative to the
@@ -42,26 +41,21 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
-def _configs(backward: bool) -> list[triton.Config]:
-    """Warps per (block, head) program. The backward also tries 8 warps capped at 128 registers: two
-    programs per SM instead of one (sm_90, block 64, D 128: 138-167 registers uncapped; capped, 48-144 B
-    spilled to L1), to overlap one program's loads with the other's math."""
+def _configs() -> list[triton.Config]:
+    """Warps per (block, head) program. Measured on an H200 (block 64, D 128, bf16, backward): 4 warps
+    3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers (two programs per SM) 4.10."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({}, num_warps=4)]
-    configs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
-    return configs + ([triton.Config({}, num_warps=8, num_stages=1, maxnreg=128)] if backward else [])
+    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
 
 
-def _prune_forward(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """16 warps for the forward only on 128-row tiles with D >= 128, whose S/P tiles overflow 8 warps'
-    registers. The backward (five tiles live) tries every config at every size."""
+def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
+    """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
     return [c for c in configs if c.num_warps <= 8 or large]
 
 
-_KEY = ["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"]
-_AUTOTUNE = dict(configs=_configs(False), key=_KEY, prune_configs_by={"early_config_prune": _prune_forward})
-_AUTOTUNE_BWD = dict(configs=_configs(True), key=_KEY)
+_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"], prune_configs_by={"early_config_prune": _prune})
 
 
 @triton.jit
@@ -86,34 +80,32 @@ def _log_approx(x, FAST: tl.constexpr):
 
 @triton.jit
 def _rotary_cos_sin(
-    PHASE, INV_FREQ, start, rows, valid, time_scale, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr
+    PHASE, INV_FREQ, start, rows, valid, time_scale,
+    HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, SIGN: tl.constexpr,
 ):  # fmt: skip
-    """cos/sin ``[BLOCK, HALF]`` of the rotation angle ``phase * inv_freq[i]`` of each row of the block.
+    """fp32 cos/sin ``[BLOCK, HALF]`` of the rotation angle ``SIGN * phase * inv_freq[i]`` of each row of
+    the block (SIGN -1: the inverse rotation, for dq/dk).
 
     ROT 1 (position in the sequence) rotates by the row *in the block* instead: rotations of one channel
     pair compose (``R(a + b) = R(a) R(b)``) and are orthogonal, so the block's start position rotates q
     and k alike and cancels in every score ``q_i . k_j`` and, once dq/dk are rotated back, in every
-    gradient. Every block then shares one table: PHASE holds its ``[2, BLOCK, HALF]`` cos/sin in the
-    rotation's dtype (16 KB at block 64, D 128 in bf16, cached in L1/L2 across programs), loaded in place
-    of 2 MUFU and ~3 FMUL per element. ROT 2: PHASE holds given positions; ROT 3: time gaps, phase =
-    log(1 + max(gap, 0) / time_scale) <= 89 for any fp32 gap. With inv_freq <= 1 (base >= 1), ROT 3
-    angles stay below 128 rad, where the SFU is accurate as is; REDUCE (the host sets it for ROT 2, or
-    base < 1) first reduces the angles to [-pi, pi]. ROT 2 and 3 return fp32.
+    gradient. ROT 2: PHASE holds given positions; ROT 3: time gaps, phase = log(1 + max(gap, 0) /
+    time_scale) <= 89 for any fp32 gap. With inv_freq <= 1 (base >= 1), ROT 1 and 3 angles stay below
+    128 rad, where the SFU is accurate as is; REDUCE (the host sets it for ROT 2, or base < 1) first
+    reduces the angles to [-pi, pi].
     """
     if ROT == 1:
-        table = PHASE + rows[:, None] * HALF + tl.arange(0, HALF)[None, :]
-        cos, sin = tl.load(table), tl.load(table + rows.shape[0] * HALF)
+        phase = rows.to(tl.float32)
     else:
         phase = tl.load(PHASE + start + rows, mask=valid, other=0.0).to(tl.float32)
         if ROT == 3:  # one division per program, not per token
             phase = _log_approx(1.0 + tl.maximum(phase, 0.0) * (1.0 / time_scale), FAST_MATH)
-        freq = tl.load(INV_FREQ + tl.arange(0, HALF))
-        angle = phase[:, None] * freq[None, :]
-        if REDUCE:
-            turns = tl.floor(angle * _INV_TWO_PI + 0.5)
-            angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
-        cos, sin = _sin_cos_approx(angle, FAST_MATH)
-    return cos, sin
+    freq = tl.load(INV_FREQ + tl.arange(0, HALF)) * SIGN
+    angle = phase[:, None] * freq[None, :]
+    if REDUCE:
+        turns = tl.floor(angle * _INV_TWO_PI + 0.5)
+        angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+    return _sin_cos_approx(angle, FAST_MATH)
 
 
 @triton.jit
@@ -134,9 +126,14 @@ def _rotate(lo, hi, cos, sin):
 
 
 @triton.jit
-def _unrotate(lo, hi, cos, sin):
-    """Transpose of :func:`_rotate` (rotation by the opposite angle), fp32 in and out."""
-    return lo * cos + hi * sin, hi * cos - lo * sin
+def _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, lo, hi,
+                 HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
+    """The transposed rotation of an fp32 dq/dk tile, from cos/sin recomputed here rather than kept live
+    from the forward rotation: at 4 warps the backward already uses 255 registers without rotary, and
+    ``[BLOCK, HALF]`` cos/sin held across its dots spill (the negated angle keeps the compiler from
+    merging this computation with the first one)."""
+    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0)
+    return lo * cos - hi * sin, hi * cos + lo * sin
 
 
 @triton.jit
@@ -175,7 +172,7 @@ def _block_attention_fwd(
     q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     if ROT != 0:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
         q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     # S = Q K^T over the two head-dim halves.
@@ -187,7 +184,7 @@ def _block_attention_fwd(
     tl.store(O + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(O.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.autotune(**_AUTOTUNE_BWD)
+@triton.autotune(**_AUTOTUNE)
 @triton.jit(do_not_specialize=["num_blocks"])  # changes every batch: no recompile on its divisibility
 def _block_attention_bwd(
     Q, K, V, DO, DQ, DK, DV, SCHED, PHASE, INV_FREQ,
@@ -208,9 +205,7 @@ def _block_attention_bwd(
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
     if ROT != 0:
-        # Kept in the input dtype: half the registers of fp32 across the whole program.
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
-        cos, sin = cos.to(Q.dtype.element_ty), sin.to(Q.dtype.element_ty)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
     dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
@@ -218,7 +213,8 @@ def _block_attention_bwd(
     for g in range(GROUP):
         head = kv_head * GROUP + g
         q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
-        if ROT != 0:
+        if ROT != 0:  # the same cos/sin as k's (one computation for GROUP 1, where the loop folds away)
+            cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
             q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
         do_ptr = DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :]
         do = tl.load(do_ptr, mask=valid[:, None], other=0.0)
@@ -237,12 +233,12 @@ def _block_attention_bwd(
         dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
         dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
         if ROT != 0:
-            dq_lo, dq_hi = _unrotate(dq_lo, dq_hi, cos.to(tl.float32), sin.to(tl.float32))
+            dq_lo, dq_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dq_lo, dq_hi, HALF, ROT, REDUCE)
         dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
         tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
         tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
     if ROT != 0:
-        dk_lo, dk_hi = _unrotate(dk_lo, dk_hi, cos.to(tl.float32), sin.to(tl.float32))
+        dk_lo, dk_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dk_lo, dk_hi, HALF, ROT, REDUCE)
     dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
     tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
     tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])

@@ -194,6 +194,13 @@ def _common(q: torch.Tensor, args: GdpaArgs, num_targets: torch.Tensor | None, d
     )
 
 
+def _broadcast_len(q: torch.Tensor, args: GdpaArgs) -> int:
+    """The shared query length of broadcast-Q, else 0: a jagged q's token count changes every batch, and
+    an int argument that changes its divisibility by 16 makes Triton compile a new specialization (two
+    GDPA kernels loaded in a timed gem-large step on an H200: a 1.75 s step)."""
+    return q.shape[0] if args.broadcast_q else 0
+
+
 def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 else t.contiguous()
 
@@ -245,7 +252,7 @@ def gdpa_forward(
         gdpa_fwd_kernel[(work_b.numel() * heads,)](
             q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-            heads, args.pre_scale, args.out_scale, args.contextual_len, args.window or 0, q.shape[0],
+            heads, args.pre_scale, args.out_scale, args.contextual_len, args.window or 0, _broadcast_len(q, args),
             GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
             TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
             num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
@@ -290,7 +297,7 @@ def gdpa_backward(
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-            kv_heads, args.pre_scale, args.out_scale, *scalars, q.shape[0],
+            kv_heads, args.pre_scale, args.out_scale, *scalars, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
             num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
         )
