@@ -22,13 +22,8 @@
 #   gem-large at batch 256 beside nothing else (issue 13)
 # k2 (one GPU, session 5): BlockAttention full again (Flex mask fixed, graph-replay timing), then gem-large
 #   b256 under bench train (its phase split: is the GPU idle in the step? issue 13)
-# s6a, s6b (one GPU, for session 6, one call each): BlockAttention full (the 16-bit rotation and the per-block rotary backward,
-#   unmeasured; issue 5), then gem-large b256 in the multi-GPU harness and gem-small b2048 under bench
-#   train, both now reporting keys_tuned_while_timed and each timed step (issues 13, 10)
-# s6t, s6l (one GPU, session 6): s6a regrouped so each call fits 600 s: BlockAttention full and its GPU tests |
-#   gem-large b256 in the multi-GPU harness, then gem-small b2048 under bench train
 # s6c, s6d (one GPU, session 6): each BlockAttention backward config alone, then the full benchmark and GPU
-#   tests (the in-block rotary table, 8 warps capped at 128 registers) | s6l again with the host-event counts
+#   tests | gem-large b256 in the multi-GPU harness, then gem-small b2048 under bench train (host-event counts)
 # s6e (one GPU, session 6): BlockAttention full (the backward recomputes its cos/sin), gem-large b256 (GDPA
 #   no longer specialized on the token count), the BlockAttention GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -120,20 +115,7 @@ chain_k2() {
   step large_b256_phases 300 train bench train --preset gem-large --batch-size 256 --compile --steps 8 --warmup 8 \
     --out "$out/results/train_gem-large_b256.json"
 }
-chain_s6a() {
-  step block_attention_full 270 python -m benchmarks.block_attention
-  step large_single 290 large_single 256 multi_gpu_single
-}
-chain_s6t() {  # session 6, call 1: the rotary change measured, then the GPU tests of the kernel it touched
-  step block_attention_full 270 python -m benchmarks.block_attention
-  step block_attention_gpu_tests 200 tests tests/gpu/test_block_attention_gpu.py
-}
-chain_s6l() {  # session 6, call 2: the two training harnesses with keys_tuned_while_timed and per-step laps
-  step large_single 290 large_single 256 multi_gpu_single
-  step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
-    --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
-}
-chain_s6c() {  # session 6, call 3: the in-block rotary table and the 2-programs-per-SM backward config
+chain_s6c() {  # session 6, call 3: every backward config alone, then BlockAttention full and its GPU tests
   step block_attention_configs 150 python -m benchmarks.diag.block_attention_configs
   step block_attention_full 270 python -m benchmarks.block_attention
   step block_attention_gpu_tests 150 tests tests/gpu/test_block_attention_gpu.py
@@ -148,10 +130,6 @@ chain_s6e() {  # session 6, call 5: the backward's recomputed cos/sin (4 warps),
   step large_single 240 large_single 256 multi_gpu_single
   step block_attention_gpu_tests 120 tests tests/gpu/test_block_attention_gpu.py
 }
-chain_s6b() {
-  step small_b2048 200 train bench train --preset gem-small --batch-size 2048 --compile --steps 10 --warmup 8 \
-    --num-workers 12 --out "$out/results/train_gem-small_b2048.json"
-}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -159,7 +137,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6a|s6b|s6t|s6l|s6c|s6d|s6e) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -19,7 +19,7 @@ from opengem.ops.reference.attention import jagged_attention  # noqa: E402
 from opengem.ops.reference.rotary import apply_rotary, positions_in_sequence  # noqa: E402
 import triton  # noqa: E402
 
-from opengem.ops.triton.block_attention import _prune, block_schedule  # noqa: E402
+from opengem.ops.triton.block_attention import _configs, _prune, block_schedule  # noqa: E402
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 
@@ -279,3 +279,10 @@ def test_autotune_offers_16_warps_only_for_128_row_tiles():
     warps = lambda **meta: [c.num_warps for c in _prune(configs, {}, **meta)]  # noqa: E731
     assert warps(BLOCK=128, HALF=64) == [4, 8, 16]
     assert warps(BLOCK=64, HALF=128) == [4, 8]
+
+
+def test_only_the_backward_tries_three_programs_per_sm(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's config list
+    shape = lambda configs: [(c.num_warps, c.maxnreg) for c in configs]  # noqa: E731
+    assert shape(_configs(backward=False)) == [(4, None), (8, None), (16, None)]
+    assert shape(_configs(backward=True)) == [(4, None), (8, None), (16, None), (4, 168)]

@@ -41,12 +41,16 @@ _INV_TWO_PI = tl.constexpr(0.15915494309189535)
 FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
-def _configs() -> list[triton.Config]:
-    """Warps per (block, head) program. Measured on an H200 (block 64, D 128, bf16, backward): 4 warps
-    3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers (two programs per SM) 4.10."""
+def _configs(backward: bool) -> list[triton.Config]:
+    """Warps per (block, head) program; the backward also tries 4 warps capped at 168 registers: three
+    programs per SM (sm_90: 3 x 128 threads x 168 = 64,512 of 65,536 registers), which its rotary variants
+    at 177-180 registers miss by a few (capped: no spills, +8 instructions per thread). Measured on an H200 (block 64, D 128,
+    bf16, backward, session 6, before the early dK/dV stores): 4 warps 3.78 ms, 8 warps 5.52, 16 warps
+    7.51, 8 warps capped at 128 registers 4.10."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({}, num_warps=4)]
-    return [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
+    configs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
+    return configs + ([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] if backward else [])
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -55,7 +59,9 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return [c for c in configs if c.num_warps <= 8 or large]
 
 
-_AUTOTUNE = dict(configs=_configs(), key=["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"], prune_configs_by={"early_config_prune": _prune})
+_KEY = ["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"]
+_AUTOTUNE = dict(configs=_configs(backward=False), key=_KEY, prune_configs_by={"early_config_prune": _prune})
+_AUTOTUNE_BWD = dict(_AUTOTUNE, configs=_configs(backward=True))
 
 
 @triton.jit
@@ -114,6 +120,13 @@ def _load_halves(ptr, valid):
     lo = tl.load(ptr, mask=valid[:, None], other=0.0)
     hi = tl.load(ptr + lo.shape[1], mask=valid[:, None], other=0.0)
     return lo, hi
+
+
+@triton.jit
+def _store_halves(ptr, lo, hi, valid):
+    """Store the two ``HALF``-column tiles of :func:`_load_halves`, cast to the tensor's dtype."""
+    tl.store(ptr, lo.to(ptr.dtype.element_ty), mask=valid[:, None])
+    tl.store(ptr + lo.shape[1], hi.to(ptr.dtype.element_ty), mask=valid[:, None])
 
 
 @triton.jit
@@ -184,7 +197,7 @@ def _block_attention_fwd(
     tl.store(O + tok[:, None] * stride_ot + head * stride_oh + dims[None, :], o.to(O.dtype.element_ty), mask=valid[:, None])
 
 
-@triton.autotune(**_AUTOTUNE)
+@triton.autotune(**_AUTOTUNE_BWD)
 @triton.jit(do_not_specialize=["num_blocks"])  # changes every batch: no recompile on its divisibility
 def _block_attention_bwd(
     Q, K, V, DO, DQ, DK, DV, SCHED, PHASE, INV_FREQ,
@@ -210,6 +223,8 @@ def _block_attention_bwd(
     dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
     dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
     dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
+    dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
+    dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
     for g in range(GROUP):
         head = kv_head * GROUP + g
         q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
@@ -222,28 +237,30 @@ def _block_attention_bwd(
         s = tl.dot(q_hi, tl.trans(k_hi), tl.dot(q_lo, tl.trans(k_lo)))
         p = _weights(s, valid, scale, ACT)
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
+        if GROUP == 1:  # finished: stored now, its accumulator is not live through dS, dK and dQ
+            tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
         dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
         if ACT == SOFTMAX:
             ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
         else:
             ds = tl.where(valid[None, :], dp * activation_value_and_grad(s * scale, ACT)[1], 0.0)
         ds = (ds * scale).to(q_lo.dtype)
-        dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
-        dq_hi = tl.dot(ds, k_hi)
         dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
         dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
+        if GROUP == 1:  # likewise before dQ (sm_90, 4 warps: 255 -> 168 registers, no spills with rotary)
+            if ROT != 0:
+                dk_lo, dk_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dk_lo, dk_hi, HALF, ROT, REDUCE)
+            _store_halves(dk_ptr, dk_lo, dk_hi, valid)
+        dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
+        dq_hi = tl.dot(ds, k_hi)
         if ROT != 0:
             dq_lo, dq_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dq_lo, dq_hi, HALF, ROT, REDUCE)
-        dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
-        tl.store(dq_ptr, dq_lo.to(DQ.dtype.element_ty), mask=valid[:, None])
-        tl.store(dq_ptr + HALF, dq_hi.to(DQ.dtype.element_ty), mask=valid[:, None])
-    if ROT != 0:
-        dk_lo, dk_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dk_lo, dk_hi, HALF, ROT, REDUCE)
-    dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
-    tl.store(dk_ptr, dk_lo.to(DK.dtype.element_ty), mask=valid[:, None])
-    tl.store(dk_ptr + HALF, dk_hi.to(DK.dtype.element_ty), mask=valid[:, None])
-    dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
-    tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
+        _store_halves(DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :], dq_lo, dq_hi, valid)
+    if GROUP > 1:  # dK and dV summed over the group's query heads
+        if ROT != 0:
+            dk_lo, dk_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dk_lo, dk_hi, HALF, ROT, REDUCE)
+        _store_halves(dk_ptr, dk_lo, dk_hi, valid)
+        tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
 
 
 _SCHEDULE_CACHE: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor]] = OrderedDict()
