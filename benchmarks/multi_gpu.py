@@ -189,7 +189,7 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             timer.lap()
         elapsed = _reduce(timer.stop(), dist.ReduceOp.MAX, device)  # the step ends when the slowest rank does
         # this rank's; any count > 0: seconds of host work (tuning, compiling, collecting) in the timed steps
-        while_timed = events_report(events_before)
+        while_timed, laps_ms = events_report(events_before), timer.laps_ms()
         stream = None  # drops the stream (and its loader workers) before the next layout
         world = dist.get_world_size() if dist.is_initialized() else 1
         flops = _reduce(float(sum(train_flops(learner.model, n).train for n in lengths)), dist.ReduceOp.SUM, device)
@@ -204,8 +204,8 @@ def measure_layout(layout: Layout, config: TrainConfig, warmup: int, steps: int,
             "peak_memory_gib": _reduce(peak_gib, dist.ReduceOp.MAX, device) if peak_gib is not None else None,
             "comm_bytes_per_step": run.step_bytes(), "tuning_steps": tuning_steps,
             "host_events_while_timed": while_timed,
-            "step_ms_each": timer.laps_ms(),  # this rank's; a stall (tuning, a compile) shows as an outlier
-            "step_ms_median": statistics.median(timer.laps_ms()),
+            "step_ms_each": laps_ms,  # this rank's; a stall (tuning, a compile) shows as an outlier
+            "step_ms_median": statistics.median(laps_ms),
         }
         if curve:
             row["losses"] = torch.stack([value.detach().float() for value in losses]).tolist()

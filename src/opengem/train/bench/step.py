@@ -25,9 +25,7 @@ from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
 from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
-from opengem.train.bench.timing import (
-    FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled,
-)
+from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import events_report, host_events
 from opengem.train.compile import compile_regions
 from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
@@ -118,7 +116,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         loss = learner.step(batch.to(device, non_blocking=True))
         timer.lap()
     elapsed = timer.stop()
-    while_timed = events_report(events_before)
+    while_timed, laps_ms = events_report(events_before), timer.laps_ms()
 
     phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
@@ -136,8 +134,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     ceiling = measured_matmul_peak(device, matmul_dtype, options.matmul_size or (8192 if device.type == "cuda" else 512))
     results = {
         "step_ms": 1e3 * elapsed / options.steps,
-        "step_ms_each": timer.laps_ms(),  # each timed step's share of the window (a stall shows as an outlier)
-        "step_ms_median": statistics.median(timer.laps_ms()),
+        "step_ms_each": laps_ms,  # each timed step's share of the window (a stall shows as an outlier)
+        "step_ms_median": statistics.median(laps_ms),
         "samples_per_s": samples / elapsed,
         "tokens_per_s": sum(int(n.sum()) for n in lengths) / elapsed,
         "train_flops_per_sample": total_flops / samples,
