@@ -75,20 +75,18 @@ def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
     print("kernel | warps | rotary | regs | spill stack B | SASS instr/thread (vs off) | " + " | ".join(COUNTED))
-    for name, kernel, warps, cap in (("fwd", kernels._block_attention_fwd, 4, None),
-                                     ("fwd", kernels._block_attention_fwd, 8, None),
-                                     ("bwd", kernels._block_attention_bwd, 4, None),
-                                     ("bwd", kernels._block_attention_bwd, 8, None),
-                                     ("bwd", kernels._block_attention_bwd, 8, 128)):
+    # every config the autotuner may pick (the GPU's list: this never runs under the interpreter)
+    kinds = (("fwd", kernels._block_attention_fwd, False), ("bwd", kernels._block_attention_bwd, True))
+    for name, kernel, config in [(n, k, c) for n, k, backward in kinds for c in kernels._configs(backward)]:
+        warps = f"{config.num_warps}" + (f" (max {config.maxnreg} regs)" if config.maxnreg else "")
         base = None
         for mode, label in MODES:
-            cost = compiled_cost(kernel, warps, cap, GROUP=1, BLOCK=64, HALF=64, ACT=kernels.SOFTMAX.value, ROT=mode,
-                                 REDUCE=mode == 2)
+            cost = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
+                                 ACT=kernels.SOFTMAX.value, ROT=mode, REDUCE=mode == 2)
             base = base or cost["instructions"]
             ratio = f"{cost['instructions']} ({cost['instructions'] / base - 1:+.0%})"
             counts = " | ".join(str(cost[op]) for op in COUNTED)
-            print(f"{name} | {warps}{f' (max {cap} regs)' if cap else ''} | {label} | {cost['reg']} | {cost['stack']} | {ratio} | {counts}", flush=True)
-
+            print(f"{name} | {warps} | {label} | {cost['reg']} | {cost['stack']} | {ratio} | {counts}", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """BlockAttention backward: every autotuner config forced alone, rotary off / in-sequence positions / time
 gaps, on the sparsity workload (B 1152, Lmax 2000, H 4, D 128, bf16, block 64). Shows what each config
-costs, beside what the autotuner picks in ``benchmarks.block_attention``: in particular whether 8 warps
-capped at 128 registers (two programs per SM, spills to L1) beats one uncapped program per SM.
+costs, beside what the autotuner picks in ``benchmarks.block_attention``: in particular whether a config
+capped in registers (more programs per SM) beats the uncapped ones.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.block_attention_configs``; writes
 ``benchmarks/results/block_attention_configs.json``.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.block_attention import BLOCK_SIZE, Results, _op, _timed, make_batch, workloads
+from benchmarks.block_attention import BLOCK_SIZE, HEAD_DIM, HEADS, Results, _op, _timed, make_batch, workloads
 from benchmarks.common import write_results
 from opengem.ops.triton import block_attention as kernels
 
@@ -20,7 +20,7 @@ MODES = ((0, "off"), (1, "pos"), (3, "time"))
 
 class ConfigResults(Results):
     def write(self) -> None:  # its own file, not block_attention.json
-        write_results("block_attention_configs", self.rows, extra={"heads": 4, "head_dim": 128})
+        write_results("block_attention_configs", self.rows, extra={"heads": HEADS, "head_dim": HEAD_DIM})
 
 
 def main() -> None:

@@ -91,9 +91,9 @@ def block_attention(
             hardswish), giving ``O_i = sum_j phi(scale q_i . k_j) v_j`` over the block, unnormalized.
         rotary: optional :class:`Rotary`; q and k are rotated before the dot products; gradients are
             rotated back with the transposed rotation. On the GPU, for bf16/fp16 inputs, cos/sin are
-            rounded to q's dtype and q/k are rotated in packed 16-bit math (the gradients' rotation back is
-            fp32 arithmetic on those rounded cos/sin): ~1.2x the output error of an fp32 rotation (6.0e-4
-            against 5.1e-4 in fp16, interpreter); fp32 inputs rotate in fp32. cos/sin come from the
+            rounded to q's dtype and q/k are rotated in packed 16-bit math: ~1.2x the output error of an
+            fp32 rotation (6.0e-4 against 5.1e-4 in fp16, interpreter); the gradients are rotated back in
+            fp32 with cos/sin recomputed in fp32; fp32 inputs rotate in fp32. cos/sin come from the
             special-function unit (absolute error below ~3e-5), and in-sequence positions are rotated
             relative to each block, which leaves scores and gradients unchanged.
         backend: ``"auto"`` (CUDA -> Triton, CPU -> reference), ``"triton"`` or ``"reference"``.

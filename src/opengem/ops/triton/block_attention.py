@@ -7,7 +7,7 @@ writes dq, dk, dv. Rotary embedding is applied to the Q/K tiles after loading (r
 two head-dim halves are separate tiles, so ``S = Q_lo K_lo^T + Q_hi K_hi^T``); the backward rotates
 dq/dk back with the transposed rotation. Backward programs loop over the GQA group of their kv head so
 dk/dv are accumulated in registers, never with atomics. The backward computes the rotary cos/sin twice
-(for q/k, then for dq/dk) rather than keep it live: see :func:`_rotate_back`.
+(for q/k, then for dq/dk) rather than keep it live: see :func:`_store_rotated_back`.
 
 Schedule: ``[2, num_blocks]`` int32 (block start token, block length), one column per block across all
 sequences, built once on the host from the offsets and cached. Rotary angles are taken relative to the
@@ -44,9 +44,9 @@ FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 def _configs(backward: bool) -> list[triton.Config]:
     """Warps per (block, head) program; the backward also tries 4 warps capped at 168 registers: three
     programs per SM (sm_90: 3 x 128 threads x 168 = 64,512 of 65,536 registers), which its rotary variants
-    at 177-180 registers miss by a few (capped: no spills, +8 instructions per thread). Measured on an H200 (block 64, D 128,
-    bf16, backward, session 6, before the early dK/dV stores): 4 warps 3.78 ms, 8 warps 5.52, 16 warps
-    7.51, 8 warps capped at 128 registers 4.10."""
+    at 177-180 registers miss by a few (capped, Triton 3.6: no spills, +8 instructions per thread).
+    Measured on an H200 (block 64, D 128, bf16, backward, session 6, before the early dK/dV stores):
+    4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10."""
     if os.environ.get("TRITON_INTERPRET") == "1":
         return [triton.Config({}, num_warps=4)]
     configs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
@@ -139,14 +139,16 @@ def _rotate(lo, hi, cos, sin):
 
 
 @triton.jit
-def _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, lo, hi,
-                 HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
-    """The transposed rotation of an fp32 dq/dk tile, from cos/sin recomputed here rather than kept live
-    from the forward rotation: at 4 warps the backward already uses 255 registers without rotary, and
-    ``[BLOCK, HALF]`` cos/sin held across its dots spill (the negated angle keeps the compiler from
-    merging this computation with the first one)."""
-    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0)
-    return lo * cos - hi * sin, hi * cos + lo * sin
+def _store_rotated_back(ptr, lo, hi, PHASE, INV_FREQ, start, rows, valid, time_scale,
+                        HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
+    """Store an fp32 dq/dk tile pair, first rotated back (the transposed rotation) when ROT is on. Its
+    cos/sin is recomputed here rather than kept live from the rotation of q/k: ``[BLOCK, HALF]`` cos/sin
+    held across the backward's dots spill at 4 warps (the negated angle keeps the compiler from merging
+    this computation with the first one)."""
+    if ROT != 0:
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0)
+        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
+    _store_halves(ptr, lo, hi, valid)
 
 
 @triton.jit
@@ -225,6 +227,7 @@ def _block_attention_bwd(
     dv = tl.zeros((BLOCK, 2 * HALF), tl.float32)
     dk_ptr = DK + tok[:, None] * stride_dkt + kv_head * stride_dkh + half[None, :]
     dv_ptr = DV + tok[:, None] * stride_dkt + kv_head * stride_dkh + dims[None, :]
+    rotary = (PHASE, INV_FREQ, start, rows, valid, time_scale)  # runtime values only: tuples lose constexpr
     for g in range(GROUP):
         head = kv_head * GROUP + g
         q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
@@ -248,18 +251,13 @@ def _block_attention_bwd(
         dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
         dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
         if GROUP == 1:  # likewise before dQ (sm_90, 4 warps: 255 -> 168 registers, no spills with rotary)
-            if ROT != 0:
-                dk_lo, dk_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dk_lo, dk_hi, HALF, ROT, REDUCE)
-            _store_halves(dk_ptr, dk_lo, dk_hi, valid)
+            _store_rotated_back(dk_ptr, dk_lo, dk_hi, *rotary, HALF, ROT, REDUCE)
         dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
         dq_hi = tl.dot(ds, k_hi)
-        if ROT != 0:
-            dq_lo, dq_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dq_lo, dq_hi, HALF, ROT, REDUCE)
-        _store_halves(DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :], dq_lo, dq_hi, valid)
+        dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
+        _store_rotated_back(dq_ptr, dq_lo, dq_hi, *rotary, HALF, ROT, REDUCE)
     if GROUP > 1:  # dK and dV summed over the group's query heads
-        if ROT != 0:
-            dk_lo, dk_hi = _rotate_back(PHASE, INV_FREQ, start, rows, valid, time_scale, dk_lo, dk_hi, HALF, ROT, REDUCE)
-        _store_halves(dk_ptr, dk_lo, dk_hi, valid)
+        _store_rotated_back(dk_ptr, dk_lo, dk_hi, *rotary, HALF, ROT, REDUCE)
         tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
 
 

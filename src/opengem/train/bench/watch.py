@@ -53,16 +53,11 @@ def _install() -> None:
     _installed = True
 
 
-def tuned_keys() -> int:
-    """Settled autotuner configurations so far (``opengem.ops.triton.tuning``; imported here, since Triton
-    is optional on CPU). A count that grows inside a timed window means candidates were timed there."""
-    from opengem.ops.triton.tuning import tuned_keys as count
-
-    return count()
-
-
 def host_events() -> HostEvents:
-    """Totals so far (the kernel-load and collection counters start at the first call)."""
+    """Totals so far (the kernel-load and collection counters start at the first call). Autotuner keys:
+    the settled configurations of opengem's kernels (``opengem.ops.triton.tuning``, imported at the call)."""
+    from opengem.ops.triton.tuning import tuned_keys
+
     _install()
     try:
         from torch._dynamo.utils import counters
