@@ -22,7 +22,8 @@ that fails becomes a note in its row; a lost CUDA context ends the run (exit sta
 
 Run: ``PYTHONPATH=src python -m benchmarks.jfa [--quick]``. ``--quick``: workloads (a) and (d), JFA with
 each kernel's default config (no autotuning), varlen flash and nested SDPA, no Flex (about 40 s cold).
-Full: every workload and peer, JFA autotuned (curated configs), a few minutes.
+Full: every workload and peer, JFA autotuned (curated configs), a few minutes. ``--workloads a_,d_``: only
+the workloads whose names start so; ``--no-flex``: without the FlexAttention pass.
 """
 
 from __future__ import annotations
@@ -442,16 +443,27 @@ def workloads(quick: bool) -> list[Workload]:
     return out
 
 
-def run(quick: bool, rec: Recorder) -> None:
+def selected(quick: bool, prefixes: list[str] | None) -> list[Workload]:
+    """The workloads whose names start with one of ``prefixes`` (all when None); an unknown prefix is an error."""
+    every = workloads(quick)
+    if prefixes is None:
+        return every
+    unknown = [p for p in prefixes if not any(wl.name.startswith(p) for wl in every)]
+    if unknown:
+        raise SystemExit(f"--workloads: no workload starts with {unknown}; names: {[wl.name for wl in every]}")
+    return [wl for wl in every if any(wl.name.startswith(p) for p in prefixes)]
+
+
+def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: bool) -> None:
     """Our kernel first, then the eager peers, workload by workload; FlexAttention (compiled, the riskiest:
     its device fault would poison the context) last of all, in a pass of its own."""
     safe = {"jfa": jfa_impl, "torch_varlen_flash": flash_impl, "nested_sdpa": nested_impl}
     if not quick:
         safe["padded_sdpa(incl. pad/unpad)"] = padded_impl
-    for wl in workloads(quick):
+    for wl in chosen:
         run_workload(wl, safe, rec)
-    if not quick:
-        for wl in workloads(quick):
+    if flex:
+        for wl in chosen:
             run_workload(wl, {"flex_attention": flex_impl}, rec)
 
 
@@ -491,18 +503,26 @@ def main() -> None:
     parser.add_argument(
         "--quick", action="store_true", help="workloads (a), (d): JFA untuned, varlen flash, nested SDPA (< 75 s)"
     )
+    parser.add_argument(
+        "--workloads", type=lambda text: text.split(","), default=None,
+        help="comma-separated name prefixes (e.g. a_,d_,b_L1024): run only those workloads",
+    )
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
     args = parser.parse_args()
+    chosen = selected(args.quick, args.workloads)
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.jfa needs a CUDA device")
     if args.quick:  # each kernel's default config: no autotuning on a cold start
         os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
     started = time.perf_counter()
-    rec = Recorder({"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+    flex = not (args.quick or args.no_flex)
+    rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": flex, "heads": HEADS,
+                    "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
     say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
     lost = None
     try:
-        run(args.quick, rec)
+        run(args.quick, rec, chosen, flex)
     except CudaContextLost as err:
         lost = str(err)
         rec.meta["aborted"] = f"CUDA context lost at {lost}"

@@ -26,6 +26,8 @@
 #   tests | gem-large b256 in the multi-GPU harness, then gem-small b2048 under bench train (host-event counts)
 # s6e (one GPU, session 6): BlockAttention full (the backward recomputes its cos/sin), gem-large b256 (GDPA
 #   no longer specialized on the token count), the BlockAttention GPU tests
+# s7a (one GPU, session 7): BlockAttention full and GPU tests (early dK/dV stores), JFA autotuned on (a), (d) and
+#   L1024 s0.5 without Flex, each BlockAttention backward config alone
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -130,6 +132,12 @@ chain_s6e() {  # session 6, call 5: the backward's recomputed cos/sin (4 warps),
   step large_single 240 large_single 256 multi_gpu_single
   step block_attention_gpu_tests 120 tests tests/gpu/test_block_attention_gpu.py
 }
+chain_s7a() {  # session 7, call 1: the early dK/dV stores (issue 5), then JFA autotuned on (a), (d), L1024 s0.5 (issue 3)
+  step block_attention_full 270 python -m benchmarks.block_attention
+  step block_attention_gpu_tests 150 tests tests/gpu/test_block_attention_gpu.py
+  step jfa_subset 200 python -m benchmarks.jfa --workloads a_,d_,b_L1024_s0.5 --no-flex
+  step block_attention_configs 90 python -m benchmarks.diag.block_attention_configs
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -137,7 +145,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
