@@ -86,7 +86,9 @@ def pin_default_configs() -> None:
     from opengem.ops.triton import block_attention as kernels
 
     for kernel in (kernels._block_attention_fwd, kernels._block_attention_bwd):
-        kernel.configs = [c for c in kernel.configs if c.num_warps == 4 and c.maxnreg is None] or kernel.configs[:1]
+        kernel.configs = [
+            c for c in kernel.configs if c.num_warps == 4 and c.maxnreg is None and not c.kwargs.get("SHARE_BACK")
+        ] or kernel.configs[:1]
 
 
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:

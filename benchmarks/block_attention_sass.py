@@ -79,10 +79,15 @@ def main() -> None:
     kinds = (("fwd", kernels._block_attention_fwd, False), ("bwd", kernels._block_attention_bwd, True))
     for name, kernel, config in [(n, k, c) for n, k, backward in kinds for c in kernels._configs(backward)]:
         warps = f"{config.num_warps}" + (f" (max {config.maxnreg} regs)" if config.maxnreg else "")
+        warps += " shared inverse" if config.kwargs.get("SHARE_BACK") else ""
         base = None
         for mode, label in MODES:
+            if mode == 0 and config.kwargs.get("SHARE_BACK"):  # the same code as without: its base is that one
+                base = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
+                                     ACT=kernels.SOFTMAX.value, ROT=0, REDUCE=False, SHARE_BACK=False)["instructions"]
+                continue
             cost = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
-                                 ACT=kernels.SOFTMAX.value, ROT=mode, REDUCE=mode == 2)
+                                 ACT=kernels.SOFTMAX.value, ROT=mode, REDUCE=False, **config.kwargs)
             base = base or cost["instructions"]
             ratio = f"{cost['instructions']} ({cost['instructions'] / base - 1:+.0%})"
             counts = " | ".join(str(cost[op]) for op in COUNTED)

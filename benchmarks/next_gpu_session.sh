@@ -28,6 +28,8 @@
 #   no longer specialized on the token count), the BlockAttention GPU tests
 # s7a (one GPU, session 7): BlockAttention full and GPU tests (early dK/dV stores), JFA autotuned on (a), (d) and
 #   L1024 s0.5 without Flex, each BlockAttention backward config alone
+# s7b (one GPU, session 7): BlockAttention full (given positions block-relative, SHARE_BACK configs), JFA's
+#   per-kernel times and tile configs on (b)'s short causal workloads, BlockAttention GPU tests and configs
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -138,6 +140,12 @@ chain_s7a() {  # session 7, call 1: the early dK/dV stores (issue 5), then JFA a
   step jfa_subset 200 python -m benchmarks.jfa --workloads a_,d_,b_L1024_s0.5 --no-flex
   step block_attention_configs 90 python -m benchmarks.diag.block_attention_configs
 }
+chain_s7b() {  # session 7, call 2: block-relative given positions and the shared inverse rotation (issue 5), JFA's configs on (b)
+  step block_attention_full 230 python -m benchmarks.block_attention
+  step jfa_configs 200 python -m benchmarks.diag.jfa_configs
+  step block_attention_gpu_tests 150 tests tests/gpu/test_block_attention_gpu.py
+  step block_attention_configs 110 python -m benchmarks.diag.block_attention_configs
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -145,7 +153,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

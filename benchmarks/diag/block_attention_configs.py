@@ -15,7 +15,7 @@ from benchmarks.block_attention import BLOCK_SIZE, HEAD_DIM, HEADS, Results, _op
 from benchmarks.common import write_results
 from opengem.ops.triton import block_attention as kernels
 
-MODES = ((0, "off"), (1, "pos"), (3, "time"))
+MODES = ((0, "off"), (1, "pos"), (2, "given"), (3, "time"))
 
 
 class ConfigResults(Results):
@@ -32,9 +32,12 @@ def main() -> None:
     try:
         for config in every:
             label = f"bwd_w{config.num_warps}" + (f"_max{config.maxnreg}" if config.maxnreg else "")
+            label += "_shared" if config.kwargs.get("SHARE_BACK") else ""
             kernel.configs = [config]  # one config: Triton runs it without timing candidates
             kernel.cache.clear()
             for mode, mode_name in MODES:
+                if mode == 0 and config.kwargs.get("SHARE_BACK"):
+                    continue  # the same code as without sharing
                 values = b.rotary_values(mode)
                 _timed(results, b, f"{label}_{mode_name}",
                        lambda mode=mode, values=values: _op(b.q, b.k, b.v, b.offsets, BLOCK_SIZE, mode, values),

@@ -47,6 +47,9 @@ def _check(lengths, heads=4, kv_heads=4, head_dim=128, block_size=64, rotary="no
     elif rotary == "positions":  # far apart inside a block: the kernel reduces the angles to [-pi, pi]
         positions = torch.randint(0, 100_000, (total,), generator=g, device="cuda")
         config, phase = Rotary(positions=positions), positions.float()
+    elif rotary == "shifted":  # large but close inside a block: rotated relative to the block, unreduced
+        positions = positions_in_sequence(offsets, total) * 3 + 90_000
+        config, phase = Rotary(positions=positions), positions.float()
     elif rotary == "time":
         gaps = torch.rand(total, generator=g, device="cuda") * 1e6
         config, phase = Rotary(time_gaps=gaps, time_scale=60.0), time_phase(gaps, 60.0)
@@ -79,7 +82,7 @@ def test_other_head_dims(head_dim, block_size):
     _check([129, 3, 64], head_dim=head_dim, block_size=block_size)
 
 
-@pytest.mark.parametrize("rotary", ["sequence", "positions", "time"])
+@pytest.mark.parametrize("rotary", ["sequence", "positions", "shifted", "time"])
 @pytest.mark.parametrize("block_size", [32, 64, 128])
 def test_rotary(rotary, block_size):
     _check([5000, 70, 1], block_size=block_size, rotary=rotary)
@@ -128,10 +131,10 @@ def test_every_autotune_config(block_size, monkeypatch):
     from opengem.ops.triton import block_attention as kernels
 
     for kernel in (kernels._block_attention_fwd, kernels._block_attention_bwd):
-        for config in kernels._prune(list(kernel.configs), {}, BLOCK=block_size, HALF=64):
+        for config in kernels._prune(list(kernel.configs), {}, BLOCK=block_size, HALF=64, GROUP=1, ROT=1):
             monkeypatch.setattr(kernel, "configs", [config])  # a single config skips benchmarking
             kernel.cache.clear()
-            for rotary in ("sequence", "time"):
+            for rotary in ("sequence", "positions", "time"):
                 _check([300, 64, 5], block_size=block_size, rotary=rotary)
 
 
@@ -150,10 +153,11 @@ def _cos_sin_kernel(
 
 
 @pytest.mark.parametrize("sign", [1.0, -1.0])
-@pytest.mark.parametrize("rot", [1, 2, 3])
-def test_rotary_cos_sin_accuracy(rot, sign):
+@pytest.mark.parametrize("rot, spread", [(1, None), (2, 100_000), (2, 100), (3, None)])
+def test_rotary_cos_sin_accuracy(rot, spread, sign):
     """The SFU sin/cos (MUFU, no libdevice polynomial) against float64 at the largest angles each mode meets:
-    rows of a 128 block (< 128 rad, unreduced), positions up to 1e5 (reduced), time gaps up to 1e30; and the
+    rows of a 128 block (< 128 rad, unreduced); given positions relative to the block's first one, up to 1e5
+    apart (the program reduces them) or within 100 of 1e5 (it does not); time gaps up to 1e30; and the
     inverse rotation's (negated angles) the same."""
     block, half, total, time_scale = 128, 64, 4096, 60.0
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -162,8 +166,8 @@ def test_rotary_cos_sin_accuracy(rot, sign):
         values = None
         phase = (torch.arange(total, device="cuda") % block).double()
     elif rot == 2:
-        values = torch.randint(0, 100_000, (total,), generator=g, device="cuda").float()
-        phase = values.double()
+        values = (100_000 - torch.randint(0, spread, (total,), generator=g, device="cuda")).float()
+        phase = (values - values[:: block].repeat_interleave(block)).double()  # exact: integers below 2^24
     else:
         values = torch.exp(torch.rand(total, generator=g, device="cuda") * 70.0) - 1.0  # 0 .. 2.5e30
         phase = time_phase(values, time_scale).double()
@@ -172,9 +176,10 @@ def test_rotary_cos_sin_accuracy(rot, sign):
     cos, sin = (torch.full((total, half), math.nan, device="cuda") for _ in range(2))
     _cos_sin_kernel[(total // block,)](
         values if values is not None else freq, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
-        REDUCE=rot == 2, SIGN=sign,
+        REDUCE=False, SIGN=sign,
     )
-    # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one.
-    bound = {1: 3e-5, 2: 1e-5, 3: 6e-5}[rot]
+    # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one;
+    # rot 2 within 100 of each other: unreduced angles below 100 rad, like rot 1's.
+    bound = {1: 3e-5, 2: 1e-5 if spread > 128 else 3e-5, 3: 6e-5}[rot]
     assert (cos.double() - angle.cos()).abs().max() < bound
     assert (sin.double() - angle.sin()).abs().max() < bound

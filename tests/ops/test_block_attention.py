@@ -47,6 +47,19 @@ def _rotary(kind: str, total: int) -> Rotary | None:
     return Rotary(time_gaps=(torch.rand(total, 2, generator=g) * 1e5 - 10.0)[:, 1], time_scale=60.0)
 
 
+def _block_relative(options: dict, offsets: torch.Tensor) -> dict:
+    """The reference's options with given positions made relative to each block's first token, as the
+    kernel rotates (the shift cancels: ``test_rotary_depends_only_on_positions_within_the_block``). Equal
+    fp32 angles keep the comparison tight: absolute positions in the thousands round the angle by ~1e-4
+    rad, which a ReLU's step in the gradient can turn into a visible difference."""
+    rotary = options["rotary"]
+    if rotary is None or rotary.positions is None:
+        return options
+    row = positions_in_sequence(offsets, rotary.positions.numel())
+    first = torch.arange(row.numel()) - row % options["block_size"]
+    return dict(options, rotary=Rotary(positions=rotary.positions - rotary.positions[first], base=rotary.base))
+
+
 def _run(backend, q, k, v, grad, offsets, max_len, **options):
     out = block_attention(q, k, v, offsets, max_len, backend=backend, **options)
     return (out, *torch.autograd.grad(out, (q, k, v), grad))
@@ -56,7 +69,7 @@ def _compare(lengths, heads=2, kv_heads=1, head_dim=32, block_size=16, rotary="n
     q, k, v, grad = _inputs(lengths, heads, kv_heads, head_dim)
     offsets, max_len = _offsets(lengths), max(lengths, default=0)
     options = dict(block_size=block_size, rotary=_rotary(rotary, sum(lengths)), **options)
-    expected = _run("reference", q, k, v, grad, offsets, max_len, **options)
+    expected = _run("reference", q, k, v, grad, offsets, max_len, **_block_relative(options, offsets))
     with _poison():
         actual = _run("triton", q, k, v, grad, offsets, max_len, **options)
     for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected):
@@ -285,4 +298,17 @@ def test_only_the_backward_tries_three_programs_per_sm(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the GPU's config list
     shape = lambda configs: [(c.num_warps, c.maxnreg) for c in configs]  # noqa: E731
     assert shape(_configs(backward=False)) == [(4, None), (8, None), (16, None)]
-    assert shape(_configs(backward=True)) == [(4, None), (8, None), (16, None), (4, 168)]
+    backward = _configs(backward=True)
+    assert shape(backward) == [(4, None), (4, None), (8, None), (8, None), (16, None), (16, None), (4, 168), (4, 168)]
+    assert [c.kwargs["SHARE_BACK"] for c in backward] == [False, True] * 4
+
+
+def test_the_shared_inverse_rotation_is_tried_only_where_it_changes_the_code(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    backward = _configs(backward=True)
+    kept = lambda **meta: [(c.num_warps, c.kwargs["SHARE_BACK"]) for c in _prune(backward, {}, BLOCK=64, HALF=64, **meta)]  # noqa: E731
+    assert kept(GROUP=1, ROT=1) == [(4, False), (4, True), (8, False), (8, True), (4, False), (4, True)]
+    assert kept(GROUP=1, ROT=0) == kept(GROUP=2, ROT=3) == [(4, False), (8, False), (4, False)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # one config there: the shared one where it applies
+    backward = _configs(backward=True)
+    assert kept(GROUP=1, ROT=2) == [(4, True)] and kept(GROUP=1, ROT=0) == [(4, False)]

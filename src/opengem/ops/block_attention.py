@@ -206,9 +206,10 @@ def _reference_phase(offsets, total, rotary_mode, rotary_values, time_scale) -> 
 
 
 def _triton_options(q, block_size, scale, activation, rotary_mode, rotary_values, rotary_base, time_scale) -> dict:
-    # In-sequence positions (rotated relative to the block: < block_size) and time phases (<= 89) give
-    # angles below 128 rad when every inv_freq <= 1, i.e. base >= 1; given positions may be any size.
-    reduce_angles = rotary_mode == ROTARY_POSITIONS or rotary_base < 1.0
+    # Positions (rotated relative to the block's first row) and time phases (<= 89) give angles below
+    # 128 rad when every inv_freq <= 1, i.e. base >= 1; the kernel reduces a block's given positions that
+    # span more on its own.
+    reduce_angles = rotary_base < 1.0
     return dict(
         block_size=block_size, scale=scale, activation_name=activation, rotary_mode=rotary_mode,
         rotary_values=rotary_values, time_scale=time_scale, reduce_angles=reduce_angles,

@@ -46,17 +46,28 @@ def _configs(backward: bool) -> list[triton.Config]:
     programs per SM (sm_90: 3 x 128 threads x 168 = 64,512 of 65,536 registers), which its rotary variants
     at 177-180 registers miss by a few (capped, Triton 3.6: no spills, +8 instructions per thread).
     Measured on an H200 (block 64, D 128, bf16, backward, session 6, before the early dK/dV stores):
-    4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({}, num_warps=4)]
-    configs = [triton.Config({}, num_warps=w, num_stages=1) for w in (4, 8, 16)]
-    return configs + ([triton.Config({}, num_warps=4, num_stages=1, maxnreg=168)] if backward else [])
+    4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10; session 7, with
+    them: 4 warps 3.51 (in-sequence positions 4.01), 8 warps 3.86 (4.17), capped 3.51 (3.87). Each
+    backward shape comes with and without SHARE_BACK."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    shapes = [dict(num_warps=4)] if interpret else [dict(num_warps=w, num_stages=1) for w in (4, 8, 16)]
+    if not backward:
+        return [triton.Config({}, **shape) for shape in shapes]
+    shapes += [] if interpret else [dict(num_warps=4, num_stages=1, maxnreg=168)]
+    return [triton.Config({"SHARE_BACK": share}, **shape) for shape in shapes for share in (False, True)]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
-    """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers."""
+    """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers;
+    SHARE_BACK only where it changes the code (GROUP 1 with rotary), and there alone in the interpreter."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
-    return [c for c in configs if c.num_warps <= 8 or large]
+    shares = kwargs.get("GROUP") == 1 and kwargs.get("ROT", 0) != 0
+    kept = [c for c in configs if c.num_warps <= 8 or large]
+    if "SHARE_BACK" not in configs[0].kwargs:  # the forward
+        return kept
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return [c for c in kept if c.kwargs["SHARE_BACK"] == shares]
+    return [c for c in kept if shares or not c.kwargs["SHARE_BACK"]]
 
 
 _KEY = ["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"]
@@ -95,23 +106,35 @@ def _rotary_cos_sin(
     ROT 1 (position in the sequence) rotates by the row *in the block* instead: rotations of one channel
     pair compose (``R(a + b) = R(a) R(b)``) and are orthogonal, so the block's start position rotates q
     and k alike and cancels in every score ``q_i . k_j`` and, once dq/dk are rotated back, in every
-    gradient. ROT 2: PHASE holds given positions; ROT 3: time gaps, phase = log(1 + max(gap, 0) /
-    time_scale) <= 89 for any fp32 gap. With inv_freq <= 1 (base >= 1), ROT 1 and 3 angles stay below
-    128 rad, where the SFU is accurate as is; REDUCE (the host sets it for ROT 2, or base < 1) first
-    reduces the angles to [-pi, pi].
+    gradient. ROT 2 (PHASE holds given positions) rotates by the position relative to the block's first
+    row, for the same reason. ROT 3: time gaps, phase = log(1 + max(gap, 0) / time_scale) <= 89 for any
+    fp32 gap. With inv_freq <= 1 (base >= 1), ROT 1 and 3 angles stay below 128 rad, where the SFU is
+    accurate as is; so do ROT 2's unless positions inside the block span 128 or more, in which case the
+    program reduces its angles to [-pi, pi] first, as REDUCE (the host sets it for base < 1) always does.
     """
     if ROT == 1:
         phase = rows.to(tl.float32)
     else:
         phase = tl.load(PHASE + start + rows, mask=valid, other=0.0).to(tl.float32)
+        if ROT == 2:
+            phase = tl.where(valid, phase - tl.load(PHASE + start).to(tl.float32), 0.0)
         if ROT == 3:  # one division per program, not per token
             phase = _log_approx(1.0 + tl.maximum(phase, 0.0) * (1.0 / time_scale), FAST_MATH)
     freq = tl.load(INV_FREQ + tl.arange(0, HALF)) * SIGN
     angle = phase[:, None] * freq[None, :]
     if REDUCE:
-        turns = tl.floor(angle * _INV_TWO_PI + 0.5)
-        angle = (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
+        angle = _reduce_angle(angle)
+    elif ROT == 2:
+        if tl.max(tl.abs(phase)) >= 128.0:  # one branch per program: most blocks hold nearby positions
+            angle = _reduce_angle(angle)
     return _sin_cos_approx(angle, FAST_MATH)
+
+
+@triton.jit
+def _reduce_angle(angle):
+    """``angle`` minus the nearest multiple of 2 pi (Cody-Waite, with the split 2 pi above)."""
+    turns = tl.floor(angle * _INV_TWO_PI + 0.5)
+    return (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
 
 
 @triton.jit
@@ -139,16 +162,30 @@ def _rotate(lo, hi, cos, sin):
 
 
 @triton.jit
+def _back_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale,
+                  HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
+    """cos/sin of the transposed rotation, for dq/dk. Recomputed rather than kept live from the rotation of
+    q/k: ``[BLOCK, HALF]`` fp32 cos/sin held across the backward's dots spill at 4 warps (the negated
+    angle keeps the compiler from merging this computation with the first one)."""
+    return _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0)
+
+
+@triton.jit
+def _store_rotated(ptr, lo, hi, cos, sin, valid):
+    """Rotate an fp32 tile pair by fp32 (or 16-bit) cos/sin and store it."""
+    c, s = cos.to(tl.float32), sin.to(tl.float32)
+    _store_halves(ptr, lo * c - hi * s, hi * c + lo * s, valid)
+
+
+@triton.jit
 def _store_rotated_back(ptr, lo, hi, PHASE, INV_FREQ, start, rows, valid, time_scale,
                         HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
-    """Store an fp32 dq/dk tile pair, first rotated back (the transposed rotation) when ROT is on. Its
-    cos/sin is recomputed here rather than kept live from the rotation of q/k: ``[BLOCK, HALF]`` cos/sin
-    held across the backward's dots spill at 4 warps (the negated angle keeps the compiler from merging
-    this computation with the first one)."""
+    """Store an fp32 dq/dk tile pair, first rotated back when ROT is on."""
     if ROT != 0:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0)
-        lo, hi = lo * cos - hi * sin, hi * cos + lo * sin
-    _store_halves(ptr, lo, hi, valid)
+        cos, sin = _back_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
+        _store_rotated(ptr, lo, hi, cos, sin, valid)
+    else:
+        _store_halves(ptr, lo, hi, valid)
 
 
 @triton.jit
@@ -207,9 +244,10 @@ def _block_attention_bwd(
     stride_dqt, stride_dqh, stride_dkt, stride_dkh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
-    REDUCE: tl.constexpr,
+    REDUCE: tl.constexpr, SHARE_BACK: tl.constexpr,
 ):  # fmt: skip
-    """Program (block, kv head): dk/dv of the kv head, dq of each query head of its GQA group."""
+    """Program (block, kv head): dk/dv of the kv head, dq of each query head of its GQA group. SHARE_BACK
+    (a tuning choice, GROUP 1 with rotary): one inverse cos/sin for dK and dQ instead of one each."""
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
@@ -250,12 +288,19 @@ def _block_attention_bwd(
         ds = (ds * scale).to(q_lo.dtype)
         dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
         dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
-        if GROUP == 1:  # likewise before dQ (sm_90, 4 warps: 255 -> 168 registers, no spills with rotary)
-            _store_rotated_back(dk_ptr, dk_lo, dk_hi, *rotary, HALF, ROT, REDUCE)
-        dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
-        dq_hi = tl.dot(ds, k_hi)
-        dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
-        _store_rotated_back(dq_ptr, dq_lo, dq_hi, *rotary, HALF, ROT, REDUCE)
+        if GROUP == 1 and ROT != 0 and SHARE_BACK:  # likewise before dQ, which reuses dK's inverse rotation
+            back_cos, back_sin = _back_cos_sin(*rotary, HALF, ROT, REDUCE)
+            _store_rotated(dk_ptr, dk_lo, dk_hi, back_cos, back_sin, valid)
+            back_cos, back_sin = back_cos.to(q_lo.dtype), back_sin.to(q_lo.dtype)  # live through dQ: 16 bits
+            dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
+            _store_rotated(dq_ptr, tl.dot(ds, k_lo), tl.dot(ds, k_hi), back_cos, back_sin, valid)  # dQ = dS K scale
+        else:
+            if GROUP == 1:  # likewise before dQ (sm_90, 4 warps: 255 -> 168 registers)
+                _store_rotated_back(dk_ptr, dk_lo, dk_hi, *rotary, HALF, ROT, REDUCE)
+            dq_lo = tl.dot(ds, k_lo)  # dQ = dS K scale
+            dq_hi = tl.dot(ds, k_hi)
+            dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
+            _store_rotated_back(dq_ptr, dq_lo, dq_hi, *rotary, HALF, ROT, REDUCE)
     if GROUP > 1:  # dK and dV summed over the group's query heads
         _store_rotated_back(dk_ptr, dk_lo, dk_hi, *rotary, HALF, ROT, REDUCE)
         tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])

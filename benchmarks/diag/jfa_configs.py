@@ -1,0 +1,103 @@
+"""JFA on issue 3's workload (b), where it trails varlen flash (short causal sequences): each kernel's device
+time (profiler), the configs the autotuner picked, and every tile config of the {64, 128}^2 x {4, 8} warps x
+{2, 3, 4} stages product forced alone per kernel, beside flash's kernels.
+
+Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_configs [--workloads b_L512_s0.5_causal,...]
+[--sweep fwd,dkdv,dq]``; writes ``benchmarks/results/jfa_configs.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+import torch
+import triton
+from torch.profiler import ProfilerActivity, profile
+
+from benchmarks.common import bench_ms, write_results
+from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected
+from opengem.ops.triton import jagged_attention as kernels
+
+DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
+KERNELS = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
+
+
+def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
+    """Device milliseconds per call of each kernel ``fn`` launches (names shortened to 60 characters)."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:60]] += event.device_time_total / 1000 / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
+
+
+def _label(config) -> str:
+    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}"
+
+
+def sweep(name: str, fn, rows: list[dict], workload: str) -> None:
+    """Time ``fn`` with each config of the full product forced on kernel ``name`` (the others stay tuned)."""
+    kernel = KERNELS[name]
+    every = list(kernel.configs)
+    try:
+        for m, n, w, s in kernels._FULL:
+            config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            kernel.configs = [config]
+            kernel.cache.clear()
+            row = {"workload": workload, "kernel": name, "config": _label(config)}
+            try:
+                fn()
+                torch.cuda.synchronize()
+                row["ms"] = bench_ms(fn, warmup_ms=10, rep_ms=40)
+            except Exception as err:  # noqa: BLE001  (out of shared memory: the config is not possible)
+                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+            rows.append(row)
+            print(f"[{workload}] {name} {row['config']}: {row.get('ms', row.get('error'))}", flush=True)
+    finally:
+        kernel.configs = every
+        kernel.cache.clear()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, type=lambda text: text.split(","))
+    parser.add_argument("--sweep", default="dkdv,dq", type=lambda text: [s for s in text.split(",") if s])
+    args = parser.parse_args()
+    rows: list[dict] = []
+    for wl in selected(False, args.workloads):
+        b = _batch(wl, 0)
+        jfa, flash = jfa_impl(wl, b), flash_impl(wl, b)
+        for impl in (jfa, flash):
+            impl.fwd()
+            impl.bwd()
+            row = {"workload": wl.name, "impl": impl.name, "fwd_ms": bench_ms(impl.fwd), "bwd_ms": bench_ms(impl.bwd)}
+            row["bwd_kernels_ms"] = kernel_ms(impl.bwd)
+            if impl is jfa:
+                row["tuned"] = {name: _label(k.best_config) for name, k in KERNELS.items() if k.best_config}
+            rows.append(row)
+            print(row, flush=True)
+        for name in args.sweep:
+            sweep(name, jfa.fwd if name == "fwd" else jfa.bwd, rows, wl.name)
+        write_results("jfa_configs", rows)
+        del b, jfa, flash
+        torch.cuda.empty_cache()
+    best: dict[tuple, dict] = {}
+    for r in rows:
+        if "config" in r and "ms" in r and (key := (r["workload"], r["kernel"])) and (
+            key not in best or r["ms"] < best[key]["ms"]
+        ):
+            best[key] = r
+    for (workload, name), r in best.items():
+        print(f"best {workload} {name}: {r['config']} {r['ms']:.3f} ms")
+    print(f"wrote {write_results('jfa_configs', rows)}")
+
+
+if __name__ == "__main__":
+    main()
