@@ -91,6 +91,15 @@ def pin_default_configs() -> None:
         ] or kernel.configs[:1]
 
 
+def print_tuned_configs() -> None:
+    """The config the autotuner picked per key (BLOCK, HALF, GROUP, ACT, ROT, REDUCE) of each kernel."""
+    from opengem.ops.triton import block_attention as kernels
+
+    for name, kernel in (("fwd", kernels._block_attention_fwd), ("bwd", kernels._block_attention_bwd)):
+        for key, config in kernel.cache.items():
+            print(f"tuned {name} {key[:6]}: {config}", flush=True)
+
+
 def copy_bandwidth_gbps(nbytes: int = 2 << 30) -> float:
     """Device-to-device copy: bytes read + written per second."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE).random_()
@@ -502,6 +511,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
             torch.cuda.empty_cache()
 
     on_each_workload(lambda b: bench_ours(results, b, quick))
+    print_tuned_configs()
     try:
         results.set_copy_bandwidth(copy_bandwidth_gbps())
     except Exception as exc:  # noqa: BLE001

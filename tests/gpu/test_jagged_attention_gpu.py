@@ -169,6 +169,8 @@ def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
         # (BLOCK_M, BLOCK_N, num_warps, num_stages) of fwd, dkdv, dq: the curated non-default tile shapes
         ((64, 64, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),  # 64-row schedules in every kernel
         ((128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)),
+        ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1)),  # the short-sequence backward tiles
+        ((64, 64, 4, 3), (64, 64, 4, 1), (64, 64, 4, 2)),
     ],
 )
 def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):
