@@ -31,7 +31,7 @@
 # s7b (one GPU, session 7): BlockAttention full (given positions block-relative, SHARE_BACK configs), JFA's
 #   per-kernel times and tile configs on (b)'s short causal workloads, BlockAttention GPU tests and configs
 # s7c (one GPU, session 7): BlockAttention full (SHARE_BACK / POLY_BACK / POLY_FRONT configs), JFA (fused
-#   delta, short-sequence tiles) on (a), (d), L512 and L1024 at s0.5, then both kernels' GPU tests
+#   delta, short-sequence tiles) on (a), (d), L512 and L1024 at s0.5 causal, BlockAttention's GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -149,10 +149,9 @@ chain_s7b() {  # session 7, call 2: block-relative given positions and the share
   step block_attention_configs 110 python -m benchmarks.diag.block_attention_configs
 }
 chain_s7c() {  # session 7, call 3: BlockAttention's polynomial cos/sin configs, JFA's fused delta and short tiles, GPU tests
-  step block_attention_full 250 python -m benchmarks.block_attention
-  step jfa_subset 130 python -m benchmarks.jfa --workloads a_,b_L512_s0.5,b_L1024_s0.5,d_ --no-flex
-  step block_attention_gpu_tests 120 tests tests/gpu/test_block_attention_gpu.py
-  step jfa_gpu_tests 75 tests tests/gpu/test_jagged_attention_gpu.py -k "curated or deterministic or fp16 or bf16_matches"
+  step block_attention_full 280 python -m benchmarks.block_attention
+  step jfa_subset 110 python -m benchmarks.jfa --workloads a_,b_L512_s0.5_causal,b_L1024_s0.5_causal,d_ --no-flex
+  step block_attention_gpu_tests 180 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
 export -f tests train multi large_single curves_single predict

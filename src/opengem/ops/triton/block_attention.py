@@ -49,11 +49,13 @@ def _configs(backward: bool) -> list[triton.Config]:
     4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10; session 7, with
     them: 4 warps 3.51 (in-sequence positions 4.01), 8 warps 3.86 (4.17), capped 3.51 (3.87). Each
     backward shape comes without SHARE_BACK, with it, with it and POLY_BACK, and with all three."""
-    interpret = os.environ.get("TRITON_INTERPRET") == "1"
-    shapes = [dict(num_warps=4)] if interpret else [dict(num_warps=w, num_stages=1) for w in (4, 8, 16)]
+    if os.environ.get("TRITON_INTERPRET") == "1":  # one config: Triton 3.6 would time even one pruned survivor
+        every = dict(SHARE_BACK=True, POLY_BACK=True, POLY_FRONT=True) if backward else {}  # the most new code
+        return [triton.Config(every, num_warps=4)]
+    shapes = [dict(num_warps=w, num_stages=1) for w in (4, 8, 16)]
     if not backward:
         return [triton.Config({}, **shape) for shape in shapes]
-    shapes += [] if interpret else [dict(num_warps=4, num_stages=1, maxnreg=168)]
+    shapes += [dict(num_warps=4, num_stages=1, maxnreg=168)]
     choices = [dict(SHARE_BACK=share, POLY_BACK=back, POLY_FRONT=front) for share, back, front in
                ((False, False, False), (True, False, False), (True, True, False), (True, True, True))]  # fmt: skip
     return [triton.Config(dict(choice), **shape) for shape in shapes for choice in choices]
@@ -61,15 +63,12 @@ def _configs(backward: bool) -> list[triton.Config]:
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers;
-    SHARE_BACK (and POLY_*) only where it changes the code (GROUP 1 with rotary), and there alone in the
-    interpreter."""
+    SHARE_BACK (and POLY_*) only where it changes the code (GROUP 1 with rotary)."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
     shares = kwargs.get("GROUP") == 1 and kwargs.get("ROT", 0) != 0
     kept = [c for c in configs if c.num_warps <= 8 or large]
-    if "SHARE_BACK" not in configs[0].kwargs:  # the forward
+    if "SHARE_BACK" not in configs[0].kwargs or len(configs) == 1:  # the forward, or the interpreter's one
         return kept
-    if os.environ.get("TRITON_INTERPRET") == "1":  # the polynomial's arithmetic is what it can check
-        return [c for c in kept if c.kwargs["SHARE_BACK"] == c.kwargs["POLY_BACK"] == c.kwargs["POLY_FRONT"] == shares]
     return [c for c in kept if shares or not c.kwargs["SHARE_BACK"]]
 
 
@@ -310,7 +309,7 @@ def _block_attention_bwd(
         q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
         if ROT != 0:  # the same cos/sin as k's: reused for GROUP 1, recomputed per head (not live) otherwise
             if GROUP > 1:
-                cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
+                cos, sin = _cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0, POLY_FRONT)
             q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
         do_ptr = DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :]
         do = tl.load(do_ptr, mask=valid[:, None], other=0.0)
