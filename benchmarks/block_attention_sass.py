@@ -80,14 +80,11 @@ def main() -> None:
     for name, kernel, config in [(n, k, c) for n, k, backward in kinds for c in kernels._configs(backward)]:
         warps = f"{config.num_warps}" + (f" (max {config.maxnreg} regs)" if config.maxnreg else "")
         warps += " shared inverse" if config.kwargs.get("SHARE_BACK") else ""
-        warps += " on the FMA pipe" if config.kwargs.get("POLY_BACK") else ""
-        warps += " (q/k's too)" if config.kwargs.get("POLY_FRONT") else ""
         base = None
         for mode, label in MODES:
             if mode == 0 and config.kwargs.get("SHARE_BACK"):  # the same code as without: its base is that one
                 base = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
-                                     ACT=kernels.SOFTMAX.value, ROT=0, REDUCE=False, SHARE_BACK=False, POLY_BACK=False,
-                                     POLY_FRONT=False)["instructions"]
+                                     ACT=kernels.SOFTMAX.value, ROT=0, REDUCE=False, SHARE_BACK=False)["instructions"]
                 continue
             cost = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
                                  ACT=kernels.SOFTMAX.value, ROT=mode, REDUCE=False, **config.kwargs)

@@ -23,7 +23,8 @@ that fails becomes a note in its row; a lost CUDA context ends the run (exit sta
 Run: ``PYTHONPATH=src python -m benchmarks.jfa [--quick]``. ``--quick``: workloads (a) and (d), JFA with
 each kernel's default config (no autotuning), varlen flash and nested SDPA, no Flex (about 40 s cold).
 Full: every workload and peer, JFA autotuned (curated configs), a few minutes. ``--workloads a_,d_``: only
-the workloads whose names start so; ``--no-flex``: without the FlexAttention pass.
+the workloads whose names start so; ``--no-flex``: without the FlexAttention pass; ``--peers
+torch_varlen_flash``: only these eager peers.
 """
 
 from __future__ import annotations
@@ -454,12 +455,15 @@ def selected(quick: bool, prefixes: list[str] | None) -> list[Workload]:
     return [wl for wl in every if any(wl.name.startswith(p) for p in prefixes)]
 
 
-def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: bool) -> None:
-    """Our kernel first, then the eager peers, workload by workload; FlexAttention (compiled, the riskiest:
-    its device fault would poison the context) last of all, in a pass of its own."""
-    safe = {"jfa": jfa_impl, "torch_varlen_flash": flash_impl, "nested_sdpa": nested_impl}
-    if not quick:
-        safe["padded_sdpa(incl. pad/unpad)"] = padded_impl
+EAGER_PEERS = ("torch_varlen_flash", "nested_sdpa", "padded_sdpa(incl. pad/unpad)")
+
+
+def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: bool, peers: list[str] | None = None) -> None:
+    """Our kernel first, then the eager peers (``peers``: only these), workload by workload; FlexAttention
+    (compiled, the riskiest: its device fault would poison the context) last of all, in a pass of its own."""
+    names = peers if peers is not None else [n for n in EAGER_PEERS if not (quick and n.startswith("padded"))]
+    makers = dict(zip(EAGER_PEERS, (flash_impl, nested_impl, padded_impl)))  # looked up now: tests swap them
+    safe = {"jfa": jfa_impl, **{name: makers[name] for name in names}}
     for wl in chosen:
         run_workload(wl, safe, rec)
     if flex:
@@ -508,21 +512,29 @@ def main() -> None:
         help="comma-separated name prefixes (e.g. a_,d_,b_L1024): run only those workloads",
     )
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
+    parser.add_argument(
+        "--peers", type=lambda text: text.split(","), default=None,
+        help=f"comma-separated eager peers to time beside JFA, of {list(EAGER_PEERS)} (default: all)",
+    )
     args = parser.parse_args()
     chosen = selected(args.quick, args.workloads)
+    unknown = [p for p in args.peers or [] if p not in EAGER_PEERS]
+    if unknown:
+        raise SystemExit(f"--peers: unknown {unknown}; choose from {list(EAGER_PEERS)}")
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks.jfa needs a CUDA device")
     if args.quick:  # each kernel's default config: no autotuning on a cold start
         os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
     started = time.perf_counter()
     flex = not (args.quick or args.no_flex)
-    rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": flex, "heads": HEADS,
+    rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": flex, "peers": args.peers,
+                    "heads": HEADS,
                     "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
     say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
     lost = None
     try:
-        run(args.quick, rec, chosen, flex)
+        run(args.quick, rec, chosen, flex, args.peers)
     except CudaContextLost as err:
         lost = str(err)
         rec.meta["aborted"] = f"CUDA context lost at {lost}"

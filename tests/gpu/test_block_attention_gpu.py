@@ -11,7 +11,7 @@ from opengem.jagged import offsets_from_lengths
 from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
-from opengem.ops.triton.block_attention import _back_cos_sin, _rotary_cos_sin
+from opengem.ops.triton.block_attention import _rotary_cos_sin
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -142,27 +142,23 @@ def test_every_autotune_config(block_size, rotary, monkeypatch):
 def _cos_sin_kernel(
     PHASE, INV_FREQ, COS, SIN, total, time_scale,
     BLOCK: tl.constexpr, HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, SIGN: tl.constexpr,
-    POLY: tl.constexpr,
 ):  # fmt: skip
     start = tl.program_id(0) * BLOCK
     rows = tl.arange(0, BLOCK)
     valid = start + rows < total
-    if SIGN < 0:  # the backward's inverse rotation, on the SFU or (POLY) the FMA pipe
-        cos, sin = _back_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, POLY)
-    else:
-        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, SIGN)
+    cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, SIGN)
     at = (start + rows)[:, None] * HALF + tl.arange(0, HALF)[None, :]
     tl.store(COS + at, cos, mask=valid[:, None])
     tl.store(SIN + at, sin, mask=valid[:, None])
 
 
-@pytest.mark.parametrize("sign, poly", [(1.0, False), (-1.0, False), (-1.0, True)])
+@pytest.mark.parametrize("sign", [1.0, -1.0])
 @pytest.mark.parametrize("rot, spread", [(1, None), (2, 100_000), (2, 100), (3, None)])
-def test_rotary_cos_sin_accuracy(rot, spread, sign, poly):
+def test_rotary_cos_sin_accuracy(rot, spread, sign):
     """The SFU sin/cos (MUFU, no libdevice polynomial) against float64 at the largest angles each mode meets:
     rows of a 128 block (< 128 rad, unreduced); given positions relative to the block's first one, up to 1e5
     apart (the program reduces them) or within 100 of 1e5 (it does not); time gaps up to 1e30; and the
-    inverse rotation's (negated angles) the same, also on the FMA pipe (POLY_BACK)."""
+    inverse rotation's (negated angles) the same."""
     block, half, total, time_scale = 128, 64, 4096, 60.0
     g = torch.Generator(device="cuda").manual_seed(0)
     freq = inv_freq(2 * half, 10000.0, "cuda")
@@ -180,7 +176,7 @@ def test_rotary_cos_sin_accuracy(rot, spread, sign, poly):
     cos, sin = (torch.full((total, half), math.nan, device="cuda") for _ in range(2))
     _cos_sin_kernel[(total // block,)](
         values if values is not None else freq, freq, cos, sin, total, time_scale, BLOCK=block, HALF=half, ROT=rot,
-        REDUCE=False, SIGN=sign, POLY=poly,
+        REDUCE=False, SIGN=sign,
     )
     # rot 3: the phase itself carries lg2.approx's relative error (~2^-22 of <= 70) on top of the sin/cos one;
     # rot 2 within 100 of each other: unreduced angles below 100 rad, like rot 1's.

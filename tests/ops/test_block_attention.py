@@ -19,8 +19,7 @@ from opengem.ops.reference.attention import jagged_attention  # noqa: E402
 from opengem.ops.reference.rotary import apply_rotary, positions_in_sequence  # noqa: E402
 import triton  # noqa: E402
 
-from opengem.ops.triton.block_attention import _configs, _prune, _sin_cos_poly, block_schedule  # noqa: E402
-import triton.language as tl  # noqa: E402
+from opengem.ops.triton.block_attention import _configs, _prune, block_schedule  # noqa: E402
 
 TOL = dict(rtol=2e-4, atol=2e-4)
 
@@ -300,42 +299,16 @@ def test_only_the_backward_tries_three_programs_per_sm(monkeypatch):
     shape = lambda configs: [(c.num_warps, c.maxnreg) for c in configs]  # noqa: E731
     assert shape(_configs(backward=False)) == [(4, None), (8, None), (16, None)]
     backward = _configs(backward=True)
-    assert shape(backward) == [(w, cap) for w, cap in ((4, None), (8, None), (16, None), (4, 168)) for _ in range(4)]
-    choices = [(c.kwargs["SHARE_BACK"], c.kwargs["POLY_BACK"], c.kwargs["POLY_FRONT"]) for c in backward]
-    assert choices == [(0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1)] * 4
+    assert shape(backward) == [(w, cap) for w, cap in ((4, None), (8, None), (16, None), (4, 168)) for _ in range(2)]
+    assert [c.kwargs["SHARE_BACK"] for c in backward] == [False, True] * 4
 
 
-def test_the_shared_and_polynomial_rotations_are_tried_only_where_they_change_the_code(monkeypatch):
+def test_the_shared_inverse_rotation_is_tried_only_where_it_changes_the_code(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     backward = _configs(backward=True)
-    kept = lambda **meta: [  # noqa: E731
-        (c.num_warps, c.kwargs["SHARE_BACK"], c.kwargs["POLY_BACK"], c.kwargs["POLY_FRONT"])
-        for c in _prune(backward, {}, BLOCK=64, HALF=64, **meta)
-    ]
-    variants = ((0, 0, 0), (1, 0, 0), (1, 1, 0), (1, 1, 1))
-    assert kept(GROUP=1, ROT=1) == [(w, *variant) for w in (4, 8, 4) for variant in variants]
-    assert kept(GROUP=1, ROT=0) == kept(GROUP=2, ROT=3) == [(4, 0, 0, 0), (8, 0, 0, 0), (4, 0, 0, 0)]
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # one config there, with the most code to check
+    kept = lambda **meta: [(c.num_warps, c.kwargs["SHARE_BACK"]) for c in _prune(backward, {}, BLOCK=64, HALF=64, **meta)]  # noqa: E731
+    assert kept(GROUP=1, ROT=1) == [(4, False), (4, True), (8, False), (8, True), (4, False), (4, True)]
+    assert kept(GROUP=1, ROT=0) == kept(GROUP=2, ROT=3) == [(4, False), (8, False), (4, False)]
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # one config there, with the newer code path
     backward = _configs(backward=True)
-    assert kept(GROUP=1, ROT=2) == kept(GROUP=2, ROT=0) == [(4, 1, 1, 1)]
-
-
-@triton.jit
-def _poly_kernel(ANGLE, COS, SIN, n, BLOCK: tl.constexpr):
-    at = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    cos, sin = _sin_cos_poly(tl.load(ANGLE + at, mask=at < n, other=0.0))
-    tl.store(COS + at, cos, mask=at < n)
-    tl.store(SIN + at, sin, mask=at < n)
-
-
-def test_polynomial_sin_cos_is_accurate_over_every_angle_the_kernels_meet():
-    """POLY_BACK's cos/sin (fp32 arithmetic, as the interpreter runs it) against float64: angles up to
-    1e5 rad (given positions far apart in a block), the turns of the range reduction and their midpoints."""
-    turns = torch.arange(-40, 41, dtype=torch.float64) * math.pi
-    angle = torch.cat([torch.linspace(-200, 200, 40001, dtype=torch.float64), turns, turns + 1e-4,
-                       torch.tensor([1e5, -1e5, 54321.5, 0.0], dtype=torch.float64)]).float()  # fmt: skip
-    cos, sin = torch.full_like(angle, math.nan), torch.full_like(angle, math.nan)
-    _poly_kernel[(triton.cdiv(angle.numel(), 1024),)](angle, cos, sin, angle.numel(), BLOCK=1024)
-    exact = angle.double()
-    assert (cos.double() - exact.cos()).abs().max() < 5e-6
-    assert (sin.double() - exact.sin()).abs().max() < 5e-6
+    assert kept(GROUP=1, ROT=2) == kept(GROUP=2, ROT=0) == [(4, True)]

@@ -6,8 +6,7 @@ design relies on (``benchmarks.block_attention_sass`` prints the full table):
 - backward, 4 warps (the autotuner's pick on an H200): dV, then dK, stored as soon as they are final, so
   well under 255 registers without rotary (Triton 3.6, the GPU image's: 168, three programs per SM;
   3.9: 191; 255 when stored at the end) and no spills with rotary, whose cos/sin is recomputed (for q/k,
-  then for dK and for dQ, or once for both with SHARE_BACK) rather than kept live; with POLY_BACK the SFU
-  computes it only for q/k;
+  then for dK and for dQ, or once for both with SHARE_BACK) rather than kept live;
 - backward, rotary, the extra autotuner config capped at 168 registers compiles within its cap (spills:
   none under Triton 3.6, 176 B under 3.9; the autotuner measures which wins).
 """
@@ -24,26 +23,26 @@ from opengem.ops.triton import block_attention as k
 
 common = dict(GROUP=1, BLOCK=64, HALF=64, ACT=k.SOFTMAX.value, REDUCE=False)
 fwd = compiled_cost(k._block_attention_fwd, 4, ROT=3, **common)
-common.update(SHARE_BACK=False, POLY_BACK=False, POLY_FRONT=False)
+common.update(SHARE_BACK=False)
 off = compiled_cost(k._block_attention_bwd, 4, ROT=0, **common)
 pos = compiled_cost(k._block_attention_bwd, 4, ROT=1, **common)
 capped = compiled_cost(k._block_attention_bwd, 4, 168, ROT=3, **common)
-poly = compiled_cost(k._block_attention_bwd, 4, ROT=1, **dict(common, SHARE_BACK=True, POLY_BACK=True))
+shared = compiled_cost(k._block_attention_bwd, 4, ROT=1, **dict(common, SHARE_BACK=True))
 print(fwd["reg"], fwd["stack"], off["reg"], off["MUFU"], pos["stack"], pos["MUFU"], capped["reg"], capped["stack"],
-      poly["stack"], poly["MUFU"])
+      shared["stack"], shared["MUFU"])
 """
 
 
 def test_kernels_keep_their_register_budget_on_sm90():
     result = run_compiled(_SCRIPT.replace("REPO", repr(str(Path(__file__).resolve().parents[2]))))
     assert result.returncode == 0, result.stderr[-4000:]
-    fwd_regs, fwd_stack, off_regs, off_mufu, pos_stack, pos_mufu, capped_regs, capped_stack, poly_stack, poly_mufu = map(
+    fwd_regs, fwd_stack, off_regs, off_mufu, pos_stack, pos_mufu, capped_regs, capped_stack, shared_stack, shared_mufu = map(
         int, result.stdout.split()
     )
     assert fwd_regs <= 128 and fwd_stack == 0, result.stdout
     assert off_regs <= 192, result.stdout
     assert pos_stack == 0, result.stdout
     # 64 x 64 cos + sin per computation over 128 threads: 64 MUFU each; the backward computes three times,
-    # the polynomial variant once on the SFU.
-    assert pos_mufu - off_mufu == 3 * 64 and poly_mufu - off_mufu == 64 and poly_stack == 0, result.stdout
+    # twice with SHARE_BACK.
+    assert pos_mufu - off_mufu == 3 * 64 and shared_mufu - off_mufu == 2 * 64 and shared_stack == 0, result.stdout
     assert capped_regs <= 168 and capped_stack <= 256, result.stdout

@@ -48,22 +48,19 @@ def _configs(backward: bool) -> list[triton.Config]:
     Measured on an H200 (block 64, D 128, bf16, backward, session 6, before the early dK/dV stores):
     4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10; session 7, with
     them: 4 warps 3.51 (in-sequence positions 4.01), 8 warps 3.86 (4.17), capped 3.51 (3.87). Each
-    backward shape comes without SHARE_BACK, with it, with it and POLY_BACK, and with all three."""
+    backward shape comes with and without SHARE_BACK."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # one config: Triton 3.6 would time even one pruned survivor
-        every = dict(SHARE_BACK=True, POLY_BACK=True, POLY_FRONT=True) if backward else {}  # the most new code
-        return [triton.Config(every, num_warps=4)]
+        return [triton.Config({"SHARE_BACK": True} if backward else {}, num_warps=4)]  # the newer code path
     shapes = [dict(num_warps=w, num_stages=1) for w in (4, 8, 16)]
     if not backward:
         return [triton.Config({}, **shape) for shape in shapes]
     shapes += [dict(num_warps=4, num_stages=1, maxnreg=168)]
-    choices = [dict(SHARE_BACK=share, POLY_BACK=back, POLY_FRONT=front) for share, back, front in
-               ((False, False, False), (True, False, False), (True, True, False), (True, True, True))]  # fmt: skip
-    return [triton.Config(dict(choice), **shape) for shape in shapes for choice in choices]
+    return [triton.Config({"SHARE_BACK": share}, **shape) for shape in shapes for share in (False, True)]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers;
-    SHARE_BACK (and POLY_*) only where it changes the code (GROUP 1 with rotary)."""
+    SHARE_BACK only where it changes the code (GROUP 1 with rotary)."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
     shares = kwargs.get("GROUP") == 1 and kwargs.get("ROT", 0) != 0
     kept = [c for c in configs if c.num_warps <= 8 or large]
@@ -98,12 +95,12 @@ def _log_approx(x, FAST: tl.constexpr):
 
 
 @triton.jit
-def _rotary_angle(
+def _rotary_cos_sin(
     PHASE, INV_FREQ, start, rows, valid, time_scale,
-    HALF: tl.constexpr, ROT: tl.constexpr, SIGN: tl.constexpr,
+    HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, SIGN: tl.constexpr,
 ):  # fmt: skip
-    """fp32 rotation angles ``SIGN * phase * inv_freq[i]`` ``[BLOCK, HALF]`` of the block's rows, and
-    their phases (SIGN -1: the inverse rotation, for dq/dk).
+    """fp32 cos/sin ``[BLOCK, HALF]`` of the rotation angle ``SIGN * phase * inv_freq[i]`` of each row of
+    the block (SIGN -1: the inverse rotation, for dq/dk).
 
     ROT 1 (position in the sequence) rotates by the row *in the block* instead: rotations of one channel
     pair compose (``R(a + b) = R(a) R(b)``) and are orthogonal, so the block's start position rotates q
@@ -123,16 +120,7 @@ def _rotary_angle(
         if ROT == 3:  # one division per program, not per token
             phase = _log_approx(1.0 + tl.maximum(phase, 0.0) * (1.0 / time_scale), FAST_MATH)
     freq = tl.load(INV_FREQ + tl.arange(0, HALF)) * SIGN
-    return phase[:, None] * freq[None, :], phase
-
-
-@triton.jit
-def _rotary_cos_sin(
-    PHASE, INV_FREQ, start, rows, valid, time_scale,
-    HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, SIGN: tl.constexpr,
-):  # fmt: skip
-    """fp32 cos/sin of :func:`_rotary_angle` on the SFU, range-reduced first where it needs it."""
-    angle, phase = _rotary_angle(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, SIGN)
+    angle = phase[:, None] * freq[None, :]
     if REDUCE:
         angle = _reduce_angle(angle)
     elif ROT == 2:
@@ -146,19 +134,6 @@ def _reduce_angle(angle):
     """``angle`` minus the nearest multiple of 2 pi (Cody-Waite, with the split 2 pi above)."""
     turns = tl.floor(angle * _INV_TWO_PI + 0.5)
     return (angle - turns * _TWO_PI_HI) - turns * _TWO_PI_LO
-
-
-@triton.jit
-def _sin_cos_poly(angle):
-    """``(cos, sin)`` of fp32 angles on the FMA pipe instead of the SFU (~18 FMA-pipe ops per element against
-    two MUFU ops at 1/8 the rate): range-reduced to [-pi, pi], Taylor series of the half angle h (|h| <=
-    pi/2: truncation below 4e-6 for sin h, 3e-7 for cos h), doubled back. (One more sin term makes
-    Triton 3.6 evaluate the whole polynomial twice in the backward: 64 more registers.)"""
-    r = _reduce_angle(angle)
-    h2 = r * r * 0.25
-    sin2 = r * (1.0 + h2 * (-1.0 / 6 + h2 * (1.0 / 120 + h2 * (-1.0 / 5040 + h2 * (1.0 / 362880)))))  # 2 sin h
-    cos_h = 1.0 + h2 * (-0.5 + h2 * (1.0 / 24 + h2 * (-1.0 / 720 + h2 * (1.0 / 40320 + h2 * (-1.0 / 3628800)))))
-    return 2.0 * cos_h * cos_h - 1.0, sin2 * cos_h  # cos r = 2 cos^2 h - 1, sin r = 2 sin h cos h
 
 
 @triton.jit
@@ -186,23 +161,12 @@ def _rotate(lo, hi, cos, sin):
 
 
 @triton.jit
-def _cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale,
-             HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, SIGN: tl.constexpr, POLY: tl.constexpr):  # fmt: skip
-    """fp32 cos/sin of :func:`_rotary_angle` on the SFU, or (POLY) on the FMA pipe."""
-    if POLY:
-        angle, _ = _rotary_angle(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, SIGN)
-        return _sin_cos_poly(angle)
-    else:
-        return _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, SIGN)
-
-
-@triton.jit
 def _back_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale,
-                  HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr, POLY: tl.constexpr):  # fmt: skip
+                  HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
     """cos/sin of the transposed rotation, for dq/dk. Recomputed rather than kept live from the rotation of
     q/k: ``[BLOCK, HALF]`` fp32 cos/sin held across the backward's dots spill at 4 warps (the negated
     angle keeps the compiler from merging this computation with the first one)."""
-    return _cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0, POLY)
+    return _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, -1.0)
 
 
 @triton.jit
@@ -217,7 +181,7 @@ def _store_rotated_back(ptr, lo, hi, PHASE, INV_FREQ, start, rows, valid, time_s
                         HALF: tl.constexpr, ROT: tl.constexpr, REDUCE: tl.constexpr):  # fmt: skip
     """Store an fp32 dq/dk tile pair, first rotated back when ROT is on."""
     if ROT != 0:
-        cos, sin = _back_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, False)
+        cos, sin = _back_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE)
         _store_rotated(ptr, lo, hi, cos, sin, valid)
     else:
         _store_halves(ptr, lo, hi, valid)
@@ -279,13 +243,11 @@ def _block_attention_bwd(
     stride_dqt, stride_dqh, stride_dkt, stride_dkh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
-    REDUCE: tl.constexpr, SHARE_BACK: tl.constexpr, POLY_BACK: tl.constexpr, POLY_FRONT: tl.constexpr,
+    REDUCE: tl.constexpr, SHARE_BACK: tl.constexpr,
 ):  # fmt: skip
-    """Program (block, kv head): dk/dv of the kv head, dq of each query head of its GQA group. Tuning
-    choices for GROUP 1 with rotary: SHARE_BACK, one inverse cos/sin for dK and dQ instead of one each
-    (keeping q's live instead saves nothing: Triton recomputes them in the accumulators' layout); with it,
-    POLY_BACK computes that one on the FMA pipe, leaving the SFU to q/k's cos/sin and P's exp2, and with
-    that POLY_FRONT q/k's as well."""
+    """Program (block, kv head): dk/dv of the kv head, dq of each query head of its GQA group. SHARE_BACK
+    (a tuning choice, GROUP 1 with rotary): one inverse cos/sin for dK and dQ instead of one each. (Keeping
+    q's cos/sin live instead saves nothing: Triton recomputes them in the accumulators' layout.)"""
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
@@ -296,7 +258,7 @@ def _block_attention_bwd(
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
     v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
     if ROT != 0:
-        cos, sin = _cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0, POLY_FRONT)
+        cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
     dk_lo = tl.zeros((BLOCK, HALF), tl.float32)
     dk_hi = tl.zeros((BLOCK, HALF), tl.float32)
@@ -309,7 +271,7 @@ def _block_attention_bwd(
         q_lo, q_hi = _load_halves(Q + tok[:, None] * stride_qt + head * stride_qh + half[None, :], valid)
         if ROT != 0:  # the same cos/sin as k's: reused for GROUP 1, recomputed per head (not live) otherwise
             if GROUP > 1:
-                cos, sin = _cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0, POLY_FRONT)
+                cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
             q_lo, q_hi = _rotate(q_lo, q_hi, cos, sin)
         do_ptr = DO + tok[:, None] * stride_dot + head * stride_doh + dims[None, :]
         do = tl.load(do_ptr, mask=valid[:, None], other=0.0)
@@ -328,7 +290,7 @@ def _block_attention_bwd(
         dk_lo = tl.dot(tl.trans(ds), q_lo, dk_lo)  # dK = dS^T Q scale
         dk_hi = tl.dot(tl.trans(ds), q_hi, dk_hi)
         if GROUP == 1 and ROT != 0 and SHARE_BACK:  # likewise before dQ, which reuses dK's inverse rotation
-            back_cos, back_sin = _back_cos_sin(*rotary, HALF, ROT, REDUCE, POLY_BACK)
+            back_cos, back_sin = _back_cos_sin(*rotary, HALF, ROT, REDUCE)
             _store_rotated(dk_ptr, dk_lo, dk_hi, back_cos, back_sin, valid)
             back_cos, back_sin = back_cos.to(q_lo.dtype), back_sin.to(q_lo.dtype)  # live through dQ: 16 bits
             dq_ptr = DQ + tok[:, None] * stride_dqt + head * stride_dqh + half[None, :]
