@@ -143,11 +143,24 @@ def jfa_impl(wl: Workload, b: Batch) -> Impl:
     return Impl("jfa", fwd, lambda: backward(b.dout, b.q, b.k, b.v, *saved, b.offsets, b.targets, *options), fwd_bwd)
 
 
+# PyTorch's flash backward (torch 2.11, H200, session 7) faulted with an illegal memory access at 4.72M
+# tokens x 4 heads x 128 = 2.4e9 elements and ran at 2.36M (presumably an int32 index into its fp32 dQ
+# accumulator, past 2^31). The fault poisons the CUDA context, so the peers that run it skip such sizes.
+FLASH_BACKWARD_ELEMENTS_LIMIT = 2**31
+
+
+def _flash_backward_fits(b: Batch) -> None:
+    elements = b.q.numel()
+    if elements >= FLASH_BACKWARD_ELEMENTS_LIMIT:
+        raise NotImplementedError(f"flash backward faults at T*H*D = {elements} >= 2^31 (int32 dQ-accumulator index)")
+
+
 def flash_impl(wl: Workload, b: Batch) -> Impl:
     """PyTorch's varlen FlashAttention-2 (cumulative int32 offsets); causal, full, or windowed.
     ``bwd`` differentiates the latest ``fwd``."""
     if wl.num_targets is not None:
         raise NotImplementedError("target mask not expressible")
+    _flash_backward_fits(b)
     aten = torch.ops.aten
     window = {}
     if wl.window is not None:
@@ -180,6 +193,7 @@ def flash_impl(wl: Workload, b: Batch) -> Impl:
 def nested_impl(wl: Workload, b: Batch) -> Impl:
     if wl.num_targets is not None or wl.window is not None:
         raise NotImplementedError("only causal / full masks expressible")
+    _flash_backward_fits(b)  # the jagged layout runs the same flash kernels
     offsets = b.offsets.long()
 
     def forward(q, k, v):
