@@ -89,10 +89,9 @@ def main() -> None:
         del b, jfa, flash
         torch.cuda.empty_cache()
     best: dict[tuple, dict] = {}
-    for r in rows:
-        if "config" in r and "ms" in r and (key := (r["workload"], r["kernel"])) and (
-            key not in best or r["ms"] < best[key]["ms"]
-        ):
+    for r in (r for r in rows if "config" in r and "ms" in r):
+        key = (r["workload"], r["kernel"])
+        if key not in best or r["ms"] < best[key]["ms"]:
             best[key] = r
     for (workload, name), r in best.items():
         print(f"best {workload} {name}: {r['config']} {r['ms']:.3f} ms")

@@ -48,7 +48,8 @@ def _configs(backward: bool) -> list[triton.Config]:
     Measured on an H200 (block 64, D 128, bf16, backward, session 6, before the early dK/dV stores):
     4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10; session 7, with
     them: 4 warps 3.51 (in-sequence positions 4.01), 8 warps 3.86 (4.17), capped 3.51 (3.87). Each
-    backward shape comes with and without SHARE_BACK."""
+    backward shape comes with and without SHARE_BACK, which the autotuner picked for time gaps and given
+    positions (3.850 and 3.911 ms against 3.893 and 4.123 without)."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # one config: Triton 3.6 would time even one pruned survivor
         return [triton.Config({"SHARE_BACK": True} if backward else {}, num_warps=4)]  # the newer code path
     shapes = [dict(num_warps=w, num_stages=1) for w in (4, 8, 16)]
@@ -372,8 +373,8 @@ def block_attention_fwd(
 ) -> torch.Tensor:
     """Output ``[T, H, D]`` (q's dtype). q/k/v may be strided views (e.g. of a fused QKV projection).
 
-    ``reduce_angles``: range-reduce rotary angles before the SFU sin/cos (needed for given positions and
-    for ``inv_freq > 1``; see :func:`_rotary_cos_sin`).
+    ``reduce_angles``: range-reduce every rotary angle before the SFU sin/cos (needed for ``inv_freq > 1``;
+    blocks of given positions that span 128 or more reduce on their own; see :func:`_rotary_cos_sin`).
     """
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     out = q.new_empty(q.shape)

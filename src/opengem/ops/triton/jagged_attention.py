@@ -573,7 +573,7 @@ def backward(
     dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, pb: Problem
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    total, heads, head_dim = q.shape
+    total, heads, _ = q.shape
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
         return dq, dk, dv
