@@ -425,6 +425,19 @@ def _compare(rows: list[dict]) -> None:
         window["speedup_vs_full_causal"] = full["fwd_bwd_ms"] / window["fwd_bwd_ms"]
 
 
+def tuned_configs() -> dict[str, str]:
+    """The (BLOCK_M, BLOCK_N, warps, stages) each JFA kernel last ran with: the autotuner's pick for the
+    workload just measured."""
+    from opengem.ops.triton import jagged_attention as kernels
+
+    picked = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
+    return {
+        name: f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+        for name, kernel in picked.items()
+        if (c := getattr(kernel, "best_config", None)) is not None
+    }
+
+
 def run_workload(wl: Workload, peers: dict[str, Callable], rec: Recorder, seed: int = 0) -> None:
     b = _batch(wl, seed)
     pairs = attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
@@ -432,7 +445,9 @@ def run_workload(wl: Workload, peers: dict[str, Callable], rec: Recorder, seed: 
     torch.cuda.synchronize()
     say(f"[{wl.name}] {int(wl.lengths.sum())} tokens, B = {wl.lengths.numel()}, max_len {wl.max_len}, {pairs} pairs")
     for name, make in peers.items():
-        _measure(name, make, wl, b, pairs, want, rec)
+        row = _measure(name, make, wl, b, pairs, want, rec)
+        if name == "jfa":
+            row["tuned"] = tuned_configs()
         for r in rec.rows:
             if r["workload"] == wl.name:
                 r.update(pairs=pairs, causal=wl.causal, window=wl.window, targets=wl.num_targets is not None)

@@ -54,6 +54,7 @@ def test_quick_run_orders_steps_checks_errors_and_saves_rows(cpu_bench, capsys):
     ]
     for row in (r for r in rows if r["impl"] == "jfa"):
         assert row["max_rel_err"] < 1e-5 and row["fwd_bwd_ms"] == 1.0
+        assert set(row["tuned"]) == {"fwd", "dkdv", "dq"}  # each kernel's tile config, recorded per workload
     assert rows[-1]["note"].startswith("skipped")  # nested SDPA cannot express a window
     assert all("note" in r or "fwd_bwd_ms" in r for r in rows)
 
