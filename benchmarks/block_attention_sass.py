@@ -82,7 +82,7 @@ def main() -> None:
         warps += " shared inverse" if config.kwargs.get("SHARE_BACK") else ""
         base = None
         for mode, label in MODES:
-            if mode == 0 and config.kwargs.get("SHARE_BACK"):  # the same code as without: its base is that one
+            if config.kwargs.get("SHARE_BACK") and not kernels.share_back_applies(1, mode):  # the unshared code
                 base = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
                                      ACT=kernels.SOFTMAX.value, ROT=0, REDUCE=False, SHARE_BACK=False)["instructions"]
                 continue

@@ -557,8 +557,7 @@ def main() -> None:
     started = time.perf_counter()
     flex = not (args.quick or args.no_flex)
     rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": flex, "peers": args.peers,
-                    "heads": HEADS,
-                    "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+                    "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
     say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
     lost = None

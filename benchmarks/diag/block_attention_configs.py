@@ -36,7 +36,7 @@ def main() -> None:
             kernel.configs = [config]  # one config: Triton runs it without timing candidates
             kernel.cache.clear()
             for mode, mode_name in MODES:
-                if mode == 0 and config.kwargs.get("SHARE_BACK"):
+                if config.kwargs.get("SHARE_BACK") and not kernels.share_back_applies(1, mode):
                     continue  # the same code as without sharing
                 values = b.rotary_values(mode)
                 _timed(results, b, f"{label}_{mode_name}",

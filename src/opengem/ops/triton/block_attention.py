@@ -59,11 +59,16 @@ def _configs(backward: bool) -> list[triton.Config]:
     return [triton.Config({"SHARE_BACK": share}, **shape) for shape in shapes for share in (False, True)]
 
 
+def share_back_applies(group: int, rot: int) -> bool:
+    """Whether SHARE_BACK changes the backward's code: one query head per kv head, and rotary on."""
+    return group == 1 and rot != 0
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers;
-    SHARE_BACK only where it changes the code (GROUP 1 with rotary)."""
+    SHARE_BACK only where it changes the code."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
-    shares = kwargs.get("GROUP") == 1 and kwargs.get("ROT", 0) != 0
+    shares = share_back_applies(kwargs.get("GROUP"), kwargs.get("ROT", 0))
     kept = [c for c in configs if c.num_warps <= 8 or large]
     if "SHARE_BACK" not in configs[0].kwargs or len(configs) == 1:  # the forward, or the interpreter's one
         return kept
