@@ -33,8 +33,10 @@
 # s7c (one GPU, session 7): BlockAttention full (SHARE_BACK / POLY_BACK / POLY_FRONT configs), JFA (fused
 #   delta, short-sequence tiles) on (a), (d), L512 and L1024 at s0.5 causal, BlockAttention's GPU tests
 # s7d (one GPU, session 7): JFA against varlen flash alone on every workload (b)
-# s8a (one GPU, next session): JFA's per-kernel times and tile sweep on L1024 / L2048 causal, then JFA full
+# s8a (one GPU, session 8): JFA's per-kernel times and tile sweep on L1024 / L2048 causal, then JFA full
 #   (every workload and peer, Flex included)
+# s8b (one GPU, session 8): JFA with ragged TMA loads against pointer loads (per pass, beside flash), then JFA
+#   on (a) and (d) with the Flex pass
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -163,6 +165,10 @@ chain_s8a() {  # next session, call 1: where JFA's causal backward trails flash,
   step jfa_configs 240 python -m benchmarks.diag.jfa_configs --workloads b_L1024_s0.5_causal,b_L2048_s0.5_causal
   step jfa_full 340 python -m benchmarks.jfa
 }
+chain_s8b() {  # session 8, call 2: TMA loads or pointer loads, then (a) and (d) against flash, nested SDPA and Flex
+  step jfa_tma 330 python -m benchmarks.diag.jfa_tma
+  step jfa_a_flex 240 python -m benchmarks.jfa --workloads a_,d_ --peers torch_varlen_flash,nested_sdpa
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -170,7 +176,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -12,7 +12,6 @@ import argparse
 from collections import defaultdict
 
 import torch
-import triton
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import bench_ms, write_results
@@ -48,7 +47,7 @@ def sweep(name: str, fn, rows: list[dict], workload: str) -> None:
     every = list(kernel.configs)
     try:
         for m, n, w, s in kernels._FULL:
-            config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s)
+            config = kernels.tile_config(name, m, n, w, s)
             kernel.configs = [config]
             kernel.cache.clear()
             row = {"workload": workload, "kernel": name, "config": _label(config)}

@@ -174,12 +174,9 @@ def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
     ],
 )
 def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):
-    import triton
-
     from opengem.ops.triton import jagged_attention as kernels
 
-    for kernel, (m, n, warps, stages) in zip((kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), configs):
-        config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
-        monkeypatch.setattr(kernel, "configs", [config])
+    for name, kernel, tiles in zip(("fwd", "dkdv", "dq"), (kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), configs):
+        monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, *tiles)])
     lengths = [4100, 2, 1500, 129, 64, 63, 3001]
     _check_samples(lengths, range(len(lengths)), 1.5e-2, causal=True)

@@ -99,6 +99,31 @@ def test_triton_matches_reference_fp32_gqa(poisoned, mask):
     _check_against_reference(LENGTHS, q, k, v, dout, 1e-5, **_mask_kwargs(MASKS[mask]))
 
 
+@pytest.mark.parametrize("mask", ["causal", "full_window", "all_options"])
+def test_pointer_loads_match_reference(poisoned, monkeypatch, mask):
+    """The masked pointer loads every pass falls back to where TMA cannot run (the other tests take TMA)."""
+    monkeypatch.setattr(kernels, "TMA_PASSES", kernels._tma_passes("none"))
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1)
+    _check_against_reference(LENGTHS, q, k, v, dout, 1e-5, **_mask_kwargs(MASKS[mask]))
+
+
+def test_tma_only_where_the_tensors_allow_it():
+    """A base off 16 bytes (a view one element in) or strides that are not multiples of 16 bytes take the
+    pointer loads, with the same result; the setting names passes or ``none``."""
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1)
+    assert kernels._tma_ok(q) and kernels._descriptors("fwd", q, k)[1]
+    shifted = torch.randn(q.numel() + 1)[1:].view_as(q).copy_(q)
+    assert not kernels._tma_ok(shifted) and not kernels._descriptors("fwd", shifted, k)[1]
+    odd_stride = torch.randn(q.shape[0], 3, q.shape[2])[:, :2]  # row stride 3 x 16 x 4 B: still aligned
+    assert kernels._tma_ok(odd_stride)
+    narrow = torch.randn(q.shape[0], 2, 3)  # 12-byte rows
+    assert not kernels._tma_ok(narrow)
+    _check_against_reference(LENGTHS, shifted, k, v, dout, 1e-5, causal=True)
+    assert kernels._tma_passes("none") == frozenset() and kernels._tma_passes("dq, fwd") == {"dq", "fwd"}
+    with pytest.raises(ValueError, match="OPENGEM_JFA_TMA"):
+        kernels._tma_passes("fwd,bwd")
+
+
 @pytest.mark.parametrize("mask", ["causal", "all_options"])
 def test_triton_matches_reference_fp16(poisoned, mask):
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, dtype=torch.float16, seed=1)

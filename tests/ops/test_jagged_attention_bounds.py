@@ -13,7 +13,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import pytest
 import torch
-import triton
 import triton.runtime.interpreter as interpreter
 
 from opengem.ops.jagged_attention import jagged_attention
@@ -34,7 +33,6 @@ MASKS = {
 # the last sample is the longest and ends off every tile border: tiles past T read only under a mask
 LENGTHS = [1, 0, 200, 64, 129, 63, 601]
 
-
 class _Audit:
     """Every address a kernel touches (where its mask is set) must lie inside one argument tensor."""
 
@@ -50,7 +48,6 @@ class _Audit:
         inside = any(start <= low and high <= end for start, end in self.ranges)
         assert inside, f"access [{low:#x}, {high:#x}) leaves every tensor of the launch"
         self.accesses += 1
-
 
 @pytest.fixture
 def audit(monkeypatch):
@@ -68,19 +65,18 @@ def audit(monkeypatch):
 
     load, store = interpreter.InterpreterBuilder.create_masked_load, interpreter.InterpreterBuilder.create_masked_store
 
-    def audited_load(self, ptrs, mask, other, *args):
+    def audited_load(self, ptrs, mask, other, *args, **kwargs):  # TMA descriptor loads come here too
         state.check(ptrs.data, mask.data, np.dtype(interpreter._get_np_dtype(ptrs.get_element_ty())).itemsize)
-        return load(self, ptrs, mask, other, *args)
+        return load(self, ptrs, mask, other, *args, **kwargs)
 
-    def audited_store(self, ptrs, value, mask, *args):
+    def audited_store(self, ptrs, value, mask, *args, **kwargs):
         state.check(ptrs.data, mask.data, value.data.itemsize)
-        return store(self, ptrs, value, mask, *args)
+        return store(self, ptrs, value, mask, *args, **kwargs)
 
     monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", init_args_recording)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_load", audited_load)
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", audited_store)
     return state
-
 
 def _use_tiles(monkeypatch, tiles) -> None:
     """Schedules for 64 / 128 and one config per kernel, as on the GPU (no tuning in the interpreter)."""
@@ -88,13 +84,11 @@ def _use_tiles(monkeypatch, tiles) -> None:
     monkeypatch.setattr(kernels, "_SMALL", 64)
     monkeypatch.setattr(kernels, "_LARGE", 128)
     monkeypatch.setattr(kernels, "_SCHEDULES", type(kernels._SCHEDULES)())
-    for kernel, (m, n) in zip((kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), tiles):
-        monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=1, num_stages=1)])
-
+    for name, kernel, (m, n) in zip(("fwd", "dkdv", "dq"), (kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), tiles):
+        monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, m, n, 1, 1)])
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("tile_set", list(TILE_SETS))

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from opengem.jagged.host import to_device
 from opengem.ops.triton.masks import key_range, tile_mask
@@ -32,7 +34,9 @@ _SMALL, _LARGE = _TILES
 # (BLOCK_M, BLOCK_N, num_warps, num_stages); the first of each list is the untuned default. A curated
 # subset of {64, 128}^2 x {4, 8} x {2, 3, 4} keeps first-call tuning short; OPENGEM_JFA_AUTOTUNE=full
 # tries the whole product, =0 only the default.
-_FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2)]
+# (64, 64, 4, 2) forward: for short sequences, where 64 x 64 at 3 stages was picked and ran 0.97x flash (B 1152,
+# max length 512, non-causal, session 8); fewer stages, more programs per SM.
+_FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
 # (64, 64, 4, 2) in the backward: the best dK/dV and dQ tiles of the full product on short causal sequences
 # (B 1152, max length 512 at sparsity 0.5, H200, session 7: backward 2.69 -> 2.53 ms for dK/dV, -> 2.62 for
 # dQ), where programs are short and occupancy counts (sm_90 shared memory: 99 KB, two programs per SM,
@@ -43,12 +47,35 @@ _FULL = [(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for 
 _INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
 
+# The tensors each kernel reads in query-tile rows (BLOCK_M) and key-tile rows (BLOCK_N), by argument name.
+_TILE_ROWS = {"fwd": (("Q",), ("K", "V")), "dkdv": (("Q", "DO"), ("K", "V")), "dq": (("Q", "DO", "O"), ("K", "V"))}
+
+
+def _tma_block_shapes(name: str):
+    """Autotuner pre-hook: the ragged TMA descriptors' boxes follow the config's tile sizes."""
+    rows_m, rows_n = _TILE_ROWS[name]
+
+    def hook(nargs: dict) -> None:
+        for names, block in ((rows_m, nargs["BLOCK_M"]), (rows_n, nargs["BLOCK_N"])):
+            for arg in names:
+                desc = nargs[f"{arg}_desc"]
+                if isinstance(desc, TensorDescriptor):
+                    desc.block_shape = [1, 1, block, 1, nargs["HEAD_DIM"]]
+
+    return hook
+
+
+def tile_config(name: str, block_m: int, block_n: int, num_warps: int, num_stages: int) -> triton.Config:
+    """A config of kernel ``name`` (fwd, dkdv, dq), with the pre-hook that sizes its TMA boxes."""
+    return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=num_warps, num_stages=num_stages,
+                         pre_hook=_tma_block_shapes(name))
+
+
 def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     if _INTERPRET:
-        m, n = _INTERPRETER_TILES[name]
-        return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=1, num_stages=1)]
+        return [tile_config(name, *_INTERPRETER_TILES[name], 1, 1)]
     choices = curated if os.environ.get("OPENGEM_JFA_AUTOTUNE") != "full" else [curated[0], *(c for c in _FULL if c != curated[0])]
-    return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in choices]
+    return [tile_config(name, *choice) for choice in choices]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -60,11 +87,11 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     if _INTERPRET or head_dim is None or _row_width(head_dim, named_args.get("Q")) < 256:
         return configs
     kept: dict[tuple, triton.Config] = {}
-    for c in [*configs, triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1)]:
+    for c in [*configs, triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1, pre_hook=configs[0].pre_hook)]:
         m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if m * n <= 64 * 128:
             stages = min(c.num_stages, 2)
-            kept.setdefault((m, n, c.num_warps, stages), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages))
+            kept.setdefault((m, n, c.num_warps, stages), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages, pre_hook=c.pre_hook))
     return list(kept.values())
 
 
@@ -92,7 +119,7 @@ def tuning_bucket(max_len: int) -> int:
 
 
 _KEY = ["LEN_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_CONTEXT", "HAS_TARGETS"]
-_TUNING = dict(key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+_TUNING = dict(key=[*_KEY, "USE_TMA"], prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -123,6 +150,21 @@ def _item(sched_small, sched_large, heads, BLOCK: tl.constexpr, SMALL: tl.conste
         b = tl.load(sched_large + 2 * item)
         row = tl.load(sched_large + 2 * item + 1)
     return b, row, head
+
+
+@triton.jit
+def _tile(desc, start, seq_len, row, head, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``[row, row + BLOCK)`` of one head of one sample ``[BLOCK, HEAD_DIM]``, through its ragged TMA
+    descriptor: rows past the sample read as zeros (the hardware's bounds check, as ``other=0`` below)."""
+    return tl.reshape(load_ragged(desc, start.to(tl.int32), seq_len, [row, head, 0]), [BLOCK, HEAD_DIM])
+
+
+@triton.jit
+def _row_max_scaled(s, scale_log2, NEGATIVE_SCALE: tl.constexpr):
+    """Row maximum of ``s * scale_log2`` from the raw logits, so that the exponent is one FMA per pair."""
+    if NEGATIVE_SCALE:
+        return tl.min(s, 1) * scale_log2
+    return tl.max(s, 1) * scale_log2
 
 
 @triton.jit
@@ -207,28 +249,36 @@ def _query_tiles(
 
 @triton.jit
 def _fwd_tiles(
-    acc, l_i, m_i, q, K, V, stride_kt, stride_vt, n_lo, n_hi,
+    acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, n_lo, n_hi,
     offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):  # fmt: skip
     for n_start in range(n_lo, n_hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        kT_ptrs = K + offs_n[None, :] * stride_kt + offs_d[:, None]
-        v_ptrs = V + offs_n[:, None] * stride_vt + offs_d[None, :]
-        if MASKED:
-            kT = tl.load(kT_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
-            v = tl.load(v_ptrs, mask=offs_n[:, None] < seq_len, other=0.0)
+        if USE_TMA:
+            kT = tl.trans(_tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
+            v = _tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
         else:
-            kT = tl.load(kT_ptrs)
-            v = tl.load(v_ptrs)
-        s = tl.dot(q, kT, input_precision=PRECISION) * scale_log2  # logits in base 2
+            kT_ptrs = K + offs_n[None, :] * stride_kt + offs_d[:, None]
+            v_ptrs = V + offs_n[:, None] * stride_vt + offs_d[None, :]
+            if MASKED:
+                kT = tl.load(kT_ptrs, mask=offs_n[None, :] < seq_len, other=0.0)
+                v = tl.load(v_ptrs, mask=offs_n[:, None] < seq_len, other=0.0)
+            else:
+                kT = tl.load(kT_ptrs)
+                v = tl.load(v_ptrs)
+        s = tl.dot(q, kT, input_precision=PRECISION)
+        # online softmax in base 2: rescale the running sum and accumulator to the new row maximum
         if MASKED:
             visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-            s = tl.where(visible, s, float("-inf"))
-        # online softmax: rescale the running sum and accumulator to the new row maximum
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.math.exp2(s - m_new[:, None])
+            s = tl.where(visible, s * scale_log2, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.math.exp2(s - m_new[:, None])
+        else:
+            m_new = tl.maximum(m_i, _row_max_scaled(s, scale_log2, NEGATIVE_SCALE))
+            p = tl.math.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
@@ -239,32 +289,39 @@ def _fwd_tiles(
 @triton.autotune(configs=_configs("fwd", _FWD), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _fwd_kernel(
-    Q, K, V, O, LSE, offsets, num_targets, sched_small, sched_large,
+    Q, K, V, O, LSE, offsets, num_targets, sched_small, sched_large, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     total_tokens, heads, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
-    q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    K += start * stride_kt + (h // GROUP) * stride_kh
-    V += start * stride_vt + (h // GROUP) * stride_vh
+    if USE_TMA:
+        q = _tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+    else:
+        q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    h_kv = h // GROUP
+    K += start * stride_kt + h_kv * stride_kh
+    V += start * stride_vt + h_kv * stride_vh
     # a finite initial maximum keeps rows that see nothing in a tile free of inf - inf
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, lo, f_lo, offs_m, offs_d, seq_len, hist_len,
-                               contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, f_lo, f_hi, offs_m, offs_d, seq_len, hist_len,
-                               contextual_len, window, scale_log2, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, stride_kt, stride_vt, f_hi, hi, offs_m, offs_d, seq_len, hist_len,
-                               contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo, offs_m,
+                               offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL,
+                               HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi, offs_m,
+                               offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, False, CAUSAL,
+                               HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi, offs_m,
+                               offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL,
+                               HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
     out = acc / l_i[:, None]
     tl.store(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -276,18 +333,22 @@ def _fwd_kernel(
 
 @triton.jit
 def _dkdv_tiles(
-    dk, dv, k, v, Q, DO, LSE, Delta, stride_qt, stride_dot, m_lo, m_hi,
+    dk, dv, k, v, Q, DO, Q_desc, DO_desc, start, h, LSE, Delta, stride_qt, stride_dot, m_lo, m_hi,
     offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
-    BLOCK_M: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     """Accumulate the dK, dV of one key tile over query tiles ``[m_lo, m_hi)`` of one head (transposed: [N, M])."""
     for m_start in range(m_lo, m_hi, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seq_len
         # rows past the sample load as zeros (q, dO, lse, delta): their terms vanish without a mask
-        qT = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
-        do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if USE_TMA:
+            qT = tl.trans(_tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM))
+            do = _tile(DO_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        else:
+            qT = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
+            do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(LSE + offs_m, mask=row_ok, other=0.0)
         delta = tl.load(Delta + offs_m, mask=row_ok, other=0.0)
         pT = tl.math.exp2(tl.dot(k, qT, input_precision=PRECISION) * scale_log2 - lse[None, :])  # P^T [N, M]
@@ -304,21 +365,25 @@ def _dkdv_tiles(
 @triton.autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large,
+    Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, K_desc, V_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n[:, None] < seq_len
-    k = tl.load(K + (start + offs_n[:, None]) * stride_kt + h_kv * stride_kh + offs_d[None, :], mask=key_ok, other=0.0)
-    v = tl.load(V + (start + offs_n[:, None]) * stride_vt + h_kv * stride_vh + offs_d[None, :], mask=key_ok, other=0.0)
+    if USE_TMA:
+        k = _tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
+        v = _tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
+    else:
+        k = tl.load(K + (start + offs_n[:, None]) * stride_kt + h_kv * stride_kh + offs_d[None, :], mask=key_ok, other=0.0)
+        v = tl.load(V + (start + offs_n[:, None]) * stride_vt + h_kv * stride_vh + offs_d[None, :], mask=key_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     c_hi, lo, f_lo, f_hi, hi = _query_tiles(n_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
@@ -329,30 +394,38 @@ def _dkdv_kernel(
         DOh = DO + start * stride_dot + h * stride_doh
         LSEh = LSE + h * total_tokens + start
         Dh = Delta + h * total_tokens + start
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, 0, c_hi, offs_n, offs_d, seq_len, hist_len,
-                             contextual_len, window, scale_log2, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, lo, f_lo, offs_n, offs_d, seq_len, hist_len,
-                             contextual_len, window, scale_log2, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, f_lo, f_hi, offs_n, offs_d, seq_len, hist_len,
-                             contextual_len, window, scale_log2, BLOCK_M, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, LSEh, Dh, stride_qt, stride_dot, f_hi, hi, offs_n, offs_d, seq_len, hist_len,
-                             contextual_len, window, scale_log2, BLOCK_M, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, 0, c_hi, offs_n,
+                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL,
+                             HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, lo, f_lo, offs_n,
+                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL,
+                             HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_lo, f_hi, offs_n,
+                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, False, CAUSAL,
+                             HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_hi, hi, offs_n,
+                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL,
+                             HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
     tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + (start + offs_n[:, None]) * stride_dvt + h_kv * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
 
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse, delta, K, V, stride_kt, stride_vt, n_lo, n_hi,
+    dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, n_lo, n_hi,
     offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
-    BLOCK_N: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):  # fmt: skip
     for n_start in range(n_lo, n_hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         # keys past the sample load as zeros: their dS * K terms vanish
-        kT = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
-        vT = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
+        if USE_TMA:
+            kT = tl.trans(_tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
+            vT = tl.trans(_tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
+        else:
+            kT = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
+            vT = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
         p = tl.math.exp2(tl.dot(q, kT, input_precision=PRECISION) * scale_log2 - lse[:, None])
         if MASKED:
             visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
@@ -366,13 +439,13 @@ def _dq_tiles(
 @triton.autotune(configs=_configs("dq", _DQ), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,
+    Q, K, V, O, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large, Q_desc, K_desc, V_desc, O_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile; runs before the dK/dV pass and writes the tile's softmax-gradient term
     ``delta = rowsum(dO * O)`` ``[H, T]`` fp32 for it (each (row, head) belongs to exactly one item), so the
@@ -382,22 +455,31 @@ def _dq_kernel(
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
-    q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    do = tl.load(DO + (start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    o = tl.load(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if USE_TMA:
+        q = _tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        do = _tile(DO_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        o = _tile(O_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+    else:
+        q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(DO + (start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        o = tl.load(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     lse = tl.load(LSE + h * total_tokens + start + offs_m, mask=row_ok, other=0.0)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + h * total_tokens + start + offs_m, delta, mask=row_ok)
-    K += start * stride_kt + (h // GROUP) * stride_kh
-    V += start * stride_vt + (h // GROUP) * stride_vh
+    h_kv = h // GROUP
+    K += start * stride_kt + h_kv * stride_kh
+    V += start * stride_vt + h_kv * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, lo, f_lo, offs_m, offs_d, seq_len, hist_len,
-                   contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, f_lo, f_hi, offs_m, offs_d, seq_len, hist_len,
-                   contextual_len, window, scale_log2, BLOCK_N, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, stride_kt, stride_vt, f_hi, hi, offs_m, offs_d, seq_len, hist_len,
-                   contextual_len, window, scale_log2, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo, offs_m, offs_d,
+                   seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL, HAS_WINDOW,
+                   HAS_CONTEXT, USE_TMA, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi, offs_m, offs_d,
+                   seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, False, CAUSAL, HAS_WINDOW,
+                   HAS_CONTEXT, USE_TMA, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi, offs_m, offs_d,
+                   seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL, HAS_WINDOW,
+                   HAS_CONTEXT, USE_TMA, PRECISION)
     tl.store(DQ + (start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
@@ -524,6 +606,7 @@ class Problem:
             HAS_TARGETS=self.num_targets is not None,
             SMALL=_SMALL,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            NEGATIVE_SCALE=self.scale < 0,
         )
 
     def runtime(self) -> dict:
@@ -536,6 +619,45 @@ class Problem:
 
     def targets_arg(self) -> torch.Tensor:
         return self.offsets if self.num_targets is None else self.num_targets
+
+
+PASSES = ("fwd", "dq", "dkdv")
+
+
+def _tma_passes(setting: str) -> frozenset[str]:
+    passes = frozenset() if setting == "none" else frozenset(p.strip() for p in setting.split(",") if p.strip())
+    if not passes <= set(PASSES):
+        raise ValueError(f"OPENGEM_JFA_TMA must be 'none' or a comma-separated subset of {PASSES}, got {setting!r}")
+    return passes
+
+
+# The passes whose tiles load through ragged TMA descriptors (hardware bounds checks, no address math in
+# the program) where the tensors allow it; the others use masked pointer loads. Benchmarks may reassign it.
+TMA_PASSES = _tma_passes(os.environ.get("OPENGEM_JFA_TMA", ",".join(PASSES)))
+_RAGGED_ROWS_LIMIT = 2**30  # create_ragged_descriptor's row bound
+
+
+def _tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs 16-byte aligned base and row / head strides (sm_90+, or the interpreter)."""
+    if not (_INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)):
+        return False
+    size = t.element_size()
+    return (
+        t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and t.stride(2) == 1
+        and t.data_ptr() % 16 == 0
+        and all(stride * size % 16 == 0 for stride in (t.stride(0), t.stride(1)))
+        and t.shape[2] * size % 16 == 0
+        and 0 < t.shape[0] <= _RAGGED_ROWS_LIMIT
+    )
+
+
+def _descriptors(name: str, *tensors: torch.Tensor) -> tuple[list, bool]:
+    """Ragged TMA descriptors of ``tensors`` ``[T, H, D]`` for pass ``name`` (their boxes set per config by
+    the autotuner's pre-hook) and True, or the tensors themselves and False when any cannot use TMA."""
+    if name not in TMA_PASSES or not all(_tma_ok(t) for t in tensors):
+        return list(tensors), False
+    return [create_ragged_descriptor(t, [16, 1, t.shape[2]]) for t in tensors], True
 
 
 def _grid(items: dict[int, torch.Tensor], heads: int, block_name: str):
@@ -561,10 +683,11 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
         return out, lse
     total, heads, _ = q.shape
     items = pb.sched.query_tiles
+    descs, use_tma = _descriptors("fwd", q, k, v)
     _fwd_kernel[_grid(items, heads, "BLOCK_M")](
-        q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE],
+        q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE], *descs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k),
+        total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k), USE_TMA=use_tma,
     )  # fmt: skip
     return out, lse
 
@@ -583,15 +706,17 @@ def backward(
     common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
     query_items = pb.sched.query_tiles
+    descs, use_tma = _descriptors("dq", q, k, v, out, dout)
     _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
-        q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE],
+        q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE], *descs,
         *strides, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-        heads=heads, **common,
+        heads=heads, **common, USE_TMA=use_tma,
     )  # fmt: skip
     key_items = pb.sched.key_tiles
+    descs, use_tma = _descriptors("dkdv", q, k, v, dout)
     _dkdv_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
-        q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE],
+        q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE], *descs,
         *strides, dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        heads=k.shape[1], **common,
+        heads=k.shape[1], **common, USE_TMA=use_tma,
     )  # fmt: skip
     return dq, dk, dv
