@@ -23,7 +23,8 @@ that fails becomes a note in its row; a lost CUDA context ends the run (exit sta
 Run: ``PYTHONPATH=src python -m benchmarks.jfa [--quick]``. ``--quick``: workloads (a) and (d), JFA with
 each kernel's default config (no autotuning), varlen flash and nested SDPA, no Flex (about 40 s cold).
 Full: every workload and peer, JFA autotuned (curated configs), a few minutes. ``--workloads a_,d_``: only
-the workloads whose names start so; ``--no-flex``: without the FlexAttention pass; ``--peers
+the workloads whose names start so; ``--no-flex``: without the FlexAttention pass; ``--flex-workloads a_,d_``:
+the FlexAttention pass on those only; ``--peers
 torch_varlen_flash``: only these eager peers.
 """
 
@@ -433,6 +434,7 @@ def tuned_configs() -> dict[str, str]:
     picked = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
     return {
         name: f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
+        + (" pointer loads" if c.kwargs.get("POINTER_LOADS") else "")
         for name, kernel in picked.items()
         if (c := getattr(kernel, "best_config", None)) is not None
     }
@@ -487,7 +489,7 @@ def selected(quick: bool, prefixes: list[str] | None) -> list[Workload]:
 EAGER_PEERS = ("torch_varlen_flash", "nested_sdpa", "padded_sdpa(incl. pad/unpad)")
 
 
-def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: bool, peers: list[str] | None = None) -> None:
+def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: list[Workload], peers: list[str] | None = None) -> None:
     """Our kernel first, then the eager peers (``peers``: only these), workload by workload; FlexAttention
     (compiled, the riskiest: its device fault would poison the context) last of all, in a pass of its own."""
     names = peers if peers is not None else [n for n in EAGER_PEERS if not (quick and n.startswith("padded"))]
@@ -495,9 +497,8 @@ def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: bool, peers: l
     safe = {"jfa": jfa_impl, **{name: makers[name] for name in names}}
     for wl in chosen:
         run_workload(wl, safe, rec)
-    if flex:
-        for wl in chosen:
-            run_workload(wl, {"flex_attention": flex_impl}, rec)
+    for wl in flex:
+        run_workload(wl, {"flex_attention": flex_impl}, rec)
 
 
 COLUMNS = [
@@ -542,6 +543,10 @@ def main() -> None:
     )
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (its compiles take minutes)")
     parser.add_argument(
+        "--flex-workloads", type=lambda text: text.split(","), default=None,
+        help="name prefixes of the chosen workloads the FlexAttention pass times (default: all chosen)",
+    )
+    parser.add_argument(
         "--peers", type=lambda text: text.split(","), default=None,
         help=f"comma-separated eager peers to time beside JFA, of {list(EAGER_PEERS)} (default: all)",
     )
@@ -555,9 +560,13 @@ def main() -> None:
     if args.quick:  # each kernel's default config: no autotuning on a cold start
         os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
     started = time.perf_counter()
-    flex = not (args.quick or args.no_flex)
-    rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": flex, "peers": args.peers,
-                    "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
+    flex = [] if args.quick or args.no_flex else chosen
+    if flex and args.flex_workloads is not None:
+        flex = [wl for wl in chosen if any(wl.name.startswith(p) for p in args.flex_workloads)]
+        if not flex:
+            raise SystemExit(f"--flex-workloads: none of the chosen workloads starts with {args.flex_workloads}")
+    rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": [wl.name for wl in flex],
+                    "peers": args.peers, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
     say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
     lost = None

@@ -38,7 +38,8 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
 
 
 def _label(config) -> str:
-    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}"
+    pointer = "_ptr" if config.kwargs.get("POINTER_LOADS") else ""
+    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}{pointer}"
 
 
 def sweep(name: str, fn, rows: list[dict], workload: str) -> None:

@@ -59,6 +59,21 @@ def test_quick_run_orders_steps_checks_errors_and_saves_rows(cpu_bench, capsys):
     assert all("note" in r or "fwd_bwd_ms" in r for r in rows)
 
 
+def test_flex_pass_only_on_the_named_workloads(cpu_bench, monkeypatch):
+    def flex_unavailable(wl, b):
+        raise NotImplementedError("no FlexAttention on this machine")
+
+    monkeypatch.setattr(jfa, "flex_impl", flex_unavailable)
+    monkeypatch.setattr(sys, "argv", ["jfa", "--workloads", "a_,d_", "--flex-workloads", "d_", "--peers", "torch_varlen_flash"])
+    jfa.main()
+    saved = json.loads(cpu_bench.read_text())
+    assert [r["workload"] for r in saved["rows"] if r["impl"] == "flex_attention"] == ["d_power_law_window256"]
+    assert saved["flex"] == ["d_power_law_window256"]
+    monkeypatch.setattr(sys, "argv", ["jfa", "--workloads", "a_", "--flex-workloads", "b_"])
+    with pytest.raises(SystemExit, match="--flex-workloads"):
+        jfa.main()
+
+
 def test_lost_context_stops_the_run_and_keeps_rows(cpu_bench, monkeypatch):
     def faulting_peer(wl, b):
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
