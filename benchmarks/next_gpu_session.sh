@@ -38,6 +38,9 @@
 # s8b (one GPU, session 8): JFA with ragged TMA loads against pointer loads (per pass, beside flash), then JFA
 #   on (a) and (d) with the Flex pass
 # s8c (one GPU, session 8): JFA's GPU tests, then JFA full (every workload and eager peer; Flex on (a), (d))
+# s9a (one GPU, next session): JFA's GPU tests (uncapped by a cold cache), then TMA against pointer loads per
+#   pass (dK/dV's k and v now pointer loads on both paths)
+# s9b (one GPU, next session): JFA full (the length bucket past 4096 now its own; Flex on (a), (d))
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -174,6 +177,13 @@ chain_s8c() {  # session 8, call 3: JFA's GPU tests (TMA loads), then the full J
   step jfa_gpu_tests 140 tests tests/gpu/test_jagged_attention_gpu.py
   step jfa_full 420 python -m benchmarks.jfa --flex-workloads a_,d_
 }
+chain_s9a() {  # next session, call 1: JFA's GPU tests, then the load paths per pass beside flash
+  step jfa_gpu_tests 260 tests tests/gpu/test_jagged_attention_gpu.py
+  step jfa_tma 300 python -m benchmarks.diag.jfa_tma --workloads a_,b_L512_s1.0_causal,b_L1024_s1.0_causal,b_L2048_s0.5_causal,b_L4096_s0.5_causal
+}
+chain_s9b() {  # next session, call 2: the full JFA benchmark (issue 3's acceptance run)
+  step jfa_full 560 python -m benchmarks.jfa --flex-workloads a_,d_
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -181,7 +191,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

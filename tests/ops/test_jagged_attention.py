@@ -310,10 +310,11 @@ def test_fp32_head_dim_128_gets_the_small_tile_configs(monkeypatch):
     assert bf16 == configs
 
 
-def test_tuning_bucket_stops_at_4096():
+def test_tuning_bucket_is_one_past_4096():
     """Lengths past 4096 share one autotuning key: a batch whose longest history swings between 8k and 16k
-    does not re-time every candidate configuration (seconds of host time) each time it crosses 2^k."""
+    does not re-time every candidate configuration (seconds of host time) each time it crosses 2^k; a
+    batch of lengths up to 4096 keeps its own key (it tunes to other tiles than a long-tailed one)."""
     from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP, tuning_bucket
 
     assert [tuning_bucket(n) for n in (0, 1, 17, 1000, 4096)] == [16, 16, 32, 1024, 4096]
-    assert tuning_bucket(4097) == tuning_bucket(9000) == tuning_bucket(16384) == TUNING_BUCKET_CAP == 4096
+    assert tuning_bucket(4097) == tuning_bucket(9000) == tuning_bucket(16384) == TUNING_BUCKET_CAP == 8192

@@ -48,7 +48,7 @@ _INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
 
 # The tensors each kernel reads in query-tile rows (BLOCK_M) and key-tile rows (BLOCK_N), by argument name.
-_TILE_ROWS = {"fwd": (("Q",), ("K", "V")), "dkdv": (("Q", "DO"), ("K", "V")), "dq": (("Q", "DO", "O"), ("K", "V"))}
+_TILE_ROWS = {"fwd": (("Q",), ("K", "V")), "dkdv": (("Q", "DO"), ()), "dq": (("Q", "DO", "O"), ("K", "V"))}
 
 
 def _tma_block_shapes(name: str):
@@ -74,9 +74,10 @@ def tile_config(
                          num_warps=num_warps, num_stages=num_stages, pre_hook=_tma_block_shapes(name))
 
 
-# dK/dV is tuned over both load paths: TMA ran it 12% slower on workload (a) (3.94 -> 4.42 ms, the 64 x 128
-# 8-warp tile lost its lead) and 3-7% faster on short causal batches (H200, session 8); forward and dQ were
-# as fast or faster with TMA everywhere measured.
+# dK/dV is tuned over both load paths: with k and v through TMA too, it ran 12% slower on workload (a) (3.94
+# -> 4.42 ms, the 64 x 128 8-warp tile lost its lead) and 3-7% faster on short causal batches (H200, session
+# 8). Since then k and v are pointer loads on both paths (sm_90 spills 176-272 -> 16-80 B; not yet timed).
+# Forward and dQ were as fast or faster with TMA everywhere measured.
 _BOTH_LOAD_PATHS = {"dkdv"}
 
 
@@ -119,14 +120,16 @@ def _tuning_bench(kernel_call, quantiles):
     return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
 
 
-TUNING_BUCKET_CAP = 4096
+TUNING_BUCKET_CAP = 8192  # one bucket for every batch whose longest sequence passes 4096
 
 
 def tuning_bucket(max_len: int) -> int:
-    """The length part of the autotuning key: powers of two from 16 up to 4096. Past a few thousand tokens
-    a sequence spans many tiles whatever their size, so the best configuration stops depending on it, and
-    a power-law batch whose longest history swings between 8k and 16k would otherwise re-tune (seconds of
-    timing on the host) whenever it crosses a power of two."""
+    """The length part of the autotuning key: powers of two from 16 up to 4096, then one bucket for longer.
+    A power-law batch whose longest history swings between 8k and 16k keeps one key instead of re-tuning
+    (seconds of timing on the host) whenever it crosses a power of two. 4096 and longer are apart because
+    they tune differently: sharing one key, uniform lengths up to 4096 (B 1152, sparsity 0.5, causal) ran on
+    the 64 x 64 tiles the power-law batch (100..16384) had picked: 0.87x / 0.85x flash's forward / backward,
+    against 1.09x / 0.99x in the session's first run, whose shared pick had 128-row tiles (H200, session 8)."""
     return min(TUNING_BUCKET_CAP, max(16, triton.next_power_of_2(max(max_len, 1))))
 
 
@@ -377,7 +380,7 @@ def _dkdv_tiles(
 @triton.autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dkdv_kernel(
-    Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, K_desc, V_desc, DO_desc,
+    Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
@@ -392,12 +395,10 @@ def _dkdv_kernel(
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     key_ok = offs_n[:, None] < seq_len
-    if TMA:
-        k = _tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
-        v = _tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
-    else:
-        k = tl.load(K + (start + offs_n[:, None]) * stride_kt + h_kv * stride_kh + offs_d[None, :], mask=key_ok, other=0.0)
-        v = tl.load(V + (start + offs_n[:, None]) * stride_vt + h_kv * stride_vh + offs_d[None, :], mask=key_ok, other=0.0)
+    # k and v by pointer loads whatever the path: loaded once per program, they stay shared-memory MMA
+    # operands; through the 5-D ragged descriptor (its reshape) Triton moved them into 64 registers
+    k = tl.load(K + (start + offs_n[:, None]) * stride_kt + h_kv * stride_kh + offs_d[None, :], mask=key_ok, other=0.0)
+    v = tl.load(V + (start + offs_n[:, None]) * stride_vt + h_kv * stride_vh + offs_d[None, :], mask=key_ok, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     c_hi, lo, f_lo, f_hi, hi = _query_tiles(n_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
@@ -727,7 +728,7 @@ def backward(
         heads=heads, **common, USE_TMA=use_tma,
     )  # fmt: skip
     key_items = pb.sched.key_tiles
-    descs, use_tma = _descriptors("dkdv", q, k, v, dout)
+    descs, use_tma = _descriptors("dkdv", q, dout)
     _dkdv_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
         q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE], *descs,
         *strides, dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
