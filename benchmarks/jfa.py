@@ -489,7 +489,9 @@ def selected(quick: bool, prefixes: list[str] | None) -> list[Workload]:
 EAGER_PEERS = ("torch_varlen_flash", "nested_sdpa", "padded_sdpa(incl. pad/unpad)")
 
 
-def run(quick: bool, rec: Recorder, chosen: list[Workload], flex: list[Workload], peers: list[str] | None = None) -> None:
+def run(
+    quick: bool, rec: Recorder, chosen: list[Workload], flex: list[Workload], peers: list[str] | None = None
+) -> None:
     """Our kernel first, then the eager peers (``peers``: only these), workload by workload; FlexAttention
     (compiled, the riskiest: its device fault would poison the context) last of all, in a pass of its own."""
     names = peers if peers is not None else [n for n in EAGER_PEERS if not (quick and n.startswith("padded"))]

@@ -84,7 +84,8 @@ def _use_tiles(monkeypatch, tiles) -> None:
     monkeypatch.setattr(kernels, "_SMALL", 64)
     monkeypatch.setattr(kernels, "_LARGE", 128)
     monkeypatch.setattr(kernels, "_SCHEDULES", type(kernels._SCHEDULES)())
-    for name, kernel, (m, n) in zip(("fwd", "dkdv", "dq"), (kernels._fwd_kernel, kernels._dkdv_kernel, kernels._dq_kernel), tiles):
+    passes = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
+    for (name, kernel), (m, n) in zip(passes.items(), tiles):
         monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, m, n, 1, 1)])
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -64,7 +64,8 @@ def test_flex_pass_only_on_the_named_workloads(cpu_bench, monkeypatch):
         raise NotImplementedError("no FlexAttention on this machine")
 
     monkeypatch.setattr(jfa, "flex_impl", flex_unavailable)
-    monkeypatch.setattr(sys, "argv", ["jfa", "--workloads", "a_,d_", "--flex-workloads", "d_", "--peers", "torch_varlen_flash"])
+    argv = ["jfa", "--workloads", "a_,d_", "--flex-workloads", "d_", "--peers", "torch_varlen_flash"]
+    monkeypatch.setattr(sys, "argv", argv)
     jfa.main()
     saved = json.loads(cpu_bench.read_text())
     assert [r["workload"] for r in saved["rows"] if r["impl"] == "flex_attention"] == ["d_power_law_window256"]

@@ -36,7 +36,10 @@ _SMALL, _LARGE = _TILES
 # tries the whole product, =0 only the default.
 # (64, 64, 4, 2) forward: for short sequences, where 64 x 64 at 3 stages was picked and ran 0.97x flash (B 1152,
 # max length 512, non-causal, session 8); fewer stages, more programs per SM.
-_FWD = [(128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2)]
+_FWD = [
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
+    (64, 64, 4, 2),
+]  # fmt: skip
 # (64, 64, 4, 2) in the backward: the best dK/dV and dQ tiles of the full product on short causal sequences
 # (B 1152, max length 512 at sparsity 0.5, H200, session 7: backward 2.69 -> 2.53 ms for dK/dV, -> 2.62 for
 # dQ), where programs are short and occupancy counts (sm_90 shared memory: 99 KB, two programs per SM,
@@ -100,11 +103,13 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     if _INTERPRET or head_dim is None or _row_width(head_dim, named_args.get("Q")) < 256:
         return configs
     kept: dict[tuple, triton.Config] = {}
-    for c in [*configs, triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1, pre_hook=configs[0].pre_hook)]:
+    smallest = triton.Config({"BLOCK_M": 64, "BLOCK_N": 64}, num_warps=4, num_stages=1, pre_hook=configs[0].pre_hook)
+    for c in [*configs, smallest]:
         m, n = c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]
         if m * n <= 64 * 128:
             stages = min(c.num_stages, 2)
-            kept.setdefault((m, n, c.num_warps, stages, c.kwargs.get("POINTER_LOADS")), triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages, pre_hook=c.pre_hook))
+            shallower = triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages, pre_hook=c.pre_hook)
+            kept.setdefault((m, n, c.num_warps, stages, c.kwargs.get("POINTER_LOADS")), shallower)
     return list(kept.values())
 
 
@@ -328,15 +333,15 @@ def _fwd_kernel(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo, offs_m,
-                               offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL,
-                               HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi, offs_m,
-                               offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, False, CAUSAL,
-                               HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi, offs_m,
-                               offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL,
-                               HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo,
+                               offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
+                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi,
+                               offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
+                               HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi,
+                               offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
+                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
     out = acc / l_i[:, None]
     tl.store(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -389,8 +394,8 @@ def _dkdv_kernel(
     NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     POINTER_LOADS: tl.constexpr = False,
 ):  # fmt: skip
+    TMA: tl.constexpr = USE_TMA and not POINTER_LOADS  # POINTER_LOADS: the tuner's other path (a config kwarg)
     b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
-    TMA: tl.constexpr = USE_TMA and not POINTER_LOADS
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_n = n_start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -409,18 +414,18 @@ def _dkdv_kernel(
         DOh = DO + start * stride_dot + h * stride_doh
         LSEh = LSE + h * total_tokens + start
         Dh = Delta + h * total_tokens + start
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, 0, c_hi, offs_n,
-                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL,
-                             HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, lo, f_lo, offs_n,
-                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL,
-                             HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_lo, f_hi, offs_n,
-                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, False, CAUSAL,
-                             HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_hi, hi, offs_n,
-                             offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL,
-                             HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, 0,
+                             c_hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, lo,
+                             f_lo, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_lo,
+                             f_hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
+        dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_hi,
+                             hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
     tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + (start + offs_n[:, None]) * stride_dvt + h_kv * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
 
@@ -454,7 +459,8 @@ def _dq_tiles(
 @triton.autotune(configs=_configs("dq", _DQ), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dq_kernel(
-    Q, K, V, O, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large, Q_desc, K_desc, V_desc, O_desc, DO_desc,
+    Q, K, V, O, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,
+    Q_desc, K_desc, V_desc, O_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
@@ -486,15 +492,15 @@ def _dq_kernel(
     V += start * stride_vt + h_kv * stride_vh
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo, offs_m, offs_d,
-                   seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL, HAS_WINDOW,
-                   HAS_CONTEXT, USE_TMA, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi, offs_m, offs_d,
-                   seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, False, CAUSAL, HAS_WINDOW,
-                   HAS_CONTEXT, USE_TMA, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi, offs_m, offs_d,
-                   seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True, CAUSAL, HAS_WINDOW,
-                   HAS_CONTEXT, USE_TMA, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo,
+                   offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True,
+                   CAUSAL, HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi,
+                   offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, False,
+                   CAUSAL, HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi,
+                   offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True,
+                   CAUSAL, HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
     tl.store(DQ + (start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
@@ -723,7 +729,8 @@ def backward(
     query_items = pb.sched.query_tiles
     descs, use_tma = _descriptors("dq", q, k, v, out, dout)
     _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
-        q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE], *descs,
+        q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE],
+        *descs,
         *strides, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
         heads=heads, **common, USE_TMA=use_tma,
     )  # fmt: skip
