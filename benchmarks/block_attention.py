@@ -87,8 +87,9 @@ def pin_default_configs() -> None:
 
     for kernel in (kernels._block_attention_fwd, kernels._block_attention_bwd):
         kernel.configs = [
-            c for c in kernel.configs if c.num_warps == 4 and c.maxnreg is None and not c.kwargs.get("SHARE_BACK")
-        ] or kernel.configs[:1]
+            c for c in kernel.configs
+            if c.num_warps == 4 and c.maxnreg is None and not c.kwargs.get("SHARE_BACK") and not c.kwargs.get("LATE_V")
+        ] or kernel.configs[:1]  # fmt: skip
 
 
 def print_tuned_configs() -> None:

@@ -1,5 +1,6 @@
 """Static cost of BlockAttention's rotary modes, without a GPU: compile the kernels for sm_90 (Triton's
-bundled ptxas) and count registers, local-memory spills and SASS instructions per thread.
+bundled ptxas) and count registers, local-memory spills, shared memory, resident programs per SM and SASS
+instructions per thread.
 
 Both kernels are straight-line code per (block, head) program for GROUP = 1, so their static counts are
 the dynamic ones. Instructions per thread x warps x programs / (4 schedulers x SMs x clock) is the issue time,
@@ -68,30 +69,44 @@ def compiled_cost(kernel, num_warps: int, maxnreg: int | None = None, **constant
         usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
     opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
     resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
-    return dict(**resources, instructions=sum(opcodes.values()), **{op: opcodes.get(op, 0) for op in COUNTED})
+    return dict(**resources, shared=compiled.metadata.shared, instructions=sum(opcodes.values()),
+                **{op: opcodes.get(op, 0) for op in COUNTED})
+
+
+def programs_per_sm(cost: dict[str, int], num_warps: int) -> int:
+    """Resident programs per sm_90 SM: 64k registers, 228 KB of shared memory (1 KB reserved per program)."""
+    by_registers = 65536 // (cost["reg"] * 32 * num_warps)
+    by_shared = 228 * 1024 // (cost["shared"] + 1024)
+    return min(by_registers, by_shared)
 
 
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
-    print("kernel | warps | rotary | regs | spill stack B | SASS instr/thread (vs off) | " + " | ".join(COUNTED))
+    print("kernel | warps | rotary | regs | spill stack B | shared KB | programs / SM | SASS instr/thread (vs off) | "
+          + " | ".join(COUNTED))
     # every config the autotuner may pick (the GPU's list: this never runs under the interpreter)
     kinds = (("fwd", kernels._block_attention_fwd, False), ("bwd", kernels._block_attention_bwd, True))
     for name, kernel, config in [(n, k, c) for n, k, backward in kinds for c in kernels._configs(backward)]:
         warps = f"{config.num_warps}" + (f" (max {config.maxnreg} regs)" if config.maxnreg else "")
         warps += " shared inverse" if config.kwargs.get("SHARE_BACK") else ""
+        warps += " late v" if config.kwargs.get("LATE_V") else ""
         base = None
         for mode, label in MODES:
             if config.kwargs.get("SHARE_BACK") and not kernels.share_back_applies(1, mode):  # the unshared code
                 base = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
-                                     ACT=kernels.SOFTMAX.value, ROT=0, REDUCE=False, SHARE_BACK=False)["instructions"]
+                                     ACT=kernels.SOFTMAX.value, ROT=0, REDUCE=False, SHARE_BACK=False,
+                                     LATE_V=config.kwargs["LATE_V"])["instructions"]
                 continue
             cost = compiled_cost(kernel, config.num_warps, config.maxnreg, GROUP=1, BLOCK=64, HALF=64,
                                  ACT=kernels.SOFTMAX.value, ROT=mode, REDUCE=False, **config.kwargs)
             base = base or cost["instructions"]
             ratio = f"{cost['instructions']} ({cost['instructions'] / base - 1:+.0%})"
             counts = " | ".join(str(cost[op]) for op in COUNTED)
-            print(f"{name} | {warps} | {label} | {cost['reg']} | {cost['stack']} | {ratio} | {counts}", flush=True)
+            resident = programs_per_sm(cost, config.num_warps)
+            print(f"{name} | {warps} | {label} | {cost['reg']} | {cost['stack']} | {cost['shared'] / 1024:.0f} | {resident} | "
+                  f"{ratio} | {counts}", flush=True)
+
 
 if __name__ == "__main__":
     main()

@@ -41,6 +41,8 @@
 # s9a (one GPU, next session): JFA's GPU tests (uncapped by a cold cache), then TMA against pointer loads per
 #   pass (dK/dV's k and v now pointer loads on both paths)
 # s9b (one GPU, next session): JFA full (the length bucket past 4096 now its own; Flex on (a), (d))
+# s9c (one GPU, next session): BlockAttention full (LATE_V backward configs: three programs per SM with
+#   rotary), then its GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -184,6 +186,10 @@ chain_s9a() {  # next session, call 1: JFA's GPU tests, then the load paths per 
 chain_s9b() {  # next session, call 2: the full JFA benchmark (issue 3's acceptance run)
   step jfa_full 560 python -m benchmarks.jfa --flex-workloads a_,d_
 }
+chain_s9c() {  # next session: BlockAttention's rotary backward at three programs per SM (LATE_V), GPU tests
+  step block_attention_full 300 python -m benchmarks.block_attention
+  step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
+}
 export out
 export -f tests train multi large_single curves_single predict
 case "$part" in
@@ -191,7 +197,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

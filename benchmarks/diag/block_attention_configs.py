@@ -33,6 +33,7 @@ def main() -> None:
         for config in every:
             label = f"bwd_w{config.num_warps}" + (f"_max{config.maxnreg}" if config.maxnreg else "")
             label += "_shared" if config.kwargs.get("SHARE_BACK") else ""
+            label += "_late_v" if config.kwargs.get("LATE_V") else ""
             kernel.configs = [config]  # one config: Triton runs it without timing candidates
             kernel.cache.clear()
             for mode, mode_name in MODES:

@@ -103,6 +103,20 @@ def test_rotary_matches_reference(rotary):
     _compare([21, 0, 38], block_size=16, rotary=rotary)
 
 
+@pytest.mark.parametrize("share_back, late_v", [(False, False), (True, False), (False, True)])
+@pytest.mark.parametrize("rotary", ["none", "positions"])
+def test_every_backward_code_path_matches_reference(monkeypatch, rotary, share_back, late_v):
+    """The interpreter's one config takes the newest path (SHARE_BACK, LATE_V); the GPU's autotuner may
+    pick any of the others, so each runs here too (GROUP 1, where both flags change the code)."""
+    from opengem.ops.triton import block_attention as kernels
+
+    config = triton.Config({"SHARE_BACK": share_back, "LATE_V": late_v}, num_warps=4)
+    monkeypatch.setattr(kernels._block_attention_bwd, "configs", [config])
+    kernels._block_attention_bwd.cache.clear()
+    _compare([21, 0, 38], heads=2, kv_heads=2, block_size=16, rotary=rotary)
+    kernels._block_attention_bwd.cache.clear()
+
+
 @pytest.mark.parametrize("rotary", ["none", "sequence", "time"])
 def test_rotary_with_gqa_covers_every_head(rotary):
     """Four q heads over two kv heads (GQA groups of 2): every head's output and gradients are written,
@@ -299,16 +313,23 @@ def test_only_the_backward_tries_three_programs_per_sm(monkeypatch):
     shape = lambda configs: [(c.num_warps, c.maxnreg) for c in configs]  # noqa: E731
     assert shape(_configs(backward=False)) == [(4, None), (8, None), (16, None)]
     backward = _configs(backward=True)
-    assert shape(backward) == [(w, cap) for w, cap in ((4, None), (8, None), (16, None), (4, 168)) for _ in range(2)]
-    assert [c.kwargs["SHARE_BACK"] for c in backward] == [False, True] * 4
+    repeats = {4: 4, 8: 2, 16: 2}  # SHARE_BACK x LATE_V at 4 warps, SHARE_BACK at 8 and 16
+    shapes = ((4, None), (8, None), (16, None), (4, 168))
+    assert shape(backward) == [(w, cap) for w, cap in shapes for _ in range(repeats[w])]
+    flags = [(c.kwargs["SHARE_BACK"], c.kwargs["LATE_V"]) for c in backward if c.num_warps == 4]
+    assert flags == [(False, False), (False, True), (True, False), (True, True)] * 2
 
 
 def test_the_shared_inverse_rotation_is_tried_only_where_it_changes_the_code(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     backward = _configs(backward=True)
-    kept = lambda **meta: [(c.num_warps, c.kwargs["SHARE_BACK"]) for c in _prune(backward, {}, BLOCK=64, HALF=64, **meta)]  # noqa: E731
-    assert kept(GROUP=1, ROT=1) == [(4, False), (4, True), (8, False), (8, True), (4, False), (4, True)]
-    assert kept(GROUP=1, ROT=0) == kept(GROUP=2, ROT=3) == [(4, False), (8, False), (4, False)]
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # one config there, with the newer code path
+    kept = lambda **meta: [  # noqa: E731
+        (c.num_warps, c.kwargs["SHARE_BACK"], c.kwargs["LATE_V"]) for c in _prune(backward, {}, BLOCK=64, HALF=64, **meta)
+    ]
+    every_4 = [(4, False, False), (4, False, True), (4, True, False), (4, True, True)]
+    assert kept(GROUP=1, ROT=1) == [*every_4, (8, False, False), (8, True, False), *every_4]
+    assert kept(GROUP=1, ROT=0) == [(4, False, False), (4, False, True), (8, False, False), (4, False, False), (4, False, True)]
+    assert kept(GROUP=2, ROT=3) == [(4, False, False), (8, False, False), (4, False, False)]  # v serves the group
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # one config there, with the newest code path
     backward = _configs(backward=True)
-    assert kept(GROUP=1, ROT=2) == kept(GROUP=2, ROT=0) == [(4, True)]
+    assert kept(GROUP=1, ROT=2) == kept(GROUP=2, ROT=0) == [(4, True, True)]

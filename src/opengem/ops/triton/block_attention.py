@@ -42,21 +42,32 @@ FAST_MATH = tl.constexpr(os.environ.get("TRITON_INTERPRET") != "1")
 
 
 def _configs(backward: bool) -> list[triton.Config]:
-    """Warps per (block, head) program; the backward also tries 4 warps capped at 168 registers: three
-    programs per SM (sm_90: 3 x 128 threads x 168 = 64,512 of 65,536 registers), which its rotary variants
-    at 177-180 registers miss by a few (capped, Triton 3.6: no spills, +8 instructions per thread).
-    Measured on an H200 (block 64, D 128, bf16, backward, session 6, before the early dK/dV stores):
-    4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped at 128 registers 4.10; session 7, with
-    them: 4 warps 3.51 (in-sequence positions 4.01), 8 warps 3.86 (4.17), capped 3.51 (3.87). Each
-    backward shape comes with and without SHARE_BACK, which the autotuner picked for time gaps and given
-    positions (3.850 and 3.911 ms against 3.893 and 4.123 without)."""
+    """Warps per (block, head) program; the backward also tries 4 warps capped at 168 registers, for three
+    programs per SM (sm_90: 3 x 128 threads x 168 = 64,512 of 65,536 registers) where shared memory allows
+    it too (228 KB, 1 KB reserved per program). Measured on an H200 (block 64, D 128, bf16, backward,
+    session 6, before the early dK/dV stores): 4 warps 3.78 ms, 8 warps 5.52, 16 warps 7.51, 8 warps capped
+    at 128 registers 4.10; session 7, with them: 4 warps 3.51 (in-sequence positions 4.01), 8 warps 3.86
+    (4.17), capped 3.51 (3.87). Each backward shape comes with and without SHARE_BACK, which the autotuner
+    picked for time gaps and given positions (3.850 and 3.911 ms against 3.893 and 4.123 without).
+
+    The 4-warp backward shapes also come with LATE_V (v loaded just before dP = dO V^T, GROUP 1). sm_90
+    compile (Triton 3.6, block 64, D 128; ``benchmarks.block_attention_sass``): shared memory 72 KB without
+    rotary, 80 KB with it (the rotated q takes a register-to-MMA-layout round trip through shared memory
+    while v's tile is live), so every rotary config ran two programs per SM, the cap notwithstanding, where
+    the unrotated one runs three; with LATE_V every mode takes 64 KB, and the capped configs run three per
+    SM (rotary spills 16-72 B). Not yet timed on a GPU."""
     if os.environ.get("TRITON_INTERPRET") == "1":  # one config: Triton 3.6 would time even one pruned survivor
-        return [triton.Config({"SHARE_BACK": True} if backward else {}, num_warps=4)]  # the newer code path
+        return [triton.Config({"SHARE_BACK": True, "LATE_V": True} if backward else {}, num_warps=4)]  # newest path
     shapes = [dict(num_warps=w, num_stages=1) for w in (4, 8, 16)]
     if not backward:
         return [triton.Config({}, **shape) for shape in shapes]
     shapes += [dict(num_warps=4, num_stages=1, maxnreg=168)]
-    return [triton.Config({"SHARE_BACK": share}, **shape) for shape in shapes for share in (False, True)]
+    return [
+        triton.Config({"SHARE_BACK": share, "LATE_V": late}, **shape)
+        for shape in shapes
+        for share in (False, True)
+        for late in ((False, True) if shape["num_warps"] == 4 else (False,))
+    ]
 
 
 def share_back_applies(group: int, rot: int) -> bool:
@@ -64,15 +75,21 @@ def share_back_applies(group: int, rot: int) -> bool:
     return group == 1 and rot != 0
 
 
+def late_v_applies(group: int) -> bool:
+    """Whether LATE_V changes the backward's code: one query head per kv head (else v serves the group)."""
+    return group == 1
+
+
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
     """16 warps only for 128-row tiles with D >= 128, whose S/P and dK/dV tiles overflow 8 warps' registers;
-    SHARE_BACK only where it changes the code."""
+    SHARE_BACK and LATE_V only where they change the code."""
     large = kwargs["BLOCK"] == 128 and kwargs["HALF"] >= 64
     shares = share_back_applies(kwargs.get("GROUP"), kwargs.get("ROT", 0))
+    late = late_v_applies(kwargs.get("GROUP"))
     kept = [c for c in configs if c.num_warps <= 8 or large]
     if "SHARE_BACK" not in configs[0].kwargs or len(configs) == 1:  # the forward, or the interpreter's one
         return kept
-    return [c for c in kept if shares or not c.kwargs["SHARE_BACK"]]
+    return [c for c in kept if (shares or not c.kwargs["SHARE_BACK"]) and (late or not c.kwargs["LATE_V"])]
 
 
 _KEY = ["BLOCK", "HALF", "GROUP", "ACT", "ROT", "REDUCE"]
@@ -249,11 +266,13 @@ def _block_attention_bwd(
     stride_dqt, stride_dqh, stride_dkt, stride_dkh,
     scale, time_scale,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, HALF: tl.constexpr, ACT: tl.constexpr, ROT: tl.constexpr,
-    REDUCE: tl.constexpr, SHARE_BACK: tl.constexpr,
+    REDUCE: tl.constexpr, SHARE_BACK: tl.constexpr, LATE_V: tl.constexpr,
 ):  # fmt: skip
     """Program (block, kv head): dk/dv of the kv head, dq of each query head of its GQA group. SHARE_BACK
     (a tuning choice, GROUP 1 with rotary): one inverse cos/sin for dK and dQ instead of one each. (Keeping
-    q's cos/sin live instead saves nothing: Triton recomputes them in the accumulators' layout.)"""
+    q's cos/sin live instead saves nothing: Triton recomputes them in the accumulators' layout.) LATE_V (a
+    tuning choice, GROUP 1): v loaded where dP needs it, so its shared-memory tile is not live beside S's
+    operands (see :func:`_configs`)."""
     blk, kv_head = tl.program_id(0), tl.program_id(1)
     start, length = _block_of(SCHED, num_blocks, blk)
     rows = tl.arange(0, BLOCK)
@@ -262,7 +281,10 @@ def _block_attention_bwd(
     half = tl.arange(0, HALF)
     dims = tl.arange(0, 2 * HALF)
     k_lo, k_hi = _load_halves(K + tok[:, None] * stride_kt + kv_head * stride_kh + half[None, :], valid)
-    v = tl.load(V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :], mask=valid[:, None], other=0.0)
+    v_ptr = V + tok[:, None] * stride_vt + kv_head * stride_vh + dims[None, :]
+    LATE: tl.constexpr = LATE_V and GROUP == 1
+    if not LATE:
+        v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
     if ROT != 0:
         cos, sin = _rotary_cos_sin(PHASE, INV_FREQ, start, rows, valid, time_scale, HALF, ROT, REDUCE, 1.0)
         k_lo, k_hi = _rotate(k_lo, k_hi, cos, sin)
@@ -287,6 +309,8 @@ def _block_attention_bwd(
         dv = tl.dot(tl.trans(p.to(do.dtype)), do, dv)  # dV = P^T dO
         if GROUP == 1:  # finished: stored now, its accumulator is not live through dS, dK and dQ
             tl.store(dv_ptr, dv.to(DV.dtype.element_ty), mask=valid[:, None])
+        if LATE:
+            v = tl.load(v_ptr, mask=valid[:, None], other=0.0)
         dp = tl.dot(do, tl.trans(v))  # dP = dO V^T
         if ACT == SOFTMAX:
             ds = p * (dp - tl.sum(dp * p, 1)[:, None])  # softmax: dS = P (dP - rowsum(dP P))
