@@ -118,6 +118,9 @@ def test_tma_only_where_the_tensors_allow_it():
     assert kernels._tma_ok(odd_stride)
     narrow = torch.randn(q.shape[0], 2, 3)  # 12-byte rows
     assert not kernels._tma_ok(narrow)
+    broadcast = torch.randn(1, 2, q.shape[2]).expand_as(q)  # e.g. the gradient of out.sum()
+    assert not kernels._tma_ok(broadcast)
+    _check_against_reference(LENGTHS, q, k, v, broadcast, 1e-5, causal=True)
     _check_against_reference(LENGTHS, shifted, k, v, dout, 1e-5, causal=True)
     assert kernels._tma_passes("none") == frozenset() and kernels._tma_passes("dq, fwd") == {"dq", "fwd"}
     with pytest.raises(ValueError, match="OPENGEM_JFA_TMA"):

@@ -659,7 +659,8 @@ _RAGGED_ROWS_LIMIT = 2**30  # create_ragged_descriptor's row bound
 
 
 def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs 16-byte aligned base and row / head strides (sm_90+, or the interpreter)."""
+    """TMA needs a 16-byte aligned base and positive row / head strides that are multiples of 16 bytes
+    (sm_90+, or the interpreter); broadcast (stride 0) gradients take the pointer loads."""
     if not (_INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)):
         return False
     size = t.element_size()
@@ -667,7 +668,7 @@ def _tma_ok(t: torch.Tensor) -> bool:
         t.dtype in (torch.float16, torch.bfloat16, torch.float32)
         and t.stride(2) == 1
         and t.data_ptr() % 16 == 0
-        and all(stride * size % 16 == 0 for stride in (t.stride(0), t.stride(1)))
+        and all(stride > 0 and stride * size % 16 == 0 for stride in (t.stride(0), t.stride(1)))
         and t.shape[2] * size % 16 == 0
         and 0 < t.shape[0] <= _RAGGED_ROWS_LIMIT
     )
