@@ -431,11 +431,10 @@ def tuned_configs() -> dict[str, str]:
     workload just measured."""
     from opengem.ops.triton import jagged_attention as kernels
 
-    picked = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
     return {
         name: f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
         + (" pointer loads" if c.kwargs.get("POINTER_LOADS") else "")
-        for name, kernel in picked.items()
+        for name, kernel in kernels.KERNELS.items()
         if (c := getattr(kernel, "best_config", None)) is not None
     }
 

@@ -19,7 +19,7 @@ from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected
 from opengem.ops.triton import jagged_attention as kernels
 
 DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
-KERNELS = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
+KERNELS = kernels.KERNELS
 
 
 def kernel_ms(fn, calls: int = 5) -> dict[str, float]:

@@ -176,8 +176,7 @@ def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
 def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):
     from opengem.ops.triton import jagged_attention as kernels
 
-    passes = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
-    for (name, kernel), tiles in zip(passes.items(), configs):
+    for (name, kernel), tiles in zip(kernels.KERNELS.items(), configs):
         monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, *tiles)])
     lengths = [4100, 2, 1500, 129, 64, 63, 3001]
     _check_samples(lengths, range(len(lengths)), 1.5e-2, causal=True)

@@ -33,6 +33,7 @@ MASKS = {
 # the last sample is the longest and ends off every tile border: tiles past T read only under a mask
 LENGTHS = [1, 0, 200, 64, 129, 63, 601]
 
+
 class _Audit:
     """Every address a kernel touches (where its mask is set) must lie inside one argument tensor."""
 
@@ -48,6 +49,7 @@ class _Audit:
         inside = any(start <= low and high <= end for start, end in self.ranges)
         assert inside, f"access [{low:#x}, {high:#x}) leaves every tensor of the launch"
         self.accesses += 1
+
 
 @pytest.fixture
 def audit(monkeypatch):
@@ -78,18 +80,20 @@ def audit(monkeypatch):
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_masked_store", audited_store)
     return state
 
+
 def _use_tiles(monkeypatch, tiles) -> None:
     """Schedules for 64 / 128 and one config per kernel, as on the GPU (no tuning in the interpreter)."""
     monkeypatch.setattr(kernels, "_TILES", (64, 128))
     monkeypatch.setattr(kernels, "_SMALL", 64)
     monkeypatch.setattr(kernels, "_LARGE", 128)
     monkeypatch.setattr(kernels, "_SCHEDULES", type(kernels._SCHEDULES)())
-    passes = {"fwd": kernels._fwd_kernel, "dkdv": kernels._dkdv_kernel, "dq": kernels._dq_kernel}
-    for (name, kernel), (m, n) in zip(passes.items(), tiles):
+    for (name, kernel), (m, n) in zip(kernels.KERNELS.items(), tiles):
         monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, m, n, 1, 1)])
+
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
 
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("tile_set", list(TILE_SETS))

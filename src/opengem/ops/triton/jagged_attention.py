@@ -504,6 +504,10 @@ def _dq_kernel(
     tl.store(DQ + (start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
 
 
+# The autotuned kernel of each pass, by the names ``tile_config`` and ``OPENGEM_JFA_TMA`` use.
+KERNELS = {"fwd": _fwd_kernel, "dkdv": _dkdv_kernel, "dq": _dq_kernel}
+
+
 # --------------------------------------------------------------------------------------- host scheduling
 
 
@@ -642,7 +646,7 @@ class Problem:
         return self.offsets if self.num_targets is None else self.num_targets
 
 
-PASSES = ("fwd", "dq", "dkdv")
+PASSES = tuple(KERNELS)
 
 
 def _tma_passes(setting: str) -> frozenset[str]:
