@@ -124,14 +124,16 @@ def test_every_activation_forward_and_backward(first):
     _check(lengths, lengths, head_activations=names, heads=3, kv_heads=1, mask={"causal": True}, pre_scale=0.05)
 
 
-@pytest.mark.parametrize("max_len", [256, 700])
-def test_every_tuning_candidate(monkeypatch, max_len):
+@pytest.mark.parametrize("max_len, forward", [(256, "_FWD_RESIDENT"), (256, "_FWD"), (700, "_FWD")])
+def test_every_tuning_candidate(monkeypatch, max_len, forward):
+    """Each candidate alone (short K/V times the resident-K/V and the key-loop forwards side by side)."""
     lengths = [max_len, 1, 0, 129, max_len // 3]
     targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
-    passes = ("_FWD_RESIDENT" if max_len <= triton_gdpa.SHORT_KV_MAX else "_FWD", "_DKDV", "_DQ")
     for index in range(3):
-        for name in passes:
+        for name in (forward, "_DKDV", "_DQ"):
             monkeypatch.setattr(triton_gdpa, name, (getattr(triton_gdpa, name)[index],))
+        other = {"_FWD": "_FWD_RESIDENT", "_FWD_RESIDENT": "_FWD"}[forward]
+        monkeypatch.setattr(triton_gdpa, other, ())
         _check(lengths, lengths, activation="silu", mask={"causal": True, "num_targets": targets}, seed=index)
         _check(lengths, lengths, activation="fast_gelu", seed=index)
         monkeypatch.undo()

@@ -373,3 +373,27 @@ def test_triton_takes_strided_kv_views(broadcast):
     assert not strided_views(kv)[0].is_contiguous()
     for got, want in zip(run(strided_views), run(lambda t: tuple(x.contiguous() for x in t.unbind(1)))):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("max_len_k, resident", [(256, True), (300, False)])
+def test_short_kv_forward_times_the_key_loop_beside_resident_kv(monkeypatch, max_len_k, resident):
+    """Resident K/V (candidates with block_n 0) holds one program per SM at K/V 256, D 128: the GPU's
+    tuner also times the key loop's candidates for short K/V, and only those past 256."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    offered = []
+
+    def record(key, candidates, launch):
+        offered.append(candidates)
+        return triton_gdpa._INTERPRET_RESIDENT if resident else triton_gdpa._INTERPRET  # runnable here
+
+    monkeypatch.setattr(triton_gdpa, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_gdpa, "_tuned", record)
+    q = torch.randn(40, 2, 16)
+    k, v = torch.randn(2, max_len_k, 2, 16).unbind(0)
+    offsets_q, offsets_k = torch.tensor([0, 40], dtype=torch.int32), torch.tensor([0, max_len_k], dtype=torch.int32)
+    args = GdpaArgs((0, 0), 1.0, 1.0, False, 0, None, False, 40, max_len_k)
+    out = gdpa_forward(q, k, v, offsets_q, offsets_k, None, args)
+    assert torch.isfinite(out).all()
+    kinds = {config.block_n == 0 for config in offered[0]}
+    assert kinds == ({True, False} if resident else {False})

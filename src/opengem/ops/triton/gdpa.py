@@ -6,10 +6,11 @@ launches one program per (item, head). The GPU hands programs to SMs in launch o
 longest-processing-time-first scheduling: the long tails start first and the short items fill the gaps.
 Work lists are cached per (offsets, tile size, mask kind).
 
-Variants: when ``max_len_k <= 256`` (and K plus V fit in 128 KiB of shared memory) the forward keeps the whole sample's K/V resident (one key tile,
-loaded once) and each program loops over several Q tiles of the sample, so Triton pipelines the next Q
-tile's loads under the current tile's math (short-KV cross-attention and pooling have 1-2 key tiles:
-without this the prologue/epilogue dominates). Otherwise a program loops over key tiles.
+Variants: when ``max_len_k <= 256`` (and K plus V fit in 128 KiB of shared memory) the forward may keep the
+whole sample's K/V resident (one key tile, loaded once) while each program loops over several Q tiles of
+the sample, so Triton pipelines the next Q tile's loads under the current tile's math (short-KV
+cross-attention and pooling have 1-2 key tiles: without this the prologue/epilogue dominates); those
+candidates (``block_n`` 0) are timed beside the key loop's. Otherwise a program loops over key tiles.
 
 Tuning: BLOCK_M / BLOCK_N / num_warps / num_stages (and Q tiles per program) are timed once per key
 (pass, mask flags, power-of-two buckets of max_len_q / max_len_k, head dim, dtype, GQA group); the
@@ -76,8 +77,9 @@ _FWD = (Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
 _FWD_RESIDENT = (Config(64, 0, 8, 3, 4), Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4))
 _DKDV = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
 _DQ = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
-# the interpreter runs on CPU: one small config that still exercises multi-tile loops
+# the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
+_INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
 
 
 def interpreting() -> bool:
@@ -240,10 +242,11 @@ def gdpa_forward(
     masked = common["constexprs"]["MASKED"]
     kv_block = max(16, triton.next_power_of_2(max(args.max_len_k, 1)))
     # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
-    resident = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
+    resident_fits = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
     kind = "causal_q" if masked and args.causal else "full"
 
     def launch(config: Config) -> None:
+        resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
         work_b, work_t = _work_list(q_len.tobytes(), k_len.tobytes(), config.block_m, config.tiles if resident else 1,
                                     kind, args.window or 0, str(q.device))
@@ -259,9 +262,12 @@ def gdpa_forward(
         )
 
     if interpreting():
-        config = _INTERPRET
+        config = _INTERPRET_RESIDENT if resident_fits else _INTERPRET
     else:
-        config = _tuned(_tune_key("fwd", q, k, args, common) + (resident,), _FWD_RESIDENT if resident else _FWD, launch)
+        # resident K/V takes 184-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
+        # the key loop's candidates (two per SM at 64 x 64) are timed beside it
+        candidates = (*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD
+        config = _tuned(_tune_key("fwd", q, k, args, common) + (resident_fits,), candidates, launch)
     launch(config)
     return out
 
