@@ -38,8 +38,8 @@
 # s8b (one GPU, session 8): JFA with ragged TMA loads against pointer loads (per pass, beside flash), then JFA
 #   on (a) and (d) with the Flex pass
 # s8c (one GPU, session 8): JFA's GPU tests, then JFA full (every workload and eager peer; Flex on (a), (d))
-# s9a (one GPU, next session): JFA's GPU tests (uncapped by a cold cache), then TMA against pointer loads per
-#   pass (dK/dV's k and v now pointer loads on both paths)
+# s9a (one GPU, next session): TMA against pointer loads per pass (dK/dV's k and v now pointer loads on both
+#   paths) and the sequence-owned backward on the short causal cells, then JFA's GPU tests
 # s9b (one GPU, next session): JFA full (the length bucket past 4096 now its own; Flex on (a), (d))
 # s9c (one GPU, next session): BlockAttention full (LATE_V backward configs: three programs per SM with
 #   rotary), then its GPU tests
@@ -179,9 +179,9 @@ chain_s8c() {  # session 8, call 3: JFA's GPU tests (TMA loads), then the full J
   step jfa_gpu_tests 140 tests tests/gpu/test_jagged_attention_gpu.py
   step jfa_full 420 python -m benchmarks.jfa --flex-workloads a_,d_
 }
-chain_s9a() {  # next session, call 1: JFA's GPU tests, then the load paths per pass beside flash
+chain_s9a() {  # next session, call 1: the load paths and the sequence-owned backward beside flash, JFA's GPU tests
+  step jfa_tma 320 python -m benchmarks.diag.jfa_tma --workloads b_L512_s1.0_causal,b_L1024_s1.0_causal,b_L2048_s0.5_causal
   step jfa_gpu_tests 260 tests tests/gpu/test_jagged_attention_gpu.py
-  step jfa_tma 300 python -m benchmarks.diag.jfa_tma --workloads a_,b_L512_s1.0_causal,b_L1024_s1.0_causal,b_L2048_s0.5_causal,b_L4096_s0.5_causal
 }
 chain_s9b() {  # next session, call 2: the full JFA benchmark (issue 3's acceptance run)
   step jfa_full 560 python -m benchmarks.jfa --flex-workloads a_,d_
