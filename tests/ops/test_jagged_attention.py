@@ -192,6 +192,9 @@ def test_scale_and_normalize_by_max_len(poisoned):
     lengths = [12, 30]
     q, k, v, dout = _inputs(lengths, seed=4)
     _check_against_reference(lengths, q, k, v, dout, 1e-5, scale=0.7, normalize_by_max_len=True)
+    # the forward takes its row maximum on the raw logits, the minimum for a negative scale: logits of
+    # hundreds (base 2) overflow exp2 if the wrong one is taken
+    _check_against_reference(lengths, q, k, v, dout, 1e-5, scale=-20.0, causal=False)
 
 
 def test_empty_batch():

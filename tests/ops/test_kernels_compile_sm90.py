@@ -61,7 +61,7 @@ from triton.compiler import ASTSource
 from opengem.ops.triton import jagged_attention as j
 
 MASKS = dict(GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True, SMALL=64, PRECISION="tf32",
-             NEGATIVE_SCALE=False, HEAD_DIM=128)
+             HEAD_DIM=128)
 
 
 def ptx(name, kernel, block_m, block_n, num_warps, tma, **extra):
@@ -89,8 +89,8 @@ def ptx(name, kernel, block_m, block_n, num_warps, tma, **extra):
 
 
 TMA_LOAD = "cp.async.bulk.tensor"
-assert TMA_LOAD in ptx("fwd", j._fwd_kernel, 128, 64, 8, True)
-assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False)
+assert TMA_LOAD in ptx("fwd", j._fwd_kernel, 128, 64, 8, True, NEGATIVE_SCALE=False)
+assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False, NEGATIVE_SCALE=True)
 assert TMA_LOAD in ptx("dq", j._dq_kernel, 128, 64, 8, True)
 assert TMA_LOAD in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=False)
 assert TMA_LOAD not in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=True)  # the tuner's other path

@@ -12,6 +12,7 @@ is visible, which run without it.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -391,8 +392,7 @@ def _dkdv_kernel(
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POINTER_LOADS: tl.constexpr = False,
+    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POINTER_LOADS: tl.constexpr = False,
 ):  # fmt: skip
     TMA: tl.constexpr = USE_TMA and not POINTER_LOADS  # POINTER_LOADS: the tuner's other path (a config kwarg)
     b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
@@ -466,7 +466,7 @@ def _dq_kernel(
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile; runs before the dK/dV pass and writes the tile's softmax-gradient term
     ``delta = rowsum(dO * O)`` ``[H, T]`` fp32 for it (each (row, head) belongs to exactly one item), so the
@@ -634,7 +634,6 @@ class Problem:
             HAS_TARGETS=self.num_targets is not None,
             SMALL=_SMALL,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            NEGATIVE_SCALE=self.scale < 0,
         )
 
     def runtime(self) -> dict:
@@ -665,10 +664,16 @@ TMA_PASSES = _tma_passes(os.environ.get("OPENGEM_JFA_TMA", ",".join(PASSES)))
 _RAGGED_ROWS_LIMIT = 2**30  # create_ragged_descriptor's row bound
 
 
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    """sm_90+ (asked once per device: every launch checks its tensors), or the interpreter."""
+    return _INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
 def _tma_ok(t: torch.Tensor) -> bool:
     """TMA needs a 16-byte aligned base and positive row / head strides that are multiples of 16 bytes
     (sm_90+, or the interpreter); broadcast (stride 0) gradients take the pointer loads."""
-    if not (_INTERPRET or (t.is_cuda and torch.cuda.get_device_capability(t.device)[0] >= 9)):
+    if not _tma_device(t.device):
         return False
     size = t.element_size()
     return (
@@ -716,7 +721,8 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
     _fwd_kernel[_grid(items, heads, "BLOCK_M")](
         q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE], *descs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-        total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k), USE_TMA=use_tma,
+        total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k), NEGATIVE_SCALE=pb.scale < 0,
+        USE_TMA=use_tma,
     )  # fmt: skip
     return out, lse
 

@@ -192,12 +192,12 @@ def backward(
     )  # fmt: skip
     scratch = torch.empty(q.shape, dtype=torch.float32, device=q.device)  # every row written before it is read
     samples = pb.sched.samples
-    constexprs = pb.constexprs(q, k)
+    constexprs, runtime = pb.constexprs(q, k), pb.runtime()
     _fused_bwd_kernel[(samples.shape[0] * k.shape[1],)](
         q, k, v, dout, lse, delta, scratch, dq, dk, dv, pb.offsets, samples,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), dout.stride(0), dout.stride(1),
         scratch.stride(0), scratch.stride(1), dq.stride(0), dq.stride(1), dk.stride(0), dk.stride(1),
-        dv.stride(0), dv.stride(1), total, k.shape[1], pb.scale, pb.scale * LOG2E, pb.runtime()["window"],
-        pb.runtime()["LEN_BUCKET"],
+        dv.stride(0), dv.stride(1), total, k.shape[1], pb.scale, pb.scale * LOG2E, runtime["window"],
+        runtime["LEN_BUCKET"],
         **{name: constexprs[name] for name in ("HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "PRECISION")},
     )  # fmt: skip
