@@ -43,6 +43,7 @@
 # s9b (one GPU, next session): JFA full (the length bucket past 4096 now its own; Flex on (a), (d))
 # s9c (one GPU, next session): BlockAttention full (LATE_V backward configs: three programs per SM with
 #   rotary), then its GPU tests
+# s9d (one GPU, session 9): JFA's GPU tests (the sequence-owned backward removed), GDPA untuned (--quick)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -186,6 +187,10 @@ chain_s9a() {  # next session, call 1: the load paths and the sequence-owned bac
 chain_s9b() {  # next session, call 2: the full JFA benchmark (issue 3's acceptance run)
   step jfa_full 560 python -m benchmarks.jfa --flex-workloads a_,d_
 }
+chain_s9d() {  # session 9, call 4: JFA's GPU tests without the sequence-owned backward, GDPA's default configs
+  step jfa_gpu_tests 230 tests tests/gpu/test_jagged_attention_gpu.py
+  step gdpa_quick 250 python -m benchmarks.gdpa --quick
+}
 chain_s9c() {  # next session: BlockAttention's rotary backward at three programs per SM (LATE_V), GPU tests
   step block_attention_full 300 python -m benchmarks.block_attention
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
@@ -197,7 +202,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -1,8 +1,6 @@
-"""JFA's tile loads through ragged TMA descriptors against masked pointer loads, pass by pass, and the
-sequence-owned backward (``OPENGEM_JFA_FUSED_BWD``, where its masks and lengths allow it), beside varlen flash
-in the same run: forward and backward milliseconds, each backward kernel's device time, the tiles the
-autotuner picked per mode, and the largest difference of each mode's outputs and gradients from the
-pointer loads'.
+"""JFA's tile loads through ragged TMA descriptors against masked pointer loads, pass by pass, beside varlen
+flash in the same run: forward and backward milliseconds, each backward kernel's device time, the tiles the
+autotuner picked per mode, and the largest difference between the two modes' outputs and gradients.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_tma [--workloads a_,b_L1024_s0.5_causal,...]``;
 writes ``benchmarks/results/jfa_tma.json``. Flash is timed before and after JFA's modes (clock drift shows).
@@ -11,7 +9,6 @@ writes ``benchmarks/results/jfa_tma.json``. Flash is timed before and after JFA'
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 
@@ -19,10 +16,9 @@ from benchmarks.common import bench_ms, write_results
 from benchmarks.diag.jfa_configs import KERNELS, _label, kernel_ms
 from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected
 from opengem.ops.triton import jagged_attention as kernels
-from opengem.ops.triton import jagged_attention_fused_bwd as fused
 
 DEFAULT_WORKLOADS = "a_,b_L512_s0.5_full,b_L512_s1.0_causal,b_L1024_s0.5_causal,b_L2048_s0.5_causal,d_"
-MODES = {"pointer": "none", "tma": ",".join(kernels.PASSES), "tma_fused_bwd": ",".join(kernels.PASSES)}
+MODES = {"pointer": "none", "tma": ",".join(kernels.PASSES)}
 
 
 def _timed(impl) -> dict:
@@ -45,17 +41,14 @@ def main() -> None:
         results = {}
         for mode, setting in MODES.items():
             kernels.TMA_PASSES = kernels._tma_passes(setting)
-            os.environ["OPENGEM_JFA_FUSED_BWD"] = "1" if mode == "tma_fused_bwd" else "0"  # short masks only
             jfa = jfa_impl(wl, b)
             row = {"workload": wl.name, "impl": f"jfa_{mode}", **_timed(jfa)}
-            kernels_run = {**KERNELS, "fused_bwd": fused._fused_bwd_kernel} if mode == "tma_fused_bwd" else KERNELS
-            row["tuned"] = {name: _label(k.best_config) for name, k in kernels_run.items() if k.best_config}
+            row["tuned"] = {name: _label(k.best_config) for name, k in KERNELS.items() if k.best_config}
             results[mode] = [t.float() for t in jfa.fwd_bwd()]
             rows.append(row)
             print(row, flush=True)
-        for mode, row in zip(("tma", "tma_fused_bwd"), rows[-2:]):
-            diffs = [(a - b_).abs().max().item() for a, b_ in zip(results["pointer"], results[mode])]
-            row["max_abs_diff_vs_pointer"] = dict(zip(("out", "dq", "dk", "dv"), diffs))
+        diffs = [(a - b_).abs().max().item() for a, b_ in zip(results["pointer"], results["tma"])]
+        rows[-1]["max_abs_diff_vs_pointer"] = dict(zip(("out", "dq", "dk", "dv"), diffs))
         flash_after = _timed(flash)
         rows.append({"workload": wl.name, "impl": "torch_varlen_flash_after", **flash_after})
         print(rows[-1], flush=True)
@@ -63,7 +56,6 @@ def main() -> None:
         del b, flash, jfa, results
         torch.cuda.empty_cache()
     kernels.TMA_PASSES = kernels._tma_passes(MODES["tma"])
-    os.environ.pop("OPENGEM_JFA_FUSED_BWD", None)
     print(f"wrote {write_results('jfa_tma', rows)}")
 
 

@@ -180,21 +180,3 @@ def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatc
         monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, *tiles)])
     lengths = [4100, 2, 1500, 129, 64, 63, 3001]
     _check_samples(lengths, range(len(lengths)), 1.5e-2, causal=True)
-
-
-@pytest.mark.parametrize("kwargs", [dict(causal=True), dict(causal=False), dict(causal=True, window=100)])
-def test_sequence_owned_backward(poisoned_outputs, monkeypatch, kwargs):
-    """OPENGEM_JFA_FUSED_BWD=1 (lengths <= 2048, no targets or prefix): every tuning candidate of the
-    sequence-owned backward against the reference, then its gradients equal between two runs."""
-    from opengem.ops.triton import jagged_attention_fused_bwd as fused
-
-    monkeypatch.setenv("OPENGEM_JFA_FUSED_BWD", "1")
-    lengths = [2000, 1, 0, 129, 64, 63, 777]
-    for config in list(fused._fused_bwd_kernel.configs):
-        monkeypatch.setattr(fused._fused_bwd_kernel, "configs", [config])
-        fused._fused_bwd_kernel.cache.clear()
-        _check_samples(lengths, range(len(lengths)), 1.5e-2, **kwargs)
-    fused._fused_bwd_kernel.cache.clear()
-    q, k, v, dout, offsets = _batch(lengths, 4, 2, 128, torch.bfloat16, seed=5)
-    first, second = (_forward_backward(q, k, v, dout, offsets, max(lengths), **kwargs) for _ in range(2))
-    assert all(torch.equal(a, b) for a, b in zip(first, second))  # no atomics: bitwise repeatable

@@ -107,38 +107,6 @@ def test_pointer_loads_match_reference(poisoned, monkeypatch, mask):
     _check_against_reference(LENGTHS, q, k, v, dout, 1e-5, **_mask_kwargs(MASKS[mask]))
 
 
-@pytest.mark.parametrize("mask", ["causal", "full", "causal_window", "full_window"])
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_sequence_owned_backward_matches_reference(poisoned, monkeypatch, mask, kv_heads):
-    """OPENGEM_JFA_FUSED_BWD=1: one program per (sample, kv head), dQ by read-modify-write of a scratch that
-    a query tile's first key tile starts and its last finishes (tiles of 16 query x 32 key rows here, so the
-    spans cross tile borders); lengths 0, 1 and partial tiles as everywhere."""
-    monkeypatch.setenv("OPENGEM_JFA_FUSED_BWD", "1")
-    from opengem.ops.triton import jagged_attention_fused_bwd as fused
-
-    launched = []
-    backward = fused.backward
-    monkeypatch.setattr(fused, "backward", lambda *args: (launched.append(1), backward(*args))[1])
-    lengths = [*LENGTHS, 70]
-    q, k, v, dout = _inputs(lengths, heads=2, kv_heads=kv_heads)
-    _check_against_reference(lengths, q, k, v, dout, 1e-5, **_mask_kwargs(MASKS[mask]))
-    assert launched
-
-
-def test_sequence_owned_backward_only_where_it_applies(monkeypatch):
-    """Targets, a contextual prefix or lengths past 2048 keep the two-pass backward; so does no opt-in."""
-    from opengem.ops.triton import jagged_attention_fused_bwd as fused
-
-    opts = kernels.MaskOptions(True, 0, None)
-    problem = lambda opts=opts, targets=None, max_len=100: kernels.Problem(None, targets, None, opts, max_len, 1.0)  # noqa: E731
-    assert not fused.applies(problem())
-    monkeypatch.setenv("OPENGEM_JFA_FUSED_BWD", "1")
-    assert fused.applies(problem()) and fused.applies(problem(opts=kernels.MaskOptions(False, 0, 8)))
-    assert not fused.applies(problem(targets=torch.ones(2)))
-    assert not fused.applies(problem(opts=kernels.MaskOptions(True, 4, None)))
-    assert not fused.applies(problem(max_len=fused.FUSED_MAX_LEN + 1))
-
-
 def test_tma_only_where_the_tensors_allow_it():
     """A base off 16 bytes (a view one element in) or strides that are not multiples of 16 bytes take the
     pointer loads, with the same result; the setting names passes or ``none``."""

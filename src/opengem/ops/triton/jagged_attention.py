@@ -520,12 +520,10 @@ class MaskOptions:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Work items ``[num_items, 2]`` int32 (sample, first row), longest work first, per tile size; and the
-    non-empty samples ``[num_samples]`` int32, longest first (the sequence-owned backward's items)."""
+    """Work items ``[num_items, 2]`` int32 (sample, first row), longest work first, per tile size."""
 
     query_tiles: dict[int, torch.Tensor]
     key_tiles: dict[int, torch.Tensor]
-    samples: torch.Tensor
 
 
 _SCHEDULES: OrderedDict[tuple, Schedule] = OrderedDict()
@@ -602,8 +600,7 @@ def schedule(host_offsets: torch.Tensor, host_targets: torch.Tensor | None, opts
     for block in _TILES:
         query_tiles[block] = _order(*_query_tile_work(lengths, hist, block, opts), device)
         key_tiles[block] = _order(*_key_tile_work(lengths, hist, block, opts), device)
-    longest_first = torch.argsort(lengths, descending=True, stable=True)[: int((lengths > 0).sum())]
-    result = Schedule(query_tiles, key_tiles, to_device(longest_first.to(torch.int32).contiguous(), device))
+    result = Schedule(query_tiles, key_tiles)
     _SCHEDULES[key] = result
     if len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
         _SCHEDULES.popitem(last=False)
@@ -737,11 +734,6 @@ def backward(
         return dq, dk, dv
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     out = out if out.stride(-1) == 1 else out.contiguous()
-    from opengem.ops.triton import jagged_attention_fused_bwd as fused  # it builds on this module
-
-    if fused.applies(pb):
-        fused.backward(dout, q, k, v, out, lse, pb, dq, dk, dv)
-        return dq, dk, dv
     delta = torch.empty_like(lse)  # written by the dQ pass, read by the dK/dV pass
     common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
