@@ -178,7 +178,7 @@ def test_every_blockwise_tuning_config() -> None:
     for block_m, warps, stages in GEMM_CONFIGS:
         out = torch.full((300, 200), float("nan"), device="cuda")
         _blockwise_gemm_kernel[(triton.cdiv(300, block_m) * triton.cdiv(200, 128),)](
-            qx.data, qw.data, qx.scale, qw.scale, out, 300, 200, 520, qx.scale.shape[1],
+            qx.data, qw.data, qx.scale, qw.scale, out, 300, 200, 520, qx.scale.shape[1], triton.next_power_of_2(300),
             B_BLOCKS=True, BLOCK_M=block_m, GROUP_M=GROUP_M, num_warps=warps, num_stages=stages,
         )
         err = rel(out, expected)
