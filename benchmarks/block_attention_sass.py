@@ -13,31 +13,15 @@ contiguous bf16 ``[T, 4, 128]`` call: block 64, 16-byte aligned pointers and str
 from __future__ import annotations
 
 import os
-import re
-import subprocess
-import tempfile
-from collections import Counter
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from triton.runtime.jit import JITFunction
-
+from benchmarks.sass import COUNTED, jit_function, programs_per_sm, sass_cost
 from opengem.ops.triton import block_attention as kernels
 
-TARGET = GPUTarget("cuda", 90, 32)
-COUNTED = ("MUFU", "FFMA", "FMUL", "LDG", "LDL", "STL")
 MODES = ((0, "off"), (1, "in-sequence positions"), (2, "given positions"), (3, "time gaps"))
 POINTER_TYPES = {"SCHED": "*i32", "PHASE": "*fp32", "INV_FREQ": "*fp32"}
 
 
-def _jit_function(kernel) -> JITFunction:
-    while not isinstance(kernel, JITFunction):  # unwrap the autotuner
-        kernel = kernel.fn
-    return kernel
-
-
-def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
+def _signature(fn, constants: dict) -> dict[str, str]:
     def kind(name: str) -> str:
         if name in constants:
             return "constexpr"
@@ -51,33 +35,10 @@ def _signature(fn: JITFunction, constants: dict) -> dict[str, str]:
 
 
 def compiled_cost(kernel, num_warps: int, maxnreg: int | None = None, **constants) -> dict[str, int]:
-    """Registers, spill stack bytes, SASS instructions per thread and selected opcodes of one variant
-    (``maxnreg``: the register cap of an autotuner config that sets one)."""
-    fn = _jit_function(kernel)
-    signature = _signature(fn, constants)
-    # As the launcher specializes them for contiguous [T, H, D] tensors: 16-aligned pointers and strides.
-    aligned = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name.startswith("stride")]
-    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
-    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
-    options = dict(num_warps=num_warps, num_stages=1) | ({"maxnreg": maxnreg} if maxnreg else {})
-    compiled = triton.compile(source, target=TARGET, options=options)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
-    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
-    return dict(**resources, shared=compiled.metadata.shared, instructions=sum(opcodes.values()),
-                **{op: opcodes.get(op, 0) for op in COUNTED})
-
-
-def programs_per_sm(cost: dict[str, int], num_warps: int) -> int:
-    """Resident programs per sm_90 SM: 64k registers, 228 KB of shared memory (1 KB reserved per program)."""
-    by_registers = 65536 // (cost["reg"] * 32 * num_warps)
-    by_shared = 228 * 1024 // (cost["shared"] + 1024)
-    return min(by_registers, by_shared)
+    """:func:`benchmarks.sass.sass_cost` of one BlockAttention variant (``maxnreg``: the register cap of an
+    autotuner config that sets one), one pipeline stage."""
+    signature = _signature(jit_function(kernel), constants)
+    return sass_cost(kernel, signature, constants, num_warps, 1, maxnreg)
 
 
 def main() -> None:

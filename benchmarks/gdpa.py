@@ -16,7 +16,9 @@ charged to the variant that caused it.
 Run: ``PYTHONPATH=src python -m benchmarks.gdpa [--quick]``. ``--quick`` (< 75 s cold): (a) L=1024
 sparsity 1.0 and (b) KV=256, default kernel configurations (``OPENGEM_GDPA_TUNE=0`` and
 ``OPENGEM_JFA_AUTOTUNE=0``: no tuning compiles), JFA on (a), the eager padded peer on 64 samples; no
-torch.compile, no FlexAttention. The full run covers (a)-(d) with tuning and every peer.
+torch.compile, no FlexAttention. The full run covers (a)-(d) with tuning and every peer. ``--workloads
+"a self L=1024,b "``: the workloads whose names start so; ``--peers jfa,padded-compiled``: only these peers.
+The JSON's ``tuning`` lists every tuned key's candidates (tile shape and load path) with their milliseconds.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ from opengem.ops.activations import activation_value
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 from opengem.ops.gdpa import gdpa
 from opengem.ops.reference import gdpa as reference
+from opengem.ops.triton import gdpa as triton_gdpa
 
 HEADS, HEAD_DIM, BATCH = 4, 128, 1152
 PADDED_BUDGET_BYTES = 40 * 2**30  # scores, activation and their grads of the padded peers
@@ -330,7 +333,8 @@ class Results:
     def add(self, row: dict[str, Any]) -> None:
         row["elapsed_s"] = round(time.time() - self.start, 1)
         self.rows.append(row)
-        write_results("gdpa", self.rows, {"quick": self.quick, "acceptance": acceptance(self.rows)})
+        meta = {"quick": self.quick, "acceptance": acceptance(self.rows), "tuning": triton_gdpa.tuning_report()}
+        write_results("gdpa", self.rows, meta)
         print(" | ".join(f"{c}={_short(row[c])}" for c in [*COLUMNS, "elapsed_s"] if row.get(c) not in (None, "")),
               flush=True)
 
@@ -342,10 +346,13 @@ def _short(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
-def run(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
-    """Our kernel on every workload, then each peer on every workload (rows as they finish)."""
+def run(quick: bool, device: str = "cuda", prefixes: list[str] | None = None,
+        peers: tuple[str, ...] = PEERS) -> list[dict[str, Any]]:
+    """Our kernel on every chosen workload, then each peer on every one (rows as they finish)."""
     results = Results(quick)
-    chosen = workloads(quick)
+    chosen = [w for w in workloads(quick) if prefixes is None or any(w.name.startswith(p) for p in prefixes)]
+    if not chosen:
+        raise SystemExit(f"--workloads: no workload starts with any of {prefixes}")
     flops = {}
     for w in chosen:
         q_lengths = w.q_lengths if not w.broadcast_q else torch.full_like(w.k_lengths, int(w.q_lengths[0]))
@@ -353,7 +360,7 @@ def run(quick: bool, device: str = "cuda") -> list[dict[str, Any]]:
         flops[w.name] = attention_flops(pairs, HEADS, HEAD_DIM)
     for w in chosen:
         results.add(_measure_ours(w, flops[w.name], device))
-    for impl in PEERS:
+    for impl in peers:
         for w in chosen:
             if quick and impl in QUICK_SKIPS:
                 row = _row(w, impl, None, flops[w.name], QUICK_SKIPS[impl])
@@ -400,11 +407,19 @@ COLUMNS = ["workload", "impl", "fwd_tflops", "bwd_tflops", "fwdbwd_tflops", "fwd
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="(a) L=1024 and (b) KV=256, untuned, no compiles")
-    quick = parser.parse_args().quick
+    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None,
+                        help="comma-separated name prefixes of the workloads to run (default: all)")
+    parser.add_argument("--peers", type=lambda text: tuple(text.split(",")), default=PEERS,
+                        help=f"comma-separated peers to time, of {list(PEERS)} (default: all)")
+    args = parser.parse_args()
+    quick = args.quick
+    unknown = set(args.peers) - set(PEERS)
+    if unknown:
+        raise SystemExit(f"--peers: unknown {sorted(unknown)}; choose from {list(PEERS)}")
     if quick:  # the kernels' default configurations: no tuning compiles or timing on a cold start
         os.environ.setdefault("OPENGEM_GDPA_TUNE", "0")
         os.environ.setdefault("OPENGEM_JFA_AUTOTUNE", "0")
-    rows = run(quick)
+    rows = run(quick, prefixes=args.workloads, peers=tuple(p for p in PEERS if p in args.peers))  # safest first
     print_table(rows, COLUMNS)
     print("x_* = peer time / gdpa time (>1: gdpa faster). TFLOP/s: useful FLOPs, GEM_SPEC section 8.")
     checks = acceptance(rows)

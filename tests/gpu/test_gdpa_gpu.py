@@ -124,12 +124,15 @@ def test_every_activation_forward_and_backward(first):
     _check(lengths, lengths, head_activations=names, heads=3, kv_heads=1, mask={"causal": True}, pre_scale=0.05)
 
 
+@pytest.mark.parametrize("loads", ["fwd,dkdv,dq", "none"])  # TMA descriptors (tuning off runs them first), pointers
 @pytest.mark.parametrize("max_len, forward", [(256, "_FWD_RESIDENT"), (256, "_FWD"), (700, "_FWD")])
-def test_every_tuning_candidate(monkeypatch, max_len, forward):
-    """Each candidate alone (short K/V times the resident-K/V and the key-loop forwards side by side)."""
+def test_every_tuning_candidate(monkeypatch, max_len, forward, loads):
+    """Each candidate alone (short K/V times the resident-K/V and the key-loop forwards side by side), on
+    each load path."""
     lengths = [max_len, 1, 0, 129, max_len // 3]
     targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
     for index in range(3):
+        monkeypatch.setattr(triton_gdpa, "TMA_PASSES", triton_gdpa._tma_passes(loads))
         for name in (forward, "_DKDV", "_DQ"):
             monkeypatch.setattr(triton_gdpa, name, (getattr(triton_gdpa, name)[index],))
         other = {"_FWD": "_FWD_RESIDENT", "_FWD_RESIDENT": "_FWD"}[forward]

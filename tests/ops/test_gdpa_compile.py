@@ -14,13 +14,19 @@ from triton.compiler import ASTSource
 from opengem.ops.triton import gdpa_kernels as g
 
 INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T"}
+TMA_LOAD = "cp.async.bulk.tensor"
 
 
 def compile_sm90(fn, constexprs, num_warps, num_stages):
+    # with USE_TMA the *_desc arguments are ragged descriptors of the tile boxes
+    tma = constexprs.get("USE_TMA", False)
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
             signature[name] = "constexpr"
+        elif name.endswith("_desc"):
+            rows = constexprs["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constexprs["BLOCK_N"]
+            signature[name] = f"tensordesc<bf16[1,1,{rows},1,{constexprs['D']}]>" if tma else "*bf16"
         elif name.isupper():
             signature[name] = "*i32" if name in INT_POINTERS else ("*fp32" if name == "DQ_PARTIAL" else "*bf16")
         elif name in ("pre_scale", "out_scale", "dq_scale"):
@@ -29,17 +35,20 @@ def compile_sm90(fn, constexprs, num_warps, num_stages):
             signature[name] = "i32"
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
-    assert "wgmma" in kernel.asm["ptx"], fn.__name__
+    ptx = kernel.asm["ptx"]
+    assert "wgmma" in ptx, fn.__name__
+    assert (TMA_LOAD in ptx) == tma, (fn.__name__, tma)
 
 
 masks = dict(GROUP=2, D=128, ACT=-1, MASKED=True, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=True,
              HAS_CONTEXT=True, PRECISION="tf32")
-compile_sm90(g.gdpa_fwd_kernel, dict(masks, BLOCK_M=128, BLOCK_N=64, TILES=1, BROADCAST_Q=False,
-                                     KV_RESIDENT=False), 8, 3)
-compile_sm90(g.gdpa_fwd_kernel, dict(masks, ACT=3, MASKED=False, BLOCK_M=64, BLOCK_N=256, TILES=4,
-                                     BROADCAST_Q=True, KV_RESIDENT=True), 8, 3)
-compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, BROADCAST_Q=False), 8, 2)
-compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64), 8, 2)
+for tma in (True, False):  # both load paths of every jagged pass
+    compile_sm90(g.gdpa_fwd_kernel, dict(masks, BLOCK_M=128, BLOCK_N=64, TILES=1, BROADCAST_Q=False,
+                                         KV_RESIDENT=False, USE_TMA=tma), 8, 3)
+    compile_sm90(g.gdpa_fwd_kernel, dict(masks, ACT=3, MASKED=False, BLOCK_M=64, BLOCK_N=256, TILES=4,
+                                         BROADCAST_Q=True, KV_RESIDENT=True, USE_TMA=tma), 8, 3)
+    compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, BROADCAST_Q=False, USE_TMA=tma), 8, 2)
+    compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, USE_TMA=tma), 8, 2)
 compile_sm90(g.gdpa_bwd_dq_broadcast_kernel, dict(GROUP=1, D=128, ACT=7, PRECISION="tf32", BLOCK_M=64,
                                                   BLOCK_N=64), 8, 2)
 print("compiled")

@@ -17,6 +17,7 @@ from opengem.ops.jagged_attention import attention_pairs, jagged_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.masks import attention_mask
 from opengem.ops.triton import jagged_attention as kernels
+from opengem.ops.triton.ragged_tiles import tma_ok
 
 MASKS = {
     "causal": dict(causal=True),
@@ -111,15 +112,15 @@ def test_tma_only_where_the_tensors_allow_it():
     """A base off 16 bytes (a view one element in) or strides that are not multiples of 16 bytes take the
     pointer loads, with the same result; the setting names passes or ``none``."""
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1)
-    assert kernels._tma_ok(q) and kernels._descriptors("fwd", q, k)[1]
+    assert tma_ok(q) and kernels._descriptors("fwd", q, k)[1]
     shifted = torch.randn(q.numel() + 1)[1:].view_as(q).copy_(q)
-    assert not kernels._tma_ok(shifted) and not kernels._descriptors("fwd", shifted, k)[1]
+    assert not tma_ok(shifted) and not kernels._descriptors("fwd", shifted, k)[1]
     odd_stride = torch.randn(q.shape[0], 3, q.shape[2])[:, :2]  # row stride 3 x 16 x 4 B: still aligned
-    assert kernels._tma_ok(odd_stride)
+    assert tma_ok(odd_stride)
     narrow = torch.randn(q.shape[0], 2, 3)  # 12-byte rows
-    assert not kernels._tma_ok(narrow)
+    assert not tma_ok(narrow)
     broadcast = torch.randn(1, 2, q.shape[2]).expand_as(q)  # e.g. the gradient of out.sum()
-    assert not kernels._tma_ok(broadcast)
+    assert not tma_ok(broadcast)
     _check_against_reference(LENGTHS, q, k, v, broadcast, 1e-5, causal=True)
     _check_against_reference(LENGTHS, shifted, k, v, dout, 1e-5, causal=True)
     assert kernels._tma_passes("none") == frozenset() and kernels._tma_passes("dq, fwd") == {"dq", "fwd"}

@@ -12,6 +12,11 @@ the sample, so Triton pipelines the next Q tile's loads under the current tile's
 cross-attention and pooling have 1-2 key tiles: without this the prologue/epilogue dominates); those
 candidates (``block_n`` 0) are timed beside the key loop's. Otherwise a program loops over key tiles.
 
+Loads: tiles come through ragged TMA descriptors (:mod:`opengem.ops.triton.ragged_tiles`) where the
+tensors allow it (16-byte aligned base and strides, sm_90+), for the passes ``OPENGEM_GDPA_TMA`` names
+(default all; ``none``: masked pointer loads everywhere). JFA's forward and dQ ran 9-16% faster so (H200,
+session 8); GDPA tunes each candidate over both load paths until its own GPU figures decide.
+
 Tuning: BLOCK_M / BLOCK_N / num_warps / num_stages (and Q tiles per program) are timed once per key
 (pass, mask flags, power-of-two buckets of max_len_q / max_len_k, head dim, dtype, GQA group); the
 lengths themselves are runtime ints, so a new batch never recompiles within a bucket. Tuning compiles
@@ -24,7 +29,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -39,6 +44,7 @@ from opengem.ops.triton.gdpa_kernels import (
     gdpa_fwd_kernel,
 )
 from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP
+from opengem.ops.triton.ragged_tiles import ragged_descriptor, tma_ok
 
 SHORT_KV_MAX = 256
 RESIDENT_KV_BYTES = 128 * 1024
@@ -70,6 +76,7 @@ class Config:
     num_warps: int
     num_stages: int
     tiles: int = 1
+    pointer_loads: bool = False  # masked pointer loads even where the tensors allow TMA descriptors
 
 
 # candidates chosen from ptxas reports for sm_90 at D = 128 (no or small register spills)
@@ -80,6 +87,37 @@ _DQ = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
 _INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
+
+
+PASSES = ("fwd", "dkdv", "dq")
+
+
+def _tma_passes(setting: str) -> frozenset[str]:
+    passes = frozenset() if setting == "none" else frozenset(p.strip() for p in setting.split(",") if p.strip())
+    if not passes <= set(PASSES):
+        raise ValueError(f"OPENGEM_GDPA_TMA must be 'none' or a comma-separated subset of {PASSES}, got {setting!r}")
+    return passes
+
+
+# The passes whose tiles may load through ragged TMA descriptors; benchmarks and tests may reassign it.
+TMA_PASSES = _tma_passes(os.environ.get("OPENGEM_GDPA_TMA", ",".join(PASSES)))
+
+
+def _tma_possible(name: str, *tensors: torch.Tensor) -> bool:
+    return name in TMA_PASSES and all(tma_ok(t) for t in tensors)
+
+
+def _load_paths(candidates: Sequence[Config], tma: bool) -> tuple[Config, ...]:
+    """Each candidate with TMA loads, then each with pointer loads; pointer loads alone without TMA."""
+    pointer = tuple(replace(c, pointer_loads=True) for c in candidates)
+    return (*candidates, *pointer) if tma else pointer
+
+
+def _descriptors(config: Config, rows: Sequence[tuple[torch.Tensor, int]]) -> tuple[list, bool]:
+    """Ragged descriptors of ``(tensor, box rows)`` for a TMA candidate, else the tensors themselves."""
+    if config.pointer_loads:
+        return [t for t, _ in rows], False
+    return [ragged_descriptor(t, block) for t, block in rows], True
 
 
 def interpreting() -> bool:
@@ -96,11 +134,32 @@ def _bucket(n: int) -> int:
 
 
 _TUNED: dict[tuple, Config] = {}
+_TIMINGS: dict[tuple, list[tuple[Config, float | None]]] = {}  # per key: each candidate's ms (None: it failed)
 
 
 def tuned_configs() -> int:
     """How many (pass, key) configurations are settled (``opengem.ops.triton.tuning.tuned_keys``)."""
     return len(_TUNED)
+
+
+def tuning_report() -> list[dict]:
+    """Each tuned key's candidates with their timed milliseconds and the pick, for benchmark JSON: the
+    evidence to prune candidates (and load paths) by."""
+    report = []
+    for key, timings in _TIMINGS.items():
+        pass_name, flags, broadcast, bucket_q, bucket_k = key[:5]
+        report.append({
+            "pass": pass_name, "broadcast_q": broadcast, "bucket_q": bucket_q, "bucket_k": bucket_k,
+            "masked": dict(flags).get("MASKED"), "pick": _label(_TUNED[key]),
+            "candidates": {_label(config): ms for config, ms in timings},
+        })
+    return report
+
+
+def _label(config: Config) -> str:
+    block_n = "resident" if config.block_n == 0 else config.block_n
+    loads = "ptr" if config.pointer_loads else "tma"
+    return f"m{config.block_m}_n{block_n}_w{config.num_warps}_s{config.num_stages}_t{config.tiles}_{loads}"
 
 
 def tuning_enabled() -> bool:
@@ -118,7 +177,7 @@ def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
     tune = tuning_enabled()
     key = key + (tuple(candidates), tune)
     if key not in _TUNED:
-        best, best_ms, error = None, math.inf, None
+        best, best_ms, error, timings = None, math.inf, None, []
         for config in candidates:
             try:
                 if not tune:
@@ -128,12 +187,16 @@ def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
                 ms = triton.testing.do_bench(lambda: launch(config), warmup=5, rep=20)
             except Exception as exc:  # a config may exceed shared memory or registers: try the next one
                 error = exc
+                timings.append((config, None))
                 continue
+            timings.append((config, ms))
             if ms < best_ms:
                 best, best_ms = config, ms
         if best is None:
             raise RuntimeError(f"no GDPA kernel configuration ran for {key}") from error
         _TUNED[key] = best
+        if tune:
+            _TIMINGS[key] = timings
     return _TUNED[key]
 
 
@@ -244,6 +307,7 @@ def gdpa_forward(
     # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
     resident_fits = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
     kind = "causal_q" if masked and args.causal else "full"
+    tma = _tma_possible("fwd", q, k, v)
 
     def launch(config: Config) -> None:
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
@@ -252,21 +316,22 @@ def gdpa_forward(
                                     kind, args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
+        descs, use_tma = _descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
         gdpa_fwd_kernel[(work_b.numel() * heads,)](
-            q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
+            q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
             heads, args.pre_scale, args.out_scale, args.contextual_len, args.window or 0, _broadcast_len(q, args),
             GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
             TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
-            num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+            USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
         )
 
     if interpreting():
-        config = _INTERPRET_RESIDENT if resident_fits else _INTERPRET
+        config = _load_paths((_INTERPRET_RESIDENT if resident_fits else _INTERPRET,), tma)[0]
     else:
         # resident K/V takes 184-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
-        candidates = (*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD
+        candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma)
         config = _tuned(_tune_key("fwd", q, k, args, common) + (resident_fits,), candidates, launch)
     launch(config)
     return out
@@ -293,19 +358,23 @@ def gdpa_backward(
     q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
     masked = common["constexprs"]["MASKED"]
     scalars = (args.contextual_len, args.window or 0)
+    tma_dkdv = _tma_possible("dkdv", q, grad_out)
+    tma_dq = not args.broadcast_q and _tma_possible("dq", q, k, v, grad_out)  # broadcast-Q dQ: pointer loads
 
     def launch_dkdv(config: Config) -> None:
         work_b, work_t = _work_list(k_len.tobytes(), q_len.tobytes(), config.block_n, 1,
                                     "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
+        descs, use_tma = _descriptors(config, ((q, config.block_m), (grad_out, config.block_m)))
         gdpa_bwd_dkdv_kernel[(work_b.numel() * kv_heads,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
+            *descs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
             kv_heads, args.pre_scale, args.out_scale, *scalars, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
-            num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+            USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
         )
 
     def launch_dq(config: Config) -> None:
@@ -316,21 +385,23 @@ def gdpa_backward(
                                     "causal_q" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
+        block_m, block_n = config.block_m, config.block_n
+        descs, use_tma = _descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
         gdpa_bwd_dq_kernel[(work_b.numel() * heads,)](
-            q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
+            q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
             heads, args.pre_scale, args.out_scale * args.pre_scale, *scalars,
-            GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
+            GROUP=group, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
             num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
         )
 
     if interpreting():
-        launch_dkdv(_INTERPRET)
-        launch_dq(_INTERPRET)
+        launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv)[0])
+        launch_dq(_load_paths((_INTERPRET,), tma_dq)[0])
     else:
-        launch_dkdv(_tuned(_tune_key("dkdv", q, k, args, common), _DKDV, launch_dkdv))
-        launch_dq(_tuned(_tune_key("dq", q, k, args, common), _DQ, launch_dq))
+        launch_dkdv(_tuned(_tune_key("dkdv", q, k, args, common), _load_paths(_DKDV, tma_dkdv), launch_dkdv))
+        launch_dq(_tuned(_tune_key("dq", q, k, args, common), _load_paths(_DQ, tma_dq), launch_dq))
     return dq, dk, dv
 
 

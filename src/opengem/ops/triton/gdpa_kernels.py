@@ -12,6 +12,11 @@ that ``tile_fully_visible`` cannot prove fully visible (diagonal, window edges, 
 
 Work items come from the host scheduler (:mod:`opengem.ops.triton.gdpa`): one program per
 (work item, head), item = (sample, first tile); ``TILES`` consecutive query tiles per item.
+
+Tiles load through ragged TMA descriptors (``USE_TMA``; :mod:`opengem.ops.triton.ragged_tiles`, zeros past
+the sample as the masked loads give) or masked pointer loads; the ``*_desc`` arguments are the tensors
+themselves on the pointer path. A program's own K/V tile in the dK/dV pass stays a pointer load (JFA's
+dK/dV measured faster so: the descriptor's reshape made k, v register operands).
 """
 
 import triton
@@ -19,6 +24,7 @@ import triton.language as tl
 
 from opengem.ops.triton.activations import activation_value, activation_value_and_grad
 from opengem.ops.triton.masks import key_range, tile_mask
+from opengem.ops.triton.ragged_tiles import ragged_tile
 
 
 @triton.jit
@@ -84,13 +90,13 @@ def _sample_bounds(Q_OFF, K_OFF, TARGETS, b, bcast_len, HAS_TARGETS: tl.constexp
 
 @triton.jit
 def gdpa_fwd_kernel(
-    Q, K, V, O, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T,
+    Q, K, V, O, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     num_heads, pre_scale, out_scale, contextual_len, window, bcast_len,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr,
-    KV_RESIDENT: tl.constexpr, PRECISION: tl.constexpr,
+    KV_RESIDENT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % num_heads
@@ -112,13 +118,20 @@ def gdpa_fwd_kernel(
     if KV_RESIDENT:
         # short K/V (<= 256): the whole sample's K/V is one tile, loaded once and reused by every Q tile
         offs_n = tl.arange(0, BLOCK_N)
-        k_res = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < k_len, other=0.0)
-        v_res = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len, other=0.0)
+        if USE_TMA:
+            k_res = tl.trans(ragged_tile(K_desc, k_start, k_len, 0, hk, BLOCK_N, D))
+            v_res = ragged_tile(V_desc, k_start, k_len, 0, hk, BLOCK_N, D)
+        else:
+            k_res = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < k_len, other=0.0)
+            v_res = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len, other=0.0)
     m_stop = tl.minimum((first_tile + TILES) * BLOCK_M, q_len)
     # software pipelining across the item's Q tiles: the loads of the next tile overlap this tile's math
     for m_start in range(first_tile * BLOCK_M, m_stop, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
-        q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
+        if USE_TMA:
+            q = ragged_tile(Q_desc, q_start, q_len, m_start, h, BLOCK_M, D)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
         if KV_RESIDENT:
             x = tl.dot(q, k_res, input_precision=PRECISION) * pre_scale
             p = activation_value(x, act)
@@ -137,10 +150,14 @@ def gdpa_fwd_kernel(
                 hi = k_len
             for n_start in range(lo, hi, BLOCK_N):
                 offs_n = n_start + tl.arange(0, BLOCK_N)
-                kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
-                             mask=offs_n[None, :] < k_len, other=0.0)
-                v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
-                            mask=offs_n[:, None] < k_len, other=0.0)
+                if USE_TMA:
+                    kt = tl.trans(ragged_tile(K_desc, k_start, k_len, n_start, hk, BLOCK_N, D))
+                    v = ragged_tile(V_desc, k_start, k_len, n_start, hk, BLOCK_N, D)
+                else:
+                    kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None],
+                                 mask=offs_n[None, :] < k_len, other=0.0)
+                    v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
+                                mask=offs_n[:, None] < k_len, other=0.0)
                 x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
                 p = activation_value(x, act)
                 if MASKED:
@@ -154,13 +171,14 @@ def gdpa_fwd_kernel(
 
 @triton.jit
 def gdpa_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T,
+    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     num_kv_heads, pre_scale, out_scale, contextual_len, window, bcast_len,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr, USE_TMA: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """One program per (sample, key tile, K/V head): loops over the group's Q heads and the Q tiles."""
     pid = tl.program_id(0)
@@ -194,10 +212,13 @@ def gdpa_bwd_dkdv_kernel(
         do_base = DO + o_start.to(tl.int64) * stride_dot + h * stride_doh
         for m_start in range(lo, hi, BLOCK_M):
             offs_m = m_start + tl.arange(0, BLOCK_M)
-            col_ok = offs_m[None, :] < q_len
-            qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=col_ok, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
-                         mask=offs_m[:, None] < q_len, other=0.0)
+            if USE_TMA:
+                qt = tl.trans(ragged_tile(Q_desc, q_start, q_len, m_start, h, BLOCK_M, D))
+                do = ragged_tile(DO_desc, o_start, q_len, m_start, h, BLOCK_M, D)
+            else:
+                qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=offs_m[None, :] < q_len, other=0.0)
+                do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
+                             mask=offs_m[:, None] < q_len, other=0.0)
             xt = tl.dot(k, qt, input_precision=PRECISION) * pre_scale  # [BLOCK_N, BLOCK_M]
             pt, dphit = activation_value_and_grad(xt, act)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -217,19 +238,24 @@ def gdpa_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _dq_tile(Q, K, V, DO, h, hk, m_start, q_start, q_len, o_start, k_start, k_len, hist_len, act,
-             stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-             pre_scale, contextual_len, window,
+def _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, hk, m_start, q_start, q_len, o_start, k_start,
+             k_len, hist_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
+             stride_doh, pre_scale, contextual_len, window,
              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
-             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr):
+             CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr,
+             PRECISION: tl.constexpr):
     """fp32 ``sum_j dX_ij k_j`` for the query tile at ``m_start`` of one sample and head (unscaled)."""
     offs_d = tl.arange(0, D)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     row_ok = offs_m[:, None] < q_len
     q_rows = (q_start + offs_m[:, None]).to(tl.int64)
     o_rows = (o_start + offs_m[:, None]).to(tl.int64)
-    q = tl.load(Q + q_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
-    do = tl.load(DO + o_rows * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok, other=0.0)
+    if USE_TMA:
+        q = ragged_tile(Q_desc, q_start, q_len, m_start, h, BLOCK_M, D)
+        do = ragged_tile(DO_desc, o_start, q_len, m_start, h, BLOCK_M, D)
+    else:
+        q = tl.load(Q + q_rows * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok, other=0.0)
+        do = tl.load(DO + o_rows * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok, other=0.0)
     k_base = K + k_start.to(tl.int64) * stride_kt + hk * stride_kh
     v_base = V + k_start.to(tl.int64) * stride_vt + hk * stride_vh
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -241,9 +267,13 @@ def _dq_tile(Q, K, V, DO, h, hk, m_start, q_start, q_len, o_start, k_start, k_le
         hi = k_len
     for n_start in range(lo, hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
-        col_ok = offs_n[None, :] < k_len
-        kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=col_ok, other=0.0)
-        vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_d[:, None], mask=col_ok, other=0.0)
+        if USE_TMA:
+            kt = tl.trans(ragged_tile(K_desc, k_start, k_len, n_start, hk, BLOCK_N, D))
+            vt = tl.trans(ragged_tile(V_desc, k_start, k_len, n_start, hk, BLOCK_N, D))
+        else:
+            col_ok = offs_n[None, :] < k_len
+            kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=col_ok, other=0.0)
+            vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_d[:, None], mask=col_ok, other=0.0)
         x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
         _, dphi = activation_value_and_grad(x, act)
         dx = tl.dot(do, vt, input_precision=PRECISION) * dphi
@@ -257,13 +287,13 @@ def _dq_tile(Q, K, V, DO, h, hk, m_start, q_start, q_len, o_start, k_start, k_le
 
 @triton.jit
 def gdpa_bwd_dq_kernel(
-    Q, K, V, DO, DQ, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T,
+    Q, K, V, DO, DQ, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, K_desc, V_desc, DO_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh,
     num_heads, pre_scale, dq_scale, contextual_len, window,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """One program per (sample, query tile, head): dQ without atomics."""
     pid = tl.program_id(0)
@@ -277,10 +307,10 @@ def gdpa_bwd_dq_kernel(
         act = ACT
     else:
         act = tl.load(HEAD_ACT + h)
-    dq = _dq_tile(Q, K, V, DO, h, h // GROUP, m_start, q_start, q_len, o_start, k_start, k_len, hist_len, act,
-                  stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
-                  pre_scale, contextual_len, window, D, BLOCK_M, BLOCK_N, MASKED, CAUSAL, HAS_WINDOW,
-                  HAS_CONTEXT, PRECISION)
+    dq = _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, h // GROUP, m_start, q_start, q_len, o_start,
+                  k_start, k_len, hist_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                  stride_dot, stride_doh, pre_scale, contextual_len, window, D, BLOCK_M, BLOCK_N, MASKED, CAUSAL,
+                  HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
@@ -312,9 +342,11 @@ def gdpa_bwd_dq_broadcast_kernel(
     for b in range(chunk * samples_per_chunk, b_stop):
         k_start = tl.load(K_OFF + b).to(tl.int32)
         k_len = tl.load(K_OFF + b + 1).to(tl.int32) - k_start
-        dq += _dq_tile(Q, K, V, DO, h, h // GROUP, m_start, 0, bcast_len, b * bcast_len, k_start, k_len, k_len,
-                       act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
-                       stride_doh, pre_scale, 0, 0, D, BLOCK_M, BLOCK_N, False, False, False, False, PRECISION)
+        # pointer loads: the broadcast Q is not jagged, and K/V change sample by sample within the program
+        dq += _dq_tile(Q, K, V, DO, Q, K, V, DO, h, h // GROUP, m_start, 0, bcast_len, b * bcast_len, k_start,
+                       k_len, k_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+                       stride_dot, stride_doh, pre_scale, 0, 0, D, BLOCK_M, BLOCK_N, False, False, False, False,
+                       False, PRECISION)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     partial = DQ_PARTIAL + chunk.to(tl.int64) * stride_pc + h * stride_ph

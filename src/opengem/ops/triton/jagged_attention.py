@@ -12,7 +12,6 @@ is visible, which run without it.
 
 from __future__ import annotations
 
-import functools
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -20,11 +19,10 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
-from triton.tools.tensor_descriptor import TensorDescriptor
 
 from opengem.jagged.host import to_device
 from opengem.ops.triton.masks import key_range, tile_mask
+from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -62,9 +60,7 @@ def _tma_block_shapes(name: str):
     def hook(nargs: dict) -> None:
         for names, block in ((rows_m, nargs["BLOCK_M"]), (rows_n, nargs["BLOCK_N"])):
             for arg in names:
-                desc = nargs[f"{arg}_desc"]
-                if isinstance(desc, TensorDescriptor):
-                    desc.block_shape = [1, 1, block, 1, nargs["HEAD_DIM"]]
+                set_block_rows(nargs[f"{arg}_desc"], block)
 
     return hook
 
@@ -174,13 +170,6 @@ def _item(sched_small, sched_large, heads, BLOCK: tl.constexpr, SMALL: tl.conste
 
 
 @triton.jit
-def _tile(desc, start, seq_len, row, head, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows ``[row, row + BLOCK)`` of one head of one sample ``[BLOCK, HEAD_DIM]``, through its ragged TMA
-    descriptor: rows past the sample read as zeros (the hardware's bounds check, as ``other=0`` below)."""
-    return tl.reshape(load_ragged(desc, start.to(tl.int32), seq_len, [row, head, 0]), [BLOCK, HEAD_DIM])
-
-
-@triton.jit
 def _row_max_scaled(s, scale_log2, NEGATIVE_SCALE: tl.constexpr):
     """Row maximum of ``s * scale_log2`` from the raw logits, so that the exponent is one FMA per pair."""
     if NEGATIVE_SCALE:
@@ -279,8 +268,8 @@ def _fwd_tiles(
     for n_start in range(n_lo, n_hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         if USE_TMA:
-            kT = tl.trans(_tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
-            v = _tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
+            kT = tl.trans(ragged_tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
+            v = ragged_tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM)
         else:
             kT_ptrs = K + offs_n[None, :] * stride_kt + offs_d[:, None]
             v_ptrs = V + offs_n[:, None] * stride_vt + offs_d[None, :]
@@ -323,7 +312,7 @@ def _fwd_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
     if USE_TMA:
-        q = _tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        q = ragged_tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
     else:
         q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     h_kv = h // GROUP
@@ -365,8 +354,8 @@ def _dkdv_tiles(
         row_ok = offs_m < seq_len
         # rows past the sample load as zeros (q, dO, lse, delta): their terms vanish without a mask
         if USE_TMA:
-            qT = tl.trans(_tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM))
-            do = _tile(DO_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+            qT = tl.trans(ragged_tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM))
+            do = ragged_tile(DO_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
         else:
             qT = tl.load(Q + offs_m[None, :] * stride_qt + offs_d[:, None], mask=row_ok[None, :], other=0.0)
             do = tl.load(DO + offs_m[:, None] * stride_dot + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -441,8 +430,8 @@ def _dq_tiles(
         offs_n = n_start + tl.arange(0, BLOCK_N)
         # keys past the sample load as zeros: their dS * K terms vanish
         if USE_TMA:
-            kT = tl.trans(_tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
-            vT = tl.trans(_tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
+            kT = tl.trans(ragged_tile(K_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
+            vT = tl.trans(ragged_tile(V_desc, start, seq_len, n_start, h_kv, BLOCK_N, HEAD_DIM))
         else:
             kT = tl.load(K + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
             vT = tl.load(V + offs_n[None, :] * stride_vt + offs_d[:, None], mask=offs_n[None, :] < seq_len, other=0.0)
@@ -477,9 +466,9 @@ def _dq_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < seq_len
     if USE_TMA:
-        q = _tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
-        do = _tile(DO_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
-        o = _tile(O_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        q = ragged_tile(Q_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        do = ragged_tile(DO_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
+        o = ragged_tile(O_desc, start, seq_len, m_start, h, BLOCK_M, HEAD_DIM)
     else:
         q = tl.load(Q + (start + offs_m[:, None]) * stride_qt + h * stride_qh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         do = tl.load(DO + (start + offs_m[:, None]) * stride_dot + h * stride_doh + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -658,37 +647,14 @@ def _tma_passes(setting: str) -> frozenset[str]:
 # The passes whose tiles load through ragged TMA descriptors (hardware bounds checks, no address math in
 # the program) where the tensors allow it; the others use masked pointer loads. Benchmarks may reassign it.
 TMA_PASSES = _tma_passes(os.environ.get("OPENGEM_JFA_TMA", ",".join(PASSES)))
-_RAGGED_ROWS_LIMIT = 2**30  # create_ragged_descriptor's row bound
-
-
-@functools.lru_cache(maxsize=None)
-def _tma_device(device: torch.device) -> bool:
-    """sm_90+ (asked once per device: every launch checks its tensors), or the interpreter."""
-    return _INTERPRET or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
-
-
-def _tma_ok(t: torch.Tensor) -> bool:
-    """TMA needs a 16-byte aligned base and positive row / head strides that are multiples of 16 bytes
-    (sm_90+, or the interpreter); broadcast (stride 0) gradients take the pointer loads."""
-    if not _tma_device(t.device):
-        return False
-    size = t.element_size()
-    return (
-        t.dtype in (torch.float16, torch.bfloat16, torch.float32)
-        and t.stride(2) == 1
-        and t.data_ptr() % 16 == 0
-        and all(stride > 0 and stride * size % 16 == 0 for stride in (t.stride(0), t.stride(1)))
-        and t.shape[2] * size % 16 == 0
-        and 0 < t.shape[0] <= _RAGGED_ROWS_LIMIT
-    )
 
 
 def _descriptors(name: str, *tensors: torch.Tensor) -> tuple[list, bool]:
     """Ragged TMA descriptors of ``tensors`` ``[T, H, D]`` for pass ``name`` (their boxes set per config by
     the autotuner's pre-hook) and True, or the tensors themselves and False when any cannot use TMA."""
-    if name not in TMA_PASSES or not all(_tma_ok(t) for t in tensors):
+    if name not in TMA_PASSES or not all(tma_ok(t) for t in tensors):
         return list(tensors), False
-    return [create_ragged_descriptor(t, [16, 1, t.shape[2]]) for t in tensors], True
+    return [ragged_descriptor(t) for t in tensors], True
 
 
 def _grid(items: dict[int, torch.Tensor], heads: int, block_name: str):

@@ -1,0 +1,72 @@
+"""Static cost of GDPA's kernels on Hopper, both load paths (ragged TMA descriptors, masked pointer loads),
+without a GPU: registers, spills, shared memory, programs per SM and SASS instructions per thread of every
+tuning candidate (:func:`benchmarks.sass.sass_cost`), bf16, D 128, fast_gelu, no mask (issue 4's workloads
+(a) and (b)); resident-K/V candidates at K/V 256.
+
+``PYTHONPATH=src:. python -m benchmarks.gdpa_sass`` (CPU is enough; not under ``TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.sass import COUNTED, jit_function, programs_per_sm, sass_cost
+from opengem.ops.triton import gdpa as host
+from opengem.ops.triton import gdpa_kernels as kernels
+
+D = 128
+INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T"}
+UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=False, HAS_WINDOW=False,
+                HAS_CONTEXT=False, PRECISION="tf32")
+
+
+def _signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
+    def kind(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name.endswith("_desc"):
+            rows = constants["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constants["BLOCK_N"]
+            return f"tensordesc<bf16[1,1,{rows},1,{D}]>" if tma else "*bf16"
+        if name.isupper():
+            return "*i32" if name in INT_POINTERS else "*bf16"
+        return "fp32" if name in ("pre_scale", "out_scale", "dq_scale") else "i32"
+
+    return {name: kind(name) for name in jit_function(kernel).arg_names}
+
+
+def _variants():
+    """(pass, label, kernel, constants, config) of every GPU tuning candidate."""
+    for config in host._FWD_RESIDENT + host._FWD:
+        resident = config.block_n == 0
+        block_n = 256 if resident else config.block_n
+        label = f"{config.block_m}x{'K/V 256 resident' if resident else block_n} tiles {config.tiles if resident else 1}"
+        yield "fwd", label, kernels.gdpa_fwd_kernel, dict(
+            UNMASKED, BLOCK_M=config.block_m, BLOCK_N=block_n, TILES=config.tiles if resident else 1,
+            BROADCAST_Q=False, KV_RESIDENT=resident), config
+    for name, kernel, configs, extra in (("dkdv", kernels.gdpa_bwd_dkdv_kernel, host._DKDV, {"BROADCAST_Q": False}),
+                                         ("dq", kernels.gdpa_bwd_dq_kernel, host._DQ, {})):
+        for config in configs:
+            yield name, f"{config.block_m}x{config.block_n}", kernel, dict(
+                UNMASKED, BLOCK_M=config.block_m, BLOCK_N=config.block_n, **extra), config
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
+    print("pass | tiles | warps | stages | loads | regs | spill stack B | shared KB | programs / SM | "
+          "SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
+    for name, label, kernel, constants, config in _variants():
+        base = None
+        for tma in (False, True):
+            consts = dict(constants, USE_TMA=tma)
+            cost = sass_cost(kernel, _signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)
+            base = base or cost["instructions"]
+            counts = " | ".join(str(cost[op]) for op in COUNTED)
+            print(f"{name} | {label} | {config.num_warps} | {config.num_stages} | {'tma' if tma else 'pointer'} | "
+                  f"{cost['reg']} | {cost['stack']} | {cost['shared'] / 1024:.0f} | "
+                  f"{programs_per_sm(cost, config.num_warps)} | {cost['instructions']} "
+                  f"({cost['instructions'] / base - 1:+.0%}) | {counts}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

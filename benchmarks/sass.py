@@ -1,0 +1,58 @@
+"""Static cost of a Triton kernel on Hopper without a GPU: compile it for sm_90 (Triton's bundled ptxas) and
+count registers, local-memory spills, shared memory, resident programs per SM and SASS instructions per
+thread. Used by ``benchmarks.block_attention_sass`` and ``benchmarks.gdpa_sass``; not under
+``TRITON_INTERPRET=1`` (kernels would compile their interpreter variant).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections import Counter
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from triton.runtime.jit import JITFunction
+
+TARGET = GPUTarget("cuda", 90, 32)
+COUNTED = ("MUFU", "FFMA", "FMUL", "LDG", "LDL", "STL")
+
+
+def jit_function(kernel) -> JITFunction:
+    while not isinstance(kernel, JITFunction):  # unwrap the autotuner
+        kernel = kernel.fn
+    return kernel
+
+
+def sass_cost(
+    kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1, maxnreg: int | None = None
+) -> dict[str, int]:
+    """Registers, spill stack bytes, shared memory, SASS instructions per thread and selected opcodes of one
+    variant. Pointers and ``stride*`` arguments are marked 16-divisible, as the launcher specializes
+    contiguous ``[T, H, D]`` tensors."""
+    fn = jit_function(kernel)
+    aligned = [i for i, name in enumerate(fn.arg_names) if signature[name].startswith("*") or name.startswith("stride")]
+    attrs = {(i,): [["tt.divisibility", 16]] for i in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    options = dict(num_warps=num_warps, num_stages=num_stages) | ({"maxnreg": maxnreg} if maxnreg else {})
+    compiled = triton.compile(source, target=TARGET, options=options)
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
+    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+    return dict(**resources, shared=compiled.metadata.shared, instructions=sum(opcodes.values()),
+                **{op: opcodes.get(op, 0) for op in COUNTED})
+
+
+def programs_per_sm(cost: dict[str, int], num_warps: int) -> int:
+    """Resident programs per sm_90 SM: 64k registers, 228 KB of shared memory (1 KB reserved per program)."""
+    by_registers = 65536 // (cost["reg"] * 32 * num_warps)
+    by_shared = 228 * 1024 // (cost["shared"] + 1024)
+    return min(by_registers, by_shared)

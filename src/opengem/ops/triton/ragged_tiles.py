@@ -1,0 +1,63 @@
+"""Tile loads of jagged ``[T, H, D]`` tensors through ragged TMA descriptors (``triton.tools.ragged_tma``),
+shared by the JFA and GDPA kernels.
+
+One 5-D descriptor per tensor; a program reads rows ``[row, row + BLOCK)`` of one head of one sample, and
+the hardware's bounds check returns zeros past the sample's end, as the masked pointer loads' ``other=0``
+do, without address math or masks in the program. Where a tensor cannot be described (unaligned base or
+strides, a broadcast stride of 0, pre-Hopper GPUs) the kernels take their masked pointer loads instead.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+from triton.tools.ragged_tma import create_ragged_descriptor, load_ragged
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+RAGGED_ROWS_LIMIT = 2**30  # create_ragged_descriptor's row bound
+
+
+@triton.jit
+def ragged_tile(desc, start, seq_len, row, head, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Rows ``[row, row + BLOCK)`` of one head of the sample ``[start, start + seq_len)``, ``[BLOCK, HEAD_DIM]``:
+    rows past the sample read as zeros."""
+    return tl.reshape(load_ragged(desc, start.to(tl.int32), seq_len, [row, head, 0]), [BLOCK, HEAD_DIM])
+
+
+@functools.lru_cache(maxsize=None)
+def _tma_device(device: torch.device) -> bool:
+    """sm_90+ (asked once per device: every launch checks its tensors), or the interpreter."""
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    return interpret or (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9)
+
+
+def tma_ok(t: torch.Tensor) -> bool:
+    """TMA needs a 16-byte aligned base and positive row / head strides that are multiples of 16 bytes
+    (sm_90+, or the interpreter); broadcast (stride 0) gradients take the pointer loads."""
+    if not _tma_device(t.device):
+        return False
+    size = t.element_size()
+    return (
+        t.dtype in (torch.float16, torch.bfloat16, torch.float32)
+        and t.stride(2) == 1
+        and t.data_ptr() % 16 == 0
+        and all(stride > 0 and stride * size % 16 == 0 for stride in (t.stride(0), t.stride(1)))
+        and t.shape[2] * size % 16 == 0
+        and 0 < t.shape[0] <= RAGGED_ROWS_LIMIT
+    )
+
+
+def ragged_descriptor(t: torch.Tensor, block_rows: int = 16) -> TensorDescriptor:
+    """The descriptor of ``t [T, H, D]`` read in ``[block_rows, 1 head, D]`` boxes (see :func:`set_block_rows`)."""
+    return create_ragged_descriptor(t, [block_rows, 1, t.shape[2]])
+
+
+def set_block_rows(desc, block_rows: int) -> None:
+    """Resizes a descriptor's box to ``block_rows`` rows (an autotuner's pre-hook does, per config); a plain
+    tensor passed in its place (the pointer-load path) is left alone."""
+    if isinstance(desc, TensorDescriptor):
+        desc.block_shape = [1, 1, block_rows, 1, desc.block_shape[-1]]
