@@ -53,7 +53,7 @@ def _variants():
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
-    print("pass | tiles | warps | stages | loads | regs | spill stack B | shared KB | programs / SM | "
+    print("pass | tiles | warps | stages | loads | regs | spill stack B | shared KB | programs / SM | replicated dots | "
           "SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
     for name, label, kernel, constants, config in _variants():
         base = None
@@ -64,7 +64,7 @@ def main() -> None:
             counts = " | ".join(str(cost[op]) for op in COUNTED)
             print(f"{name} | {label} | {config.num_warps} | {config.num_stages} | {'tma' if tma else 'pointer'} | "
                   f"{cost['reg']} | {cost['stack']} | {cost['shared'] / 1024:.0f} | "
-                  f"{programs_per_sm(cost, config.num_warps)} | {cost['instructions']} "
+                  f"{programs_per_sm(cost, config.num_warps)} | {cost['replicated']} | {cost['instructions']} "
                   f"({cost['instructions'] / base - 1:+.0%}) | {counts}", flush=True)
 
 

@@ -44,8 +44,10 @@
 # s9c (one GPU, next session): BlockAttention full (LATE_V backward configs: three programs per SM with
 #   rotary), then its GPU tests
 # s9d (one GPU, session 9): JFA's GPU tests (the sequence-owned backward removed), GDPA untuned (--quick)
-# s10a (one GPU, next session): the GPU tests session 9 fixed, GDPA's GPU tests (ragged TMA loads), then GDPA tuned
-#   over both load paths on (a) L1024 s1.0 and (b) beside JFA and the compiled padded peer (issue 4)
+# s10a (one GPU, next session): GDPA --quick (default configs no longer replicate a dot), the GPU tests session 9
+#   fixed and GDPA's (ragged TMA loads)
+# s10b (one GPU, next session): GDPA tuned over tiles and both load paths on (a) L1024 s1.0 and (b), beside JFA
+#   and the compiled padded peer (issue 4); then part 6a (GDPA full)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -193,9 +195,12 @@ chain_s9d() {  # session 9, call 4: JFA's GPU tests without the sequence-owned b
   step jfa_gpu_tests 230 tests tests/gpu/test_jagged_attention_gpu.py
   step gdpa_quick 250 python -m benchmarks.gdpa --quick
 }
-chain_s10a() {  # session 10, call 1: the GPU tests fixed in session 9 and GDPA's (TMA loads), then GDPA tuned on (a) L1024, (b)
-  step gpu_tests_gdpa_lp_embedding 240 tests tests/gpu/test_gdpa_gpu.py tests/gpu/test_low_precision_gpu.py tests/gpu/test_embedding_gpu.py
-  step gdpa_a_b 330 python -m benchmarks.gdpa --workloads "a self L=1024 s=1.0,b " --peers jfa,padded-compiled
+chain_s10a() {  # session 10, call 1: GDPA's new default configs against session 9's quick run, the GPU tests
+  step gdpa_quick 90 python -m benchmarks.gdpa --quick
+  step gpu_tests_gdpa_lp_embedding 260 tests tests/gpu/test_gdpa_gpu.py tests/gpu/test_low_precision_gpu.py tests/gpu/test_embedding_gpu.py
+}
+chain_s10b() {  # session 10, call 2: GDPA tuned over tiles and load paths on (a) L1024 and (b), JFA and compiled peers
+  step gdpa_a_b 420 python -m benchmarks.gdpa --workloads "a self L=1024 s=1.0,b " --peers jfa,padded-compiled
 }
 chain_s9c() {  # next session: BlockAttention's rotary backward at three programs per SM (LATE_V), GPU tests
   step block_attention_full 300 python -m benchmarks.block_attention
@@ -208,7 +213,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

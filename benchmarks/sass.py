@@ -48,7 +48,20 @@ def sass_cost(
     opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
     resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
     return dict(**resources, shared=compiled.metadata.shared, instructions=sum(opcodes.values()),
-                **{op: opcodes.get(op, 0) for op in COUNTED})
+                replicated=len(replicated_dots(compiled.asm["ttgir"])), **{op: opcodes.get(op, 0) for op in COUNTED})
+
+
+def replicated_dots(ttgir: str) -> list[str]:
+    """The Hopper MMA dots of a compiled kernel (its ``ttgir``) whose tile has fewer rows than the warps along M
+    cover (16 rows per warp): every warpgroup past the rows computes the same product again. Triton lays a
+    chained dot's warps all along M, so a 64-row attention tile at 8 warps runs its first dot twice."""
+    warps_m = {name: int(rows) for name, rows in
+               re.findall(r"^(#mma\d*) = #ttg\.nvidia_mma<\{[^}]*warpsPerCTA = \[(\d+), \d+\]", ttgir, re.M)}
+    found = []
+    for rows, cols, layout in re.findall(r"ttng\.warp_group_dot .*-> tensor<(\d+)x(\d+)xf32, (#mma\d*)>", ttgir):
+        if int(rows) < 16 * warps_m[layout]:
+            found.append(f"{rows}x{cols} dot on {warps_m[layout]} warps along M")
+    return found
 
 
 def programs_per_sm(cost: dict[str, int], num_warps: int) -> int:

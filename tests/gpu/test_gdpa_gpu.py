@@ -131,10 +131,11 @@ def test_every_tuning_candidate(monkeypatch, max_len, forward, loads):
     each load path."""
     lengths = [max_len, 1, 0, 129, max_len // 3]
     targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
-    for index in range(3):
+    for index in range(len(getattr(triton_gdpa, forward))):
         monkeypatch.setattr(triton_gdpa, "TMA_PASSES", triton_gdpa._tma_passes(loads))
         for name in (forward, "_DKDV", "_DQ"):
-            monkeypatch.setattr(triton_gdpa, name, (getattr(triton_gdpa, name)[index],))
+            candidates = getattr(triton_gdpa, name)
+            monkeypatch.setattr(triton_gdpa, name, (candidates[index % len(candidates)],))
         other = {"_FWD": "_FWD_RESIDENT", "_FWD_RESIDENT": "_FWD"}[forward]
         monkeypatch.setattr(triton_gdpa, other, ())
         _check(lengths, lengths, activation="silu", mask={"causal": True, "num_targets": targets}, seed=index)

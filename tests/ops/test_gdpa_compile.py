@@ -75,3 +75,34 @@ def test_compiles_with_a_symbolic_head_count():
     x, offsets = torch.randn(12, 2 * 32), torch.tensor([0, 5, 12], dtype=torch.int32)
     compiled = torch.compile(attend, dynamic=True, fullgraph=True)
     torch.testing.assert_close(compiled(x, offsets, 2), attend(x, offsets, 2))
+
+
+_NO_REPLICATION_SCRIPT = r"""
+import triton
+from triton.compiler import ASTSource
+from benchmarks.gdpa_sass import UNMASKED, _signature, _variants
+from benchmarks.sass import TARGET, jit_function, replicated_dots
+from opengem.ops.triton import gdpa_kernels as g
+
+
+def ttgir(kernel, constants, num_warps, num_stages):
+    source = ASTSource(fn=jit_function(kernel), signature=_signature(kernel, constants, True), constexprs=constants)
+    return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ttgir"]
+
+
+# the detector itself: a 64-row resident forward at 8 warps computes its first dot on both warpgroups
+control = dict(UNMASKED, BLOCK_M=64, BLOCK_N=256, TILES=4, BROADCAST_Q=False, KV_RESIDENT=True, USE_TMA=True)
+assert replicated_dots(ttgir(g.gdpa_fwd_kernel, control, 8, 3)), "the control did not replicate"
+for name, label, kernel, constants, config in _variants():
+    found = replicated_dots(ttgir(kernel, dict(constants, USE_TMA=True), config.num_warps, config.num_stages))
+    assert not found, (name, label, config, found)
+print("no replicated dots")
+"""
+
+
+def test_no_tuning_candidate_replicates_a_dot_across_warpgroups():
+    """A chained dot's warps all go along M in Triton's Hopper layout, so a tile with fewer than 16 rows per
+    warp runs the dot (and the activation after it) on several warpgroups at once; every GDPA candidate of the
+    GPU's tuning lists must avoid that (session 9: the default of each pass did, 2x their work)."""
+    result = run_compiled(_NO_REPLICATION_SCRIPT)
+    assert result.returncode == 0 and "no replicated dots" in result.stdout, result.stderr[-4000:]

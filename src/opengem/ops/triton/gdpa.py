@@ -79,11 +79,17 @@ class Config:
     pointer_loads: bool = False  # masked pointer loads even where the tensors allow TMA descriptors
 
 
-# candidates chosen from ptxas reports for sm_90 at D = 128 (no or small register spills)
+# Candidates for sm_90 at D = 128 (ptxas reports: no or small register spills). Each pass chains two dots, for
+# which Triton puts every warp on the rows of the first dot's tile (its [num_warps, 1] Hopper MMA layout):
+# rows < 16 x num_warps replicate that dot and the activation on every warpgroup (64 rows at 8 warps: twice
+# the work, found in session 9 on the CPU: benchmarks.gdpa_sass), so 64-row tiles run 4 warps, 128-row 8.
+# The rows are BLOCK_M in the forward and dQ, BLOCK_N in dK/dV (its tiles are transposed).
 _FWD = (Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
-_FWD_RESIDENT = (Config(64, 0, 8, 3, 4), Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4))
-_DKDV = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
-_DQ = (Config(64, 64, 8, 2), Config(128, 64, 8, 2), Config(64, 128, 8, 2))
+# resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
+# hidden behind another program's math; more Q tiles per program spread it over up to 1,024 query rows
+_FWD_RESIDENT = (Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4), Config(128, 0, 8, 2, 8), Config(64, 0, 4, 3, 16))
+_DKDV = (Config(64, 128, 8, 2), Config(64, 64, 4, 2), Config(32, 128, 8, 2))
+_DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
 _INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
