@@ -20,7 +20,8 @@ session 8); GDPA tunes each candidate over both load paths until its own GPU fig
 Tuning: BLOCK_M / BLOCK_N / num_warps / num_stages (and Q tiles per program) are timed once per key
 (pass, mask flags, power-of-two buckets of max_len_q / max_len_k, head dim, dtype, GQA group); the
 lengths themselves are runtime ints, so a new batch never recompiles within a bucket. Tuning compiles
-every candidate (about 3 per pass and mask variant); ``OPENGEM_GDPA_TUNE=0`` skips it.
+every candidate (3 tile shapes per pass, 7 for a short-K/V forward, each with both load paths where TMA
+applies); ``OPENGEM_GDPA_TUNE=0`` skips it.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from opengem.ops.triton.gdpa_kernels import (
     gdpa_fwd_kernel,
 )
 from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP
-from opengem.ops.triton.ragged_tiles import ragged_descriptor, tma_ok
+from opengem.ops.triton.ragged_tiles import ragged_descriptor, tma_ok, tma_passes
 
 SHORT_KV_MAX = 256
 RESIDENT_KV_BYTES = 128 * 1024
@@ -99,10 +100,7 @@ PASSES = ("fwd", "dkdv", "dq")
 
 
 def _tma_passes(setting: str) -> frozenset[str]:
-    passes = frozenset() if setting == "none" else frozenset(p.strip() for p in setting.split(",") if p.strip())
-    if not passes <= set(PASSES):
-        raise ValueError(f"OPENGEM_GDPA_TMA must be 'none' or a comma-separated subset of {PASSES}, got {setting!r}")
-    return passes
+    return tma_passes(setting, PASSES, "OPENGEM_GDPA_TMA")
 
 
 # The passes whose tiles may load through ragged TMA descriptors; benchmarks and tests may reassign it.
@@ -335,7 +333,7 @@ def gdpa_forward(
     if interpreting():
         config = _load_paths((_INTERPRET_RESIDENT if resident_fits else _INTERPRET,), tma)[0]
     else:
-        # resident K/V takes 184-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
+        # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
         candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma)
         config = _tuned(_tune_key("fwd", q, k, args, common) + (resident_fits,), candidates, launch)

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from opengem.jagged.host import to_device
 from opengem.ops.triton.masks import key_range, tile_mask
-from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok
+from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok, tma_passes
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -638,10 +638,7 @@ PASSES = tuple(KERNELS)
 
 
 def _tma_passes(setting: str) -> frozenset[str]:
-    passes = frozenset() if setting == "none" else frozenset(p.strip() for p in setting.split(",") if p.strip())
-    if not passes <= set(PASSES):
-        raise ValueError(f"OPENGEM_JFA_TMA must be 'none' or a comma-separated subset of {PASSES}, got {setting!r}")
-    return passes
+    return tma_passes(setting, PASSES, "OPENGEM_JFA_TMA")
 
 
 # The passes whose tiles load through ragged TMA descriptors (hardware bounds checks, no address math in

@@ -51,6 +51,15 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
+def tma_passes(setting: str, passes: tuple[str, ...], variable: str) -> frozenset[str]:
+    """The passes an environment setting (``variable``: ``none`` or a comma-separated subset of ``passes``)
+    lets load through TMA descriptors."""
+    chosen = frozenset() if setting == "none" else frozenset(p.strip() for p in setting.split(",") if p.strip())
+    if not chosen <= set(passes):
+        raise ValueError(f"{variable} must be 'none' or a comma-separated subset of {passes}, got {setting!r}")
+    return chosen
+
+
 def ragged_descriptor(t: torch.Tensor, block_rows: int = 16) -> TensorDescriptor:
     """The descriptor of ``t [T, H, D]`` read in ``[block_rows, 1 head, D]`` boxes (see :func:`set_block_rows`)."""
     return create_ragged_descriptor(t, [block_rows, 1, t.shape[2]])
