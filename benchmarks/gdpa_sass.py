@@ -17,7 +17,7 @@ from opengem.ops.triton import gdpa_kernels as kernels
 D = 128
 INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T"}
 UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=False, HAS_WINDOW=False,
-                HAS_CONTEXT=False, PRECISION="tf32")
+                HAS_CONTEXT=False, PRECISION="tf32", FAST_ACT=True)
 
 
 def _signature(kernel, constants: dict, tma: bool) -> dict[str, str]:

@@ -71,6 +71,18 @@ def test_triton_activation_table_matches_reference(name):
     torch.testing.assert_close(dy, activation_grad(name, x), atol=1e-5, rtol=1e-5)
 
 
+def test_sigmoid_from_the_one_instruction_tanh_stays_within_its_bound():
+    """The compiled 16-bit kernels take silu's sigmoid as (1 + tanh(x / 2)) / 2 from ``tanh.approx.f32``
+    (relative error <= 2^-10.987): the identity holds, and the worst error of the approximate tanh moves
+    the sigmoid by at most 2.5e-4 (gelu_tanh's 0.5 (1 + tanh) alike). The instruction itself runs only on
+    the GPU (its tests compare against the reference in bf16)."""
+    x = torch.linspace(-40, 40, 80001, dtype=torch.float64)
+    t = torch.tanh(x / 2)
+    torch.testing.assert_close(0.5 + 0.5 * t, torch.sigmoid(x), rtol=0, atol=1e-15)
+    for rel in (2**-10.987, -(2**-10.987)):
+        assert float((0.5 + 0.5 * t * (1 + rel) - torch.sigmoid(x)).abs().max()) <= 2.5e-4
+
+
 def test_fast_gelu_is_close_to_gelu_and_exact_relu_outside_radius():
     x = torch.linspace(-8, 8, 4001)
     assert (activation_value("fast_gelu", x) - activation_value("gelu", x)).abs().max() < 0.07

@@ -38,19 +38,23 @@ def compile_sm90(fn, constexprs, num_warps, num_stages):
     ptx = kernel.asm["ptx"]
     assert "wgmma" in ptx, fn.__name__
     assert (TMA_LOAD in ptx) == tma, (fn.__name__, tma)
+    # silu (in every per-head table, ACT -1, and alone, ACT 7) takes the one-instruction tanh
+    assert ("tanh.approx.f32" in ptx) == (constexprs["FAST_ACT"] and constexprs["ACT"] in (-1, 2, 7)), fn.__name__
 
 
 masks = dict(GROUP=2, D=128, ACT=-1, MASKED=True, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=True,
-             HAS_CONTEXT=True, PRECISION="tf32")
+             HAS_CONTEXT=True, PRECISION="tf32", FAST_ACT=True)
 for tma in (True, False):  # both load paths of every jagged pass
     compile_sm90(g.gdpa_fwd_kernel, dict(masks, BLOCK_M=128, BLOCK_N=64, TILES=1, BROADCAST_Q=False,
                                          KV_RESIDENT=False, USE_TMA=tma), 8, 3)
     compile_sm90(g.gdpa_fwd_kernel, dict(masks, ACT=3, MASKED=False, BLOCK_M=64, BLOCK_N=256, TILES=4,
-                                         BROADCAST_Q=True, KV_RESIDENT=True, USE_TMA=tma), 8, 3)
+                                         BROADCAST_Q=True, KV_RESIDENT=True, USE_TMA=tma), 4, 3)
+    compile_sm90(g.gdpa_fwd_kernel, dict(masks, ACT=7, MASKED=False, BLOCK_M=128, BLOCK_N=64, TILES=1,
+                                         BROADCAST_Q=False, KV_RESIDENT=False, USE_TMA=tma, FAST_ACT=False), 8, 3)
     compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, BROADCAST_Q=False, USE_TMA=tma), 8, 2)
     compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, USE_TMA=tma), 8, 2)
 compile_sm90(g.gdpa_bwd_dq_broadcast_kernel, dict(GROUP=1, D=128, ACT=7, PRECISION="tf32", BLOCK_M=64,
-                                                  BLOCK_N=64), 8, 2)
+                                                  BLOCK_N=64, FAST_ACT=True), 4, 2)
 print("compiled")
 """
 

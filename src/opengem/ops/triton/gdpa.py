@@ -166,6 +166,12 @@ def _label(config: Config) -> str:
     return f"m{config.block_m}_n{block_n}_w{config.num_warps}_s{config.num_stages}_t{config.tiles}_{loads}"
 
 
+def fast_activations() -> bool:
+    """silu / gelu_tanh through the GPU's one-instruction tanh in 16-bit kernels (``activations`` says why);
+    ``OPENGEM_GDPA_FAST_ACT=0`` keeps the exponential and reciprocal."""
+    return os.environ.get("OPENGEM_GDPA_FAST_ACT", "1") != "0" and not interpreting()
+
+
 def tuning_enabled() -> bool:
     """``OPENGEM_GDPA_TUNE=0`` uses each pass's first fitting candidate (no timing, 1 compile per variant)."""
     return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0"
@@ -259,6 +265,7 @@ def _common(q: torch.Tensor, args: GdpaArgs, num_targets: torch.Tensor | None, d
             HAS_WINDOW=args.window is not None,
             HAS_CONTEXT=args.contextual_len > 0,
             PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            FAST_ACT=q.dtype != torch.float32 and fast_activations(),
         ),
     )
 
@@ -446,6 +453,7 @@ def _launch_dq_broadcast(
         heads, num_q_tiles, batch, per_chunk, seeds, args.pre_scale, args.out_scale * args.pre_scale,
         GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         ACT=common["constexprs"]["ACT"], PRECISION=common["constexprs"]["PRECISION"],
+        FAST_ACT=common["constexprs"]["FAST_ACT"],
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     dq.copy_(partial.sum(dim=0))

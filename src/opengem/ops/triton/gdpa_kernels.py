@@ -96,7 +96,7 @@ def gdpa_fwd_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr,
-    KV_RESIDENT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    KV_RESIDENT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     h = pid % num_heads
@@ -134,7 +134,7 @@ def gdpa_fwd_kernel(
             q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
         if KV_RESIDENT:
             x = tl.dot(q, k_res, input_precision=PRECISION) * pre_scale
-            p = activation_value(x, act)
+            p = activation_value(x, act, FAST_ACT)
             if MASKED:
                 p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                        CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
@@ -159,7 +159,7 @@ def gdpa_fwd_kernel(
                     v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                                 mask=offs_n[:, None] < k_len, other=0.0)
                 x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
-                p = activation_value(x, act)
+                p = activation_value(x, act, FAST_ACT)
                 if MASKED:
                     if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
                         p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
@@ -178,7 +178,7 @@ def gdpa_bwd_dkdv_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     """One program per (sample, key tile, K/V head): loops over the group's Q heads and the Q tiles."""
     pid = tl.program_id(0)
@@ -220,7 +220,7 @@ def gdpa_bwd_dkdv_kernel(
                 do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
                              mask=offs_m[:, None] < q_len, other=0.0)
             xt = tl.dot(k, qt, input_precision=PRECISION) * pre_scale  # [BLOCK_N, BLOCK_M]
-            pt, dphit = activation_value_and_grad(xt, act)
+            pt, dphit = activation_value_and_grad(xt, act, FAST_ACT)
             dpt = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             dxt = dpt * dphit
             if MASKED:
@@ -243,7 +243,7 @@ def _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, hk, m_start, q_sta
              stride_doh, pre_scale, contextual_len, window,
              D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, MASKED: tl.constexpr,
              CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr,
-             PRECISION: tl.constexpr):
+             PRECISION: tl.constexpr, FAST_ACT: tl.constexpr):
     """fp32 ``sum_j dX_ij k_j`` for the query tile at ``m_start`` of one sample and head (unscaled)."""
     offs_d = tl.arange(0, D)
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -275,7 +275,7 @@ def _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, hk, m_start, q_sta
             kt = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=col_ok, other=0.0)
             vt = tl.load(v_base + offs_n[None, :] * stride_vt + offs_d[:, None], mask=col_ok, other=0.0)
         x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
-        _, dphi = activation_value_and_grad(x, act)
+        _, dphi = activation_value_and_grad(x, act, FAST_ACT)
         dx = tl.dot(do, vt, input_precision=PRECISION) * dphi
         if MASKED:
             if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
@@ -294,6 +294,7 @@ def gdpa_bwd_dq_kernel(
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    FAST_ACT: tl.constexpr,
 ):
     """One program per (sample, query tile, head): dQ without atomics."""
     pid = tl.program_id(0)
@@ -310,7 +311,7 @@ def gdpa_bwd_dq_kernel(
     dq = _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, h // GROUP, m_start, q_start, q_len, o_start,
                   k_start, k_len, hist_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                   stride_dot, stride_doh, pre_scale, contextual_len, window, D, BLOCK_M, BLOCK_N, MASKED, CAUSAL,
-                  HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
+                  HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION, FAST_ACT)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
@@ -324,7 +325,7 @@ def gdpa_bwd_dq_broadcast_kernel(
     stride_pc, stride_pt, stride_ph,
     num_heads, num_q_tiles, batch, samples_per_chunk, bcast_len, pre_scale, dq_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ACT: tl.constexpr, PRECISION: tl.constexpr,
+    ACT: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
     """Broadcast-Q dQ: one program per (chunk of samples, query tile, head) sums its chunk in a fixed
     order into ``DQ_PARTIAL[chunk]``; the host then sums the chunks (a deterministic reduction)."""
@@ -346,7 +347,7 @@ def gdpa_bwd_dq_broadcast_kernel(
         dq += _dq_tile(Q, K, V, DO, Q, K, V, DO, h, h // GROUP, m_start, 0, bcast_len, b * bcast_len, k_start,
                        k_len, k_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
                        stride_dot, stride_doh, pre_scale, 0, 0, D, BLOCK_M, BLOCK_N, False, False, False, False,
-                       False, PRECISION)
+                       False, PRECISION, FAST_ACT)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, D)
     partial = DQ_PARTIAL + chunk.to(tl.int64) * stride_pc + h * stride_ph
