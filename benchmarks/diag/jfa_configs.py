@@ -47,7 +47,7 @@ def sweep(name: str, fn, rows: list[dict], workload: str) -> None:
     kernel = KERNELS[name]
     every = list(kernel.configs)
     try:
-        for m, n, w, s in kernels._FULL:
+        for m, n, w, s in kernels.full_product(name):
             config = kernels.tile_config(name, m, n, w, s)
             kernel.configs = [config]
             kernel.cache.clear()

@@ -110,3 +110,27 @@ def test_no_tuning_candidate_replicates_a_dot_across_warpgroups():
     GPU's tuning lists must avoid that (session 9: the default of each pass did, 2x their work)."""
     result = run_compiled(_NO_REPLICATION_SCRIPT)
     assert result.returncode == 0 and "no replicated dots" in result.stdout, result.stderr[-4000:]
+
+
+def test_every_attention_tuning_list_keeps_16_rows_per_warp():
+    """The rule the compiled check above enforces for GDPA, by arithmetic on every attention kernel's lists:
+    the first dot's rows (BLOCK_M in the forward and dQ, BLOCK_N in dK/dV) reach 16 per warp. (BlockAttention,
+    whose 8- and 16-warp candidates at block 64 break it and were never picked, is left out: see NOTES.)"""
+    from opengem.ops.triton import gdpa as host
+    from opengem.ops.triton import jagged_attention as jfa
+    from opengem.ops.triton import jagged_attention_fp8 as jfa_fp8
+
+    lists = {
+        "gdpa fwd": [(c.block_m, c.num_warps) for c in (*host._FWD, *host._FWD_RESIDENT)],
+        "gdpa dkdv": [(c.block_n, c.num_warps) for c in host._DKDV],
+        "gdpa dq": [(c.block_m, c.num_warps) for c in host._DQ],
+        "jfa fwd": [(m, w) for m, _, w, _ in jfa._FWD],
+        "jfa dkdv": [(n, w) for _, n, w, _ in jfa._DKDV],
+        "jfa dq": [(m, w) for m, _, w, _ in jfa._DQ],
+        "jfa fp8 fwd": [(m, w) for m, w, _ in jfa_fp8._FWD_FP8],
+        **{f"jfa full {name}": [(n if name == "dkdv" else m, w) for m, n, w, _ in jfa.full_product(name)]
+           for name in ("fwd", "dkdv", "dq")},
+    }
+    assert len(jfa.full_product("fwd")) == 18 and len(jfa._FULL) == 24  # only 64-row tiles at 8 warps left out
+    for name, pairs in lists.items():
+        assert all(rows >= 16 * warps for rows, warps in pairs), (name, pairs)

@@ -46,6 +46,13 @@ _FWD = [
 _DKDV = [(64, 128, 8, 3), (64, 128, 4, 3), (64, 64, 4, 3), (64, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1)]
 _DQ = [(128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 1)]
 _FULL = [(m, n, w, s) for m in (64, 128) for n in (64, 128) for w in (4, 8) for s in (2, 3, 4)]
+
+
+def full_product(name: str) -> list[tuple[int, int, int, int]]:
+    """``OPENGEM_JFA_AUTOTUNE=full``'s tiles of kernel ``name``, less those whose first dot has under 16 rows per
+    warp (BLOCK_N in dK/dV, else BLOCK_M): Triton lays a chained dot's warps along its rows, so those would
+    compute it on two warpgroups at once (``benchmarks.sass.replicated_dots``)."""
+    return [c for c in _FULL if (c[1] if name == "dkdv" else c[0]) >= 16 * c[2]]
 _INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
 
@@ -84,7 +91,8 @@ _BOTH_LOAD_PATHS = {"dkdv"}
 def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     if _INTERPRET:
         return [tile_config(name, *_INTERPRETER_TILES[name], 1, 1)]
-    choices = curated if os.environ.get("OPENGEM_JFA_AUTOTUNE") != "full" else [curated[0], *(c for c in _FULL if c != curated[0])]
+    full = os.environ.get("OPENGEM_JFA_AUTOTUNE") == "full"
+    choices = [curated[0], *(c for c in full_product(name) if c != curated[0])] if full else curated
     paths = (False, True) if name in _BOTH_LOAD_PATHS else (False,)
     return [tile_config(name, *choice, pointer_loads=pointer) for choice in choices for pointer in paths]
 
