@@ -44,6 +44,7 @@ from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.ops.embedding import FusedUpdate, LookupLayout, embedding_lookup
 from opengem.ops.reference import embedding as reference
+from opengem.ops.triton import embedding as lookup_kernels
 
 DEVICE = "cuda"
 DIMS = (64, 128, 96, 256, 64)
@@ -274,6 +275,8 @@ def run_ours(ours: Ours, batch: KeyedJagged, report: Report) -> None:
             report.ours_step_ms = step_ms
         report.measured(name, forward_ms, step_ms)
     ec.validate_ids = False
+    picks = {str(key): str(config) for key, config in lookup_kernels._lookup_kernel.cache.items()}
+    report.fact(f"[tuning] lookup step size per key: {picks}", lookup_tuning=picks)
 
 
 def run_reference(ours: Ours, batch: KeyedJagged, report: Report, compiled: bool) -> None:

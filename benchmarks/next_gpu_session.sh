@@ -45,7 +45,7 @@
 #   rotary), then its GPU tests
 # s9d (one GPU, session 9): JFA's GPU tests (the sequence-owned backward removed), GDPA untuned (--quick)
 # s10a (one GPU, next session): GDPA --quick (default configs no longer replicate a dot), the GPU tests session 9
-#   fixed and GDPA's (ragged TMA loads)
+#   fixed and GDPA's (ragged TMA loads), the embedding lookup (its step size now tuned)
 # s10b (one GPU, next session): GDPA tuned over tiles and both load paths on (a) L1024 s1.0 and (b), beside JFA
 #   and the compiled padded peer (issue 4); then part 6a (GDPA full)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -198,6 +198,7 @@ chain_s9d() {  # session 9, call 4: JFA's GPU tests without the sequence-owned b
 chain_s10a() {  # session 10, call 1: GDPA's new default configs against session 9's quick run, the GPU tests
   step gdpa_quick 90 python -m benchmarks.gdpa --quick
   step gpu_tests_gdpa_lp_embedding 260 tests tests/gpu/test_gdpa_gpu.py tests/gpu/test_low_precision_gpu.py tests/gpu/test_embedding_gpu.py
+  step embedding_quick 150 python -m benchmarks.embedding --quick  # issue 8: the lookup's tuned step size
 }
 chain_s10b() {  # session 10, call 2: GDPA tuned over tiles and load paths on (a) L1024 and (b), JFA and compiled peers
   step gdpa_a_b 420 python -m benchmarks.gdpa --workloads "a self L=1024 s=1.0,b " --peers jfa,padded-compiled

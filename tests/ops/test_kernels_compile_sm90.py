@@ -25,9 +25,10 @@ def compile_sm90(fn, signature, constexprs, num_warps=4, num_stages=2):
 
 
 lookup = {"weights": "*fp32", "meta": "*i64", "ids": "*i64", "offsets": "*i64", "out": "*fp32"}
-compile_sm90(e._lookup_kernel, lookup, dict(META_COLS=6, ALIGN=8, BLOCK_N=16, BLOCK_D=128))
-compile_sm90(e._lookup_kernel, {**lookup, "weights": "*bf16", "out": "*bf16"},
-             dict(META_COLS=6, ALIGN=8, BLOCK_N=16, BLOCK_D=128))
+for block_n, num_warps in e._LOOKUP_TILES:  # every tuning candidate of the lookup, fp32 and bf16 tables
+    compile_sm90(e._lookup_kernel.fn, lookup, dict(META_COLS=6, ALIGN=8, BLOCK_N=block_n, BLOCK_D=128), num_warps)
+    compile_sm90(e._lookup_kernel.fn, {**lookup, "weights": "*bf16", "out": "*bf16"},
+                 dict(META_COLS=6, ALIGN=8, BLOCK_N=block_n, BLOCK_D=128), num_warps)
 
 bf16, fp8 = "*bf16", "*fp8e4nv"
 quantize = {"Q": bf16, "K": bf16, "V": bf16, "Q8": fp8, "K8": fp8, "V8": fp8, "QS": "*fp32", "KS": "*fp32",
