@@ -39,9 +39,10 @@ def _variants():
     for config in host._FWD_RESIDENT + host._FWD:
         resident = config.block_n == 0
         block_n = 256 if resident else config.block_n
-        label = f"{config.block_m}x{'K/V 256 resident' if resident else block_n} tiles {config.tiles if resident else 1}"
+        tiles = config.tiles if resident else 1
+        label = f"{config.block_m}x{'K/V 256 resident' if resident else block_n} tiles {tiles}"
         yield "fwd", label, kernels.gdpa_fwd_kernel, dict(
-            UNMASKED, BLOCK_M=config.block_m, BLOCK_N=block_n, TILES=config.tiles if resident else 1,
+            UNMASKED, BLOCK_M=config.block_m, BLOCK_N=block_n, TILES=tiles,
             BROADCAST_Q=False, KV_RESIDENT=resident), config
     for name, kernel, configs, extra in (("dkdv", kernels.gdpa_bwd_dkdv_kernel, host._DKDV, {"BROADCAST_Q": False}),
                                          ("dq", kernels.gdpa_bwd_dq_kernel, host._DQ, {})):
@@ -53,8 +54,8 @@ def _variants():
 def main() -> None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
-    print("pass | tiles | warps | stages | loads | regs | spill stack B | shared KB | programs / SM | replicated dots | "
-          "SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
+    print("pass | tiles | warps | stages | loads | regs | spill stack B | shared KB | programs / SM | "
+          "replicated dots | SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
     for name, label, kernel, constants, config in _variants():
         base = None
         for tma in (False, True):

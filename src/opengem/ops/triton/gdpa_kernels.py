@@ -122,8 +122,10 @@ def gdpa_fwd_kernel(
             k_res = tl.trans(ragged_tile(K_desc, k_start, k_len, 0, hk, BLOCK_N, D))
             v_res = ragged_tile(V_desc, k_start, k_len, 0, hk, BLOCK_N, D)
         else:
-            k_res = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < k_len, other=0.0)
-            v_res = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len, other=0.0)
+            k_res = tl.load(k_base + offs_n[None, :] * stride_kt + offs_d[:, None], mask=offs_n[None, :] < k_len,
+                            other=0.0)
+            v_res = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len,
+                            other=0.0)
     m_stop = tl.minimum((first_tile + TILES) * BLOCK_M, q_len)
     # software pipelining across the item's Q tiles: the loads of the next tile overlap this tile's math
     for m_start in range(first_tile * BLOCK_M, m_stop, BLOCK_M):
@@ -216,7 +218,8 @@ def gdpa_bwd_dkdv_kernel(
                 qt = tl.trans(ragged_tile(Q_desc, q_start, q_len, m_start, h, BLOCK_M, D))
                 do = ragged_tile(DO_desc, o_start, q_len, m_start, h, BLOCK_M, D)
             else:
-                qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=offs_m[None, :] < q_len, other=0.0)
+                qt = tl.load(q_base + offs_m[None, :] * stride_qt + offs_d[:, None], mask=offs_m[None, :] < q_len,
+                             other=0.0)
                 do = tl.load(do_base + offs_m[:, None] * stride_dot + offs_d[None, :],
                              mask=offs_m[:, None] < q_len, other=0.0)
             xt = tl.dot(k, qt, input_precision=PRECISION) * pre_scale  # [BLOCK_N, BLOCK_M]
