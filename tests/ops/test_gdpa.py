@@ -445,6 +445,23 @@ def test_tuning_times_every_candidate_and_reports_them(monkeypatch):
                                     "m128_n64_w8_s3_t1_ptr": 2.0, "m128_n128_w8_s2_t1_ptr": None}
 
 
+def test_fast_activations_only_in_compiled_16_bit_kernels(monkeypatch):
+    """The one-instruction tanh is chosen for bf16 / fp16 kernels on the GPU, never for fp32 inputs, the
+    interpreter (no inline PTX) or with ``OPENGEM_GDPA_FAST_ACT=0``."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    args = GdpaArgs((7, 7), 1.0, 1.0, False, 0, None, False, 8, 8)
+
+    def fast(dtype):
+        return triton_gdpa._common(torch.zeros(1, 2, 16, dtype=dtype), args, None, None)["constexprs"]["FAST_ACT"]
+
+    assert not fast(torch.bfloat16)  # the interpreter
+    monkeypatch.setattr(triton_gdpa, "interpreting", lambda: False)
+    assert fast(torch.bfloat16) and fast(torch.float16) and not fast(torch.float32)
+    monkeypatch.setenv("OPENGEM_GDPA_FAST_ACT", "0")
+    assert not fast(torch.bfloat16)
+
+
 def test_interpreter_runs_the_tma_path(monkeypatch):
     """The interpreter tests take the descriptor path (the GPU's default), not only the pointer loads."""
     from opengem.ops.triton import gdpa as triton_gdpa

@@ -53,6 +53,8 @@ def full_product(name: str) -> list[tuple[int, int, int, int]]:
     warp (BLOCK_N in dK/dV, else BLOCK_M): Triton lays a chained dot's warps along its rows, so those would
     compute it on two warpgroups at once (``benchmarks.sass.replicated_dots``)."""
     return [c for c in _FULL if (c[1] if name == "dkdv" else c[0]) >= 16 * c[2]]
+
+
 _INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
 
 
