@@ -23,6 +23,7 @@ import triton.language as tl
 from opengem.jagged.host import to_device
 from opengem.ops.triton.masks import key_range, tile_mask
 from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok, tma_passes
+from opengem.ops.triton.tuning import tuning_bench as _tuning_bench
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -123,13 +124,6 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 def _row_width(head_dim: int, q: torch.Tensor | None) -> int:
     """Head dim in 16-bit units: what the tiles' shared memory scales with."""
     return head_dim * (q.element_size() // 2 if q is not None else 1)
-
-
-def _tuning_bench(kernel_call, quantiles):
-    """Shorter timing windows than Triton's default (25 / 100 ms): first calls on big batches tune faster."""
-    import triton.testing
-
-    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
 
 
 TUNING_BUCKET_CAP = 8192  # one bucket for every batch whose longest sequence passes 4096

@@ -24,3 +24,11 @@ def tuned_keys() -> int:
                 count += len(value.cache)
     gdpa = sys.modules.get(f"{__package__}.gdpa")
     return count + (gdpa.tuned_configs() if gdpa is not None else 0)
+
+
+def tuning_bench(kernel_call, quantiles):
+    """The autotuners' timer: shorter windows than Triton's default (25 / 100 ms), so that first calls on big
+    batches tune faster."""
+    import triton.testing
+
+    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
