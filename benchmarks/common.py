@@ -49,6 +49,17 @@ def offsets_of(lengths: torch.Tensor, device: torch.device | str) -> torch.Tenso
     return offsets.to(device)
 
 
+def by_name_prefix(items: list, prefixes: list[str] | None, option: str) -> list:
+    """The ``items`` (anything with a ``name``) whose names start with one of ``prefixes``, all when None;
+    a prefix that matches none is an error naming ``option`` and the names there are."""
+    if prefixes is None:
+        return list(items)
+    unknown = [p for p in prefixes if not any(item.name.startswith(p) for item in items)]
+    if unknown:
+        raise SystemExit(f"{option}: no workload starts with {unknown}; names: {[item.name for item in items]}")
+    return [item for item in items if any(item.name.startswith(p) for p in prefixes)]
+
+
 def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median milliseconds of ``fn`` on the GPU (CUDA events through ``triton.testing.do_bench``)."""
     import triton.testing

@@ -34,6 +34,7 @@ import torch
 
 from benchmarks.common import (
     bench_ms,
+    by_name_prefix,
     offsets_of,
     power_law_lengths,
     print_table,
@@ -350,9 +351,7 @@ def run(quick: bool, device: str = "cuda", prefixes: list[str] | None = None,
         peers: tuple[str, ...] = PEERS) -> list[dict[str, Any]]:
     """Our kernel on every chosen workload, then each peer on every one (rows as they finish)."""
     results = Results(quick)
-    chosen = [w for w in workloads(quick) if prefixes is None or any(w.name.startswith(p) for p in prefixes)]
-    if not chosen:
-        raise SystemExit(f"--workloads: no workload starts with any of {prefixes}")
+    chosen = by_name_prefix(workloads(quick), prefixes, "--workloads")
     flops = {}
     for w in chosen:
         q_lengths = w.q_lengths if not w.broadcast_q else torch.full_like(w.k_lengths, int(w.q_lengths[0]))

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 
 from benchmarks.common import (
     bench_ms,
+    by_name_prefix,
     offsets_of,
     power_law_lengths,
     print_table,
@@ -476,13 +477,7 @@ def workloads(quick: bool) -> list[Workload]:
 
 def selected(quick: bool, prefixes: list[str] | None) -> list[Workload]:
     """The workloads whose names start with one of ``prefixes`` (all when None); an unknown prefix is an error."""
-    every = workloads(quick)
-    if prefixes is None:
-        return every
-    unknown = [p for p in prefixes if not any(wl.name.startswith(p) for wl in every)]
-    if unknown:
-        raise SystemExit(f"--workloads: no workload starts with {unknown}; names: {[wl.name for wl in every]}")
-    return [wl for wl in every if any(wl.name.startswith(p) for p in prefixes)]
+    return by_name_prefix(workloads(quick), prefixes, "--workloads")
 
 
 EAGER_PEERS = ("torch_varlen_flash", "nested_sdpa", "padded_sdpa(incl. pad/unpad)")
@@ -561,11 +556,7 @@ def main() -> None:
     if args.quick:  # each kernel's default config: no autotuning on a cold start
         os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
     started = time.perf_counter()
-    flex = [] if args.quick or args.no_flex else chosen
-    if flex and args.flex_workloads is not None:
-        flex = [wl for wl in chosen if any(wl.name.startswith(p) for p in args.flex_workloads)]
-        if not flex:
-            raise SystemExit(f"--flex-workloads: none of the chosen workloads starts with {args.flex_workloads}")
+    flex = [] if args.quick or args.no_flex else by_name_prefix(chosen, args.flex_workloads, "--flex-workloads")
     rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": [wl.name for wl in flex],
                     "peers": args.peers, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
