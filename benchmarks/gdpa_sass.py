@@ -20,15 +20,16 @@ UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=Fal
                 HAS_CONTEXT=False, PRECISION="tf32", FAST_ACT=True)
 
 
-def _signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
+def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
+    """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments)."""
     def kind(name: str) -> str:
         if name in constants:
             return "constexpr"
         if name.endswith("_desc"):
             rows = constants["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constants["BLOCK_N"]
-            return f"tensordesc<bf16[1,1,{rows},1,{D}]>" if tma else "*bf16"
+            return f"tensordesc<bf16[1,1,{rows},1,{constants['D']}]>" if tma else "*bf16"
         if name.isupper():
-            return "*i32" if name in INT_POINTERS else "*bf16"
+            return "*i32" if name in INT_POINTERS else ("*fp32" if name == "DQ_PARTIAL" else "*bf16")
         return "fp32" if name in ("pre_scale", "out_scale", "dq_scale") else "i32"
 
     return {name: kind(name) for name in jit_function(kernel).arg_names}
@@ -60,7 +61,7 @@ def main() -> None:
         base = None
         for tma in (False, True):
             consts = dict(constants, USE_TMA=tma)
-            cost = sass_cost(kernel, _signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)
+            cost = sass_cost(kernel, signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)
             base = base or cost["instructions"]
             counts = " | ".join(str(cost[op]) for op in COUNTED)
             print(f"{name} | {label} | {config.num_warps} | {config.num_stages} | {'tma' if tma else 'pointer'} | "

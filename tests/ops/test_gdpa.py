@@ -467,8 +467,8 @@ def test_interpreter_runs_the_tma_path(monkeypatch):
     from opengem.ops.triton import gdpa as triton_gdpa
 
     used = []
-    real = triton_gdpa._descriptors
-    monkeypatch.setattr(triton_gdpa, "_descriptors", lambda *a: used.append(real(*a)[1]) or real(*a))
+    real = triton_gdpa._tile_descriptors
+    monkeypatch.setattr(triton_gdpa, "_tile_descriptors", lambda *a: used.append(real(*a)[1]) or real(*a))
     lengths = [20, 0, 7]
     q, k, v = _inputs(lengths, lengths)
     offsets = _offsets(lengths)

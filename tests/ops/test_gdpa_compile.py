@@ -11,28 +11,16 @@ _SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from benchmarks.gdpa_sass import signature as gdpa_signature
 from opengem.ops.triton import gdpa_kernels as g
 
-INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T"}
 TMA_LOAD = "cp.async.bulk.tensor"
 
 
 def compile_sm90(fn, constexprs, num_warps, num_stages):
     # with USE_TMA the *_desc arguments are ragged descriptors of the tile boxes
     tma = constexprs.get("USE_TMA", False)
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_desc"):
-            rows = constexprs["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constexprs["BLOCK_N"]
-            signature[name] = f"tensordesc<bf16[1,1,{rows},1,{constexprs['D']}]>" if tma else "*bf16"
-        elif name.isupper():
-            signature[name] = "*i32" if name in INT_POINTERS else ("*fp32" if name == "DQ_PARTIAL" else "*bf16")
-        elif name in ("pre_scale", "out_scale", "dq_scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
+    signature = gdpa_signature(fn, constexprs, tma)
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = kernel.asm["ptx"]
@@ -84,13 +72,13 @@ def test_compiles_with_a_symbolic_head_count():
 _NO_REPLICATION_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from benchmarks.gdpa_sass import UNMASKED, _signature, _variants
+from benchmarks.gdpa_sass import UNMASKED, _variants, signature
 from benchmarks.sass import TARGET, jit_function, replicated_dots
 from opengem.ops.triton import gdpa_kernels as g
 
 
 def ttgir(kernel, constants, num_warps, num_stages):
-    source = ASTSource(fn=jit_function(kernel), signature=_signature(kernel, constants, True), constexprs=constants)
+    source = ASTSource(fn=jit_function(kernel), signature=signature(kernel, constants, True), constexprs=constants)
     return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ttgir"]
 
 

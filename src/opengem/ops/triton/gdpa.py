@@ -117,7 +117,7 @@ def _load_paths(candidates: Sequence[Config], tma: bool) -> tuple[Config, ...]:
     return (*candidates, *pointer) if tma else pointer
 
 
-def _descriptors(config: Config, rows: Sequence[tuple[torch.Tensor, int]]) -> tuple[list, bool]:
+def _tile_descriptors(config: Config, rows: Sequence[tuple[torch.Tensor, int]]) -> tuple[list, bool]:
     """Ragged descriptors of ``(tensor, box rows)`` for a TMA candidate, else the tensors themselves."""
     if config.pointer_loads:
         return [t for t, _ in rows], False
@@ -327,7 +327,7 @@ def gdpa_forward(
                                     kind, args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
-        descs, use_tma = _descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
+        descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
         gdpa_fwd_kernel[(work_b.numel() * heads,)](
             q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
@@ -377,7 +377,7 @@ def gdpa_backward(
                                     "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
-        descs, use_tma = _descriptors(config, ((q, config.block_m), (grad_out, config.block_m)))
+        descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (grad_out, config.block_m)))
         gdpa_bwd_dkdv_kernel[(work_b.numel() * kv_heads,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
             *descs,
@@ -397,7 +397,7 @@ def gdpa_backward(
         if work_b.numel() == 0:
             return
         block_m, block_n = config.block_m, config.block_n
-        descs, use_tma = _descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
+        descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
         gdpa_bwd_dq_kernel[(work_b.numel() * heads,)](
             q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
