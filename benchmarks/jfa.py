@@ -427,14 +427,18 @@ def _compare(rows: list[dict]) -> None:
         window["speedup_vs_full_causal"] = full["fwd_bwd_ms"] / window["fwd_bwd_ms"]
 
 
+def config_label(config) -> str:
+    """A JFA tile config as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``, ``_ptr`` for dK/dV's pointer loads."""
+    pointer = "_ptr" if config.kwargs.get("POINTER_LOADS") else ""
+    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}{pointer}"
+
+
 def tuned_configs() -> dict[str, str]:
-    """The (BLOCK_M, BLOCK_N, warps, stages) each JFA kernel last ran with: the autotuner's pick for the
-    workload just measured."""
+    """The config each JFA kernel last ran with: the autotuner's pick for the workload just measured."""
     from opengem.ops.triton import jagged_attention as kernels
 
     return {
-        name: f"{c.kwargs['BLOCK_M']}x{c.kwargs['BLOCK_N']} w{c.num_warps} s{c.num_stages}"
-        + (" pointer loads" if c.kwargs.get("POINTER_LOADS") else "")
+        name: config_label(c)
         for name, kernel in kernels.KERNELS.items()
         if (c := getattr(kernel, "best_config", None)) is not None
     }

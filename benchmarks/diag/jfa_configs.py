@@ -15,11 +15,10 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.common import bench_ms, write_results
-from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected
+from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
 DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
-KERNELS = kernels.KERNELS
 
 
 def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
@@ -37,21 +36,16 @@ def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
-def _label(config) -> str:
-    pointer = "_ptr" if config.kwargs.get("POINTER_LOADS") else ""
-    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}{pointer}"
-
-
 def sweep(name: str, fn, rows: list[dict], workload: str) -> None:
     """Time ``fn`` with each config of the full product forced on kernel ``name`` (the others stay tuned)."""
-    kernel = KERNELS[name]
+    kernel = kernels.KERNELS[name]
     every = list(kernel.configs)
     try:
         for m, n, w, s in kernels.full_product(name):
             config = kernels.tile_config(name, m, n, w, s)
             kernel.configs = [config]
             kernel.cache.clear()
-            row = {"workload": workload, "kernel": name, "config": _label(config)}
+            row = {"workload": workload, "kernel": name, "config": config_label(config)}
             try:
                 fn()
                 torch.cuda.synchronize()
@@ -80,7 +74,7 @@ def main() -> None:
             row = {"workload": wl.name, "impl": impl.name, "fwd_ms": bench_ms(impl.fwd), "bwd_ms": bench_ms(impl.bwd)}
             row["bwd_kernels_ms"] = kernel_ms(impl.bwd)
             if impl is jfa:
-                row["tuned"] = {name: _label(k.best_config) for name, k in KERNELS.items() if k.best_config}
+                row["tuned"] = tuned_configs()
             rows.append(row)
             print(row, flush=True)
         for name in args.sweep:

@@ -13,8 +13,8 @@ import argparse
 import torch
 
 from benchmarks.common import bench_ms, write_results
-from benchmarks.diag.jfa_configs import KERNELS, _label, kernel_ms
-from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected
+from benchmarks.diag.jfa_configs import kernel_ms
+from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
 DEFAULT_WORKLOADS = "a_,b_L512_s0.5_full,b_L512_s1.0_causal,b_L1024_s0.5_causal,b_L2048_s0.5_causal,d_"
@@ -43,7 +43,7 @@ def main() -> None:
             kernels.TMA_PASSES = kernels._tma_passes(setting)
             jfa = jfa_impl(wl, b)
             row = {"workload": wl.name, "impl": f"jfa_{mode}", **_timed(jfa)}
-            row["tuned"] = {name: _label(k.best_config) for name, k in KERNELS.items() if k.best_config}
+            row["tuned"] = tuned_configs()
             results[mode] = [t.float() for t in jfa.fwd_bwd()]
             rows.append(row)
             print(row, flush=True)
