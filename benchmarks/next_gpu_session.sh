@@ -48,6 +48,8 @@
 #   fixed and GDPA's (ragged TMA loads), the embedding lookup (its step size now tuned)
 # s10b (one GPU, next session): GDPA tuned over tiles and both load paths on (a) L1024 s1.0 and (b), beside JFA
 #   and the compiled padded peer (issue 4); then part 6a (GDPA full)
+# s10c (one GPU, session 10): each GDPA candidate alone on each load path against the reference (which TMA
+#   candidates s10a's tests found wrong), then part s10b
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -203,6 +205,10 @@ chain_s10a() {  # session 10, call 1: GDPA's new default configs against session
 chain_s10b() {  # session 10, call 2: GDPA tuned over tiles and load paths on (a) L1024 and (b), JFA and compiled peers
   step gdpa_a_b 420 python -m benchmarks.gdpa --workloads "a self L=1024 s=1.0,b " --peers jfa,padded-compiled
 }
+chain_s10c() {  # session 10, call 2: which GDPA TMA candidates are wrong (s10a's failing tests), then part s10b
+  step gdpa_candidates 170 python -m benchmarks.diag.gdpa_candidates
+  step gdpa_a_b 400 python -m benchmarks.gdpa --workloads "a self L=1024 s=1.0,b " --peers jfa,padded-compiled
+}
 chain_s9c() {  # next session: BlockAttention's rotary backward at three programs per SM (LATE_V), GPU tests
   step block_attention_full 300 python -m benchmarks.block_attention
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
@@ -214,7 +220,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

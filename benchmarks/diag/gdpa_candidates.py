@@ -1,0 +1,95 @@
+"""GDPA's tuning candidates one at a time, on each load path, against the fp32 reference: which (pass,
+candidate, loads) is wrong, on which lengths and masks. Session 10's GPU tests found wrong results from
+some TMA candidates (``test_every_tuning_candidate``) that the default candidate does not give.
+
+Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_candidates``; writes
+``benchmarks/results/gdpa_candidates.json`` (one row per case: relative errors of out, dq, dk, dv).
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["OPENGEM_GDPA_TUNE"] = "0"  # the first candidate that runs: the one forced below
+
+import math  # noqa: E402
+from dataclasses import replace  # noqa: E402
+
+import torch  # noqa: E402
+
+from benchmarks.common import write_results  # noqa: E402
+from opengem.ops.activations import ACTIVATIONS  # noqa: E402
+from opengem.ops.reference import gdpa as reference  # noqa: E402
+from opengem.ops.triton import gdpa as triton_gdpa  # noqa: E402
+
+LENGTH_SETS = {
+    "test": [256, 1, 0, 129, 85],  # test_every_tuning_candidate's, max 256
+    "test700": [700, 1, 0, 129, 233],
+    "aligned": [256, 128, 256, 64],
+    "no_tiny": [256, 129, 85, 200],
+}
+# a pointer-load candidate every pass accepts: the other passes run it while one pass is under test
+_SAFE = {"_FWD": triton_gdpa.Config(64, 64, 4, 3, pointer_loads=True),
+         "_DKDV": triton_gdpa.Config(64, 64, 4, 2, pointer_loads=True),
+         "_DQ": triton_gdpa.Config(64, 64, 4, 2, pointer_loads=True)}
+
+
+def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
+    if not torch.isfinite(out).all():
+        return math.inf
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
+
+
+def _run(lengths: list[int], masked: bool, seed: int = 0) -> dict[str, float]:
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows, heads, dim = sum(lengths), 4, 128
+    q, k, v = (torch.randn(rows, heads, dim, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    targets = torch.tensor([min(7, n) for n in lengths], device="cuda", dtype=torch.int32) if masked else None
+    act = ACTIVATIONS.index("silu")
+    max_len = max(lengths)
+    args = triton_gdpa.GdpaArgs((act,) * heads, 1 / math.sqrt(dim), 1 / max_len, masked, 0, None, False, max_len, max_len)
+    out = triton_gdpa.gdpa_forward(q, k, v, offsets, offsets, targets, args)
+    grad_out = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
+    dq, dk, dv = triton_gdpa.gdpa_backward(grad_out, q, k, v, offsets, offsets, targets, args)
+    kwargs = dict(head_activations=["silu"] * heads, pre_scale=1 / math.sqrt(dim), out_scale=1 / max_len,
+                  causal=masked, num_targets=targets)
+    qf, kf, vf = q.float(), k.float(), v.float()
+    ref = reference.gdpa(qf, kf, vf, offsets, offsets, **kwargs)
+    grads = reference.gdpa_backward(grad_out.float(), qf, kf, vf, offsets, offsets, **kwargs)
+    return {"out": _rel(out, ref), **{f"d{n}": _rel(g, r) for n, g, r in zip("qkv", (dq, dk, dv), grads)}}
+
+
+def main() -> None:
+    rows = []
+    passes = {"_FWD": "fwd", "_FWD_RESIDENT": "fwd", "_DKDV": "dkdv", "_DQ": "dq"}
+    original = {name: getattr(triton_gdpa, name) for name in passes}
+    for name, pass_name in passes.items():
+        for candidate in original[name]:
+            for pointer in (False, True):
+                for set_name, lengths in LENGTH_SETS.items():
+                    if name == "_FWD_RESIDENT" and max(lengths) > triton_gdpa.SHORT_KV_MAX:
+                        continue
+                    for masked in (True, False):
+                        for other, safe in _SAFE.items():
+                            setattr(triton_gdpa, other, (safe,))
+                        triton_gdpa._FWD_RESIDENT = ()
+                        setattr(triton_gdpa, name, (candidate,))
+                        triton_gdpa.TMA_PASSES = frozenset() if pointer else frozenset({pass_name})
+                        row = dict(list=name, candidate=triton_gdpa._label(replace(candidate, pointer_loads=pointer)),
+                                   lengths=set_name, masked=masked)
+                        try:
+                            row |= _run(lengths, masked)
+                        except Exception as exc:  # a candidate that does not compile or fit: say so, go on
+                            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                        rows.append(row)
+                        bad = [k for k in ("out", "dq", "dk", "dv") if not row.get(k, 0) < 2e-2]
+                        print(row | {"bad": bad}, flush=True)
+    for name, value in original.items():
+        setattr(triton_gdpa, name, value)
+    path = write_results("gdpa_candidates", rows, {"bound": 2e-2})
+    print(path)
+
+
+if __name__ == "__main__":
+    main()
