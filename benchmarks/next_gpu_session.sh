@@ -50,6 +50,8 @@
 #   and the compiled padded peer (issue 4); then part 6a (GDPA full)
 # s10c (one GPU, session 10): each GDPA candidate alone on each load path against the reference (which TMA
 #   candidates s10a's tests found wrong), then part s10b
+# s10d, s10e (one GPU, session 10): GDPA (a) with JFA and the padded peers | the candidate diag at D 64 too,
+#   GDPA's GPU tests, GDPA (b)-(d) with every peer (part 6a in two calls)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -209,6 +211,14 @@ chain_s10c() {  # session 10, call 2: which GDPA TMA candidates are wrong (s10a'
   step gdpa_candidates 170 python -m benchmarks.diag.gdpa_candidates
   step gdpa_a_b 400 python -m benchmarks.gdpa --workloads "a self L=1024 s=1.0,b " --peers jfa,padded-compiled
 }
+chain_s10d() {  # session 10, call 3: GDPA's workload (a) tuned (square masked tiles off TMA), JFA and padded peers
+  step gdpa_a 560 python -m benchmarks.gdpa --workloads "a " --peers jfa,padded-eager,padded-compiled
+}
+chain_s10e() {  # session 10, call 4: the candidates at D 64 too, GDPA's GPU tests, workloads (b)-(d) with every peer
+  step gdpa_candidates 120 python -m benchmarks.diag.gdpa_candidates
+  step gdpa_gpu_tests 120 tests tests/gpu/test_gdpa_gpu.py
+  step gdpa_bcd 330 python -m benchmarks.gdpa --workloads "b ,c ,d "
+}
 chain_s9c() {  # next session: BlockAttention's rotary backward at three programs per SM (LATE_V), GPU tests
   step block_attention_full 300 python -m benchmarks.block_attention
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
@@ -220,7 +230,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -1,6 +1,8 @@
 """GDPA's tuning candidates one at a time, on each load path, against the fp32 reference: which (pass,
 candidate, loads) is wrong, on which lengths and masks. Session 10's GPU tests found wrong results from
-some TMA candidates (``test_every_tuning_candidate``) that the default candidate does not give.
+some TMA candidates (``test_every_tuning_candidate``) that the default candidate does not give: masked 128 x
+128 tiles at D 128, which ``tma_tile_safe`` now keeps off TMA. The diag runs them anyway (the filter
+bypassed), and at D 64 masked too, where 64 x 64 is the square tile.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_candidates``; writes
 ``benchmarks/results/gdpa_candidates.json`` (one row per case: relative errors of out, dq, dk, dv).
@@ -40,9 +42,9 @@ def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
 
 
-def _run(lengths: list[int], masked: bool, seed: int = 0) -> dict[str, float]:
+def _run(lengths: list[int], masked: bool, dim: int, seed: int = 0) -> dict[str, float]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    rows, heads, dim = sum(lengths), 4, 128
+    rows, heads = sum(lengths), 4
     q, k, v = (torch.randn(rows, heads, dim, generator=gen, device="cuda").bfloat16() for _ in range(3))
     offsets = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
     targets = torch.tensor([min(7, n) for n in lengths], device="cuda", dtype=torch.int32) if masked else None
@@ -64,22 +66,24 @@ def main() -> None:
     rows = []
     passes = {"_FWD": "fwd", "_FWD_RESIDENT": "fwd", "_DKDV": "dkdv", "_DQ": "dq"}
     original = {name: getattr(triton_gdpa, name) for name in passes}
+    triton_gdpa.tma_tile_safe = lambda config, head_dim, masked: True  # measure the excluded tiles too
+    cases = [(128, True), (128, False), (64, True)]
     for name, pass_name in passes.items():
         for candidate in original[name]:
             for pointer in (False, True):
                 for set_name, lengths in LENGTH_SETS.items():
                     if name == "_FWD_RESIDENT" and max(lengths) > triton_gdpa.SHORT_KV_MAX:
                         continue
-                    for masked in (True, False):
+                    for dim, masked in cases:
                         for other, safe in _SAFE.items():
                             setattr(triton_gdpa, other, (safe,))
                         triton_gdpa._FWD_RESIDENT = ()
                         setattr(triton_gdpa, name, (candidate,))
                         triton_gdpa.TMA_PASSES = frozenset() if pointer else frozenset({pass_name})
                         row = dict(list=name, candidate=triton_gdpa._label(replace(candidate, pointer_loads=pointer)),
-                                   lengths=set_name, masked=masked)
+                                   lengths=set_name, masked=masked, head_dim=dim)
                         try:
-                            row |= _run(lengths, masked)
+                            row |= _run(lengths, masked, dim)
                         except Exception as exc:  # a candidate that does not compile or fit: say so, go on
                             row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
                         rows.append(row)

@@ -407,6 +407,12 @@ def test_tma_loads_only_where_the_tensors_and_the_setting_allow():
     both = triton_gdpa._load_paths(triton_gdpa._FWD, True)
     assert [c.pointer_loads for c in both] == [False] * 3 + [True] * 3
     assert {c.pointer_loads for c in triton_gdpa._load_paths(triton_gdpa._FWD, False)} == {True}
+    # masked square tiles (BLOCK_M = BLOCK_N = D) compute wrong results through TMA on the GPU: pointer loads only
+    square = triton_gdpa.Config(128, 128, 8, 2)
+    masked = triton_gdpa._load_paths((square, triton_gdpa.Config(128, 64, 8, 3)), True, head_dim=128, masked=True)
+    assert [(c.block_n, c.pointer_loads) for c in masked] == [(64, False), (128, True), (64, True)]
+    assert len(triton_gdpa._load_paths((square,), True, head_dim=128, masked=False)) == 2
+    assert len(triton_gdpa._load_paths((square,), True, head_dim=64, masked=True)) == 2
     assert triton_gdpa._tma_passes("none") == frozenset() and triton_gdpa._tma_passes("dq, fwd") == {"dq", "fwd"}
     with pytest.raises(ValueError, match="OPENGEM_GDPA_TMA"):
         triton_gdpa._tma_passes("fwd,bwd")
