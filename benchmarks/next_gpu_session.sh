@@ -52,6 +52,8 @@
 #   candidates s10a's tests found wrong), then part s10b
 # s10d, s10e (one GPU, session 10): GDPA (a) with JFA and the padded peers | the candidate diag at D 64 too,
 #   GDPA's GPU tests, GDPA (b)-(d) with every peer (part 6a in two calls)
+# s10f (one GPU, session 10): GDPA's GPU tests (every candidate at D 64 too), gem-large b512 with the sequence
+#   stream in bf16 (part 2b's first step)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -219,6 +221,10 @@ chain_s10e() {  # session 10, call 4: the candidates at D 64 too, GDPA's GPU tes
   step gdpa_gpu_tests 120 tests tests/gpu/test_gdpa_gpu.py
   step gdpa_bcd 330 python -m benchmarks.gdpa --workloads "b ,c ,d "
 }
+chain_s10f() {  # session 10, call 5: GDPA's GPU tests (BLOCK_N = D masked tiles on pointer loads, D 64 candidates), then 2b's first step
+  step gdpa_gpu_tests 150 tests tests/gpu/test_gdpa_gpu.py
+  step large_bf16_sequence 300 large_single 512 multi_gpu_single_b512_bf16_sequence --set gem.sequence_dtype=compute
+}
 chain_s9c() {  # next session: BlockAttention's rotary backward at three programs per SM (LATE_V), GPU tests
   step block_attention_full 300 python -m benchmarks.block_attention
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
@@ -230,7 +236,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -125,10 +125,11 @@ def test_every_activation_forward_and_backward(first):
 
 
 @pytest.mark.parametrize("loads", ["fwd,dkdv,dq", "none"])  # TMA descriptors (tuning off runs them first), pointers
-@pytest.mark.parametrize("max_len, forward", [(256, "_FWD_RESIDENT"), (256, "_FWD"), (700, "_FWD")])
-def test_every_tuning_candidate(monkeypatch, max_len, forward, loads):
+@pytest.mark.parametrize("max_len, forward, head_dim", [(256, "_FWD_RESIDENT", 128), (256, "_FWD", 128),
+                                                        (700, "_FWD", 128), (256, "_FWD", 64)])
+def test_every_tuning_candidate(monkeypatch, max_len, forward, head_dim, loads):
     """Each candidate alone (short K/V times the resident-K/V and the key-loop forwards side by side), on
-    each load path."""
+    each load path, at D 128 and 64 (masked tiles with BLOCK_N = D went wrong through TMA: ``tma_tile_safe``)."""
     lengths = [max_len, 1, 0, 129, max_len // 3]
     targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
     for index in range(len(getattr(triton_gdpa, forward))):
@@ -138,8 +139,9 @@ def test_every_tuning_candidate(monkeypatch, max_len, forward, loads):
             monkeypatch.setattr(triton_gdpa, name, (candidates[index % len(candidates)],))
         other = {"_FWD": "_FWD_RESIDENT", "_FWD_RESIDENT": "_FWD"}[forward]
         monkeypatch.setattr(triton_gdpa, other, ())
-        _check(lengths, lengths, activation="silu", mask={"causal": True, "num_targets": targets}, seed=index)
-        _check(lengths, lengths, activation="fast_gelu", seed=index)
+        _check(lengths, lengths, activation="silu", mask={"causal": True, "num_targets": targets}, seed=index,
+               head_dim=head_dim)
+        _check(lengths, lengths, activation="fast_gelu", seed=index, head_dim=head_dim)
         monkeypatch.undo()
 
 

@@ -407,12 +407,15 @@ def test_tma_loads_only_where_the_tensors_and_the_setting_allow():
     both = triton_gdpa._load_paths(triton_gdpa._FWD, True)
     assert [c.pointer_loads for c in both] == [False] * 3 + [True] * 3
     assert {c.pointer_loads for c in triton_gdpa._load_paths(triton_gdpa._FWD, False)} == {True}
-    # masked square tiles (BLOCK_M = BLOCK_N = D) compute wrong results through TMA on the GPU: pointer loads only
-    square = triton_gdpa.Config(128, 128, 8, 2)
-    masked = triton_gdpa._load_paths((square, triton_gdpa.Config(128, 64, 8, 3)), True, head_dim=128, masked=True)
+    # masked tiles with BLOCK_N = D compute wrong results through TMA on the GPU: pointer loads only
+    wide, narrow = triton_gdpa.Config(128, 128, 8, 2), triton_gdpa.Config(128, 64, 8, 3)
+    masked = triton_gdpa._load_paths((wide, narrow), True, head_dim=128, masked=True)
     assert [(c.block_n, c.pointer_loads) for c in masked] == [(64, False), (128, True), (64, True)]
-    assert len(triton_gdpa._load_paths((square,), True, head_dim=128, masked=False)) == 2
-    assert len(triton_gdpa._load_paths((square,), True, head_dim=64, masked=True)) == 2
+    assert len(triton_gdpa._load_paths((wide,), True, head_dim=128, masked=False)) == 2
+    assert [c.block_n for c in triton_gdpa._load_paths((wide, narrow), True, 64, True) if not c.pointer_loads] == [128]
+    resident = triton_gdpa.Config(64, 0, 4, 3, 4)  # its key tile: the sample's K/V, padded to kv_block rows
+    assert len(triton_gdpa._load_paths((resident,), True, head_dim=128, masked=True, kv_block=128)) == 1
+    assert len(triton_gdpa._load_paths((resident,), True, head_dim=128, masked=True, kv_block=256)) == 2
     assert triton_gdpa._tma_passes("none") == frozenset() and triton_gdpa._tma_passes("dq, fwd") == {"dq", "fwd"}
     with pytest.raises(ValueError, match="OPENGEM_GDPA_TMA"):
         triton_gdpa._tma_passes("fwd,bwd")

@@ -111,21 +111,26 @@ def _tma_possible(name: str, *tensors: torch.Tensor) -> bool:
     return name in TMA_PASSES and all(tma_ok(t) for t in tensors)
 
 
-def tma_tile_safe(config: Config, head_dim: int, masked: bool) -> bool:
-    """False for the tile shape whose TMA path computes wrong results on Triton 3.6 (sm_90): masked
-    self-attention with square tiles, BLOCK_M = BLOCK_N = head dim (128 x 128 at D 128: forward output and
-    dQ off by 0.45-3.3 relative, every length set; unmasked and pointer loads right; session 10,
-    ``benchmarks.diag.gdpa_candidates``). Such candidates keep their pointer-load variant only."""
-    return not (masked and config.block_m == config.block_n == head_dim)
+def tma_tile_safe(config: Config, head_dim: int, masked: bool, kv_block: int = 0) -> bool:
+    """False where the TMA path computes wrong results on Triton 3.6 (sm_90): masked self-attention whose key
+    tile has as many rows as the head dimension (BLOCK_N = D; ``kv_block``: the resident forward's key tile).
+    Measured in session 10 (``benchmarks.diag.gdpa_candidates``, every length set): forward output and dQ off
+    by 0.45-1e6 relative for 128 x 128 at D 128 and for 128 x 64 and 64 x 64 at D 64; unmasked tiles, dK/dV
+    (its key tile is a pointer load), other tile shapes and pointer loads right. JFA's loop, which splits the
+    masked tiles off instead of branching per tile, is not affected. Such candidates keep pointer loads."""
+    block_n = kv_block if config.block_n == 0 else config.block_n
+    return not (masked and block_n == head_dim)
 
 
-def _load_paths(candidates: Sequence[Config], tma: bool, head_dim: int = 0, masked: bool = False) -> tuple[Config, ...]:
+def _load_paths(
+    candidates: Sequence[Config], tma: bool, head_dim: int = 0, masked: bool = False, kv_block: int = 0
+) -> tuple[Config, ...]:
     """Each candidate with TMA loads (where :func:`tma_tile_safe`), then each with pointer loads; pointer
     loads alone without TMA."""
     pointer = tuple(replace(c, pointer_loads=True) for c in candidates)
     if not tma:
         return pointer
-    return (*(c for c in candidates if tma_tile_safe(c, head_dim, masked)), *pointer)
+    return (*(c for c in candidates if tma_tile_safe(c, head_dim, masked, kv_block)), *pointer)
 
 
 def _tile_descriptors(config: Config, rows: Sequence[tuple[torch.Tensor, int]]) -> tuple[list, bool]:
@@ -349,11 +354,11 @@ def gdpa_forward(
         )
 
     if interpreting():
-        config = _load_paths((_INTERPRET_RESIDENT if resident_fits else _INTERPRET,), tma)[0]
+        config = _load_paths((_INTERPRET_RESIDENT if resident_fits else _INTERPRET,), tma, head_dim, masked, kv_block)[0]
     else:
         # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
-        candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma, head_dim, masked)
+        candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma, head_dim, masked, kv_block)
         config = _tuned(_tune_key("fwd", q, k, args, common) + (resident_fits,), candidates, launch)
     launch(config)
     return out
@@ -419,8 +424,8 @@ def gdpa_backward(
         )
 
     if interpreting():
-        launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv)[0])
-        launch_dq(_load_paths((_INTERPRET,), tma_dq)[0])
+        launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv, head_dim, masked)[0])
+        launch_dq(_load_paths((_INTERPRET,), tma_dq, head_dim, masked)[0])
     else:
         dkdv_candidates = _load_paths(_DKDV, tma_dkdv, head_dim, masked)
         dq_candidates = _load_paths(_DQ, tma_dq, head_dim, masked)
