@@ -113,11 +113,13 @@ def _tma_possible(name: str, *tensors: torch.Tensor) -> bool:
 
 def tma_tile_safe(config: Config, head_dim: int, masked: bool, kv_block: int = 0) -> bool:
     """False where the TMA path computes wrong results on Triton 3.6 (sm_90): masked self-attention whose key
-    tile has as many rows as the head dimension (BLOCK_N = D; ``kv_block``: the resident forward's key tile).
+    tile has as many rows as the head dimension (BLOCK_N = D; ``kv_block``: the resident forward's key tile),
+    in the forward and dQ (whose key tiles come through TMA).
     Measured in session 10 (``benchmarks.diag.gdpa_candidates``, every length set): forward output and dQ off
-    by 0.45-1e6 relative for 128 x 128 at D 128 and for 128 x 64 and 64 x 64 at D 64; unmasked tiles, dK/dV
-    (its key tile is a pointer load), other tile shapes and pointer loads right. JFA's loop, which splits the
-    masked tiles off instead of branching per tile, is not affected. Such candidates keep pointer loads."""
+    by 0.45-1e6 relative for 128 x 128 at D 128 and for 128 x 64 and 64 x 64 at D 64; unmasked tiles, every
+    dK/dV tile (its key tile is a pointer load), other tile shapes and pointer loads right. JFA's loop, which
+    splits the masked tiles off instead of branching per tile, passes its masked GPU tests at D 32-256. Such
+    candidates keep pointer loads."""
     block_n = kv_block if config.block_n == 0 else config.block_n
     return not (masked and block_n == head_dim)
 
@@ -424,12 +426,12 @@ def gdpa_backward(
         )
 
     if interpreting():
-        launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv, head_dim, masked)[0])
+        launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv)[0])
         launch_dq(_load_paths((_INTERPRET,), tma_dq, head_dim, masked)[0])
     else:
-        dkdv_candidates = _load_paths(_DKDV, tma_dkdv, head_dim, masked)
+        # dK/dV loads its key tile through pointers, so every tile of it stays right on TMA (tma_tile_safe)
+        launch_dkdv(_tuned(_tune_key("dkdv", q, k, args, common), _load_paths(_DKDV, tma_dkdv), launch_dkdv))
         dq_candidates = _load_paths(_DQ, tma_dq, head_dim, masked)
-        launch_dkdv(_tuned(_tune_key("dkdv", q, k, args, common), dkdv_candidates, launch_dkdv))
         launch_dq(_tuned(_tune_key("dq", q, k, args, common), dq_candidates, launch_dq))
     return dq, dk, dv
 
