@@ -14,6 +14,7 @@ import os
 
 os.environ["OPENGEM_GDPA_TUNE"] = "0"  # the first candidate that runs: the one forced below
 
+import itertools  # noqa: E402
 import math  # noqa: E402
 from dataclasses import replace  # noqa: E402
 
@@ -31,9 +32,8 @@ LENGTH_SETS = {
     "no_tiny": [256, 129, 85, 200],
 }
 # a pointer-load candidate every pass accepts: the other passes run it while one pass is under test
-_SAFE = {"_FWD": triton_gdpa.Config(64, 64, 4, 3, pointer_loads=True),
-         "_DKDV": triton_gdpa.Config(64, 64, 4, 2, pointer_loads=True),
-         "_DQ": triton_gdpa.Config(64, 64, 4, 2, pointer_loads=True)}
+_SAFE = {"_FWD": triton_gdpa.Config(64, 64, 4, 3), "_DKDV": triton_gdpa.Config(64, 64, 4, 2),
+         "_DQ": triton_gdpa.Config(64, 64, 4, 2)}  # pointer loads: TMA_PASSES names only the pass under test
 
 
 def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -54,8 +54,8 @@ def _run(lengths: list[int], masked: bool, dim: int, seed: int = 0) -> dict[str,
     out = triton_gdpa.gdpa_forward(q, k, v, offsets, offsets, targets, args)
     grad_out = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
     dq, dk, dv = triton_gdpa.gdpa_backward(grad_out, q, k, v, offsets, offsets, targets, args)
-    kwargs = dict(head_activations=["silu"] * heads, pre_scale=1 / math.sqrt(dim), out_scale=1 / max_len,
-                  causal=masked, num_targets=targets)
+    kwargs = {"head_activations": ["silu"] * heads, "pre_scale": 1 / math.sqrt(dim), "out_scale": 1 / max_len,
+              "causal": masked, "num_targets": targets}
     qf, kf, vf = q.float(), k.float(), v.float()
     ref = reference.gdpa(qf, kf, vf, offsets, offsets, **kwargs)
     grads = reference.gdpa_backward(grad_out.float(), qf, kf, vf, offsets, offsets, **kwargs)
@@ -65,34 +65,32 @@ def _run(lengths: list[int], masked: bool, dim: int, seed: int = 0) -> dict[str,
 def main() -> None:
     rows = []
     passes = {"_FWD": "fwd", "_FWD_RESIDENT": "fwd", "_DKDV": "dkdv", "_DQ": "dq"}
-    original = {name: getattr(triton_gdpa, name) for name in passes}
+    original = {name: getattr(triton_gdpa, name) for name in (*passes, "tma_tile_safe")}
     triton_gdpa.tma_tile_safe = lambda *args: True  # measure the excluded tiles too
-    cases = [(128, True), (128, False), (64, True)]
+    cases = [(128, True), (128, False), (64, True)]  # (head dim, masked)
     for name, pass_name in passes.items():
-        for candidate in original[name]:
-            for pointer in (False, True):
-                for set_name, lengths in LENGTH_SETS.items():
-                    if name == "_FWD_RESIDENT" and max(lengths) > triton_gdpa.SHORT_KV_MAX:
-                        continue
-                    for dim, masked in cases:
-                        for other, safe in _SAFE.items():
-                            setattr(triton_gdpa, other, (safe,))
-                        triton_gdpa._FWD_RESIDENT = ()
-                        setattr(triton_gdpa, name, (candidate,))
-                        triton_gdpa.TMA_PASSES = frozenset() if pointer else frozenset({pass_name})
-                        row = dict(list=name, candidate=triton_gdpa._label(replace(candidate, pointer_loads=pointer)),
-                                   lengths=set_name, masked=masked, head_dim=dim)
-                        try:
-                            row |= _run(lengths, masked, dim)
-                        except Exception as exc:  # a candidate that does not compile or fit: say so, go on
-                            row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
-                        rows.append(row)
-                        bad = [k for k in ("out", "dq", "dk", "dv") if not row.get(k, 0) < 2e-2]
-                        print(row | {"bad": bad}, flush=True)
+        for candidate, pointer, (set_name, lengths), (dim, masked) in itertools.product(
+                original[name], (False, True), LENGTH_SETS.items(), cases):
+            if name == "_FWD_RESIDENT" and max(lengths) > triton_gdpa.SHORT_KV_MAX:
+                continue
+            for other, safe in _SAFE.items():
+                setattr(triton_gdpa, other, (safe,))
+            triton_gdpa._FWD_RESIDENT = ()
+            setattr(triton_gdpa, name, (candidate,))
+            triton_gdpa.TMA_PASSES = frozenset() if pointer else frozenset({pass_name})
+            row = {"list": name, "candidate": triton_gdpa._label(replace(candidate, pointer_loads=pointer)),
+                   "lengths": set_name, "masked": masked, "head_dim": dim}
+            try:
+                row |= _run(lengths, masked, dim)
+                bad = [k for k in ("out", "dq", "dk", "dv") if not row[k] < 2e-2]
+            except Exception as exc:  # noqa: BLE001 (a candidate that does not compile or fit: say so, go on)
+                row["error"] = f"{type(exc).__name__}: {str(exc)[:200]}"
+                bad = ["error"]
+            rows.append(row)
+            print(row | {"bad": bad}, flush=True)
     for name, value in original.items():
         setattr(triton_gdpa, name, value)
-    path = write_results("gdpa_candidates", rows, {"bound": 2e-2})
-    print(path)
+    print(write_results("gdpa_candidates", rows, {"bound": 2e-2}))
 
 
 if __name__ == "__main__":
