@@ -20,7 +20,7 @@ from dataclasses import replace  # noqa: E402
 
 import torch  # noqa: E402
 
-from benchmarks.common import write_results  # noqa: E402
+from benchmarks.common import relative_error, write_results  # noqa: E402
 from opengem.ops.activations import ACTIVATIONS  # noqa: E402
 from opengem.ops.reference import gdpa as reference  # noqa: E402
 from opengem.ops.triton import gdpa as triton_gdpa  # noqa: E402
@@ -36,12 +36,6 @@ _SAFE = {"_FWD": triton_gdpa.Config(64, 64, 4, 3), "_DKDV": triton_gdpa.Config(6
          "_DQ": triton_gdpa.Config(64, 64, 4, 2)}  # pointer loads: TMA_PASSES names only the pass under test
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    if not torch.isfinite(out).all():
-        return math.inf
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-12))
-
-
 def _run(lengths: list[int], masked: bool, dim: int, seed: int = 0) -> dict[str, float]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     rows, heads = sum(lengths), 4
@@ -50,7 +44,8 @@ def _run(lengths: list[int], masked: bool, dim: int, seed: int = 0) -> dict[str,
     targets = torch.tensor([min(7, n) for n in lengths], device="cuda", dtype=torch.int32) if masked else None
     act = ACTIVATIONS.index("silu")
     max_len = max(lengths)
-    args = triton_gdpa.GdpaArgs((act,) * heads, 1 / math.sqrt(dim), 1 / max_len, masked, 0, None, False, max_len, max_len)
+    args = triton_gdpa.GdpaArgs((act,) * heads, 1 / math.sqrt(dim), 1 / max_len, masked, 0, None, False,
+                                max_len, max_len)
     out = triton_gdpa.gdpa_forward(q, k, v, offsets, offsets, targets, args)
     grad_out = torch.randn(out.shape, generator=gen, device="cuda").bfloat16()
     dq, dk, dv = triton_gdpa.gdpa_backward(grad_out, q, k, v, offsets, offsets, targets, args)
@@ -59,7 +54,8 @@ def _run(lengths: list[int], masked: bool, dim: int, seed: int = 0) -> dict[str,
     qf, kf, vf = q.float(), k.float(), v.float()
     ref = reference.gdpa(qf, kf, vf, offsets, offsets, **kwargs)
     grads = reference.gdpa_backward(grad_out.float(), qf, kf, vf, offsets, offsets, **kwargs)
-    return {"out": _rel(out, ref), **{f"d{n}": _rel(g, r) for n, g, r in zip("qkv", (dq, dk, dv), grads)}}
+    errors = {"out": relative_error(out, ref)}
+    return errors | {f"d{n}": relative_error(g, r) for n, g, r in zip("qkv", (dq, dk, dv), grads)}
 
 
 def main() -> None:

@@ -356,7 +356,8 @@ def gdpa_forward(
         )
 
     if interpreting():
-        config = _load_paths((_INTERPRET_RESIDENT if resident_fits else _INTERPRET,), tma, head_dim, masked, kv_block)[0]
+        interpreter_config = _INTERPRET_RESIDENT if resident_fits else _INTERPRET
+        config = _load_paths((interpreter_config,), tma, head_dim, masked, kv_block)[0]
     else:
         # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
