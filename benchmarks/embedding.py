@@ -11,7 +11,8 @@ fp32 weights throughout.
 
 Timed side by side (CUDA events, median), ours first, then the peers (each in try/except, time-capped):
 - ``opengem op``: the fused lookup alone on a prepared layout (the kernel figure), forward and
-  forward + backward + row-wise Adagrad update;
+  forward + backward + row-wise Adagrad update; ``opengem op, per-bag kernel``: the forward with one program
+  per bag (the kernel before the grouped one);
 - ``opengem module``: ``EmbeddingCollection(validate_ids=False)`` on a KeyedJagged moved with ``.to``
   (no device sync in the step), host work included; ``opengem module +validate``: the same with the
   default id check (one sync per forward);
@@ -22,8 +23,9 @@ Timed side by side (CUDA events, median), ours first, then the peers (each in tr
 
 GB/s counts rows read (ids x dim x 4 B) plus outputs written, against the measured device-to-device copy
 bandwidth (one 1 GiB copy: read + write). Embeddings count zero FLOPs (GEM_SPEC section 8), so no MFU.
-Every phase and every measurement prints one line as it finishes, and the results JSON is rewritten after
-each, so a run cut short keeps what it measured.
+Every phase and every measurement prints one line as it finishes, and the results JSON (``embedding.json``
+for ``--quick``, ``embedding_full.json`` for the full run) is rewritten after each, so a run cut short keeps
+what it measured.
 """
 
 from __future__ import annotations
@@ -126,6 +128,7 @@ class Report:
     """Rows and run facts, printed line by line and rewritten to the results JSON after each change."""
 
     def __init__(self, quick: bool) -> None:
+        self.family = "embedding" if quick else "embedding_full"
         self.rows: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {"quick": quick}
         self.forward_bytes = 0
@@ -135,7 +138,7 @@ class Report:
     def fact(self, message: str, **facts: Any) -> None:
         self.extra.update(facts)
         print(message, flush=True)
-        write_results("embedding", self.rows, self.extra)
+        write_results(self.family, self.rows, self.extra)
 
     @contextmanager
     def phase(self, name: str) -> Iterator[None]:
@@ -143,9 +146,12 @@ class Report:
         yield
         self.fact(f"[phase] {name}: {time.perf_counter() - start:.1f} s")
 
-    def measured(self, name: str, forward_ms: float, step_ms: float, **more: Any) -> None:
+    def measured(self, name: str, forward_ms: float, step_ms: float | None, **more: Any) -> None:
         gbs = self.forward_bytes / forward_ms / 1e6
         row = {"impl": name, "forward_ms": forward_ms, "forward_GBps": gbs, "pct_of_copy": 100 * gbs / self.copy_gbs}
+        if step_ms is None:  # a forward-only row
+            self._add(row | more)
+            return
         row["step_ms"] = step_ms
         if self.ours_step_ms == self.ours_step_ms:  # known (not NaN) once our module's step is measured
             row["step_speedup_of_opengem"] = step_ms / self.ours_step_ms
@@ -160,7 +166,7 @@ class Report:
         self.rows.append(row)
         cells = (f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items())
         print("[row] " + "  ".join(cells), flush=True)
-        write_results("embedding", self.rows, self.extra)
+        write_results(self.family, self.rows, self.extra)
 
 
 def timed_call_s(fn: Callable[[], Any]) -> float:
@@ -275,8 +281,18 @@ def run_ours(ours: Ours, batch: KeyedJagged, report: Report) -> None:
             report.ours_step_ms = step_ms
         report.measured(name, forward_ms, step_ms)
     ec.validate_ids = False
-    picks = {str(key): str(config) for key, config in lookup_kernels._lookup_kernel.cache.items()}
-    report.fact(f"[tuning] lookup step size per key: {picks}", lookup_tuning=picks)
+
+    def per_bag_forward() -> torch.Tensor:  # the previous forward (one program per bag), for the ratio
+        sizes = (layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
+        return lookup_kernels.embedding_lookup(weights, layout.feature_meta, batch.values, offsets, *sizes, "per_bag")
+
+    per_bag_error = relative_error(per_bag_forward(), reference.embedding_lookup(*lookup_args))
+    report.measured("opengem op, per-bag kernel", bench_ms(per_bag_forward), None, error_vs_reference=per_bag_error)
+    picks = {
+        kernel.fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
+        for kernel in (lookup_kernels._grouped_lookup_kernel, lookup_kernels._lookup_kernel)
+    }
+    report.fact(f"[tuning] lookup tiles per key: {picks}", lookup_tuning=picks)
 
 
 def run_reference(ours: Ours, batch: KeyedJagged, report: Report, compiled: bool) -> None:

@@ -54,6 +54,8 @@
 #   GDPA's GPU tests, GDPA (b)-(d) with every peer (part 6a in two calls)
 # s10f (one GPU, session 10): GDPA's GPU tests (every candidate at D 64 too), gem-large b512 with the sequence
 #   stream in bf16 (part 2b's first step)
+# s11b (one GPU, session 11): every tile of both embedding forwards (per bag, grouped) alone on issue 8's quick
+#   and full workloads, the embedding benchmark quick then full (the compiled peer last), the embedding GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -118,6 +120,12 @@ chain_2a() {
 chain_2b() {
   step large_bf16_sequence 300 large_single 512 multi_gpu_single_b512_bf16_sequence --set gem.sequence_dtype=compute
   step embedding 90 python -m benchmarks.embedding --quick
+}
+chain_s11b() {
+  step embedding_configs 250 python -m benchmarks.diag.embedding_lookup_configs
+  step embedding_quick 80 python -m benchmarks.embedding --quick
+  step embedding_full 140 python -m benchmarks.embedding
+  step embedding_gpu_tests 100 tests tests/gpu/test_embedding_gpu.py
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -236,7 +244,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -67,6 +67,33 @@ def test_forward_matches_cpu(dtype: torch.dtype, batch_size: int) -> None:
     assert torch.equal(out["s1"][0].float().cpu(), torch.zeros(64))  # the empty bag
 
 
+@pytest.mark.parametrize("kernel", ["per_bag", "grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_forward_config_matches_the_reference(dtype: torch.dtype, kernel: str) -> None:
+    """Each tuning candidate of both forwards, launched past the autotuner (which may pick any of them), on
+    pooled sum / mean and sequence features of dims 64, 100, 256 and 48, B = 37 (a partial group of bags)."""
+    from opengem.ops.embedding import LookupLayout
+    from opengem.ops.reference import embedding as reference
+    from opengem.ops.triton import embedding as kernels
+
+    g = torch.Generator().manual_seed(5)
+    dims, rows, poolings, batch_size = (64, 100, 256, 48), (50, 5000, 20000, 3000), ("sum", "mean", "sum", "none"), 37
+    starts = [sum(d * r for d, r in zip(dims[:i], rows[:i])) for i in range(len(dims))]
+    tables = [(start, sum(rows[:i]), r, d) for i, (start, r, d) in enumerate(zip(starts, rows, dims))]
+    lengths = torch.randint(0, 101, (len(dims), batch_size), generator=g)
+    ids = torch.cat([torch.randint(0, r, (int(n),), generator=g) for r, n in zip(rows, lengths.sum(1))])
+    layout = LookupLayout.build(tables, range(len(dims)), poolings, lengths.sum(1).tolist(), batch_size, "cpu")
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.flatten().cumsum(0)])
+    weights = torch.randn(sum(d * r for d, r in zip(dims, rows)), generator=g).to(dtype)
+    expected = reference.embedding_lookup(weights.float(), layout.feature_meta, ids, offsets, batch_size, layout.out_numel)
+    device_args = [t.cuda() for t in (weights, layout.feature_meta, ids, offsets)]
+    sizes = (batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
+    rtol, atol = TOLERANCE[dtype]
+    for config in kernels.lookup_configs(kernel):
+        out = kernels.embedding_lookup(*device_args, *sizes, kernel, config)
+        torch.testing.assert_close(out.float().cpu(), expected, rtol=rtol, atol=atol, msg=str(config))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind", ["rowwise_adagrad", "sgd", "rowwise_adam"])
 def test_fused_training_matches_cpu(dtype: torch.dtype, kind: str) -> None:

@@ -1,0 +1,89 @@
+"""Every tile of both embedding forwards, timed alone on issue 8's workloads, beside the device copy bandwidth.
+
+The per-bag forward (``_lookup_kernel``: one program per bag, with and without its ids loaded a step ahead)
+and the grouped forward (``_grouped_lookup_kernel``: GROUP bags per program, fp32 one-hot sums in exact FMA
+or 3xTF32 tensor-core precision), each config launched directly (not through the autotuner), checked
+against the eager reference of the same batch. Then each public path once through its autotuner, with the
+pick. GB/s counts rows read plus outputs written (``benchmarks.embedding``).
+
+Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.embedding_lookup_configs [--workloads quick,full]``;
+writes ``benchmarks/results/embedding_lookup_configs.json`` after every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import bench_ms, relative_error, write_results
+from benchmarks.embedding import DEVICE, copy_bandwidth_gbs, make_batch, workload
+from opengem.jagged import offsets_from_lengths
+from opengem.ops.embedding import LookupLayout
+from opengem.ops.reference import embedding as reference
+from opengem.ops.triton import embedding as kernels
+
+def _layout(w, batch) -> tuple[torch.Tensor, LookupLayout]:
+    tables, weight_offset, row_offset = [], 0, 0
+    for t in w.tables:
+        tables.append((weight_offset, row_offset, t.num_embeddings, t.embedding_dim))
+        weight_offset += t.num_embeddings * t.embedding_dim
+        row_offset += t.num_embeddings
+    pooling = [t.pooling for t in w.tables]
+    layout = LookupLayout.build(tables, list(range(len(tables))), pooling, batch.lengths_per_key(), batch.stride, DEVICE)
+    return torch.randn(weight_offset, device=DEVICE), layout
+
+
+def _launchers(weights, layout: LookupLayout, ids, offsets) -> dict[str, Callable[[], torch.Tensor]]:
+    """name -> a call of one forward with one config (past its autotuner), then each through its autotuner."""
+    args = (weights, layout.feature_meta, ids, offsets, layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
+    found = {}
+    for kernel in ("per_bag", "grouped"):
+        for config in kernels.lookup_configs(kernel):
+            name = f"{kernel} " + " ".join(f"{key}={value}" for key, value in config.items())
+            found[name] = lambda kernel=kernel, config=config: kernels.embedding_lookup(*args, kernel, config)
+    for kernel in ("per_bag", "grouped"):
+        found[f"{kernel} autotuned"] = lambda kernel=kernel: kernels.embedding_lookup(*args, kernel)
+    return found
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workloads", default="quick,full", type=lambda text: text.split(","))
+    args = parser.parse_args()
+    rows: list[dict] = []
+    extra: dict = {"copy_GBps": copy_bandwidth_gbs()}
+    print(f"copy bandwidth {extra['copy_GBps']:.0f} GB/s", flush=True)
+    for name in args.workloads:
+        w = workload(name == "quick", power_law_ids=True)
+        batch = make_batch(w, DEVICE, seed=0)
+        per_key = batch.lengths_per_key()
+        forward_bytes = sum(
+            (n + (n if t.pooling == "none" else batch.stride)) * t.embedding_dim * 4 for t, n in zip(w.tables, per_key)
+        )
+        weights, layout = _layout(w, batch)
+        offsets = offsets_from_lengths(batch.lengths)
+        expected = reference.embedding_lookup(weights, layout.feature_meta, batch.values, offsets, batch.stride, layout.out_numel)
+        extra[name] = {"num_ids": sum(per_key), "forward_bytes": forward_bytes}
+        for impl, run in _launchers(weights, layout, batch.values, offsets).items():
+            row: dict = {"workload": name, "impl": impl}
+            try:
+                row["error"] = relative_error(run(), expected)
+                row["forward_ms"] = bench_ms(run)
+                row["pct_of_copy"] = 100 * forward_bytes / row["forward_ms"] / 1e6 / extra["copy_GBps"]
+            except Exception as error:  # a config that fails to compile or launch is a row, not the end
+                row["failed"] = f"{type(error).__name__}: {error}"[:300]
+            rows.append(row)
+            print(row, flush=True)
+            write_results("embedding_lookup_configs", rows, extra)
+        for kernel in (kernels._lookup_kernel, kernels._grouped_lookup_kernel):
+            extra[f"{name}_{kernel.fn.__name__}_pick"] = {str(k): str(c) for k, c in kernel.cache.items()}
+            kernel.cache.clear()  # the next workload tunes afresh
+        write_results("embedding_lookup_configs", rows, extra)
+        del weights, expected
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
