@@ -11,8 +11,7 @@ fp32 weights throughout.
 
 Timed side by side (CUDA events, median), ours first, then the peers (each in try/except, time-capped):
 - ``opengem op``: the fused lookup alone on a prepared layout (the kernel figure), forward and
-  forward + backward + row-wise Adagrad update; ``opengem op, per-bag kernel``: the forward with one program
-  per bag (the kernel before the grouped one);
+  forward + backward + row-wise Adagrad update;
 - ``opengem module``: ``EmbeddingCollection(validate_ids=False)`` on a KeyedJagged moved with ``.to``
   (no device sync in the step), host work included; ``opengem module +validate``: the same with the
   default id check (one sync per forward);
@@ -146,12 +145,9 @@ class Report:
         yield
         self.fact(f"[phase] {name}: {time.perf_counter() - start:.1f} s")
 
-    def measured(self, name: str, forward_ms: float, step_ms: float | None, **more: Any) -> None:
+    def measured(self, name: str, forward_ms: float, step_ms: float, **more: Any) -> None:
         gbs = self.forward_bytes / forward_ms / 1e6
         row = {"impl": name, "forward_ms": forward_ms, "forward_GBps": gbs, "pct_of_copy": 100 * gbs / self.copy_gbs}
-        if step_ms is None:  # a forward-only row
-            self._add(row | more)
-            return
         row["step_ms"] = step_ms
         if self.ours_step_ms == self.ours_step_ms:  # known (not NaN) once our module's step is measured
             row["step_speedup_of_opengem"] = step_ms / self.ours_step_ms
@@ -281,18 +277,8 @@ def run_ours(ours: Ours, batch: KeyedJagged, report: Report) -> None:
             report.ours_step_ms = step_ms
         report.measured(name, forward_ms, step_ms)
     ec.validate_ids = False
-
-    def per_bag_forward() -> torch.Tensor:  # the previous forward (one program per bag), for the ratio
-        sizes = (layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
-        return lookup_kernels.embedding_lookup(weights, layout.feature_meta, batch.values, offsets, *sizes, "per_bag")
-
-    per_bag_error = relative_error(per_bag_forward(), reference.embedding_lookup(*lookup_args))
-    report.measured("opengem op, per-bag kernel", bench_ms(per_bag_forward), None, error_vs_reference=per_bag_error)
-    picks = {
-        kernel.fn.__name__: {str(key): str(config) for key, config in kernel.cache.items()}
-        for kernel in (lookup_kernels._grouped_lookup_kernel, lookup_kernels._lookup_kernel)
-    }
-    report.fact(f"[tuning] lookup tiles per key: {picks}", lookup_tuning=picks)
+    picks = {str(key): str(config) for key, config in lookup_kernels._lookup_kernel.cache.items()}
+    report.fact(f"[tuning] lookup tile per key: {picks}", lookup_tuning=picks)
 
 
 def run_reference(ours: Ours, batch: KeyedJagged, report: Report, compiled: bool) -> None:

@@ -54,7 +54,7 @@
 #   GDPA's GPU tests, GDPA (b)-(d) with every peer (part 6a in two calls)
 # s10f (one GPU, session 10): GDPA's GPU tests (every candidate at D 64 too), gem-large b512 with the sequence
 #   stream in bf16 (part 2b's first step)
-# s11b (one GPU, session 11): every tile of both embedding forwards (per bag, grouped) alone on issue 8's quick
+# s11b (one GPU, session 11): every tile of the embedding forward alone on issue 8's quick
 #   and full workloads, the embedding benchmark quick then full (the compiled peer last), the embedding GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)

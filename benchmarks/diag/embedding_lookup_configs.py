@@ -1,10 +1,10 @@
-"""Every tile of both embedding forwards, timed alone on issue 8's workloads, beside the device copy bandwidth.
+"""Every tile of the embedding forward, timed alone on issue 8's workloads, beside the device copy bandwidth.
 
-The per-bag forward (``_lookup_kernel``: one program per bag, with and without its ids loaded a step ahead)
-and the grouped forward (``_grouped_lookup_kernel``: GROUP bags per program, fp32 one-hot sums in exact FMA
-or 3xTF32 tensor-core precision), each config launched directly (not through the autotuner), checked
-against the eager reference of the same batch. Then each public path once through its autotuner, with the
-pick. GB/s counts rows read plus outputs written (``benchmarks.embedding``).
+Each tuning candidate of ``_lookup_kernel`` launched directly (not through the autotuner), checked against
+the eager reference of the same batch, then the public path through its autotuner, with the pick. GB/s
+counts rows read plus outputs written (``benchmarks.embedding``). Session 11 also ran a grouped forward
+(16-32 bags per program, one-hot sums) and the per-bag forward without its ids loaded a step ahead; both
+lost (RESULTS.md) and were removed.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.embedding_lookup_configs [--workloads quick,full]``;
 writes ``benchmarks/results/embedding_lookup_configs.json`` after every row.
@@ -36,15 +36,13 @@ def _layout(w, batch) -> tuple[torch.Tensor, LookupLayout]:
 
 
 def _launchers(weights, layout: LookupLayout, ids, offsets) -> dict[str, Callable[[], torch.Tensor]]:
-    """name -> a call of one forward with one config (past its autotuner), then each through its autotuner."""
+    """name -> a call of the forward with one config (past its autotuner), then through its autotuner."""
     args = (weights, layout.feature_meta, ids, offsets, layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
     found = {}
-    for kernel in ("per_bag", "grouped"):
-        for config in kernels.lookup_configs(kernel):
-            name = f"{kernel} " + " ".join(f"{key}={value}" for key, value in config.items())
-            found[name] = lambda kernel=kernel, config=config: kernels.embedding_lookup(*args, kernel, config)
-    for kernel in ("per_bag", "grouped"):
-        found[f"{kernel} autotuned"] = lambda kernel=kernel: kernels.embedding_lookup(*args, kernel)
+    for config in kernels.lookup_configs():
+        name = " ".join(f"{key}={value}" for key, value in config.items())
+        found[name] = lambda config=config: kernels.embedding_lookup(*args, config)
+    found["autotuned"] = lambda: kernels.embedding_lookup(*args)
     return found
 
 
@@ -77,9 +75,8 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
             write_results("embedding_lookup_configs", rows, extra)
-        for kernel in (kernels._lookup_kernel, kernels._grouped_lookup_kernel):
-            extra[f"{name}_{kernel.fn.__name__}_pick"] = {str(k): str(c) for k, c in kernel.cache.items()}
-            kernel.cache.clear()  # the next workload tunes afresh
+        extra[f"{name}_pick"] = {str(key): str(config) for key, config in kernels._lookup_kernel.cache.items()}
+        kernels._lookup_kernel.cache.clear()  # the next workload tunes afresh
         write_results("embedding_lookup_configs", rows, extra)
         del weights, expected
         torch.cuda.empty_cache()

@@ -5,7 +5,8 @@ Layout and optimizer definitions: `opengem.ops.embedding`. Same signatures as th
 
 Forward: one program per (bag, block of BLOCK_D columns). It gathers BLOCK_N rows at a time (tuned) as a
 [BLOCK_N, BLOCK_D] tile (many independent row loads in flight, contiguous vectorized columns), and either
-sums them in fp32 (pooled) or writes each row out (sequence features).
+sums them in fp32 (pooled) or writes each row out (sequence features). A table of half or a quarter of the
+launch's widest dim takes 2 or 4 times the rows per step; each step's ids are loaded one step ahead.
 
 Backward: the host sorts the batch's (global row, contribution) pairs by row with torch ops, without a
 device sync. Each program takes ROWS consecutive sorted positions as a [ROWS, BLOCK_D] tile; the first
@@ -67,31 +68,56 @@ def _id_rows(ids, positions, last):
 
 
 @triton.jit
-def _row_tile(weights, weight_start, dim, rows, positions, last, columns, column_mask, ALIGN: tl.constexpr):
-    """The [BLOCK_N, BLOCK_D] tile of ``rows`` (masked past ``last`` and past the table's dim)."""
-    mask = (positions < last)[:, None] & column_mask[None, :]
-    row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
-    return mask, tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask, other=0.0)
+def _lookup_bag(
+    weights, ids, out, weight_start, dim, pooling, out_start, first, last, feature_first, sample, column_block,
+    ALIGN: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+):  # fmt: skip
+    """One bag as [ROWS, COLS] row tiles: summed in fp32 (pooled) or each row copied out (sequence features).
+    Each step's ids are loaded one step ahead of its rows, so a step waits on one memory latency, not two."""
+    columns = column_block * COLS + tl.arange(0, COLS)
+    column_mask = columns < dim
+    positions = first + tl.arange(0, ROWS)
+    rows = _id_rows(ids, positions, last)
+    start = first
+    total = tl.zeros([COLS], dtype=tl.float32)
+    while start < last:
+        next_rows = _id_rows(ids, positions + ROWS, last)
+        mask = (positions < last)[:, None] & column_mask[None, :]
+        row_starts = tl.multiple_of(weight_start + rows * dim, ALIGN)  # vectorized row loads
+        tile = tl.load(weights + row_starts[:, None] + columns[None, :], mask=mask, other=0.0)
+        if pooling == 2:  # POOL_NONE: each row to its own output row
+            out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
+            tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
+        else:
+            total += tl.sum(tile.to(tl.float32), axis=0)
+        positions += ROWS
+        start += ROWS
+        rows = next_rows
+    if pooling != 2:
+        if pooling == 1:  # POOL_MEAN; an empty bag stays 0
+            total = total / tl.maximum(last - first, 1).to(tl.float32)
+        out_row = tl.multiple_of(out_start + sample * dim, ALIGN)
+        tl.store(out + out_row + columns, total.to(out.dtype.element_ty), mask=column_mask)
 
 
-# (BLOCK_N, num_warps, PREFETCH): rows gathered per step of a bag, and whether a step's ids are loaded one step
-# ahead (else each step waits on its id load, then on its rows: two memory latencies). Session 2's fixed
-# 16 x 4 warps reached 49.5% of the copy bandwidth on an H200. The forward is timed by the autotuner on the
-# GPU; the backward's kernels update the table in place, so a tuner could not re-run them.
-_LOOKUP_TILES = ((16, 4, 0), (32, 4, 0), (64, 4, 0), (32, 8, 0), (64, 8, 0), (16, 4, 1), (32, 4, 1), (32, 8, 1), (64, 8, 1))
+# (BLOCK_N, num_warps): rows per step of a bag at the full BLOCK_D width. Fewer warps per program put more bags
+# in flight per SM (short bags are latency-bound); more rows per step, more bytes per bag (long bags).
+# Session 11 measured 8 warps 2x slower than 4 on both workloads (diag `embedding_lookup_configs`). Timed by
+# the autotuner on the GPU; the backward's kernels update the table in place, so a tuner could not re-run them.
+_LOOKUP_TILES = ((8, 1), (8, 2), (16, 2), (32, 2), (16, 4), (32, 4))
 
 
 def _lookup_configs() -> list[triton.Config]:
     if os.environ.get("TRITON_INTERPRET") == "1":  # one config: Triton's autotuner times even a lone survivor
-        return [triton.Config({"BLOCK_N": 16, "PREFETCH": 1}, num_warps=4)]
-    return [triton.Config({"BLOCK_N": n, "PREFETCH": p}, num_warps=w) for n, w, p in _LOOKUP_TILES]
+        return [triton.Config({"BLOCK_N": 16}, num_warps=4)]
+    return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in _LOOKUP_TILES]
 
 
 @triton.autotune(configs=_lookup_configs(), key=["BLOCK_D", "ALIGN"], do_bench=tuning_bench)
 @triton.jit
 def _lookup_kernel(
     weights, meta, ids, offsets, out, batch_size,
-    META_COLS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr,
+    META_COLS: tl.constexpr, ALIGN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):  # fmt: skip
     bag = tl.program_id(0)
     column_block = tl.program_id(1)
@@ -104,116 +130,20 @@ def _lookup_kernel(
         weight_start = tl.load(row_meta + 0)
         pooling = tl.load(row_meta + 2)
         out_start = tl.load(row_meta + 3)
-        columns = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
-        column_mask = columns < dim
         first = tl.load(offsets + bag).to(tl.int64)
         last = tl.load(offsets + bag + 1).to(tl.int64)
-        positions = first + tl.arange(0, BLOCK_N)
-        rows = _id_rows(ids, positions, last)
-        start = first
-        if pooling == 2:  # POOL_NONE: copy each row to its own output row
-            feature_first = tl.load(offsets + feature * batch_size).to(tl.int64)
-            while start < last:
-                if PREFETCH:
-                    next_rows = _id_rows(ids, positions + BLOCK_N, last)
-                mask, tile = _row_tile(weights, weight_start, dim, rows, positions, last, columns, column_mask, ALIGN)
-                out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
-                tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
-                positions += BLOCK_N
-                start += BLOCK_N
-                rows = next_rows if PREFETCH else _id_rows(ids, positions, last)
-        else:  # POOL_SUM / POOL_MEAN: fp32 sum of the bag's rows
-            total = tl.zeros([BLOCK_D], dtype=tl.float32)
-            while start < last:
-                if PREFETCH:
-                    next_rows = _id_rows(ids, positions + BLOCK_N, last)
-                _, tile = _row_tile(weights, weight_start, dim, rows, positions, last, columns, column_mask, ALIGN)
-                total += tl.sum(tile.to(tl.float32), axis=0)
-                positions += BLOCK_N
-                start += BLOCK_N
-                rows = next_rows if PREFETCH else _id_rows(ids, positions, last)
-            if pooling == 1:  # POOL_MEAN; an empty bag stays 0
-                total = total / tl.maximum(last - first, 1).to(tl.float32)
-            out_row = tl.multiple_of(out_start + sample * dim, ALIGN)
-            tl.store(out + out_row + columns, total.to(out.dtype.element_ty), mask=column_mask)
-
-
-# (GROUP, BLOCK_N, num_warps) of the grouped forward: bags per program, ids gathered per step (tl.dot needs
-# GROUP >= 16); fp32 rows are summed by FMA ("ieee") or by 3xTF32 tensor-core products. Timed by the
-# autotuner on the GPU like the per-bag forward's tiles.
-GROUPED_PRECISIONS = ("ieee", "tf32x3")
-_GROUPED_TILES = ((16, 32, 4), (16, 64, 4), (16, 64, 8), (32, 32, 4), (32, 64, 8), (16, 128, 8))
-
-
-def _grouped_configs() -> list[triton.Config]:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        return [triton.Config({"GROUP": 16, "BLOCK_N": 32}, num_warps=4)]
-    return [triton.Config({"GROUP": g, "BLOCK_N": n, "PRECISION": precision}, num_warps=w)
-            for g, n, w in _GROUPED_TILES for precision in GROUPED_PRECISIONS]  # fmt: skip
-
-
-@triton.autotune(configs=_grouped_configs(), key=["BLOCK_D", "ALIGN"], do_bench=tuning_bench)
-@triton.jit
-def _grouped_lookup_kernel(
-    weights, meta, ids, offsets, out, batch_size,
-    META_COLS: tl.constexpr, ALIGN: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PRECISION: tl.constexpr = "tf32x3",
-):  # fmt: skip
-    """Program (GROUP consecutive bags of one feature, block of BLOCK_D columns). The group's ids are one
-    contiguous range of ``ids``, gathered BLOCK_N at a time across bag boundaries: short bags share a step
-    instead of each paying the offsets -> ids -> rows latency chain in a program of its own, and each step's
-    ids are loaded one step ahead of its rows. Pooled features: a step's rows are summed into their bags'
-    fp32 accumulators by a one-hot [GROUP, BLOCK_N] x [BLOCK_N, BLOCK_D] product (0/1 weights: fp32 sums,
-    exact products); sequence features: each row is copied to its own output row."""
-    feature = tl.program_id(1)
-    column_block = tl.program_id(2)
-    row_meta = meta + feature * META_COLS
-    dim = tl.load(row_meta + 1)
-    if column_block * BLOCK_D < dim:
-        weight_start = tl.load(row_meta + 0)
-        pooling = tl.load(row_meta + 2)
-        out_start = tl.load(row_meta + 3)
-        columns = column_block * BLOCK_D + tl.arange(0, BLOCK_D)
-        column_mask = columns < dim
-        sample0 = tl.program_id(0) * GROUP
-        bag0 = feature * batch_size + sample0
-        bags = tl.minimum(batch_size - sample0, GROUP)
-        first = tl.load(offsets + bag0).to(tl.int64)
-        last = tl.load(offsets + bag0 + bags).to(tl.int64)
-        positions = first + tl.arange(0, BLOCK_N)
-        rows = _id_rows(ids, positions, last)
-        start = first
-        if pooling == 2:  # POOL_NONE: the group's rows go to consecutive output rows of the feature
-            feature_first = tl.load(offsets + feature * batch_size).to(tl.int64)
-            while start < last:
-                next_rows = _id_rows(ids, positions + BLOCK_N, last)
-                mask, tile = _row_tile(weights, weight_start, dim, rows, positions, last, columns, column_mask, ALIGN)
-                out_rows = tl.multiple_of(out_start + (positions - feature_first) * dim, ALIGN)
-                tl.store(out + out_rows[:, None] + columns[None, :], tile, mask=mask)
-                positions += BLOCK_N
-                start += BLOCK_N
-                rows = next_rows
-        else:  # POOL_SUM / POOL_MEAN
-            slots = tl.arange(0, GROUP)
-            bag_first = tl.load(offsets + bag0 + slots, mask=slots < bags, other=0).to(tl.int64)
-            bag_last = tl.load(offsets + bag0 + slots + 1, mask=slots < bags, other=0).to(tl.int64)  # empty slot: 0, 0
-            total = tl.zeros([GROUP, BLOCK_D], dtype=tl.float32)
-            while start < last:
-                next_rows = _id_rows(ids, positions + BLOCK_N, last)
-                _, tile = _row_tile(weights, weight_start, dim, rows, positions, last, columns, column_mask, ALIGN)
-                member = (positions[None, :] >= bag_first[:, None]) & (positions[None, :] < bag_last[:, None])
-                if weights.dtype.element_ty == tl.float32:
-                    total += tl.dot(member.to(tl.float32), tile, input_precision=PRECISION)
-                else:  # 16-bit rows times 0/1 are exact; the tensor cores accumulate in fp32
-                    total += tl.dot(member.to(tile.dtype), tile)
-                positions += BLOCK_N
-                start += BLOCK_N
-                rows = next_rows
-            if pooling == 1:  # POOL_MEAN; an empty bag stays 0
-                total = total / tl.maximum(bag_last - bag_first, 1).to(tl.float32)[:, None]
-            out_rows = tl.multiple_of(out_start + (sample0 + slots) * dim, ALIGN)
-            tl.store(out + out_rows[:, None] + columns[None, :], total.to(out.dtype.element_ty),
-                     mask=(slots < bags)[:, None] & column_mask[None, :])
+        feature_first = tl.load(offsets + feature * batch_size).to(tl.int64)
+        # A table narrower than the launch's widest one gets a narrower, taller tile of as many elements: the
+        # same registers, every lane loading (a dim-64 table under BLOCK_D 256 masked 3 lanes in 4 before).
+        if dim > BLOCK_D // 2:
+            _lookup_bag(weights, ids, out, weight_start, dim, pooling, out_start, first, last, feature_first, sample,
+                        column_block, ALIGN, BLOCK_N, BLOCK_D)  # fmt: skip
+        elif dim > BLOCK_D // 4:
+            _lookup_bag(weights, ids, out, weight_start, dim, pooling, out_start, first, last, feature_first, sample,
+                        0, ALIGN, 2 * BLOCK_N, BLOCK_D // 2)  # fmt: skip
+        else:
+            _lookup_bag(weights, ids, out, weight_start, dim, pooling, out_start, first, last, feature_first, sample,
+                        0, ALIGN, 4 * BLOCK_N, BLOCK_D // 4)  # fmt: skip
 
 
 @triton.jit
@@ -319,37 +249,25 @@ def _aggregate_update_kernel(
 
 def embedding_lookup(
     weights: torch.Tensor, feature_meta: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, batch_size: int,
-    out_numel: int, max_dim: int, dim_align: int, kernel: str = "grouped", config: dict | None = None,
+    out_numel: int, max_dim: int, dim_align: int, config: dict | None = None,
 ) -> torch.Tensor:
-    """``kernel``: "grouped" (``_grouped_lookup_kernel``) or "per_bag" (``_lookup_kernel``). ``config``: launch
-    that kernel with these meta-parameters and ``num_warps`` instead of its autotuner's pick (diagnostics)."""
+    """``config``: launch with these ``BLOCK_N`` and ``num_warps`` instead of the autotuner's pick (tests, diag)."""
     out = _new_output(out_numel, weights)
-    num_features = feature_meta.shape[0]
-    if num_features * batch_size == 0 or out_numel == 0:
+    bags = feature_meta.shape[0] * batch_size
+    if bags == 0 or out_numel == 0:
         return out
-    if kernel not in ("grouped", "per_bag"):
-        raise ValueError(f"kernel must be 'grouped' or 'per_bag', got {kernel!r}")
-    if kernel == "per_bag":
-        launcher, block_d = _lookup_kernel, min(triton.next_power_of_2(max_dim), 256)  # one column block for dims <= 256
-        grid = lambda sizes: (num_features * batch_size, triton.cdiv(max_dim, block_d))  # noqa: E731
-    else:
-        launcher, block_d = _grouped_lookup_kernel, min(max(triton.next_power_of_2(max_dim), 16), 256)  # dot: N >= 16
-        grid = lambda sizes: (triton.cdiv(batch_size, sizes["GROUP"]), num_features, triton.cdiv(max_dim, block_d))  # noqa: E731
-    if config is not None:
-        launcher = launcher.fn
-    launcher[grid if config is None else grid(config)](
+    block_d = min(triton.next_power_of_2(max_dim), 256)  # one column block for dims <= 256
+    launcher = _lookup_kernel if config is None else _lookup_kernel.fn
+    launcher[(bags, triton.cdiv(max_dim, block_d))](
         weights, feature_meta, ids, offsets, out, batch_size,
         META_COLS=META_COLUMNS, ALIGN=dim_align, BLOCK_D=block_d, **(config or {}),
     )  # fmt: skip
     return out
 
 
-def lookup_configs(kernel: str) -> list[dict]:
-    """Every tuning candidate of one forward as a ``config`` of :func:`embedding_lookup` (GPU tests, diagnostics)."""
-    if kernel == "per_bag":
-        return [{"BLOCK_N": n, "num_warps": w, "PREFETCH": p} for n, w, p in _LOOKUP_TILES]
-    return [{"GROUP": g, "BLOCK_N": n, "num_warps": w, "PRECISION": precision}
-            for g, n, w in _GROUPED_TILES for precision in GROUPED_PRECISIONS]  # fmt: skip
+def lookup_configs() -> list[dict]:
+    """Every tuning candidate of the forward as a ``config`` of :func:`embedding_lookup`."""
+    return [{"BLOCK_N": n, "num_warps": w} for n, w in _LOOKUP_TILES]
 
 
 def _sorted_contributions(
