@@ -249,3 +249,24 @@ def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
     expected = mx_dequantize(mx_quantize(x), torch.float32) @ mx_dequantize(mx_quantize(w), torch.float32).t()
     err = rel(fp8_matmul(x, w, "mxfp8", torch.float32), expected)
     assert err < 1e-2, err  # bf16 output of native/emulated GEMM
+
+
+def test_fp8_linears_under_torch_compile() -> None:
+    """Two FP8 linears in one compiled graph launch the tuned row quantizer several times in one trace; torch
+    2.11's Dynamo failed on that while the tuner pruned its configs with `prune_configs_by` (pytorch#177600)."""
+    torch.manual_seed(0)
+    layers = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.GELU(), torch.nn.Linear(1024, 512)
+    ).cuda().to(torch.bfloat16)  # fmt: skip
+    for index in (0, 2):
+        layers[index] = LowPrecisionLinear.from_linear(layers[index], "fp8_rowwise")
+    x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
+    eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
+    layers(eager_x).float().square().mean().backward()
+    eager_grads = [p.grad.clone() for p in layers.parameters()]
+    layers.zero_grad()
+    compiled = torch.compile(layers)
+    compiled(compiled_x).float().square().mean().backward()
+    assert rel(compiled_x.grad, eager_x.grad) < 2e-2
+    for p, eager_grad in zip(layers.parameters(), eager_grads):
+        assert rel(p.grad, eager_grad) < 2e-2

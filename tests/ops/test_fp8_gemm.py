@@ -126,23 +126,27 @@ def test_rowwise_quantizer_kernel_matches_the_torch_path(columns: int, prologue:
 
 @pytest.mark.parametrize("columns", [8, 200, 4096, 5000])
 def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, columns: int) -> None:
-    """The autotuned launch (CUDA): candidates pruned to 4096..16384 elements per program (as many rows as
-    allowed for narrow rows), the grid follows the chosen rows per program, and the result equals the default
-    launch. Timings are faked (the interpreter has no benchmarker), in case Triton's disk cache has none."""
+    """The autotuned launch (CUDA): the tuner of this column-block width holds candidates of 4096..16384
+    elements per program (as many rows as allowed for narrow rows) and no `prune_configs_by` (Dynamo of torch
+    2.11 fails on one launched twice in a trace), the grid follows the chosen rows per program, and the result
+    equals the default launch. Timings are faked (the interpreter has no benchmarker), in case Triton's disk
+    cache has none."""
     import triton
     from triton.runtime.autotuner import Autotuner
 
     from opengem.ops.triton import fp8_gemm as g
 
     block_c = min(triton.next_power_of_2(columns), 4096)
-    kept = g._row_programs(g._row_amax_quant_tuned.configs, {}, BLOCK_C=block_c)
+    tuner = g._ROW_TUNERS[block_c]
+    kept = tuner.configs
+    assert tuner.early_config_prune is None and tuner.perf_model is None
     rows_kept = {c.kwargs["BLOCK_R"] for c in kept}
     assert kept and (all(4096 <= r * block_c <= 16384 for r in rows_kept) or rows_kept == {16})
     monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, config, **k: [1.0 / config.kwargs["BLOCK_R"]])
     rows = 7
     x, u = torch.randn(rows, columns), torch.randn(rows, columns)
     q, scale, out = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows), torch.empty(rows, columns)
-    g._row_amax_quant_tuned[lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)](
+    tuner[lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)](
         x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c)
     ref_q, ref_scale, ref_out = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)

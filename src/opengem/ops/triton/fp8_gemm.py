@@ -134,16 +134,21 @@ ROW_ELEMENTS = 8192  # the default program: BLOCK_R rows x BLOCK_C columns of ab
 ROW_CONFIGS = ((1, 4), (1, 8), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (16, 16))
 
 
-def _row_programs(configs: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
-    kept = [c for c in configs if 4096 <= c.kwargs["BLOCK_R"] * kwargs["BLOCK_C"] <= 16384]
-    most_rows = max(c.kwargs["BLOCK_R"] for c in configs)  # narrow rows (C < 256): as many as allowed
+def _row_programs(block_c: int) -> list[triton.Config]:
+    """The candidates of 4096..16384 elements at ``block_c`` columns (narrow rows, C < 256: the most rows)."""
+    configs = [triton.Config({"BLOCK_R": rows}, num_warps=warps) for rows, warps in ROW_CONFIGS]
+    kept = [c for c in configs if 4096 <= c.kwargs["BLOCK_R"] * block_c <= 16384]
+    most_rows = max(c.kwargs["BLOCK_R"] for c in configs)
     return kept or [c for c in configs if c.kwargs["BLOCK_R"] == most_rows]
 
 
-_row_amax_quant_tuned = triton.autotune(
-    configs=[triton.Config({"BLOCK_R": rows}, num_warps=warps) for rows, warps in ROW_CONFIGS],
-    key=["C", "PROLOGUE"], prune_configs_by={"early_config_prune": _row_programs},
-)(_row_amax_quant_kernel)
+# One autotuner per column-block width, chosen on the host, rather than one pruned by `prune_configs_by`:
+# Dynamo (torch 2.11) fails on a `prune_configs_by` autotuner launched twice in one trace ("ListVariable ...
+# is already tracked for mutation", pytorch#177600), which every compiled MLP with FP8 linears does.
+_ROW_TUNERS = {
+    block_c: triton.autotune(configs=_row_programs(block_c), key=["C", "PROLOGUE"])(_row_amax_quant_kernel)
+    for block_c in (1 << i for i in range(13))  # BLOCK_C = next power of two of C, at most 4096
+}
 
 
 def rowwise_quantize(
@@ -163,7 +168,7 @@ def rowwise_quantize(
         args = (x, x if u is None else u, q if out is None else out, q, scale, R, C)
         shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c}
         if x.is_cuda and autotune_enabled():
-            _row_amax_quant_tuned[lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
+            _ROW_TUNERS[block_c][lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
         else:
             block_r = max(1, ROW_ELEMENTS // block_c)
             _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, num_warps=8)
