@@ -139,7 +139,7 @@ chain_s11d() {
   step fp8_mlp_train 150 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
 }
-chain_s11e() { step low_precision_gpu_tests 150 tests tests/gpu/test_low_precision_gpu.py; }
+chain_s11e() { step low_precision_gpu_tests 100 tests tests/gpu/test_low_precision_gpu.py; }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }

@@ -217,10 +217,10 @@ def test_fused_mlp_matches_unfused_layers() -> None:
         LowPrecisionMLP(fc1, nn.Linear(256, 256))
 
 
-def test_fp8_layers_compile_whole_graph_and_match_eager() -> None:
-    """One dynamo graph per layer (fullgraph), forward and gradients equal to eager. On torch 2.11 the
-    weight cache's dict write inside the autograd.Function broke `bench train --compile` with fp8 MLPs
-    on an H200 (dynamo: "HOP: Unsafe side effect")."""
+def test_fp8_layers_under_compile_run_eager_and_match() -> None:
+    """Under torch.compile the FP8 linear and MLP are graph breaks run eagerly (`torch.compiler.disable`):
+    traced by torch 2.11's Dynamo on an H200, an FP8 linear's input gradient came back all zero (session 11).
+    Forward and gradients equal eager; the FP8 call itself is not in any Dynamo graph."""
     from opengem.nn.low_precision_mlp import LowPrecisionMLP
 
     torch.manual_seed(3)
@@ -229,12 +229,14 @@ def test_fp8_layers_compile_whole_graph_and_match_eager() -> None:
     for layer in (LowPrecisionMLP(fc1, fc2), LowPrecisionLinear.from_linear(fc2, "fp8_rowwise")):
         inputs = x if isinstance(layer, LowPrecisionMLP) else torch.randn(48, 512)
         outputs = []
-        for run in (layer, torch.compile(layer, fullgraph=True, backend="aot_eager")):
+        for run in (layer, torch.compile(layer, backend="aot_eager")):
             xi = inputs.clone().requires_grad_()
             y = run(xi)
             y.backward(g)
             outputs.append((y.detach(), xi.grad))
-            torch._dynamo.reset()
+        explained = torch._dynamo.explain(layer)(inputs)
+        assert explained.graph_break_count >= 1 and explained.op_count <= 2  # only the reshapes are traced
+        torch._dynamo.reset()
         (y_eager, dx_eager), (y_compiled, dx_compiled) = outputs
         torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(dx_compiled, dx_eager, rtol=1e-5, atol=1e-5)

@@ -49,6 +49,11 @@ class _FusedMLPFn(torch.autograd.Function):
         return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None
 
 
+@torch.compiler.disable  # eager, a graph break under torch.compile: see `opengem.nn.low_precision.low_precision_linear`
+def _fused_mlp(x2d, w1, b1, w2, b2, mlp) -> torch.Tensor:
+    return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
+
+
 class LowPrecisionMLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` (exact erf GELU, like ``nn.GELU()``) for ``x [..., fc1.in_features]``.
 
@@ -74,5 +79,5 @@ class LowPrecisionMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2d = x.reshape(-1, self.fc1.in_features)
-        y = _FusedMLPFn.apply(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
+        y = _fused_mlp(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
         return y.reshape(*x.shape[:-1], self.fc2.out_features)
