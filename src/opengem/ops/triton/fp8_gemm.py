@@ -165,7 +165,10 @@ def rowwise_quantize(
     out = torch.empty_like(x) if prologue else None
     if x.numel():
         block_c = min(triton.next_power_of_2(C), 4096)
-        args = (x, x if u is None else u, q if out is None else out, q, scale, R, C)
+        # out_ptr is never q (unused without a prologue): Inductor clones each mutated argument of a user Triton
+        # kernel separately, so one tensor behind two written pointers loses the writes (pytorch#196657)
+        unused_out = torch.empty(0, dtype=x.dtype, device=x.device)
+        args = (x, x if u is None else u, unused_out if out is None else out, q, scale, R, C)
         shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c}
         if x.is_cuda and autotune_enabled():
             _ROW_TUNERS[block_c][lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
@@ -191,8 +194,9 @@ def rowwise_quantize_dual(
     if x.numel():
         grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
         _tile_amax_kernel[grid](x, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4)
+        unused_q = torch.empty(0, dtype=torch.float8_e4m3fn, device=x.device)  # never qt: see rowwise_quantize
         _tile_quant_kernel[grid](
-            x, q if with_rows else qt, qt, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4
+            x, q if with_rows else unused_q, qt, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4
         )
     col_scale = col_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX
     row_scale = row_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX if with_rows else None
