@@ -138,7 +138,8 @@ def _hadamard_signs(seed: int) -> torch.Tensor:
 def low_precision_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
     """The FP8 / MX linear, always eager: a graph break under ``torch.compile``. Traced by torch 2.11's Dynamo
     its backward returned an all-zero input gradient on an H200 (session 11, `tests/gpu/test_low_precision_gpu.py::
-    test_fp8_linears_under_torch_compile`), where eager is right; opaque until that is understood."""
+    test_fp8_linears_under_torch_compile`), where eager is right. The likeliest cause (a quantizer given one
+    tensor as two written pointers) is fixed since; this stays until the GPU test passes traced."""
     return _LowPrecisionLinearFn.apply(x2d, weight, bias, layer)
 
 
