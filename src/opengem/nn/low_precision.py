@@ -135,7 +135,9 @@ def _hadamard_signs(seed: int) -> torch.Tensor:
 
 
 @torch.compiler.disable
-def low_precision_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer) -> torch.Tensor:
+def low_precision_linear(
+    x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: LowPrecisionLinear
+) -> torch.Tensor:
     """The FP8 / MX linear, always eager: a graph break under ``torch.compile``. Traced by torch 2.11's Dynamo
     its backward returned an all-zero input gradient on an H200 (session 11, `tests/gpu/test_low_precision_gpu.py::
     test_fp8_linears_under_torch_compile`), where eager is right. The likeliest cause (a quantizer given one

@@ -50,7 +50,10 @@ class _FusedMLPFn(torch.autograd.Function):
 
 
 @torch.compiler.disable  # eager, a graph break under torch.compile: see `opengem.nn.low_precision.low_precision_linear`
-def _fused_mlp(x2d, w1, b1, w2, b2, mlp) -> torch.Tensor:
+def _fused_mlp(
+    x2d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+    mlp: LowPrecisionMLP,
+) -> torch.Tensor:
     return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
 
 
