@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from opengem.nn import low_precision
 from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
 from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
 
@@ -49,12 +50,22 @@ class _FusedMLPFn(torch.autograd.Function):
         return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None
 
 
-@torch.compiler.disable  # eager, a graph break under torch.compile: see `opengem.nn.low_precision.low_precision_linear`
-def _fused_mlp(
+@torch.compiler.disable
+def _eager_fused_mlp(
     x2d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
     mlp: LowPrecisionMLP,
 ) -> torch.Tensor:
     return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
+
+
+def _fused_mlp(
+    x2d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+    mlp: LowPrecisionMLP,
+) -> torch.Tensor:
+    """A graph break under torch.compile unless `opengem.nn.low_precision.TRACE_UNDER_COMPILE` (see there)."""
+    if low_precision.TRACE_UNDER_COMPILE:
+        return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
+    return _eager_fused_mlp(x2d, w1, b1, w2, b2, mlp)
 
 
 class LowPrecisionMLP(nn.Module):

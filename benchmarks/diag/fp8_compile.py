@@ -1,0 +1,88 @@
+"""FP8 layers under torch.compile, eager regions against traced, on the GPU: gradients and step time.
+
+For each layer (two `LowPrecisionLinear` fp8_rowwise around a GELU; `LowPrecisionMLP`) and each setting of
+`opengem.nn.low_precision.TRACE_UNDER_COMPILE` (False: the FP8 calls are graph breaks run eagerly; True:
+Dynamo traces them and Inductor wraps their Triton kernels), one compiled forward + backward against the
+same layer in eager: relative errors of the output, the input gradient and every parameter gradient, then
+forward + backward milliseconds of eager and compiled. Session 11 found the traced input gradient all zero
+(since then no quantizer gets one tensor as two written pointers: pytorch#196657). Reading the errors: ~1-2%
+traced is FP8 rounding of inputs rounded differently by Inductor's fusions (the CPU emulation gives
+1.4-1.7% traced, 0 with eager regions); 1.0 is a lost write.
+
+Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.fp8_compile``; writes
+``benchmarks/results/fp8_compile.json`` after every row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import bench_ms, relative_error, write_results
+from opengem.nn import low_precision
+from opengem.nn.low_precision import LowPrecisionLinear
+from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+DEVICE = "cuda"
+TOKENS, WIDTH, HIDDEN = 16384, 1024, 4096
+
+
+def _linears() -> torch.nn.Module:
+    layers = torch.nn.Sequential(torch.nn.Linear(WIDTH, HIDDEN), torch.nn.GELU(), torch.nn.Linear(HIDDEN, WIDTH))
+    layers = layers.to(DEVICE, torch.bfloat16)
+    for index in (0, 2):
+        layers[index] = LowPrecisionLinear.from_linear(layers[index], "fp8_rowwise")
+    return layers
+
+
+def _mlp() -> torch.nn.Module:
+    fc1, fc2 = torch.nn.Linear(WIDTH, HIDDEN), torch.nn.Linear(HIDDEN, WIDTH)
+    return LowPrecisionMLP(fc1.to(DEVICE, torch.bfloat16), fc2.to(DEVICE, torch.bfloat16))
+
+
+def _step(run: Callable, x: torch.Tensor, grad: torch.Tensor) -> Callable[[], None]:
+    def step() -> None:
+        run(x).backward(grad)
+
+    return step
+
+
+def _gradients(module: torch.nn.Module, run: Callable, x: torch.Tensor, grad: torch.Tensor) -> list[torch.Tensor]:
+    module.zero_grad(set_to_none=True)
+    x = x.clone().requires_grad_()
+    y = run(x)
+    y.backward(grad)
+    return [y.detach(), x.grad, *(p.grad for p in module.parameters())]
+
+
+def main() -> None:
+    rows: list[dict] = []
+    torch.manual_seed(0)
+    x = torch.randn(TOKENS, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+    grad = torch.randn(TOKENS, WIDTH, device=DEVICE, dtype=torch.bfloat16)
+    for name, build in (("two fp8 linears + gelu", _linears), ("LowPrecisionMLP", _mlp)):
+        module = build()
+        eager = _gradients(module, module, x, grad)
+        for traced in (False, True):
+            low_precision.TRACE_UNDER_COMPILE = traced
+            torch._dynamo.reset()
+            compiled = torch.compile(module)
+            row: dict = {"layer": name, "traced": traced}
+            try:
+                got = _gradients(module, compiled, x, grad)
+                names = ["y", "dx", *(n for n, _ in module.named_parameters())]
+                row["errors"] = {n: relative_error(a.float(), b.float()) for n, a, b in zip(names, got, eager)}
+                xg = x.clone().requires_grad_()
+                row["eager_ms"] = bench_ms(_step(module, xg, grad))
+                row["compiled_ms"] = bench_ms(_step(compiled, xg, grad))
+            except Exception as error:  # a setting that fails to compile is a row, not the end
+                row["failed"] = f"{type(error).__name__}: {error}"[:400]
+            rows.append(row)
+            print(row, flush=True)
+            write_results("fp8_compile", rows)
+    low_precision.TRACE_UNDER_COMPILE = False
+
+
+if __name__ == "__main__":
+    main()
