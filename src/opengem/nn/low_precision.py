@@ -138,7 +138,7 @@ def _hadamard_signs(seed: int) -> torch.Tensor:
 # eagerly, as graph breaks. Traced by torch 2.11's Dynamo, an FP8 linear's input gradient came back all
 # zero on an H200 (session 11, `tests/gpu/test_low_precision_gpu.py::test_fp8_linears_under_torch_compile`)
 # where eager is right; the likeliest cause (a quantizer given one tensor as two written kernel pointers)
-# is fixed since. `benchmarks.diag.fp8_compile` checks both settings on the GPU; on until it passes traced.
+# is fixed since. `benchmarks.diag.fp8_compile` checks both settings on the GPU; off until it passes traced.
 TRACE_UNDER_COMPILE = False
 
 
