@@ -111,6 +111,14 @@ def make_batch(w: Workload, device: str, seed: int) -> KeyedJagged:
     return KeyedJagged(tuple(keys), torch.cat(ids), torch.cat(lengths)).to(device)
 
 
+def forward_bytes(w: Workload, batch: KeyedJagged) -> int:
+    """Bytes a forward moves at least: every id's row read (fp32), every output row written."""
+    per_key = batch.lengths_per_key()
+    rows_read = sum(n * t.embedding_dim * 4 for t, n in zip(w.tables, per_key))
+    outputs = sum((n if t.pooling == "none" else batch.stride) * t.embedding_dim * 4 for t, n in zip(w.tables, per_key))
+    return rows_read + outputs
+
+
 def longest_run(batch: KeyedJagged) -> int:
     """The most lookups of one row of one table in the batch (the longest run of the backward's sorted index)."""
     per_key = batch.lengths_per_key()
@@ -398,9 +406,7 @@ def main() -> None:
     with report.phase("batch generation"):
         batch = make_batch(w, DEVICE, seed=0)
     per_key = batch.lengths_per_key()
-    rows_read = sum(n * t.embedding_dim * 4 for t, n in zip(w.tables, per_key))
-    outputs = sum((n if t.pooling == "none" else batch.stride) * t.embedding_dim * 4 for t, n in zip(w.tables, per_key))
-    report.forward_bytes = rows_read + outputs
+    report.forward_bytes = forward_bytes(w, batch)
     run = longest_run(batch)
     report.fact(
         f"{sum(per_key)} ids, {report.forward_bytes / 1e9:.3f} GB per forward, longest run of one row {run}",

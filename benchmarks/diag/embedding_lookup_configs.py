@@ -18,21 +18,10 @@ from collections.abc import Callable
 import torch
 
 from benchmarks.common import bench_ms, relative_error, write_results
-from benchmarks.embedding import DEVICE, copy_bandwidth_gbs, make_batch, workload
-from opengem.jagged import offsets_from_lengths
+from benchmarks.embedding import DEVICE, Ours, copy_bandwidth_gbs, forward_bytes, make_batch, workload
 from opengem.ops.embedding import LookupLayout
 from opengem.ops.reference import embedding as reference
 from opengem.ops.triton import embedding as kernels
-
-def _layout(w, batch) -> tuple[torch.Tensor, LookupLayout]:
-    tables, weight_offset, row_offset = [], 0, 0
-    for t in w.tables:
-        tables.append((weight_offset, row_offset, t.num_embeddings, t.embedding_dim))
-        weight_offset += t.num_embeddings * t.embedding_dim
-        row_offset += t.num_embeddings
-    pooling = [t.pooling for t in w.tables]
-    layout = LookupLayout.build(tables, list(range(len(tables))), pooling, batch.lengths_per_key(), batch.stride, DEVICE)
-    return torch.randn(weight_offset, device=DEVICE), layout
 
 
 def _launchers(weights, layout: LookupLayout, ids, offsets) -> dict[str, Callable[[], torch.Tensor]]:
@@ -56,20 +45,17 @@ def main() -> None:
     for name in args.workloads:
         w = workload(name == "quick", power_law_ids=True)
         batch = make_batch(w, DEVICE, seed=0)
-        per_key = batch.lengths_per_key()
-        forward_bytes = sum(
-            (n + (n if t.pooling == "none" else batch.stride)) * t.embedding_dim * 4 for t, n in zip(w.tables, per_key)
-        )
-        weights, layout = _layout(w, batch)
-        offsets = offsets_from_lengths(batch.lengths)
+        moved = forward_bytes(w, batch)
+        ours = Ours.build(w, batch)  # the benchmark's collection: its flat weights and this batch's layout
+        weights, layout, offsets = ours.weights.detach(), ours.layout, ours.offsets
         expected = reference.embedding_lookup(weights, layout.feature_meta, batch.values, offsets, batch.stride, layout.out_numel)
-        extra[name] = {"num_ids": sum(per_key), "forward_bytes": forward_bytes}
+        extra[name] = {"num_ids": batch.values.numel(), "forward_bytes": moved}
         for impl, run in _launchers(weights, layout, batch.values, offsets).items():
             row: dict = {"workload": name, "impl": impl}
             try:
                 row["error"] = relative_error(run(), expected)
                 row["forward_ms"] = bench_ms(run)
-                row["pct_of_copy"] = 100 * forward_bytes / row["forward_ms"] / 1e6 / extra["copy_GBps"]
+                row["pct_of_copy"] = 100 * moved / row["forward_ms"] / 1e6 / extra["copy_GBps"]
             except Exception as error:  # a config that fails to compile or launch is a row, not the end
                 row["failed"] = f"{type(error).__name__}: {error}"[:300]
             rows.append(row)
@@ -78,7 +64,7 @@ def main() -> None:
         extra[f"{name}_pick"] = {str(key): str(config) for key, config in kernels._lookup_kernel.cache.items()}
         kernels._lookup_kernel.cache.clear()  # the next workload tunes afresh
         write_results("embedding_lookup_configs", rows, extra)
-        del weights, expected
+        del ours, weights, expected
         torch.cuda.empty_cache()
 
 

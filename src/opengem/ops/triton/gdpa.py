@@ -15,7 +15,8 @@ candidates (``block_n`` 0) are timed beside the key loop's. Otherwise a program 
 Loads: tiles come through ragged TMA descriptors (:mod:`opengem.ops.triton.ragged_tiles`) where the
 tensors allow it (16-byte aligned base and strides, sm_90+), for the passes ``OPENGEM_GDPA_TMA`` names
 (default all; ``none``: masked pointer loads everywhere). JFA's forward and dQ ran 9-16% faster so (H200,
-session 8); GDPA tunes each candidate over both load paths until its own GPU figures decide.
+session 8). GDPA times each candidate on both load paths: session 10's tuner picked TMA for 24 of 27 keys
+and pointer loads for 3 (``tuning`` in ``gdpa_a.json``, ``gdpa_bcd.json``), so both stay.
 
 Tuning: BLOCK_M / BLOCK_N / num_warps / num_stages (and Q tiles per program) are timed once per key
 (pass, mask flags, power-of-two buckets of max_len_q / max_len_k, head dim, dtype, GQA group); the
