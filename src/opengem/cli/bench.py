@@ -80,11 +80,13 @@ def run_bench(args: argparse.Namespace) -> int:
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip
     payload = step.bench_train(options)
-    if args.with_layers:
-        step.add_scaling_ratio(payload, layers.bench_layers(options, repeats=5))
     path = write_json(args.out or step.default_output(args.preset), payload)
     print(step.format_report(payload))
-    print(f"wrote {path}")
+    print(f"wrote {path}", flush=True)  # before the layers: a run cut short there keeps the step's figures
+    if args.with_layers:
+        step.add_scaling_ratio(payload, layers.bench_layers(options, repeats=5))
+        write_json(path, payload)
+        print(step.format_scaling(payload["results"]), f"(rewrote {path})")
     if plot.matplotlib_available():
         print(f"wrote {plot.plot_phases(payload, path.with_suffix('.png'))}")
     else:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,6 +105,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
                                       options.warmup, options.max_tuning_steps if device.type == "cuda" else 0,
                                       sync=lambda: synchronize(device))
     synchronize(device)
+    _progress(f"warm after {options.warmup} + {tuning_steps} steps")
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
     events_before = host_events()
@@ -117,9 +119,11 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         timer.lap()
     elapsed = timer.stop()
     while_timed, laps_ms = events_report(events_before), timer.laps_ms()
+    _progress(f"timed {options.steps} steps: {1e3 * elapsed / options.steps:.2f} ms each")
 
     phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
+    _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
 
     flops = [train_flops(model, n) for n in lengths]
@@ -176,6 +180,11 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     }
 
 
+def _progress(message: str) -> None:
+    """A line on stderr as each stage ends: a run cut short by a time limit shows where it was."""
+    print(f"bench train: {message}", file=sys.stderr, flush=True)
+
+
 def _profile_phases(
     learner: Learner, stream: Any, device: torch.device, steps: int
 ) -> tuple[dict[str, float], dict[str, float], float]:
@@ -223,6 +232,14 @@ def add_scaling_ratio(payload: dict[str, Any], layers_payload: dict[str, Any]) -
     r["scaling_ratio"] = None if r["mfu"] is None or not r["local_mfu"] else r["mfu"] / r["local_mfu"]
 
 
+def format_scaling(results: dict[str, Any]) -> str:
+    """The report's line of `add_scaling_ratio`'s figures."""
+    if results.get("scaling_ratio") is None:
+        return f"  local MFU         n/a (layers alone: {results.get('local_mfu')}); no scaling ratio"
+    return (f"  local MFU         {100 * results['local_mfu']:>12.1f} % (layers alone); scaling ratio "
+            f"{results['scaling_ratio']:.2f}")
+
+
 def format_report(payload: dict[str, Any]) -> str:
     r, s = payload["results"], payload["settings"]
 
@@ -246,8 +263,7 @@ def format_report(payload: dict[str, Any]) -> str:
         f"  E2E MFU           {e2e}",
         (f"  vs matmul ceiling {100 * r['mfu_vs_matmul_ceiling']:>12.1f} % of {r['matmul_ceiling_tflops']:.3g} TFLOP/s "
         "measured"),
-        *([f"  local MFU         {100 * r['local_mfu']:>12.1f} % (layers alone); scaling ratio "
-           f"{r['scaling_ratio']:.2f}"] if r.get("scaling_ratio") is not None else []),
+        *([format_scaling(r)] if r.get("scaling_ratio") is not None else []),
         f"  peak memory       {memory}",
         (f"  loader alone      {r['loader_samples_per_s']:>12,.0f} samples/s = {r['loader_over_step_rate']:.2f}x the "
         f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)"),
