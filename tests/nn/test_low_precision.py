@@ -2,6 +2,7 @@
 
 import os
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 
 # importing opengem.ops.fp8_gemm imports torch.utils.flop_counter, which imports triton.language: set the
@@ -217,34 +218,46 @@ def test_fused_mlp_matches_unfused_layers() -> None:
         LowPrecisionMLP(fc1, nn.Linear(256, 256))
 
 
-@pytest.mark.parametrize("traced", [False, True])
-def test_fp8_layers_under_compile_match_eager(monkeypatch, traced: bool) -> None:
-    """Forward and gradients under torch.compile equal eager. By default the FP8 linear and MLP are graph
-    breaks run eagerly (traced by torch 2.11's Dynamo on an H200, an FP8 linear's input gradient came back all
-    zero, session 11); with `TRACE_UNDER_COMPILE` each layer is one Dynamo graph (fullgraph), which needs the
-    weight cache skipped while compiling (its dict write inside the autograd.Function: "HOP: Unsafe side
-    effect" on torch 2.11)."""
-    from opengem.nn import low_precision
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise", "mxfp8"])
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_fp8_layers_compile_without_graph_breaks_and_match_eager(recipe: str, backend: str) -> None:
+    """Under torch.compile the FP8 linear and the fused FP8 MLP are custom ops with a registered backward:
+    one graph (fullgraph), and output and every gradient equal eager. Traced as an autograd.Function, torch
+    2.11's Dynamo gave the backward zeros for its output gradient on an H200 (GPU session 12), so this
+    asserts each gradient, biases included, against eager and against zero."""
     from opengem.nn.low_precision_mlp import LowPrecisionMLP
 
-    monkeypatch.setattr(low_precision, "TRACE_UNDER_COMPILE", traced)
     torch.manual_seed(3)
     fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
-    x, g = torch.randn(48, 256), torch.randn(48, 256)
-    for layer in (LowPrecisionMLP(fc1, fc2), LowPrecisionLinear.from_linear(fc2, "fp8_rowwise")):
-        inputs = x if isinstance(layer, LowPrecisionMLP) else torch.randn(48, 512)
-        outputs = []
-        for run in (layer, torch.compile(layer, fullgraph=traced, backend="aot_eager")):
+    layers = [LowPrecisionLinear.from_linear(fc2, recipe)]
+    layers += [LowPrecisionMLP(fc1, fc2)] if recipe == "fp8_rowwise" else []
+    g = torch.randn(48, 256)
+    for layer in layers:
+        inputs = torch.randn(48, layer.fc1.in_features if isinstance(layer, LowPrecisionMLP) else 512)
+        grads = []
+        for run in (layer, torch.compile(layer, fullgraph=True, backend=backend)):
+            layer.zero_grad(set_to_none=True)
             xi = inputs.clone().requires_grad_()
             y = run(xi)
             y.backward(g)
-            outputs.append((y.detach(), xi.grad))
-        explained = torch._dynamo.explain(layer)(inputs)
-        assert explained.graph_break_count == (0 if traced else 1), explained.break_reasons
+            grads.append([y.detach(), xi.grad, *(p.grad for p in layer.parameters())])
         torch._dynamo.reset()
-        (y_eager, dx_eager), (y_compiled, dx_compiled) = outputs
-        torch.testing.assert_close(y_compiled, y_eager, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(dx_compiled, dx_eager, rtol=1e-5, atol=1e-5)
+        for eager, compiled in zip(*grads):
+            assert eager.abs().sum() > 0
+            torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+        graphs: list[str] = []  # the compiled graph holds the op, not the autograd.Function's traced body
+
+        def record(gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+            graphs.append(gm.code)
+            return gm.forward
+
+        torch.compile(layer, fullgraph=True, backend=record)(inputs)
+        torch._dynamo.reset()
+        op = "fp8_mlp" if isinstance(layer, LowPrecisionMLP) else "low_precision_linear"
+        assert f"torch.ops.opengem.{op}(" in graphs[0], graphs[0]
+    frozen = LowPrecisionLinear(128, 128)  # no input gradient requested: the op skips dx
+    torch.compile(frozen, fullgraph=True, backend=backend)(torch.randn(16, 128)).sum().backward()
+    assert frozen.weight.grad is not None and frozen.weight.grad.abs().sum() > 0
 
 
 def test_fallback_between_forward_and_backward_uses_the_forward_recipe() -> None:

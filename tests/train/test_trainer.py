@@ -155,6 +155,37 @@ def test_compiled_regions_trace_whole_and_match_eager(architecture):
         torch.testing.assert_close(compiled(batch), eager(batch))
 
 
+def test_compiled_regions_with_fp8_linears_train_like_eager():
+    """FP8 linears inside the compiled blocks keep them whole (fullgraph: GPU session 12's bench train died on
+    an eager region's graph break) and give eager's loss and gradients."""
+    from opengem.nn.low_precision import convert_to_low_precision
+    from opengem.train.compile import compile_regions
+    from opengem.train.data_stream import train_batches
+    from opengem.train.trainer import build_model
+
+    config = load_config("gem-tiny", None, [*SMALL, "architecture=gem", "gem.num_layers=2"])
+    torch.manual_seed(0)
+    models = [build_model(config, config.model.history, torch.device("cpu")) for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    every_aligned = lambda name, m: m.in_features % 16 == 0 and m.out_features % 16 == 0  # noqa: E731
+    converted = [convert_to_low_precision(m, "fp8_rowwise", filter=every_aligned) for m in models]
+    assert converted[0] == converted[1] and len(converted[0]) >= 4
+    assert compile_regions(models[1], backend="aot_eager") == 4
+    batch = next(train_batches(config, 0))
+    losses, grads = [], []
+    for model in models:
+        loss = model(batch).float().square().mean()
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    torch.testing.assert_close(losses[1], losses[0])
+    assert grads[0].keys() == grads[1].keys()
+    for name in converted[0]:
+        assert grads[1][f"{name}.weight"].abs().sum() > 0, name
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
 def test_compile_mode_reaches_every_region(monkeypatch):
     """``compile_mode`` is handed to torch.compile for each block ("default": torch's own default, None);
     an unknown mode is refused when the config is built."""

@@ -13,23 +13,46 @@ from typing import Any
 import torch
 from torch import nn
 
-from opengem.nn import low_precision
 from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
+from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
 from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
 
 FUSED_RECIPE = "fp8_rowwise"
 
 
+def _mlp_forward(
+    x: torch.Tensor, b1: torch.Tensor | None, b2: torch.Tensor | None, fc1_weight: WeightQuantizer,
+    fc2_weight: WeightQuantizer, fast_accum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, u = fc1(x), h = gelu(u)); u and h are kept for the backward."""
+    u = scaled_gemm(quantize_operand(x, FUSED_RECIPE), fc1_weight("forward", FUSED_RECIPE, None), x.dtype,
+                    fast_accum=fast_accum, bias=b1)
+    h, qh = quantize_gelu(u)
+    y = scaled_gemm(qh, fc2_weight("forward", FUSED_RECIPE, None), x.dtype, fast_accum=fast_accum, bias=b2)
+    return y, u, h
+
+
+def _mlp_backward(
+    dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+    fc1_weight: WeightQuantizer, fc2_weight: WeightQuantizer,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW1, db1, dW2, db2), the weight and bias gradients in the weights' dtypes."""
+    dy = dy.contiguous()
+    dh = scaled_gemm(quantize_operand(dy, FUSED_RECIPE), fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
+    du, qdu = quantize_gelu(u, grad_out=dh)
+    dx = scaled_gemm(qdu, fc1_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
+    dw1, dw2 = (du.t() @ x).to(w1.dtype), (dy.t() @ h).to(w2.dtype)
+    return dx, dw1, du.sum(0).to(w1.dtype), dw2, dy.sum(0).to(w2.dtype)
+
+
 class _FusedMLPFn(torch.autograd.Function):
+    """Eager path, with the layers' cached weight quantizations."""
+
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
                 b2: torch.Tensor | None, mlp: LowPrecisionMLP) -> torch.Tensor:
         fc1, fc2 = mlp.fc1, mlp.fc2
-        fast = fc1.recipe.fast_accum
-        u = scaled_gemm(quantize_operand(x, FUSED_RECIPE), fc1.quantized_weight("forward", FUSED_RECIPE, None),
-                        x.dtype, fast_accum=fast, bias=b1)
-        h, qh = quantize_gelu(u)
-        y = scaled_gemm(qh, fc2.quantized_weight("forward", FUSED_RECIPE, None), x.dtype, fast_accum=fast, bias=b2)
+        y, u, h = _mlp_forward(x, b1, b2, fc1.quantized_weight, fc2.quantized_weight, fc1.recipe.fast_accum)
         ctx.mlp, ctx.biases = mlp, (b1 is not None, b2 is not None)
         ctx.save_for_backward(x, u, h, w1, w2)
         return y
@@ -37,35 +60,63 @@ class _FusedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, u, h, w1, w2 = ctx.saved_tensors
-        fc1, fc2 = ctx.mlp.fc1, ctx.mlp.fc2
-        dy = dy.contiguous()
-        qdy = quantize_operand(dy, FUSED_RECIPE)
-        dh = scaled_gemm(qdy, fc2.quantized_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
-        dw2 = dy.t() @ h
-        du, qdu = quantize_gelu(u, grad_out=dh)
-        dx = scaled_gemm(qdu, fc1.quantized_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
-        dw1 = du.t() @ x
-        db1 = du.sum(0).to(w1.dtype) if ctx.biases[0] else None
-        db2 = dy.sum(0).to(w2.dtype) if ctx.biases[1] else None
-        return dx, dw1.to(w1.dtype), db1, dw2.to(w2.dtype), db2, None
+        dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, u, h, w1, w2, ctx.mlp.fc1.quantized_weight,
+                                               ctx.mlp.fc2.quantized_weight)
+        return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None
 
 
-@torch.compiler.disable
-def _eager_fused_mlp(
-    x2d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
-    mlp: LowPrecisionMLP,
-) -> torch.Tensor:
-    return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
+# Under torch.compile: custom ops (opaque to Dynamo, backward registered), as `low_precision_autograd` explains.
+@torch.library.custom_op("opengem::fp8_mlp", mutates_args=())
+def _mlp_op(
+    x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
+    fast_accum: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _mlp_forward(x, b1, b2, uncached_quantizer(w1), uncached_quantizer(w2), fast_accum)
+
+
+@_mlp_op.register_fake
+def _(x, w1, b1, w2, b2, fast_accum):
+    hidden = x.new_empty((x.shape[0], w1.shape[0]))
+    return x.new_empty((x.shape[0], w2.shape[0])), hidden, torch.empty_like(hidden)
+
+
+@torch.library.custom_op("opengem::fp8_mlp_backward", mutates_args=())
+def _mlp_backward_op(
+    dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _mlp_backward(dy, x, u, h, w1, w2, uncached_quantizer(w1), uncached_quantizer(w2))
+
+
+@_mlp_backward_op.register_fake
+def _(dy, x, u, h, w1, w2):
+    return (dy.new_empty(x.shape), w1.new_empty(w1.shape), w1.new_empty(w1.shape[0]), w2.new_empty(w2.shape),
+            w2.new_empty(w2.shape[0]))
+
+
+def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
+    x, w1, b1, w2, b2, _ = inputs
+    _, u, h = output
+    ctx.mark_non_differentiable(u, h)
+    ctx.save_for_backward(x, u, h, w1, w2)
+    ctx.biases = (b1 is not None, b2 is not None)
+
+
+def _backward(ctx: Any, dy: torch.Tensor, du: torch.Tensor | None, dh: torch.Tensor | None) -> tuple:
+    x, u, h, w1, w2 = ctx.saved_tensors
+    dx, dw1, db1, dw2, db2 = torch.ops.opengem.fp8_mlp_backward(dy, x, u, h, w1, w2)
+    return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None
+
+
+_mlp_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def _fused_mlp(
     x2d: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
     mlp: LowPrecisionMLP,
 ) -> torch.Tensor:
-    """A graph break under torch.compile unless `opengem.nn.low_precision.TRACE_UNDER_COMPILE` (see there)."""
-    if low_precision.TRACE_UNDER_COMPILE:
-        return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
-    return _eager_fused_mlp(x2d, w1, b1, w2, b2, mlp)
+    if torch.compiler.is_compiling():
+        return torch.ops.opengem.fp8_mlp(x2d, w1, b1, w2, b2, mlp.fc1.recipe.fast_accum)[0]
+    return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
 
 
 class LowPrecisionMLP(nn.Module):
