@@ -46,6 +46,9 @@ def test_bench_train_reports_every_figure(train_result):
     each = results["step_ms_each"]  # one lap per timed step, adding up to (nearly) the whole window
     assert len(each) == 3 and all(ms > 0 for ms in each)
     assert sum(each) == pytest.approx(3 * results["step_ms"], rel=0.05)
+    assert results["steps_that_tuned"] == 0  # nothing tunes on the CPU: every lap counts as untuned
+    assert results["step_ms_untuned"] == pytest.approx(sum(each) / 3)
+    assert results["mfu_untuned"] == pytest.approx(results["mfu"] * results["step_ms"] / results["step_ms_untuned"])
 
 
 def test_window_timer_laps_split_the_window(monkeypatch):
@@ -64,7 +67,7 @@ def test_window_timer_laps_split_the_window(monkeypatch):
 
 
 def test_autotuner_keys_tuned_while_timed_are_reported(monkeypatch, tmp_path):
-    """Autotuner keys met inside the timed steps (seconds of candidate timing each) are reported."""
+    """Autotuner keys met inside the timed steps (seconds of candidate timing each) are reported, per step."""
     import itertools
 
     from opengem.ops.triton import tuning
@@ -75,8 +78,11 @@ def test_autotuner_keys_tuned_while_timed_are_reported(monkeypatch, tmp_path):
     argv = ["bench", "train", *TINY, "--steps", "2", "--warmup", "1", "--profile-steps", "1",
             "--loader-batches", "2", "--peak-tflops", "1", "--out", str(out)]
     assert main(argv) == 0
-    timed = json.loads(out.read_text())["settings"]["host_events_while_timed"]
-    assert timed["autotuner_keys"] == 1  # read before and after: +1
+    payload = json.loads(out.read_text())
+    timed = payload["settings"]["host_events_while_timed"]
+    assert timed["autotuner_keys"] == 2  # read before the window and after each of its 2 steps: +1 per step
+    results = payload["results"]
+    assert results["steps_that_tuned"] == 2 and results["step_ms_untuned"] is None and results["mfu_untuned"] is None
 
 
 def test_bench_train_reports_the_scaling_ratio(train_result):

@@ -10,8 +10,9 @@ every in-place optimizer update bumps), so weights are quantized once per optimi
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F

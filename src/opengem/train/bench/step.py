@@ -109,6 +109,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
     events_before = host_events()
+    step_events, compiled_in_step = events_before, []
     timer.start()
     for _ in range(options.steps):
         fetch = time.perf_counter()
@@ -117,8 +118,12 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         lengths.append(batch.history_age.lengths_host())
         loss = learner.step(batch.to(device, non_blocking=True))
         timer.lap()
+        now = host_events()  # host counters, no sync: did this step tune or compile (a batch shape not met before)?
+        compiled_in_step.append(now.compiled_since(step_events))
+        step_events = now
     elapsed = timer.stop()
-    while_timed, laps_ms = events_report(events_before), timer.laps_ms()
+    while_timed, laps_ms = events_report(events_before, after=step_events), timer.laps_ms()
+    calm_laps = [ms for ms, compiled in zip(laps_ms, compiled_in_step) if not compiled]
     _progress(f"timed {options.steps} steps: {1e3 * elapsed / options.steps:.2f} ms each")
 
     phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
@@ -140,6 +145,9 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "step_ms": 1e3 * elapsed / options.steps,
         "step_ms_each": laps_ms,  # each timed step's share of the window (a stall shows as an outlier)
         "step_ms_median": statistics.median(laps_ms),
+        # the mean over the timed steps that tuned or compiled nothing: the rate once every shape was met
+        "steps_that_tuned": sum(compiled_in_step),
+        "step_ms_untuned": statistics.fmean(calm_laps) if calm_laps else None,
         "samples_per_s": samples / elapsed,
         "tokens_per_s": sum(int(n.sum()) for n in lengths) / elapsed,
         "train_flops_per_sample": total_flops / samples,
@@ -147,6 +155,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "flops_per_s": flops_per_s,
         "device_peak_tflops": None if device_peak is None else device_peak / 1e12,
         "mfu": None if device_peak is None else mfu(flops_per_s, device_peak),
+        "mfu_untuned": None if device_peak is None or not calm_laps else mfu(
+            flops_per_s * elapsed / (1e-3 * statistics.fmean(calm_laps) * options.steps), device_peak),
         "matmul_ceiling_tflops": ceiling / 1e12,
         "mfu_vs_matmul_ceiling": mfu(flops_per_s, ceiling),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -232,6 +242,15 @@ def add_scaling_ratio(payload: dict[str, Any], layers_payload: dict[str, Any]) -
     r["scaling_ratio"] = None if r["mfu"] is None or not r["local_mfu"] else r["mfu"] / r["local_mfu"]
 
 
+def _format_untuned(results: dict[str, Any]) -> str:
+    tuned = results["steps_that_tuned"]
+    if results["step_ms_untuned"] is None:
+        return f"  untuned steps     none: each of the {tuned} timed steps tuned or compiled something"
+    mfu_text = "" if results["mfu_untuned"] is None else f", E2E MFU {100 * results['mfu_untuned']:.1f} %"
+    return (f"  untuned steps     {results['step_ms_untuned']:>12.2f} ms mean{mfu_text} (the timed steps less "
+            f"{tuned} that tuned or compiled)")
+
+
 def format_scaling(results: dict[str, Any]) -> str:
     """The report's line of `add_scaling_ratio`'s figures."""
     if results.get("scaling_ratio") is None:
@@ -255,6 +274,7 @@ def format_report(payload: dict[str, Any]) -> str:
         (f"  timed steps       {r['step_ms_median']:>12.2f} ms median, {min(r['step_ms_each']):.2f} min, "
          f"{max(r['step_ms_each']):.2f} max"),
         "  while timed       " + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
+        _format_untuned(r),
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
         (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "

@@ -73,7 +73,8 @@ def kernels_loaded_since(before: HostEvents) -> list[str]:
     return _loaded_kernels[before.kernels_loaded:]
 
 
-def events_report(before: HostEvents, limit: int = 20) -> dict[str, object]:
-    """What happened after ``before``: the counts, and the first ``limit`` kernels loaded."""
-    delta = host_events().since(before)
+def events_report(before: HostEvents, limit: int = 20, after: HostEvents | None = None) -> dict[str, object]:
+    """What happened after ``before`` (until ``after``, default now): the counts, and the first ``limit``
+    kernels loaded."""
+    delta = (host_events() if after is None else after).since(before)
     return {**delta._asdict(), "gc_ms": round(delta.gc_ms, 3), "kernels": kernels_loaded_since(before)[:limit]}
