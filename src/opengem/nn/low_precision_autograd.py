@@ -129,17 +129,12 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
         return dx, dw, db, None
 
 
-def _recipe(forward: str, grad_input: str, grad_weight: str, hadamard: bool, stochastic: bool,
-            fast_accum: bool) -> LowPrecisionRecipe:
-    return LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
-
-
 @torch.library.custom_op("opengem::low_precision_linear", mutates_args=())
 def _linear_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, signs: torch.Tensor | None,
     forward: str, grad_input: str, grad_weight: str, hadamard: bool, stochastic: bool, fast_accum: bool,
 ) -> torch.Tensor:
-    recipe = _recipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
+    recipe = LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
     y, _ = linear_forward(x, weight, bias, recipe, signs, uncached_quantizer(weight), fuse_transpose=False)
     return y
 
@@ -156,7 +151,7 @@ def _linear_backward_op(
     has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db); dx and db are empty where not needed (an op returns tensors, not None)."""
-    recipe = _recipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
+    recipe = LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
     dx, dw, db = linear_backward(dy, x, weight, None, recipe, signs, uncached_quantizer(weight), needs_dx, has_bias)
     return (dy.new_empty(0) if dx is None else dx), dw, (weight.new_empty(0) if db is None else db)
 

@@ -124,6 +124,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     elapsed = timer.stop()
     while_timed, laps_ms = events_report(events_before, after=step_events), timer.laps_ms()
     calm_laps = [ms for ms, compiled in zip(laps_ms, compiled_in_step) if not compiled]
+    untuned_ms = statistics.fmean(calm_laps) if calm_laps else None
     _progress(f"timed {options.steps} steps: {1e3 * elapsed / options.steps:.2f} ms each")
 
     phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
@@ -147,7 +148,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "step_ms_median": statistics.median(laps_ms),
         # the mean over the timed steps that tuned or compiled nothing: the rate once every shape was met
         "steps_that_tuned": sum(compiled_in_step),
-        "step_ms_untuned": statistics.fmean(calm_laps) if calm_laps else None,
+        "step_ms_untuned": untuned_ms,
         "samples_per_s": samples / elapsed,
         "tokens_per_s": sum(int(n.sum()) for n in lengths) / elapsed,
         "train_flops_per_sample": total_flops / samples,
@@ -155,8 +156,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "flops_per_s": flops_per_s,
         "device_peak_tflops": None if device_peak is None else device_peak / 1e12,
         "mfu": None if device_peak is None else mfu(flops_per_s, device_peak),
-        "mfu_untuned": None if device_peak is None or not calm_laps else mfu(
-            flops_per_s * elapsed / (1e-3 * statistics.fmean(calm_laps) * options.steps), device_peak),
+        "mfu_untuned": None if device_peak is None or untuned_ms is None else mfu(
+            total_flops / options.steps / (1e-3 * untuned_ms), device_peak),
         "matmul_ceiling_tflops": ceiling / 1e12,
         "mfu_vs_matmul_ceiling": mfu(flops_per_s, ceiling),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
