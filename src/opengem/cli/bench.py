@@ -27,9 +27,10 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
         sub.add_argument("--out", type=Path, help="JSON file (default: benchmarks/results/<kind>_<preset>.json)")
     train = kinds.choices["train"]
     train.add_argument("--steps", type=int, default=50, help="timed steps")
-    train.add_argument("--warmup", type=int, default=10, help="steps before timing")
+    train.add_argument("--warmup", type=int, default=10,
+                       help="steps before timing, besides one run of the timed steps' own batches")
     train.add_argument("--max-tuning-steps", type=int, default=20,
-                       help="after --warmup, up to this many more steps while the autotuners meet new keys or a step "
+                       help="after the warm-up, up to this many more steps while the autotuners meet new keys or a step "
                             "compiles (1.5x slower than the fastest)")
     train.add_argument("--low-precision-mlp", choices=LOW_PRECISION_MLPS, default="none",
                        help="FP8 recipe for the large Linear layers (opengem.nn.low_precision)")

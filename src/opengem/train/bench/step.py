@@ -1,7 +1,8 @@
 """`opengem bench train`: steady-state speed of the whole training step, its MFU and where the time goes.
 
 The learner is built exactly as the trainer builds it (``build_learner``, the GEM architecture of the
-preset) and fed by the trainer's data stream. After ``warmup`` steps, ``steps`` steps run between two
+preset) and fed by the trainer's data stream. After ``warmup`` steps and one run of the window's own
+batches (so that no batch shape in the window is met for the first time), ``steps`` steps run between two
 timing points (CUDA events; the only synchronization of the window is at its end). FLOPs are the
 analytic count of the batches actually drawn (`opengem.train.flops`). Then a few more steps run under
 the profiler for the phase split (`opengem.train.bench.phases`), and the data stream runs alone to
@@ -76,7 +77,7 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
         overrides.append(f"batch_size={options.batch_size}")
     if options.num_workers is not None:
         overrides.append(f"num_workers={options.num_workers}")
-    steps = options.warmup + options.max_tuning_steps + options.steps + options.profile_steps
+    steps = options.warmup + options.max_tuning_steps + 2 * options.steps + options.profile_steps
     overrides.append(f"steps={steps}")  # the LR schedule's length
     config = load_config(options.preset, overrides=[*overrides, *options.overrides])
     device = resolve_device(config.device)
@@ -100,12 +101,15 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
-
+    # The warm-up runs the window's batches too (the window replays batches 0..steps-1): a batch whose shape
+    # meets new autotuner keys (a length bucket; 2.7 s on an H200 in session 12) is tuned before timing.
     tuning_steps = warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)),
-                                      options.warmup, options.max_tuning_steps if device.type == "cuda" else 0,
+                                      options.warmup + options.steps,
+                                      options.max_tuning_steps if device.type == "cuda" else 0,
                                       sync=lambda: synchronize(device))
     synchronize(device)
-    _progress(f"warm after {options.warmup} + {tuning_steps} steps")
+    _progress(f"warm after {options.warmup} + {options.steps} (the window's batches) + {tuning_steps} steps")
+    stream = train_batches(config, start_step=0)
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
     events_before = host_events()
@@ -175,7 +179,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "num_workers": config.num_workers,
         "low_precision_layers": converted,
         "device": str(device),
-        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup`` (something compiled, or slow steps)
+        "tuning_steps": tuning_steps,  # warm-up steps past ``warmup + steps`` (something compiled, or slow steps)
         # any count > 0: seconds of host work (tuning, compiling, collecting) inside the timed steps
         "host_events_while_timed": while_timed,
     }
@@ -271,7 +275,8 @@ def format_report(payload: dict[str, Any]) -> str:
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
-        f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + {s['tuning_steps']} warm-up)",
+        (f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + {s['steps']} + "
+         f"{s['tuning_steps']} warm-up, the window's batches among them)"),
         (f"  timed steps       {r['step_ms_median']:>12.2f} ms median, {min(r['step_ms_each']):.2f} min, "
          f"{max(r['step_ms_each']):.2f} max"),
         "  while timed       " + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
