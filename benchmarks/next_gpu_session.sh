@@ -68,6 +68,8 @@
 #   backends), then gem-small b2048 under bench train, bf16 then fp8_rowwise MLPs (eager FP8 regions)
 # s12d (one GPU, session 12): the FP8 layers as custom ops under compile against eager, the low-precision GPU
 #   tests, then gem-small b2048 under bench train in bf16 and with fp8_rowwise MLPs (issue 10's 1.2x)
+# s13a (one GPU, next session): the embedding step's stages and kernels (power-law and uniform ids), the embedding
+#   benchmark with uniform ids, gem-small b2048 under bench train with the warm-up over the window's batches
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -173,6 +175,12 @@ chain_s12d() {
     --steps 20 --warmup 8 --num-workers 12 --out "$out/results/train_gem-small_b2048_bf16.json"
   step fp8_mlp_train 220 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_b2048_fp8.json"
+}
+chain_s13a() {
+  step embedding_backward_stages 240 python -m benchmarks.diag.embedding_backward_stages
+  step embedding_uniform 200 python -m benchmarks.embedding --uniform-ids --skip-compile
+  step bench_train 200 train bench train --preset gem-small --batch-size 2048 --compile \
+    --steps 20 --warmup 8 --num-workers 12 --out "$out/results/train_gem-small_b2048_replay.json"
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -291,7 +299,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12c|s12d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12c|s12d|s13a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
