@@ -36,54 +36,57 @@ def _kernel_us(run, steps: int = 3) -> dict[str, float]:
     return dict(sorted(times.items(), key=lambda kv: -kv[1])[:25])
 
 
+def _measure(quick: bool, power_law: bool) -> dict:
+    """Every stage's milliseconds and the step's top kernels on one workload (its tensors freed on return)."""
+    w = workload(quick, power_law_ids=power_law)
+    batch = make_batch(w, DEVICE, seed=0)
+    ours = Ours.build(w, batch)
+    ec, layout, weights, offsets, grad = ours.ec, ours.layout, ours.weights, ours.offsets, ours.grad_flat
+    ids, meta = batch.values, layout.feature_meta
+    update = FusedUpdate("rowwise_adagrad", ec.row_state_float32, ec.elem_state_float32, ec.step_float32,
+                         torch.zeros(0, device=DEVICE, requires_grad=True), lr=LR)
+
+    def forward() -> None:
+        with torch.no_grad():
+            embedding_lookup(weights, layout, ids, offsets)
+
+    def sort() -> None:
+        kernels._sorted_contributions(meta, ids, offsets, layout.batch_size)
+
+    def sort_and_pieces() -> None:
+        parts = kernels._sorted_contributions(meta, ids, offsets, layout.batch_size)
+        kernels._pieces(parts["run_starts"], kernels.SEGMENT)
+
+    def fused_update() -> None:
+        with torch.no_grad():
+            kernels.embedding_fused_update_(
+                grad, weights, ec.row_state_float32, ec.elem_state_float32, ec.step_float32, meta, ids, offsets,
+                layout.batch_size, layout.max_dim, layout.dim_align, kernels.OPT_ROWWISE_ADAGRAD, LR, 1e-8,
+                0.9, 0.999, 0.0)  # fmt: skip
+
+    def op_step() -> None:
+        embedding_lookup(weights, layout, ids, offsets, update).backward(grad)
+
+    row: dict = {"ids": "power law" if power_law else "uniform", "num_ids": ids.numel(), "max_dim": layout.max_dim}
+    for name, run in (("forward", forward), ("sorted_contributions", sort),
+                      ("sorted_contributions+pieces", sort_and_pieces), ("fused_update", fused_update),
+                      ("op_step", op_step)):
+        row[f"{name}_ms"] = bench_ms(run)
+        print(row["ids"], name, f"{row[f'{name}_ms']:.3f} ms", flush=True)
+    row["op_step_kernel_us"] = _kernel_us(op_step)
+    for key, us in row["op_step_kernel_us"].items():
+        print(f"  {us:9.1f}  {key}", flush=True)
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="issue 8's quick workload instead of the full one")
     args = parser.parse_args()
     rows: list[dict] = []
     for power_law in (True, False):
-        w = workload(args.quick, power_law_ids=power_law)
-        batch = make_batch(w, DEVICE, seed=0)
-        ours = Ours.build(w, batch)
-        ec, layout, weights, offsets, grad = ours.ec, ours.layout, ours.weights, ours.offsets, ours.grad_flat
-        ids, meta = batch.values, layout.feature_meta
-        update = FusedUpdate("rowwise_adagrad", ec.row_state_float32, ec.elem_state_float32, ec.step_float32,
-                             torch.zeros(0, device=DEVICE, requires_grad=True), lr=LR)
-
-        def forward() -> None:
-            with torch.no_grad():
-                embedding_lookup(weights, layout, ids, offsets)
-
-        def sort() -> None:
-            kernels._sorted_contributions(meta, ids, offsets, layout.batch_size)
-
-        def sort_and_pieces() -> None:
-            parts = kernels._sorted_contributions(meta, ids, offsets, layout.batch_size)
-            kernels._pieces(parts["run_starts"], kernels.SEGMENT)
-
-        def fused_update() -> None:
-            with torch.no_grad():
-                kernels.embedding_fused_update_(
-                    grad, weights, ec.row_state_float32, ec.elem_state_float32, ec.step_float32, meta, ids, offsets,
-                    layout.batch_size, layout.max_dim, layout.dim_align, kernels.OPT_ROWWISE_ADAGRAD, LR, 1e-8,
-                    0.9, 0.999, 0.0)  # fmt: skip
-
-        def op_step() -> None:
-            embedding_lookup(weights, layout, ids, offsets, update).backward(grad)
-
-        row: dict = {"ids": "power law" if power_law else "uniform", "num_ids": ids.numel(),
-                     "max_dim": layout.max_dim}
-        for name, run in (("forward", forward), ("sorted_contributions", sort),
-                          ("sorted_contributions+pieces", sort_and_pieces), ("fused_update", fused_update),
-                          ("op_step", op_step)):
-            row[f"{name}_ms"] = bench_ms(run)
-            print(row["ids"], name, f"{row[f'{name}_ms']:.3f} ms", flush=True)
-        row["op_step_kernel_us"] = _kernel_us(op_step)
-        for key, us in row["op_step_kernel_us"].items():
-            print(f"  {us:9.1f}  {key}", flush=True)
-        rows.append(row)
+        rows.append(_measure(args.quick, power_law))
         write_results("embedding_backward_stages", rows)
-        del ours, ec, weights, grad, update
         torch.cuda.empty_cache()
 
 

@@ -11,7 +11,7 @@ from opengem.train.config import PRECISIONS, PRESETS
 
 
 def add_bench_parser(commands: argparse._SubParsersAction) -> None:
-    from opengem.train.bench.step import LOW_PRECISION_MLPS
+    from opengem.train.config import LOW_PRECISION_MLPS
 
     parser = commands.add_parser("bench", help="training speed benchmarks (MFU, phase split, layers alone)")
     kinds = parser.add_subparsers(dest="bench_command", required=True)

@@ -12,8 +12,10 @@ from typing import Any
 from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
+from opengem.nn.low_precision_recipe import NAMED_RECIPES
 
 ARCHITECTURES = ("sequence_ctr", "gem")
+LOW_PRECISION_MLPS = ("none", *(name for name in NAMED_RECIPES if name != "bf16"))
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes of the dense blocks
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
@@ -48,18 +50,24 @@ class TrainConfig:
     compile: bool = False  # torch.compile the dense blocks (opengem.train.compile); worth it on GPUs
     compile_mode: str = "default"  # one of COMPILE_MODES; max-autotune times Inductor's kernel choices
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
+    # one of LOW_PRECISION_MLPS: the large Linear layers in that FP8 / MX recipe (opengem.nn.low_precision's
+    # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16
+    low_precision_mlp: str = "none"
+    low_precision_min_features: int = 512  # smaller Linear layers stay BF16 (their GEMMs gain nothing from FP8)
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 
     def __post_init__(self) -> None:
         for name in ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
-                     "keep_checkpoints", "max_bad_steps"):
+                     "keep_checkpoints", "max_bad_steps", "low_precision_min_features"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        if self.low_precision_mlp not in LOW_PRECISION_MLPS:
+            raise ValueError(f"low_precision_mlp must be one of {LOW_PRECISION_MLPS}, got {self.low_precision_mlp!r}")
         for name in ("warmup_steps", "num_workers"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")

@@ -116,6 +116,11 @@ class DistributedRun:
     """The distributed side of the trainer's loop (the interface of ``opengem.train.trainer.LocalRun``)."""
 
     def __init__(self, config: TrainConfig, parallel: ParallelConfig) -> None:
+        if config.low_precision_mlp != "none":  # before any process group exists
+            raise NotImplementedError(
+                f"low_precision_mlp={config.low_precision_mlp!r} trains in one process only for now: the FP8 "
+                "layers' weight cache over FSDP's gathered weights is untested; train without --parallel / "
+                "torchrun, or with low_precision_mlp=none")
         self.config = config
         self.device = _rank_device(config.device)
         backend = "nccl" if self.device.type == "cuda" else "gloo"

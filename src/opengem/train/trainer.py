@@ -29,6 +29,7 @@ from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
+from opengem.nn.low_precision import convert_to_low_precision, default_filter
 from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
@@ -127,7 +128,14 @@ def build_model(config: TrainConfig, history: str, device: torch.device) -> nn.M
     else:
         sequence_config = dataclasses.replace(config.model, history=history)
         model = SequenceCTRModel(data.feature_specs(), data.num_dense, sequence_config, embedding_optimizer)
-    return model.to(device)
+    model = model.to(device)
+    if config.low_precision_mlp != "none":  # before any compile or sharding, so both see the FP8 layers
+        keep = default_filter(model, min_features=config.low_precision_min_features)
+        if not convert_to_low_precision(model, config.low_precision_mlp, filter=keep):
+            warnings.warn(f"low_precision_mlp={config.low_precision_mlp!r}: no Linear layer has both dims >= "
+                          f"low_precision_min_features={config.low_precision_min_features} (and multiples of 16) "
+                          "outside the heads: the model stays BF16", stacklevel=2)
+    return model
 
 
 def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:

@@ -24,18 +24,16 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
-from opengem.nn.low_precision import NAMED_RECIPES, convert_to_low_precision
+from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.train.bench.kernels import family_split_us
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import events_report, host_events
 from opengem.train.compile import compile_regions
-from opengem.train.config import PRECISIONS, TrainConfig, apply_overrides, load_config
+from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
 from opengem.train.trainer import Learner, build_learner, resolve_device
-
-LOW_PRECISION_MLPS = ("none", *(name for name in NAMED_RECIPES if name != "bf16"))
 
 
 @dataclass(frozen=True)
@@ -72,7 +70,8 @@ class TrainBenchOptions:
 def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device, str]:
     """The preset's TrainConfig with the GEM architecture and the benchmark's settings; device; precision."""
     # compile=false: the benchmark compiles itself (--compile), after any low-precision conversion
-    overrides = ["architecture=gem", f"device={options.device}", "baseline=false", "compile=false"]
+    overrides = ["architecture=gem", f"device={options.device}", "baseline=false", "compile=false",
+                 f"low_precision_mlp={options.low_precision_mlp}"]  # converted by build_learner, before compiling
     if options.batch_size is not None:
         overrides.append(f"batch_size={options.batch_size}")
     if options.num_workers is not None:
@@ -93,10 +92,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     learner = build_learner(config, config.model.history, device)
     model = learner.model
     trust_ids(model)  # synthetic ids: no id check, no sync per step
-    converted = []
-    if options.low_precision_mlp != "none":
-        converted = convert_to_low_precision(model, options.low_precision_mlp)
-    if options.compile:  # after the low-precision conversion, so the compiled blocks include it
+    converted = [name for name, module in model.named_modules() if isinstance(module, LowPrecisionLinear)]
+    if options.compile:  # after the low-precision conversion (in build_learner), so the compiled blocks include it
         compile_regions(model, mode=config.compile_mode)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,0 +1,164 @@
+"""Low-precision MLPs against BF16 over a whole training run (issue 6: "a training run of the default GPU preset
+for 2000 steps with low-precision MLPs ends within 0.2% relative NE of the BF16 run with the same seed").
+
+    PYTHONPATH=src:. python -m benchmarks.low_precision_curves --variant none|fp8_rowwise|... [--steps N]
+    PYTHONPATH=src:. python -m benchmarks.low_precision_curves --compare [--variant fp8_rowwise]
+
+A variant is a value of ``TrainConfig.low_precision_mlp`` (``none``: the BF16 run). Each run trains the preset
+(default gem-small: bf16 autocast, compiled blocks) from the same seed on the same stream of batches, with
+no checkpoints (gem-small's tables are tens of GB), and evaluates the held-out set every ``--eval-every``
+steps and at the end. One variant per invocation, so each fits one device call: it writes
+``benchmarks/results/low_precision_curve_<variant>.json`` (per-step losses, evaluations, ms per step, the
+converted layers). ``--compare`` reads the BF16 run and ``--variant``'s, and writes
+``low_precision_curves.json`` with the final NE of every task in both, the relative difference
+(variant / bf16 - 1) and the verdict against the 0.2% bar, and ``low_precision_curves.png`` (smoothed
+training losses, held-out NE per evaluation) when matplotlib is installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks import common
+from benchmarks.gem_curves import moving_average
+from opengem.data.schema import TASKS
+from opengem.nn.low_precision import LowPrecisionLinear
+from opengem.train.config import LOW_PRECISION_MLPS, TrainConfig, load_config
+from opengem.train.trainer import LocalRun, evaluate
+
+NE_BAR = 0.002  # issue 6: within 0.2% relative NE
+BASELINE = "none"
+
+
+def variant_config(preset: str, variant: str, steps: int, eval_every: int, overrides: Sequence[str]) -> TrainConfig:
+    """The preset with ``low_precision_mlp=variant``; no baseline learner, evaluations every ``eval_every``."""
+    return load_config(preset, overrides=[
+        f"steps={steps}", f"eval_every={eval_every}", "baseline=false", f"low_precision_mlp={variant}", *overrides])
+
+
+def run_variant(config: TrainConfig, read_every: int = 50) -> dict[str, Any]:
+    """Train ``config`` (no checkpoints): per-step losses (read from the device every ``read_every`` steps),
+    held-out evaluations, the mean ms per step outside evaluations, the converted layers."""
+    run = LocalRun(config)
+    learner = run.learners["model"]
+    holdout, stream = run.holdout(), run.batches(0)
+    losses: list[float] = []
+    pending: list[torch.Tensor] = []
+    evaluations: list[dict[str, Any]] = []
+    train_s = 0.0
+    for step in range(1, config.steps + 1):
+        begin = time.perf_counter()
+        pending.append(learner.step(next(stream).to(run.device, non_blocking=True)))
+        evaluates = step % config.eval_every == 0 or step == config.steps
+        if step % read_every == 0 or evaluates:
+            losses += torch.stack(pending).double().tolist()  # one host transfer per read_every steps
+            pending.clear()
+        train_s += time.perf_counter() - begin
+        if evaluates:
+            evaluations.append({"step": step, **evaluate(*run.predictions(holdout))})
+            print(f"step {step}: loss {losses[-1]:.4f}, NE " + ", ".join(
+                f"{task} {evaluations[-1][f'{task}/model/ne']:.4f}" for task in TASKS), flush=True)
+    converted = [name for name, m in learner.model.named_modules() if isinstance(m, LowPrecisionLinear)]
+    return {"variant": config.low_precision_mlp, "preset": config.preset, "steps": config.steps,
+            "batch_size": config.batch_size, "seed": config.seed, "precision": config.precision,
+            "compile": config.compile, "converted_layers": converted, "ms_per_step": 1e3 * train_s / config.steps,
+            "losses": losses, "evaluations": evaluations}
+
+
+def compare(baseline: dict[str, Any], variant: dict[str, Any], smooth: int = 50) -> dict[str, Any]:
+    """Final held-out NE per task of both runs, the relative difference and the verdict against `NE_BAR`."""
+    for key in ("preset", "steps", "batch_size", "seed"):
+        if baseline[key] != variant[key]:
+            raise ValueError(f"the runs differ in {key}: {baseline[key]!r} (bf16) against {variant[key]!r}")
+    final_b, final_v = baseline["evaluations"][-1], variant["evaluations"][-1]
+    tasks = {}
+    for task in TASKS:
+        ne_b, ne_v = final_b[f"{task}/model/ne"], final_v[f"{task}/model/ne"]
+        tasks[task] = {"ne_bf16": ne_b, "ne_variant": ne_v, "relative_ne": ne_v / ne_b - 1}
+    worst = max(abs(t["relative_ne"]) for t in tasks.values())
+    smoothed = [abs(a - b) for a, b in zip(moving_average(baseline["losses"], smooth),
+                                           moving_average(variant["losses"], smooth))]
+    return {
+        "variant": variant["variant"], "preset": variant["preset"], "steps": variant["steps"],
+        "final_ne": tasks, "worst_relative_ne": worst, "bar": NE_BAR, "passes": worst <= NE_BAR,
+        "smoothed_loss_gap": {"window": smooth, "max": max(smoothed), "mean": statistics.fmean(smoothed)},
+        "speed": {"ms_per_step_bf16": baseline["ms_per_step"], "ms_per_step_variant": variant["ms_per_step"],
+                  "samples_per_s_ratio": baseline["ms_per_step"] / variant["ms_per_step"]},
+    }
+
+
+def plot(baseline: dict[str, Any], variant: dict[str, Any], verdict: dict[str, Any], out: Path,
+         smooth: int = 50) -> Path:
+    """Top: both runs' smoothed training loss; bottom: held-out NE of every task at each evaluation."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only, no display
+    import matplotlib.pyplot as plt
+
+    figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
+    for run, label, color in ((baseline, "bf16", "tab:blue"), (variant, variant["variant"], "tab:orange")):
+        steps = range(1, len(run["losses"]) + 1)
+        top.plot(steps, moving_average(run["losses"], smooth), label=label, color=color, linewidth=1.2)
+        for task, style in zip(TASKS, ("-o", "--s")):
+            evals = run["evaluations"]
+            bottom.plot([e["step"] for e in evals], [e[f"{task}/model/ne"] for e in evals], style, color=color,
+                        label=f"{label} {task}")
+    top.set_ylabel(f"training loss ({smooth}-step mean)")
+    top.legend()
+    bottom.set_xlabel("step")
+    bottom.set_ylabel("held-out NE")
+    bottom.legend()
+    verdict_text = "PASS" if verdict["passes"] else "FAIL"
+    figure.suptitle(f"{verdict['preset']}: {verdict['variant']} MLPs against bf16, worst final NE "
+                    f"{100 * verdict['worst_relative_ne']:+.3f}% ({verdict_text} at 0.2%)")
+    figure.tight_layout()
+    figure.savefig(out, dpi=120)
+    plt.close(figure)
+    return out
+
+
+def _load(variant: str) -> dict[str, Any]:
+    path = common.RESULTS_DIR / f"low_precision_curve_{variant}.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `--variant {variant}` first")
+    return json.loads(path.read_text())["rows"][0]
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--variant", choices=LOW_PRECISION_MLPS, default="fp8_rowwise",
+                        help="low_precision_mlp of the run (none: the BF16 run); with --compare, the one compared")
+    parser.add_argument("--compare", action="store_true", help="compare the saved BF16 run with --variant's")
+    parser.add_argument("--preset", default="gem-small")
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--eval-every", type=int, default=500)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    args = parser.parse_args(argv)
+    if args.compare:
+        if args.variant == BASELINE:
+            parser.error("--compare needs a --variant other than none")
+        baseline, variant = _load(BASELINE), _load(args.variant)
+        verdict = compare(baseline, variant)
+        common.write_results("low_precision_curves", [verdict])
+        print(json.dumps(verdict, indent=2))
+        try:
+            print(f"wrote {plot(baseline, variant, verdict, common.RESULTS_DIR / 'low_precision_curves.png')}")
+        except ImportError:
+            print("matplotlib is not installed: no PNG")
+        return verdict
+    config = variant_config(args.preset, args.variant, args.steps, args.eval_every, args.set)
+    result = run_variant(config)
+    print(f"wrote {common.write_results(f'low_precision_curve_{args.variant}', [result])}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,58 @@
+"""The low-precision curves benchmark's plumbing on CPU: gem-tiny, a few steps of the BF16 run and an FP8 run
+(it runs on the GPU at gem-small for 2000 steps; the JSON fields, the comparison and the verdict are
+checked here)."""
+
+import json
+
+import pytest
+
+from benchmarks import common, low_precision_curves
+from opengem.data.schema import TASKS
+
+TINY = ["--preset", "gem-tiny", "--steps", "4", "--eval-every", "2", "--set", "batch_size=32",
+        "--set", "eval_samples=400", "--set", "architecture=gem", "--set", "precision=bf16",
+        "--set", "low_precision_min_features=128"]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("results")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(common, "RESULTS_DIR", folder)
+        runs = {v: low_precision_curves.main(["--variant", v, *TINY]) for v in ("none", "fp8_rowwise")}
+        verdict = low_precision_curves.main(["--compare", "--variant", "fp8_rowwise"])
+    return folder, runs, verdict
+
+
+def test_each_run_saves_its_curve_and_evaluations(results):
+    folder, runs, _ = results
+    for variant, run in runs.items():
+        saved = json.loads((folder / f"low_precision_curve_{variant}.json").read_text())["rows"][0]
+        assert saved == json.loads(json.dumps(run))
+        assert len(saved["losses"]) == 4 and [e["step"] for e in saved["evaluations"]] == [2, 4]
+        assert saved["ms_per_step"] > 0
+    assert runs["none"]["converted_layers"] == []
+    assert runs["fp8_rowwise"]["converted_layers"] == ["cls_proj", "layers.0.interaction.fm_mlp.2"]
+    assert runs["fp8_rowwise"]["losses"] != runs["none"]["losses"]  # FP8 really ran
+
+
+def test_compare_reports_relative_ne_and_the_verdict(results):
+    folder, runs, verdict = results
+    saved = json.loads((folder / "low_precision_curves.json").read_text())["rows"][0]
+    assert saved == json.loads(json.dumps(verdict))
+    for task in TASKS:
+        ne = verdict["final_ne"][task]
+        assert ne["ne_bf16"] == runs["none"]["evaluations"][-1][f"{task}/model/ne"]
+        assert ne["relative_ne"] == pytest.approx(ne["ne_variant"] / ne["ne_bf16"] - 1)
+    assert verdict["worst_relative_ne"] == max(abs(t["relative_ne"]) for t in verdict["final_ne"].values())
+    assert verdict["passes"] == (verdict["worst_relative_ne"] <= 0.002)
+    assert (folder / "low_precision_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_refuses_runs_of_different_settings(results):
+    _, runs, _ = results
+    other = {**runs["fp8_rowwise"], "steps": 8}
+    with pytest.raises(ValueError, match="the runs differ in steps"):
+        low_precision_curves.compare(runs["none"], other)
+    with pytest.raises(SystemExit):
+        low_precision_curves.main(["--compare", "--variant", "none"])
