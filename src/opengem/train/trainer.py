@@ -129,7 +129,7 @@ def build_model(config: TrainConfig, history: str, device: torch.device) -> nn.M
         sequence_config = dataclasses.replace(config.model, history=history)
         model = SequenceCTRModel(data.feature_specs(), data.num_dense, sequence_config, embedding_optimizer)
     model = model.to(device)
-    if config.low_precision_mlp != "none":  # before compiling (make_learner), so the compiled blocks hold the FP8 layers
+    if config.low_precision_mlp != "none":  # before make_learner compiles: the compiled blocks hold the FP8 layers
         keep = default_filter(model, min_features=config.low_precision_min_features)
         if not convert_to_low_precision(model, config.low_precision_mlp, filter=keep):
             warnings.warn(f"low_precision_mlp={config.low_precision_mlp!r}: no Linear layer has both dims >= "
