@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import datetime
 import gc
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from opengem.train.bench.timing import WindowTimer
 
@@ -65,6 +67,22 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> f
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def kernel_ms(fn: Callable[[], Any], calls: int = 5, name_width: int = 60) -> dict[str, float]:
+    """Device milliseconds per call of each kernel ``fn`` launches (names cut to ``name_width``
+    characters), most first."""
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = collections.defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            totals[event.name[:name_width]] += event.device_time_total / 1000 / calls
+    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def bench_graph_ms(

@@ -17,23 +17,11 @@ from __future__ import annotations
 import argparse
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import bench_ms, write_results
+from benchmarks.common import bench_ms, kernel_ms, write_results
 from benchmarks.embedding import DEVICE, LR, Ours, make_batch, workload
 from opengem.ops.embedding import FusedUpdate, embedding_lookup
 from opengem.ops.triton import embedding as kernels
-
-
-def _kernel_us(run, steps: int = 3) -> dict[str, float]:
-    run()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-    times = {e.key[:100]: e.device_time_total / steps for e in prof.key_averages() if e.device_time_total > 0}
-    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:25])
 
 
 def _measure(quick: bool, power_law: bool) -> dict:
@@ -73,9 +61,9 @@ def _measure(quick: bool, power_law: bool) -> dict:
                       ("op_step", op_step)):
         row[f"{name}_ms"] = bench_ms(run)
         print(row["ids"], name, f"{row[f'{name}_ms']:.3f} ms", flush=True)
-    row["op_step_kernel_us"] = _kernel_us(op_step)
-    for key, us in row["op_step_kernel_us"].items():
-        print(f"  {us:9.1f}  {key}", flush=True)
+    row["op_step_kernel_ms"] = dict(list(kernel_ms(op_step, calls=3, name_width=100).items())[:25])
+    for key, ms in row["op_step_kernel_ms"].items():
+        print(f"  {ms:9.3f}  {key}", flush=True)
     return row
 
 

@@ -9,27 +9,17 @@ Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.fp8_compile_profile``
 from __future__ import annotations
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import write_results
+from benchmarks.common import kernel_ms, write_results
 from benchmarks.diag.fp8_compile import DEVICE, TOKENS, WIDTH, _linears, _mlp
 
 STEPS = 5
 
 
-def _kernel_us(run, x: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
-    for _ in range(3):
+def _kernel_ms(run, x: torch.Tensor, grad: torch.Tensor) -> dict[str, float]:
+    for _ in range(2):  # with kernel_ms's own first call: three warm-up steps
         run(x).backward(grad)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(STEPS):
-            run(x).backward(grad)
-        torch.cuda.synchronize()
-    times: dict[str, float] = {}
-    for event in prof.key_averages():
-        if event.device_time_total > 0:
-            times[event.key[:90]] = event.device_time_total / STEPS
-    return dict(sorted(times.items(), key=lambda kv: -kv[1])[:25])
+    return dict(list(kernel_ms(lambda: run(x).backward(grad), calls=STEPS, name_width=90).items())[:25])
 
 
 def main() -> None:
@@ -40,12 +30,12 @@ def main() -> None:
     for name, build in (("LowPrecisionMLP", _mlp), ("two fp8 linears + gelu", _linears)):
         module = build()
         for mode, run in (("eager", module), ("compiled", torch.compile(module, fullgraph=True))):
-            kernels = _kernel_us(run, x, grad)
-            row = {"layer": name, "mode": mode, "kernel_us_per_step": kernels, "sum_top_us": sum(kernels.values())}
+            kernels = _kernel_ms(run, x, grad)
+            row = {"layer": name, "mode": mode, "kernel_ms_per_step": kernels, "sum_top_ms": sum(kernels.values())}
             rows.append(row)
-            print(name, mode, f"{row['sum_top_us']:.0f} us", flush=True)
-            for key, us in kernels.items():
-                print(f"  {us:9.1f}  {key}", flush=True)
+            print(name, mode, f"{row['sum_top_ms']:.3f} ms", flush=True)
+            for key, ms in kernels.items():
+                print(f"  {ms:9.3f}  {key}", flush=True)
             write_results("fp8_compile_profile", rows)
 
 

@@ -9,31 +9,14 @@ Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_configs [--worklo
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from benchmarks.common import bench_ms, write_results
+from benchmarks.common import bench_ms, kernel_ms, write_results
 from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
 DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
-
-
-def kernel_ms(fn, calls: int = 5) -> dict[str, float]:
-    """Device milliseconds per call of each kernel ``fn`` launches (names shortened to 60 characters)."""
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            fn()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            totals[event.name[:60]] += event.device_time_total / 1000 / calls
-    return dict(sorted(totals.items(), key=lambda item: -item[1]))
 
 
 def sweep(name: str, fn, rows: list[dict], workload: str) -> None:

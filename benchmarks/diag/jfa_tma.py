@@ -12,8 +12,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import bench_ms, write_results
-from benchmarks.diag.jfa_configs import kernel_ms
+from benchmarks.common import bench_ms, kernel_ms, write_results
 from benchmarks.jfa import _batch, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
