@@ -64,8 +64,7 @@
 #   the low-precision GPU tests, gem-small b2048 under bench train (bf16, with layers)
 # s12b (one GPU, next session): gem-small b2048 under bench train with fp8_rowwise MLPs, then the embedding
 #   benchmark's full workload with uniform ids (the HBM-only figure)
-# s12c (one GPU, session 12): where the traced FP8 linear loses its gradients (Dynamo / AOTAutograd / Inductor
-#   backends), then gem-small b2048 under bench train, bf16 then fp8_rowwise MLPs (eager FP8 regions)
+# s12c (session 12, removed with its diag): where the traced FP8 linear lost its gradients, per compile backend
 # s12d (one GPU, session 12): the FP8 layers as custom ops under compile against eager, the low-precision GPU
 #   tests, then gem-small b2048 under bench train in bf16 and with fp8_rowwise MLPs (issue 10's 1.2x)
 # s13a (one GPU, next session): the embedding step's stages and kernels (power-law and uniform ids), the embedding
@@ -158,31 +157,23 @@ chain_s12a() {
   step bench_train 330 train bench train --preset gem-small --batch-size 2048 --compile \
     --steps 20 --warmup 8 --num-workers 12 --with-layers --out "$out/results/train_gem-small.json"
 }
-chain_s12b() {
-  step fp8_mlp_train 330 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
-  step embedding_uniform 200 python -m benchmarks.embedding --uniform-ids --skip-compile
+small_train() {  # gem-small b2048 under bench train, compiled, 8 + 20 warm-up and 20 timed steps
+  train bench train --preset gem-small --batch-size 2048 --compile --steps 20 --warmup 8 --num-workers 12 "$@"
 }
-chain_s12c() {
-  step fp8_compile_backends 90 python -m benchmarks.diag.fp8_compile_backends
-  step bench_train 240 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --out "$out/results/train_gem-small.json"
-  step fp8_mlp_train 240 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+chain_s12b() {
+  step fp8_mlp_train 330 small_train --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
+  step embedding_uniform 200 python -m benchmarks.embedding --uniform-ids --skip-compile
 }
 chain_s12d() {
   step fp8_compile 120 python -m benchmarks.diag.fp8_compile
   step low_precision_gpu_tests 100 tests tests/gpu/test_low_precision_gpu.py
-  step bench_train 200 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --out "$out/results/train_gem-small_b2048_bf16.json"
-  step fp8_mlp_train 220 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_b2048_fp8.json"
+  step bench_train 200 small_train --out "$out/results/train_gem-small_b2048_bf16.json"
+  step fp8_mlp_train 220 small_train --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_b2048_fp8.json"
 }
 chain_s13a() {
   step embedding_backward_stages 240 python -m benchmarks.diag.embedding_backward_stages
   step embedding_uniform 200 python -m benchmarks.embedding --uniform-ids --skip-compile
-  step bench_train 200 train bench train --preset gem-small --batch-size 2048 --compile \
-    --steps 20 --warmup 8 --num-workers 12 --out "$out/results/train_gem-small_b2048_replay.json"
+  step bench_train 200 small_train --out "$out/results/train_gem-small_b2048_replay.json"
 }
 chain_s13b() { step lp_curve_bf16 590 python -m benchmarks.low_precision_curves --variant none; }
 chain_s13c() {  # needs part s13b's low_precision_curve_none.json committed into benchmarks/results
@@ -300,13 +291,13 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train multi large_single curves_single predict
+export -f tests train small_train multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12c|s12d|s13a|s13b|s13c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
