@@ -276,6 +276,17 @@ def test_schedule_covers_every_tile_once_longest_first():
     assert kernels.schedule(_offsets(lengths), None, opts, torch.device("cpu")) is sched
 
 
+def test_schedule_order_is_a_stable_longest_first_sort():
+    """Work items longest first; equal work keeps the tiles' sample order (deterministic launches)."""
+    g = torch.Generator().manual_seed(1)
+    for n in (0, 1, 7, 5000):
+        work = torch.randint(0, 50, (n,), generator=g)  # many ties
+        sample, row = torch.arange(n), torch.randint(0, 1000, (n,), generator=g)
+        order = torch.argsort(work, descending=True, stable=True)
+        expected = torch.stack([sample[order], row[order]], 1).to(torch.int32)
+        assert torch.equal(kernels._order(sample, row, work, torch.device("cpu")), expected), n
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
