@@ -1,6 +1,9 @@
 """Diagnostic: where one GEM training step spends its time on the GPU (throughput, MFU, syncs, top kernels).
 
-    python -m benchmarks.step_profile --preset gem-small --batch-sizes 512,2048 --out DIR
+    python -m benchmarks.step_profile --runs PRESET:BATCH:PRECISION[:FLAG...],... --out DIR
+
+Flags of a run: ``compile``, ``fresh`` (new batches every step), ``host`` (cProfile of the host side of three
+steps), ``noprofile`` (no kernel table), ``lp=RECIPE`` (``low_precision_mlp``, e.g. ``lp=fp8_rowwise``).
 """
 
 from __future__ import annotations
@@ -25,11 +28,11 @@ from opengem.train.trainer import build_learner
 PEAK_BF16 = 989e12  # H100 SXM / H200 dense BF16
 
 
-def config_for(preset: str, batch_size: int, precision: str, compile_: bool = False):
+def config_for(preset: str, batch_size: int, precision: str, compile_: bool = False, low_precision_mlp: str = "none"):
     base = "gem-small" if preset == "gem-small" else "gem-tiny"
     config = load_config(base, overrides=[f"batch_size={batch_size}", "architecture=gem", f"precision={precision}",
                                           "baseline=false", "num_workers=0", f"data_preset={preset}",
-                                          f"compile={str(compile_).lower()}"])
+                                          f"compile={str(compile_).lower()}", f"low_precision_mlp={low_precision_mlp}"])
     import dataclasses
     return dataclasses.replace(config, gem=GEM_PRESETS[preset].model)
 
@@ -56,8 +59,8 @@ def syncs_in_step(learner, batch) -> list[str]:
 
 
 def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: bool, steps: int, profile: bool,
-        host_profile: bool = False) -> dict:
-    config = config_for(preset, batch_size, precision, compile_)
+        host_profile: bool = False, low_precision_mlp: str = "none") -> dict:
+    config = config_for(preset, batch_size, precision, compile_, low_precision_mlp)
     device = torch.device("cuda")
     torch.manual_seed(0)
     learner = build_learner(config, config.model.history, device)
@@ -88,6 +91,7 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: boo
     elapsed = time.perf_counter() - t0
     result = {
         "preset": preset, "batch_size": batch_size, "precision": precision, "compile": compile_, "fresh": fresh, "steps": steps,
+        "low_precision_mlp": low_precision_mlp,
         "warmup_s": warm_s, "step_ms": 1e3 * elapsed / steps, "samples_per_s": steps * batch_size / elapsed,
         "tflops": total_flops / elapsed / 1e12, "mfu_vs_989": total_flops / elapsed / PEAK_BF16,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
@@ -155,9 +159,11 @@ def main() -> None:
     out = Path(args.out) / "step_profile.json"
     for spec in args.runs.split(","):
         preset, batch_size, precision, *flags = spec.split(":")
+        recipe = next((flag.removeprefix("lp=") for flag in flags if flag.startswith("lp=")), "none")
         try:
             results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, "fresh" in flags, args.steps,
-                                       profile="noprofile" not in flags, host_profile="host" in flags))
+                                       profile="noprofile" not in flags, host_profile="host" in flags,
+                                       low_precision_mlp=recipe))
         except Exception as error:  # keep going: the other runs still tell us something
             traceback.print_exc()
             results["runs"].append({"spec": spec, "error": repr(error)})
