@@ -16,7 +16,6 @@ import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -538,9 +537,7 @@ def _tiles(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _order(sample: torch.Tensor, row: torch.Tensor, work: torch.Tensor, device: torch.device) -> torch.Tensor:
-    # numpy's stable sort of the negated work: the same order as torch's stable descending argsort, ~10x
-    # faster on the host (torch's took 0.3 ms of a 2048-sample schedule's ~3 ms, four times per schedule)
-    order = torch.from_numpy(np.argsort(-work.numpy(), kind="stable"))
+    order = torch.argsort(work, descending=True, stable=True)
     return to_device(torch.stack([sample[order], row[order]], 1).to(torch.int32).contiguous(), device)
 
 
