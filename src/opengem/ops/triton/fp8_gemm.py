@@ -167,8 +167,8 @@ def rowwise_quantize(
         block_c = min(triton.next_power_of_2(C), 4096)
         # out_ptr is never q (unused without a prologue): Inductor clones each mutated argument of a user Triton
         # kernel separately, so one tensor behind two written pointers loses the writes (pytorch#196657)
-        unused_out = torch.empty(0, dtype=x.dtype, device=x.device)
-        args = (x, x if u is None else u, unused_out if out is None else out, q, scale, R, C)
+        out_arg = out if out is not None else torch.empty(0, dtype=x.dtype, device=x.device)
+        args = (x, x if u is None else u, out_arg, q, scale, R, C)
         shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c}
         if x.is_cuda and autotune_enabled():
             _ROW_TUNERS[block_c][lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
