@@ -134,6 +134,7 @@ def test_low_precision_mlps_train_near_the_bf16_curve(tmp_path):
     """``low_precision_mlp`` converts the large Linear layers before training (at gem-tiny's widths once
     ``low_precision_min_features`` allows them); the loss curve stays near BF16's."""
     from opengem.nn.low_precision import LowPrecisionLinear
+    from opengem.parallel.mesh import ParallelConfig
     from opengem.train.trainer import build_model
 
     extra = ["steps=4", "eval_every=4", "eval_samples=500", "baseline=false", "architecture=gem", "precision=bf16"]
@@ -157,8 +158,6 @@ def test_low_precision_mlps_train_near_the_bf16_curve(tmp_path):
     with pytest.raises(ValueError, match="low_precision_mlp must be one of"):
         _config(tmp_path, "low_precision_mlp=fp4")
     with pytest.raises(NotImplementedError, match="trains in one process only"):
-        from opengem.parallel.mesh import ParallelConfig
-
         train(_config(tmp_path, *extra, *fp8), progress=False, parallel=ParallelConfig())
 
 
