@@ -293,6 +293,23 @@ def test_tuned_keys_counts_settled_autotuner_configs(monkeypatch):
     assert tuned_keys() == before + 2
 
 
+def test_tuned_key_names_name_the_kernel_and_key(monkeypatch):
+    """A new key shows up under its kernel's name, the FP8 row quantizers (held in a dict) included, and a
+    tuner reachable twice (module attribute and table entry) is counted once."""
+    from opengem.ops.triton import fp8_gemm, gdpa
+    from opengem.ops.triton import jagged_attention as jfa
+    from opengem.ops.triton.tuning import tuned_key_names, tuned_keys
+
+    names, count = tuned_key_names(), tuned_keys()
+    monkeypatch.setitem(jfa._fwd_kernel.cache, ("fake", 1), "config")
+    monkeypatch.setitem(fp8_gemm._ROW_TUNERS[1024].cache, (1000, "gelu"), "config")
+    monkeypatch.setitem(gdpa._TUNED, ("dq", "fake"), "config")
+    assert tuned_key_names() - names == {
+        "jagged_attention._fwd_kernel: ('fake', 1)", "fp8_gemm._ROW_TUNERS[1024]: (1000, 'gelu')",
+        "gdpa: ('dq', 'fake')"}
+    assert tuned_keys() == count + 3
+
+
 def test_gpu_time_by_kernel_family():
     """opengem's Triton kernels by the module that defines them, vendor GEMMs, Inductor's fused kernels,
     the optimizer and copies; a kernel listed twice counts once."""

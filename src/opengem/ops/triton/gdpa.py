@@ -165,6 +165,11 @@ def tuned_configs() -> int:
     return len(_TUNED)
 
 
+def tuned_key_list() -> list[tuple]:
+    """The settled (pass, key) tuples, for `opengem.ops.triton.tuning.tuned_key_names`."""
+    return list(_TUNED)
+
+
 def tuning_report() -> list[dict]:
     """Each tuned key's candidates with their timed milliseconds and the pick, for benchmark JSON: the
     evidence to prune candidates (and load paths) by."""

@@ -8,22 +8,42 @@ tuning lands in a timed window (``opengem.train.bench.timing.warm_until_settled`
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 from triton.runtime.autotuner import Autotuner
+
+
+def _autotuners() -> Iterator[tuple[str, Autotuner]]:
+    """(name, autotuner) over the loaded ``opengem.ops.triton`` modules, the ones held in a module-level
+    dict included (the FP8 row quantizers, one per column-block width)."""
+    seen: set[int] = set()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(f"{__package__}."):
+            continue
+        for attribute, value in list(vars(module).items()):
+            label = f"{name.rsplit('.', 1)[-1]}.{attribute}"
+            found = [(label, value)] if isinstance(value, Autotuner) else [
+                (f"{label}[{k}]", v) for k, v in value.items() if isinstance(v, Autotuner)
+            ] if isinstance(value, dict) else []
+            for found_label, tuner in found:
+                if id(tuner) not in seen:  # one tuner can be both a module attribute and a table entry
+                    seen.add(id(tuner))
+                    yield found_label, tuner
 
 
 def tuned_keys() -> int:
     """Settled configurations over the autotuned kernels of the loaded ``opengem.ops.triton`` modules
     (Triton's ``Autotuner`` caches and GDPA's own table). Host-side state: no device synchronization."""
-    count = 0
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith(f"{__package__}."):
-            continue
-        for value in vars(module).values():
-            if isinstance(value, Autotuner):
-                count += len(value.cache)
     gdpa = sys.modules.get(f"{__package__}.gdpa")
-    return count + (gdpa.tuned_configs() if gdpa is not None else 0)
+    return sum(len(tuner.cache) for _, tuner in _autotuners()) + (gdpa.tuned_configs() if gdpa is not None else 0)
+
+
+def tuned_key_names() -> set[str]:
+    """The configurations `tuned_keys` counts, each named ``"kernel: key"``: the difference of two calls says
+    which kernel met which new key."""
+    names = {f"{label}: {key}" for label, tuner in _autotuners() for key in tuner.cache}
+    gdpa = sys.modules.get(f"{__package__}.gdpa")
+    return names | ({f"gdpa: {key}" for key in gdpa.tuned_key_list()} if gdpa is not None else set())
 
 
 def tuning_bench(kernel_call, quantiles):
