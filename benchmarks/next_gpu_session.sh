@@ -75,6 +75,8 @@
 #   with the host profile (cProfile) and the kernel table: the GPU idle time and FP8's 0.89x
 # s13e (one GPU, session 13): 250 steps of gem-small as the trainer runs them, each step's stalls (autotuner keys,
 #   kernel loads, Dynamo graphs) and one evaluation timed twice, then the embedding step's stages
+# s13f (one GPU, session 13): the low-precision and step-sync GPU tests (column-summing quantizer, collector
+#   frozen after the first step), the FP8 MLP block's kernels, gem-small b2048 under bench train
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -191,6 +193,11 @@ chain_s13d() {  # where the host time of the compiled gem-small step goes, bf16 
 chain_s13e() {  # what a long run meets that bench train's window does not (the 2000-step curve ran at ~0.33 s a step)
   step long_run_events 360 python -m benchmarks.diag.long_run_events --steps 250
   step embedding_backward_stages 180 python -m benchmarks.diag.embedding_backward_stages
+}
+chain_s13f() {  # the FP8 MLP block's kernels after the fused bias gradients, then gem-small's steady state
+  step low_precision_gpu_tests 150 tests tests/gpu/test_low_precision_gpu.py tests/gpu/test_step_sync_gpu.py
+  step fp8_mlp_kernels 150 python -m benchmarks.diag.fp8_mlp_kernels
+  step bench_train 230 small_train --out "$out/results/train_gem-small_b2048_replay.json"
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -309,7 +316,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

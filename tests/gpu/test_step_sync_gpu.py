@@ -5,6 +5,7 @@ through pinned memory, and the embedding id check (one sync when on) is switched
 """
 
 import dataclasses
+import gc
 
 import pytest
 import torch
@@ -61,6 +62,7 @@ def test_learner_step_without_sync():
     preset = GEM_PRESETS["gem-small"]
     host_batch = next(iter(batches_from_table(generate(preset.data, 256, seed=4), 256))).pin_memory()
     learner.step(host_batch.to("cuda", non_blocking=True))  # compiles, autotunes, fills caches
+    assert gc.get_freeze_count() > 0  # the first step froze what it built: no full collection rescans it
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

@@ -26,6 +26,7 @@ from opengem.ops.fp8_gemm import (
     hadamard_rotate,
     quantize_operand,
     quantize_operand_with_transpose,
+    quantize_rowwise_with_sums,
     scaled_gemm,
 )
 
@@ -86,7 +87,7 @@ def linear_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(dx = dy W or None, dW = dy^T x, db = sum of dy or None), dW and db in the weight's dtype."""
     dy = dy.contiguous()
-    qdyt, dx = None, None
+    qdyt, dx, db = None, None, None
     if needs_dx and recipe.grad_input == "bf16":  # contraction over out_features
         dx = dy @ weight.to(dy.dtype)
     elif needs_dx:
@@ -94,6 +95,8 @@ def linear_backward(
         sr = recipe.stochastic_rounding
         if recipe.grad_weight == recipe.grad_input and rot is None and not sr:
             qdy, qdyt = quantize_operand_with_transpose(dy, recipe.grad_input)
+        elif has_bias and recipe.grad_input == "fp8_rowwise" and rot is None and not sr:
+            qdy, db = quantize_rowwise_with_sums(dy)  # the bias gradient from the quantizer's pass
         else:
             qdy = quantize_operand(dy if rot is None else hadamard_rotate(dy, rot), recipe.grad_input, stochastic=sr)
         dx = scaled_gemm(qdy, weight_of("grad_input", recipe.grad_input, rot), dy.dtype)
@@ -103,7 +106,8 @@ def linear_backward(
         qxt = qxt if qxt is not None else quantize_operand(x.t(), recipe.grad_weight)
         qdyt = qdyt if qdyt is not None else quantize_operand(dy.t(), recipe.grad_weight)
         dw = scaled_gemm(qdyt, qxt, torch.float32)
-    db = dy.sum(0).to(weight.dtype) if has_bias else None
+    if has_bias:
+        db = (dy.sum(0) if db is None else db).to(weight.dtype)
     return dx, dw.to(weight.dtype), db
 
 

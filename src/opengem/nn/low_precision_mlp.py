@@ -2,8 +2,10 @@
 
 Forward: fc1 (FP8 rowwise), then one kernel computes gelu(u), its row amax and its FP8 quantization for
 fc2 (and writes gelu(u) in BF16 for fc2's weight gradient). Backward: fc2's input gradient in FP8, then
-one kernel computes the GELU backward and quantizes it for fc1's input gradient. Weight gradients run in
-BF16 (the recipe default), weight quantizations are cached per optimizer step as in `LowPrecisionLinear`.
+one kernel computes the GELU backward and quantizes it for fc1's input gradient. The bias gradients are
+column sums taken by the quantizing passes of dy and of the GELU backward (no extra pass over them). Weight
+gradients run in BF16 (the recipe default), weight quantizations are cached per optimizer step as in
+`LowPrecisionLinear`.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from torch import nn
 
 from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
 from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
-from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
+from opengem.ops.fp8_gemm import gelu_quantize, quantize_operand, quantize_rowwise_with_sums, scaled_gemm
 
 FUSED_RECIPE = "fp8_rowwise"
 
@@ -27,7 +29,7 @@ def _mlp_forward(
     """(y, u = fc1(x), h = gelu(u)); u and h are kept for the backward."""
     u = scaled_gemm(quantize_operand(x, FUSED_RECIPE), fc1_weight("forward", FUSED_RECIPE, None), x.dtype,
                     fast_accum=fast_accum, bias=b1)
-    h, qh = quantize_gelu(u)
+    h, qh, _ = gelu_quantize(u)
     y = scaled_gemm(qh, fc2_weight("forward", FUSED_RECIPE, None), x.dtype, fast_accum=fast_accum, bias=b2)
     return y, u, h
 
@@ -38,11 +40,12 @@ def _mlp_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW1, db1, dW2, db2), the weight and bias gradients in the weights' dtypes."""
     dy = dy.contiguous()
-    dh = scaled_gemm(quantize_operand(dy, FUSED_RECIPE), fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
-    du, qdu = quantize_gelu(u, grad_out=dh)
+    qdy, db2 = quantize_rowwise_with_sums(dy)  # the bias gradients come out of the quantizers' passes
+    dh = scaled_gemm(qdy, fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
+    du, qdu, db1 = gelu_quantize(u, grad_out=dh, column_sums=True)
     dx = scaled_gemm(qdu, fc1_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
     dw1, dw2 = (du.t() @ x).to(w1.dtype), (dy.t() @ h).to(w2.dtype)
-    return dx, dw1, du.sum(0).to(w1.dtype), dw2, dy.sum(0).to(w2.dtype)
+    return dx, dw1, db1.to(w1.dtype), dw2, db2.to(w2.dtype)
 
 
 class _FusedMLPFn(torch.autograd.Function):

@@ -8,6 +8,7 @@ checkpoint at the end (and every ``eval_every`` steps) lets ``--resume`` continu
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import math
 import os
@@ -51,6 +52,7 @@ class Learner:
     compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the parameters' fp32)
     skip_on_device: bool = False  # see step(): set by make_learner when the optimizer is a fused AdamW
     _skip_gates: list[torch.Tensor] | None = dataclasses.field(default=None, init=False, repr=False)
+    _frozen: bool = dataclasses.field(default=False, init=False, repr=False)
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """fp32 logits; the dense compute runs under autocast when ``compute_dtype`` is set."""
@@ -87,6 +89,13 @@ class Learner:
             loss.backward()
             self.optimizer.step()
         self.scheduler.step()
+        if not self._frozen and value.is_cuda:
+            # The first step's compile leaves millions of long-lived objects (graphs, kernels); frozen, they
+            # drop out of the collector's full passes, each of which otherwise stalls a GPU step (389 ms at
+            # step 98 of gem-small, session 13). Frozen garbage cycles are never collected: once, not per run.
+            gc.collect()
+            gc.freeze()
+            self._frozen = True
         return value
 
     def _gates(self) -> list[torch.Tensor]:
