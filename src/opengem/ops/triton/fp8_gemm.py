@@ -154,7 +154,7 @@ ROW_ELEMENTS = 8192  # the default program: BLOCK_R rows x BLOCK_C columns of ab
 # (rows, warps): a program of 8192 elements with 8 warps holds ~170 registers per thread in the GELU backward
 # (x and u): one program per SM. Smaller programs or more warps keep more loads in flight; the tuner keeps
 # the candidates of 4096..16384 elements and picks per (C, prologue).
-ROW_CONFIGS = ((1, 4), (1, 8), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (16, 16))
+ROW_CONFIGS = ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (16, 16))
 
 
 def _row_programs(block_c: int) -> list[triton.Config]:
