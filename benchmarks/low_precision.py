@@ -44,8 +44,9 @@ GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [
     (65536, HIDDEN, INNER), (8192, 4096, 4096), (16384, 2048, 2048), (8192, 8192, 8192), (32768, 512, 2048),
 ]
 EXTRA_GEMM_RECIPES = ("fp8_blockwise", "mxfp8")  # full mode, beside rowwise
-MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_all")
-MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
+MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all")
+MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
+FUSED_MLP_RECIPES = ("fp8_rowwise", "fp8_rowwise_fast")  # the fused MLP's: precise or fast input-gradient sums
 COLUMNS = ["bench", "shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err", "rel_err_dx", "rel_err_dw1",
            "note", "error"]
 
@@ -224,9 +225,12 @@ def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_ag
 
         return build
 
-    def fused() -> nn.Module:
-        plain = bf16_copy()
-        return LowPrecisionMLP(plain[0], plain[2])
+    def fused(recipe: str) -> Callable[[], nn.Module]:
+        def build() -> nn.Module:
+            plain = bf16_copy()
+            return LowPrecisionMLP(plain[0], plain[2], recipe)
+
+        return build
 
     if torchao_against is not None:
         bf16_ms = torchao_against
@@ -236,7 +240,8 @@ def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_ag
     bf16_ms = run("bf16 nn.Linear", bf16_copy)
     for recipe in recipes:
         run(f"LowPrecisionLinear {recipe}", low_precision(recipe), "all fp8" if recipe.endswith("_all") else "wgrad bf16")
-    run("LowPrecisionMLP fp8_rowwise (fused GELU)", fused, "wgrad bf16")
+    for recipe in FUSED_MLP_RECIPES:
+        run(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16")
     return bf16_ms
 
 

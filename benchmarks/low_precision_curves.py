@@ -7,7 +7,9 @@ for 2000 steps with low-precision MLPs ends within 0.2% relative NE of the BF16 
 A variant is a value of ``TrainConfig.low_precision_mlp`` (``none``: the BF16 run). Each run trains the preset
 (default gem-small: bf16 autocast, compiled blocks) from the same seed on the same stream of batches, with
 no checkpoints (gem-small's tables are tens of GB), and evaluates the held-out set every ``--eval-every``
-steps and at the end. One variant per invocation, so each fits one device call: it writes
+steps and at the end; the JSON is rewritten after every evaluation (``complete`` false until the last, and
+``--compare`` refuses such a run). On the GPU the kernels' tuning is switched off for both runs
+(`TUNING_ENV`, recorded with each run and required equal). One variant per invocation, so each fits one device call: it writes
 ``benchmarks/results/low_precision_curve_<variant>.json`` (per-step losses, evaluations, ms per step, the
 converted layers). ``--compare`` reads the BF16 run and ``--variant``'s, and writes
 ``low_precision_curves.json`` with the final NE of every task in both, the relative difference
@@ -19,9 +21,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +38,9 @@ from opengem.train.config import LOW_PRECISION_MLPS, TrainConfig, load_config
 from opengem.train.trainer import LocalRun, evaluate
 
 NE_BAR = 0.002  # issue 6: within 0.2% relative NE
+# The kernels' tuning switches, recorded with each run: the GPU runs set them to 0 (default tile configs, both
+# runs alike) because the tuning compiles made gem-small's first step 164 s (session 13), too much for one call
+TUNING_ENV = ("OPENGEM_JFA_AUTOTUNE", "OPENGEM_GDPA_TUNE", "OPENGEM_FP8_AUTOTUNE")
 BASELINE = "none"
 
 
@@ -44,38 +50,53 @@ def variant_config(preset: str, variant: str, steps: int, eval_every: int, overr
         f"steps={steps}", f"eval_every={eval_every}", "baseline=false", f"low_precision_mlp={variant}", *overrides])
 
 
-def run_variant(config: TrainConfig, read_every: int = 50) -> dict[str, Any]:
+def run_variant(
+    config: TrainConfig, read_every: int = 50, on_evaluation: Callable[[dict[str, Any]], None] | None = None
+) -> dict[str, Any]:
     """Train ``config`` (no checkpoints): per-step losses (read from the device every ``read_every`` steps),
-    held-out evaluations, the mean ms per step outside evaluations, the converted layers."""
+    held-out evaluations, the first step's seconds (compiling) and the mean ms of the others outside
+    evaluations, the converted layers. ``on_evaluation`` gets the result so far after each evaluation
+    (``complete`` False until the last), so a run cut short keeps its curve."""
     run = LocalRun(config)
     learner = run.learners["model"]
     holdout, stream = run.holdout(), run.batches(0)
     losses: list[float] = []
     pending: list[torch.Tensor] = []
     evaluations: list[dict[str, Any]] = []
-    train_s = 0.0
+    converted = [name for name, m in learner.model.named_modules() if isinstance(m, LowPrecisionLinear)]
+    result: dict[str, Any] = {
+        "variant": config.low_precision_mlp, "preset": config.preset, "steps": config.steps,
+        "batch_size": config.batch_size, "seed": config.seed, "precision": config.precision,
+        "compile": config.compile, "converted_layers": converted, "losses": losses, "evaluations": evaluations,
+        "tuning_env": {name: os.environ.get(name) for name in TUNING_ENV}}
+    train_s = first_step_s = 0.0
     for step in range(1, config.steps + 1):
         begin = time.perf_counter()
         pending.append(learner.step(next(stream).to(run.device, non_blocking=True)))
         evaluates = step % config.eval_every == 0 or step == config.steps
-        if step % read_every == 0 or evaluates:
+        if step % read_every == 0 or evaluates or step == 1:
             losses += torch.stack(pending).double().tolist()  # one host transfer per read_every steps
             pending.clear()
-        train_s += time.perf_counter() - begin
+        if step == 1:
+            first_step_s = time.perf_counter() - begin
+        else:
+            train_s += time.perf_counter() - begin
         if evaluates:
             evaluations.append({"step": step, **evaluate(*run.predictions(holdout))})
             print(f"step {step}: loss {losses[-1]:.4f}, NE " + ", ".join(
-                f"{task} {evaluations[-1][f'{task}/model/ne']:.4f}" for task in TASKS), flush=True)
-    converted = [name for name, m in learner.model.named_modules() if isinstance(m, LowPrecisionLinear)]
-    return {"variant": config.low_precision_mlp, "preset": config.preset, "steps": config.steps,
-            "batch_size": config.batch_size, "seed": config.seed, "precision": config.precision,
-            "compile": config.compile, "converted_layers": converted, "ms_per_step": 1e3 * train_s / config.steps,
-            "losses": losses, "evaluations": evaluations}
+                f"{task} {evaluations[-1][f'{task}/model/ne']:.4f}" for task in TASKS)
+                + f", {1e3 * train_s / max(step - 1, 1):.1f} ms a step after a first of {first_step_s:.1f} s",
+                flush=True)
+            result.update(first_step_s=first_step_s, ms_per_step=1e3 * train_s / max(step - 1, 1),
+                          steps_done=step, complete=step == config.steps)
+            if on_evaluation is not None:
+                on_evaluation(result)
+    return result
 
 
 def compare(baseline: dict[str, Any], variant: dict[str, Any], smooth: int = 50) -> dict[str, Any]:
     """Final held-out NE per task of both runs, the relative difference and the verdict against `NE_BAR`."""
-    for key in ("preset", "steps", "batch_size", "seed"):
+    for key in ("preset", "steps", "batch_size", "seed", "tuning_env"):
         if baseline[key] != variant[key]:
             raise ValueError(f"the runs differ in {key}: {baseline[key]!r} (bf16) against {variant[key]!r}")
     final_b, final_v = baseline["evaluations"][-1], variant["evaluations"][-1]
@@ -129,7 +150,11 @@ def _load(variant: str) -> dict[str, Any]:
     path = common.RESULTS_DIR / f"low_precision_curve_{variant}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run `--variant {variant}` first")
-    return json.loads(path.read_text())["rows"][0]
+    run = json.loads(path.read_text())["rows"][0]
+    if not run.get("complete"):
+        raise ValueError(f"{path} holds a run cut short at step {run.get('steps_done')} of {run['steps']}: "
+                         "run it again to the end")
+    return run
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -155,8 +180,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             print("matplotlib is not installed: no PNG")
         return verdict
     config = variant_config(args.preset, args.variant, args.steps, args.eval_every, args.set)
-    result = run_variant(config)
-    print(f"wrote {common.write_results(f'low_precision_curve_{args.variant}', [result])}")
+    family = f"low_precision_curve_{args.variant}"
+    result = run_variant(config, on_evaluation=lambda so_far: common.write_results(family, [so_far]))
+    print(f"wrote {common.RESULTS_DIR / family}.json")
     return result
 
 

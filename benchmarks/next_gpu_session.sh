@@ -181,10 +181,12 @@ chain_s13a() {
   step embedding_uniform 200 python -m benchmarks.embedding --uniform-ids --skip-compile
   step bench_train 200 small_train --out "$out/results/train_gem-small_b2048_replay.json"
 }
-chain_s13b() { step lp_curve_bf16 590 python -m benchmarks.low_precision_curves --variant none; }
-chain_s13c() {  # needs part s13b's low_precision_curve_none.json committed into benchmarks/results
-  step lp_curve_fp8 560 python -m benchmarks.low_precision_curves --variant fp8_rowwise
-  step lp_curves_compare 30 python -m benchmarks.low_precision_curves --compare --variant fp8_rowwise
+# issue 6's curves with the kernels' default tiles (both runs alike): tuning made the first step 164 s (session 13)
+untuned_curve() { OPENGEM_JFA_AUTOTUNE=0 OPENGEM_GDPA_TUNE=0 OPENGEM_FP8_AUTOTUNE=0 python -m benchmarks.low_precision_curves "$@"; }
+chain_s13b() { step lp_curve_bf16 590 untuned_curve --variant none; }
+chain_s13c() {  # the comparison needs part s13b's low_precision_curve_none.json in benchmarks/results (or run it here)
+  step lp_curve_fp8 560 untuned_curve --variant fp8_rowwise
+  step lp_curves_compare 30 untuned_curve --compare --variant fp8_rowwise
 }
 chain_s13d() {  # where the host time of the compiled gem-small step goes, bf16 and with FP8 MLPs (cProfile + kernels)
   step step_profile 560 python -m benchmarks.step_profile --steps 20 --out "$out/results" \
@@ -310,7 +312,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train multi large_single curves_single predict
+export -f tests train small_train untuned_curve multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;

@@ -2,11 +2,12 @@
 -> GELU -> 1024): each kernel's share, each quantization's bandwidth, the row quantizer's tile options on
 the GELU passes, and the FP8 GEMMs with and without fast accumulation.
 
-1. The block forward + backward, BF16 `nn.Linear` against `LowPrecisionMLP` (the benchmark's protocol:
-   weights touched every step, so re-quantized), timed in this run, with the GPU time per kernel name.
+1. The block forward + backward, BF16 `nn.Linear` against `LowPrecisionMLP` fp8_rowwise and fp8_rowwise_fast
+   (the benchmark's protocol: weights touched every step, so re-quantized), timed in this run, with the GPU
+   time per kernel name.
 2. Each quantization of the block alone (autotuned): milliseconds and GB/s of the bytes it must move.
-3. The GELU passes (forward, and backward with the bias gradient's column sums) launched directly with
-   every (rows, warps, column chunk): one chunk in registers, or column chunks of 1024 / 2048 re-read.
+3. The GELU passes (forward and backward) launched directly with every (rows, warps, column chunk): one
+   chunk in registers, or column chunks of 1024 / 2048 re-read.
 4. The four FP8 GEMM shapes prequantized, fast accumulation on and off, and the BF16 GEMMs of the block
    (the weight gradients' transposed operands included).
 
@@ -36,11 +37,14 @@ def _block(tokens: int) -> dict[str, Any]:
     x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16, requires_grad=True)
     dy = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
     bf16 = mlp(HIDDEN, INNER).to(DEVICE, torch.bfloat16)
-    fp8 = LowPrecisionMLP(*(layer for layer in mlp(HIDDEN, INNER).to(DEVICE, torch.bfloat16) if
-                            isinstance(layer, torch.nn.Linear)))
+    models: list[tuple[str, torch.nn.Module, tuple[torch.Tensor, ...]]] = [
+        ("bf16", bf16, (bf16[0].weight, bf16[2].weight))]
+    for recipe in ("fp8_rowwise", "fp8_rowwise_fast"):
+        plain = mlp(HIDDEN, INNER).to(DEVICE, torch.bfloat16)
+        fp8 = LowPrecisionMLP(plain[0], plain[2], recipe)
+        models.append((f"fp8 LowPrecisionMLP {recipe}", fp8, (fp8.fc1.weight, fp8.fc2.weight)))
     out: dict[str, Any] = {}
-    for name, model, weights in (("bf16", bf16, (bf16[0].weight, bf16[2].weight)),
-                                 ("fp8 LowPrecisionMLP", fp8, (fp8.fc1.weight, fp8.fc2.weight))):
+    for name, model, weights in models:
         def step(model=model, weights=weights) -> None:
             with torch.no_grad():
                 for weight in weights:
@@ -56,7 +60,7 @@ def _block(tokens: int) -> dict[str, Any]:
         print(f"{name}: {ms:.3f} ms (kernels {out[name]['kernel_ms_sum']:.3f})", flush=True)
         for kernel, kms in list(table.items())[:12]:
             print(f"  {kms:8.3f}  {kernel}", flush=True)
-    out["speedup"] = out["bf16"]["ms"] / out["fp8 LowPrecisionMLP"]["ms"]
+    out["speedups"] = {name: out["bf16"]["ms"] / out[name]["ms"] for name, _, _ in models[1:]}
     return out
 
 
@@ -68,11 +72,8 @@ def _quantizations(tokens: int) -> list[dict[str, Any]]:
     small, big = x.numel(), u.numel()
     cases = (  # (name, call, bytes moved: reads + writes)
         ("x [T, 1024]", lambda: kernels.rowwise_quantize(x), small * 3),
-        ("dy [T, 1024] + column sums", lambda: kernels.rowwise_quantize(x, column_sums=True), small * 3),
         ("gelu(u) [T, 4096]", lambda: kernels.rowwise_quantize(u, "gelu"), big * 5),
         ("gelu backward [T, 4096]", lambda: kernels.rowwise_quantize(dh, "gelu_backward", u), big * 7),
-        ("gelu backward + column sums", lambda: kernels.rowwise_quantize(dh, "gelu_backward", u, column_sums=True),
-         big * 7),
     )
     rows = []
     for name, call, nbytes in cases:
@@ -89,29 +90,23 @@ def _gelu_tiles(tokens: int) -> list[dict[str, Any]]:
     q = torch.empty(tokens, INNER, device=DEVICE, dtype=torch.float8_e4m3fn)
     scale = torch.empty(tokens, device=DEVICE)
     out = torch.empty_like(u)
-    programs = kernels._sum_programs(u.device)
-    partial = torch.zeros(programs, INNER, device=DEVICE)
     options = [(rows, warps, INNER) for rows in (1, 2, 4) for warps in (4, 8, 16)]
     options += [(rows, warps, chunk) for chunk in (1024, 2048) for rows in (2, 4, 8) for warps in (4, 8)]
     results = []
-    for prologue, x, col_sum in (("gelu", u, False), ("gelu_backward", dh, True)):
+    for prologue, x in (("gelu", u), ("gelu_backward", dh)):
         for rows, warps, chunk in options:
-            if col_sum and chunk < INNER:
-                continue  # column sums need the row in one chunk
-            grid = (min(triton.cdiv(tokens, rows), programs) if col_sum else triton.cdiv(tokens, rows),)
 
-            def launch(x=x, prologue=prologue, rows=rows, warps=warps, chunk=chunk, col_sum=col_sum, grid=grid):
-                kernels._row_amax_quant_kernel[grid](
-                    x, u, out, q, scale, partial, tokens, INNER, PROLOGUE=kernels.PROLOGUES[prologue], BLOCK_R=rows,
-                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, COL_SUM=col_sum, num_warps=warps)
+            def launch(x=x, prologue=prologue, rows=rows, warps=warps, chunk=chunk):
+                kernels._row_amax_quant_kernel[(triton.cdiv(tokens, rows),)](
+                    x, u, out, q, scale, tokens, INNER, PROLOGUE=kernels.PROLOGUES[prologue], BLOCK_R=rows,
+                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, num_warps=warps)
 
             try:
                 ms = bench_ms(launch)
             except Exception as exc:  # noqa: BLE001  (a tile that does not compile is recorded, the sweep goes on)
                 results.append({"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk, "error": str(exc)[:200]})
                 continue
-            results.append({"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk,
-                            "column_sums": col_sum, "ms": ms})
+            results.append({"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk, "ms": ms})
             print(f"{prologue} rows {rows} warps {warps} chunk {chunk}: {ms:.3f} ms", flush=True)
     return results
 

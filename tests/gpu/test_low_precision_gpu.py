@@ -211,7 +211,7 @@ def test_low_precision_linear_on_gpu(name: str) -> None:
 
 def test_fused_gelu_quantizer_and_mlp_on_gpu() -> None:
     from opengem.nn.low_precision_mlp import LowPrecisionMLP
-    from opengem.ops.fp8_gemm import gelu_quantize, quantize_gelu, quantize_rowwise_with_sums
+    from opengem.ops.fp8_gemm import quantize_gelu
 
     gen = torch.Generator(device="cuda").manual_seed(5)
     u = torch.randn(500, 3000, device="cuda", generator=gen).to(torch.bfloat16)
@@ -225,12 +225,6 @@ def test_fused_gelu_quantizer_and_mlp_on_gpu() -> None:
     du_cpu, qdu_cpu = quantize_gelu(u.cpu(), grad_out=g.cpu())
     errors = {"du": rel(du.cpu(), du_cpu), "qdu": rel(dequantize_operand(qdu).cpu(), dequantize_operand(qdu_cpu))}
     assert errors["du"] < 1e-2 and errors["qdu"] < 2e-3, f"gelu backward vs CPU: {errors}"
-    for grad_out in (None, g):  # column sums from the quantizing pass, against the CPU path's fp32 sums
-        sums = gelu_quantize(u, grad_out=grad_out, column_sums=True)[2]
-        cpu_sums = gelu_quantize(u.cpu(), grad_out=None if grad_out is None else g.cpu(), column_sums=True)[2]
-        assert rel(sums.cpu(), cpu_sums) < 1e-4, grad_out is None
-    _, dy_sums = quantize_rowwise_with_sums(g)
-    assert rel(dy_sums, g.float().sum(0)) < 1e-5
     torch.manual_seed(0)
     fc1 = torch.nn.Linear(1024, 4096).cuda().to(torch.bfloat16)
     fc2 = torch.nn.Linear(4096, 1024).cuda().to(torch.bfloat16)
@@ -248,13 +242,6 @@ def test_fused_gelu_quantizer_and_mlp_on_gpu() -> None:
               "dw2": rel(fc2.weight.grad, ref[2].weight.grad)}
     assert errors["y"] < 0.06 and errors["dx"] < 0.08, errors
     assert errors["dw1"] < 0.06 and errors["dw2"] < 0.06, errors
-    # the bias gradients, summed by the quantizers' passes (fp32, deterministic)
-    bias_errors = {"db1": rel(fc1.bias.grad, ref[0].bias.grad), "db2": rel(fc2.bias.grad, ref[2].bias.grad)}
-    assert bias_errors["db1"] < 0.06 and bias_errors["db2"] < 1e-2, bias_errors
-    db1 = fc1.bias.grad.clone()
-    fc1.bias.grad = None
-    mlp(xl).backward(dy.to(torch.bfloat16))
-    assert torch.equal(fc1.bias.grad, db1)
 
 
 def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:

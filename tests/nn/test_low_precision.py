@@ -270,3 +270,32 @@ def test_fallback_between_forward_and_backward_uses_the_forward_recipe() -> None
     assert x.grad is not None and torch.isfinite(layer.weight.grad).all()
     frozen_input = torch.randn(32, 128)  # no input gradient requested: dx is skipped
     LowPrecisionLinear(128, 128)(frozen_input).sum().backward()
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_fast_accumulation_of_the_input_gradient_reaches_its_gemms(monkeypatch, compiled: bool) -> None:
+    """``fp8_rowwise_fast`` asks the input-gradient GEMMs for fast accumulation (the forward's always does),
+    ``fp8_rowwise`` does not: in `LowPrecisionLinear` and in the fused MLP, eager and through the custom ops."""
+    from opengem.nn import low_precision_autograd, low_precision_mlp
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    calls: list[bool] = []
+
+    def recording(real):
+        def scaled_gemm(a, b, out_dtype, fast_accum=False, bias=None):
+            calls.append(fast_accum)
+            return real(a, b, out_dtype, fast_accum=fast_accum, bias=bias)
+        return scaled_gemm
+
+    monkeypatch.setattr(low_precision_autograd, "scaled_gemm", recording(low_precision_autograd.scaled_gemm))
+    monkeypatch.setattr(low_precision_mlp, "scaled_gemm", recording(low_precision_mlp.scaled_gemm))
+    for recipe, expected_grad in (("fp8_rowwise", False), ("fp8_rowwise_fast", True)):
+        torch.manual_seed(4)
+        fc1, fc2 = nn.Linear(128, 256), nn.Linear(256, 128)
+        for layer, gemms in ((LowPrecisionLinear.from_linear(fc1, recipe), 1), (LowPrecisionMLP(fc1, fc2, recipe), 2)):
+            calls.clear()
+            run = torch.compile(layer, fullgraph=True, backend="aot_eager") if compiled else layer
+            x = torch.randn(32, 128, requires_grad=True)
+            run(x).sum().backward()
+            assert calls == [True] * gemms + [expected_grad] * gemms, (recipe, type(layer).__name__, calls)
+            torch._dynamo.reset()

@@ -94,7 +94,7 @@ def test_fused_dual_blockwise_quantizer_bit_exact() -> None:
 def test_rowwise_quantizer_kernel_matches_the_torch_path(columns: int, prologue: str | None) -> None:
     """The Triton row quantizer (interpreter here) against the CPU path of the same recipe: equal scales,
     E4M3 codes within one step where erf / exp round differently, the GELU outputs close."""
-    from opengem.ops.fp8_gemm import _rowwise_torch, gelu_quantize
+    from opengem.ops.fp8_gemm import _rowwise_torch, quantize_gelu
     from opengem.ops.triton.fp8_gemm import rowwise_quantize
 
     g = torch.Generator().manual_seed(6)
@@ -102,21 +102,14 @@ def test_rowwise_quantizer_kernel_matches_the_torch_path(columns: int, prologue:
     x = torch.randn(rows, columns, generator=g) * torch.logspace(-3, 3, rows)[:, None]
     u = torch.randn(rows, columns, generator=g)
     if prologue is None:
-        q, scale, out, sums = rowwise_quantize(x, column_sums=True)
+        q, scale, out = rowwise_quantize(x)
         ref_q, ref_scale = _rowwise_torch(x, False, None)
-        ref_sums = x.sum(0)
         assert out is None
     else:
-        q, scale, out, sums = rowwise_quantize(x, prologue, u if prologue == "gelu_backward" else None,
-                                               column_sums=True)
-        ref_out, ref, ref_sums = gelu_quantize(x, column_sums=True) if prologue == "gelu" else gelu_quantize(
-            u, grad_out=x, column_sums=True)
+        q, scale, out = rowwise_quantize(x, prologue, u if prologue == "gelu_backward" else None)
+        ref_out, ref = quantize_gelu(x) if prologue == "gelu" else quantize_gelu(u, grad_out=x)
         ref_q, ref_scale = ref.data, ref.scale
         torch.testing.assert_close(out, ref_out, rtol=1e-3, atol=1e-4)  # erf / exp: NumPy vs torch
-    if columns <= 4096:  # the column sums come from the quantizing pass of rows of one chunk
-        torch.testing.assert_close(sums, ref_sums, rtol=1e-4, atol=1e-3 * float(ref_sums.abs().max()))
-    else:
-        assert sums is None
     torch.testing.assert_close(scale, ref_scale, rtol=1e-6, atol=0)
     values, ref_values = q.float(), ref_q.float()
     # Triton 3.6's interpreter (not the GPU: tests/gpu/test_low_precision_gpu.py) rounds a value just below
@@ -154,30 +147,10 @@ def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, c
     x, u = torch.randn(rows, columns), torch.randn(rows, columns)
     q, scale, out = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows), torch.empty(rows, columns)
     tuner[lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)](
-        x, u, out, q, scale, torch.empty(0, columns), rows, columns, PROLOGUE=2, BLOCK_C=block_c,
-        ONE_CHUNK=columns <= block_c, COL_SUM=False)
-    ref_q, ref_scale, ref_out, _ = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
+        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c)
+    ref_q, ref_scale, ref_out = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
     assert torch.equal(out, ref_out)
-
-
-def test_column_sums_stride_over_many_row_blocks_and_empty_inputs() -> None:
-    """More row blocks than summing programs (4 in the interpreter; the default launch holds 8192 elements):
-    every block, the last partial one too, lands in one program's partial sums exactly once; no rows: zero
-    sums, as torch's sum over an empty dim."""
-    from opengem.ops.fp8_gemm import quantize_rowwise_with_sums
-    from opengem.ops.triton.fp8_gemm import rowwise_quantize
-
-    generator = torch.Generator().manual_seed(3)
-    for rows, columns in ((1000, 64), (5000, 8)):  # blocks of 128 rows: 8 (last of 104); of 1024: 5
-        x = torch.randn(rows, columns, generator=generator)
-        q, scale, _, sums = rowwise_quantize(x, column_sums=True)
-        torch.testing.assert_close(sums, x.sum(0), rtol=1e-5, atol=1e-3)
-        ref_q, ref_scale = rowwise_quantize(x)[:2]
-        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
-    _, empty = quantize_rowwise_with_sums(torch.zeros(0, 16))
-    assert torch.equal(empty, torch.zeros(16))
-    assert torch.equal(rowwise_quantize(torch.zeros(0, 16), column_sums=True)[3], torch.zeros(16))
 
 
 def test_with_transpose_on_cpu_matches_separate_quantization() -> None:

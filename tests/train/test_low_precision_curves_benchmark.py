@@ -30,7 +30,8 @@ def test_each_run_saves_its_curve_and_evaluations(results):
         saved = json.loads((folder / f"low_precision_curve_{variant}.json").read_text())["rows"][0]
         assert saved == json.loads(json.dumps(run))
         assert len(saved["losses"]) == 4 and [e["step"] for e in saved["evaluations"]] == [2, 4]
-        assert saved["ms_per_step"] > 0
+        assert saved["ms_per_step"] > 0 and saved["first_step_s"] > 0
+        assert saved["complete"] and saved["steps_done"] == 4
     assert runs["none"]["converted_layers"] == []
     assert runs["fp8_rowwise"]["converted_layers"] == ["cls_proj", "layers.0.interaction.fm_mlp.2"]
     assert runs["fp8_rowwise"]["losses"] != runs["none"]["losses"]  # FP8 really ran
@@ -56,3 +57,19 @@ def test_compare_refuses_runs_of_different_settings(results):
         low_precision_curves.compare(runs["none"], other)
     with pytest.raises(SystemExit):
         low_precision_curves.main(["--compare", "--variant", "none"])
+
+
+def test_a_run_cut_short_keeps_its_curve_and_is_not_compared(results, monkeypatch, tmp_path):
+    folder, _, _ = results
+    saved = []
+    config = low_precision_curves.variant_config("gem-tiny", "none", 4, 2, [a for a in TINY[6:] if a != "--set"])
+    low_precision_curves.run_variant(config, on_evaluation=lambda so_far: saved.append(json.loads(json.dumps(so_far))))
+    assert [(s["steps_done"], s["complete"], len(s["losses"])) for s in saved] == [(2, False, 2), (4, True, 4)]
+    for variant in ("none", "fp8_rowwise"):  # a copy of both runs, the FP8 one marked as cut at step 2
+        run = json.loads((folder / f"low_precision_curve_{variant}.json").read_text())
+        if variant == "fp8_rowwise":
+            run["rows"][0].update(complete=False, steps_done=2)
+        (tmp_path / f"low_precision_curve_{variant}.json").write_text(json.dumps(run))
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    with pytest.raises(ValueError, match="cut short at step 2 of 4"):
+        low_precision_curves.main(["--compare", "--variant", "fp8_rowwise"])

@@ -26,7 +26,6 @@ from opengem.ops.fp8_gemm import (
     hadamard_rotate,
     quantize_operand,
     quantize_operand_with_transpose,
-    quantize_rowwise_with_sums,
     scaled_gemm,
 )
 
@@ -87,7 +86,7 @@ def linear_backward(
 ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """(dx = dy W or None, dW = dy^T x, db = sum of dy or None), dW and db in the weight's dtype."""
     dy = dy.contiguous()
-    qdyt, dx, db = None, None, None
+    qdyt, dx = None, None
     if needs_dx and recipe.grad_input == "bf16":  # contraction over out_features
         dx = dy @ weight.to(dy.dtype)
     elif needs_dx:
@@ -95,19 +94,17 @@ def linear_backward(
         sr = recipe.stochastic_rounding
         if recipe.grad_weight == recipe.grad_input and rot is None and not sr:
             qdy, qdyt = quantize_operand_with_transpose(dy, recipe.grad_input)
-        elif has_bias and recipe.grad_input == "fp8_rowwise" and rot is None and not sr:
-            qdy, db = quantize_rowwise_with_sums(dy)  # the bias gradient from the quantizer's pass
         else:
             qdy = quantize_operand(dy if rot is None else hadamard_rotate(dy, rot), recipe.grad_input, stochastic=sr)
-        dx = scaled_gemm(qdy, weight_of("grad_input", recipe.grad_input, rot), dy.dtype)
+        fast = recipe.fast_accum_grad and recipe.grad_input == "fp8_rowwise"
+        dx = scaled_gemm(qdy, weight_of("grad_input", recipe.grad_input, rot), dy.dtype, fast_accum=fast)
     if recipe.grad_weight == "bf16":  # contraction over tokens
         dw = dy.t() @ x.to(dy.dtype)
     else:
         qxt = qxt if qxt is not None else quantize_operand(x.t(), recipe.grad_weight)
         qdyt = qdyt if qdyt is not None else quantize_operand(dy.t(), recipe.grad_weight)
         dw = scaled_gemm(qdyt, qxt, torch.float32)
-    if has_bias:
-        db = (dy.sum(0) if db is None else db).to(weight.dtype)
+    db = dy.sum(0).to(weight.dtype) if has_bias else None
     return dx, dw.to(weight.dtype), db
 
 
@@ -137,31 +134,33 @@ class _LowPrecisionLinearFn(torch.autograd.Function):
 def _linear_op(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, signs: torch.Tensor | None,
     forward: str, grad_input: str, grad_weight: str, hadamard: bool, stochastic: bool, fast_accum: bool,
+    fast_accum_grad: bool,
 ) -> torch.Tensor:
-    recipe = LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
+    recipe = LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum, fast_accum_grad)
     y, _ = linear_forward(x, weight, bias, recipe, signs, uncached_quantizer(weight), fuse_transpose=False)
     return y
 
 
 @_linear_op.register_fake
-def _(x, weight, bias, signs, forward, grad_input, grad_weight, hadamard, stochastic, fast_accum):
+def _(x, weight, bias, signs, forward, grad_input, grad_weight, hadamard, stochastic, fast_accum, fast_accum_grad):
     return x.new_empty((x.shape[0], weight.shape[0]))
 
 
 @torch.library.custom_op("opengem::low_precision_linear_backward", mutates_args=())
 def _linear_backward_op(
     dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, signs: torch.Tensor | None, forward: str,
-    grad_input: str, grad_weight: str, hadamard: bool, stochastic: bool, fast_accum: bool, needs_dx: bool,
-    has_bias: bool,
+    grad_input: str, grad_weight: str, hadamard: bool, stochastic: bool, fast_accum: bool, fast_accum_grad: bool,
+    needs_dx: bool, has_bias: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW, db); dx and db are empty where not needed (an op returns tensors, not None)."""
-    recipe = LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum)
+    recipe = LowPrecisionRecipe(forward, grad_input, grad_weight, hadamard, stochastic, fast_accum, fast_accum_grad)
     dx, dw, db = linear_backward(dy, x, weight, None, recipe, signs, uncached_quantizer(weight), needs_dx, has_bias)
     return (dy.new_empty(0) if dx is None else dx), dw, (weight.new_empty(0) if db is None else db)
 
 
 @_linear_backward_op.register_fake
-def _(dy, x, weight, signs, forward, grad_input, grad_weight, hadamard, stochastic, fast_accum, needs_dx, has_bias):
+def _(dy, x, weight, signs, forward, grad_input, grad_weight, hadamard, stochastic, fast_accum, fast_accum_grad,
+      needs_dx, has_bias):
     dx = dy.new_empty(x.shape) if needs_dx else dy.new_empty(0)
     return dx, weight.new_empty(weight.shape), weight.new_empty(weight.shape[0] if has_bias else 0)
 
@@ -177,7 +176,7 @@ def _backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     needs_dx = ctx.needs_input_grad[0]
     dx, dw, db = torch.ops.opengem.low_precision_linear_backward(
         dy, x, weight, signs, *ctx.fields, needs_dx, ctx.has_bias)
-    return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), *([None] * 7)
+    return (dx if needs_dx else None), dw, (db if ctx.has_bias else None), *([None] * (1 + len(ctx.fields)))
 
 
 _linear_op.register_autograd(_backward, setup_context=_setup_context)
@@ -193,5 +192,5 @@ def low_precision_linear(
         signs = layer.hadamard_signs if r.hadamard else None
         return torch.ops.opengem.low_precision_linear(
             x2d, weight, bias, signs, r.forward, r.grad_input, r.grad_weight, r.hadamard, r.stochastic_rounding,
-            r.fast_accum)
+            r.fast_accum, r.fast_accum_grad)
     return _LowPrecisionLinearFn.apply(x2d, weight, bias, layer)

@@ -2,10 +2,8 @@
 
 Forward: fc1 (FP8 rowwise), then one kernel computes gelu(u), its row amax and its FP8 quantization for
 fc2 (and writes gelu(u) in BF16 for fc2's weight gradient). Backward: fc2's input gradient in FP8, then
-one kernel computes the GELU backward and quantizes it for fc1's input gradient. The bias gradients are
-column sums taken by the quantizing passes of dy and of the GELU backward (no extra pass over them). Weight
-gradients run in BF16 (the recipe default), weight quantizations are cached per optimizer step as in
-`LowPrecisionLinear`.
+one kernel computes the GELU backward and quantizes it for fc1's input gradient. Weight gradients run in
+BF16 (the recipe default), weight quantizations are cached per optimizer step as in `LowPrecisionLinear`.
 """
 
 from __future__ import annotations
@@ -17,7 +15,7 @@ from torch import nn
 
 from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
 from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
-from opengem.ops.fp8_gemm import gelu_quantize, quantize_operand, quantize_rowwise_with_sums, scaled_gemm
+from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
 
 FUSED_RECIPE = "fp8_rowwise"
 
@@ -29,23 +27,23 @@ def _mlp_forward(
     """(y, u = fc1(x), h = gelu(u)); u and h are kept for the backward."""
     u = scaled_gemm(quantize_operand(x, FUSED_RECIPE), fc1_weight("forward", FUSED_RECIPE, None), x.dtype,
                     fast_accum=fast_accum, bias=b1)
-    h, qh, _ = gelu_quantize(u)
+    h, qh = quantize_gelu(u)
     y = scaled_gemm(qh, fc2_weight("forward", FUSED_RECIPE, None), x.dtype, fast_accum=fast_accum, bias=b2)
     return y, u, h
 
 
 def _mlp_backward(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-    fc1_weight: WeightQuantizer, fc2_weight: WeightQuantizer,
+    fc1_weight: WeightQuantizer, fc2_weight: WeightQuantizer, fast_accum_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW1, db1, dW2, db2), the weight and bias gradients in the weights' dtypes."""
     dy = dy.contiguous()
-    qdy, db2 = quantize_rowwise_with_sums(dy)  # the bias gradients come out of the quantizers' passes
-    dh = scaled_gemm(qdy, fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
-    du, qdu, db1 = gelu_quantize(u, grad_out=dh, column_sums=True)
-    dx = scaled_gemm(qdu, fc1_weight("grad_input", FUSED_RECIPE, None), dy.dtype)
+    dh = scaled_gemm(quantize_operand(dy, FUSED_RECIPE), fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype,
+                     fast_accum=fast_accum_grad)
+    du, qdu = quantize_gelu(u, grad_out=dh)
+    dx = scaled_gemm(qdu, fc1_weight("grad_input", FUSED_RECIPE, None), dy.dtype, fast_accum=fast_accum_grad)
     dw1, dw2 = (du.t() @ x).to(w1.dtype), (dy.t() @ h).to(w2.dtype)
-    return dx, dw1, db1.to(w1.dtype), dw2, db2.to(w2.dtype)
+    return dx, dw1, du.sum(0).to(w1.dtype), dw2, dy.sum(0).to(w2.dtype)
 
 
 class _FusedMLPFn(torch.autograd.Function):
@@ -63,8 +61,9 @@ class _FusedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, u, h, w1, w2 = ctx.saved_tensors
-        dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, u, h, w1, w2, ctx.mlp.fc1.quantized_weight,
-                                               ctx.mlp.fc2.quantized_weight)
+        fc1 = ctx.mlp.fc1
+        dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, u, h, w1, w2, fc1.quantized_weight, ctx.mlp.fc2.quantized_weight,
+                                               fc1.recipe.fast_accum_grad)
         return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None
 
 
@@ -72,13 +71,13 @@ class _FusedMLPFn(torch.autograd.Function):
 @torch.library.custom_op("opengem::fp8_mlp", mutates_args=())
 def _mlp_op(
     x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
-    fast_accum: bool,
+    fast_accum: bool, fast_accum_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _mlp_forward(x, b1, b2, uncached_quantizer(w1), uncached_quantizer(w2), fast_accum)
 
 
 @_mlp_op.register_fake
-def _(x, w1, b1, w2, b2, fast_accum):
+def _(x, w1, b1, w2, b2, fast_accum, fast_accum_grad):
     hidden = x.new_empty((x.shape[0], w1.shape[0]))
     return x.new_empty((x.shape[0], w2.shape[0])), hidden, torch.empty_like(hidden)
 
@@ -86,28 +85,29 @@ def _(x, w1, b1, w2, b2, fast_accum):
 @torch.library.custom_op("opengem::fp8_mlp_backward", mutates_args=())
 def _mlp_backward_op(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+    fast_accum_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _mlp_backward(dy, x, u, h, w1, w2, uncached_quantizer(w1), uncached_quantizer(w2))
+    return _mlp_backward(dy, x, u, h, w1, w2, uncached_quantizer(w1), uncached_quantizer(w2), fast_accum_grad)
 
 
 @_mlp_backward_op.register_fake
-def _(dy, x, u, h, w1, w2):
+def _(dy, x, u, h, w1, w2, fast_accum_grad):
     return (dy.new_empty(x.shape), w1.new_empty(w1.shape), w1.new_empty(w1.shape[0]), w2.new_empty(w2.shape),
             w2.new_empty(w2.shape[0]))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w1, b1, w2, b2, _ = inputs
+    x, w1, b1, w2, b2, _, fast_accum_grad = inputs
     _, u, h = output
     ctx.mark_non_differentiable(u, h)
     ctx.save_for_backward(x, u, h, w1, w2)
-    ctx.biases = (b1 is not None, b2 is not None)
+    ctx.biases, ctx.fast_accum_grad = (b1 is not None, b2 is not None), fast_accum_grad
 
 
 def _backward(ctx: Any, dy: torch.Tensor, du: torch.Tensor | None, dh: torch.Tensor | None) -> tuple:
     x, u, h, w1, w2 = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = torch.ops.opengem.fp8_mlp_backward(dy, x, u, h, w1, w2)
-    return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None
+    dx, dw1, db1, dw2, db2 = torch.ops.opengem.fp8_mlp_backward(dy, x, u, h, w1, w2, ctx.fast_accum_grad)
+    return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None, None
 
 
 _mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -118,7 +118,8 @@ def _fused_mlp(
     mlp: LowPrecisionMLP,
 ) -> torch.Tensor:
     if torch.compiler.is_compiling():
-        return torch.ops.opengem.fp8_mlp(x2d, w1, b1, w2, b2, mlp.fc1.recipe.fast_accum)[0]
+        recipe = mlp.fc1.recipe
+        return torch.ops.opengem.fp8_mlp(x2d, w1, b1, w2, b2, recipe.fast_accum, recipe.fast_accum_grad)[0]
     return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
 
 
@@ -126,7 +127,8 @@ class LowPrecisionMLP(nn.Module):
     """``fc2(gelu(fc1(x)))`` (exact erf GELU, like ``nn.GELU()``) for ``x [..., fc1.in_features]``.
 
     Built from two ``nn.Linear`` (parameters shared, not copied). ``recipe`` must run forward and input
-    gradients in fp8_rowwise with BF16 weight gradients (the fused kernels' recipe); the fused path runs
+    gradients in fp8_rowwise with BF16 weight gradients (the fused kernels' recipe: ``fp8_rowwise`` or
+    ``fp8_rowwise_fast``, whose input-gradient GEMMs accumulate fast too); the fused path runs
     on CUDA and an exact emulation of it elsewhere. Hadamard rotation and stochastic rounding are not
     available here (use `LowPrecisionLinear`), and the `NumericsMonitor` hooks do not see these layers.
     """

@@ -15,6 +15,8 @@ class LowPrecisionRecipe:
     Hadamard (size 128) along the contraction dim (skipped where that dim is not a multiple of 128).
     ``stochastic_rounding``: quantize the output gradient dy with stochastic rounding (fp8_rowwise).
     ``fast_accum``: cuBLAS fast accumulation for the forward GEMM (rowwise recipe on CUDA).
+    ``fast_accum_grad``: the same for the input-gradient GEMM (off by default, as torchao's rowwise recipe has
+    it; 10-17% faster at 65536 x 4096 x 1024 and 65536 x 1024 x 4096 on an H200, session 13).
     """
 
     forward: str = "fp8_rowwise"
@@ -23,6 +25,7 @@ class LowPrecisionRecipe:
     hadamard: bool = False
     stochastic_rounding: bool = False
     fast_accum: bool = True
+    fast_accum_grad: bool = False
 
     def __post_init__(self) -> None:
         for field in ("forward", "grad_input", "grad_weight"):
@@ -37,6 +40,7 @@ class LowPrecisionRecipe:
 NAMED_RECIPES: dict[str, LowPrecisionRecipe] = {
     "bf16": LowPrecisionRecipe("bf16", "bf16", "bf16"),
     "fp8_rowwise": LowPrecisionRecipe("fp8_rowwise", "fp8_rowwise", "bf16"),
+    "fp8_rowwise_fast": LowPrecisionRecipe("fp8_rowwise", "fp8_rowwise", "bf16", fast_accum_grad=True),
     "fp8_rowwise_all": LowPrecisionRecipe("fp8_rowwise", "fp8_rowwise", "fp8_rowwise"),
     "fp8_blockwise": LowPrecisionRecipe("fp8_blockwise", "fp8_blockwise", "bf16"),
     "fp8_blockwise_all": LowPrecisionRecipe("fp8_blockwise", "fp8_blockwise", "fp8_blockwise"),

@@ -105,7 +105,7 @@ def quantize_operand(
         if x.is_cuda and not stochastic:
             from opengem.ops.triton.fp8_gemm import rowwise_quantize
 
-            q, scale, _, _ = rowwise_quantize(x)
+            q, scale, _ = rowwise_quantize(x)
             return QuantizedOperand(q, scale, recipe)
         return QuantizedOperand(*_rowwise_torch(x, stochastic, generator), recipe)
     if recipe == "fp8_blockwise":
@@ -127,15 +127,6 @@ def quantize_gelu(u: torch.Tensor, grad_out: torch.Tensor | None = None) -> tupl
     Both quantize the fp32 values before they are rounded to u's dtype (exact erf GELU). On CUDA one
     Triton kernel does the activation, the row amax and the quantization (saving a pass over the tensor).
     """
-    value, quantized, _ = gelu_quantize(u, grad_out)
-    return value, quantized
-
-
-def gelu_quantize(
-    u: torch.Tensor, grad_out: torch.Tensor | None = None, column_sums: bool = False
-) -> tuple[torch.Tensor, QuantizedOperand, torch.Tensor | None]:
-    """`quantize_gelu`, and with ``column_sums`` the fp32 sums over rows of the values quantized ``[C]`` (with
-    ``grad_out``: the bias gradient of the layer before the GELU), from the same pass on CUDA; else None."""
     if u.dim() != 2 or (grad_out is not None and grad_out.shape != u.shape):
         raise ValueError(f"u must be 2-D and grad_out the same shape, got {tuple(u.shape)}, "
                          f"{None if grad_out is None else tuple(grad_out.shape)}")
@@ -143,13 +134,10 @@ def gelu_quantize(
         from opengem.ops.triton.fp8_gemm import rowwise_quantize
 
         if grad_out is None:
-            q, scale, out, sums = rowwise_quantize(u.contiguous(), "gelu", column_sums=column_sums)
+            q, scale, out = rowwise_quantize(u.contiguous(), "gelu")
         else:
-            q, scale, out, sums = rowwise_quantize(grad_out.contiguous(), "gelu_backward", u.contiguous(),
-                                                   column_sums=column_sums)
-        if column_sums and sums is None:  # rows over one chunk: summed from the rounded output instead
-            sums = out.float().sum(0)
-        return out, QuantizedOperand(q, scale, "fp8_rowwise"), sums
+            q, scale, out = rowwise_quantize(grad_out.contiguous(), "gelu_backward", u.contiguous())
+        return out, QuantizedOperand(q, scale, "fp8_rowwise")
     u32 = u.float()
     if grad_out is None:
         value = torch.nn.functional.gelu(u32)
@@ -157,19 +145,7 @@ def gelu_quantize(
         cdf = 0.5 * (1.0 + torch.erf(u32 * math.sqrt(0.5)))
         value = grad_out.float() * (cdf + u32 * torch.exp(-0.5 * u32 * u32) / math.sqrt(2 * math.pi))
     q, scale = _rowwise_torch(value, False, None)
-    return value.to(u.dtype), QuantizedOperand(q, scale, "fp8_rowwise"), value.sum(0) if column_sums else None
-
-
-def quantize_rowwise_with_sums(x: torch.Tensor) -> tuple[QuantizedOperand, torch.Tensor]:
-    """fp8_rowwise ``x [R, C]`` and its fp32 column sums ``[C]`` (a bias gradient), one pass on CUDA."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
-    if x.is_cuda:
-        from opengem.ops.triton.fp8_gemm import rowwise_quantize
-
-        q, scale, _, sums = rowwise_quantize(x.contiguous(), column_sums=True)
-        return QuantizedOperand(q, scale, "fp8_rowwise"), x.float().sum(0) if sums is None else sums
-    return QuantizedOperand(*_rowwise_torch(x, False, None), "fp8_rowwise"), x.float().sum(0)
+    return value.to(u.dtype), QuantizedOperand(q, scale, "fp8_rowwise")
 
 
 def quantize_operand_with_transpose(x: torch.Tensor, recipe: str) -> tuple[QuantizedOperand, QuantizedOperand]:

@@ -47,49 +47,27 @@ def _e4m3_multiplier(amax):
     return tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
 
 
-@triton.jit
-def _one_chunk_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, block, R, C,
-                    PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    # rows block * BLOCK_R ... of C <= BLOCK_C columns, kept in registers between amax and quantization;
-    # returns the values quantized (fp32, 0 outside the rows), for column sums
-    r = block * BLOCK_R + tl.arange(0, BLOCK_R)
-    rmask = r < R
-    c = tl.arange(0, BLOCK_C)
-    m = rmask[:, None] & (c[None, :] < C)
-    offsets = r[:, None].to(tl.int64) * C + c[None, :]
-    x = _prologue(x_ptr, u_ptr, offsets, m, PROLOGUE)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
-    tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
-    _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, offsets, m, PROLOGUE)
-    return x
-
-
 @triton.jit(do_not_specialize=["R"])  # rows (tokens) change every batch; R is no stride here
 def _row_amax_quant_kernel(
-    x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, sum_ptr, R, C,
+    x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    COL_SUM: tl.constexpr,
 ):
     # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes. When a
     # row fits one chunk (ONE_CHUNK: C <= BLOCK_C) the values stay in registers between the passes: one read
     # and one prologue (the GELU's erf / exp) per element instead of two. Otherwise pass 2 re-reads the
     # rows, which a small per-program footprint keeps in L1/L2. With a prologue (GELU or its backward)
-    # pass 2 also writes the transformed values to out_ptr. COL_SUM (ONE_CHUNK only): the programs stride
-    # over the row blocks and each writes its column sums of the quantized values to row program_id of
-    # sum_ptr ([programs, C] fp32): a bias gradient without another pass over the tensor, deterministic.
-    if COL_SUM:
-        acc = tl.zeros((BLOCK_C,), dtype=tl.float32)
-        for block in range(tl.program_id(0), tl.cdiv(R, BLOCK_R), tl.num_programs(0)):
-            acc += tl.sum(_one_chunk_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, block, R, C, PROLOGUE, BLOCK_R,
-                                          BLOCK_C), axis=0)
+    # pass 2 also writes the transformed values to out_ptr.
+    r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    rmask = r < R
+    base = r[:, None].to(tl.int64) * C
+    if ONE_CHUNK:
         c = tl.arange(0, BLOCK_C)
-        tl.store(sum_ptr + tl.program_id(0) * C + c, acc, mask=c < C)
-    elif ONE_CHUNK:
-        _one_chunk_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, tl.program_id(0), R, C, PROLOGUE, BLOCK_R, BLOCK_C)
+        m = rmask[:, None] & (c[None, :] < C)
+        x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+        tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
+        _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, base + c[None, :], m, PROLOGUE)
     else:
-        r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-        rmask = r < R
-        base = r[:, None].to(tl.int64) * C
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
@@ -149,11 +127,11 @@ def _tile_quant_kernel(
 
 PROLOGUES = {None: 0, "gelu": 1, "gelu_backward": 2}
 
-COL_SUM_PROGRAMS_PER_SM = 4
 ROW_ELEMENTS = 8192  # the default program: BLOCK_R rows x BLOCK_C columns of about this many elements, 8 warps
 # (rows, warps): a program of 8192 elements with 8 warps holds ~170 registers per thread in the GELU backward
 # (x and u): one program per SM. Smaller programs or more warps keep more loads in flight; the tuner keeps
-# the candidates of 4096..16384 elements and picks per (C, prologue).
+# the candidates of 4096..16384 elements and picks per (C, prologue). One row of 4096 with 16 warps: the GELU
+# forward at 65536 x 4096 in 0.510 ms against 0.745 for the next (H200, session 13, fp8_mlp_kernels.json).
 ROW_CONFIGS = ((1, 4), (1, 8), (1, 16), (2, 8), (2, 16), (4, 8), (4, 16), (8, 8), (16, 16))
 
 
@@ -169,53 +147,36 @@ def _row_programs(block_c: int) -> list[triton.Config]:
 # Dynamo (torch 2.11) fails on a `prune_configs_by` autotuner launched twice in one trace ("ListVariable ...
 # is already tracked for mutation", pytorch#177600), which every compiled MLP with FP8 linears does.
 _ROW_TUNERS = {
-    block_c: triton.autotune(configs=_row_programs(block_c), key=["C", "PROLOGUE", "COL_SUM"])(_row_amax_quant_kernel)
+    block_c: triton.autotune(configs=_row_programs(block_c), key=["C", "PROLOGUE"])(_row_amax_quant_kernel)
     for block_c in (1 << i for i in range(13))  # BLOCK_C = next power of two of C, at most 4096
 }
 
 
-def _sum_programs(device: torch.device) -> int:
-    """Programs of a column-summing quantization: a few per SM, so each strides over many row blocks and the
-    partial sums stay small ([programs, C])."""
-    if device.type != "cuda":
-        return 4  # the interpreter
-    return COL_SUM_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def rowwise_quantize(
-    x: torch.Tensor, prologue: str | None = None, u: torch.Tensor | None = None, column_sums: bool = False
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Contiguous 2-D ``x [R, C]`` -> (E4M3 ``[R, C]``, fp32 dequant scales ``[R]`` = amax / 448, out, sums).
+    x: torch.Tensor, prologue: str | None = None, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Contiguous 2-D ``x [R, C]`` -> (E4M3 ``[R, C]``, fp32 dequant scales ``[R]`` = amax / 448, out).
 
     ``prologue="gelu"`` quantizes gelu(x) (exact erf GELU) and returns it as ``out`` (x's dtype);
     ``"gelu_backward"`` quantizes and returns x * gelu'(u) for the pre-activation ``u`` (same shape).
-    ``column_sums``: also the fp32 column sums ``[C]`` of the values quantized (before rounding; a bias
-    gradient), from the same pass when a row fits one chunk (C <= 4096), else None and no sums.
     """
     R, C = x.shape
     q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((R,), dtype=torch.float32, device=x.device)
     out = torch.empty_like(x) if prologue else None
-    block_c = min(triton.next_power_of_2(C), 4096)
-    col_sum = column_sums and C <= block_c
-    partial = torch.zeros((_sum_programs(x.device) if col_sum else 0, C), dtype=torch.float32, device=x.device)
     if x.numel():
+        block_c = min(triton.next_power_of_2(C), 4096)
         # out_ptr is never q (unused without a prologue): Inductor clones each mutated argument of a user Triton
         # kernel separately, so one tensor behind two written pointers loses the writes (pytorch#196657)
         out_arg = out if out is not None else torch.empty(0, dtype=x.dtype, device=x.device)
-        args = (x, x if u is None else u, out_arg, q, scale, partial, R, C)
-        shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c, "COL_SUM": col_sum}
-        programs = partial.shape[0]
-
-        def grid(rows: int) -> tuple[int]:
-            return (min(triton.cdiv(R, rows), programs) if col_sum else triton.cdiv(R, rows),)
-
+        args = (x, x if u is None else u, out_arg, q, scale, R, C)
+        shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c}
         if x.is_cuda and autotune_enabled():
-            _ROW_TUNERS[block_c][lambda meta: grid(meta["BLOCK_R"])](*args, **shape)
+            _ROW_TUNERS[block_c][lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
         else:
             block_r = max(1, ROW_ELEMENTS // block_c)
-            _row_amax_quant_kernel[grid(block_r)](*args, **shape, BLOCK_R=block_r, num_warps=8)
-    return q, scale, out, partial.sum(0) if col_sum else None
+            _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, num_warps=8)
+    return q, scale, out
 
 
 def rowwise_quantize_dual(
