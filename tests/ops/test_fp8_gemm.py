@@ -147,10 +147,32 @@ def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, c
     x, u = torch.randn(rows, columns), torch.randn(rows, columns)
     q, scale, out = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows), torch.empty(rows, columns)
     tuner[lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)](
-        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c)
+        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c, FAST_MATH=False)
     ref_q, ref_scale, ref_out = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
     assert torch.equal(out, ref_out)
+
+
+def gelu_and_derivative_float64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x64 = x.double()
+    cdf = 0.5 * torch.erfc(-x64 / 2**0.5)  # erfc: no cancellation in the left tail
+    return x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / (2 * torch.pi) ** 0.5
+
+
+def test_row_quantizer_gelu_is_accurate_over_the_whole_range() -> None:
+    """The quantizer's GELU (erfc-based normal CDF; interpreter here, the GPU's fast-math variant in
+    tests/gpu) on fp32 rows, whose outputs stay fp32, against float64 over [-12, 8]: gelu within 2e-6
+    relative from -3 up and 2e-5 in the far left tail (the exp argument's fp32 rounding grows with x^2; an
+    erf-based fp32 GELU cancels there, to 2e-5 already at -3 and to zero below ~-6); gelu' within 2e-7."""
+    from opengem.ops.triton.fp8_gemm import rowwise_quantize
+
+    x = torch.linspace(-12.0, 8.0, 4001)[None, :]
+    gelu, derivative = gelu_and_derivative_float64(x)
+    error = (rowwise_quantize(x, "gelu")[2].double() - gelu).abs()
+    assert (error <= 1e-30 + 2e-5 * gelu.abs()).all()
+    assert (error[x >= -3] <= 2e-6 * gelu[x >= -3].abs() + 1e-30).all()
+    grad = rowwise_quantize(torch.ones_like(x), "gelu_backward", x)[2]
+    assert ((grad.double() - derivative).abs() <= 2e-7 + 1e-6 * derivative.abs()).all()
 
 
 def test_with_transpose_on_cpu_matches_separate_quantization() -> None:
