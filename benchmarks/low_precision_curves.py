@@ -9,9 +9,9 @@ A variant is a value of ``TrainConfig.low_precision_mlp`` (``none``: the BF16 ru
 no checkpoints (gem-small's tables are tens of GB), and evaluates the held-out set every ``--eval-every``
 steps and at the end; the JSON is rewritten after every evaluation (``complete`` false until the last, and
 ``--compare`` refuses such a run). On the GPU the kernels' tuning is switched off for both runs
-(`TUNING_ENV`, recorded with each run and required equal). One variant per invocation, so each fits one device call: it writes
-``benchmarks/results/low_precision_curve_<variant>.json`` (per-step losses, evaluations, ms per step, the
-converted layers). ``--compare`` reads the BF16 run and ``--variant``'s, and writes
+(`TUNING_ENV`, recorded with each run and required equal). One variant per invocation, so each fits one
+device call: it writes ``benchmarks/results/low_precision_curve_<variant>.json`` (per-step losses,
+evaluations, the first step's seconds and the ms per later step, the converted layers). ``--compare`` reads the BF16 run and ``--variant``'s, and writes
 ``low_precision_curves.json`` with the final NE of every task in both, the relative difference
 (variant / bf16 - 1) and the verdict against the 0.2% bar, and ``low_precision_curves.png`` (smoothed
 training losses, held-out NE per evaluation) when matplotlib is installed.
@@ -74,7 +74,7 @@ def run_variant(
         begin = time.perf_counter()
         pending.append(learner.step(next(stream).to(run.device, non_blocking=True)))
         evaluates = step % config.eval_every == 0 or step == config.steps
-        if step % read_every == 0 or evaluates or step == 1:
+        if step % read_every == 0 or evaluates or step == 1:  # step 1 read at once: its time is the compile's
             losses += torch.stack(pending).double().tolist()  # one host transfer per read_every steps
             pending.clear()
         if step == 1:

@@ -67,7 +67,7 @@
 # s12c (session 12, removed with its diag): where the traced FP8 linear lost its gradients, per compile backend
 # s12d (one GPU, session 12): the FP8 layers as custom ops under compile against eager, the low-precision GPU
 #   tests, then gem-small b2048 under bench train in bf16 and with fp8_rowwise MLPs (issue 10's 1.2x)
-# s13a (one GPU, next session): the embedding step's stages and kernels (power-law and uniform ids), the embedding
+# s13a (one GPU, session 13: not run; its parts ran in s13e and s13f): the embedding step's stages and kernels (power-law and uniform ids), the embedding
 #   benchmark with uniform ids, gem-small b2048 under bench train with the warm-up over the window's batches
 # s13b, s13c (one GPU, next session): issue 6's 2000-step gem-small runs, BF16 MLPs | fp8_rowwise MLPs, then the
 #   comparison of their final held-out NE (bar: 0.2%) and the curves' PNG
@@ -77,6 +77,8 @@
 #   kernel loads, Dynamo graphs) and one evaluation timed twice, then the embedding step's stages
 # s13f (one GPU, session 13): the low-precision and step-sync GPU tests (column-summing quantizer, collector
 #   frozen after the first step), the FP8 MLP block's kernels, gem-small b2048 under bench train
+# s14a (one GPU, next session): the GPU tests of the fast-math GELU quantizers, the FP8 MLP block's kernels with
+#   fp8_rowwise and fp8_rowwise_fast, gem-small b2048 under bench train (the restarted loader warm before the window)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -201,6 +203,11 @@ chain_s13f() {  # the FP8 MLP block's kernels after the fused bias gradients, th
   step fp8_mlp_kernels 150 python -m benchmarks.diag.fp8_mlp_kernels
   step bench_train 230 small_train --out "$out/results/train_gem-small_b2048_replay.json"
 }
+chain_s14a() {  # the fast-math GELU quantizers and fp8_rowwise_fast in the MLP block, then gem-small's steady state
+  step low_precision_gpu_tests 150 tests tests/gpu/test_low_precision_gpu.py tests/gpu/test_step_sync_gpu.py
+  step fp8_mlp_kernels 150 python -m benchmarks.diag.fp8_mlp_kernels
+  step bench_train 230 small_train --out "$out/results/train_gem-small_b2048_s14.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -318,7 +325,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

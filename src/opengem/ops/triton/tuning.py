@@ -21,14 +21,19 @@ def _autotuners() -> Iterator[tuple[str, Autotuner]]:
         if module is None or not name.startswith(f"{__package__}."):
             continue
         for attribute, value in list(vars(module).items()):
-            label = f"{name.rsplit('.', 1)[-1]}.{attribute}"
-            found = [(label, value)] if isinstance(value, Autotuner) else [
-                (f"{label}[{k}]", v) for k, v in value.items() if isinstance(v, Autotuner)
-            ] if isinstance(value, dict) else []
-            for found_label, tuner in found:
+            for label, tuner in _held(f"{name.rsplit('.', 1)[-1]}.{attribute}", value):
                 if id(tuner) not in seen:  # one tuner can be both a module attribute and a table entry
                     seen.add(id(tuner))
-                    yield found_label, tuner
+                    yield label, tuner
+
+
+def _held(label: str, value: object) -> list[tuple[str, Autotuner]]:
+    """``value`` itself when it is an autotuner, the autotuners among its values when it is a dict."""
+    if isinstance(value, Autotuner):
+        return [(label, value)]
+    if isinstance(value, dict):
+        return [(f"{label}[{key}]", item) for key, item in value.items() if isinstance(item, Autotuner)]
+    return []
 
 
 def tuned_keys() -> int:

@@ -117,7 +117,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     timer.start()
     for _ in range(options.steps):
         fetch = time.perf_counter()
-        batch, waiting_batch = (next(stream) if waiting_batch is None else waiting_batch), None
+        batch = next(stream) if waiting_batch is None else waiting_batch
+        waiting_batch = None
         data_wait += time.perf_counter() - fetch
         lengths.append(batch.history_age.lengths_host())
         loss = learner.step(batch.to(device, non_blocking=True))
