@@ -99,7 +99,7 @@ def _gelu_tiles(tokens: int) -> list[dict[str, Any]]:
             def launch(x=x, prologue=prologue, rows=rows, warps=warps, chunk=chunk):
                 kernels._row_amax_quant_kernel[(triton.cdiv(tokens, rows),)](
                     x, u, out, q, scale, tokens, INNER, PROLOGUE=kernels.PROLOGUES[prologue], BLOCK_R=rows,
-                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, FAST_MATH=True, num_warps=warps)
+                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, COMPILED=True, num_warps=warps)
 
             try:
                 ms = bench_ms(launch)

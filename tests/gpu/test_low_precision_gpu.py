@@ -261,6 +261,24 @@ def test_row_quantizer_fast_math_gelu_is_accurate_over_the_whole_range() -> None
     assert ((grad.double() - derivative).abs() <= 1e-6 + 1e-5 * derivative.abs()).all()
 
 
+def test_row_quantizer_keeps_nan_and_saturates_like_the_torch_path() -> None:
+    """Compiled, the row quantizer leaves saturation to the E4M3 conversion (no clamp): a NaN stays a NaN (a
+    max-based clamp turned it into -448; the torch path's amax makes its whole row NaN), the other values
+    and the row scales stay finite, and each row's maximum still maps to 448."""
+    from opengem.ops.fp8_gemm import _rowwise_torch
+    from opengem.ops.triton.fp8_gemm import rowwise_quantize
+
+    x = torch.randn(4, 256, device="cuda", generator=torch.Generator(device="cuda").manual_seed(9))
+    x[1, 7] = float("nan")
+    q, scale, _ = rowwise_quantize(x.to(torch.bfloat16))
+    ref_q, ref_scale = _rowwise_torch(x.to(torch.bfloat16), False, None)
+    assert torch.isnan(q.float()[1, 7]) and torch.isnan(ref_q.float()[1, 7])
+    finite = ~torch.isnan(x)
+    assert torch.isfinite(q.float()[finite]).all() and torch.isfinite(scale).all()
+    assert (q.float().abs().nan_to_num(0).amax(dim=1) == 448).all()
+    torch.testing.assert_close(scale[[0, 2, 3]], ref_scale[[0, 2, 3]], rtol=1e-6, atol=0)
+
+
 def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
     x, w = torch.randn(256, 512, device="cuda"), torch.randn(384, 512, device="cuda")
     expected = mx_dequantize(mx_quantize(x), torch.float32) @ mx_dequantize(mx_quantize(w), torch.float32).t()

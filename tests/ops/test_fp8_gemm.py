@@ -147,7 +147,7 @@ def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, c
     x, u = torch.randn(rows, columns), torch.randn(rows, columns)
     q, scale, out = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows), torch.empty(rows, columns)
     tuner[lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)](
-        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c, FAST_MATH=False)
+        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c, COMPILED=False)
     ref_q, ref_scale, ref_out = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
     assert torch.equal(out, ref_out)

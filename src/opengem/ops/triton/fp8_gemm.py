@@ -29,25 +29,25 @@ TILE = 128
 
 
 @triton.jit
-def _rcp(x, FAST_MATH: tl.constexpr):
-    if FAST_MATH:  # one MUFU op; x >= 1 here, so no range fix-ups (compiled kernels only: no PTX in the interpreter)
+def _rcp(x, COMPILED: tl.constexpr):
+    if COMPILED:  # one MUFU op; x >= 1 here, so no range fix-ups (compiled kernels only: no PTX in the interpreter)
         return tl.inline_asm_elementwise("rcp.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     return 1.0 / x
 
 
 @triton.jit
-def _exp2(x, FAST_MATH: tl.constexpr):
+def _exp2(x, COMPILED: tl.constexpr):
     # 2^x with subnormal results flushed to zero in both paths (the GELU's far left tail: no fp32 subnormals,
     # which the interpreter's FP8 conversion mishandles)
-    if FAST_MATH:
+    if COMPILED:
         return tl.inline_asm_elementwise("ex2.approx.ftz.f32 $0, $1;", "=f,f", [x], dtype=tl.float32, is_pure=True,
                                          pack=1)
     return tl.where(x < -126.0, 0.0, tl.exp2(x))
 
 
 @triton.jit
-def _normal_cdf_and_density(x, FAST_MATH: tl.constexpr):
+def _normal_cdf_and_density(x, COMPILED: tl.constexpr):
     # (Phi(x), exp(-x^2 / 2)) with Phi(x) = erfc(-x / sqrt(2)) / 2 from Numerical Recipes' erfcc (fractional
     # error < 1.2e-7 for every x, so no cancellation in the left tail): one reciprocal, two exp2 and nine FMAs
     # in base 2 (w^2 = z^2 log2(e) for z = |x| / sqrt(2); the polynomial's coefficients are erfcc's times
@@ -55,7 +55,7 @@ def _normal_cdf_and_density(x, FAST_MATH: tl.constexpr):
     # element. The row quantizer is instruction-bound (its GELU forward: 66 SASS instructions per element with
     # erff, 0.51 ms at 65536 x 4096 on an H200, session 13).
     w = tl.abs(x) * 0.8493218003
-    t = _rcp(1.0 + 0.4162773056 * w, FAST_MATH)
+    t = _rcp(1.0 + 0.4162773056 * w, COMPILED)
     p = 0.246517298 * t - 1.18611495
     p = p * t + 2.14747446
     p = p * t - 1.63775315
@@ -65,20 +65,20 @@ def _normal_cdf_and_density(x, FAST_MATH: tl.constexpr):
     p = p * t + 0.539700616
     p = p * t + 1.4427292
     p = p * t - 2.82574822
-    half_erfc = t * _exp2(p - w * w, FAST_MATH)  # erfc(z) / 2
-    return tl.where(x >= 0, 1.0 - half_erfc, half_erfc), _exp2(-(w * w), FAST_MATH)
+    half_erfc = t * _exp2(p - w * w, COMPILED)  # erfc(z) / 2
+    return tl.where(x >= 0, 1.0 - half_erfc, half_erfc), _exp2(-(w * w), COMPILED)
 
 
 @triton.jit
-def _prologue(x_ptr, u_ptr, offs, m, PROLOGUE: tl.constexpr, FAST_MATH: tl.constexpr):
+def _prologue(x_ptr, u_ptr, offs, m, PROLOGUE: tl.constexpr, COMPILED: tl.constexpr):
     # the value to quantize: x (0), gelu(x) (1), or x * gelu'(u) (2, the GELU backward)
     x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
     if PROLOGUE == 1:
-        cdf, _ = _normal_cdf_and_density(x, FAST_MATH)  # the unused density is dropped at compile time
+        cdf, _ = _normal_cdf_and_density(x, COMPILED)  # the unused density is dropped at compile time
         x = x * cdf
     if PROLOGUE == 2:
         u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
-        cdf, density = _normal_cdf_and_density(u, FAST_MATH)
+        cdf, density = _normal_cdf_and_density(u, COMPILED)
         x = x * (cdf + u * density * 0.3989422804014327)
     return x
 
@@ -93,7 +93,7 @@ def _e4m3_multiplier(amax):
 def _row_amax_quant_kernel(
     x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    FAST_MATH: tl.constexpr,
+    COMPILED: tl.constexpr,
 ):
     # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes. When a
     # row fits one chunk (ONE_CHUNK: C <= BLOCK_C) the values stay in registers between the passes: one read
@@ -106,15 +106,15 @@ def _row_amax_quant_kernel(
     if ONE_CHUNK:
         c = tl.arange(0, BLOCK_C)
         m = rmask[:, None] & (c[None, :] < C)
-        x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE, FAST_MATH)
+        x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE, COMPILED)
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
         tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
-        _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, base + c[None, :], m, PROLOGUE)
+        _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, base + c[None, :], m, PROLOGUE, COMPILED)
     else:
         amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
-            x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE, FAST_MATH)
+            x = _prologue(x_ptr, u_ptr, base + c[None, :], rmask[:, None] & (c[None, :] < C), PROLOGUE, COMPILED)
             amax = tl.maximum(amax, tl.max(tl.abs(x), axis=1))
         amax = tl.maximum(amax, 1e-12)
         tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=rmask)
@@ -122,16 +122,18 @@ def _row_amax_quant_kernel(
         for c0 in range(0, C, BLOCK_C):
             c = c0 + tl.arange(0, BLOCK_C)
             m = rmask[:, None] & (c[None, :] < C)
-            x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE, FAST_MATH)
-            _store_quantized(x, mult, out_ptr, q_ptr, base + c[None, :], m, PROLOGUE)
+            x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE, COMPILED)
+            _store_quantized(x, mult, out_ptr, q_ptr, base + c[None, :], m, PROLOGUE, COMPILED)
 
 
 @triton.jit
-def _store_quantized(x, mult, out_ptr, q_ptr, offsets, m, PROLOGUE: tl.constexpr):
+def _store_quantized(x, mult, out_ptr, q_ptr, offsets, m, PROLOGUE: tl.constexpr, COMPILED: tl.constexpr):
     """Stores x (when a prologue made it) and its E4M3 quantization x * mult (per-row multipliers)."""
     if PROLOGUE != 0:
         tl.store(out_ptr + offsets, x.to(out_ptr.dtype.element_ty), mask=m)
-    q = tl.minimum(tl.maximum(x * mult[:, None], -448.0), 448.0)
+    q = x * mult[:, None]
+    if not COMPILED:  # compiled, the conversion saturates by itself (F2FP.SATFINITE) and keeps NaN a NaN
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
     tl.store(q_ptr + offsets, q.to(tl.float8e4nv, fp_downcast_rounding="rtne"), mask=m)
 
 
@@ -213,8 +215,9 @@ def rowwise_quantize(
         # kernel separately, so one tensor behind two written pointers loses the writes (pytorch#196657)
         out_arg = out if out is not None else torch.empty(0, dtype=x.dtype, device=x.device)
         args = (x, x if u is None else u, out_arg, q, scale, R, C)
-        # FAST_MATH: one-instruction reciprocal and exp2 in the GELUs (compiled kernels; the interpreter has no PTX)
-        shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c, "FAST_MATH": x.is_cuda}
+        # COMPILED (not the interpreter, which has no PTX): one-instruction reciprocal and exp2 in the GELUs, and the
+        # saturating E4M3 conversion in place of a clamp
+        shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c, "COMPILED": x.is_cuda}
         if x.is_cuda and autotune_enabled():
             _ROW_TUNERS[block_c][lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
         else:
