@@ -31,3 +31,17 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A temporary directory shared by all pytest-xdist workers of this run (for once-per-run sessions)."""
     base = tmp_path_factory.getbasetemp()
     return base.parent if "PYTEST_XDIST_WORKER" in os.environ else base
+
+
+@pytest.fixture(scope="session")
+def gelu_float64():
+    """x -> (gelu(x), gelu'(x)) in float64 from erfc (no cancellation in the left tail): the reference of the
+    FP8 quantizers' fused GELUs, on CPU and GPU."""
+
+    def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x64 = x.double()
+        cdf = 0.5 * torch.erfc(-x64 / 2**0.5)
+        return x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / (2 * torch.pi) ** 0.5
+
+    return reference
+

@@ -153,13 +153,7 @@ def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, c
     assert torch.equal(out, ref_out)
 
 
-def gelu_and_derivative_float64(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    x64 = x.double()
-    cdf = 0.5 * torch.erfc(-x64 / 2**0.5)  # erfc: no cancellation in the left tail
-    return x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / (2 * torch.pi) ** 0.5
-
-
-def test_row_quantizer_gelu_is_accurate_over_the_whole_range() -> None:
+def test_row_quantizer_gelu_is_accurate_over_the_whole_range(gelu_float64) -> None:
     """The quantizer's GELU (erfc-based normal CDF; interpreter here, the GPU's fast-math variant in
     tests/gpu) on fp32 rows, whose outputs stay fp32, against float64 over [-12, 8]: gelu within 2e-6
     relative from -3 up and 2e-5 in the far left tail (the exp argument's fp32 rounding grows with x^2; an
@@ -167,7 +161,7 @@ def test_row_quantizer_gelu_is_accurate_over_the_whole_range() -> None:
     from opengem.ops.triton.fp8_gemm import rowwise_quantize
 
     x = torch.linspace(-12.0, 8.0, 4001)[None, :]
-    gelu, derivative = gelu_and_derivative_float64(x)
+    gelu, derivative = gelu_float64(x)
     error = (rowwise_quantize(x, "gelu")[2].double() - gelu).abs()
     assert (error <= 1e-30 + 2e-5 * gelu.abs()).all()
     assert (error[x >= -3] <= 2e-6 * gelu[x >= -3].abs() + 1e-30).all()
