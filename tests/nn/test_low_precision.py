@@ -76,20 +76,53 @@ def test_hadamard_is_exact_in_the_math() -> None:
     assert layer.rotation(x, 200) is None  # K not a multiple of 128: no rotation
 
 
-def test_weight_quantization_cached_until_the_weight_changes() -> None:
+def test_weight_quantized_once_per_forward_and_shared_with_its_backward(monkeypatch) -> None:
+    from opengem.nn import low_precision
+
     torch.manual_seed(3)
     layer = LowPrecisionLinear(128, 128, recipe="fp8_blockwise")
     x = torch.randn(16, 128, requires_grad=True)
+    calls = []
+    real = low_precision.quantize_weight
+    monkeypatch.setattr(low_precision, "quantize_weight", lambda *args: calls.append(args[1]) or real(*args))
     layer(x).sum().backward()
-    first = layer._weight_cache["forward"][1]
-    layer(x)
-    assert layer._weight_cache["forward"][1] is first
     # the 128x128 blocks serve the input-gradient GEMM too: its operand is the transposed quantization
+    first = layer._weight_cache["forward"][1]
+    assert calls == ["forward"]
     assert torch.equal(layer._weight_cache["grad_input"][1].data.float(), first.data.float().t())
+    layer(x)  # a new forward quantizes again: a step in between need not have bumped the weight's version
+    assert calls == ["forward", "forward"] and layer._weight_cache["forward"][1] is not first
+
+
+@pytest.mark.parametrize("fused_mlp", [False, True])
+def test_fp8_layers_follow_a_fused_adamw_step(fused_mlp: bool) -> None:
+    """torch's fused AdamW updates parameters without bumping their version counters (checked here): the FP8
+    layers must still compute with the updated weights, as fresh layers built from them do."""
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    torch.manual_seed(8)
+
+    def build(fc1: nn.Linear, fc2: nn.Linear) -> nn.Module:
+        if fused_mlp:
+            return LowPrecisionMLP(fc1, fc2)
+        return nn.Sequential(LowPrecisionLinear.from_linear(fc1, "fp8_rowwise"), nn.GELU(),
+                             LowPrecisionLinear.from_linear(fc2, "fp8_rowwise"))
+
+    fc1, fc2 = nn.Linear(128, 256), nn.Linear(256, 128)
+    model = build(fc1, fc2)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05, fused=True)
+    x = torch.randn(32, 128)
+    for _ in range(2):
+        model(x).square().mean().backward()
+        versions = [p._version for p in model.parameters()]
+        optimizer.step()
+        optimizer.zero_grad()
+    assert [p._version for p in model.parameters()] == versions  # the premise: no version bump
+    copies = [nn.Linear(128, 256), nn.Linear(256, 128)]
+    for copy, original in zip(copies, (fc1, fc2)):
+        copy.load_state_dict(original.state_dict())
     with torch.no_grad():
-        layer.weight.mul_(2.0)
-    layer(x)
-    assert layer._weight_cache["forward"][1] is not first
+        assert torch.equal(model(x), build(*copies)(x))
 
 
 def test_stochastic_rounding_is_unbiased() -> None:

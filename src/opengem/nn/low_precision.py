@@ -60,9 +60,10 @@ class LowPrecisionLinear(nn.Linear):
         return hadamard_rotation(self.hadamard_signs if self.recipe.hadamard else None, like, contraction)
 
     def quantized_weight(self, role: str, recipe: str, rotation: torch.Tensor | None) -> QuantizedOperand:
-        """W (forward, [out, in]) or W^T (grad_input, [in, out]) quantized along its last dim, cached
-        until the weight's version, storage or the recipe changes (eager only: under torch.compile the
-        custom op quantizes the weight itself, `opengem.nn.low_precision_autograd`)."""
+        """W (forward, [out, in]) or W^T (grad_input, [in, out]) quantized along its last dim, cached from
+        one forward to its backward (`forward` empties the cache) unless the weight's version, storage or
+        the recipe changes in between (eager only: under torch.compile the custom op quantizes the weight
+        itself, `opengem.nn.low_precision_autograd`)."""
         w = self.weight
         key = (w._version, w.data_ptr(), w.device, recipe, rotation is not None)
         hit = self._weight_cache.get(role)
@@ -81,6 +82,10 @@ class LowPrecisionLinear(nn.Linear):
         if self.recipe.is_bf16:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
+        if not torch.compiler.is_compiling():
+            # Quantized afresh in each forward: torch's fused AdamW updates the weight without bumping its
+            # version counter, so a cache kept across steps served the first step's weights (session 13).
+            self._weight_cache.clear()
         x2d = x.reshape(-1, self.in_features)
         y = low_precision_linear(x2d, self.weight, self.bias, self)
         return y.reshape(*x.shape[:-1], self.out_features)

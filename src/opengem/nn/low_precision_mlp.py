@@ -3,7 +3,8 @@
 Forward: fc1 (FP8 rowwise), then one kernel computes gelu(u), its row amax and its FP8 quantization for
 fc2 (and writes gelu(u) in BF16 for fc2's weight gradient). Backward: fc2's input gradient in FP8, then
 one kernel computes the GELU backward and quantizes it for fc1's input gradient. Weight gradients run in
-BF16 (the recipe default), weight quantizations are cached per optimizer step as in `LowPrecisionLinear`.
+BF16 (the recipe default); each forward quantizes the weights once for itself and its backward, as in
+`LowPrecisionLinear`.
 """
 
 from __future__ import annotations
@@ -148,6 +149,9 @@ class LowPrecisionMLP(nn.Module):
         self.fc2 = LowPrecisionLinear.from_linear(fc2, resolved, seed=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.compiler.is_compiling():  # weights quantized afresh, as in `LowPrecisionLinear.forward`
+            self.fc1._weight_cache.clear()
+            self.fc2._weight_cache.clear()
         x2d = x.reshape(-1, self.fc1.in_features)
         y = _fused_mlp(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
         return y.reshape(*x.shape[:-1], self.fc2.out_features)

@@ -1,8 +1,9 @@
 """Numeric-drift monitoring of low-precision layers and per-layer automatic recipe choice (LoKA's idea).
 
 `NumericsMonitor`: every ``every`` steps, each `LowPrecisionLinear`'s output is compared with a BF16
-shadow computation on the same input (forward hook); the relative errors go to the training metrics, a
-layer past ``bound`` triggers a warning and, with ``fallback``, is switched to BF16 for the rest of the run.
+shadow computation on the same input (forward hook); the relative errors go to the training metrics
+(`TrainConfig.numerics_every`), a layer past ``bound`` triggers a warning and, with ``fallback``, is
+switched to BF16 for the rest of the run.
 
 `select_precision`: for each layer, measure every candidate recipe's forward error on a calibration batch
 and keep the fastest recipe under the bound (per-shape timings on GPU, a static ordering on CPU).
@@ -50,9 +51,15 @@ class NumericsMonitor:
 
     ``stats``: {layer name: {"rel_error", "max_rel_error", "recipe", "fell_back"}}; `metrics()` flattens
     it to {"numerics/<layer>/rel_error": float} for the training logger.
+
+    With ``hooks=False`` nothing is attached to the model; `measure` attaches the hooks for one forward of
+    its own. That is the mode for compiled models (the trainer's): a hook inside a compiled block would be
+    traced into its graph.
     """
 
-    def __init__(self, model: nn.Module, every: int = 100, bound: float = 0.1, fallback: bool = False) -> None:
+    def __init__(
+        self, model: nn.Module, every: int = 100, bound: float = 0.1, fallback: bool = False, hooks: bool = True
+    ) -> None:
         if every < 1:
             raise ValueError(f"every must be >= 1, got {every}")
         if not bound > 0:
@@ -60,18 +67,39 @@ class NumericsMonitor:
         self.every, self.bound, self.fallback = every, bound, fallback
         self.steps = 0
         self.stats: dict[str, dict[str, Any]] = {}
+        self._model = model
         self._measured: set[str] = set()
         self._active = False
-        self._handles = [
-            m.register_forward_hook(self._hook_for(name))
-            for name, m in model.named_modules()
-            if isinstance(m, LowPrecisionLinear)
-        ]
+        self._handles = self._attach() if hooks else []
+
+    def _attach(self) -> list[torch.utils.hooks.RemovableHandle]:
+        return [m.register_forward_hook(self._hook_for(name)) for name, m in self._model.named_modules()
+                if isinstance(m, LowPrecisionLinear)]
 
     def step(self) -> None:
         self._active = self.steps % self.every == 0
         self._measured.clear()
         self.steps += 1
+
+    def measure(self, forward: Callable[[], Any], step: int) -> dict[str, float]:
+        """Run ``forward()`` once with every layer measured and return `metrics()`: no gradients, the model in
+        eval mode, compiled regions run eagerly (so the hooks fire), and the RNG state left as it was (a
+        measured run draws the same dropout masks as an unmeasured one). ``step`` labels warnings."""
+        handles = self._attach() if not self._handles else []
+        training = self._model.training
+        self._active, self.steps = True, step + 1  # the warning reports ``self.steps - 1``
+        self._measured.clear()
+        devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
+        try:
+            self._model.eval()
+            with torch.random.fork_rng(devices=devices), torch.no_grad(), torch.compiler.set_stance("force_eager"):
+                forward()
+        finally:
+            self._model.train(training)
+            self._active = False
+            for handle in handles:
+                handle.remove()
+        return self.metrics()
 
     def _hook_for(self, name: str) -> Callable[..., None]:
         def hook(layer: LowPrecisionLinear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:

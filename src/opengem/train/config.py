@@ -54,6 +54,12 @@ class TrainConfig:
     # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16
     low_precision_mlp: str = "none"
     low_precision_min_features: int = 512  # smaller Linear layers stay BF16 (their GEMMs gain nothing from FP8)
+    # every N steps (0: never) each low-precision layer's output against a BF16 shadow on the same input
+    # (opengem.nn.numerics.NumericsMonitor, one extra eager forward): "numerics/<layer>/rel_error" in
+    # metrics.jsonl, a warning past numerics_bound and, with numerics_fallback, that layer in BF16 from then on
+    numerics_every: int = 0
+    numerics_bound: float = 0.1
+    numerics_fallback: bool = False
     model: SequenceCTRConfig = field(default_factory=SequenceCTRConfig)
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 
@@ -68,9 +74,13 @@ class TrainConfig:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.low_precision_mlp not in LOW_PRECISION_MLPS:
             raise ValueError(f"low_precision_mlp must be one of {LOW_PRECISION_MLPS}, got {self.low_precision_mlp!r}")
-        for name in ("warmup_steps", "num_workers"):
+        for name in ("warmup_steps", "num_workers", "numerics_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not self.numerics_bound > 0:
+            raise ValueError(f"numerics_bound must be > 0, got {self.numerics_bound}")
+        if self.numerics_every and self.low_precision_mlp == "none":
+            raise ValueError("numerics_every monitors the low-precision layers: set low_precision_mlp too")
 
     @property
     def run_name(self) -> str:

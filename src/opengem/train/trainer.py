@@ -31,6 +31,7 @@ from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
 from opengem.nn.low_precision import convert_to_low_precision, default_filter
+from opengem.nn.numerics import NumericsMonitor
 from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
@@ -264,6 +265,8 @@ def _loop(config: TrainConfig, run: LocalRun | Any, resume: Path | None, progres
     holdout = run.holdout()
     log = (run_dir / "metrics.jsonl").open("a") if run.is_main else open(os.devnull, "w")  # noqa: SIM115
     guard = StepGuard(config.max_bad_steps, config.spike_factor)
+    monitor = NumericsMonitor(run.learners["model"].model, config.numerics_every, config.numerics_bound,
+                              config.numerics_fallback, hooks=False) if config.numerics_every else None
     evaluations: list[dict[str, Any]] = []
     stream: Iterator[Batch] = run.batches(start_step)
     bar = tqdm(range(start_step, config.steps), desc="train", disable=not progress, initial=start_step, total=config.steps)
@@ -275,6 +278,10 @@ def _loop(config: TrainConfig, run: LocalRun | Any, resume: Path | None, progres
             pending.append((step + 1, {name: learner.step(batch) for name, learner in run.learners.items()}))
             window_samples += batch.batch_size()
             window_tokens += batch.num_history_tokens()
+            if monitor is not None and (step + 1) % config.numerics_every == 0:
+                learner = run.learners["model"]
+                numerics = monitor.measure(partial(learner.forward, batch), step + 1)
+                log.write(json.dumps({"step": step + 1, **numerics}) + "\n")
             boundaries = (config.log_every, config.eval_every, config.checkpoint_every)
             if any((step + 1) % every == 0 for every in boundaries) or step + 1 == config.steps:
                 losses = _read_losses(pending, guard, log)
