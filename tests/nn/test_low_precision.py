@@ -198,6 +198,31 @@ def test_monitor_reports_warns_and_falls_back() -> None:
     strict.remove()
 
 
+def test_monitor_measures_a_compiled_model_without_touching_its_graph() -> None:
+    """``hooks=False`` + `measure` (the trainer's mode): the compiled model runs eagerly for the measurement,
+    so the hooks fire, and nothing is recompiled or changed: same outputs, same RNG state, training mode."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(6)
+    model = nn.Sequential(Tower(), nn.Dropout(0.1))
+    convert_to_low_precision(model, "fp8_rowwise")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    x = torch.randn(32, 512)
+    torch.manual_seed(1)
+    before = compiled(x)
+    graphs = counters["stats"]["unique_graphs"]
+    monitor = NumericsMonitor(model, bound=0.5, hooks=False)
+    rng = torch.get_rng_state()
+    metrics = monitor.measure(lambda: compiled(x), step=7)
+    assert set(metrics) == {"numerics/0.up/rel_error", "numerics/0.down/rel_error"}
+    assert all(0.005 < error < 0.06 for error in metrics.values())
+    assert torch.equal(torch.get_rng_state(), rng) and model.training
+    assert not any(m._forward_hooks for m in model.modules())
+    torch.manual_seed(1)
+    assert torch.equal(compiled(x), before) and counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
+
+
 def test_monitor_skips_inactive_steps() -> None:
     model = Tower()
     convert_to_low_precision(model, "fp8_rowwise")
