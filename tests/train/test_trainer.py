@@ -1,4 +1,5 @@
 import json
+import math
 
 import pytest
 import torch
@@ -185,6 +186,28 @@ def test_numerics_monitoring_logs_each_fp8_layer_and_leaves_training_unchanged(t
         _config(tmp_path, "numerics_every=10")
     with pytest.raises(ValueError, match="numerics_bound must be > 0"):
         _config(tmp_path, *extra, "numerics_every=10", "numerics_bound=0")
+
+
+def test_low_precision_auto_picks_each_layer_on_a_training_batch(tmp_path):
+    """``low_precision_mlp=auto``: the eligible layers get the fastest recipe whose error on the first training
+    batch is within ``numerics_bound`` (on CPU the fixed speed order: fp8_rowwise first, at ~3.5% here), and
+    BF16 where none is; the run then trains."""
+    from opengem.nn.low_precision import LowPrecisionLinear
+    from opengem.train.trainer import build_model
+
+    extra = ["steps=2", "eval_every=2", "eval_samples=500", "baseline=false", "architecture=gem", "precision=bf16",
+             "low_precision_mlp=auto", "low_precision_min_features=128"]
+
+    def recipes(*settings: str) -> dict[str, str]:
+        model = build_model(_config(tmp_path, *extra, *settings), "attention", torch.device("cpu"))
+        return {name: m.recipe for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
+
+    picked = recipes()
+    assert set(picked) == {"cls_proj", "layers.0.interaction.fm_mlp.2"}
+    assert all(recipe.forward == "fp8_rowwise" and not recipe.is_bf16 for recipe in picked.values())
+    assert all(recipe.is_bf16 for recipe in recipes("numerics_bound=1e-6").values())
+    summary = train(_config(tmp_path, *extra, "name=auto"), progress=False)
+    assert summary["final"] is not None and all(math.isfinite(loss) for loss in _losses(tmp_path / "auto").values())
 
 
 def test_bad_precision_is_rejected(tmp_path):

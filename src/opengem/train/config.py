@@ -15,7 +15,7 @@ from opengem.models.sequence_ctr import SequenceCTRConfig
 from opengem.nn.low_precision_recipe import NAMED_RECIPES
 
 ARCHITECTURES = ("sequence_ctr", "gem")
-LOW_PRECISION_MLPS = ("none", *(name for name in NAMED_RECIPES if name != "bf16"))
+LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes of the dense blocks
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
@@ -51,12 +51,15 @@ class TrainConfig:
     compile_mode: str = "default"  # one of COMPILE_MODES; max-autotune times Inductor's kernel choices
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     # one of LOW_PRECISION_MLPS: the large Linear layers in that FP8 / MX recipe (opengem.nn.low_precision's
-    # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16
+    # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16,
+    # "auto" gives each the fastest recipe whose output error on one training batch is <= numerics_bound
+    # (opengem.nn.numerics.select_precision; timed per layer on a GPU, a fixed speed order on CPU)
     low_precision_mlp: str = "none"
     low_precision_min_features: int = 512  # smaller Linear layers stay BF16 (their GEMMs gain nothing from FP8)
     # every N steps (0: never) each low-precision layer's output against a BF16 shadow on the same input
     # (opengem.nn.numerics.NumericsMonitor, one extra eager forward): "numerics/<layer>/rel_error" in
-    # metrics.jsonl, a warning past numerics_bound and, with numerics_fallback, that layer in BF16 from then on
+    # metrics.jsonl, a warning past numerics_bound and, with numerics_fallback, that layer in BF16 from then on;
+    # numerics_bound is also low_precision_mlp="auto"'s selection bound
     numerics_every: int = 0
     numerics_bound: float = 0.1
     numerics_fallback: bool = False

@@ -10,11 +10,12 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import logging
 import math
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 from typing import IO, Any
@@ -31,7 +32,7 @@ from opengem.models.gem import GEM
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
 from opengem.nn.low_precision import convert_to_low_precision, default_filter
-from opengem.nn.numerics import NumericsMonitor
+from opengem.nn.numerics import NumericsMonitor, convert_with_precision
 from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
@@ -141,11 +142,33 @@ def build_model(config: TrainConfig, history: str, device: torch.device) -> nn.M
     model = model.to(device)
     if config.low_precision_mlp != "none":  # before make_learner compiles: the compiled blocks hold the FP8 layers
         keep = default_filter(model, min_features=config.low_precision_min_features)
-        if not convert_to_low_precision(model, config.low_precision_mlp, filter=keep):
+        if config.low_precision_mlp == "auto":
+            converted = _select_low_precision(model, config, keep, device)
+        else:
+            converted = convert_to_low_precision(model, config.low_precision_mlp, filter=keep)
+        if not converted:
             warnings.warn(f"low_precision_mlp={config.low_precision_mlp!r}: no Linear layer has both dims >= "
                           f"low_precision_min_features={config.low_precision_min_features} (and multiples of 16) "
                           "outside the heads: the model stays BF16", stacklevel=2)
     return model
+
+
+def _select_low_precision(
+    model: nn.Module, config: TrainConfig, keep: Callable[[str, nn.Linear], bool], device: torch.device
+) -> dict[str, str]:
+    """``low_precision_mlp="auto"``: each eligible layer's recipe picked on the run's first training batch
+    (`opengem.nn.numerics.convert_with_precision`, bound ``numerics_bound``), in the dtype training computes
+    in; the picks are logged."""
+    batch = next(train_batches(dataclasses.replace(config, num_workers=0), 0)).to(device)
+    compute_dtype = torch.bfloat16 if config.precision == "bf16" else None
+
+    def calibration() -> None:
+        with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
+            model(batch)
+
+    choices = convert_with_precision(model, "auto", calibration, bound=config.numerics_bound, filter=keep)
+    logging.getLogger(__name__).info("low_precision_mlp=auto: %s", choices)
+    return choices
 
 
 def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:
