@@ -43,6 +43,8 @@ from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.guards import StepGuard
 from opengem.train.metrics import binary_metrics
 
+COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype
+
 
 @dataclasses.dataclass
 class Learner:
@@ -160,7 +162,7 @@ def _select_low_precision(
     (`opengem.nn.numerics.convert_with_precision`, bound ``numerics_bound``), in the dtype training computes
     in; the picks are logged."""
     batch = next(train_batches(dataclasses.replace(config, num_workers=0), 0)).to(device)
-    compute_dtype = torch.bfloat16 if config.precision == "bf16" else None
+    compute_dtype = COMPUTE_DTYPES[config.precision]
 
     def calibration() -> None:
         with torch.autocast(device.type, dtype=compute_dtype, enabled=compute_dtype is not None):
@@ -190,8 +192,7 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     fused = fused and parameters[0].device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
-    compute_dtype = {"fp32": None, "bf16": torch.bfloat16}[config.precision]
-    return kind(model, optimizer, scheduler, compute_dtype, skip_on_device=fused)
+    return kind(model, optimizer, scheduler, COMPUTE_DTYPES[config.precision], skip_on_device=fused)
 
 
 def _is_sharded(model: nn.Module) -> bool:
