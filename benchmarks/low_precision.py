@@ -7,7 +7,7 @@ Run on the GPU: ``PYTHONPATH=src python -m benchmarks.low_precision [--quick]``.
 GEMM shape (the MLP's fc1) with BF16 cuBLAS and the raw `torch._scaled_mm` rowwise ceiling; no Triton
 autotuning (OPENGEM_FP8_AUTOTUNE=0), no torchao, no torch.compile.
 Full (< 4 min): model-preset GEMM shapes with every recipe (quantization of x included; weights quantized
-once, as the layer caches them per optimizer step), the prequantized Triton / cuBLAS blockwise GEMMs,
+once, untimed, where a training step quantizes them in each forward), the prequantized Triton / cuBLAS blockwise GEMMs,
 every MLP recipe, then torchao float8 rowwise training (eager, then compiled: risky peers run last).
 
 MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024; the weights are touched in place every step so

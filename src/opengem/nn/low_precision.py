@@ -3,8 +3,8 @@
 A layer runs three GEMMs, each with its own recipe from `opengem.ops.fp8_gemm` (see `LowPrecisionRecipe`):
 forward y = x W^T (contraction over in_features), input gradient dx = dy W (over out_features) and
 weight gradient dW = dy^T x (over tokens; BF16 by default, the one most sensitive to rounding).
-Weight quantizations are cached and reused until the weight changes (keyed on its ``_version``, which
-every in-place optimizer update bumps), so weights are quantized once per optimizer step.
+Each forward quantizes the weight once and its backward reuses that quantization (`new_forward`): a cache
+kept across steps cannot tell a fused optimizer's update (torch's fused AdamW leaves ``_version`` alone).
 """
 
 from __future__ import annotations
@@ -78,14 +78,18 @@ class LowPrecisionLinear(nn.Linear):
         self._weight_cache[role] = (key, q)
         return q
 
+    def new_forward(self) -> None:
+        """Forget the weight quantizations of the previous forward (eager; compiled ops hold no cache): torch's
+        fused AdamW updates the weight without bumping its version counter, so a cache kept across steps
+        served the first step's weights (session 13)."""
+        if not torch.compiler.is_compiling():
+            self._weight_cache.clear()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recipe.is_bf16:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
-        if not torch.compiler.is_compiling():
-            # Quantized afresh in each forward: torch's fused AdamW updates the weight without bumping its
-            # version counter, so a cache kept across steps served the first step's weights (session 13).
-            self._weight_cache.clear()
+        self.new_forward()
         x2d = x.reshape(-1, self.in_features)
         y = low_precision_linear(x2d, self.weight, self.bias, self)
         return y.reshape(*x.shape[:-1], self.out_features)

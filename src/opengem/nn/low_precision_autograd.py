@@ -1,13 +1,13 @@
-"""The FP8 / MX linear's forward and backward, eager (an autograd.Function with the layer's weight cache) and
-under torch.compile (custom ops with a registered backward, no graph break).
+"""The FP8 / MX linear's forward and backward, eager (an autograd.Function sharing the forward's weight
+quantization with its backward) and under torch.compile (custom ops with a registered backward, no graph
+break).
 
 Why two paths: traced by Dynamo (torch 2.11, on an H200), the autograd.Function's backward got zeros in
 place of its output gradient, so every gradient came back zero (GPU session 12: the AOTAutograd graph of
 one FP8 linear builds `zeros` for ``dy`` and never reads the tangent; `benchmarks/results/
 fp8_compile_backends.json`). A custom op is opaque to Dynamo and its autograd formula is registered with
 torch.library, which AOTAutograd differentiates through. While compiling, the weight is quantized inside
-the op on every call (a graph cannot hold the layer's cache); eagerly the cache quantizes it once per
-optimizer step.
+the op on every call (a graph cannot hold the layer's cache); eagerly once per forward, for its backward too.
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ def linear_backward(
 
 
 class _LowPrecisionLinearFn(torch.autograd.Function):
-    """Eager path: the layer's cached weight quantizations, x^T quantized in the forward's fused pass."""
+    """Eager path: the weight quantized once per forward (`LowPrecisionLinear.quantized_weight`) and reused by
+    the backward, x^T quantized in the forward's fused pass."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

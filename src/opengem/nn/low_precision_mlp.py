@@ -48,7 +48,7 @@ def _mlp_backward(
 
 
 class _FusedMLPFn(torch.autograd.Function):
-    """Eager path, with the layers' cached weight quantizations."""
+    """Eager path: the weights quantized once in the forward, reused by its backward."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
@@ -149,9 +149,8 @@ class LowPrecisionMLP(nn.Module):
         self.fc2 = LowPrecisionLinear.from_linear(fc2, resolved, seed=1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not torch.compiler.is_compiling():  # weights quantized afresh, as in `LowPrecisionLinear.forward`
-            self.fc1._weight_cache.clear()
-            self.fc2._weight_cache.clear()
+        self.fc1.new_forward()
+        self.fc2.new_forward()
         x2d = x.reshape(-1, self.fc1.in_features)
         y = _fused_mlp(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
         return y.reshape(*x.shape[:-1], self.fc2.out_features)

@@ -119,7 +119,7 @@ class DistributedRun:
         if config.low_precision_mlp != "none":  # before any process group exists
             raise NotImplementedError(
                 f"low_precision_mlp={config.low_precision_mlp!r} trains in one process only for now: the FP8 "
-                "layers' weight cache over FSDP's gathered weights is untested; train without --parallel / "
+                "layers' weight quantization over FSDP's gathered weights is untested; train without --parallel / "
                 "torchrun, or with low_precision_mlp=none")
         self.config = config
         self.device = _rank_device(config.device)
