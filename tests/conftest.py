@@ -34,14 +34,23 @@ def shared_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def gelu_float64():
-    """x -> (gelu(x), gelu'(x)) in float64 from erfc (no cancellation in the left tail): the reference of the
-    FP8 quantizers' fused GELUs, on CPU and GPU."""
+def check_quantizer_gelu():
+    """``check(device, near, tail, derivative_abs, derivative_rel)``: the FP8 row quantizer's fused GELU and
+    GELU backward on fp32 rows over [-12, 8] (their outputs stay fp32) against float64 from erfc (no
+    cancellation in the left tail): gelu within ``near`` relative from -3 up and ``tail`` everywhere, gelu'
+    within ``derivative_abs + derivative_rel * |gelu'|``. Shared by the interpreter and GPU tests."""
+    from opengem.ops.triton.fp8_gemm import rowwise_quantize
 
-    def reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def check(device: str, near: float, tail: float, derivative_abs: float, derivative_rel: float) -> None:
+        x = torch.linspace(-12.0, 8.0, 4001, device=device)[None, :]
         x64 = x.double()
         cdf = 0.5 * torch.erfc(-x64 / 2**0.5)
-        return x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / (2 * torch.pi) ** 0.5
+        gelu, derivative = x64 * cdf, cdf + x64 * torch.exp(-0.5 * x64 * x64) / (2 * torch.pi) ** 0.5
+        error = (rowwise_quantize(x, "gelu")[2].double() - gelu).abs()
+        assert (error <= 1e-30 + tail * gelu.abs()).all()
+        assert (error[x >= -3] <= near * gelu[x >= -3].abs() + 1e-30).all()
+        grad = rowwise_quantize(torch.ones_like(x), "gelu_backward", x)[2]
+        assert ((grad.double() - derivative).abs() <= derivative_abs + derivative_rel * derivative.abs()).all()
 
-    return reference
+    return check
 

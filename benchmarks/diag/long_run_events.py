@@ -26,16 +26,12 @@ import torch
 
 from benchmarks.common import write_results
 from opengem.ops.triton.tuning import tuned_key_names
+from opengem.train.bench.timing import synchronize
 from opengem.train.bench.watch import events_report, host_events
 from opengem.train.config import load_config
 from opengem.train.trainer import LocalRun, evaluate
 
 BLOCK = 50
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def summarize(rows: list[dict[str, Any]], block: int = BLOCK) -> list[dict[str, Any]]:
@@ -87,10 +83,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         data_ms = 1e3 * (time.perf_counter() - fetch)
         lengths = batch.history_age.lengths_host()
         before = host_events()
-        _sync(device)
+        synchronize(device)
         begin = time.perf_counter()
         learner.step(batch.to(device, non_blocking=True))
-        _sync(device)
+        synchronize(device)
         ms = 1e3 * (time.perf_counter() - begin)
         now_keys = tuned_key_names()
         rows.append({"step": step, "ms": round(ms, 2), "data_ms": round(data_ms, 2), "max_len": int(lengths.max()),
