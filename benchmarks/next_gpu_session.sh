@@ -67,7 +67,8 @@
 # s12c (session 12, removed with its diag): where the traced FP8 linear lost its gradients, per compile backend
 # s12d (one GPU, session 12): the FP8 layers as custom ops under compile against eager, the low-precision GPU
 #   tests, then gem-small b2048 under bench train in bf16 and with fp8_rowwise MLPs (issue 10's 1.2x)
-# s13a (one GPU, session 13: not run; its parts ran in s13e and s13f): the embedding step's stages and kernels (power-law and uniform ids), the embedding
+# s13a (one GPU, not run: its stage diag ran in s13e and its bench train in s13f; the uniform-id embedding run is
+#   still pending): the embedding step's stages and kernels (power-law and uniform ids), the embedding
 #   benchmark with uniform ids, gem-small b2048 under bench train with the warm-up over the window's batches
 # s13b, s13c (one GPU, next session): issue 6's 2000-step gem-small runs, BF16 MLPs | fp8_rowwise MLPs, then the
 #   comparison of their final held-out NE (bar: 0.2%) and the curves' PNG

@@ -66,6 +66,7 @@ class NumericsMonitor:
             raise ValueError(f"bound must be > 0, got {bound}")
         self.every, self.bound, self.fallback = every, bound, fallback
         self.steps = 0
+        self._current_step = 0  # the step a measurement reports (the last `step()`, or `measure`'s argument)
         self.stats: dict[str, dict[str, Any]] = {}
         self._model = model
         self._measured: set[str] = set()
@@ -79,6 +80,7 @@ class NumericsMonitor:
     def step(self) -> None:
         self._active = self.steps % self.every == 0
         self._measured.clear()
+        self._current_step = self.steps
         self.steps += 1
 
     def measure(self, forward: Callable[[], Any], step: int) -> dict[str, float]:
@@ -87,7 +89,7 @@ class NumericsMonitor:
         measured run draws the same dropout masks as an unmeasured one). ``step`` labels warnings."""
         handles = self._attach() if not self._handles else []
         training = self._model.training
-        self._active, self.steps = True, step + 1  # the warning reports ``self.steps - 1``
+        self._active, self._current_step = True, step
         self._measured.clear()
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
         try:
@@ -119,7 +121,7 @@ class NumericsMonitor:
                 action = "falling back to BF16" if self.fallback else "keeping its recipe"
                 warnings.warn(
                     f"low-precision layer {name!r} ({layer.recipe.forward}): output relative error {err:.3g} "
-                    f"vs BF16 exceeds the bound {self.bound:.3g} at step {self.steps - 1}; {action}",
+                    f"vs BF16 exceeds the bound {self.bound:.3g} at step {self._current_step}; {action}",
                     RuntimeWarning,
                     stacklevel=2,
                 )

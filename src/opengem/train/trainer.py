@@ -96,7 +96,7 @@ class Learner:
         if not self._frozen and value.is_cuda:
             # The first step's compile leaves millions of long-lived objects (graphs, kernels); frozen, they
             # drop out of the collector's full passes, each of which otherwise stalls a GPU step (389 ms at
-            # step 98 of gem-small, session 13). Frozen garbage cycles are never collected: once, not per run.
+            # step 98 of gem-small, session 13). Frozen objects are never collected, so this runs once per learner.
             gc.collect()
             gc.freeze()
             self._frozen = True
