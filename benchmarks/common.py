@@ -69,6 +69,29 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> f
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
 
 
+def interleaved_ms(
+    fns: dict[str, Callable[[], Any]], rounds: int = 5, bench: Callable[[Callable[[], Any]], float] = bench_ms
+) -> dict[str, list[float]]:
+    """``bench`` of every ``fns`` entry in ``rounds`` rounds, each round starting one entry later (A B C, B C
+    A, C A B, ...): a slow drift of the card (clocks falling as it heats) spreads over all entries instead of
+    landing on the ones timed last. Returns each entry's times, one per round, in round order."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    names = list(fns)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names[r % len(names):] + names[: r % len(names)]:
+            times[name].append(bench(fns[name]))
+    return times
+
+
+def paired_speedup(baseline: list[float], variant: list[float]) -> float:
+    """Median over rounds of baseline / variant, each ratio from one round of `interleaved_ms`."""
+    if len(baseline) != len(variant) or not baseline:
+        raise ValueError(f"need equally many rounds, got {len(baseline)} and {len(variant)}")
+    return statistics.median(b / v for b, v in zip(baseline, variant))
+
+
 def kernel_ms(fn: Callable[[], Any], calls: int = 5, name_width: int = 60) -> dict[str, float]:
     """Device milliseconds per call of each kernel ``fn`` launches (names cut to ``name_width``
     characters), most first."""

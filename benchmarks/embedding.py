@@ -134,8 +134,9 @@ def values_of(x: torch.Tensor | Jagged) -> torch.Tensor:
 class Report:
     """Rows and run facts, printed line by line and rewritten to the results JSON after each change."""
 
-    def __init__(self, quick: bool) -> None:
-        self.family = "embedding" if quick else "embedding_full"
+    def __init__(self, quick: bool, uniform_ids: bool = False) -> None:
+        # the uniform-id run gets its own file: it must not overwrite the power-law run it is compared with
+        self.family = ("embedding" if quick else "embedding_full") + ("_uniform" if uniform_ids else "")
         self.rows: list[dict[str, Any]] = []
         self.extra: dict[str, Any] = {"quick": quick}
         self.forward_bytes = 0
@@ -395,7 +396,7 @@ def main() -> None:
     parser.add_argument("--skip-compile", action="store_true", help="leave out the torch.compile peer of the full run")
     parser.add_argument("--uniform-ids", action="store_true", help="ids uniform over the rows instead of a power law")
     args = parser.parse_args()
-    report = Report(args.quick)
+    report = Report(args.quick, args.uniform_ids)
     w = workload(args.quick, power_law_ids=not args.uniform_ids)
     report.fact(
         f"embedding benchmark ({'quick' if args.quick else 'full'}): {len(w.tables)} tables, B = {w.batch_size}",

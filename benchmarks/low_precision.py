@@ -11,7 +11,9 @@ once, untimed, where a training step quantizes them in each forward), the prequa
 every MLP recipe, then torchao float8 rowwise training (eager, then compiled: risky peers run last).
 
 MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024; the weights are touched in place every step so
-the layers re-quantize them once per step, as in training. Correctness: relative error vs fp32 on the
+the layers re-quantize them once per step, as in training. The variants are timed in interleaved rounds
+(``MLP_ROUNDS``; each row's ``ms_rounds``): ms is the median over rounds, the speedup the median of the
+per-round ratios to BF16, and BF16's spread over the rounds is the run's noise. Correctness: relative error vs fp32 on the
 same inputs (outputs and, for the MLP, dx and dW1). FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM; the
 MLP counts its 6 GEMMs; TFLOP/s are useful work. Each finished measurement prints one line and rewrites
 ``benchmarks/results/low_precision.json``, so a run cut short keeps every number it finished; a variant
@@ -22,12 +24,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from benchmarks.common import bench_ms, print_table, relative_error, write_results
+from benchmarks.common import bench_ms, interleaved_ms, paired_speedup, print_table, relative_error, write_results
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_mlp import LowPrecisionMLP
 from opengem.ops.fp8_gemm import (
@@ -47,6 +50,10 @@ EXTRA_GEMM_RECIPES = ("fp8_blockwise", "mxfp8")  # full mode, beside rowwise
 MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all")
 MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
 FUSED_MLP_RECIPES = ("fp8_rowwise", "fp8_rowwise_fast")  # the fused MLP's: precise or fast input-gradient sums
+BF16_MLP = "bf16 nn.Linear"
+# The MLP variants are timed in rounds, each starting one variant later: timed one after another, the later ones
+# ran on a warmer card (session 14: the same BF16 weight-gradient GEMM took 1.29, 1.36 then 1.44 ms)
+MLP_ROUNDS = 5
 COLUMNS = ["bench", "shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err", "rel_err_dx", "rel_err_dw1",
            "note", "error"]
 
@@ -61,6 +68,7 @@ class Results:
     def __init__(self, quick: bool) -> None:
         self.rows: list[dict[str, Any]] = []
         self.quick = quick
+        self.extra: dict[str, Any] = {}
 
     def add(self, row: dict[str, Any]) -> None:
         self.rows.append(row)
@@ -69,8 +77,10 @@ class Results:
         self.save()
 
     def save(self, **extra: Any) -> None:
+        """Rewrite the JSON; ``extra`` facts are kept for every later save."""
+        self.extra.update(extra)
         write_results("low_precision", self.rows,
-                      {"quick": self.quick, "cublas_blockwise_probe": dict(CUBLAS_BLOCKWISE_PROBE), **extra})
+                      {"quick": self.quick, "cublas_blockwise_probe": dict(CUBLAS_BLOCKWISE_PROBE), **self.extra})
 
 
 def measure(results: Results, row: dict[str, Any], flops: float, bf16_ms: float | None,
@@ -158,9 +168,12 @@ def torchao_float8(model: nn.Module) -> nn.Module:
     return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
 
 
-def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_against: float | None = None) -> float | None:
-    """BF16, then ``recipes`` and the fused MLP; returns the BF16 time. With ``torchao_against`` (a BF16
-    time from an earlier call) only the torchao peers run, their speedups taken against it."""
+def mlp_rows(
+    results: Results, tokens: int, recipes: tuple[str, ...], torchao_against: list[float] | None = None
+) -> list[float] | None:
+    """BF16, ``recipes`` and the fused MLP, timed in interleaved rounds; returns BF16's times per round. With
+    ``torchao_against`` (BF16's rounds from an earlier call) only the torchao peers run, their speedups taken
+    against its median."""
     torch.manual_seed(0)
     base = mlp(HIDDEN, INNER).cuda()
     x = torch.randn(tokens, HIDDEN, device="cuda")
@@ -178,14 +191,16 @@ def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_ag
     del x, dy
     flops = 6 * 2.0 * tokens * HIDDEN * INNER
     shape = f"{tokens}x{HIDDEN}->{INNER}->{HIDDEN}"
-    bf16_ms: float | None = None
 
     def bf16_copy() -> nn.Sequential:
         m = mlp(HIDDEN, INNER).cuda()
         m.load_state_dict(base.state_dict())
         return m.to(torch.bfloat16)
 
-    def run(name: str, build: Callable[[], nn.Module], note: str = "") -> float | None:
+    variants: dict[str, dict[str, Any]] = {}  # name -> row and the step closure, in the order built
+
+    def add(name: str, build: Callable[[], nn.Module], note: str = "") -> None:
+        """Build ``name``'s model and run its first step (errors against fp32); the timing comes later."""
         row: dict[str, Any] = {"bench": "mlp", "shape": shape, "impl": name, "note": note}
         xin = x16.clone().requires_grad_()
         state: dict[str, Any] = {}
@@ -202,19 +217,54 @@ def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_ag
             y.backward(dy16)
             return y
 
-        def first_step() -> dict[str, float]:
+        try:
             model = build()
             layers = getattr(model, "_orig_mod", model)  # the module behind a torch.compile wrapper
             first, second = (layers.fc1, layers.fc2) if isinstance(layers, LowPrecisionMLP) else (layers[0], layers[2])
             state.update(model=model, first=first, second=second)
             y = step()
-            return {"rel_err": relative_error(y.detach(), y_ref), "rel_err_dx": relative_error(xin.grad, dx_ref),
-                    "rel_err_dw1": relative_error(first.weight.grad, dw_ref)}
+            row.update(rel_err=relative_error(y.detach(), y_ref), rel_err_dx=relative_error(xin.grad, dx_ref),
+                       rel_err_dw1=relative_error(first.weight.grad, dw_ref))
+            torch.cuda.synchronize()
+            variants[name] = {"row": row, "step": step}
+        except Exception as exc:  # noqa: BLE001  (one failing variant must not end the run)
+            row["error"] = f"{type(exc).__name__}: {exc}"[:300]
+            results.add(row)
 
-        ms = measure(results, row, flops, bf16_ms, first_step, step)
-        state.clear()
+    def time_all(baseline_ms: list[float] | None) -> list[float] | None:
+        """Every built variant timed in interleaved rounds (`interleaved_ms`): ms is the median over rounds,
+        the speedup the median of the per-round ratios against BF16 (against ``baseline_ms``' median when
+        BF16 is not among them), ms_rounds the rounds' times."""
+        errors: dict[str, str] = {}
+
+        def guarded(name: str) -> Callable[[], Any]:
+            def call() -> Any:
+                if name in errors:
+                    return None
+                try:
+                    return variants[name]["step"]()
+                except Exception as exc:  # noqa: BLE001
+                    errors[name] = f"{type(exc).__name__}: {exc}"[:300]
+            return call
+
+        times = interleaved_ms({name: guarded(name) for name in variants}, rounds=MLP_ROUNDS)
+        # BF16 timed in these rounds: per-round ratios, else against the earlier call's median (or none)
+        paired = BF16_MLP in times and BF16_MLP not in errors
+        baseline = times[BF16_MLP] if paired else None if BF16_MLP in times else baseline_ms
+        for name, entry in variants.items():
+            row, ms_rounds = entry["row"], times[name]
+            if name in errors:
+                row["error"] = errors[name]
+            else:
+                ms = statistics.median(ms_rounds)
+                row.update(ms=ms, tflops=tflops(flops, ms), ms_rounds=ms_rounds)
+                if baseline is not None:
+                    row["speedup_vs_bf16"] = (paired_speedup(baseline, ms_rounds) if paired
+                                              else statistics.median(baseline) / ms)
+            results.add(row)
+        variants.clear()
         torch.cuda.empty_cache()
-        return ms
+        return baseline
 
     def low_precision(recipe: str) -> Callable[[], nn.Module]:
         def build() -> nn.Module:
@@ -233,16 +283,21 @@ def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], torchao_ag
         return build
 
     if torchao_against is not None:
-        bf16_ms = torchao_against
-        run("torchao float8 rowwise (eager)", lambda: torchao_float8(bf16_copy()))
-        run("torchao float8 rowwise (compiled)", lambda: torch.compile(torchao_float8(bf16_copy())))
-        return bf16_ms
-    bf16_ms = run("bf16 nn.Linear", bf16_copy)
+        add("torchao float8 rowwise (eager)", lambda: torchao_float8(bf16_copy()))
+        add("torchao float8 rowwise (compiled)", lambda: torch.compile(torchao_float8(bf16_copy())))
+        return time_all(torchao_against)
+    add(BF16_MLP, bf16_copy)
     for recipe in recipes:
-        run(f"LowPrecisionLinear {recipe}", low_precision(recipe), "all fp8" if recipe.endswith("_all") else "wgrad bf16")
+        add(f"LowPrecisionLinear {recipe}", low_precision(recipe), "all fp8" if recipe.endswith("_all") else "wgrad bf16")
     for recipe in FUSED_MLP_RECIPES:
-        run(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16")
-    return bf16_ms
+        add(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16")
+    baseline = time_all(None)
+    if baseline is not None:
+        spread = max(baseline) / min(baseline) - 1
+        print(f"BF16 over {len(baseline)} rounds: {min(baseline):.3f}-{max(baseline):.3f} ms ({100 * spread:.1f}% "
+              "spread: a smaller difference between variants is noise)", flush=True)
+        results.save(bf16_round_spread=spread)
+    return baseline
 
 
 def main() -> None:
@@ -257,12 +312,12 @@ def main() -> None:
     results = Results(args.quick)
     print(f"MLP block {args.tokens} tokens, {HIDDEN} -> {INNER} -> GELU -> {HIDDEN}, forward + backward "
           "(6 GEMMs counted); rel_err vs fp32 on the same inputs", flush=True)
-    bf16_ms = mlp_rows(results, args.tokens, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL)
+    bf16_rounds = mlp_rows(results, args.tokens, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL)
     print("GEMM out = x @ w^T (M x N x K); TFLOP/s = 2MNK / time", flush=True)
     gemm_rows(results, GEMM_SHAPES_QUICK if args.quick else GEMM_SHAPES_FULL, full=not args.quick)
     if not args.quick:
         cublas_blockwise_available(False)
-        mlp_rows(results, args.tokens, (), torchao_against=bf16_ms)  # risky peers last
+        mlp_rows(results, args.tokens, (), torchao_against=bf16_rounds)  # risky peers last
     print()
     print_table(results.rows, COLUMNS)
     fp8 = [r for r in results.rows if r["bench"] == "mlp" and "ms" in r and r["impl"].startswith("LowPrecision")]
