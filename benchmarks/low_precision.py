@@ -13,16 +13,18 @@ every MLP recipe, then torchao float8 rowwise training (eager, then compiled: ri
 MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024; the weights are touched in place every step so
 the layers re-quantize them once per step, as in training. The variants are timed in interleaved rounds
 (``MLP_ROUNDS``; each row's ``ms_rounds``): ms is the median over rounds, the speedup the median of the
-per-round ratios to BF16, and BF16's spread over the rounds is the run's noise. Correctness: relative error vs fp32 on the
-same inputs (outputs and, for the MLP, dx and dW1). FLOPs (GEM_SPEC section 8): 2*M*N*K per GEMM; the
-MLP counts its 6 GEMMs; TFLOP/s are useful work. Each finished measurement prints one line and rewrites
-``benchmarks/results/low_precision.json``, so a run cut short keeps every number it finished; a variant
-that raises is recorded with its error and the run goes on.
+per-round ratios to BF16, and BF16's spread over the rounds is the run's noise. The same rounds replayed
+from CUDA graphs (``graph_ms``, ``graph_speedup_vs_bf16``) leave the host's launch gaps out. Correctness:
+relative error vs fp32 on the same inputs (outputs and, for the MLP, dx and dW1). FLOPs (GEM_SPEC section
+8): 2*M*N*K per GEMM; the MLP counts its 6 GEMMs; TFLOP/s are useful work. Each finished measurement prints
+one line and rewrites ``benchmarks/results/low_precision.json``, so a run cut short keeps every number it
+finished; a variant that raises is recorded with its error and the run goes on.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 from typing import Any, Callable
@@ -30,7 +32,15 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from benchmarks.common import bench_ms, interleaved_ms, paired_speedup, print_table, relative_error, write_results
+from benchmarks.common import (
+    bench_graph_ms,
+    bench_ms,
+    interleaved_ms,
+    paired_speedup,
+    print_table,
+    relative_error,
+    write_results,
+)
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_mlp import LowPrecisionMLP
 from opengem.ops.fp8_gemm import (
@@ -41,6 +51,7 @@ from opengem.ops.fp8_gemm import (
     scaled_gemm,
 )
 
+DEVICE = "cuda"  # a CPU test runs the MLP rows' control flow on "cpu"
 HIDDEN, INNER = 1024, 4096
 GEMM_SHAPES_QUICK = [(65536, INNER, HIDDEN)]
 GEMM_SHAPES_FULL = GEMM_SHAPES_QUICK + [
@@ -54,8 +65,9 @@ BF16_MLP = "bf16 nn.Linear"
 # The MLP variants are timed in rounds, each starting one variant later: timed one after another, the later ones
 # ran on a warmer card (session 14: the same BF16 weight-gradient GEMM took 1.29, 1.36 then 1.44 ms)
 MLP_ROUNDS = 5
-COLUMNS = ["bench", "shape", "impl", "ms", "tflops", "speedup_vs_bf16", "rel_err", "rel_err_dx", "rel_err_dw1",
-           "note", "error"]
+MLP_GRAPH_ROUNDS = 3
+COLUMNS = ["bench", "shape", "impl", "ms", "tflops", "speedup_vs_bf16", "graph_ms", "graph_speedup_vs_bf16", "rel_err",
+           "rel_err_dx", "rel_err_dw1", "note", "error"]
 
 
 def tflops(flops: float, ms: float) -> float:
@@ -104,9 +116,9 @@ def measure(results: Results, row: dict[str, Any], flops: float, bf16_ms: float 
 def gemm_rows(results: Results, shapes: list[tuple[int, int, int]], full: bool) -> None:
     native_mx = torch.cuda.get_device_capability()[0] >= 10
     for m, n, k in shapes:
-        g = torch.Generator(device="cuda").manual_seed(m + n + k)
-        x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-        w = (torch.randn(n, k, device="cuda", generator=g) * k**-0.5).to(torch.bfloat16)
+        g = torch.Generator(device=DEVICE).manual_seed(m + n + k)
+        x = torch.randn(m, k, device=DEVICE, generator=g).to(torch.bfloat16)
+        w = (torch.randn(n, k, device=DEVICE, generator=g) * k**-0.5).to(torch.bfloat16)
         ref = x.float() @ w.float().t()
         flops = 2.0 * m * n * k
         shape = f"{m}x{n}x{k}"
@@ -175,11 +187,11 @@ def mlp_rows(
     ``torchao_against`` (BF16's rounds from an earlier call) only the torchao peers run, their speedups taken
     against its median."""
     torch.manual_seed(0)
-    base = mlp(HIDDEN, INNER).cuda()
-    x = torch.randn(tokens, HIDDEN, device="cuda")
-    dy = torch.randn(tokens, HIDDEN, device="cuda")
+    base = mlp(HIDDEN, INNER).to(DEVICE)
+    x = torch.randn(tokens, HIDDEN, device=DEVICE)
+    dy = torch.randn(tokens, HIDDEN, device=DEVICE)
     # fp32 reference on the same inputs
-    ref_model = mlp(HIDDEN, INNER).cuda()
+    ref_model = mlp(HIDDEN, INNER).to(DEVICE)
     ref_model.load_state_dict(base.state_dict())
     xr = x.clone().requires_grad_()
     y_ref = ref_model(xr)
@@ -193,7 +205,7 @@ def mlp_rows(
     shape = f"{tokens}x{HIDDEN}->{INNER}->{HIDDEN}"
 
     def bf16_copy() -> nn.Sequential:
-        m = mlp(HIDDEN, INNER).cuda()
+        m = mlp(HIDDEN, INNER).to(DEVICE)
         m.load_state_dict(base.state_dict())
         return m.to(torch.bfloat16)
 
@@ -247,7 +259,22 @@ def mlp_rows(
                     errors[name] = f"{type(exc).__name__}: {exc}"[:300]
             return call
 
-        times = interleaved_ms({name: guarded(name) for name in variants}, rounds=MLP_ROUNDS)
+        calls = {name: guarded(name) for name in variants}
+        times = interleaved_ms(calls, rounds=MLP_ROUNDS)
+        # the same rounds replayed from CUDA graphs: device time only, as a compiled step in a graph runs it
+        # (bench_graph_ms catches a failed capture itself, so the steps go in unguarded)
+        steps = {name: entry["step"] for name, entry in variants.items() if name not in errors}
+        names = {id(step): name for name, step in steps.items()}
+        declined: dict[str, str] = {}
+
+        def graph_ms(step: Callable[[], Any]) -> float:
+            name = names[id(step)]
+            ms = None if name in declined else bench_graph_ms(step, on_error=lambda why: declined.setdefault(name, why))
+            if ms is None:
+                declined.setdefault(name, "no CUDA graph timing")
+            return math.nan if ms is None else ms
+
+        graph_times = interleaved_ms(steps, rounds=MLP_GRAPH_ROUNDS, bench=graph_ms) if steps else {}
         # BF16 timed in these rounds: per-round ratios, else against the earlier call's median (or none)
         paired = BF16_MLP in times and BF16_MLP not in errors
         baseline = times[BF16_MLP] if paired else None if BF16_MLP in times else baseline_ms
@@ -261,6 +288,12 @@ def mlp_rows(
                 if baseline is not None:
                     row["speedup_vs_bf16"] = (paired_speedup(baseline, ms_rounds) if paired
                                               else statistics.median(baseline) / ms)
+                if name in declined:
+                    row["graph_error"] = declined[name]
+                else:
+                    row.update(graph_ms=statistics.median(graph_times[name]), graph_ms_rounds=graph_times[name])
+                    if paired and BF16_MLP not in declined:
+                        row["graph_speedup_vs_bf16"] = paired_speedup(graph_times[BF16_MLP], graph_times[name])
             results.add(row)
         variants.clear()
         torch.cuda.empty_cache()
@@ -288,7 +321,8 @@ def mlp_rows(
         return time_all(torchao_against)
     add(BF16_MLP, bf16_copy)
     for recipe in recipes:
-        add(f"LowPrecisionLinear {recipe}", low_precision(recipe), "all fp8" if recipe.endswith("_all") else "wgrad bf16")
+        note = "all fp8" if recipe.endswith("_all") else "wgrad bf16"
+        add(f"LowPrecisionLinear {recipe}", low_precision(recipe), note)
     for recipe in FUSED_MLP_RECIPES:
         add(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16")
     baseline = time_all(None)

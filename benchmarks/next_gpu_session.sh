@@ -80,6 +80,8 @@
 #   frozen after the first step), the FP8 MLP block's kernels, gem-small b2048 under bench train
 # s14a (one GPU, next session): the GPU tests of the fast-math GELU quantizers, the FP8 MLP block's kernels with
 #   fp8_rowwise and fp8_rowwise_fast, gem-small b2048 under bench train (the restarted loader warm before the window)
+# s15a, s15b (one GPU, next session): issue 6's low-precision benchmark with interleaved rounds and graph
+#   replays, the MLP block's kernels | gem-small b2048 with the bf16 sequence stream, then with fp8_rowwise_fast MLPs
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -209,6 +211,16 @@ chain_s14a() {  # the fast-math GELU quantizers and fp8_rowwise_fast in the MLP 
   step fp8_mlp_kernels 150 python -m benchmarks.diag.fp8_mlp_kernels
   step bench_train 230 small_train --out "$out/results/train_gem-small_b2048_s14.json"
 }
+chain_s15a() {  # issue 6's benchmark with the variants in interleaved rounds (and graph replays), the block's kernels
+  step low_precision_full 320 python -m benchmarks.low_precision
+  step fp8_mlp_kernels 150 python -m benchmarks.diag.fp8_mlp_kernels
+}
+chain_s15b() {  # issue 10: gem-small with the sequence stream in bf16 (never run on gem-small), then with FP8 MLPs
+  step bench_train_bf16_sequence 240 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_bf16_sequence.json"
+  step bench_train_fp8_fast 240 small_train --low-precision-mlp fp8_rowwise_fast \
+    --out "$out/results/train_gem-small_b2048_fp8_fast.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -326,7 +338,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
