@@ -4,10 +4,10 @@ the GELU passes, and the FP8 GEMMs with and without fast accumulation.
 
 1. The block forward + backward, BF16 `nn.Linear` against `LowPrecisionMLP` fp8_rowwise and fp8_rowwise_fast
    (the benchmark's protocol: weights touched every step, so re-quantized; the variants timed in interleaved
-   rounds), timed in this run, with the GPU time per kernel name.
+   rounds), timed in this run, with the GPU time per kernel name and per launching operator.
 2. Each quantization of the block alone (autotuned): milliseconds and GB/s of the bytes it must move.
 3. The GELU passes (forward and backward) launched directly with every (rows, warps, column chunk): one
-   chunk in registers, or column chunks of 1024 / 2048 re-read.
+   chunk in registers, or column chunks of 1024 / 2048 re-read; and persistent programs (a row loaded ahead).
 4. The four FP8 GEMM shapes prequantized, fast accumulation on and off, and the BF16 GEMMs of the block
    (the weight gradients' transposed operands included).
 
@@ -23,7 +23,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import triton
 
 from benchmarks.common import bench_ms, interleaved_ms, kernel_ms, paired_speedup, write_results
 from benchmarks.low_precision import HIDDEN, INNER, MLP_ROUNDS, mlp
@@ -63,15 +62,36 @@ def _block(tokens: int) -> dict[str, Any]:
     for name, step in steps.items():
         table = kernel_ms(step, calls=5, name_width=90)
         ms = statistics.median(rounds[name])
+        ops = _op_ms(step)
         out[name] = {"ms": ms, "ms_rounds": rounds[name], "kernel_ms_sum": sum(table.values()),
-                     "kernels": dict(list(table.items())[:20])}
+                     "kernels": dict(list(table.items())[:20]), "ops": ops[:20]}
         print(f"{name}: {ms:.3f} ms (rounds {', '.join(f'{t:.3f}' for t in rounds[name])}; kernels "
               f"{out[name]['kernel_ms_sum']:.3f})", flush=True)
         for kernel, kms in list(table.items())[:12]:
             print(f"  {kms:8.3f}  {kernel}", flush=True)
+        for op in ops[:12]:
+            print(f"  {op['ms']:8.3f}  {op['op']} {op['shapes']}", flush=True)
     out["speedups"] = {name: paired_speedup(rounds["bf16"], rounds[name]) for name, _, _ in models[1:]}
     print(f"speedups over BF16 (median of per-round ratios): {out['speedups']}", flush=True)
     return out
+
+
+def _op_ms(fn: Callable[[], None], calls: int = 3) -> list[dict[str, Any]]:
+    """Device milliseconds per call that each operator launches itself (torch ops by input shapes, custom
+    kernels by name), most first: which call launched a kernel of the table above (session 14's unnamed
+    0.06 ms element-wise kernel of the FP8 block)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], record_shapes=True) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [{"op": event.key, "shapes": str(event.input_shapes)[:160],
+             "ms": event.self_device_time_total / 1000 / calls}
+            for event in prof.key_averages(group_by_input_shape=True) if event.self_device_time_total > 0]
+    return sorted(rows, key=lambda row: -row["ms"])
 
 
 def _quantizations(tokens: int) -> list[dict[str, Any]]:
@@ -100,24 +120,33 @@ def _gelu_tiles(tokens: int) -> list[dict[str, Any]]:
     q = torch.empty(tokens, INNER, device=DEVICE, dtype=torch.float8_e4m3fn)
     scale = torch.empty(tokens, device=DEVICE)
     out = torch.empty_like(u)
-    options = [(rows, warps, INNER) for rows in (1, 2, 4) for warps in (4, 8, 16)]
-    options += [(rows, warps, chunk) for chunk in (1024, 2048) for rows in (2, 4, 8) for warps in (4, 8)]
+    # (rows, warps, column chunk, persistent programs per SM, register cap)
+    options = [(rows, warps, INNER, 0, None) for rows in (1, 2, 4) for warps in (4, 8, 16)]
+    options += [(rows, warps, chunk, 0, None) for chunk in (1024, 2048) for rows in (2, 4, 8) for warps in (4, 8)]
+    options += [(1, 16, INNER, programs, cap) for programs, cap in ((4, 32), (3, None), (2, None))]
+    options += [(1, 8, INNER, programs, cap) for programs, cap in ((8, 32), (4, None))]
     results = []
     for prologue, x in (("gelu", u), ("gelu_backward", dh)):
-        for rows, warps, chunk in options:
+        for rows, warps, chunk, programs, cap in options:
+            grid = kernels._row_grid(tokens, x.device)({"BLOCK_R": rows, "PROGRAMS_PER_SM": programs})
 
-            def launch(x=x, prologue=prologue, rows=rows, warps=warps, chunk=chunk):
-                kernels._row_amax_quant_kernel[(triton.cdiv(tokens, rows),)](
+            def launch(x=x, prologue=prologue, rows=rows, warps=warps, chunk=chunk, programs=programs, cap=cap,
+                       grid=grid):
+                kernels._row_amax_quant_kernel[grid](
                     x, u, out, q, scale, tokens, INNER, PROLOGUE=kernels.PROLOGUES[prologue], BLOCK_R=rows,
-                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, COMPILED=True, num_warps=warps)
+                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, PROGRAMS_PER_SM=programs, COMPILED=True,
+                    num_warps=warps, **({"maxnreg": cap} if cap else {}))
 
+            tile = {"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk, "programs_per_sm": programs,
+                    "maxnreg": cap}
             try:
                 ms = bench_ms(launch)
             except Exception as exc:  # noqa: BLE001  (a tile that does not compile is recorded, the sweep goes on)
-                results.append({"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk, "error": str(exc)[:200]})
+                results.append({**tile, "error": str(exc)[:200]})
                 continue
-            results.append({"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk, "ms": ms})
-            print(f"{prologue} rows {rows} warps {warps} chunk {chunk}: {ms:.3f} ms", flush=True)
+            results.append({**tile, "ms": ms})
+            print(f"{prologue} rows {rows} warps {warps} chunk {chunk} persistent {programs} maxnreg {cap}: "
+                  f"{ms:.3f} ms", flush=True)
     return results
 
 

@@ -127,9 +127,9 @@ def test_rowwise_quantizer_kernel_matches_the_torch_path(columns: int, prologue:
 @pytest.mark.parametrize("columns", [8, 200, 4096, 5000])
 def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, columns: int) -> None:
     """The autotuned launch (CUDA): the tuner of this column-block width holds candidates of 4096..16384
-    elements per program (as many rows as allowed for narrow rows) and no `prune_configs_by` (Dynamo of torch
-    2.11 fails on one launched twice in a trace), the grid follows the chosen rows per program, and the result
-    equals the default launch. Timings are faked (the interpreter has no benchmarker), in case Triton's disk
+    elements per program (as many rows as allowed for narrow rows), persistent ones where a row fits one
+    chunk, and no `prune_configs_by` (Dynamo of torch 2.11 fails on one launched twice in a trace), the grid
+    follows the chosen config, and the result equals the default launch. Timings are faked (the interpreter has no benchmarker), in case Triton's disk
     cache has none."""
     import triton
     from triton.runtime.autotuner import Autotuner
@@ -137,17 +137,24 @@ def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, c
     from opengem.ops.triton import fp8_gemm as g
 
     block_c = min(triton.next_power_of_2(columns), 4096)
-    tuner = g._ROW_TUNERS[block_c]
-    kept = tuner.configs
+    one_chunk = columns <= block_c
+    tuner = g._ROW_TUNERS[block_c] if one_chunk else g._CHUNKED_ROW_TUNER
     assert tuner.early_config_prune is None and tuner.perf_model is None
-    rows_kept = {c.kwargs["BLOCK_R"] for c in kept}
-    assert kept and (all(4096 <= r * block_c <= 16384 for r in rows_kept) or rows_kept == {16})
-    monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, config, **k: [1.0 / config.kwargs["BLOCK_R"]])
+    plain = [c for c in tuner.configs if not c.kwargs["PROGRAMS_PER_SM"]]
+    persistent = [c for c in tuner.configs if c.kwargs["PROGRAMS_PER_SM"]]
+    rows_kept = {c.kwargs["BLOCK_R"] for c in plain}
+    assert plain and (all(4096 <= r * block_c <= 16384 for r in rows_kept) or rows_kept == {16})
+    # persistent programs only where a row block stays in registers, of 4096 elements
+    assert bool(persistent) == one_chunk and all(c.kwargs["BLOCK_R"] * block_c == max(4096, block_c)
+                                                 for c in persistent)
+    monkeypatch.setattr(Autotuner, "_bench", lambda self, *a, config, **k: [
+        1.0 / (config.kwargs["BLOCK_R"] * (1 + config.kwargs["PROGRAMS_PER_SM"]))])  # a persistent one wins
     rows = 7
     x, u = torch.randn(rows, columns), torch.randn(rows, columns)
     q, scale, out = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows), torch.empty(rows, columns)
-    tuner[lambda meta: (triton.cdiv(rows, meta["BLOCK_R"]),)](
-        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=columns <= block_c, COMPILED=False)
+    tuner[g._row_grid(rows, x.device)](
+        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=one_chunk, COMPILED=False)
+    assert bool(tuner.best_config.kwargs["PROGRAMS_PER_SM"]) == one_chunk
     ref_q, ref_scale, ref_out = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
     assert torch.equal(out, ref_out)
@@ -230,3 +237,32 @@ def test_pad_rows_for_cublas_keeps_data_and_adds_zero_rows() -> None:
     assert (padded[21:].float() == 0).all() and (padded_scale[21:] == 1).all()
     aligned = data[:16]
     assert pad_rows(aligned, scale[:16], 16)[0] is aligned
+
+
+@pytest.mark.parametrize("columns", [1, 200, 4096])
+@pytest.mark.parametrize("prologue", [None, "gelu", "gelu_backward"])
+def test_persistent_row_programs_equal_the_plain_launch(columns: int, prologue: str | None) -> None:
+    """Each persistent candidate of the tuner (programs striding over row blocks, the next block loaded ahead;
+    interpreter here) writes the default launch's codes, scales and GELU outputs bit for bit, with more row
+    blocks than programs so every program loops and the last block is partial."""
+    import triton
+
+    from opengem.ops.triton import fp8_gemm as g
+
+    gen = torch.Generator().manual_seed(7)
+    block_c = triton.next_power_of_2(columns)
+    configs = g._persistent_programs(block_c)
+    rows = 3 * configs[0].kwargs["BLOCK_R"] * configs[0].kwargs["PROGRAMS_PER_SM"] + 5
+    x = torch.randn(rows, columns, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    u = torch.randn(rows, columns, generator=gen) if prologue == "gelu_backward" else None
+    ref_q, ref_scale, ref_out = g.rowwise_quantize(x, prologue, u)
+    for config in configs:
+        q, scale = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows)
+        out = torch.empty_like(x) if prologue else torch.empty(0)
+        grid = g._row_grid(rows, x.device)(config.kwargs)
+        assert grid[0] < triton.cdiv(rows, config.kwargs["BLOCK_R"])  # fewer programs than blocks: they loop
+        g._row_amax_quant_kernel[grid](
+            x, x if u is None else u, out, q, scale, rows, columns, PROLOGUE=g.PROLOGUES[prologue], BLOCK_C=block_c,
+            ONE_CHUNK=True, COMPILED=False, **config.kwargs)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
+        assert ref_out is None or torch.equal(out, ref_out)

@@ -17,6 +17,8 @@ fp32 ulp of an fp8 rounding tie.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -72,12 +74,20 @@ def _normal_cdf_and_density(x, COMPILED: tl.constexpr):
 @triton.jit
 def _prologue(x_ptr, u_ptr, offs, m, PROLOGUE: tl.constexpr, COMPILED: tl.constexpr):
     # the value to quantize: x (0), gelu(x) (1), or x * gelu'(u) (2, the GELU backward)
-    x = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=m, other=0.0)
+    u = tl.load(u_ptr + offs, mask=m, other=0.0) if PROLOGUE == 2 else x
+    return _prologue_values(x, u, PROLOGUE, COMPILED)
+
+
+@triton.jit
+def _prologue_values(x, u, PROLOGUE: tl.constexpr, COMPILED: tl.constexpr):
+    # _prologue of values already loaded (u is read by the GELU backward only)
+    x = x.to(tl.float32)
     if PROLOGUE == 1:
         cdf, _ = _normal_cdf_and_density(x, COMPILED)  # the unused density is dropped at compile time
         x = x * cdf
     if PROLOGUE == 2:
-        u = tl.load(u_ptr + offs, mask=m, other=0.0).to(tl.float32)
+        u = u.to(tl.float32)
         cdf, density = _normal_cdf_and_density(u, COMPILED)
         x = x * (cdf + u * density * 0.3989422804014327)
     return x
@@ -93,13 +103,23 @@ def _e4m3_multiplier(amax):
 def _row_amax_quant_kernel(
     x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    COMPILED: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr, COMPILED: tl.constexpr,
 ):
     # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes. When a
     # row fits one chunk (ONE_CHUNK: C <= BLOCK_C) the values stay in registers between the passes: one read
     # and one prologue (the GELU's erf / exp) per element instead of two. Otherwise pass 2 re-reads the
     # rows, which a small per-program footprint keeps in L1/L2. With a prologue (GELU or its backward)
-    # pass 2 also writes the transformed values to out_ptr.
+    # pass 2 also writes the transformed values to out_ptr. PROGRAMS_PER_SM > 0 (ONE_CHUNK only): persistent
+    # programs instead, `_persistent_rows`.
+    if PROGRAMS_PER_SM > 0:
+        _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE, BLOCK_R, BLOCK_C, COMPILED)
+    else:
+        _plain_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE, BLOCK_R, BLOCK_C, ONE_CHUNK, COMPILED)
+
+
+@triton.jit
+def _plain_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr,
+                BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr, COMPILED: tl.constexpr):
     r = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = r < R
     base = r[:, None].to(tl.int64) * C
@@ -124,6 +144,38 @@ def _row_amax_quant_kernel(
             m = rmask[:, None] & (c[None, :] < C)
             x = _prologue(x_ptr, u_ptr, base + c[None, :], m, PROLOGUE, COMPILED)
             _store_quantized(x, mult, out_ptr, q_ptr, base + c[None, :], m, PROLOGUE, COMPILED)
+
+
+@triton.jit
+def _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr,
+                     BLOCK_C: tl.constexpr, COMPILED: tl.constexpr):
+    # The one-chunk quantization with the programs striding over the row blocks, each block's loads issued
+    # before the previous block's arithmetic: a program keeps two blocks of loads in flight. One row per
+    # program (the best plain GELU tile, 16 warps at 31 registers, four programs an SM) left the GELU forward
+    # latency-bound at 3.5 TB/s (session 14); this keeps twice the bytes in flight at the same occupancy when
+    # its registers are capped at 32 (maxnreg: 8 bytes of spills, static sm_90 count).
+    pid = tl.program_id(0)
+    step = tl.num_programs(0)
+    rows = tl.arange(0, BLOCK_R)
+    c = tl.arange(0, BLOCK_C)
+    cmask = c[None, :] < C
+    r = pid * BLOCK_R + rows
+    offs = r[:, None].to(tl.int64) * C + c[None, :]
+    x_next = tl.load(x_ptr + offs, mask=(r < R)[:, None] & cmask, other=0.0)
+    u_next = tl.load(u_ptr + offs, mask=(r < R)[:, None] & cmask, other=0.0) if PROLOGUE == 2 else x_next
+    for block in range(pid, tl.cdiv(R, BLOCK_R), step):
+        x_raw, u_raw = x_next, u_next
+        r = block * BLOCK_R + rows
+        offs = r[:, None].to(tl.int64) * C + c[None, :]
+        m = (r < R)[:, None] & cmask
+        ahead, ahead_m = offs + (step * BLOCK_R).to(tl.int64) * C, ((r + step * BLOCK_R) < R)[:, None] & cmask
+        x_next = tl.load(x_ptr + ahead, mask=ahead_m, other=0.0)
+        if PROLOGUE == 2:
+            u_next = tl.load(u_ptr + ahead, mask=ahead_m, other=0.0)
+        x = _prologue_values(x_raw, u_raw, PROLOGUE, COMPILED)
+        amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
+        tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=r < R)
+        _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, offs, m, PROLOGUE, COMPILED)
 
 
 @triton.jit
@@ -189,19 +241,46 @@ def _default_row_program(block_c: int) -> tuple[int, int]:
 
 def _row_programs(block_c: int) -> list[triton.Config]:
     """The candidates of 4096..16384 elements at ``block_c`` columns (narrow rows, C < 256: the most rows)."""
-    configs = [triton.Config({"BLOCK_R": rows}, num_warps=warps) for rows, warps in ROW_CONFIGS]
+    configs = [triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": 0}, num_warps=warps) for rows, warps in ROW_CONFIGS]
     kept = [c for c in configs if 4096 <= c.kwargs["BLOCK_R"] * block_c <= 16384]
     most_rows = max(c.kwargs["BLOCK_R"] for c in configs)
     return kept or [c for c in configs if c.kwargs["BLOCK_R"] == most_rows]
 
 
+def _persistent_programs(block_c: int) -> list[triton.Config]:
+    """Persistent candidates for rows in registers (`_persistent_rows`): blocks of 4096 elements, 8 values a
+    thread, as many programs as fill an SM's 64 warps, registers capped at 32 (the full occupancy) or not
+    (and half the programs)."""
+    rows = max(1, 4096 // block_c)
+    warps = 16
+    return [triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": 64 // warps}, num_warps=warps, maxnreg=32),
+            triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": 32 // warps}, num_warps=warps)]
+
+
+def _row_tuner(configs: list[triton.Config]):
+    return triton.autotune(configs=configs, key=["C", "PROLOGUE"])(_row_amax_quant_kernel)
+
+
 # One autotuner per column-block width, chosen on the host, rather than one pruned by `prune_configs_by`:
 # Dynamo (torch 2.11) fails on a `prune_configs_by` autotuner launched twice in one trace ("ListVariable ...
-# is already tracked for mutation", pytorch#177600), which every compiled MLP with FP8 linears does.
+# is already tracked for mutation", pytorch#177600), which every compiled MLP with FP8 linears does. Rows that
+# fit one chunk (C <= 4096) may also run persistent programs; wider rows (two passes) have their own tuner.
 _ROW_TUNERS = {
-    block_c: triton.autotune(configs=_row_programs(block_c), key=["C", "PROLOGUE"])(_row_amax_quant_kernel)
+    block_c: _row_tuner(_row_programs(block_c) + _persistent_programs(block_c))
     for block_c in (1 << i for i in range(13))  # BLOCK_C = next power of two of C, at most 4096
 }
+_CHUNKED_ROW_TUNER = _row_tuner(_row_programs(4096))
+
+
+def _row_grid(R: int, device: torch.device) -> Callable[[dict[str, Any]], tuple[int]]:
+    """One program per row block, or for persistent programs as many as the SMs hold (at most one per block)."""
+    def grid(meta: dict[str, Any]) -> tuple[int]:
+        blocks = triton.cdiv(R, meta["BLOCK_R"])
+        if not meta["PROGRAMS_PER_SM"]:
+            return (blocks,)
+        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+        return (min(blocks, meta["PROGRAMS_PER_SM"] * sms),)
+    return grid
 
 
 def rowwise_quantize(
@@ -226,10 +305,12 @@ def rowwise_quantize(
         # saturating E4M3 conversion in place of a clamp
         shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c, "COMPILED": x.is_cuda}
         if x.is_cuda and autotune_enabled():
-            _ROW_TUNERS[block_c][lambda meta: (triton.cdiv(R, meta["BLOCK_R"]),)](*args, **shape)
+            tuner = _ROW_TUNERS[block_c] if C <= block_c else _CHUNKED_ROW_TUNER
+            tuner[_row_grid(R, x.device)](*args, **shape)
         else:
             block_r, warps = _default_row_program(block_c)
-            _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, num_warps=warps)
+            _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, PROGRAMS_PER_SM=0,
+                                                               num_warps=warps)
     return q, scale, out
 
 
