@@ -9,6 +9,7 @@ of these ops), but they compare two settings of one model fairly: the sequence s
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any, ClassVar
 
 import torch
@@ -17,7 +18,8 @@ from torch.utils._pytree import tree_flatten
 
 
 class ElementwiseBytes(TorchDispatchMode):
-    """``total``: bytes read and written by the non-GEMM, non-view aten ops run under the mode."""
+    """``total``: bytes read and written by the non-GEMM, non-view aten ops run under the mode; ``by_op``:
+    the same per aten op name (``"add.Tensor"``), which ops the bytes are in."""
 
     SKIP: ClassVar[frozenset[str]] = frozenset({
         "mm", "addmm", "bmm", "baddbmm", "view", "_unsafe_view", "t", "transpose", "expand", "unsqueeze",
@@ -28,10 +30,13 @@ class ElementwiseBytes(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.total = 0
+        self.by_op: Counter[str] = Counter()
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func.namespace != "opengem" and func.__name__.split(".")[0] not in self.SKIP:
             tensors = [t for t in tree_flatten((args, kwargs, out))[0] if isinstance(t, torch.Tensor)]
-            self.total += sum(t.numel() * t.element_size() for t in tensors)
+            moved = sum(t.numel() * t.element_size() for t in tensors)
+            self.total += moved
+            self.by_op[func.__name__] += moved
         return out
