@@ -3,6 +3,8 @@ for 2000 steps with low-precision MLPs ends within 0.2% relative NE of the BF16 
 
     PYTHONPATH=src:. python -m benchmarks.low_precision_curves --variant none|fp8_rowwise|... [--steps N]
     PYTHONPATH=src:. python -m benchmarks.low_precision_curves --compare [--variant fp8_rowwise]
+    PYTHONPATH=src:. python -m benchmarks.low_precision_curves --variant none --label L --set KEY=VALUE
+    PYTHONPATH=src:. python -m benchmarks.low_precision_curves --compare --label L
 
 A variant is a value of ``TrainConfig.low_precision_mlp`` (``none``: the BF16 run). Each run trains the preset
 (default gem-small: bf16 autocast, compiled blocks) from the same seed on the same stream of batches, with
@@ -11,10 +13,12 @@ steps and at the end; the JSON is rewritten after every evaluation (``complete``
 ``--compare`` refuses such a run). On the GPU the kernels' tuning is switched off for both runs
 (`TUNING_ENV`, recorded with each run and required equal). One variant per invocation, so each fits one
 device call: it writes ``benchmarks/results/low_precision_curve_<variant>.json`` (per-step losses,
-evaluations, the first step's seconds and the ms per later step, the converted layers). ``--compare`` reads the BF16 run and ``--variant``'s, and writes
-``low_precision_curves.json`` with the final NE of every task in both, the relative difference
+evaluations, the first step's seconds and the ms per later step, the converted layers). ``--compare`` reads
+the BF16 run and ``--variant``'s, and writes ``low_precision_curves.json`` with the final NE of every task in both, the relative difference
 (variant / bf16 - 1) and the verdict against the 0.2% bar, and ``low_precision_curves.png`` (smoothed
-training losses, held-out NE per evaluation) when matplotlib is installed.
+training losses, held-out NE per evaluation) when matplotlib is installed. A run given ``--label`` (one that
+differs from the BF16 run by ``--set`` overrides, such as issue 10's bf16 sequence stream) is saved and
+compared under that label (``low_precision_curves_<label>.json``).
 """
 
 from __future__ import annotations
@@ -51,12 +55,14 @@ def variant_config(preset: str, variant: str, steps: int, eval_every: int, overr
 
 
 def run_variant(
-    config: TrainConfig, read_every: int = 50, on_evaluation: Callable[[dict[str, Any]], None] | None = None
+    config: TrainConfig, read_every: int = 50, on_evaluation: Callable[[dict[str, Any]], None] | None = None,
+    label: str | None = None, overrides: Sequence[str] = (),
 ) -> dict[str, Any]:
     """Train ``config`` (no checkpoints): per-step losses (read from the device every ``read_every`` steps),
     held-out evaluations, the first step's seconds (compiling) and the mean ms of the others outside
     evaluations, the converted layers. ``on_evaluation`` gets the result so far after each evaluation
-    (``complete`` False until the last), so a run cut short keeps its curve."""
+    (``complete`` False until the last), so a run cut short keeps its curve. ``label`` (default: the variant)
+    and the ``overrides`` that made ``config`` are recorded with it."""
     run = LocalRun(config)
     learner = run.learners["model"]
     holdout, stream = run.holdout(), run.batches(0)
@@ -65,7 +71,8 @@ def run_variant(
     evaluations: list[dict[str, Any]] = []
     converted = [name for name, m in learner.model.named_modules() if isinstance(m, LowPrecisionLinear)]
     result: dict[str, Any] = {
-        "variant": config.low_precision_mlp, "preset": config.preset, "steps": config.steps,
+        "variant": config.low_precision_mlp, "label": label or config.low_precision_mlp, "overrides": list(overrides),
+        "preset": config.preset, "steps": config.steps,
         "batch_size": config.batch_size, "seed": config.seed, "precision": config.precision,
         "compile": config.compile, "converted_layers": converted, "losses": losses, "evaluations": evaluations,
         "tuning_env": {name: os.environ.get(name) for name in TUNING_ENV}}
@@ -94,6 +101,10 @@ def run_variant(
     return result
 
 
+def label_of(run: dict[str, Any]) -> str:
+    return run.get("label", run["variant"])
+
+
 def compare(baseline: dict[str, Any], variant: dict[str, Any], smooth: int = 50) -> dict[str, Any]:
     """Final held-out NE per task of both runs, the relative difference and the verdict against `NE_BAR`."""
     for key in ("preset", "steps", "batch_size", "seed", "tuning_env"):
@@ -108,7 +119,9 @@ def compare(baseline: dict[str, Any], variant: dict[str, Any], smooth: int = 50)
     smoothed = [abs(a - b) for a, b in zip(moving_average(baseline["losses"], smooth),
                                            moving_average(variant["losses"], smooth))]
     return {
-        "variant": variant["variant"], "preset": variant["preset"], "steps": variant["steps"],
+        "variant": variant["variant"], "label": label_of(variant), "preset": variant["preset"],
+        "steps": variant["steps"],
+        "overrides": {"bf16": baseline.get("overrides", []), label_of(variant): variant.get("overrides", [])},
         "final_ne": tasks, "worst_relative_ne": worst, "bar": NE_BAR, "passes": worst <= NE_BAR,
         "smoothed_loss_gap": {"window": smooth, "max": max(smoothed), "mean": statistics.fmean(smoothed)},
         "speed": {"ms_per_step_bf16": baseline["ms_per_step"], "ms_per_step_variant": variant["ms_per_step"],
@@ -125,7 +138,7 @@ def plot(baseline: dict[str, Any], variant: dict[str, Any], verdict: dict[str, A
     import matplotlib.pyplot as plt
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for run, label, color in ((baseline, "bf16", "tab:blue"), (variant, variant["variant"], "tab:orange")):
+    for run, label, color in ((baseline, "bf16", "tab:blue"), (variant, label_of(variant), "tab:orange")):
         steps = range(1, len(run["losses"]) + 1)
         top.plot(steps, moving_average(run["losses"], smooth), label=label, color=color, linewidth=1.2)
         for task, style in zip(TASKS, ("-o", "--s")):
@@ -138,7 +151,8 @@ def plot(baseline: dict[str, Any], variant: dict[str, Any], verdict: dict[str, A
     bottom.set_ylabel("held-out NE")
     bottom.legend()
     verdict_text = "PASS" if verdict["passes"] else "FAIL"
-    figure.suptitle(f"{verdict['preset']}: {verdict['variant']} MLPs against bf16, worst final NE "
+    what = f"{verdict['label']} MLPs" if verdict["label"] == verdict["variant"] else verdict["label"]
+    figure.suptitle(f"{verdict['preset']}: {what} against bf16, worst final NE "
                     f"{100 * verdict['worst_relative_ne']:+.3f}% ({verdict_text} at 0.2%)")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
@@ -146,10 +160,10 @@ def plot(baseline: dict[str, Any], variant: dict[str, Any], verdict: dict[str, A
     return out
 
 
-def _load(variant: str) -> dict[str, Any]:
-    path = common.RESULTS_DIR / f"low_precision_curve_{variant}.json"
+def _load(label: str) -> dict[str, Any]:
+    path = common.RESULTS_DIR / f"low_precision_curve_{label}.json"
     if not path.exists():
-        raise FileNotFoundError(f"{path} is missing: run `--variant {variant}` first")
+        raise FileNotFoundError(f"{path} is missing: run it first (`--variant {label}`, or the `--label` it was given)")
     run = json.loads(path.read_text())["rows"][0]
     if not run.get("complete"):
         raise ValueError(f"{path} holds a run cut short at step {run.get('steps_done')} of {run['steps']}: "
@@ -166,22 +180,28 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--eval-every", type=int, default=500)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
+    parser.add_argument("--label", help="name of the run's file (default: the variant), for a run that differs from "
+                                        "the BF16 one by its --set overrides (e.g. gem.sequence_dtype=compute)")
     args = parser.parse_args(argv)
+    label = args.label or args.variant
     if args.compare:
-        if args.variant == BASELINE:
-            parser.error("--compare needs a --variant other than none")
-        baseline, variant = _load(BASELINE), _load(args.variant)
+        if label == BASELINE:
+            parser.error("--compare needs a --variant other than none, or the --label of another run")
+        baseline, variant = _load(BASELINE), _load(label)
         verdict = compare(baseline, variant)
-        common.write_results("low_precision_curves", [verdict])
+        # issue 6's verdict keeps its name; a labelled run's gets its own
+        family = "low_precision_curves" if label == args.variant else f"low_precision_curves_{label}"
+        common.write_results(family, [verdict])
         print(json.dumps(verdict, indent=2))
         try:
-            print(f"wrote {plot(baseline, variant, verdict, common.RESULTS_DIR / 'low_precision_curves.png')}")
+            print(f"wrote {plot(baseline, variant, verdict, common.RESULTS_DIR / f'{family}.png')}")
         except ImportError:
             print("matplotlib is not installed: no PNG")
         return verdict
     config = variant_config(args.preset, args.variant, args.steps, args.eval_every, args.set)
-    family = f"low_precision_curve_{args.variant}"
-    result = run_variant(config, on_evaluation=lambda so_far: common.write_results(family, [so_far]))
+    family = f"low_precision_curve_{label}"
+    result = run_variant(config, on_evaluation=lambda so_far: common.write_results(family, [so_far]), label=label,
+                         overrides=args.set)
     print(f"wrote {common.RESULTS_DIR / family}.json")
     return result
 

@@ -73,3 +73,23 @@ def test_a_run_cut_short_keeps_its_curve_and_is_not_compared(results, monkeypatc
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     with pytest.raises(ValueError, match="cut short at step 2 of 4"):
         low_precision_curves.main(["--compare", "--variant", "fp8_rowwise"])
+
+
+def test_a_labelled_run_differs_by_its_overrides_and_is_compared_under_its_label(results, monkeypatch):
+    """A run named by ``--label`` (here the BF16 MLPs with the sequence stream in bf16) keeps its overrides,
+    leaves the BF16 baseline's file alone and gets a verdict file of its own."""
+    folder, runs, _ = results
+    monkeypatch.setattr(common, "RESULTS_DIR", folder)
+    baseline_file = (folder / "low_precision_curve_none.json").read_text()
+    run = low_precision_curves.main(["--variant", "none", "--label", "bf16_sequence", *TINY,
+                                     "--set", "gem.sequence_dtype=compute"])
+    assert (folder / "low_precision_curve_none.json").read_text() == baseline_file
+    saved = json.loads((folder / "low_precision_curve_bf16_sequence.json").read_text())["rows"][0]
+    assert saved["label"] == "bf16_sequence" and saved["overrides"][-1] == "gem.sequence_dtype=compute"
+    assert saved["losses"] != runs["none"]["losses"]  # the override took effect
+    verdict = low_precision_curves.main(["--compare", "--label", "bf16_sequence"])
+    assert verdict["label"] == "bf16_sequence" and verdict["overrides"]["bf16_sequence"] == saved["overrides"]
+    assert json.loads((folder / "low_precision_curves_bf16_sequence.json").read_text())["rows"][0]["label"] == (
+        "bf16_sequence")
+    with pytest.raises(FileNotFoundError, match="low_precision_curve_missing.json is missing"):
+        low_precision_curves.main(["--compare", "--label", "missing"])
