@@ -214,7 +214,8 @@ chain_s14a() {  # the fast-math GELU quantizers and fp8_rowwise_fast in the MLP 
   step bench_train 230 small_train --out "$out/results/train_gem-small_b2048_s14.json"
 }
 chain_s15a() {  # issue 6's benchmark with the variants in interleaved rounds (and graph replays), the block's kernels
-  step low_precision_full 320 python -m benchmarks.low_precision
+  step low_precision_gpu_tests 150 tests tests/gpu/test_low_precision_gpu.py  # the persistent quantizer candidates
+  step low_precision_full 300 python -m benchmarks.low_precision
   step fp8_mlp_kernels 150 python -m benchmarks.diag.fp8_mlp_kernels
 }
 chain_s15b() {  # issue 10: gem-small with the sequence stream in bf16 (never run on gem-small), then with FP8 MLPs

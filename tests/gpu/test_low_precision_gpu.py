@@ -269,6 +269,38 @@ def test_row_quantizer_keeps_nan_and_saturates_like_the_torch_path() -> None:
     torch.testing.assert_close(scale[[0, 2, 3]], ref_scale[[0, 2, 3]], rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("columns", [1024, 4096])
+def test_persistent_row_quantizer_programs_are_bit_identical_to_the_plain_ones(columns: int) -> None:
+    """Every persistent candidate of the row quantizer's tuner (compiled: registers capped at 32 or not, a row
+    block loaded ahead) writes the plain default launch's (untuned here) codes, scales and GELU outputs bit
+    for bit, for x, the GELU and the GELU backward, with more row blocks than programs and a partial last
+    block. The tuner picks by speed alone, so a wrong candidate would be picked silently."""
+    import triton
+
+    from opengem.ops.triton import fp8_gemm as g
+
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    configs = g._persistent_programs(columns)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    rows = 3 * configs[0].kwargs["BLOCK_R"] * configs[0].kwargs["PROGRAMS_PER_SM"] * sms + 7
+    x = (torch.randn(rows, columns, device="cuda", generator=gen) * 3).to(torch.bfloat16)
+    u = torch.randn(rows, columns, device="cuda", generator=gen).to(torch.bfloat16)
+    for prologue in (None, "gelu", "gelu_backward"):
+        ref_q, ref_scale, ref_out = g.rowwise_quantize(x, prologue, u if prologue == "gelu_backward" else None)
+        for config in configs:
+            q, scale = torch.empty_like(ref_q), torch.empty_like(ref_scale)
+            out = torch.empty_like(x) if prologue else torch.empty(0, dtype=x.dtype, device="cuda")
+            grid = g._row_grid(rows, x.device)(config.kwargs)
+            assert grid[0] < triton.cdiv(rows, config.kwargs["BLOCK_R"])
+            g._row_amax_quant_kernel[grid](
+                x, u, out, q, scale, rows, columns, PROLOGUE=g.PROLOGUES[prologue], BLOCK_C=columns, ONE_CHUNK=True,
+                COMPILED=True, num_warps=config.num_warps, maxnreg=config.maxnreg, **config.kwargs)
+            where = f"{prologue} {config}"
+            assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), bit_mismatches(where, x, q, ref_q)
+            assert torch.equal(scale, ref_scale), where
+            assert ref_out is None or torch.equal(out, ref_out), where
+
+
 def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
     x, w = torch.randn(256, 512, device="cuda"), torch.randn(384, 512, device="cuda")
     expected = mx_dequantize(mx_quantize(x), torch.float32) @ mx_dequantize(mx_quantize(w), torch.float32).t()
