@@ -121,7 +121,11 @@ def test_rowwise_quantizers_match_torch() -> None:
     assert differ < 1e-3, bit_mismatches("rowwise q", x, q.data, ref)
     qa, qt = quantize_operand_with_transpose(x, "fp8_rowwise")
     assert torch.equal(qa.data.view(torch.uint8), q.data.view(torch.uint8)), bit_mismatches("dual q", x, qa.data, q.data)
-    torch.testing.assert_close(qa.scale, q.scale, rtol=1e-6, atol=0)  # torch divides by a scalar via its reciprocal
+    assert torch.equal(qa.scale, q.scale)  # both amax / 448 correctly rounded
+    # a transposed view quantized in place (no transposed copy) equals the quantization of its copy
+    qv, qc = quantize_operand(x.t(), "fp8_rowwise"), quantize_operand(x.t().contiguous(), "fp8_rowwise")
+    assert torch.equal(qv.data.view(torch.uint8), qc.data.view(torch.uint8)), bit_mismatches("x^T", x, qv.data, qc.data)
+    assert torch.equal(qv.scale, qc.scale)
     torch.testing.assert_close(dequantize_operand(qa), x.float(), rtol=0.07, atol=1e-3)
     torch.testing.assert_close(dequantize_operand(qt), x.float().t(), rtol=0.07, atol=1e-3)
     torch.testing.assert_close(qt.scale, x.float().abs().amax(0) / 448, rtol=1e-6, atol=0)

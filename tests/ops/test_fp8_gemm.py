@@ -266,3 +266,17 @@ def test_persistent_row_programs_equal_the_plain_launch(columns: int, prologue: 
             ONE_CHUNK=True, COMPILED=False, **config.kwargs)
         assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
         assert ref_out is None or torch.equal(out, ref_out)
+
+
+def test_transposed_view_quantizes_like_its_contiguous_copy() -> None:
+    """`quantize_operand` of a transposed view (W^T, the weights' input-gradient operand) on CUDA reads W in
+    place (`rowwise_quantize_dual` without rows) instead of copying W^T: its kernels (interpreter here) give
+    the codes and correctly rounded scales of the plain quantizer on the copy, bit for bit."""
+    from opengem.ops.triton.fp8_gemm import rowwise_quantize, rowwise_quantize_dual
+
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(96, 200, generator=g) * torch.logspace(-2, 2, 200)  # per-column magnitudes: per-row of W^T
+    q, scale, qt, scale_t = rowwise_quantize_dual(w, with_rows=False)
+    ref_q, ref_scale, _ = rowwise_quantize(w.t().contiguous())
+    assert q is None and scale is None
+    assert torch.equal(qt.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale_t, ref_scale)

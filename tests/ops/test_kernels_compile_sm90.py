@@ -50,6 +50,11 @@ for prologue in (1, 2):  # the GELU quantizers of the FP8 MLP (inline rcp / ex2)
             PROLOGUE=prologue, BLOCK_R=2, BLOCK_C=4096, ONE_CHUNK=one_chunk, PROGRAMS_PER_SM=programs, COMPILED=True),
             num_warps=8).asm["ptx"]
         assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.ftz.f32" in ptx
+tiles = {"x_ptr": bf16, "q_ptr": fp8, "qt_ptr": fp8, "row_amax_ptr": "*i32", "col_amax_ptr": "*i32",
+         "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}
+for do_row in (True, False):  # the transposing quantizer (x^T, e.g. W^T for input gradients), scales written too
+    ptx = compile_sm90(g._tile_quant_kernel, tiles, dict(DO_ROW=do_row, BLOCK=64)).asm["ptx"]
+    assert "div.rn.f32" in ptx
 print("compiled")
 """
 

@@ -204,19 +204,26 @@ def _tile_amax_kernel(x_ptr, row_amax_ptr, col_amax_ptr, R, C, DO_ROW: tl.conste
 
 @triton.jit
 def _tile_quant_kernel(
-    x_ptr, q_ptr, qt_ptr, row_amax_ptr, col_amax_ptr, R, C, DO_ROW: tl.constexpr, BLOCK: tl.constexpr
+    x_ptr, q_ptr, qt_ptr, row_amax_ptr, col_amax_ptr, row_scale_ptr, col_scale_ptr, R, C, DO_ROW: tl.constexpr,
+    BLOCK: tl.constexpr
 ):
-    # writes x^T scaled per row of x^T (= column of x) and, with DO_ROW, x scaled per row, from one read
+    # writes x^T scaled per row of x^T (= column of x) and, with DO_ROW, x scaled per row, from one read; the
+    # first row (column) of programs also writes the column (row) dequant scales, amax / 448 correctly rounded
     r = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = (r[:, None] < R) & (c[None, :] < C)
     x = tl.load(x_ptr + r[:, None].to(tl.int64) * C + c[None, :], mask=m, other=0.0).to(tl.float32)
     col_amax = tl.maximum(tl.load(col_amax_ptr + c, mask=c < C, other=0).to(tl.float32, bitcast=True), 1e-12)
+    if tl.program_id(0) == 0:
+        tl.store(col_scale_ptr + c, tl.math.div_rn(col_amax, tl.full(col_amax.shape, 448.0, tl.float32)), mask=c < C)
     qt = tl.minimum(tl.maximum(x * _e4m3_multiplier(col_amax)[None, :], -448.0), 448.0)
     qt8 = qt.to(tl.float8e4nv, fp_downcast_rounding="rtne")
     tl.store(qt_ptr + c[None, :].to(tl.int64) * R + r[:, None], qt8, mask=m)
     if DO_ROW:
         row_amax = tl.maximum(tl.load(row_amax_ptr + r, mask=r < R, other=0).to(tl.float32, bitcast=True), 1e-12)
+        if tl.program_id(1) == 0:
+            tl.store(row_scale_ptr + r, tl.math.div_rn(row_amax, tl.full(row_amax.shape, 448.0, tl.float32)),
+                     mask=r < R)
         q = tl.minimum(tl.maximum(x * _e4m3_multiplier(row_amax)[:, None], -448.0), 448.0)
         q8 = q.to(tl.float8e4nv, fp_downcast_rounding="rtne")
         tl.store(q_ptr + r[:, None].to(tl.int64) * C + c[None, :], q8, mask=m)
@@ -327,15 +334,19 @@ def rowwise_quantize_dual(
     col_amax = torch.zeros((C,), dtype=torch.int32, device=x.device)
     q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device) if with_rows else None
     qt = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=x.device)
+    # amax / 448 correctly rounded, as `rowwise_quantize` writes it: by the quantizing kernel (no input: no amax)
+    row_scale = torch.full((R,), 1e-12 / E4M3_MAX, device=x.device) if with_rows else None
+    col_scale = torch.full((C,), 1e-12 / E4M3_MAX, device=x.device)
     if x.numel():
         grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
         _tile_amax_kernel[grid](x, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4)
-        unused_q = torch.empty(0, dtype=torch.float8_e4m3fn, device=x.device)  # never qt: see rowwise_quantize
+        # unused outputs get their own empty tensors, never another output: see rowwise_quantize
+        unused_q = torch.empty(0, dtype=torch.float8_e4m3fn, device=x.device)
+        unused_scale = torch.empty(0, dtype=torch.float32, device=x.device)
         _tile_quant_kernel[grid](
-            x, q if with_rows else unused_q, qt, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4
+            x, q if with_rows else unused_q, qt, row_amax, col_amax, row_scale if with_rows else unused_scale,
+            col_scale, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4,
         )
-    col_scale = col_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX
-    row_scale = row_amax.view(torch.float32).clamp_min(1e-12) / E4M3_MAX if with_rows else None
     return q, row_scale, qt, col_scale
 
 
