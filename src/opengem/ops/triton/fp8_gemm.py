@@ -330,23 +330,29 @@ def rowwise_quantize_dual(
     Returns (q, scale, qt, scale_t) with q, scale None when ``with_rows`` is False.
     """
     R, C = x.shape
-    row_amax = torch.zeros((R,), dtype=torch.int32, device=x.device)
-    col_amax = torch.zeros((C,), dtype=torch.int32, device=x.device)
-    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device) if with_rows else None
-    qt = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=x.device)
-    # amax / 448 correctly rounded, as `rowwise_quantize` writes it: by the quantizing kernel (no input: no amax)
-    row_scale = torch.full((R,), 1e-12 / E4M3_MAX, device=x.device) if with_rows else None
-    col_scale = torch.full((C,), 1e-12 / E4M3_MAX, device=x.device)
+    device = x.device
+    # the atomic maxima start at zero; amax / 448, correctly rounded as `rowwise_quantize` writes it, comes from
+    # the quantizing kernel. No rows: no row amax (a launch less for W^T, quantized every step)
+    row_amax = torch.zeros((R if with_rows else 0,), dtype=torch.int32, device=device)
+    col_amax = torch.zeros((C,), dtype=torch.int32, device=device)
+    q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=device) if with_rows else None
+    qt = torch.empty((C, R), dtype=torch.float8_e4m3fn, device=device)
+    row_scale = torch.empty((R,), dtype=torch.float32, device=device) if with_rows else None
+    col_scale = torch.empty((C,), dtype=torch.float32, device=device)
     if x.numel():
         grid = (triton.cdiv(R, 64), triton.cdiv(C, 64))
         _tile_amax_kernel[grid](x, row_amax, col_amax, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4)
         # unused outputs get their own empty tensors, never another output: see rowwise_quantize
-        unused_q = torch.empty(0, dtype=torch.float8_e4m3fn, device=x.device)
-        unused_scale = torch.empty(0, dtype=torch.float32, device=x.device)
+        unused_q = torch.empty(0, dtype=torch.float8_e4m3fn, device=device)
+        unused_scale = torch.empty(0, dtype=torch.float32, device=device)
         _tile_quant_kernel[grid](
             x, q if with_rows else unused_q, qt, row_amax, col_amax, row_scale if with_rows else unused_scale,
             col_scale, R, C, DO_ROW=with_rows, BLOCK=64, num_warps=4,
         )
+    else:  # rows or columns but no values: the scale of an all-zero row
+        for scale in (row_scale, col_scale):
+            if scale is not None:
+                scale.fill_(1e-12 / E4M3_MAX)
     return q, row_scale, qt, col_scale
 
 
