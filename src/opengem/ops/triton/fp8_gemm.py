@@ -16,6 +16,7 @@ fp32 ulp of an fp8 rounding tie.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable
 from typing import Any
@@ -279,14 +280,18 @@ _ROW_TUNERS = {
 _CHUNKED_ROW_TUNER = _row_tuner(_row_programs(4096))
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _row_grid(R: int, device: torch.device) -> Callable[[dict[str, Any]], tuple[int]]:
     """One program per row block, or for persistent programs as many as the SMs hold (at most one per block)."""
     def grid(meta: dict[str, Any]) -> tuple[int]:
         blocks = triton.cdiv(R, meta["BLOCK_R"])
         if not meta["PROGRAMS_PER_SM"]:
             return (blocks,)
-        sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-        return (min(blocks, meta["PROGRAMS_PER_SM"] * sms),)
+        return (min(blocks, meta["PROGRAMS_PER_SM"] * _multiprocessors(device)),)
     return grid
 
 
