@@ -276,6 +276,66 @@ def test_fused_mlp_matches_unfused_layers() -> None:
         LowPrecisionMLP(fc1, nn.Linear(256, 256))
 
 
+class _Block(nn.Module):
+    """A model with MLP blocks of every kind `fuse_low_precision_mlps` must tell apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from opengem.nn.layers import MLP
+
+        self.ffn = MLP(256, [512], 256)  # Linear, GELU, Linear: fused
+        self.tanh_ffn = nn.Sequential(nn.Linear(256, 512), nn.GELU(approximate="tanh"), nn.Linear(512, 256))
+        self.dropout_ffn = MLP(256, [512], 256, dropout=0.1)  # Linear, GELU, Dropout, Linear
+        self.out = nn.Linear(256, 16)  # the last layer: BF16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.dropout_ffn(self.tanh_ffn(self.ffn(x))))
+
+
+def test_conversion_fuses_linear_gelu_linear_blocks_and_keeps_state_dict_keys() -> None:
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    torch.manual_seed(3)
+    model = _Block().eval()
+    keys = list(model.state_dict())
+    x = torch.randn(24, 256)
+    unfused = _Block().eval()
+    unfused.load_state_dict(model.state_dict())
+    converted = convert_to_low_precision(model, "fp8_rowwise", filter=lambda name, m: name != "out")
+    convert_to_low_precision(unfused, "fp8_rowwise", filter=lambda name, m: name != "out", fuse_mlps=False)
+    assert converted == ["ffn.0", "ffn.2", "tanh_ffn.0", "tanh_ffn.2", "dropout_ffn.0", "dropout_ffn.3"]
+    assert type(model.ffn) is LowPrecisionMLP and model.ffn.runs_fused()
+    assert type(model.tanh_ffn) is nn.Sequential and not isinstance(model.dropout_ffn, LowPrecisionMLP)
+    assert not isinstance(unfused.ffn, LowPrecisionMLP)
+    assert list(model.state_dict()) == keys and model.ffn.fc1.weight is model.ffn[0].weight
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), unfused(x), rtol=1e-4, atol=1e-4)  # same FP8 math, GELU fused
+
+
+def test_fused_mlp_runs_its_layers_one_by_one_when_watched_or_no_longer_fused() -> None:
+    """A forward hook on a layer (the numerics monitor, the auto selection) or a recipe other than the fused
+    one (a BF16 fallback) makes the block run its layers one by one, so the hook fires and the recipe holds."""
+    from opengem.nn.low_precision import BF16
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+    from opengem.nn.numerics import NumericsMonitor
+
+    torch.manual_seed(4)
+    fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+    x = torch.randn(32, 256)
+    block = LowPrecisionMLP(fc1, fc2)
+    monitor = NumericsMonitor(nn.Sequential(block), every=1, hooks=False)
+    metrics = monitor.measure(lambda: block(x), step=0)
+    assert set(metrics) == {"numerics/0.0/rel_error", "numerics/0.2/rel_error"}  # both layers measured
+    assert all(0.005 < e < 0.06 for e in metrics.values()) and block.runs_fused()  # hooks gone afterwards
+    block.fc1.recipe = BF16
+    assert not block.runs_fused()
+    with torch.no_grad():
+        expected = block.fc2(torch.nn.functional.gelu(torch.nn.functional.linear(x, fc1.weight, fc1.bias)))
+        torch.testing.assert_close(block(x), expected)
+    with pytest.raises(ValueError, match="exact erf GELU"):
+        LowPrecisionMLP(fc1, fc2, activation=nn.GELU(approximate="tanh"))
+
+
 @pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_all", "fp8_blockwise", "mxfp8"])
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_fp8_layers_compile_without_graph_breaks_and_match_eager(recipe: str, backend: str) -> None:

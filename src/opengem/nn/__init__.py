@@ -9,7 +9,7 @@ from opengem.nn.low_precision import (
     convert_to_low_precision,
     default_filter,
 )
-from opengem.nn.low_precision_mlp import LowPrecisionMLP
+from opengem.nn.low_precision_mlp import LowPrecisionMLP, fuse_low_precision_mlps
 from opengem.nn.numerics import NumericsMonitor, convert_with_precision, select_precision
 from opengem.nn.wukong import DenseExperts, WukongLayer
 
@@ -29,6 +29,7 @@ __all__ = [
     "convert_to_low_precision",
     "convert_with_precision",
     "default_filter",
+    "fuse_low_precision_mlps",
     "select_precision",
     "trust_ids",
 ]

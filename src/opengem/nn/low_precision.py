@@ -121,11 +121,14 @@ def convert_to_low_precision(
     model: nn.Module,
     recipe: str | LowPrecisionRecipe = "fp8_rowwise",
     filter: Callable[[str, nn.Linear], bool] | None = None,
+    fuse_mlps: bool = True,
     **recipe_overrides: Any,
 ) -> list[str]:
     """Replace, in place, every ``nn.Linear`` of ``model`` that ``filter(name, linear)`` accepts (default:
     `default_filter`) by a `LowPrecisionLinear` sharing its parameters. ``recipe_overrides`` (e.g.
-    ``hadamard=True``) replace fields of the recipe. Returns the converted module names.
+    ``hadamard=True``) replace fields of the recipe. With ``fuse_mlps``, converted ``Sequential(Linear, GELU,
+    Linear)`` blocks of a fused recipe then become `LowPrecisionMLP` (`fuse_low_precision_mlps`: the GELU
+    fused into the quantizations; same state-dict keys and layer names). Returns the converted module names.
 
     For ``precision="auto"`` convert with any FP8 recipe, then call `opengem.nn.numerics.select_precision`.
     """
@@ -139,4 +142,8 @@ def convert_to_low_precision(
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, LowPrecisionLinear.from_linear(linear, resolved, seed=i))
+    if fuse_mlps:
+        from opengem.nn.low_precision_mlp import fuse_low_precision_mlps  # it builds on this module
+
+        fuse_low_precision_mlps(model)
     return [name for name, _ in targets]

@@ -1,4 +1,5 @@
-"""`LowPrecisionMLP`: fc2(gelu(fc1(x))) in FP8 with the GELU fused into the quantizations around it.
+"""`LowPrecisionMLP`: fc2(gelu(fc1(x))) in FP8 with the GELU fused into the quantizations around it, and
+`fuse_low_precision_mlps`, which puts it in place of converted ``Sequential(Linear, GELU, Linear)`` blocks.
 
 Forward: fc1 (FP8 rowwise), then one kernel computes gelu(u), its row amax and its FP8 quantization for
 fc2 (and writes gelu(u) in BF16 for fc2's weight gradient). Backward: fc2's input gradient in FP8, then
@@ -124,33 +125,85 @@ def _fused_mlp(
     return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
 
 
-class LowPrecisionMLP(nn.Module):
+def fused_recipe(recipe: LowPrecisionRecipe) -> bool:
+    """Whether the fused kernels run ``recipe``: fp8_rowwise forward and input-gradient GEMMs, BF16 weight
+    gradients, no rotation or stochastic rounding (``fp8_rowwise`` and ``fp8_rowwise_fast``)."""
+    return (recipe.forward, recipe.grad_input, recipe.grad_weight, recipe.hadamard, recipe.stochastic_rounding) == (
+        FUSED_RECIPE, FUSED_RECIPE, "bf16", False, False)
+
+
+class LowPrecisionMLP(nn.Sequential):
     """``fc2(gelu(fc1(x)))`` (exact erf GELU, like ``nn.GELU()``) for ``x [..., fc1.in_features]``.
 
-    Built from two ``nn.Linear`` (parameters shared, not copied). ``recipe`` must run forward and input
-    gradients in fp8_rowwise with BF16 weight gradients (the fused kernels' recipe: ``fp8_rowwise`` or
-    ``fp8_rowwise_fast``, whose input-gradient GEMMs accumulate fast too); the fused path runs
-    on CUDA and an exact emulation of it elsewhere. Hadamard rotation and stochastic rounding are not
-    available here (use `LowPrecisionLinear`), and the `NumericsMonitor` hooks do not see these layers.
+    Built from two ``nn.Linear`` (parameters shared, not copied) or two `LowPrecisionLinear` of the recipe. A
+    ``Sequential`` of ``(fc1, GELU, fc2)``, so its state-dict keys are those of the ``nn.Sequential(Linear,
+    GELU, Linear)`` it replaces (`fuse_low_precision_mlps`). ``recipe`` must run forward and input gradients
+    in fp8_rowwise with BF16 weight gradients (the fused kernels' recipe: ``fp8_rowwise`` or
+    ``fp8_rowwise_fast``, whose input-gradient GEMMs accumulate fast too); the fused path runs on CUDA and an
+    exact emulation of it elsewhere. The layers run one by one instead (the same FP8 layers, the GELU
+    between them unfused) while a forward hook watches either linear (`NumericsMonitor`, `select_precision`)
+    or once their recipes differ from a fused one (a BF16 fallback, the auto selection).
     """
 
-    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, recipe: str | LowPrecisionRecipe = FUSED_RECIPE) -> None:
-        super().__init__()
+    def __init__(self, fc1: nn.Linear, fc2: nn.Linear, recipe: str | LowPrecisionRecipe = FUSED_RECIPE,
+                 activation: nn.GELU | None = None) -> None:
         resolved = resolve_recipe(recipe)
-        expected = (FUSED_RECIPE, FUSED_RECIPE, "bf16", False, False)
-        got = (resolved.forward, resolved.grad_input, resolved.grad_weight, resolved.hadamard,
-               resolved.stochastic_rounding)
-        if got != expected:
+        if not fused_recipe(resolved):
             raise ValueError(f"LowPrecisionMLP runs fp8_rowwise forward/input-gradient GEMMs with BF16 weight "
                              f"gradients and no rotation or stochastic rounding, got {resolved}")
         if fc1.out_features != fc2.in_features:
             raise ValueError(f"fc1.out_features ({fc1.out_features}) != fc2.in_features ({fc2.in_features})")
-        self.fc1 = LowPrecisionLinear.from_linear(fc1, resolved)
-        self.fc2 = LowPrecisionLinear.from_linear(fc2, resolved, seed=1)
+        activation = nn.GELU() if activation is None else activation
+        if not isinstance(activation, nn.GELU) or activation.approximate != "none":
+            raise ValueError(f"the fused kernels compute the exact erf GELU, got {activation}")
+        super().__init__(_as_low_precision(fc1, resolved, seed=0), activation, _as_low_precision(fc2, resolved, seed=1))
+
+    @property
+    def fc1(self) -> LowPrecisionLinear:
+        return self[0]
+
+    @property
+    def fc2(self) -> LowPrecisionLinear:
+        return self[2]
+
+    def runs_fused(self) -> bool:
+        """Both layers still on one fused recipe and no forward hook on either (hooks must see each layer)."""
+        fc1, fc2 = self.fc1, self.fc2
+        watched = fc1._forward_hooks or fc2._forward_hooks or fc1._forward_pre_hooks or fc2._forward_pre_hooks
+        return not watched and fc1.recipe == fc2.recipe and fused_recipe(fc1.recipe)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.runs_fused():
+            return super().forward(x)
         self.fc1.new_forward()
         self.fc2.new_forward()
         x2d = x.reshape(-1, self.fc1.in_features)
         y = _fused_mlp(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
         return y.reshape(*x.shape[:-1], self.fc2.out_features)
+
+
+def _as_low_precision(linear: nn.Linear, recipe: LowPrecisionRecipe, seed: int) -> LowPrecisionLinear:
+    if isinstance(linear, LowPrecisionLinear) and linear.recipe == recipe:
+        return linear
+    return LowPrecisionLinear.from_linear(linear, recipe, seed=seed)
+
+
+def fuse_low_precision_mlps(model: nn.Module) -> list[str]:
+    """Replace, in place, every ``nn.Sequential`` of exactly (`LowPrecisionLinear`, exact ``nn.GELU``,
+    `LowPrecisionLinear`) whose two layers share a fused recipe (`fused_recipe`) by a `LowPrecisionMLP` of
+    the same layers: the GELU and its backward fused into the quantizations around them, one pass over the
+    hidden activation less each way. State-dict keys and layer names stay. Returns the fused modules' names."""
+    found = []
+    for name, module in model.named_modules():
+        if type(module) is LowPrecisionMLP or not isinstance(module, nn.Sequential) or len(module) != 3:
+            continue
+        fc1, act, fc2 = module
+        if (isinstance(fc1, LowPrecisionLinear) and isinstance(fc2, LowPrecisionLinear) and isinstance(act, nn.GELU)
+                and act.approximate == "none" and fc1.recipe == fc2.recipe and fused_recipe(fc1.recipe)
+                and fc1.out_features == fc2.in_features and name):
+            found.append((name, module))
+    for name, module in found:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, LowPrecisionMLP(module[0], module[2], module[0].recipe, activation=module[1]))
+    return [name for name, _ in found]
