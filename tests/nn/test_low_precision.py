@@ -276,6 +276,27 @@ def test_fused_mlp_matches_unfused_layers() -> None:
         LowPrecisionMLP(fc1, nn.Linear(256, 256))
 
 
+@pytest.mark.parametrize("fused", [False, True])
+def test_fp8_layers_take_autocast_dtype_like_nn_linear(fused: bool) -> None:
+    """Under autocast an FP8 layer takes an fp32 input (a LayerNorm's output) in the autocast dtype, as
+    nn.Linear does, and returns that dtype, so its backward (outside autocast) runs the BF16 weight
+    gradients in BF16; it had returned fp32 and run them as fp32 GEMMs. Outside autocast nothing changes."""
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+
+    torch.manual_seed(5)
+    fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
+    layer = LowPrecisionMLP(fc1, fc2) if fused else LowPrecisionLinear.from_linear(fc1, "fp8_rowwise")
+    plain = nn.Sequential(fc1, nn.GELU(), fc2) if fused else fc1
+    x = torch.randn(32, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, ref = layer(x), plain(x)
+    assert y.dtype == ref.dtype == torch.bfloat16
+    assert 0.005 < relative_error(y.float(), ref.float()) < 0.08
+    y.float().sum().backward()
+    assert x.grad.dtype == torch.float32 and fc1.weight.grad.dtype == torch.float32  # back in the leaves' dtypes
+    assert layer(x).dtype == torch.float32  # no autocast: the input's dtype
+
+
 class _Block(nn.Module):
     """A model with MLP blocks of every kind `fuse_low_precision_mlps` must tell apart."""
 

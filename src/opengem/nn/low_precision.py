@@ -20,6 +20,7 @@ from torch import nn
 
 from opengem.nn.low_precision_autograd import hadamard_rotation, low_precision_linear, quantize_weight
 from opengem.nn.low_precision_recipe import BF16, NAMED_RECIPES, LowPrecisionRecipe, resolve_recipe
+from opengem.ops.autocast import autocast_dtype
 from opengem.ops.fp8_gemm import HADAMARD_SIZE, QuantizedOperand
 
 __all__ = ["BF16", "NAMED_RECIPES", "LowPrecisionLinear", "LowPrecisionRecipe", "convert_to_low_precision",
@@ -90,12 +91,21 @@ class LowPrecisionLinear(nn.Linear):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
         self.new_forward()
-        x2d = x.reshape(-1, self.in_features)
+        x2d = in_autocast_dtype(x).reshape(-1, self.in_features)
         y = low_precision_linear(x2d, self.weight, self.bias, self)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
+
+
+def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in the autocast dtype when autocast is on, as ``nn.Linear`` takes it: the FP8 layers then return
+    that dtype, and their backward (which runs outside autocast) gets gradients in it, so the BF16 weight
+    gradients run in BF16. Given a LayerNorm's fp32 output they had run the whole layer in fp32, its
+    weight-gradient GEMMs as fp32 GEMMs (GEM's FM MLPs: ~10x the time of BF16 ones)."""
+    dtype = autocast_dtype(x)
+    return x if dtype is None or not x.is_floating_point() else x.to(dtype)
 
 
 HEAD_NAME = re.compile(r"(^|[._])(head|heads|lm_head|classifier|output|logits)([._]|$|\d)")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
+from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, in_autocast_dtype, resolve_recipe
 from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
 from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
 
@@ -177,7 +177,7 @@ class LowPrecisionMLP(nn.Sequential):
             return super().forward(x)
         self.fc1.new_forward()
         self.fc2.new_forward()
-        x2d = x.reshape(-1, self.fc1.in_features)
+        x2d = in_autocast_dtype(x).reshape(-1, self.fc1.in_features)
         y = _fused_mlp(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
         return y.reshape(*x.shape[:-1], self.fc2.out_features)
 
