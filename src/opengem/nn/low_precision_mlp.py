@@ -192,10 +192,11 @@ def fuse_low_precision_mlps(model: nn.Module) -> list[str]:
     """Replace, in place, every ``nn.Sequential`` of exactly (`LowPrecisionLinear`, exact ``nn.GELU``,
     `LowPrecisionLinear`) whose two layers share a fused recipe (`fused_recipe`) by a `LowPrecisionMLP` of
     the same layers: the GELU and its backward fused into the quantizations around them, one pass over the
-    hidden activation less each way. State-dict keys and layer names stay. Returns the fused modules' names."""
+    hidden activation less each way. State-dict keys and layer names stay. ``model`` itself is left as it is
+    (it cannot be replaced in place: wrap it in `LowPrecisionMLP` instead). Returns the fused modules' names."""
     found = []
     for name, module in model.named_modules():
-        if type(module) is LowPrecisionMLP or not isinstance(module, nn.Sequential) or len(module) != 3:
+        if isinstance(module, LowPrecisionMLP) or not isinstance(module, nn.Sequential) or len(module) != 3:
             continue
         fc1, act, fc2 = module
         if (isinstance(fc1, LowPrecisionLinear) and isinstance(fc2, LowPrecisionLinear) and isinstance(act, nn.GELU)
