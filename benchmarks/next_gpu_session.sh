@@ -191,7 +191,7 @@ chain_s13a() {
 # issue 6's curves with the kernels' default tiles (both runs alike): tuning made the first step 164 s (session 13)
 untuned_curve() { OPENGEM_JFA_AUTOTUNE=0 OPENGEM_GDPA_TUNE=0 OPENGEM_FP8_AUTOTUNE=0 python -m benchmarks.low_precision_curves "$@"; }
 chain_s13b() { step lp_curve_bf16 590 untuned_curve --variant none; }
-chain_s13c() {  # the comparison needs part s13b's low_precision_curve_none.json in benchmarks/results (or run it here)
+chain_s13c() {  # issue 6: the FP8 curve against the BF16 one in benchmarks/results (session 14's, committed)
   step lp_curve_fp8 560 untuned_curve --variant fp8_rowwise
   step lp_curves_compare 30 untuned_curve --compare --variant fp8_rowwise
 }
