@@ -188,6 +188,26 @@ def test_numerics_monitoring_logs_each_fp8_layer_and_leaves_training_unchanged(t
         _config(tmp_path, *extra, "numerics_every=10", "numerics_bound=0")
 
 
+def test_converted_mlp_blocks_train_fused_and_stay_monitored(tmp_path):
+    """At widths down to 64, gem-tiny's attention FFN (Linear, GELU, Linear) converts in full and trains as
+    one fused `LowPrecisionMLP` (same state-dict keys as the BF16 model); the numerics monitor still
+    measures both of its layers (the block runs them one by one while watched)."""
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+    from opengem.train.trainer import build_model
+
+    extra = ["steps=2", "eval_every=2", "eval_samples=500", "baseline=false", "architecture=gem", "precision=bf16",
+             "low_precision_mlp=fp8_rowwise", "low_precision_min_features=64", "numerics_every=1"]
+    model = build_model(_config(tmp_path, *extra), "attention", torch.device("cpu"))
+    bf16 = build_model(_config(tmp_path, *extra[:6]), "attention", torch.device("cpu"))
+    fused = [name for name, m in model.named_modules() if isinstance(m, LowPrecisionMLP)]
+    assert fused == ["layers.0.self_attention.ffn.1"] and list(model.state_dict()) == list(bf16.state_dict())
+    train(_config(tmp_path, *extra, "name=fused"), progress=False)
+    records = [json.loads(line) for line in (tmp_path / "fused" / "metrics.jsonl").read_text().splitlines()]
+    measured = {key for r in records for key in r if key.startswith("numerics/")}
+    assert {f"numerics/{fused[0]}.0/rel_error", f"numerics/{fused[0]}.2/rel_error"} <= measured
+    assert all(math.isfinite(loss) for loss in _losses(tmp_path / "fused").values())
+
+
 def test_low_precision_auto_picks_each_layer_on_a_training_batch(tmp_path):
     """``low_precision_mlp=auto``: the eligible layers get the fastest recipe whose error on the first training
     batch is within ``numerics_bound`` (on CPU the fixed speed order: fp8_rowwise first, at ~3.5% here), and
