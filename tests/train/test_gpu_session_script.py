@@ -1,0 +1,63 @@
+"""The GPU session script (benchmarks/next_gpu_session.sh) dispatches every one-GPU part, run here with a stand-in
+``python`` that records its command line: a part that names a function the steps cannot see (not exported to
+their ``bash -c``) or a misspelt chain fails with rc 127 in a device call, at the cost of the call."""
+
+import re
+import stat
+import subprocess
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "next_gpu_session.sh"
+FAKE_PYTHON = """#!/bin/bash
+if [ "$1" = "-c" ]; then echo 1; exit 0; fi  # one GPU
+echo "tuning=${OPENGEM_GDPA_TUNE:-on} python $*" >> "$RECORD"
+echo "python $*"
+"""
+
+
+def one_gpu_parts() -> list[str]:
+    """The parts of the script's dispatch line for one GPU."""
+    text = SCRIPT.read_text()
+    line = next(x for x in text.splitlines() if x.strip().startswith("1a|1b|"))
+    return line.strip().split(")")[0].split("|")
+
+
+def run_part(part: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    python = shim / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    record = tmp_path / f"{part}.commands"
+    out = tmp_path / part
+    env = {"PATH": f"{shim}:/usr/bin:/bin", "RECORD": str(record), "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)}
+    subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=SCRIPT.parents[1], env=env, check=True, timeout=120,
+                   capture_output=True)
+    status = (out / "status").read_text().splitlines()
+    return status, record.read_text().splitlines() if record.exists() else []
+
+
+def test_every_one_gpu_part_dispatches_and_each_step_runs(tmp_path):
+    parts = one_gpu_parts()
+    assert {"s13c", "s13d", "s15a", "s15b", "s15c"} <= set(parts)
+    for part in parts:
+        status, commands = run_part(part, tmp_path)
+        assert status and all(line.startswith("rc=0 ") for line in status), (part, status)
+        assert len(commands) >= len(status), (part, commands)  # every step reached python
+
+
+@pytest.mark.parametrize(("part", "expected"), [
+    ("s15a", [r"tuning=on python -m pytest .* tests/gpu/test_low_precision_gpu.py",
+              r"tuning=on python -m benchmarks\.low_precision$", r"python -m benchmarks\.diag\.fp8_mlp_kernels$"]),
+    ("s15c", [r"tuning=0 python -m benchmarks\.low_precision_curves --variant none --label bf16_sequence "
+              r"--set gem\.sequence_dtype=compute", r"tuning=0 python .* --compare --label bf16_sequence"]),
+    ("s13c", [r"tuning=0 python .* --variant fp8_rowwise$", r"tuning=0 python .* --compare --variant fp8_rowwise"]),
+])
+def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, expected, tmp_path):
+    """The curves run with the kernels' tuning off (both runs of a comparison alike), the benchmarks tuned."""
+    _, commands = run_part(part, tmp_path)
+    assert len(commands) == len(expected)
+    for command, pattern in zip(commands, expected):
+        assert re.search(pattern, command), (command, pattern)
