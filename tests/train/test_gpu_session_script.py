@@ -51,8 +51,8 @@ def test_every_one_gpu_part_dispatches_and_each_step_runs(tmp_path):
 @pytest.mark.parametrize(("part", "expected"), [
     ("s15a", [r"tuning=on python -m pytest .* tests/gpu/test_low_precision_gpu.py",
               r"tuning=on python -m benchmarks\.low_precision$", r"python -m benchmarks\.diag\.fp8_mlp_kernels$"]),
-    ("s15c", [r"tuning=0 python -m benchmarks\.low_precision_curves --variant none --label bf16_sequence "
-              r"--set gem\.sequence_dtype=compute", r"tuning=0 python .* --compare --label bf16_sequence"]),
+    ("s15c", [(r"tuning=0 python -m benchmarks\.low_precision_curves --variant none --label bf16_sequence "
+               r"--set gem\.sequence_dtype=compute"), r"tuning=0 python .* --compare --label bf16_sequence"]),
     ("s13c", [r"tuning=0 python .* --variant fp8_rowwise$", r"tuning=0 python .* --compare --variant fp8_rowwise"]),
 ])
 def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, expected, tmp_path):
