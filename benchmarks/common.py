@@ -79,7 +79,7 @@ def interleaved_ms(
         raise ValueError(f"rounds must be >= 1, got {rounds}")
     names = list(fns)
     times: dict[str, list[float]] = {name: [] for name in names}
-    for r in range(rounds):
+    for r in range(rounds if names else 0):
         for name in names[r % len(names):] + names[: r % len(names)]:
             times[name].append(bench(fns[name]))
     return times

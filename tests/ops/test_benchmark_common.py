@@ -24,5 +24,6 @@ def test_paired_speedup_is_the_median_of_per_round_ratios():
     assert paired_speedup([6.0, 5.0, 9.0], [3.0, 5.0, 3.0]) == pytest.approx(2.0)
     with pytest.raises(ValueError, match="equally many rounds"):
         paired_speedup([1.0, 2.0], [1.0])
+    assert interleaved_ms({}, rounds=3, bench=lambda fn: 1.0) == {}  # every variant failed before timing
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         interleaved_ms({"a": lambda: None}, rounds=0, bench=lambda fn: 1.0)
