@@ -20,7 +20,7 @@ from torch import nn
 
 from opengem.nn.low_precision_autograd import hadamard_rotation, low_precision_linear, quantize_weight
 from opengem.nn.low_precision_recipe import BF16, NAMED_RECIPES, LowPrecisionRecipe, resolve_recipe
-from opengem.ops.autocast import autocast_dtype
+from opengem.ops.autocast import cast_inputs
 from opengem.ops.fp8_gemm import HADAMARD_SIZE, QuantizedOperand
 
 __all__ = ["BF16", "NAMED_RECIPES", "LowPrecisionLinear", "LowPrecisionRecipe", "convert_to_low_precision",
@@ -91,21 +91,16 @@ class LowPrecisionLinear(nn.Linear):
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)
         self.new_forward()
-        x2d = in_autocast_dtype(x).reshape(-1, self.in_features)
-        y = low_precision_linear(x2d, self.weight, self.bias, self)
+        # as nn.Linear: under autocast the input in the autocast dtype, so the layer returns that dtype and its
+        # backward (outside autocast) runs the BF16 weight gradients in BF16; given a LayerNorm's fp32 output it
+        # had run the whole layer, weight-gradient GEMMs included, in fp32 (GEM's FM MLPs, found in session 14)
+        (x,), region = cast_inputs(x)
+        with region:
+            y = low_precision_linear(x.reshape(-1, self.in_features), self.weight, self.bias, self)
         return y.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
-
-
-def in_autocast_dtype(x: torch.Tensor) -> torch.Tensor:
-    """``x`` in the autocast dtype when autocast is on, as ``nn.Linear`` takes it: the FP8 layers then return
-    that dtype, and their backward (which runs outside autocast) gets gradients in it, so the BF16 weight
-    gradients run in BF16. Given a LayerNorm's fp32 output (GEM's FM MLPs) they had run the whole layer in
-    fp32, its weight-gradient GEMMs as fp32 GEMMs (without TF32, at a fraction of BF16's tensor-core rate)."""
-    dtype = autocast_dtype(x)
-    return x if dtype is None or not x.is_floating_point() else x.to(dtype)
 
 
 HEAD_NAME = re.compile(r"(^|[._])(head|heads|lm_head|classifier|output|logits)([._]|$|\d)")

@@ -15,8 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, in_autocast_dtype, resolve_recipe
+from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
 from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
+from opengem.ops.autocast import cast_inputs
 from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
 
 FUSED_RECIPE = "fp8_rowwise"
@@ -170,16 +171,23 @@ class LowPrecisionMLP(nn.Sequential):
         """Both layers still on one fused recipe and no forward hook on either (hooks must see each layer)."""
         fc1, fc2 = self.fc1, self.fc2
         watched = fc1._forward_hooks or fc2._forward_hooks or fc1._forward_pre_hooks or fc2._forward_pre_hooks
-        return not watched and fc1.recipe == fc2.recipe and fused_recipe(fc1.recipe)
+        return not watched and _share_fused_recipe(fc1, fc2)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.runs_fused():
             return super().forward(x)
         self.fc1.new_forward()
         self.fc2.new_forward()
-        x2d = in_autocast_dtype(x).reshape(-1, self.fc1.in_features)
-        y = _fused_mlp(x2d, self.fc1.weight, self.fc1.bias, self.fc2.weight, self.fc2.bias, self)
+        (x,), region = cast_inputs(x)  # the autocast dtype, as LowPrecisionLinear takes it
+        with region:
+            y = _fused_mlp(x.reshape(-1, self.fc1.in_features), self.fc1.weight, self.fc1.bias, self.fc2.weight,
+                           self.fc2.bias, self)
         return y.reshape(*x.shape[:-1], self.fc2.out_features)
+
+
+def _share_fused_recipe(fc1: nn.Module, fc2: nn.Module) -> bool:
+    return (isinstance(fc1, LowPrecisionLinear) and isinstance(fc2, LowPrecisionLinear) and fc1.recipe == fc2.recipe
+            and fused_recipe(fc1.recipe))
 
 
 def _as_low_precision(linear: nn.Linear, recipe: LowPrecisionRecipe, seed: int) -> LowPrecisionLinear:
@@ -199,9 +207,8 @@ def fuse_low_precision_mlps(model: nn.Module) -> list[str]:
         if isinstance(module, LowPrecisionMLP) or not isinstance(module, nn.Sequential) or len(module) != 3:
             continue
         fc1, act, fc2 = module
-        if (isinstance(fc1, LowPrecisionLinear) and isinstance(fc2, LowPrecisionLinear) and isinstance(act, nn.GELU)
-                and act.approximate == "none" and fc1.recipe == fc2.recipe and fused_recipe(fc1.recipe)
-                and fc1.out_features == fc2.in_features and name):
+        if (name and _share_fused_recipe(fc1, fc2) and isinstance(act, nn.GELU) and act.approximate == "none"
+                and fc1.out_features == fc2.in_features):
             found.append((name, module))
     for name, module in found:
         parent_name, _, child = name.rpartition(".")

@@ -105,7 +105,8 @@ def quantize_operand(
 
         if not x.is_contiguous() and x.t().is_contiguous():
             # a transposed view (W^T for the input gradients): quantized in place of a transposed copy, which
-            # torch makes with a strided element-wise kernel (0.06 ms for the MLP block's two weights, session 14)
+            # torch makes with a strided element-wise kernel (likely the unnamed 0.06 ms kernel of session 14's
+            # MLP block profile; not yet confirmed on the GPU)
             _, _, q, scale = rowwise_quantize_dual(x.t(), with_rows=False)
         else:
             q, scale, _ = rowwise_quantize(x.contiguous())
