@@ -27,6 +27,7 @@ import argparse
 import math
 import os
 import statistics
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -263,18 +264,18 @@ def mlp_rows(
         times = interleaved_ms(calls, rounds=MLP_ROUNDS)
         # the same rounds replayed from CUDA graphs: device time only, as a compiled step in a graph runs it
         # (bench_graph_ms catches a failed capture itself, so the steps go in unguarded)
-        steps = {name: entry["step"] for name, entry in variants.items() if name not in errors}
-        names = {id(step): name for name, step in steps.items()}
         declined: dict[str, str] = {}
 
-        def graph_ms(step: Callable[[], Any]) -> float:
-            name = names[id(step)]
-            ms = None if name in declined else bench_graph_ms(step, on_error=lambda why: declined.setdefault(name, why))
+        def graph_ms(name: str) -> float:
+            ms = None if name in declined else bench_graph_ms(
+                variants[name]["step"], on_error=lambda why: declined.setdefault(name, why))
             if ms is None:
                 declined.setdefault(name, "no CUDA graph timing")
             return math.nan if ms is None else ms
 
-        graph_times = interleaved_ms(steps, rounds=MLP_GRAPH_ROUNDS, bench=graph_ms) if steps else {}
+        # each entry times its own variant's graph when called (the rounds' bench just calls it)
+        graphed = {name: partial(graph_ms, name) for name in variants if name not in errors}
+        graph_times = interleaved_ms(graphed, rounds=MLP_GRAPH_ROUNDS, bench=lambda timed: timed())
         # BF16 timed in these rounds: per-round ratios, else against the earlier call's median (or none)
         paired = BF16_MLP in times and BF16_MLP not in errors
         baseline = times[BF16_MLP] if paired else None if BF16_MLP in times else baseline_ms
