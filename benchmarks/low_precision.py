@@ -62,6 +62,7 @@ EXTRA_GEMM_RECIPES = ("fp8_blockwise", "mxfp8")  # full mode, beside rowwise
 MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all")
 MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
 FUSED_MLP_RECIPES = ("fp8_rowwise", "fp8_rowwise_fast")  # the fused MLP's: precise or fast input-gradient sums
+BIAS_SUMS_RECIPE = "fp8_rowwise_fast"  # also run with the bias gradients from the quantizing kernels
 BF16_MLP = "bf16 nn.Linear"
 # The MLP variants are timed in rounds, each starting one variant later: timed one after another, the later ones
 # ran on a warmer card (session 14: the same BF16 weight-gradient GEMM took 1.29, 1.36 then 1.44 ms)
@@ -309,10 +310,10 @@ def mlp_rows(
 
         return build
 
-    def fused(recipe: str) -> Callable[[], nn.Module]:
+    def fused(recipe: str, fuse_bias_grads: bool = False) -> Callable[[], nn.Module]:
         def build() -> nn.Module:
             plain = bf16_copy()
-            return LowPrecisionMLP(plain[0], plain[2], recipe)
+            return LowPrecisionMLP(plain[0], plain[2], recipe, fuse_bias_grads=fuse_bias_grads)
 
         return build
 
@@ -326,6 +327,8 @@ def mlp_rows(
         add(f"LowPrecisionLinear {recipe}", low_precision(recipe), note)
     for recipe in FUSED_MLP_RECIPES:
         add(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16")
+    add(f"LowPrecisionMLP {BIAS_SUMS_RECIPE} (fused GELU, bias grads)", fused(BIAS_SUMS_RECIPE, True),
+        "wgrad bf16; bias gradients summed by the quantizers")
     baseline = time_all(None)
     if baseline is not None:
         spread = max(baseline) / min(baseline) - 1

@@ -1,13 +1,15 @@
-"""Where the FP8 MLP block's time goes (issue 6: 1.127x BF16 against the 1.3x bar, 65536 tokens, 1024 -> 4096
--> GELU -> 1024): each kernel's share, each quantization's bandwidth, the row quantizer's tile options on
-the GELU passes, and the FP8 GEMMs with and without fast accumulation.
+"""Where the FP8 MLP block's time goes (issue 6: 1.256x BF16 against the 1.3x bar, 65536 tokens, 1024 -> 4096
+-> GELU -> 1024): each kernel's share, each quantization's bandwidth, the row quantizer's tiles, and the FP8
+GEMMs with and without fast accumulation.
 
-1. The block forward + backward, BF16 `nn.Linear` against `LowPrecisionMLP` fp8_rowwise and fp8_rowwise_fast
-   (the benchmark's protocol: weights touched every step, so re-quantized; the variants timed in interleaved
-   rounds), timed in this run, with the GPU time per kernel name and per launching operator.
-2. Each quantization of the block alone (autotuned): milliseconds and GB/s of the bytes it must move.
-3. The GELU passes (forward and backward) launched directly with every (rows, warps, column chunk): one
-   chunk in registers, or column chunks of 1024 / 2048 re-read; and persistent programs (a row loaded ahead).
+1. The block forward + backward, BF16 `nn.Linear` against `LowPrecisionMLP` fp8_rowwise, fp8_rowwise_fast and
+   fp8_rowwise_fast with the bias gradients from the quantizers (the benchmark's protocol: weights touched
+   every step, so re-quantized; the variants timed in interleaved rounds), with the GPU time per kernel name
+   and per launching operator.
+2. Each quantization of the block alone (autotuned, the kept tile recorded): milliseconds and GB/s of the
+   bytes it must move; with column sums against torch's bias reductions.
+3. The row quantizer launched directly with each tile: the GELU passes at 4096 columns and x at 1024, plain,
+   persistent (a row block loaded ahead) and column-summing programs.
 4. The four FP8 GEMM shapes prequantized, fast accumulation on and off, and the BF16 GEMMs of the block
    (the weight gradients' transposed operands included).
 
@@ -40,10 +42,11 @@ def _block(tokens: int) -> dict[str, Any]:
     bf16 = mlp(HIDDEN, INNER).to(DEVICE, torch.bfloat16)
     models: list[tuple[str, torch.nn.Module, tuple[torch.Tensor, ...]]] = [
         ("bf16", bf16, (bf16[0].weight, bf16[2].weight))]
-    for recipe in ("fp8_rowwise", "fp8_rowwise_fast"):
+    for recipe, bias_sums in (("fp8_rowwise", False), ("fp8_rowwise_fast", False), ("fp8_rowwise_fast", True)):
         plain = mlp(HIDDEN, INNER).to(DEVICE, torch.bfloat16)
-        fp8 = LowPrecisionMLP(plain[0], plain[2], recipe)
-        models.append((f"fp8 LowPrecisionMLP {recipe}", fp8, (fp8.fc1.weight, fp8.fc2.weight)))
+        fp8 = LowPrecisionMLP(plain[0], plain[2], recipe, fuse_bias_grads=bias_sums)
+        name = f"fp8 LowPrecisionMLP {recipe}{' bias sums' if bias_sums else ''}"
+        models.append((name, fp8, (fp8.fc1.weight, fp8.fc2.weight)))
     steps: dict[str, Callable[[], None]] = {}
     for name, model, weights in models:
         def step(model=model, weights=weights) -> None:
@@ -95,58 +98,82 @@ def _op_ms(fn: Callable[[], None], calls: int = 3) -> list[dict[str, Any]]:
 
 
 def _quantizations(tokens: int) -> list[dict[str, Any]]:
+    """Each quantization of the block alone (autotuned; the tile the tuner kept is recorded), the column-summing
+    ones against the plain quantization plus torch's bias reduction they replace."""
     g = torch.Generator(device=DEVICE).manual_seed(1)
     x = torch.randn(tokens, HIDDEN, device=DEVICE, generator=g).to(torch.bfloat16)
     u = torch.randn(tokens, INNER, device=DEVICE, generator=g).to(torch.bfloat16)
     dh = torch.randn(tokens, INNER, device=DEVICE, generator=g).to(torch.bfloat16)
+    du = torch.randn(tokens, INNER, device=DEVICE, generator=g).to(torch.bfloat16)
     small, big = x.numel(), u.numel()
-    cases = (  # (name, call, bytes moved: reads + writes)
-        ("x [T, 1024]", lambda: kernels.rowwise_quantize(x), small * 3),
-        ("gelu(u) [T, 4096]", lambda: kernels.rowwise_quantize(u, "gelu"), big * 5),
-        ("gelu backward [T, 4096]", lambda: kernels.rowwise_quantize(dh, "gelu_backward", u), big * 7),
+    tuners = {"row": lambda c: kernels._ROW_TUNERS[c], "sums": lambda c: kernels._COLUMN_SUM_TUNERS[c], "": None}
+    cases = (  # (name, call, bytes moved: reads + writes, tuner kind, columns)
+        ("x [T, 1024]", lambda: kernels.rowwise_quantize(x), small * 3, "row", HIDDEN),
+        ("x [T, 1024] + column sums", lambda: kernels.rowwise_quantize_with_sums(x), small * 3, "sums", HIDDEN),
+        ("torch sum of x over rows (db2)", lambda: x.sum(0), small * 2, "", HIDDEN),
+        ("gelu(u) [T, 4096]", lambda: kernels.rowwise_quantize(u, "gelu"), big * 5, "row", INNER),
+        ("gelu backward [T, 4096]", lambda: kernels.rowwise_quantize(dh, "gelu_backward", u), big * 7, "row", INNER),
+        ("gelu backward [T, 4096] + column sums", lambda: kernels.rowwise_quantize_with_sums(dh, "gelu_backward", u),
+         big * 7, "sums", INNER),
+        ("torch sum of du over rows (db1)", lambda: du.sum(0), big * 2, "", INNER),
     )
     rows = []
-    for name, call, nbytes in cases:
+    for name, call, nbytes, kind, columns in cases:
         ms = bench_ms(call)
-        rows.append({"quantization": name, "ms": ms, "gb_per_s": nbytes / ms / 1e6})
-        print(f"{name}: {ms:.3f} ms, {rows[-1]['gb_per_s']:.0f} GB/s", flush=True)
+        row = {"quantization": name, "ms": ms, "gb_per_s": nbytes / ms / 1e6}
+        if kind:
+            best = tuners[kind](columns).best_config
+            row["tile"] = {**best.kwargs, "num_warps": best.num_warps, "maxnreg": best.maxnreg}
+        rows.append(row)
+        print(f"{name}: {ms:.3f} ms, {row['gb_per_s']:.0f} GB/s {row.get('tile', '')}", flush=True)
     return rows
 
 
-def _gelu_tiles(tokens: int) -> list[dict[str, Any]]:
+def _row_tiles(tokens: int) -> list[dict[str, Any]]:
+    """The row quantizer launched directly with each tile: the GELU passes at 4096 columns and x at 1024 (plain
+    programs of (rows, warps), persistent ones, and the column-summing candidates)."""
     g = torch.Generator(device=DEVICE).manual_seed(2)
     u = torch.randn(tokens, INNER, device=DEVICE, generator=g).to(torch.bfloat16)
     dh = torch.randn(tokens, INNER, device=DEVICE, generator=g).to(torch.bfloat16)
-    q = torch.empty(tokens, INNER, device=DEVICE, dtype=torch.float8_e4m3fn)
-    scale = torch.empty(tokens, device=DEVICE)
-    out = torch.empty_like(u)
-    # (rows, warps, column chunk, persistent programs per SM, register cap)
-    options = [(rows, warps, INNER, 0, None) for rows in (1, 2, 4) for warps in (4, 8, 16)]
-    options += [(rows, warps, chunk, 0, None) for chunk in (1024, 2048) for rows in (2, 4, 8) for warps in (4, 8)]
-    options += [(1, 16, INNER, programs, cap) for programs, cap in ((4, 32), (3, None), (2, None))]
-    options += [(1, 8, INNER, programs, cap) for programs, cap in ((8, 32), (4, None))]
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, generator=g).to(torch.bfloat16)
+    sms = kernels._multiprocessors(x.device)
+    partial = torch.empty(kernels.MAX_COLUMN_SUM_PROGRAMS_PER_SM * sms, INNER, device=DEVICE)
+    # (rows, warps, persistent programs per SM, register cap, column sums)
+    wide = [(1, warps, 0, None, False) for warps in (4, 8, 16)]
+    wide += [(1, w, p, cap, False) for w, p, cap in ((16, 4, 32), (16, 2, None), (16, 3, 40), (8, 4, 64), (8, 8, 32))]
+    narrow = [(rows, warps, 0, None, False) for rows, warps in ((2, 4), (2, 8), (4, 4), (4, 8), (4, 16), (8, 8),
+                                                                (8, 16), (16, 16))]
+    narrow += [(4, w, p, cap, False) for w, p, cap in ((16, 4, 32), (16, 2, None), (16, 3, 40), (8, 4, 64), (8, 8, 32))]
+    cases = [("gelu", u, INNER, wide), ("gelu_backward", dh, INNER, wide), (None, x, HIDDEN, narrow)]
+    for prologue, source, columns, _ in cases[1:]:  # the column-summing candidates (the MLP's backward)
+        rows = max(1, 4096 // columns)
+        cases.append((prologue, source, columns, [(rows, w, p, cap, True) for w, p, cap in kernels.COLUMN_SUM_PROGRAMS]))
     results = []
-    for prologue, x in (("gelu", u), ("gelu_backward", dh)):
-        for rows, warps, chunk, programs, cap in options:
-            grid = kernels._row_grid(tokens, x.device)({"BLOCK_R": rows, "PROGRAMS_PER_SM": programs})
+    for prologue, source, columns, options in cases:
+        q = torch.empty(tokens, columns, device=DEVICE, dtype=torch.float8_e4m3fn)
+        scale = torch.empty(tokens, device=DEVICE)
+        out = torch.empty_like(source) if prologue else torch.empty(0, dtype=source.dtype, device=DEVICE)
+        for rows, warps, programs, cap, col_sum in options:
+            grid = kernels._row_grid(tokens, source.device)({"BLOCK_R": rows, "PROGRAMS_PER_SM": programs})
+            sum_rows = partial.shape[0] if col_sum else 0
 
-            def launch(x=x, prologue=prologue, rows=rows, warps=warps, chunk=chunk, programs=programs, cap=cap,
-                       grid=grid):
+            def launch(source=source, prologue=prologue, columns=columns, rows=rows, warps=warps, programs=programs,
+                       cap=cap, col_sum=col_sum, grid=grid, q=q, scale=scale, out=out, sum_rows=sum_rows):
                 kernels._row_amax_quant_kernel[grid](
-                    x, u, out, q, scale, tokens, INNER, PROLOGUE=kernels.PROLOGUES[prologue], BLOCK_R=rows,
-                    BLOCK_C=chunk, ONE_CHUNK=chunk >= INNER, PROGRAMS_PER_SM=programs, COMPILED=True,
-                    num_warps=warps, **({"maxnreg": cap} if cap else {}))
+                    source, u, out, q, scale, partial, tokens, columns, sum_rows, PROLOGUE=kernels.PROLOGUES[prologue],
+                    BLOCK_R=rows, BLOCK_C=columns, ONE_CHUNK=True, PROGRAMS_PER_SM=programs, COMPILED=True,
+                    COL_SUM=col_sum, num_warps=warps, **({"maxnreg": cap} if cap else {}))
 
-            tile = {"prologue": prologue, "rows": rows, "warps": warps, "chunk": chunk, "programs_per_sm": programs,
-                    "maxnreg": cap}
+            tile = {"prologue": prologue, "columns": columns, "rows": rows, "warps": warps, "programs_per_sm": programs,
+                    "maxnreg": cap, "column_sums": col_sum}
             try:
                 ms = bench_ms(launch)
             except Exception as exc:  # noqa: BLE001  (a tile that does not compile is recorded, the sweep goes on)
                 results.append({**tile, "error": str(exc)[:200]})
                 continue
             results.append({**tile, "ms": ms})
-            print(f"{prologue} rows {rows} warps {warps} chunk {chunk} persistent {programs} maxnreg {cap}: "
-                  f"{ms:.3f} ms", flush=True)
+            print(f"{prologue} C {columns} rows {rows} warps {warps} persistent {programs} maxnreg {cap} column sums "
+                  f"{col_sum}: {ms:.3f} ms", flush=True)
     return results
 
 
@@ -183,7 +210,7 @@ def main() -> None:
         raise SystemExit("benchmarks.diag.fp8_mlp_kernels needs a CUDA GPU")
     sections: dict[str, Any] = {"tokens": args.tokens}
     for name, run in (("block", _block), ("quantizations", _quantizations), ("gemms", _gemms),
-                      ("gelu_tiles", _gelu_tiles)):
+                      ("row_tiles", _row_tiles)):
         try:
             sections[name] = run(args.tokens)
         except Exception as exc:  # noqa: BLE001  (a failing section is recorded; the next ones still run)

@@ -238,14 +238,23 @@ def test_fused_gelu_quantizer_and_mlp_on_gpu() -> None:
     dy = torch.randn(1024, 1024, device="cuda")
     xr = x.clone().requires_grad_()
     ref(xr).backward(dy)
-    mlp = LowPrecisionMLP(fc1, fc2)
-    xl = x.to(torch.bfloat16).requires_grad_()
-    y = mlp(xl)
-    y.backward(dy.to(torch.bfloat16))
-    errors = {"y": rel(y, ref(x)), "dx": rel(xl.grad, xr.grad), "dw1": rel(fc1.weight.grad, ref[0].weight.grad),
-              "dw2": rel(fc2.weight.grad, ref[2].weight.grad)}
-    assert errors["y"] < 0.06 and errors["dx"] < 0.08, errors
-    assert errors["dw1"] < 0.06 and errors["dw2"] < 0.06, errors
+    bias_grads = {}
+    for fuse_bias_grads in (False, True):  # bias gradients as sums of their own, or from the quantizing kernels
+        mlp = LowPrecisionMLP(fc1, fc2, fuse_bias_grads=fuse_bias_grads)
+        for p in mlp.parameters():
+            p.grad = None
+        xl = x.to(torch.bfloat16).requires_grad_()
+        y = mlp(xl)
+        y.backward(dy.to(torch.bfloat16))
+        errors = {"y": rel(y, ref(x)), "dx": rel(xl.grad, xr.grad), "dw1": rel(fc1.weight.grad, ref[0].weight.grad),
+                  "dw2": rel(fc2.weight.grad, ref[2].weight.grad), "db1": rel(fc1.bias.grad, ref[0].bias.grad),
+                  "db2": rel(fc2.bias.grad, ref[2].bias.grad)}
+        assert errors["y"] < 0.06 and errors["dx"] < 0.08, (fuse_bias_grads, errors)
+        assert errors["dw1"] < 0.06 and errors["dw2"] < 0.06, (fuse_bias_grads, errors)
+        assert errors["db1"] < 0.06 and errors["db2"] < 0.01, (fuse_bias_grads, errors)  # db2: dy is exact
+        bias_grads[fuse_bias_grads] = (fc1.bias.grad.float(), fc2.bias.grad.float())
+    for unfused, fused in zip(bias_grads[False], bias_grads[True]):  # the same values summed in another order
+        assert rel(fused, unfused) < 1e-2
 
 
 def test_row_quantizer_fast_math_gelu_is_accurate_over_the_whole_range(check_quantizer_gelu) -> None:
@@ -275,34 +284,61 @@ def test_row_quantizer_keeps_nan_and_saturates_like_the_torch_path() -> None:
 
 @pytest.mark.parametrize("columns", [1024, 4096])
 def test_persistent_row_quantizer_programs_are_bit_identical_to_the_plain_ones(columns: int) -> None:
-    """Every persistent candidate of the row quantizer's tuner (compiled: registers capped at 32 or not, a row
-    block loaded ahead) writes the plain default launch's (untuned here) codes, scales and GELU outputs bit
-    for bit, for x, the GELU and the GELU backward, with more row blocks than programs and a partial last
-    block. The tuner picks by speed alone, so a wrong candidate would be picked silently."""
+    """Every persistent candidate of the row quantizer's tuners (compiled: registers capped or not, a row block
+    loaded ahead; the column-summing ones too) writes the plain default launch's (untuned here) codes, scales
+    and GELU outputs bit for bit, for x, the GELU and the GELU backward, with more row blocks than programs
+    and a partial last block; the column-summing ones' sums equal torch's fp32 sums of the stored values.
+    The tuner picks by speed alone, so a wrong candidate would be picked silently."""
     import triton
 
     from opengem.ops.triton import fp8_gemm as g
 
     gen = torch.Generator(device="cuda").manual_seed(12)
-    configs = g._persistent_programs(columns)
+    candidates = [(config, False) for config in g._persistent_programs(columns)]
+    candidates += [(config, True) for config in g._column_sum_programs(columns)]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    rows = 3 * configs[0].kwargs["BLOCK_R"] * configs[0].kwargs["PROGRAMS_PER_SM"] * sms + 7
+    most = max(config.kwargs["PROGRAMS_PER_SM"] for config, _ in candidates)
+    rows = 3 * candidates[0][0].kwargs["BLOCK_R"] * most * sms + 7
     x = (torch.randn(rows, columns, device="cuda", generator=gen) * 3).to(torch.bfloat16)
     u = torch.randn(rows, columns, device="cuda", generator=gen).to(torch.bfloat16)
     for prologue in (None, "gelu", "gelu_backward"):
         ref_q, ref_scale, ref_out = g.rowwise_quantize(x, prologue, u if prologue == "gelu_backward" else None)
-        for config in configs:
+        ref_sums = torch.sum(x if ref_out is None else ref_out, 0, dtype=torch.float32)
+        for config, col_sum in candidates:
             q, scale = torch.empty_like(ref_q), torch.empty_like(ref_scale)
             out = torch.empty_like(x) if prologue else torch.empty(0, dtype=x.dtype, device="cuda")
             grid = g._row_grid(rows, x.device)(config.kwargs)
             assert grid[0] < triton.cdiv(rows, config.kwargs["BLOCK_R"])
+            sum_rows = most * sms if col_sum else 0  # more rows than this grid's programs: the rest zeroed
+            partial = torch.full((sum_rows, columns if col_sum else 0), float("nan"), device="cuda")
             g._row_amax_quant_kernel[grid](
-                x, u, out, q, scale, rows, columns, PROLOGUE=g.PROLOGUES[prologue], BLOCK_C=columns, ONE_CHUNK=True,
-                COMPILED=True, num_warps=config.num_warps, maxnreg=config.maxnreg, **config.kwargs)
-            where = f"{prologue} {config}"
+                x, u, out, q, scale, partial, rows, columns, sum_rows, PROLOGUE=g.PROLOGUES[prologue],
+                BLOCK_C=columns, ONE_CHUNK=True, COMPILED=True, COL_SUM=col_sum, num_warps=config.num_warps,
+                maxnreg=config.maxnreg, **config.kwargs)
+            where = f"{prologue} {config} column sums {col_sum}"
             assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)), bit_mismatches(where, x, q, ref_q)
             assert torch.equal(scale, ref_scale), where
             assert ref_out is None or torch.equal(out, ref_out), where
+            if col_sum:
+                assert (partial[grid[0]:] == 0).all(), where
+                torch.testing.assert_close(partial.sum(0), ref_sums, rtol=1e-5, atol=1e-3, msg=where)
+
+
+def test_column_sums_of_the_tuned_launch_on_gpu() -> None:
+    """`rowwise_quantize_with_sums` autotuned (every column-summing candidate timed, the fastest kept): the same
+    codes as the plain quantizer and torch's column sums, for x [rows, 1024] and the GELU backward at 4096."""
+    from opengem.ops.triton.fp8_gemm import rowwise_quantize, rowwise_quantize_with_sums
+
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    for columns, prologue in ((1024, None), (4096, "gelu_backward"), (6000, "gelu_backward")):
+        x = torch.randn(3001, columns, device="cuda", generator=gen).to(torch.bfloat16)
+        u = torch.randn(3001, columns, device="cuda", generator=gen).to(torch.bfloat16) if prologue else None
+        q, scale, out, sums = rowwise_quantize_with_sums(x, prologue, u)
+        ref_q, ref_scale, ref_out = rowwise_quantize(x, prologue, u)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
+        assert ref_out is None or torch.equal(out, ref_out)
+        stored = x if ref_out is None else ref_out
+        torch.testing.assert_close(sums, torch.sum(stored, 0, dtype=torch.float32), rtol=1e-5, atol=1e-3)
 
 
 def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
@@ -326,8 +362,9 @@ def test_fp8_linears_under_torch_compile() -> None:
     for index in (0, 2):
         layers[index] = LowPrecisionLinear.from_linear(layers[index], "fp8_rowwise")
     mlp = LowPrecisionMLP(*(torch.nn.Linear(*dims).cuda().to(torch.bfloat16) for dims in ((512, 1024), (1024, 512))))
+    mlp_sums = LowPrecisionMLP(mlp.fc1, mlp.fc2, fuse_bias_grads=True)
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
-    for module in (layers, mlp):
+    for module in (layers, mlp, mlp_sums):
         eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
         module(eager_x).float().square().mean().backward()
         eager_grads = [p.grad.clone() for p in module.parameters()]

@@ -244,7 +244,10 @@ def test_select_precision_picks_fastest_under_bound() -> None:
     assert all(0.005 < e < 0.06 for e in report["up"]["errors"].values())
 
 
-def test_fused_mlp_matches_unfused_layers() -> None:
+@pytest.mark.parametrize("fuse_bias_grads", [False, True])
+def test_fused_mlp_matches_unfused_layers(fuse_bias_grads: bool) -> None:
+    """The fused MLP (GELU in the quantizers; with ``fuse_bias_grads`` the bias gradients as column sums of
+    those quantizations) computes the unfused FP8 layers' output and every gradient."""
     from opengem.nn.low_precision_mlp import LowPrecisionMLP
 
     torch.manual_seed(7)
@@ -258,7 +261,7 @@ def test_fused_mlp_matches_unfused_layers() -> None:
     grads_a = [xa.grad] + [p.grad.clone() for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias)]
     for p in (fc1.weight, fc1.bias, fc2.weight, fc2.bias):
         p.grad = None
-    fused = LowPrecisionMLP(fc1, fc2)
+    fused = LowPrecisionMLP(fc1, fc2, fuse_bias_grads=fuse_bias_grads)
     xb = x.clone().requires_grad_()
     y = fused(xb)
     y.backward(g)
@@ -369,7 +372,7 @@ def test_fp8_layers_compile_without_graph_breaks_and_match_eager(recipe: str, ba
     torch.manual_seed(3)
     fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
     layers = [LowPrecisionLinear.from_linear(fc2, recipe)]
-    layers += [LowPrecisionMLP(fc1, fc2)] if recipe == "fp8_rowwise" else []
+    layers += [LowPrecisionMLP(fc1, fc2), LowPrecisionMLP(fc1, fc2, fuse_bias_grads=True)] if recipe == "fp8_rowwise" else []
     g = torch.randn(48, 256)
     for layer in layers:
         inputs = torch.randn(48, layer.fc1.in_features if isinstance(layer, LowPrecisionMLP) else 512)

@@ -153,7 +153,8 @@ def test_tuned_row_quantizer_keeps_programs_of_4k_to_16k_elements(monkeypatch, c
     x, u = torch.randn(rows, columns), torch.randn(rows, columns)
     q, scale, out = torch.empty(rows, columns, dtype=torch.float8_e4m3fn), torch.empty(rows), torch.empty(rows, columns)
     tuner[g._row_grid(rows, x.device)](
-        x, u, out, q, scale, rows, columns, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=one_chunk, COMPILED=False)
+        x, u, out, q, scale, torch.empty(0, 0), rows, columns, 0, PROLOGUE=2, BLOCK_C=block_c, ONE_CHUNK=one_chunk,
+        COMPILED=False, COL_SUM=False)
     assert bool(tuner.best_config.kwargs["PROGRAMS_PER_SM"]) == one_chunk
     ref_q, ref_scale, ref_out = g.rowwise_quantize(x, "gelu_backward", u)  # CPU tensors: the default launch
     assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
@@ -262,10 +263,51 @@ def test_persistent_row_programs_equal_the_plain_launch(columns: int, prologue: 
         grid = g._row_grid(rows, x.device)(config.kwargs)
         assert grid[0] < triton.cdiv(rows, config.kwargs["BLOCK_R"])  # fewer programs than blocks: they loop
         g._row_amax_quant_kernel[grid](
-            x, x if u is None else u, out, q, scale, rows, columns, PROLOGUE=g.PROLOGUES[prologue], BLOCK_C=block_c,
-            ONE_CHUNK=True, COMPILED=False, **config.kwargs)
+            x, x if u is None else u, out, q, scale, torch.empty(0, 0), rows, columns, 0,
+            PROLOGUE=g.PROLOGUES[prologue], BLOCK_C=block_c, ONE_CHUNK=True, COMPILED=False, COL_SUM=False,
+            **config.kwargs)
         assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
         assert ref_out is None or torch.equal(out, ref_out)
+
+
+@pytest.mark.parametrize("columns", [1, 200, 4096, 4100])  # 4100: rows over 4096, quantized then torch's sum
+@pytest.mark.parametrize("prologue", [None, "gelu", "gelu_backward"])
+def test_column_sums_come_with_the_plain_quantization(columns: int, prologue: str | None) -> None:
+    """`rowwise_quantize_with_sums` (persistent column-summing programs, interpreter here; more row blocks than
+    programs and fewer programs than rows of partial sums, whose extra rows must come back zeroed) writes the
+    plain quantizer's codes, scales and GELU outputs bit for bit, and the fp32 column sums of what it stores."""
+    import triton
+
+    from opengem.ops.triton import fp8_gemm as g
+
+    gen = torch.Generator().manual_seed(10)
+    rows_per_block = max(1, 4096 // min(triton.next_power_of_2(columns), 4096))
+    rows = 5 * rows_per_block + 3
+    x = torch.randn(rows, columns, generator=gen) * torch.logspace(-2, 2, rows)[:, None]
+    u = torch.randn(rows, columns, generator=gen) if prologue == "gelu_backward" else None
+    q, scale, out, sums = g.rowwise_quantize_with_sums(x, prologue, u)
+    ref_q, ref_scale, ref_out = g.rowwise_quantize(x, prologue, u)
+    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale, ref_scale)
+    assert ref_out is None or torch.equal(out, ref_out)
+    expected = torch.sum(x if ref_out is None else ref_out, 0, dtype=torch.float64)
+    assert sums.dtype == torch.float32 and sums.shape == (columns,)
+    torch.testing.assert_close(sums.double(), expected, rtol=1e-5, atol=1e-4)
+    empty = g.rowwise_quantize_with_sums(x[:0], prologue, None if u is None else u[:0])
+    assert empty[0].shape == (0, columns) and torch.equal(empty[3], torch.zeros(columns))
+
+
+def test_column_sum_candidates_are_persistent_and_their_partials_cover_every_grid() -> None:
+    """Only persistent programs sum columns (a plain program's partial sums would be a row block each), all of
+    4096-element blocks, and the partial-sum rows the host allocates cover the widest candidate grid."""
+    from opengem.ops.triton import fp8_gemm as g
+
+    for block_c in (1, 256, 1024, 4096):
+        configs = g._column_sum_programs(block_c)
+        assert configs and all(c.kwargs["PROGRAMS_PER_SM"] > 0 for c in configs)
+        assert all(c.kwargs["BLOCK_R"] * block_c == max(4096, block_c) for c in configs)
+        assert max(c.kwargs["PROGRAMS_PER_SM"] for c in configs) <= g.MAX_COLUMN_SUM_PROGRAMS_PER_SM
+        described = [(c.kwargs, c.num_warps, c.maxnreg) for c in configs]
+        assert [(c.kwargs, c.num_warps, c.maxnreg) for c in g._COLUMN_SUM_TUNERS[block_c].configs] == described
 
 
 def test_transposed_view_quantizes_like_its_contiguous_copy() -> None:

@@ -43,12 +43,13 @@ ptx = compile_sm90(f._fwd_fp8_kernel.fn, attend,
                    dict(HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True,
                         SMALL=False, EXACT=False, BLOCK_M=128, BLOCK_N=128), num_warps=8, num_stages=3).asm["ptx"]
 assert "e4m3" in ptx  # E4M3 tensor-core MMAs
-rowwise = {"x_ptr": bf16, "u_ptr": bf16, "out_ptr": bf16, "q_ptr": fp8, "scale_ptr": "*fp32"}
+rowwise = {"x_ptr": bf16, "u_ptr": bf16, "out_ptr": bf16, "q_ptr": fp8, "scale_ptr": "*fp32", "sum_ptr": "*fp32"}
 for prologue in (1, 2):  # the GELU quantizers of the FP8 MLP (inline rcp / ex2): rows in registers or re-read,
-    for one_chunk, programs in ((True, 0), (False, 0), (True, 4)):  # and persistent programs
+    # and persistent programs, with and without column sums
+    for one_chunk, programs, col_sum in ((True, 0, False), (False, 0, False), (True, 4, False), (True, 2, True)):
         ptx = compile_sm90(g._row_amax_quant_kernel, rowwise, dict(
-            PROLOGUE=prologue, BLOCK_R=2, BLOCK_C=4096, ONE_CHUNK=one_chunk, PROGRAMS_PER_SM=programs, COMPILED=True),
-            num_warps=8).asm["ptx"]
+            PROLOGUE=prologue, BLOCK_R=2, BLOCK_C=4096, ONE_CHUNK=one_chunk, PROGRAMS_PER_SM=programs, COMPILED=True,
+            COL_SUM=col_sum), num_warps=8).asm["ptx"]
         assert "rcp.approx.ftz.f32" in ptx and "ex2.approx.ftz.f32" in ptx
 tiles = {"x_ptr": bf16, "q_ptr": fp8, "qt_ptr": fp8, "row_amax_ptr": "*i32", "col_amax_ptr": "*i32",
          "row_scale_ptr": "*fp32", "col_scale_ptr": "*fp32"}

@@ -5,7 +5,8 @@ Forward: fc1 (FP8 rowwise), then one kernel computes gelu(u), its row amax and i
 fc2 (and writes gelu(u) in BF16 for fc2's weight gradient). Backward: fc2's input gradient in FP8, then
 one kernel computes the GELU backward and quantizes it for fc1's input gradient. Weight gradients run in
 BF16 (the recipe default); each forward quantizes the weights once for itself and its backward, as in
-`LowPrecisionLinear`.
+`LowPrecisionLinear`. With ``fuse_bias_grads`` the two bias gradients come from the backward's quantizing
+kernels (column sums of dy and of the GELU backward) instead of two reductions over those tensors.
 """
 
 from __future__ import annotations
@@ -18,7 +19,13 @@ from torch import nn
 from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
 from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
 from opengem.ops.autocast import cast_inputs
-from opengem.ops.fp8_gemm import quantize_gelu, quantize_operand, scaled_gemm
+from opengem.ops.fp8_gemm import (
+    quantize_gelu,
+    quantize_gelu_with_column_sums,
+    quantize_operand,
+    quantize_operand_with_column_sums,
+    scaled_gemm,
+)
 
 FUSED_RECIPE = "fp8_rowwise"
 
@@ -37,16 +44,25 @@ def _mlp_forward(
 
 def _mlp_backward(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-    fc1_weight: WeightQuantizer, fc2_weight: WeightQuantizer, fast_accum_grad: bool,
+    fc1_weight: WeightQuantizer, fc2_weight: WeightQuantizer, fast_accum_grad: bool, fuse_bias_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, dW1, db1, dW2, db2), the weight and bias gradients in the weights' dtypes."""
+    """(dx, dW1, db1, dW2, db2), the weight and bias gradients in the weights' dtypes; ``fuse_bias_grads``
+    takes db2 and db1 from the quantizations of dy and of the GELU backward (fp32 column sums)."""
     dy = dy.contiguous()
-    dh = scaled_gemm(quantize_operand(dy, FUSED_RECIPE), fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype,
-                     fast_accum=fast_accum_grad)
-    du, qdu = quantize_gelu(u, grad_out=dh)
+    if fuse_bias_grads:
+        qdy, db2 = quantize_operand_with_column_sums(dy)
+    else:
+        qdy, db2 = quantize_operand(dy, FUSED_RECIPE), None
+    dh = scaled_gemm(qdy, fc2_weight("grad_input", FUSED_RECIPE, None), dy.dtype, fast_accum=fast_accum_grad)
+    if fuse_bias_grads:
+        du, qdu, db1 = quantize_gelu_with_column_sums(u, grad_out=dh)
+    else:
+        (du, qdu), db1 = quantize_gelu(u, grad_out=dh), None
     dx = scaled_gemm(qdu, fc1_weight("grad_input", FUSED_RECIPE, None), dy.dtype, fast_accum=fast_accum_grad)
     dw1, dw2 = (du.t() @ x).to(w1.dtype), (dy.t() @ h).to(w2.dtype)
-    return dx, dw1, du.sum(0).to(w1.dtype), dw2, dy.sum(0).to(w2.dtype)
+    db1 = du.sum(0) if db1 is None else db1
+    db2 = dy.sum(0) if db2 is None else db2
+    return dx, dw1, db1.to(w1.dtype), dw2, db2.to(w2.dtype)
 
 
 class _FusedMLPFn(torch.autograd.Function):
@@ -64,9 +80,9 @@ class _FusedMLPFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, u, h, w1, w2 = ctx.saved_tensors
-        fc1 = ctx.mlp.fc1
-        dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, u, h, w1, w2, fc1.quantized_weight, ctx.mlp.fc2.quantized_weight,
-                                               fc1.recipe.fast_accum_grad)
+        mlp = ctx.mlp
+        dx, dw1, db1, dw2, db2 = _mlp_backward(dy, x, u, h, w1, w2, mlp.fc1.quantized_weight, mlp.fc2.quantized_weight,
+                                               mlp.fc1.recipe.fast_accum_grad, mlp.fuse_bias_grads)
         return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None
 
 
@@ -74,13 +90,13 @@ class _FusedMLPFn(torch.autograd.Function):
 @torch.library.custom_op("opengem::fp8_mlp", mutates_args=())
 def _mlp_op(
     x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor, b2: torch.Tensor | None,
-    fast_accum: bool, fast_accum_grad: bool,
+    fast_accum: bool, fast_accum_grad: bool, fuse_bias_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _mlp_forward(x, b1, b2, uncached_quantizer(w1), uncached_quantizer(w2), fast_accum)
 
 
 @_mlp_op.register_fake
-def _(x, w1, b1, w2, b2, fast_accum, fast_accum_grad):
+def _(x, w1, b1, w2, b2, fast_accum, fast_accum_grad, fuse_bias_grads):
     hidden = x.new_empty((x.shape[0], w1.shape[0]))
     return x.new_empty((x.shape[0], w2.shape[0])), hidden, torch.empty_like(hidden)
 
@@ -88,29 +104,31 @@ def _(x, w1, b1, w2, b2, fast_accum, fast_accum_grad):
 @torch.library.custom_op("opengem::fp8_mlp_backward", mutates_args=())
 def _mlp_backward_op(
     dy: torch.Tensor, x: torch.Tensor, u: torch.Tensor, h: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-    fast_accum_grad: bool,
+    fast_accum_grad: bool, fuse_bias_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _mlp_backward(dy, x, u, h, w1, w2, uncached_quantizer(w1), uncached_quantizer(w2), fast_accum_grad)
+    return _mlp_backward(dy, x, u, h, w1, w2, uncached_quantizer(w1), uncached_quantizer(w2), fast_accum_grad,
+                         fuse_bias_grads)
 
 
 @_mlp_backward_op.register_fake
-def _(dy, x, u, h, w1, w2, fast_accum_grad):
+def _(dy, x, u, h, w1, w2, fast_accum_grad, fuse_bias_grads):
     return (dy.new_empty(x.shape), w1.new_empty(w1.shape), w1.new_empty(w1.shape[0]), w2.new_empty(w2.shape),
             w2.new_empty(w2.shape[0]))
 
 
 def _setup_context(ctx: Any, inputs: tuple, output: tuple) -> None:
-    x, w1, b1, w2, b2, _, fast_accum_grad = inputs
+    x, w1, b1, w2, b2, _, fast_accum_grad, fuse_bias_grads = inputs
     _, u, h = output
     ctx.mark_non_differentiable(u, h)
     ctx.save_for_backward(x, u, h, w1, w2)
-    ctx.biases, ctx.fast_accum_grad = (b1 is not None, b2 is not None), fast_accum_grad
+    ctx.biases, ctx.fast_accum_grad, ctx.fuse_bias_grads = (b1 is not None, b2 is not None), fast_accum_grad, fuse_bias_grads
 
 
 def _backward(ctx: Any, dy: torch.Tensor, du: torch.Tensor | None, dh: torch.Tensor | None) -> tuple:
     x, u, h, w1, w2 = ctx.saved_tensors
-    dx, dw1, db1, dw2, db2 = torch.ops.opengem.fp8_mlp_backward(dy, x, u, h, w1, w2, ctx.fast_accum_grad)
-    return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None, None
+    dx, dw1, db1, dw2, db2 = torch.ops.opengem.fp8_mlp_backward(dy, x, u, h, w1, w2, ctx.fast_accum_grad,
+                                                                ctx.fuse_bias_grads)
+    return dx, dw1, db1 if ctx.biases[0] else None, dw2, db2 if ctx.biases[1] else None, None, None, None
 
 
 _mlp_op.register_autograd(_backward, setup_context=_setup_context)
@@ -122,7 +140,8 @@ def _fused_mlp(
 ) -> torch.Tensor:
     if torch.compiler.is_compiling():
         recipe = mlp.fc1.recipe
-        return torch.ops.opengem.fp8_mlp(x2d, w1, b1, w2, b2, recipe.fast_accum, recipe.fast_accum_grad)[0]
+        return torch.ops.opengem.fp8_mlp(x2d, w1, b1, w2, b2, recipe.fast_accum, recipe.fast_accum_grad,
+                                         mlp.fuse_bias_grads)[0]
     return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)
 
 
@@ -144,10 +163,13 @@ class LowPrecisionMLP(nn.Sequential):
     exact emulation of it elsewhere. The layers run one by one instead (the same FP8 layers, the GELU
     between them unfused) while a forward hook watches either linear (`NumericsMonitor`, `select_precision`)
     or once their recipes differ from a fused one (a BF16 fallback, the auto selection).
+
+    ``fuse_bias_grads``: the bias gradients come out of the backward's quantizing kernels as fp32 column sums
+    (of dy and of the GELU backward, as stored) instead of two reductions over those tensors.
     """
 
     def __init__(self, fc1: nn.Linear, fc2: nn.Linear, recipe: str | LowPrecisionRecipe = FUSED_RECIPE,
-                 activation: nn.GELU | None = None) -> None:
+                 activation: nn.GELU | None = None, fuse_bias_grads: bool = False) -> None:
         resolved = resolve_recipe(recipe)
         if not fused_recipe(resolved):
             raise ValueError(f"LowPrecisionMLP runs fp8_rowwise forward/input-gradient GEMMs with BF16 weight "
@@ -158,6 +180,7 @@ class LowPrecisionMLP(nn.Sequential):
         if not isinstance(activation, nn.GELU) or activation.approximate != "none":
             raise ValueError(f"the fused kernels compute the exact erf GELU, got {activation}")
         super().__init__(_as_low_precision(fc1, resolved, seed=0), activation, _as_low_precision(fc2, resolved, seed=1))
+        self.fuse_bias_grads = fuse_bias_grads
 
     @property
     def fc1(self) -> LowPrecisionLinear:

@@ -9,7 +9,9 @@ from opengem.ops.fp8_gemm import (
     fp8_matmul,
     hadamard_rotate,
     quantize_gelu,
+    quantize_gelu_with_column_sums,
     quantize_operand,
+    quantize_operand_with_column_sums,
     quantize_operand_with_transpose,
     scaled_gemm,
 )
@@ -38,7 +40,9 @@ __all__ = [
     "mx_dequantize",
     "mx_quantize",
     "quantize_gelu",
+    "quantize_gelu_with_column_sums",
     "quantize_operand",
+    "quantize_operand_with_column_sums",
     "quantize_operand_with_transpose",
     "scaled_gemm",
 ]

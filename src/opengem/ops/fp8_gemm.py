@@ -133,25 +133,55 @@ def quantize_gelu(u: torch.Tensor, grad_out: torch.Tensor | None = None) -> tupl
     Both quantize the fp32 values before they are rounded to u's dtype (exact erf GELU). On CUDA one
     Triton kernel does the activation, the row amax and the quantization (saving a pass over the tensor).
     """
+    value, quantized, _ = _gelu_quantized(u, grad_out, column_sums=False)
+    return value, quantized
+
+
+def quantize_gelu_with_column_sums(
+    u: torch.Tensor, grad_out: torch.Tensor | None = None
+) -> tuple[torch.Tensor, QuantizedOperand, torch.Tensor]:
+    """`quantize_gelu` plus the fp32 sums ``[C]`` of the returned values over the rows: with ``grad_out``, the
+    bias gradient of the layer before the GELU, from the same kernel on CUDA (no pass of its own)."""
+    return _gelu_quantized(u, grad_out, column_sums=True)
+
+
+def _gelu_quantized(
+    u: torch.Tensor, grad_out: torch.Tensor | None, column_sums: bool
+) -> tuple[torch.Tensor, QuantizedOperand, torch.Tensor | None]:
     if u.dim() != 2 or (grad_out is not None and grad_out.shape != u.shape):
         raise ValueError(f"u must be 2-D and grad_out the same shape, got {tuple(u.shape)}, "
                          f"{None if grad_out is None else tuple(grad_out.shape)}")
     if u.is_cuda:
-        from opengem.ops.triton.fp8_gemm import rowwise_quantize
+        from opengem.ops.triton.fp8_gemm import rowwise_quantize, rowwise_quantize_with_sums
 
-        if grad_out is None:
-            q, scale, out = rowwise_quantize(u.contiguous(), "gelu")
+        x, prologue, pre = (u, "gelu", None) if grad_out is None else (grad_out, "gelu_backward", u.contiguous())
+        if column_sums:
+            q, scale, value, sums = rowwise_quantize_with_sums(x.contiguous(), prologue, pre)
         else:
-            q, scale, out = rowwise_quantize(grad_out.contiguous(), "gelu_backward", u.contiguous())
-        return out, QuantizedOperand(q, scale, "fp8_rowwise")
+            (q, scale, value), sums = rowwise_quantize(x.contiguous(), prologue, pre), None
+        return value, QuantizedOperand(q, scale, "fp8_rowwise"), sums
     u32 = u.float()
     if grad_out is None:
         value = torch.nn.functional.gelu(u32)
     else:
         cdf = 0.5 * (1.0 + torch.erf(u32 * math.sqrt(0.5)))
         value = grad_out.float() * (cdf + u32 * torch.exp(-0.5 * u32 * u32) / math.sqrt(2 * math.pi))
-    q, scale = _rowwise_torch(value, False, None)
-    return value.to(u.dtype), QuantizedOperand(q, scale, "fp8_rowwise")
+    quantized = QuantizedOperand(*_rowwise_torch(value, False, None), "fp8_rowwise")
+    value = value.to(u.dtype)
+    return value, quantized, torch.sum(value, 0, dtype=torch.float32) if column_sums else None
+
+
+def quantize_operand_with_column_sums(x: torch.Tensor) -> tuple[QuantizedOperand, torch.Tensor]:
+    """fp8_rowwise quantization of a 2-D ``x [R, C]`` and its fp32 column sums ``[C]`` (the bias gradient when
+    x is an output gradient), both from one read of x on CUDA."""
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+    if x.is_cuda:
+        from opengem.ops.triton.fp8_gemm import rowwise_quantize_with_sums
+
+        q, scale, _, sums = rowwise_quantize_with_sums(x.contiguous())
+        return QuantizedOperand(q, scale, "fp8_rowwise"), sums
+    return QuantizedOperand(*_rowwise_torch(x, False, None), "fp8_rowwise"), torch.sum(x, 0, dtype=torch.float32)
 
 
 def quantize_operand_with_transpose(x: torch.Tensor, recipe: str) -> tuple[QuantizedOperand, QuantizedOperand]:

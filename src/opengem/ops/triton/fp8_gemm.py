@@ -100,20 +100,21 @@ def _e4m3_multiplier(amax):
     return tl.math.div_rn(tl.full(amax.shape, 448.0, tl.float32), amax)
 
 
-@triton.jit(do_not_specialize=["R"])  # rows (tokens) change every batch; R is no stride here
+@triton.jit(do_not_specialize=["R", "SUM_ROWS"])  # rows (tokens) change every batch; R is no stride here
 def _row_amax_quant_kernel(
-    x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C,
+    x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, sum_ptr, R, C, SUM_ROWS,
     PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, ONE_CHUNK: tl.constexpr,
-    PROGRAMS_PER_SM: tl.constexpr, COMPILED: tl.constexpr,
+    PROGRAMS_PER_SM: tl.constexpr, COMPILED: tl.constexpr, COL_SUM: tl.constexpr,
 ):
     # BLOCK_R full rows per program (~16 KB of bf16): pass 1 takes the row amax, pass 2 quantizes. When a
     # row fits one chunk (ONE_CHUNK: C <= BLOCK_C) the values stay in registers between the passes: one read
     # and one prologue (the GELU's erf / exp) per element instead of two. Otherwise pass 2 re-reads the
     # rows, which a small per-program footprint keeps in L1/L2. With a prologue (GELU or its backward)
     # pass 2 also writes the transformed values to out_ptr. PROGRAMS_PER_SM > 0 (ONE_CHUNK only): persistent
-    # programs instead, `_persistent_rows`.
+    # programs instead, `_persistent_rows`, which with COL_SUM also sum the columns (`sum_ptr`, below).
     if PROGRAMS_PER_SM > 0:
-        _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE, BLOCK_R, BLOCK_C, COMPILED)
+        _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, sum_ptr, R, C, SUM_ROWS, PROLOGUE, BLOCK_R, BLOCK_C,
+                         COMPILED, COL_SUM)
     else:
         _plain_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE, BLOCK_R, BLOCK_C, ONE_CHUNK, COMPILED)
 
@@ -148,13 +149,18 @@ def _plain_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE: tl.cons
 
 
 @triton.jit
-def _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_C: tl.constexpr, COMPILED: tl.constexpr):
+def _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, sum_ptr, R, C, SUM_ROWS, PROLOGUE: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, COMPILED: tl.constexpr, COL_SUM: tl.constexpr):
     # The one-chunk quantization with the programs striding over the row blocks, each block's loads issued
     # before the previous block's arithmetic: a program keeps two blocks of loads in flight. One row per
     # program (the best plain GELU tile, 16 warps at 31 registers, four programs an SM) left the GELU forward
     # latency-bound at 3.5 TB/s (session 14); this keeps twice the bytes in flight at the same occupancy when
     # its registers are capped at 32 (maxnreg: 8 bytes of spills, static sm_90 count).
+    # COL_SUM: each program also sums its rows' values (as stored: rounded to out's dtype, or x itself) per
+    # column in fp32 registers, in the tile's own layout (no cross-warp reduction per block), and writes the
+    # sums to row pid of sum_ptr [SUM_ROWS, C]; rows no program of this launch owns are zeroed, so the host's
+    # sum over rows is the column sum whatever grid the tuner chose (bias gradients without a pass over
+    # the tensor; deterministic: a fixed order for a given grid).
     pid = tl.program_id(0)
     step = tl.num_programs(0)
     rows = tl.arange(0, BLOCK_R)
@@ -164,6 +170,7 @@ def _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE: tl
     offs = r[:, None].to(tl.int64) * C + c[None, :]
     x_next = tl.load(x_ptr + offs, mask=(r < R)[:, None] & cmask, other=0.0)
     u_next = tl.load(u_ptr + offs, mask=(r < R)[:, None] & cmask, other=0.0) if PROLOGUE == 2 else x_next
+    col_sums = tl.zeros((BLOCK_R, BLOCK_C), dtype=tl.float32)
     for block in range(pid, tl.cdiv(R, BLOCK_R), step):
         x_raw, u_raw = x_next, u_next
         r = block * BLOCK_R + rows
@@ -177,6 +184,13 @@ def _persistent_rows(x_ptr, u_ptr, out_ptr, q_ptr, scale_ptr, R, C, PROLOGUE: tl
         amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
         tl.store(scale_ptr + r, tl.math.div_rn(amax, tl.full(amax.shape, 448.0, tl.float32)), mask=r < R)
         _store_quantized(x, _e4m3_multiplier(amax), out_ptr, q_ptr, offs, m, PROLOGUE, COMPILED)
+        if COL_SUM:  # masked rows and columns hold zeros (loaded as 0; every prologue maps 0 to 0)
+            stored = x if PROLOGUE == 0 else x.to(out_ptr.dtype.element_ty).to(tl.float32)
+            col_sums += stored
+    if COL_SUM:
+        tl.store(sum_ptr + pid.to(tl.int64) * C + c, tl.sum(col_sums, axis=0), mask=c < C)
+        for idle in range(pid + step, SUM_ROWS, step):  # rows of programs this grid does not have
+            tl.store(sum_ptr + idle * C + c, tl.zeros((BLOCK_C,), dtype=tl.float32), mask=c < C)
 
 
 @triton.jit
@@ -265,6 +279,23 @@ def _persistent_programs(block_c: int) -> list[triton.Config]:
             triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": 32 // warps}, num_warps=warps)]
 
 
+# The column-summing launches (`rowwise_quantize_with_sums`): persistent programs only (a plain program owns
+# one row block, so its partial sums would be as large as the tensor). Blocks of 4096 elements; 16 warps hold
+# 8 values and 8 sums a thread, 8 warps 16 of each. (warps, programs per SM, register cap); the cap keeps every
+# program of the grid resident (programs x threads x cap <= 64K registers), else the last wave of a persistent
+# grid runs alone. Static sm_90 counts, GELU backward at 4096 columns: 64 registers uncapped at 16 warps (no
+# spill), 32 bytes of spills at 40, 72 at 32; 121 registers at 8 warps. The first is the untuned default.
+COLUMN_SUM_PROGRAMS = ((16, 2, 64), (16, 3, 40), (16, 4, 32), (8, 4, 64), (8, 6, 40))
+MAX_COLUMN_SUM_PROGRAMS_PER_SM = max(programs for _, programs, _ in COLUMN_SUM_PROGRAMS)
+
+
+def _column_sum_programs(block_c: int) -> list[triton.Config]:
+    rows = max(1, 4096 // block_c)
+    return [triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": programs}, num_warps=warps,
+                          **({"maxnreg": cap} if cap else {}))
+            for warps, programs, cap in COLUMN_SUM_PROGRAMS]
+
+
 def _row_tuner(configs: list[triton.Config]):
     return triton.autotune(configs=configs, key=["C", "PROLOGUE"])(_row_amax_quant_kernel)
 
@@ -273,11 +304,10 @@ def _row_tuner(configs: list[triton.Config]):
 # Dynamo (torch 2.11) fails on a `prune_configs_by` autotuner launched twice in one trace ("ListVariable ...
 # is already tracked for mutation", pytorch#177600), which every compiled MLP with FP8 linears does. Rows that
 # fit one chunk (C <= 4096) may also run persistent programs; wider rows (two passes) have their own tuner.
-_ROW_TUNERS = {
-    block_c: _row_tuner(_row_programs(block_c) + _persistent_programs(block_c))
-    for block_c in (1 << i for i in range(13))  # BLOCK_C = next power of two of C, at most 4096
-}
+_BLOCK_WIDTHS = [1 << i for i in range(13)]  # BLOCK_C = next power of two of C, at most 4096
+_ROW_TUNERS = {block_c: _row_tuner(_row_programs(block_c) + _persistent_programs(block_c)) for block_c in _BLOCK_WIDTHS}
 _CHUNKED_ROW_TUNER = _row_tuner(_row_programs(4096))
+_COLUMN_SUM_TUNERS = {block_c: _row_tuner(_column_sum_programs(block_c)) for block_c in _BLOCK_WIDTHS}
 
 
 @functools.cache
@@ -303,27 +333,61 @@ def rowwise_quantize(
     ``prologue="gelu"`` quantizes gelu(x) (exact erf GELU) and returns it as ``out`` (x's dtype);
     ``"gelu_backward"`` quantizes and returns x * gelu'(u) for the pre-activation ``u`` (same shape).
     """
+    q, scale, out, _ = _rowwise_launch(x, prologue, u, column_sums=False)
+    return q, scale, out
+
+
+def rowwise_quantize_with_sums(
+    x: torch.Tensor, prologue: str | None = None, u: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """`rowwise_quantize` plus the fp32 column sums ``[C]`` of the values it stores (x, or ``out`` with a
+    prologue, as rounded to its dtype): a bias gradient from the quantizing read instead of a pass of its own.
+    Rows of up to 4096 columns sum in the persistent programs; wider ones quantize, then ``torch.sum``."""
+    return _rowwise_launch(x, prologue, u, column_sums=True)
+
+
+def _rowwise_launch(
+    x: torch.Tensor, prologue: str | None, u: torch.Tensor | None, column_sums: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     R, C = x.shape
+    block_c = min(triton.next_power_of_2(C), 4096)
+    one_chunk = C <= block_c
+    if column_sums and (not one_chunk or not x.numel()):
+        q, scale, out, _ = _rowwise_launch(x, prologue, u, column_sums=False)
+        return q, scale, out, torch.sum(x if out is None else out, 0, dtype=torch.float32)
     q = torch.empty((R, C), dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty((R,), dtype=torch.float32, device=x.device)
     out = torch.empty_like(x) if prologue else None
-    if x.numel():
-        block_c = min(triton.next_power_of_2(C), 4096)
-        # out_ptr is never q (unused without a prologue): Inductor clones each mutated argument of a user Triton
-        # kernel separately, so one tensor behind two written pointers loses the writes (pytorch#196657)
-        out_arg = out if out is not None else torch.empty(0, dtype=x.dtype, device=x.device)
-        args = (x, x if u is None else u, out_arg, q, scale, R, C)
-        # COMPILED (not the interpreter, which has no PTX): one-instruction reciprocal and exp2 in the GELUs, and the
-        # saturating E4M3 conversion in place of a clamp
-        shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": C <= block_c, "COMPILED": x.is_cuda}
-        if x.is_cuda and autotune_enabled():
-            tuner = _ROW_TUNERS[block_c] if C <= block_c else _CHUNKED_ROW_TUNER
-            tuner[_row_grid(R, x.device)](*args, **shape)
+    if not x.numel():
+        return q, scale, out, None
+    # out_ptr is never q (unused without a prologue): Inductor clones each mutated argument of a user Triton
+    # kernel separately, so one tensor behind two written pointers loses the writes (pytorch#196657)
+    out_arg = out if out is not None else torch.empty(0, dtype=x.dtype, device=x.device)
+    partial_rows = 0
+    if column_sums:  # one row of partial sums per program of the widest grid a candidate can have
+        blocks = triton.cdiv(R, max(1, 4096 // block_c))
+        partial_rows = min(blocks, MAX_COLUMN_SUM_PROGRAMS_PER_SM * _multiprocessors(x.device))
+    partial = torch.empty((partial_rows, C if column_sums else 0), dtype=torch.float32, device=x.device)
+    args = (x, x if u is None else u, out_arg, q, scale, partial, R, C, partial_rows)
+    # COMPILED (not the interpreter, which has no PTX): one-instruction reciprocal and exp2 in the GELUs, and the
+    # saturating E4M3 conversion in place of a clamp
+    shape = {"PROLOGUE": PROLOGUES[prologue], "BLOCK_C": block_c, "ONE_CHUNK": one_chunk, "COMPILED": x.is_cuda,
+             "COL_SUM": column_sums}
+    if x.is_cuda and autotune_enabled():
+        if column_sums:
+            tuner = _COLUMN_SUM_TUNERS[block_c]
         else:
-            block_r, warps = _default_row_program(block_c)
-            _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, PROGRAMS_PER_SM=0,
-                                                               num_warps=warps)
-    return q, scale, out
+            tuner = _ROW_TUNERS[block_c] if one_chunk else _CHUNKED_ROW_TUNER
+        tuner[_row_grid(R, x.device)](*args, **shape)
+    elif column_sums:
+        config = _column_sum_programs(block_c)[0]
+        _row_amax_quant_kernel[_row_grid(R, x.device)(config.kwargs)](*args, **shape, **config.kwargs,
+                                                                      num_warps=config.num_warps)
+    else:
+        block_r, warps = _default_row_program(block_c)
+        _row_amax_quant_kernel[(triton.cdiv(R, block_r),)](*args, **shape, BLOCK_R=block_r, PROGRAMS_PER_SM=0,
+                                                           num_warps=warps)
+    return q, scale, out, partial.sum(0) if column_sums else None
 
 
 def rowwise_quantize_dual(
