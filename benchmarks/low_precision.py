@@ -8,7 +8,9 @@ GEMM shape (the MLP's fc1) with BF16 cuBLAS and the raw `torch._scaled_mm` rowwi
 autotuning (OPENGEM_FP8_AUTOTUNE=0), no torchao, no torch.compile.
 Full (< 4 min): model-preset GEMM shapes with every recipe (quantization of x included; weights quantized
 once, untimed, where a training step quantizes them in each forward), the prequantized Triton / cuBLAS blockwise GEMMs,
-every MLP recipe, then torchao float8 rowwise training (eager, then compiled: risky peers run last).
+every MLP recipe, then in rounds of their own BF16, our fastest fused MLP and torchao's float8 training
+(rowwise, and rowwise with BF16 weight gradients, compiled; rowwise eager): risky peers run last. torchao is
+not on the GPU image: a carried wheel (``EXTRA_PYTHONPATH`` in ``benchmarks/next_gpu_session.sh``) or an error row.
 
 MLP block: 65536 tokens, 1024 -> 4096 -> GELU -> 1024; the weights are touched in place every step so
 the layers re-quantize them once per step, as in training. The variants are timed in interleaved rounds
@@ -62,7 +64,8 @@ EXTRA_GEMM_RECIPES = ("fp8_blockwise", "mxfp8")  # full mode, beside rowwise
 MLP_RECIPES_QUICK = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all")
 MLP_RECIPES_FULL = ("fp8_rowwise", "fp8_rowwise_fast", "fp8_rowwise_all", "fp8_blockwise", "fp8_blockwise_all", "mxfp8")
 FUSED_MLP_RECIPES = ("fp8_rowwise", "fp8_rowwise_fast")  # the fused MLP's: precise or fast input-gradient sums
-BIAS_SUMS_RECIPE = "fp8_rowwise_fast"  # also run with the bias gradients from the quantizing kernels
+BEST_FUSED = "fp8_rowwise_fast"  # also run with torch's bias reductions (the fused MLP sums them in its quantizers)
+TORCHAO_RECIPES = ("rowwise", "rowwise_with_gw_hp")  # all three GEMMs FP8, or BF16 weight gradients as ours
 BF16_MLP = "bf16 nn.Linear"
 # The MLP variants are timed in rounds, each starting one variant later: timed one after another, the later ones
 # ran on a warmer card (session 14: the same BF16 weight-gradient GEMM took 1.29, 1.36 then 1.44 ms)
@@ -176,18 +179,17 @@ def mlp(hidden: int, inner: int) -> nn.Sequential:
     return nn.Sequential(nn.Linear(hidden, inner), nn.GELU(), nn.Linear(inner, hidden))
 
 
-def torchao_float8(model: nn.Module) -> nn.Module:
+def torchao_float8(model: nn.Module, recipe: str = "rowwise") -> nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("rowwise"))
+    return convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name(recipe))
 
 
-def mlp_rows(
-    results: Results, tokens: int, recipes: tuple[str, ...], torchao_against: list[float] | None = None
-) -> list[float] | None:
+def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], peers: bool = False) -> list[float] | None:
     """BF16, ``recipes`` and the fused MLP, timed in interleaved rounds; returns BF16's times per round. With
-    ``torchao_against`` (BF16's rounds from an earlier call) only the torchao peers run, their speedups taken
-    against its median."""
+    ``peers``: BF16, our fastest fused MLP and torchao's float8 training (`TORCHAO_RECIPES` compiled, rowwise
+    eager) in rounds of their own, rows marked ``mlp_peers`` (risky peers: run last, a failure recorded)."""
+    bench = "mlp_peers" if peers else "mlp"
     torch.manual_seed(0)
     base = mlp(HIDDEN, INNER).to(DEVICE)
     x = torch.randn(tokens, HIDDEN, device=DEVICE)
@@ -215,7 +217,7 @@ def mlp_rows(
 
     def add(name: str, build: Callable[[], nn.Module], note: str = "") -> None:
         """Build ``name``'s model and run its first step (errors against fp32); the timing comes later."""
-        row: dict[str, Any] = {"bench": "mlp", "shape": shape, "impl": name, "note": note}
+        row: dict[str, Any] = {"bench": bench, "shape": shape, "impl": name, "note": note}
         xin = x16.clone().requires_grad_()
         state: dict[str, Any] = {}
 
@@ -245,10 +247,9 @@ def mlp_rows(
             row["error"] = f"{type(exc).__name__}: {exc}"[:300]
             results.add(row)
 
-    def time_all(baseline_ms: list[float] | None) -> list[float] | None:
+    def time_all() -> list[float] | None:
         """Every built variant timed in interleaved rounds (`interleaved_ms`): ms is the median over rounds,
-        the speedup the median of the per-round ratios against BF16 (against ``baseline_ms``' median when
-        BF16 is not among them), ms_rounds the rounds' times."""
+        the speedup the median of the per-round ratios against BF16, ms_rounds the rounds' times."""
         errors: dict[str, str] = {}
 
         def guarded(name: str) -> Callable[[], Any]:
@@ -277,9 +278,8 @@ def mlp_rows(
         # each entry times its own variant's graph when called (the rounds' bench just calls it)
         graphed = {name: partial(graph_ms, name) for name in variants if name not in errors}
         graph_times = interleaved_ms(graphed, rounds=MLP_GRAPH_ROUNDS, bench=lambda timed: timed())
-        # BF16 timed in these rounds: per-round ratios, else against the earlier call's median (or none)
-        paired = BF16_MLP in times and BF16_MLP not in errors
-        baseline = times[BF16_MLP] if paired else None if BF16_MLP in times else baseline_ms
+        paired = BF16_MLP in times and BF16_MLP not in errors  # else no speedups
+        baseline = times[BF16_MLP] if paired else None
         for name, entry in variants.items():
             row, ms_rounds = entry["row"], times[name]
             if name in errors:
@@ -288,8 +288,7 @@ def mlp_rows(
                 ms = statistics.median(ms_rounds)
                 row.update(ms=ms, tflops=tflops(flops, ms), ms_rounds=ms_rounds)
                 if baseline is not None:
-                    row["speedup_vs_bf16"] = (paired_speedup(baseline, ms_rounds) if paired
-                                              else statistics.median(baseline) / ms)
+                    row["speedup_vs_bf16"] = paired_speedup(baseline, ms_rounds)
                 if name in declined:
                     row["graph_error"] = declined[name]
                 else:
@@ -310,26 +309,29 @@ def mlp_rows(
 
         return build
 
-    def fused(recipe: str, fuse_bias_grads: bool = False) -> Callable[[], nn.Module]:
+    def fused(recipe: str, fuse_bias_grads: bool = True) -> Callable[[], nn.Module]:
         def build() -> nn.Module:
             plain = bf16_copy()
             return LowPrecisionMLP(plain[0], plain[2], recipe, fuse_bias_grads=fuse_bias_grads)
 
         return build
 
-    if torchao_against is not None:
-        add("torchao float8 rowwise (eager)", lambda: torchao_float8(bf16_copy()))
-        add("torchao float8 rowwise (compiled)", lambda: torch.compile(torchao_float8(bf16_copy())))
-        return time_all(torchao_against)
     add(BF16_MLP, bf16_copy)
+    if peers:
+        add(f"LowPrecisionMLP {BEST_FUSED} (fused GELU)", fused(BEST_FUSED), "wgrad bf16")
+        for recipe in TORCHAO_RECIPES:
+            add(f"torchao float8 {recipe} (compiled)", lambda r=recipe: torch.compile(torchao_float8(bf16_copy(), r)),
+                "wgrad bf16" if recipe.endswith("gw_hp") else "all fp8")
+        add("torchao float8 rowwise (eager)", lambda: torchao_float8(bf16_copy()), "all fp8")
+        return time_all()
     for recipe in recipes:
         note = "all fp8" if recipe.endswith("_all") else "wgrad bf16"
         add(f"LowPrecisionLinear {recipe}", low_precision(recipe), note)
     for recipe in FUSED_MLP_RECIPES:
-        add(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16")
-    add(f"LowPrecisionMLP {BIAS_SUMS_RECIPE} (fused GELU, bias grads)", fused(BIAS_SUMS_RECIPE, True),
-        "wgrad bf16; bias gradients summed by the quantizers")
-    baseline = time_all(None)
+        add(f"LowPrecisionMLP {recipe} (fused GELU)", fused(recipe), "wgrad bf16; bias gradients from the quantizers")
+    add(f"LowPrecisionMLP {BEST_FUSED} (fused GELU, torch bias reductions)", fused(BEST_FUSED, False),
+        "wgrad bf16; the bias gradients as two reductions of their own")
+    baseline = time_all()
     if baseline is not None:
         spread = max(baseline) / min(baseline) - 1
         print(f"BF16 over {len(baseline)} rounds: {min(baseline):.3f}-{max(baseline):.3f} ms ({100 * spread:.1f}% "
@@ -350,12 +352,12 @@ def main() -> None:
     results = Results(args.quick)
     print(f"MLP block {args.tokens} tokens, {HIDDEN} -> {INNER} -> GELU -> {HIDDEN}, forward + backward "
           "(6 GEMMs counted); rel_err vs fp32 on the same inputs", flush=True)
-    bf16_rounds = mlp_rows(results, args.tokens, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL)
+    mlp_rows(results, args.tokens, MLP_RECIPES_QUICK if args.quick else MLP_RECIPES_FULL)
     print("GEMM out = x @ w^T (M x N x K); TFLOP/s = 2MNK / time", flush=True)
     gemm_rows(results, GEMM_SHAPES_QUICK if args.quick else GEMM_SHAPES_FULL, full=not args.quick)
     if not args.quick:
         cublas_blockwise_available(False)
-        mlp_rows(results, args.tokens, (), torchao_against=bf16_rounds)  # risky peers last
+        mlp_rows(results, args.tokens, (), peers=True)  # risky peers last, with BF16 in their rounds
     print()
     print_table(results.rows, COLUMNS)
     fp8 = [r for r in results.rows if r["bench"] == "mlp" and "ms" in r and r["impl"].startswith("LowPrecision")]

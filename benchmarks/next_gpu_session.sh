@@ -82,6 +82,8 @@
 #   fp8_rowwise and fp8_rowwise_fast, gem-small b2048 under bench train (the restarted loader warm before the window)
 # s15a, s15b (one GPU, next session): issue 6's low-precision benchmark with interleaved rounds and graph
 #   replays, the MLP block's kernels | gem-small b2048 with the bf16 sequence stream, then with fp8_rowwise_fast MLPs
+# s15d (one GPU, session 15): issue 6's benchmark with the fused MLP's bias sums on by default and torchao (a carried
+#   wheel, EXTRA_PYTHONPATH) in the peer rounds, the MLP block's kernels, then FP8 attention's GPU tests and quick run
 # s15c (one GPU, next session): the 2000-step gem-small curve with the bf16 sequence stream against session 14's
 #   BF16 curve (NE within 0.2%?)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -91,7 +93,8 @@
 set -u
 final=$1; part=$2
 out=$final/work
-export PYTHONPATH=src:. PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
+# EXTRA_PYTHONPATH: packages the GPU image lacks, installed from carried wheels (torchao for issue 6's peer)
+export PYTHONPATH=src:.${EXTRA_PYTHONPATH:+:$EXTRA_PYTHONPATH} PYTHONUNBUFFERED=1 OMP_NUM_THREADS=4
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p "$out/logs" "$out/results"
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
@@ -228,6 +231,13 @@ chain_s15c() {  # issue 10's bf16 sequence stream over issue 6's 2000 steps, aga
   step lp_curve_bf16_sequence 560 untuned_curve --variant none --label bf16_sequence --set gem.sequence_dtype=compute
   step lp_curves_compare 30 untuned_curve --compare --label bf16_sequence
 }
+chain_s15d() {  # issue 6 with the bias sums on by default and torchao in the peer rounds, then issue 12's FP8 JFA forward
+  step low_precision_gpu_tests 120 tests tests/gpu/test_low_precision_gpu.py
+  step low_precision_full 240 python -m benchmarks.low_precision
+  step fp8_mlp_kernels 90 python -m benchmarks.diag.fp8_mlp_kernels
+  step fp8_attention_gpu_tests 60 tests tests/gpu/test_fp8_attention_gpu.py
+  step attention_fp8 80 python -m benchmarks.attention_fp8 --quick
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -345,7 +355,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

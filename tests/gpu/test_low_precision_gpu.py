@@ -362,9 +362,10 @@ def test_fp8_linears_under_torch_compile() -> None:
     for index in (0, 2):
         layers[index] = LowPrecisionLinear.from_linear(layers[index], "fp8_rowwise")
     mlp = LowPrecisionMLP(*(torch.nn.Linear(*dims).cuda().to(torch.bfloat16) for dims in ((512, 1024), (1024, 512))))
-    mlp_sums = LowPrecisionMLP(mlp.fc1, mlp.fc2, fuse_bias_grads=True)
+    mlp_torch_bias = LowPrecisionMLP(mlp.fc1, mlp.fc2, fuse_bias_grads=False)  # torch's bias reductions
     x = torch.randn(2048, 512, device="cuda", dtype=torch.bfloat16)
-    for module in (layers, mlp, mlp_sums):
+    for module in (layers, mlp, mlp_torch_bias):  # the two MLPs share parameters: gradients cleared before each
+        module.zero_grad(set_to_none=True)
         eager_x, compiled_x = x.clone().requires_grad_(), x.clone().requires_grad_()
         module(eager_x).float().square().mean().backward()
         eager_grads = [p.grad.clone() for p in module.parameters()]

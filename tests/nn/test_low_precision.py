@@ -372,7 +372,7 @@ def test_fp8_layers_compile_without_graph_breaks_and_match_eager(recipe: str, ba
     torch.manual_seed(3)
     fc1, fc2 = nn.Linear(256, 512), nn.Linear(512, 256)
     layers = [LowPrecisionLinear.from_linear(fc2, recipe)]
-    layers += [LowPrecisionMLP(fc1, fc2), LowPrecisionMLP(fc1, fc2, fuse_bias_grads=True)] if recipe == "fp8_rowwise" else []
+    layers += [LowPrecisionMLP(fc1, fc2), LowPrecisionMLP(fc1, fc2, fuse_bias_grads=False)] if recipe == "fp8_rowwise" else []
     g = torch.randn(48, 256)
     for layer in layers:
         inputs = torch.randn(48, layer.fc1.in_features if isinstance(layer, LowPrecisionMLP) else 512)

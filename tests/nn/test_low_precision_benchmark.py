@@ -47,7 +47,7 @@ def scripted_rounds(monkeypatch, order: list[str], ms_of: dict[str, list[float]]
 def test_mlp_rows_interleave_the_variants_and_pair_the_speedups(cpu_bench, monkeypatch):
     order: list[str] = []
     names = [low_precision.BF16_MLP, "LowPrecisionLinear fp8_rowwise", "LowPrecisionMLP fp8_rowwise (fused GELU)",
-             "LowPrecisionMLP fp8_rowwise_fast (fused GELU)", "LowPrecisionMLP fp8_rowwise_fast (fused GELU, bias grads)"]
+             "LowPrecisionMLP fp8_rowwise_fast (fused GELU)", "LowPrecisionMLP fp8_rowwise_fast (fused GELU, torch bias reductions)"]
     # the card's speed changes from round to round; each FP8 variant's gain within a round differs too
     bf16 = [10.0, 14.0, 11.0, 13.0, 12.0]
     gains = [2.0, 1.5, 2.0, 1.8, 1.6]
@@ -75,7 +75,7 @@ def test_mlp_rows_interleave_the_variants_and_pair_the_speedups(cpu_bench, monke
 
 def test_a_variant_that_fails_is_recorded_and_the_others_still_time(cpu_bench, monkeypatch):
     timed = [low_precision.BF16_MLP, "LowPrecisionMLP fp8_rowwise (fused GELU)",
-             "LowPrecisionMLP fp8_rowwise_fast (fused GELU)", "LowPrecisionMLP fp8_rowwise_fast (fused GELU, bias grads)"]
+             "LowPrecisionMLP fp8_rowwise_fast (fused GELU)", "LowPrecisionMLP fp8_rowwise_fast (fused GELU, torch bias reductions)"]
     order: list[str] = []
     scripted_rounds(monkeypatch, order, {name: [1.0] * low_precision.MLP_ROUNDS for name in timed})
     results = low_precision.Results(quick=True)
