@@ -269,11 +269,12 @@ def mlp_rows(results: Results, tokens: int, recipes: tuple[str, ...], peers: boo
         declined: dict[str, str] = {}
 
         def graph_ms(name: str) -> float:
-            ms = None if name in declined else bench_graph_ms(
-                variants[name]["step"], on_error=lambda why: declined.setdefault(name, why))
-            if ms is None:
+            if name not in declined:
+                ms = bench_graph_ms(variants[name]["step"], on_error=lambda why: declined.setdefault(name, why))
+                if ms is not None:
+                    return ms
                 declined.setdefault(name, "no CUDA graph timing")
-            return math.nan if ms is None else ms
+            return math.nan
 
         # each entry times its own variant's graph when called (the rounds' bench just calls it)
         graphed = {name: partial(graph_ms, name) for name in variants if name not in errors}

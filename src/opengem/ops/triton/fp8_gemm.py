@@ -269,33 +269,35 @@ def _row_programs(block_c: int) -> list[triton.Config]:
     return kept or [c for c in configs if c.kwargs["BLOCK_R"] == most_rows]
 
 
-def _persistent_programs(block_c: int) -> list[triton.Config]:
-    """Persistent candidates for rows in registers (`_persistent_rows`): blocks of 4096 elements, 8 values a
-    thread at 16 warps; four programs an SM with registers capped at 32 (the full occupancy), three at 40
-    (the GELU forward at 65536 x 4096 in 0.367 ms against 0.386 at 32 and 0.390 for the plain one-row program,
-    H200, session 15) or two uncapped."""
-    rows = max(1, 4096 // block_c)
-    return [triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": programs}, num_warps=16, **({"maxnreg": cap} if cap else {}))
-            for programs, cap in ((4, 32), (3, 40), (2, None))]
-
-
+# Persistent candidates for rows in registers (`_persistent_rows`): blocks of 4096 elements, 8 values a thread at
+# 16 warps; (warps, programs per SM, register cap): four programs an SM capped at 32 registers (the full
+# occupancy), three at 40 (the GELU forward at 65536 x 4096 in 0.367 ms against 0.386 at 32 and 0.390 for the
+# plain one-row program, H200, session 15) or two uncapped.
+PERSISTENT_PROGRAMS = ((16, 4, 32), (16, 3, 40), (16, 2, None))
 # The column-summing launches (`rowwise_quantize_with_sums`): persistent programs only (a plain program owns
-# one row block, so its partial sums would be as large as the tensor). Blocks of 4096 elements; 16 warps hold
-# 8 values and 8 sums a thread, 8 warps 16 of each. (warps, programs per SM, register cap); the cap keeps every
-# program of the grid resident (programs x threads x cap <= 64K registers), else the last wave of a persistent
-# grid runs alone. Static sm_90 counts, GELU backward at 4096 columns: 64 registers uncapped at 16 warps (no
-# spill), 32 bytes of spills at 40, 72 at 32; 121 registers at 8 warps. Measured there (H200, session 15): 0.498
-# ms at 16 warps x 2, 0.568 at 16 x 3, 0.667 at 8 x 4 (0.974 at 16 x 4 capped at 32 and 1.84 at 8 x 6 capped at
-# 40: dropped); x at 1024 columns 0.073-0.075 ms for all three. The first is the untuned default.
+# one row block, so its partial sums would be as large as the tensor). 16 warps hold 8 values and 8 sums a
+# thread, 8 warps 16 of each; the cap keeps every program of the grid resident (programs x threads x cap <= 64K
+# registers), else the last wave of a persistent grid runs alone. Static sm_90 counts, GELU backward at 4096
+# columns: 64 registers uncapped at 16 warps (no spill), 32 bytes of spills at 40, 72 at 32; 121 registers at 8
+# warps. Measured there (H200, session 15): 0.498 ms at 16 warps x 2, 0.568 at 16 x 3, 0.667 at 8 x 4 (0.974 at
+# 16 x 4 capped at 32 and 1.84 at 8 x 6 capped at 40: dropped); x at 1024 columns 0.073-0.075 ms for all three.
+# The first is the untuned default.
 COLUMN_SUM_PROGRAMS = ((16, 2, 64), (16, 3, 40), (8, 4, 64))
 MAX_COLUMN_SUM_PROGRAMS_PER_SM = max(programs for _, programs, _ in COLUMN_SUM_PROGRAMS)
 
 
-def _column_sum_programs(block_c: int) -> list[triton.Config]:
+def _persistent_programs(
+    block_c: int, programs: tuple[tuple[int, int, int | None], ...] = PERSISTENT_PROGRAMS
+) -> list[triton.Config]:
+    """Configs of ``programs`` ((warps, programs per SM, register cap or None)) at ``block_c`` columns."""
     rows = max(1, 4096 // block_c)
-    return [triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": programs}, num_warps=warps,
+    return [triton.Config({"BLOCK_R": rows, "PROGRAMS_PER_SM": per_sm}, num_warps=warps,
                           **({"maxnreg": cap} if cap else {}))
-            for warps, programs, cap in COLUMN_SUM_PROGRAMS]
+            for warps, per_sm, cap in programs]
+
+
+def _column_sum_programs(block_c: int) -> list[triton.Config]:
+    return _persistent_programs(block_c, COLUMN_SUM_PROGRAMS)
 
 
 def _row_tuner(configs: list[triton.Config]):
