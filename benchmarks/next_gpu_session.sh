@@ -86,6 +86,8 @@
 #   wheel, EXTRA_PYTHONPATH) in the peer rounds, the MLP block's kernels, then FP8 attention's GPU tests and quick run
 # s15c (one GPU, next session): the 2000-step gem-small curve with the bf16 sequence stream against session 14's
 #   BF16 curve (NE within 0.2%?)
+# s16a (one GPU, session 16): gem-small b2048 under bench train with the sequence stream in fp32 then bf16 (one call:
+#   the ratio), then gem-large b512 with the bf16 stream, each with its top kernels and timed idle (issue 10)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -238,6 +240,13 @@ chain_s15d() {  # issue 6 with the bias sums on by default and torchao in the pe
   step fp8_attention_gpu_tests 60 tests tests/gpu/test_fp8_attention_gpu.py
   step attention_fp8 80 python -m benchmarks.attention_fp8 --quick
 }
+chain_s16a() {  # issue 10: the bf16 sequence stream against fp32 in one call, then gem-large's kernels
+  step bench_train_fp32_sequence 200 small_train --out "$out/results/train_gem-small_b2048_s16_fp32_sequence.json"
+  step bench_train_bf16_sequence 200 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s16_bf16_sequence.json"
+  step bench_train_large 200 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s16_bf16_sequence.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -355,7 +364,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

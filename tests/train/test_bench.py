@@ -317,7 +317,7 @@ def test_gpu_time_by_kernel_family():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    from opengem.train.bench.kernels import FAMILIES, family_split_us, kernel_family
+    from opengem.train.bench.kernels import FAMILIES, family_split_us, kernel_family, top_kernels
 
     expected = {
         "_dkdv_kernel": "attention", "gdpa_fwd_kernel": "attention", "_block_attention_fwd": "attention",
@@ -342,3 +342,6 @@ def test_gpu_time_by_kernel_family():
     assert list(split) == list(FAMILIES) and sum(split.values()) == 45
     assert (split["attention"], split["gemm"], split["fused_elementwise"]) == (10, 30, 5)
     assert torch.cuda.is_available() or split["other"] == 0
+    ranked = top_kernels(events + [kernel("_dq_kernel", 50, 55)], steps=2, count=2)
+    assert ranked == [{"name": "nvjet_sm90_x", "family": "gemm", "ms_per_step": 0.015, "calls_per_step": 0.5},
+                      {"name": "_dq_kernel", "family": "attention", "ms_per_step": 0.0075, "calls_per_step": 1.0}]

@@ -85,3 +85,15 @@ def family_split_us(events: Iterable[FunctionEvent]) -> dict[str, float]:
     for name, start, end in device_work(events):
         totals[kernel_family(name)] += end - start
     return totals
+
+
+def top_kernels(events: Iterable[FunctionEvent], steps: int, count: int = 25) -> list[dict[str, object]]:
+    """The ``count`` kernels with the most GPU time, per step: what to attack first in a family's total."""
+    totals: dict[str, list[float]] = {}
+    for name, start, end in device_work(events):
+        entry = totals.setdefault(name, [0.0, 0])
+        entry[0] += end - start
+        entry[1] += 1
+    ranked = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:count]
+    return [{"name": name, "family": kernel_family(name), "ms_per_step": us / 1e3 / steps, "calls_per_step": calls / steps}
+            for name, (us, calls) in ranked]

@@ -25,7 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import LowPrecisionLinear
-from opengem.train.bench.kernels import family_split_us
+from opengem.train.bench.kernels import family_split_us, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import events_report, host_events
@@ -132,7 +132,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     untuned_ms = statistics.fmean(calm_laps) if calm_laps else None
     _progress(f"timed {options.steps} steps: {1e3 * elapsed / options.steps:.2f} ms each")
 
-    phases_ms, families_ms, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
+    phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
     _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
@@ -170,6 +170,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "loader_samples_per_s": loader_samples_per_s,
         "loader_over_step_rate": loader_samples_per_s * elapsed / samples,
         "profiled_step_ms": profiled_step_ms,
+        # the profiler slows the host, so its "idle" overstates the timed steps' idle: this is the timed one
+        "gpu_idle_ms_timed": 1e3 * elapsed / options.steps - sum(families_ms.values()) if families_ms else None,
         "last_loss": float(loss),
     }
     settings = {
@@ -193,6 +195,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "results": results,
         "phases_ms": phases_ms,
         "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
+        "top_kernels": kernels,  # the kernels with the most GPU time per step (empty on a CPU run)
     }
 
 
@@ -203,10 +206,11 @@ def _progress(message: str) -> None:
 
 def _profile_phases(
     learner: Learner, stream: Any, device: torch.device, steps: int
-) -> tuple[dict[str, float], dict[str, float], float]:
+) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
-    per step by kernel family (``opengem.train.bench.kernels``; CUDA only); and the step time."""
+    per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (both CUDA only); and
+    the step time."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
     learner.model = ForwardRange(model)
@@ -226,8 +230,10 @@ def _profile_phases(
     events = profiler.events()
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
-    families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()} if device.type == "cuda" else {}
-    return phases, families, step_ms
+    if device.type != "cuda":
+        return phases, {}, [], step_ms
+    families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()}
+    return phases, families, top_kernels(events, steps), step_ms
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
@@ -298,6 +304,11 @@ def format_report(payload: dict[str, Any]) -> str:
         *(f"    {name:<16}{ms:>10.3f}" for name, ms in payload["phases_ms"].items()),
         *(["  GPU ms per step by kernel family:"] if payload.get("kernel_families_ms") else []),
         *(f"    {name:<18}{ms:>8.3f}" for name, ms in payload.get("kernel_families_ms", {}).items()),
+        *([f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (timed step - kernel time)"]
+          if r.get("gpu_idle_ms_timed") is not None else []),
+        *(["  top kernels (ms / step, calls / step):"] if payload.get("top_kernels") else []),
+        *(f"    {k['ms_per_step']:>8.3f} {k['calls_per_step']:>6.1f}  {k['family']:<17} {k['name'][:90]}"
+          for k in payload.get("top_kernels", [])),
         f"  {payload['flop_convention']}",
     ]
     return "\n".join(lines)
