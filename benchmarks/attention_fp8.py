@@ -5,11 +5,12 @@ Workloads of :mod:`benchmarks.jfa` (bf16 inputs, H = 4, D = 128): (a) power-law 
 Per workload: the bf16 forward and the fp8 forward through the registered op
 (``torch.ops.opengem.jagged_attention_fwd``, quantize pass included), the fp8 attention kernel alone
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
-alone. Correctness in the same run, on the first sequences of the batch: both outputs against the fp32
-reference (relative error, fp64 norms) and their ratio (issue 12 asks fp8 <= 3x bf16), the same on
-outlier-heavy inputs (4 channels of Q, K, V 10x the others, as real Q and K look: ``*_err_outliers``), and the
-fp8 kernel against the exact emulation (:mod:`opengem.ops.reference.attention_fp8`). FLOPs: 4 H D per
-unmasked pair. The recipe and the CPU-measured error of its alternatives: ``docs/fp8_attention.md``.
+alone, beside its floor (a device copy moving the same bytes). Correctness in the same run, on the first
+sequences of the batch: both outputs against the fp32 reference (relative error, fp64 norms) and their ratio
+(issue 12 asks fp8 <= 3x bf16), the same on outlier-heavy inputs (4 channels of Q, K, V 10x the others, as
+real Q and K look: ``*_err_outliers``), and the fp8 kernel against the exact emulation
+(:mod:`opengem.ops.reference.attention_fp8`). FLOPs: 4 H D per unmasked pair. The recipe and the CPU-measured
+error of its alternatives: ``docs/fp8_attention.md``.
 
 Run: ``PYTHONPATH=src python -m benchmarks.attention_fp8 [--quick]``. ``--quick``: workload (a), each
 kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), autotuned, a few minutes.
@@ -29,7 +30,7 @@ from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
 from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
 
-COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
+COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms", "speedup", "kernel_speedup",
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
            "fp8_vs_emulation"]  # fmt: skip
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0
@@ -74,6 +75,11 @@ def measure(wl: Workload) -> dict:
     times = {p: bench_ms(lambda p=p: run(p)) for p in ("bf16", "fp8")}
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
+    # the pass's floor: a device copy moving its bytes (bf16 Q, K, V read, E4M3 blocks and scales written)
+    moved = sum(x.numel() * x.element_size() for x in (b.q, b.k, b.v, *quantized[:6]))
+    source = torch.empty(moved // 2, dtype=torch.uint8, device=b.q.device)
+    target = torch.empty_like(source)
+    floor_ms = bench_ms(lambda: target.copy_(source))
     flops = 4 * HEADS * HEAD_DIM * attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
     return {
         "workload": wl.name,
@@ -82,6 +88,7 @@ def measure(wl: Workload) -> dict:
         "fp8_ms": times["fp8"],
         "fp8_kernel_ms": kernel_ms,
         "quantize_ms": quantize_ms,
+        "quantize_floor_ms": floor_ms,
         "speedup": times["bf16"] / times["fp8"],
         "kernel_speedup": times["bf16"] / kernel_ms,
         "bf16_tflops": flops / times["bf16"] / 1e9,

@@ -88,6 +88,8 @@
 #   BF16 curve (NE within 0.2%?)
 # s16a (one GPU, session 16): gem-small b2048 under bench train with the sequence stream in fp32 then bf16 (one call:
 #   the ratio), then gem-large b512 with the bf16 stream, each with its top kernels and timed idle (issue 10)
+# s16b (one GPU, session 16): FP8 attention's GPU tests and quick run (the quantize pass a tile per program, the
+#   hardware E4M3 conversion), then the Wukong layer's token-mixing GEMMs padded to 8 tokens against unpadded
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -241,11 +243,16 @@ chain_s15d() {  # issue 6 with the bias sums on by default and torchao in the pe
   step attention_fp8 80 python -m benchmarks.attention_fp8 --quick
 }
 chain_s16a() {  # issue 10: the bf16 sequence stream against fp32 in one call, then gem-large's kernels
-  step bench_train_fp32_sequence 200 small_train --out "$out/results/train_gem-small_b2048_s16_fp32_sequence.json"
+  step bench_train_fp32_sequence 260 small_train --out "$out/results/train_gem-small_b2048_s16_fp32_sequence.json"
   step bench_train_bf16_sequence 200 small_train --set gem.sequence_dtype=compute \
     --out "$out/results/train_gem-small_b2048_s16_bf16_sequence.json"
   step bench_train_large 200 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
     --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s16_bf16_sequence.json"
+}
+chain_s16b() {  # issue 12's quantize pass, then issue 10's Wukong GEMMs (eager and compiled, both presets' shapes)
+  step fp8_attention_gpu_tests 100 tests tests/gpu/test_fp8_attention_gpu.py
+  step attention_fp8 100 python -m benchmarks.attention_fp8 --quick
+  step wukong_gemms 210 python -m benchmarks.diag.wukong_gemms --out "$out/results"
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -364,7 +371,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

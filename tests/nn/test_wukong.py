@@ -1,6 +1,7 @@
+import pytest
 import torch
 
-from opengem.nn.wukong import DenseExperts, WukongLayer
+from opengem.nn.wukong import DenseExperts, WukongLayer, unpadded_token_mixing
 
 
 def test_optimized_fm_equals_pairwise_interactions():
@@ -26,3 +27,42 @@ def test_dense_experts_sum_every_expert():
     experts = [torch.nn.Linear(4, 4) for _ in range(3)]
     x = torch.randn(5, 4)
     torch.testing.assert_close(DenseExperts(experts)(x), sum(e(x) for e in experts))
+
+
+@pytest.mark.parametrize("num_tokens, fm_tokens, lc_tokens", [(39, 6, 5), (16, 8, 8), (7, 3, 4)])
+def test_aligned_token_mixing_equals_the_plain_layer(num_tokens, fm_tokens, lc_tokens):
+    """The zero-padded, merged token mixing computes the plain formulation's output and gradients."""
+    torch.manual_seed(0)
+    layer = WukongLayer(num_tokens, dim=8, fm_tokens=fm_tokens, lc_tokens=lc_tokens, fm_rank=4, mlp_hidden=16).double()
+    x = torch.randn(3, num_tokens, 8, dtype=torch.float64, requires_grad=True)
+
+    def plain(x: torch.Tensor) -> torch.Tensor:
+        compressed = torch.einsum("bnd,nk->bdk", x, layer.fm_projection)
+        fm = layer.fm_mlp(layer.fm_norm(torch.bmm(x, compressed).flatten(1))).view(3, fm_tokens, 8)
+        lc = layer.lc(x.transpose(1, 2)).transpose(1, 2)
+        residual = layer.residual(x.transpose(1, 2)).transpose(1, 2)
+        return layer.norm(torch.cat([fm, lc], dim=1) + residual)
+
+    grad = torch.randn(3, fm_tokens + lc_tokens, 8, dtype=torch.float64)
+    results = []
+    for forward in (layer, plain):
+        layer.zero_grad()
+        x.grad = None
+        out = forward(x)
+        out.backward(grad)
+        results.append([out, x.grad, *(p.grad for p in layer.parameters())])
+    for got, want in zip(*results):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_unpadded_token_mixing_is_scoped_and_computes_the_same():
+    """FLOP counting runs the layers unpadded (useful products only): same output, padding restored after."""
+    torch.manual_seed(0)
+    model = DenseExperts([WukongLayer(13, dim=8, fm_tokens=4, lc_tokens=5, fm_rank=4, mlp_hidden=16) for _ in range(2)])
+    x = torch.randn(2, 13, 8)
+    padded = model(x)
+    with unpadded_token_mixing(model):
+        assert [layer.token_align for layer in model.experts] == [1, 1]
+        unpadded = model(x)
+    assert [layer.token_align for layer in model.experts] == [8, 8]
+    torch.testing.assert_close(unpadded, padded, rtol=1e-5, atol=1e-5)

@@ -27,6 +27,7 @@ from opengem.data.schema import TASKS, Batch
 from opengem.models.gem import GEM
 from opengem.models.presets import gem_model_flops
 from opengem.models.sequence_ctr import SequenceCTRModel
+from opengem.nn.wukong import unpadded_token_mixing
 from opengem.ops.attention_flops import visible_pairs
 
 
@@ -104,9 +105,10 @@ def measured_flops(model: nn.Module, batch: Batch) -> int:
     """Forward + backward FLOPs of one step as counted by ``torch.utils.flop_counter``.
 
     Runs a real forward and backward (``logits.sum()`` as the loss: the loss itself counts zero), so it
-    leaves gradients in ``.grad`` and, with a fused embedding optimizer, applies one sparse update.
+    leaves gradients in ``.grad`` and, with a fused embedding optimizer, applies one sparse update. Wukong's
+    token mixing runs unpadded here, so the count is of useful products, as the analytic one is.
     """
-    with FlopCounterMode(display=False) as counter:
+    with unpadded_token_mixing(model), FlopCounterMode(display=False) as counter:
         model(batch).sum().backward()
     return int(counter.get_total_flops())
 

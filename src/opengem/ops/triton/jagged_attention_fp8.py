@@ -59,6 +59,8 @@ E4M3_MAX = tl.constexpr(emulation.E4M3_MAX)
 MIN_AMAX = tl.constexpr(emulation.MIN_AMAX)
 P_SCALE = tl.constexpr(emulation.P_SCALE)
 FP8_HEAD_DIMS = (32, 64, 128, 256)  # the E4M3 MMA reduces over at least 32
+# the quantize pass: registers for one tile without spills, from static sm_90 counts (benchmarks/sass.py)
+QUANTIZE_WARPS = {32: 4, 64: 4, 128: 8, 256: 16}
 
 # (BLOCK_M, num_warps, num_stages); BLOCK_N is always BLOCK. The first is the untuned default.
 _FWD_FP8 = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (128, 8, 4), (64, 4, 4)]
@@ -101,7 +103,7 @@ def to_e4m3(x, EXACT: tl.constexpr):
 @triton.jit
 def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr,
-                    ROT: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+                    ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """One (block, head): fp32 scale amax / 448 and E4M3 elements, rows past the sample written as zeros;
     ``ROTATE``: of ``x R``, ``R`` the ``[ROT, ROT]`` +-1 Hadamard block, on every ROT-wide slice of each row."""
     offs_r = tl.arange(0, BLOCK)
@@ -119,7 +121,9 @@ def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, nu
     # both quotients correctly rounded, as torch divides (a compiled ``/`` is approximate)
     tl.store(XS + h * num_blocks + block_id, tl.math.div_rn(amax, e4m3_max))
     scaled = x * tl.math.div_rn(e4m3_max, amax)
-    x8 = to_e4m3(tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX), True)
+    if EXACT:  # integer rounding wants |x| <= 448; the hardware conversion saturates by itself
+        scaled = tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX)
+    x8 = to_e4m3(scaled, EXACT)
     base = X8 + (h * num_blocks + block_id).to(tl.int64) * BLOCK * HEAD_DIM
     if TRANSPOSE:
         tl.store(base + offs_d[None, :] * BLOCK + offs_r[:, None], x8)
@@ -130,23 +134,28 @@ def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, nu
 @triton.jit(do_not_specialize=["num_blocks"])
 def _quantize_kernel(
     Q, K, V, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, kv_heads,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, heads, kv_heads,
+    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
-    """Program (block item, head): Q's block of head h, and K's and V's when h is also a K/V head;
-    Q and K rotated by ``R``."""
+    """Program (block item, operand head): axis 1 runs over Q's heads, then K's, then V's, one tile each, Q and K
+    rotated by ``R``. One tile a program keeps its registers to one tile: a program quantizing Q, K and V in turn
+    held 255 registers and spilled at 4 warps, one program per SM, and ran ~10x over the copy time."""
     b = tl.load(items + 2 * tl.program_id(0))
     row = tl.load(items + 2 * tl.program_id(0) + 1)
-    h = tl.program_id(1)
+    operand = tl.program_id(1)
     start, seq_len, _ = _sample(offsets, offsets, b, False)
     block_id = tl.load(block_base + b) + row // BLOCK
-    _quantize_block(Q + h * stride_qh, Q8, QS, R, start, row, seq_len, stride_qt, h, block_id, num_blocks,
-                    HEAD_DIM, BLOCK, False, True, ROT, PRECISION)  # fmt: skip
-    if h < kv_heads:
+    if operand < heads:
+        _quantize_block(Q + operand * stride_qh, Q8, QS, R, start, row, seq_len, stride_qt, operand, block_id,
+                        num_blocks, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT)  # fmt: skip
+    elif operand < heads + kv_heads:
+        h = operand - heads
         _quantize_block(K + h * stride_kh, K8, KS, R, start, row, seq_len, stride_kt, h, block_id, num_blocks,
-                        HEAD_DIM, BLOCK, False, True, ROT, PRECISION)  # fmt: skip
+                        HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT)  # fmt: skip
+    else:
+        h = operand - heads - kv_heads
         _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
-                        HEAD_DIM, BLOCK, True, False, ROT, PRECISION)  # fmt: skip
+                        HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -266,11 +275,11 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     qs, ks, vs = scales(heads), scales(kv_heads), scales(kv_heads)
     if num_blocks:
         n = rotation_size(head_dim)
-        _quantize_kernel[(num_blocks, heads)](
+        _quantize_kernel[(num_blocks, heads + 2 * kv_heads)](
             q, k, v, q8, k8, v8, qs, ks, vs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, kv_heads,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, heads, kv_heads,
             HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            num_warps=8 if head_dim > 128 else 4,
+            EXACT=_INTERPRET, num_warps=QUANTIZE_WARPS[head_dim],
         )  # fmt: skip
     return q8, k8, v8, qs, ks, vs, block_base
 
