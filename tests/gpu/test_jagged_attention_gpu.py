@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from opengem.ops.jagged_attention import jagged_attention
+from opengem.ops.jagged_attention import jagged_attention, jagged_attention_packed
 from opengem.ops.reference.attention import jagged_attention as reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -84,6 +84,24 @@ def test_fp16_and_fp32_mqa():
 def test_long_sequences_sub_batch():
     lengths = [4100, 2, 1500]  # tiles at many diagonal / off-diagonal positions
     _check(lengths, 2, 2, 128, torch.bfloat16, 1.5e-2, causal=True)  # long rows sum more bf16 roundings
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_packed_qkv_gradient_equals_the_stacked_one(mask):
+    """The kernels write dq, dk, dv into one [T, 3, H, D] gradient (strided stores): bitwise the three
+    separate gradients of the same views, stacked."""
+    lengths = [300, 0, 1, 129, 511]
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    qkv = torch.randn(sum(lengths), 3, 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    dout = torch.randn(sum(lengths), 2, 128, generator=gen, device="cuda").to(torch.bfloat16)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    kwargs = _mask_kwargs(MASKS[mask], lengths)
+    leaf = qkv.clone().requires_grad_()
+    out = jagged_attention_packed(leaf, offsets, 511, **kwargs)
+    (dqkv,) = torch.autograd.grad(out, leaf, dout)
+    want = _forward_backward(*qkv.unbind(1), dout, offsets, 511, **kwargs)
+    assert torch.equal(out, want[0])
+    assert torch.equal(dqkv, torch.stack(want[1:], 1))
 
 
 def test_backward_is_deterministic():

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.flop_counter import FlopCounterMode
 
-from opengem.ops.jagged_attention import attention_pairs, jagged_attention
+from opengem.ops.jagged_attention import attention_pairs, jagged_attention, jagged_attention_packed
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.masks import attention_mask
 from opengem.ops.triton import jagged_attention as kernels
@@ -336,3 +336,47 @@ def test_tuning_bucket_is_one_past_4096():
 
     assert [tuning_bucket(n) for n in (0, 1, 17, 1000, 4096)] == [16, 16, 32, 1024, 4096]
     assert tuning_bucket(4097) == tuning_bucket(9000) == tuning_bucket(16384) == TUNING_BUCKET_CAP == 8192
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("mask", ["causal", "full_window", "all_options"])
+def test_packed_qkv_equals_the_unbound_views(poisoned, backend, mask):
+    """``jagged_attention_packed`` on a [T, 3, H, D] projection output: the output of ``jagged_attention`` on its
+    ``unbind(1)`` views, and its one packed gradient equal to the three stacked (the kernels write it directly)."""
+    kwargs = _mask_kwargs(MASKS[mask])
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(sum(LENGTHS), 3, 2, 16, generator=gen)
+    dout = torch.randn(sum(LENGTHS), 2, 16, generator=gen)
+    offsets, max_len = _offsets(LENGTHS), max(LENGTHS)
+    packed = qkv.clone().requires_grad_()
+    out = jagged_attention_packed(packed, offsets, max_len, backend=backend, **kwargs)
+    (dqkv,) = torch.autograd.grad(out, packed, dout)
+    want_out, want_grads = _run(*qkv.unbind(1), dout, offsets, max_len, backend, **kwargs)
+    assert out.is_contiguous() and dqkv.shape == qkv.shape
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    torch.testing.assert_close(dqkv, torch.stack(want_grads, 1), rtol=0, atol=0)
+
+
+def test_packed_qkv_flops_compile_and_bad_shapes():
+    lengths = [9, 0, 14]
+    offsets = _offsets(lengths)
+    qkv = torch.randn(sum(lengths), 3, 2, 16, requires_grad=True)
+    dout = torch.randn(sum(lengths), 2, 16)
+    pairs = attention_pairs(offsets, causal=True, window=3)
+    with FlopCounterMode(display=False) as counter:
+        jagged_attention_packed(qkv, offsets, 14, window=3).backward(dout)
+    assert counter.get_total_flops() == 4 * 2 * 16 * pairs * (1 + 2.5)
+
+    compiled = torch.compile(lambda x: jagged_attention_packed(x, offsets, 14, window=3) * 2.0, fullgraph=True,
+                             backend="aot_eager")  # fmt: skip
+    leaf = qkv.detach().clone().requires_grad_()
+    out = compiled(leaf)
+    (grad,) = torch.autograd.grad(out, leaf, dout)
+    want_out, want_grads = _run(*qkv.detach().unbind(1), dout * 2.0, offsets, 14, "reference", window=3)
+    torch.testing.assert_close(out, want_out * 2.0)
+    torch.testing.assert_close(grad, torch.stack(want_grads, 1))
+
+    with pytest.raises(ValueError, match=r"qkv must have shape \[T, 3, H, D\], got \[23, 2, 2, 16\]"):
+        jagged_attention_packed(qkv[:, :2], offsets, 14)
+    with pytest.raises(ValueError, match="max_len_q = 5 is shorter"):
+        jagged_attention_packed(qkv, offsets, 5)

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from opengem.jagged import Jagged
-from opengem.ops import jagged_attention
+from opengem.ops import jagged_attention_packed
 
 
 class MLP(nn.Sequential):
@@ -29,7 +29,7 @@ class MLP(nn.Sequential):
 class JaggedTransformerLayer(nn.Module):
     """Pre-norm self-attention + feed-forward over a jagged ``[T, d_model]`` batch.
 
-    Attention uses :func:`opengem.ops.jagged_attention` with the recommendation mask (causal over the
+    Attention uses :func:`opengem.ops.jagged_attention_packed` with the recommendation mask (causal over the
     history; the last ``num_targets[b]`` tokens of each sample are candidates that see the history and
     themselves only).
     """
@@ -49,8 +49,8 @@ class JaggedTransformerLayer(nn.Module):
 
     def forward(self, x: Jagged, num_targets: torch.Tensor | None = None) -> Jagged:
         h = x.values
-        q, k, v = self.qkv(self.attn_norm(h)).view(h.shape[0], 3, self.num_heads, self.head_dim).unbind(1)
-        attended = jagged_attention(q, k, v, x.offsets, x.max_len, causal=True, num_targets=num_targets)
+        qkv = self.qkv(self.attn_norm(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
+        attended = jagged_attention_packed(qkv, x.offsets, x.max_len, causal=True, num_targets=num_targets)
         h = h + self.dropout(self.out(attended.reshape(h.shape[0], -1)))
         h = h + self.dropout(self.ffn(self.ffn_norm(h)))
         return x.with_values(h)

@@ -17,7 +17,7 @@ from opengem.ops.fp8_gemm import (
 )
 from opengem.ops.gdpa import gdpa, hstu_attention
 from opengem.ops.mx import MXTensor, mx_dequantize, mx_quantize
-from opengem.ops.jagged_attention import attention_pairs, jagged_attention
+from opengem.ops.jagged_attention import attention_pairs, jagged_attention, jagged_attention_packed
 
 __all__ = [
     "RECIPES",
@@ -37,6 +37,7 @@ __all__ = [
     "block_attention",
     "block_attention_from_hidden",
     "jagged_attention",
+    "jagged_attention_packed",
     "mx_dequantize",
     "mx_quantize",
     "quantize_gelu",

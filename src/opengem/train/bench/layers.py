@@ -24,6 +24,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from opengem.data.schema import Batch
 from opengem.jagged import Jagged
 from opengem.models.gem import GEM
+from opengem.nn.wukong import unpadded_token_mixing
 from opengem.train.bench.step import TrainBenchOptions, bench_config
 from opengem.train.bench.timing import FLOP_CONVENTION, environment, time_ms
 from opengem.train.data_stream import train_batches
@@ -64,7 +65,7 @@ def bench_layers(options: TrainBenchOptions, repeats: int = 10) -> dict[str, Any
                 out = case.run(*inputs)
             _scalar(out).backward()
 
-        with FlopCounterMode(display=False) as counter:
+        with unpadded_token_mixing(model), FlopCounterMode(display=False) as counter:  # useful FLOPs only
             step()
         flops = int(counter.get_total_flops())
         ms = time_ms(step, device, warmup=3, repeats=repeats)
