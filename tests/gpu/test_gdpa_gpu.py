@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from opengem.ops.activations import ACTIVATIONS
-from opengem.ops.gdpa import gdpa, hstu_attention
+from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention
 from opengem.ops.reference import gdpa as reference
 from opengem.ops.triton import gdpa as triton_gdpa
 from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward
@@ -143,6 +143,28 @@ def test_every_tuning_candidate(monkeypatch, max_len, forward, head_dim, loads):
                head_dim=head_dim)
         _check(lengths, lengths, activation="fast_gelu", seed=index, head_dim=head_dim)
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("seeds", [None, 16])
+def test_packed_kv_gradient_equals_the_stacked_one(seeds):
+    """Seed pooling and self-attention over one [Tk, 2, H, D] K/V projection: the kernels write dK and dV into one
+    packed gradient (strided stores), bitwise the gradients of the unbound views stacked."""
+    lengths = [700, 129, 0, 1, 513]
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    q = torch.randn(seeds or sum(lengths), 2, 128, generator=gen, device=DEVICE).bfloat16()
+    kv = torch.randn(sum(lengths), 2, 2, 128, generator=gen, device=DEVICE).bfloat16()
+    offsets = _offsets(lengths)
+    args = (None, offsets, seeds, 700) if seeds else (offsets, offsets, 700, 700)
+    kwargs = {"broadcast_q": True} if seeds else {"causal": True, "window": 100}
+    q_leaf, kv_leaf = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out = gdpa_packed_kv(q_leaf, kv_leaf, *args, activation="silu", **kwargs)
+    grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).bfloat16()
+    dq, dkv = torch.autograd.grad(out, (q_leaf, kv_leaf), grad_out)
+    leaves = [t.clone().requires_grad_() for t in (q, *kv.unbind(1))]
+    want = gdpa(*leaves, *args, activation="silu", **kwargs)
+    want_dq, want_dk, want_dv = torch.autograd.grad(want, leaves, grad_out)
+    assert torch.equal(out, want) and torch.equal(dq, want_dq)
+    assert torch.equal(dkv, torch.stack([want_dk, want_dv], 1))
 
 
 def test_hstu_attention_matches_reference():

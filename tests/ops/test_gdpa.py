@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from opengem.ops.activations import ACTIVATIONS, activation_grad, activation_value  # noqa: E402
 from opengem.ops.attention_flops import visible_pairs  # noqa: E402
-from opengem.ops.gdpa import gdpa, hstu_attention  # noqa: E402
+from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention  # noqa: E402
 from opengem.ops.reference import gdpa as reference  # noqa: E402
 from opengem.ops.reference.masks import attention_mask  # noqa: E402
 from opengem.ops.triton.activations import activation_value_and_grad  # noqa: E402
@@ -251,6 +251,58 @@ def test_op_dispatches_reference_on_cpu_and_triton_when_forced():
     expected = reference.gdpa(q, k, v, offsets, offsets, head_activations=["gelu"] * 2, pre_scale=0.5,
                               out_scale=2.0 / 11, causal=True)
     torch.testing.assert_close(outs[0], expected)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("case", ["broadcast", "self_masked"])
+def test_packed_kv_equals_the_unbound_views(backend, case):
+    """``gdpa_packed_kv`` on a [Tk, 2, H_kv, D] projection output: ``gdpa``'s output on its ``unbind(1)`` views,
+    dq equal, and the one packed K/V gradient equal to dK and dV stacked (the kernels write it directly)."""
+    lengths = [20, 0, 1, 13, 7]
+    offsets = _offsets(lengths)
+    gen = torch.Generator().manual_seed(4)
+    kv = torch.randn(sum(lengths), 2, 1, 16, generator=gen)
+    if case == "broadcast":
+        q = torch.randn(6, 2, 16, generator=gen)
+        args, kwargs = (None, offsets, 6, 20), {"broadcast_q": True, "activation": "silu", "pre_scale": 0.25}
+    else:
+        q = torch.randn(sum(lengths), 2, 16, generator=gen)
+        args, kwargs = (offsets, offsets, 20, 20), {"causal": True, "window": 5, "activation": "gelu", "norm": "max_len"}
+    grad = torch.randn(q.shape[0] * (len(lengths) if case == "broadcast" else 1), 2, 16, generator=gen)
+    q_leaf, kv_leaf = q.clone().requires_grad_(), kv.clone().requires_grad_()
+    out = gdpa_packed_kv(q_leaf, kv_leaf, *args, backend=backend, **kwargs)
+    dq, dkv = torch.autograd.grad(out, (q_leaf, kv_leaf), grad)
+    leaves = [t.clone().requires_grad_() for t in (q, *kv.unbind(1))]
+    want = gdpa(*leaves, *args, backend=backend, **kwargs)
+    want_dq, want_dk, want_dv = torch.autograd.grad(want, leaves, grad)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    torch.testing.assert_close(dq, want_dq, rtol=0, atol=0)
+    torch.testing.assert_close(dkv, torch.stack([want_dk, want_dv], 1), rtol=0, atol=0)
+    with FlopCounterMode(display=False) as counter:
+        gdpa_packed_kv(q_leaf, kv_leaf, *args, backend=backend, **kwargs).backward(grad)
+    with FlopCounterMode(display=False) as unpacked:
+        gdpa(*leaves, *args, backend=backend, **kwargs).backward(grad)
+    assert counter.get_total_flops() == unpacked.get_total_flops() > 0
+
+
+def test_packed_kv_compiles_and_rejects_bad_shapes():
+    lengths = [7, 3]
+    offsets = _offsets(lengths)
+    q = torch.randn(10, 2, 16, requires_grad=True)
+    kv = torch.randn(10, 2, 1, 16, requires_grad=True)
+
+    def f(q, kv):
+        return gdpa_packed_kv(q, kv, offsets, offsets, 7, 7, activation="relu2", causal=True, norm=4.0)
+
+    out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, kv)
+    dq, dkv = torch.autograd.grad(out.sum(), (q, kv))
+    want_dq, want_dkv = torch.autograd.grad(f(q, kv).sum(), (q, kv))
+    torch.testing.assert_close(out, f(q, kv))
+    torch.testing.assert_close((dq, dkv), (want_dq, want_dkv))
+    with pytest.raises(ValueError, match=_escape("kv must have shape [Tk, 2, H_kv, D], got [10, 3, 1, 16]")):
+        gdpa_packed_kv(q, torch.randn(10, 3, 1, 16), offsets, offsets, 7, 7)
+    with pytest.raises(ValueError, match="q_offsets is required unless broadcast_q=True"):
+        gdpa_packed_kv(q, kv, None, offsets, 7, 7)
 
 
 def test_hstu_attention_is_silu_over_max_len_with_the_mask():

@@ -17,7 +17,7 @@ from torch import nn
 from opengem.jagged import Jagged, uniform_offsets
 from opengem.nn.layers import MLP
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
-from opengem.ops.gdpa import gdpa
+from opengem.ops.gdpa import gdpa, gdpa_packed_kv
 from opengem.ops.jagged_attention import jagged_attention_packed
 
 
@@ -99,11 +99,11 @@ class SeedPooling(nn.Module):
     def forward(self, sequence: Jagged) -> torch.Tensor:
         """``[B, num_seeds, d]``."""
         h = sequence.values
-        # k and v stay strided views of the projection (GDPA takes token / head strides): contiguous copies
-        # would read and write 2 x [T, d] more per layer
-        k, v = self.kv(self.norm(h)).view(h.shape[0], 2, self.num_heads, self.head_dim).unbind(1)
-        pooled = gdpa(
-            self.seeds.to(k.dtype), k, v, None, sequence.offsets, self.num_seeds,
+        # k and v stay strided views of the projection (GDPA takes token / head strides), and their gradient comes
+        # back packed: contiguous copies, or unbind's stack in the backward, would move 2 x [T, d] more per layer
+        kv = self.kv(self.norm(h)).view(h.shape[0], 2, self.num_heads, self.head_dim)
+        pooled = gdpa_packed_kv(
+            self.seeds.to(kv.dtype), kv, None, sequence.offsets, self.num_seeds,
             sequence.max_len, activation=self.activation, pre_scale=self.head_dim**-0.5, broadcast_q=True,
             backend=self.backend,
         )  # fmt: skip

@@ -15,7 +15,7 @@ from opengem.ops.fp8_gemm import (
     quantize_operand_with_transpose,
     scaled_gemm,
 )
-from opengem.ops.gdpa import gdpa, hstu_attention
+from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention
 from opengem.ops.mx import MXTensor, mx_dequantize, mx_quantize
 from opengem.ops.jagged_attention import attention_pairs, jagged_attention, jagged_attention_packed
 
@@ -31,6 +31,7 @@ __all__ = [
     "embedding_lookup",
     "fp8_matmul",
     "gdpa",
+    "gdpa_packed_kv",
     "hadamard_rotate",
     "hstu_attention",
     "attention_pairs",

@@ -72,9 +72,52 @@ def gdpa(
       mode for cross-attention (different offsets) and ``broadcast_q``. Masked pairs contribute exactly 0:
       the mask applies after the activation (``phi(0)`` need not be 0).
     """
+    (q, k, v), autocast_off = cast_inputs(q, k, v)
+    options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
+                          post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend)  # fmt: skip
+    with autocast_off:
+        return torch.ops.opengem.gdpa_fwd(q, k, v, *options)
+
+
+def gdpa_packed_kv(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    q_offsets: torch.Tensor | None,
+    k_offsets: torch.Tensor,
+    max_len_q: int,
+    max_len_k: int,
+    *,
+    activation: str = "silu",
+    head_activations: Sequence[str] | None = None,
+    pre_scale: float = 1.0,
+    post_scale: float = 1.0,
+    norm: str | float | None = None,
+    causal: bool = False,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+    broadcast_q: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """:func:`gdpa` with ``k, v = kv.unbind(1)`` of one ``[Tk, 2, H_kv, D]`` tensor (a fused K/V projection's
+    output viewed per head; the other arguments as :func:`gdpa`'s). The same output; the kernels write dK and dV
+    into one packed ``[Tk, 2, H_kv, D]`` gradient, which the projection's backward takes as is (through
+    ``unbind``, autograd would stack two gradients with a copy of 2 x ``[Tk, H_kv, D]``)."""
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise ValueError(f"kv must have shape [Tk, 2, H_kv, D], got {list(kv.shape)}")
+    (q, kv), autocast_off = cast_inputs(q, kv)
+    k, v = kv.unbind(1)
+    options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
+                          post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend)  # fmt: skip
+    with autocast_off:
+        return torch.ops.opengem.gdpa_kv_fwd(q, kv, *options)
+
+
+def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
+                post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend) -> tuple:  # fmt: skip
+    """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`gdpa`)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-    (q, k, v), autocast_off = cast_inputs(q, k, v)
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)
     out_scale = float(post_scale) / _norm_value(norm, max_len_k)
@@ -94,12 +137,9 @@ def gdpa(
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if use_triton:
         check_triton_head_dim(q.shape[2])
-    with autocast_off:
-        return torch.ops.opengem.gdpa_fwd(
-            q, k, v, k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
+    return (k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
             [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
-            -1 if window is None else window, broadcast_q, use_triton,
-        )
+            -1 if window is None else window, broadcast_q, use_triton)  # fmt: skip
 
 
 def hstu_attention(
@@ -220,6 +260,12 @@ def gdpa_fwd(
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
 ) -> torch.Tensor:
     """GDPA forward (``window = -1``: none; ``head_acts``: one id per head, or one for all). See :func:`gdpa`."""
+    return _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+
+
+def _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale,
+             causal, contextual_len, window, broadcast_q, use_triton) -> torch.Tensor:  # fmt: skip
     head_acts = _per_head(head_acts, q.shape[1])
     if use_triton:
         args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
@@ -243,10 +289,17 @@ def gdpa_bwd(
     use_triton: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GDPA backward: ``(dq, dk, dv)`` (Triton passes, or the reference's closed form)."""
+    return _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
+                          pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+
+
+def _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
+                   out_scale, causal, contextual_len, window, broadcast_q, use_triton, grads=None):  # fmt: skip
+    """``(dq, dk, dv)``, on the Triton path written into ``grads`` when given (preallocated views)."""
     head_acts = _per_head(head_acts, q.shape[1])
     if use_triton:
         args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
-        return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args)
+        return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)
     return gdpa_reference_backward(
         grad_out, q, k, v, q_offsets, k_offsets, head_activations=[ACTIVATIONS[i] for i in head_acts],
         pre_scale=pre_scale, out_scale=out_scale, causal=causal, num_targets=num_targets,
@@ -305,3 +358,72 @@ def _gdpa_bwd_flops(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_le
                     **kwargs) -> int:
     pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
     return attention_flops(pairs, q.shape[1], q.shape[2])[1]
+
+
+# The packed-K/V ops: k, v = kv.unbind(1) of one [Tk, 2, H_kv, D] tensor; the backward writes dK and dV into one
+# packed gradient (see :func:`gdpa_packed_kv`).
+
+
+@torch.library.custom_op("opengem::gdpa_kv_fwd", mutates_args=())
+def gdpa_kv_fwd(
+    q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
+    out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
+) -> torch.Tensor:  # fmt: skip
+    """As ``opengem::gdpa_fwd`` on ``kv.unbind(1)``."""
+    return _forward(q, *kv.unbind(1), q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+
+
+@gdpa_kv_fwd.register_fake
+def _(q, kv, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
+      contextual_len, window, broadcast_q, use_triton):  # fmt: skip
+    rows = (k_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
+    return q.new_empty((rows, q.shape[1], q.shape[2]))
+
+
+@torch.library.custom_op("opengem::gdpa_kv_bwd", mutates_args=())
+def gdpa_kv_bwd(
+    grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
+    out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dkv)``: the Triton passes write dK and dV into ``dkv``'s two views."""
+    options = (q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
+               contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+    if use_triton:
+        dq, dkv = torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+        _backward_impl(grad_out, q, *kv.unbind(1), *options, grads=(dq, *dkv.unbind(1)))
+        return dq, dkv
+    dq, dk, dv = _backward_impl(grad_out, q, *kv.unbind(1), *options)
+    return dq, torch.stack([dk, dv], 1)
+
+
+@gdpa_kv_bwd.register_fake
+def _(grad_out, q, kv, *rest):
+    return torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+
+
+def _setup_kv_context(ctx, inputs, output) -> None:
+    q, kv, q_offsets, k_offsets, num_targets, *options = inputs
+    ctx.save_for_backward(q, kv, q_offsets, k_offsets, num_targets)
+    ctx.options = options
+
+
+def _kv_backward(ctx, grad_out):
+    q, kv, q_offsets, k_offsets, num_targets = ctx.saved_tensors
+    dq, dkv = torch.ops.opengem.gdpa_kv_bwd(grad_out, q, kv, q_offsets, k_offsets, num_targets, *ctx.options)
+    return (dq, dkv) + (None,) * (3 + len(ctx.options))
+
+
+gdpa_kv_fwd.register_autograd(_kv_backward, setup_context=_setup_kv_context)
+
+
+@register_flop_formula(torch.ops.opengem.gdpa_kv_fwd, get_raw=True)
+def _gdpa_kv_fwd_flops(q, kv, *rest, out_val=None, **kwargs) -> int:
+    return _gdpa_fwd_flops(q, None, None, *rest)
+
+
+@register_flop_formula(torch.ops.opengem.gdpa_kv_bwd, get_raw=True)
+def _gdpa_kv_bwd_flops(grad_out, q, kv, *rest, out_val=None, **kwargs) -> int:
+    return _gdpa_bwd_flops(grad_out, q, None, None, *rest)
