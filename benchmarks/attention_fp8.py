@@ -5,10 +5,12 @@ Workloads of :mod:`benchmarks.jfa` (bf16 inputs, H = 4, D = 128): (a) power-law 
 Per workload: the bf16 forward and the fp8 forward through the registered op
 (``torch.ops.opengem.jagged_attention_fwd``, quantize pass included), the fp8 attention kernel alone
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
-alone, beside its floor (a device copy moving the same bytes). Correctness in the same run, on the first
-sequences of the batch: both outputs against the fp32 reference (relative error, fp64 norms) and their ratio
-(issue 12 asks fp8 <= 3x bf16), the same on outlier-heavy inputs (4 channels of Q, K, V 10x the others, as
-real Q and K look: ``*_err_outliers``), and the fp8 kernel against the exact emulation
+alone, beside its floor (a device copy moving the same bytes); then attention from hidden states ``[T, H D]``
+through a QKV projection: cuBLAS then the bf16 op, against the projection that quantizes in its epilogue then the
+FP8 kernel (``qkv_attention``, issue 12's producer fusion), and each projection alone. Correctness in the same
+run, on the first sequences of the batch: both outputs against the fp32 reference (relative error, fp64 norms)
+and their ratio (issue 12 asks fp8 <= 3x bf16), the same on outlier-heavy inputs (4 channels of Q, K, V 10x the
+others, as real Q and K look: ``*_err_outliers``), and the fp8 kernel against the exact emulation
 (:mod:`opengem.ops.reference.attention_fp8`). FLOPs: 4 H D per unmasked pair. The recipe and the CPU-measured
 error of its alternatives: ``docs/fp8_attention.md``.
 
@@ -23,14 +25,17 @@ import os
 
 import torch
 
-from benchmarks.common import bench_ms, print_table, relative_error, write_results
+from benchmarks.common import bench_ms, interleaved_ms, paired_speedup, print_table, relative_error, write_results
 from benchmarks.jfa import HEAD_DIM, HEADS, Workload, _batch, _sub_batch_rows, workloads
-from opengem.ops.jagged_attention import _problem, attention_pairs
+from opengem.ops.jagged_attention import _problem, attention_pairs, jagged_attention_packed
+from opengem.ops.qkv_attention import qkv_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
 from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
+from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
-COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms", "speedup", "kernel_speedup",
+COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms", "speedup",
+           "projected_bf16_ms", "projected_fp8_ms", "projected_speedup", "projection_ms", "fused_projection_ms", "kernel_speedup",
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
            "fp8_vs_emulation"]  # fmt: skip
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0
@@ -80,6 +85,7 @@ def measure(wl: Workload) -> dict:
     source = torch.empty(moved // 2, dtype=torch.uint8, device=b.q.device)
     target = torch.empty_like(source)
     floor_ms = bench_ms(lambda: target.copy_(source))
+    projected = _projected_times(b, wl, pb)
     flops = 4 * HEADS * HEAD_DIM * attention_pairs(b.offsets, causal=wl.causal, num_targets=b.targets, window=wl.window)
     return {
         "workload": wl.name,
@@ -90,6 +96,7 @@ def measure(wl: Workload) -> dict:
         "quantize_ms": quantize_ms,
         "quantize_floor_ms": floor_ms,
         "speedup": times["bf16"] / times["fp8"],
+        **projected,
         "kernel_speedup": times["bf16"] / kernel_ms,
         "bf16_tflops": flops / times["bf16"] / 1e9,
         "fp8_tflops": flops / times["fp8"] / 1e9,
@@ -100,6 +107,35 @@ def measure(wl: Workload) -> dict:
         "fp8_err_outliers": outlier_errors["fp8"],
         "fp8_vs_emulation": kernel_vs_emulation,
     }
+
+
+def _projected_times(b, wl: Workload, pb) -> dict[str, float]:
+    """Attention from the hidden states (a QKV projection of H D -> 3 H D first): cuBLAS's projection then the
+    bf16 op, against the projection with the FP8 quantization in its epilogue then the FP8 kernel
+    (``qkv_attention``), in interleaved rounds; and each projection alone."""
+    gen = torch.Generator(device=b.q.device).manual_seed(2)
+    width = HEADS * HEAD_DIM
+    x = torch.randn(b.q.shape[0], width, generator=gen, device=b.q.device).to(b.q.dtype)
+    weight = (torch.randn(3 * width, width, generator=gen, device=b.q.device) / width**0.5).to(b.q.dtype)
+    bias = torch.zeros(3 * width, device=b.q.device, dtype=b.q.dtype)
+    mask = {"causal": wl.causal, "num_targets": b.targets, "window": wl.window, "scale": b.scale}
+
+    def unfused() -> torch.Tensor:
+        qkv = torch.nn.functional.linear(x, weight, bias).view(-1, 3, HEADS, HEAD_DIM)
+        return jagged_attention_packed(qkv, b.offsets, wl.max_len, **mask)
+
+    def fused() -> torch.Tensor:
+        return qkv_attention(x, weight, bias, b.offsets, wl.max_len, num_heads=HEADS, precision="fp8", **mask)
+
+    with torch.no_grad():
+        rounds = interleaved_ms({"bf16": unfused, "fp8": fused})
+        return {
+            "projected_bf16_ms": min(rounds["bf16"]),
+            "projected_fp8_ms": min(rounds["fp8"]),
+            "projected_speedup": paired_speedup(rounds["bf16"], rounds["fp8"]),
+            "projection_ms": bench_ms(lambda: torch.nn.functional.linear(x, weight, bias)),
+            "fused_projection_ms": bench_ms(lambda: project_quantize_qkv(x, weight, bias, HEADS, pb)),
+        }
 
 
 def _outlier_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: tuple, mask: dict) -> dict[str, float]:

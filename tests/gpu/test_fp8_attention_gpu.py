@@ -162,3 +162,57 @@ def test_backward_after_fp8_forward():
     ref_grads = torch.autograd.grad(reference(*ref_leaves, offsets, 300), ref_leaves, dout.float())
     for got, want in zip(grads, ref_grads):
         assert got.dtype == torch.bfloat16 and _rel(got, want) < 0.15
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_fused_qkv_projection_quantizes_like_the_quantize_pass(head_dim):
+    """The QKV projection with the quantization in its epilogue: qkv within bf16 GEMM rounding of F.linear, and
+    its FP8 blocks those the quantize pass writes from that same qkv (V bit for bit; rotated Q, K up to the
+    rotation MMA's summation order)."""
+    from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
+
+    gen = torch.Generator(device="cuda").manual_seed(4)
+    heads, model_dim = 2, 512
+    x = torch.randn(sum(LENGTHS), model_dim, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(3 * heads * head_dim, model_dim, generator=gen, device="cuda") / model_dim**0.5).bfloat16()
+    bias = torch.randn(3 * heads * head_dim, generator=gen, device="cuda").bfloat16()
+    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    _, pb = _problem(x, offsets, None, max(LENGTHS), True, 0, -1, 1.0)
+    qkv, quantized = project_quantize_qkv(x, weight, bias, heads, pb)
+    assert _rel(qkv, torch.nn.functional.linear(x, weight, bias).view_as(qkv)) < 1e-2
+    again = kernels.quantize_qkv(*qkv.unbind(1), pb)
+    for data, scale, want_data, want_scale, transposed in (
+        (quantized[0], quantized[3], again[0], again[3], False),
+        (quantized[1], quantized[4], again[1], again[4], False),
+        (quantized[2], quantized[5], again[2], again[5], True),
+    ):
+        got = kernels.unblock(data, scale, quantized[6], offsets.long(), transposed)
+        want = kernels.unblock(want_data, want_scale, again[6], offsets.long(), transposed)
+        assert_quantized_like(*got, *want, exact=transposed)
+
+
+def test_fused_qkv_attention_matches_the_unfused_fp8_path():
+    """qkv_attention(precision="fp8"): the fused projection + FP8 attention, forward and backward, against the
+    projection by F.linear then the FP8 op (the same numerics but for rounding flips: far below FP8's error)."""
+    from opengem.ops.jagged_attention import jagged_attention_packed
+    from opengem.ops.qkv_attention import qkv_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    heads, head_dim, model_dim = 4, 128, 512
+    x = torch.randn(sum(LENGTHS), model_dim, generator=gen, device="cuda").bfloat16()
+    weight = (torch.randn(3 * heads * head_dim, model_dim, generator=gen, device="cuda") / model_dim**0.5).bfloat16()
+    bias = torch.randn(3 * heads * head_dim, generator=gen, device="cuda").bfloat16()
+    dout = torch.randn(sum(LENGTHS), heads, head_dim, generator=gen, device="cuda").bfloat16()
+    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    kwargs = {"causal": True, "window": 100, "contextual_len": 4}
+    results = []
+    for fused in (True, False):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        if fused:
+            out = qkv_attention(*leaves, offsets, max(LENGTHS), num_heads=heads, precision="fp8", **kwargs)
+        else:
+            qkv = torch.nn.functional.linear(*leaves).view(-1, 3, heads, head_dim)
+            out = jagged_attention_packed(qkv, offsets, max(LENGTHS), precision="fp8", **kwargs)
+        results.append([out, *torch.autograd.grad(out, leaves, dout)])
+    for got, want in zip(*results):
+        assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2

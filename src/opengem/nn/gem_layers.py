@@ -19,6 +19,7 @@ from opengem.nn.layers import MLP
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
 from opengem.ops.jagged_attention import jagged_attention_packed
+from opengem.ops.qkv_attention import qkv_attention
 
 
 class SelfGate(nn.Module):
@@ -117,7 +118,8 @@ class SequenceSelfAttention(nn.Module):
     ``kind="block"``: BlockAttention (``block_size`` tokens per block) with time-aware rotary on the
     event age; ``kind="jfa"``: windowed softmax JFA (``|i - j| <= window``) where the first
     ``contextual_len`` rows (the CLS tokens) see the whole sequence; ``precision="fp8"`` runs its forward
-    in E4M3 (``opengem.ops.jagged_attention``).
+    in E4M3 (``opengem.ops.jagged_attention``), with Q, K and V quantized in the QKV projection's epilogue
+    on the GPU (``opengem.ops.qkv_attention``).
     """
 
     def __init__(
@@ -159,11 +161,16 @@ class SequenceSelfAttention(nn.Module):
                 backend=self.backend,
             )  # fmt: skip
         else:
-            qkv = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim)
-            attended = jagged_attention_packed(  # its gradient comes back packed: no stack copy in the backward
-                qkv, sequence.offsets, sequence.max_len, causal=False, contextual_len=self.contextual_len,
-                window=self.window, backend=None if self.backend == "auto" else self.backend, precision=self.precision,
-            ).reshape(h.shape[0], -1)
+            mask = {"causal": False, "contextual_len": self.contextual_len, "window": self.window,
+                    "backend": None if self.backend == "auto" else self.backend, "precision": self.precision}
+            if self.precision == "fp8" and type(self.qkv) is nn.Linear:  # the projection quantizes Q, K, V itself
+                attended = qkv_attention(x, self.qkv.weight, self.qkv.bias, sequence.offsets, sequence.max_len,
+                                         num_heads=self.num_heads, **mask)  # fmt: skip
+            else:  # (a converted FP8 linear keeps its own forward)
+                qkv = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim)
+                # the gradient comes back packed: no stack copy in the backward
+                attended = jagged_attention_packed(qkv, sequence.offsets, sequence.max_len, **mask)
+            attended = attended.reshape(h.shape[0], -1)
         h = h + self.out(attended)
         if self.ffn is not None:
             h = h + self.ffn(h)

@@ -101,21 +101,22 @@ def to_e4m3(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks,
-                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr,
-                    ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """One (block, head): fp32 scale amax / 448 and E4M3 elements, rows past the sample written as zeros;
-    ``ROTATE``: of ``x R``, ``R`` the ``[ROT, ROT]`` +-1 Hadamard block, on every ROT-wide slice of each row."""
+def _rotate(x, R, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr):
+    """``x R`` on every ``ROT``-wide slice of each row, ``R`` the ``[ROT, ROT]`` +-1 Hadamard block: one MMA
+    (products by +-1 are exact, the sums fp32)."""
+    offs_n = tl.arange(0, ROT)
+    r = tl.load(R + offs_n[:, None] * ROT + offs_n[None, :])
+    slices = tl.reshape(x, (BLOCK * HEAD_DIM // ROT, ROT))
+    return tl.reshape(tl.dot(slices, r, input_precision=PRECISION), (BLOCK, HEAD_DIM))
+
+
+@triton.jit
+def _store_quantized(x, X8, XS, h, block_id, num_blocks, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
+                     TRANSPOSE: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """One (block, head) tile ``x`` (fp32 ``[BLOCK, HEAD_DIM]``, rows past the sample zero): its fp32 scale
+    amax / 448 and its E4M3 elements, in the blocked layout (``TRANSPOSE``: ``[D, BLOCK]``, V's)."""
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    ok = (row + offs_r)[:, None] < seq_len
-    x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0)
-    if ROTATE:  # one MMA: products by +-1 are exact, the sums fp32
-        offs_n = tl.arange(0, ROT)
-        r = tl.load(R + offs_n[:, None] * ROT + offs_n[None, :])
-        slices = tl.reshape(x, (BLOCK * HEAD_DIM // ROT, ROT))
-        x = tl.reshape(tl.dot(slices, r, input_precision=PRECISION), (BLOCK, HEAD_DIM))
-    x = x.to(tl.float32)
     amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), MIN_AMAX)
     e4m3_max = amax * 0.0 + E4M3_MAX
     # both quotients correctly rounded, as torch divides (a compiled ``/`` is approximate)
@@ -129,6 +130,20 @@ def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, nu
         tl.store(base + offs_d[None, :] * BLOCK + offs_r[:, None], x8)
     else:
         tl.store(base + offs_r[:, None] * HEAD_DIM + offs_d[None, :], x8)
+
+
+@triton.jit
+def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks,
+                    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr,
+                    ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
+    """One (block, head) of ``X``, loaded (rows past the sample as zeros), rotated when ``ROTATE``, quantized."""
+    offs_r = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (row + offs_r)[:, None] < seq_len
+    x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0)
+    if ROTATE:
+        x = _rotate(x, R, BLOCK, HEAD_DIM, ROT, PRECISION)
+    _store_quantized(x.to(tl.float32), X8, XS, h, block_id, num_blocks, HEAD_DIM, BLOCK, TRANSPOSE, EXACT)
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
@@ -256,23 +271,33 @@ def _rotation_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return rotation(n, dtype, device)
 
 
+def blocked_buffers(
+    pb: Problem, heads: int, kv_heads: int, head_dim: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """Empty ``(q8, k8, v8, q_scale, k_scale, v_scale)`` in the blocked layout of the module docstring, and
+    ``block_base [B + 1]`` (filled: each sample's first block)."""
+    num_blocks = pb.sched.query_tiles[BLOCK].shape[0]  # one item per block
+    lengths = pb.offsets[1:] - pb.offsets[:-1]
+    block_base = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
+    torch.cumsum(torch.div(lengths + BLOCK - 1, BLOCK, rounding_mode="floor"), 0, out=block_base[1:])
+    new = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
+    scales = lambda h: torch.empty((h, num_blocks), dtype=torch.float32, device=device)
+    return (
+        new(heads, num_blocks, BLOCK, head_dim),
+        new(kv_heads, num_blocks, BLOCK, head_dim),
+        new(kv_heads, num_blocks, head_dim, BLOCK),
+        scales(heads), scales(kv_heads), scales(kv_heads), block_base,
+    )  # fmt: skip
+
+
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, ...]:
     """One launch rotating Q and K and quantizing Q, K and V per (sample-aligned block of ``BLOCK`` rows, head);
     returns ``(q8, k8, v8, q_scale, k_scale, v_scale, block_base)`` in the blocked layout of the module docstring."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     items = pb.sched.query_tiles[BLOCK]  # one item per block
     num_blocks = items.shape[0]
-    lengths = pb.offsets[1:] - pb.offsets[:-1]
-    block_base = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=q.device)
-    torch.cumsum(torch.div(lengths + BLOCK - 1, BLOCK, rounding_mode="floor"), 0, out=block_base[1:])
-    new = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn, device=q.device)
-    scales = lambda h: torch.empty((h, num_blocks), dtype=torch.float32, device=q.device)
-    q8, k8, v8 = (
-        new(heads, num_blocks, BLOCK, head_dim),
-        new(kv_heads, num_blocks, BLOCK, head_dim),
-        new(kv_heads, num_blocks, head_dim, BLOCK),
-    )
-    qs, ks, vs = scales(heads), scales(kv_heads), scales(kv_heads)
+    quantized = blocked_buffers(pb, heads, kv_heads, head_dim, q.device)
+    q8, k8, v8, qs, ks, vs, block_base = quantized
     if num_blocks:
         n = rotation_size(head_dim)
         _quantize_kernel[(num_blocks, heads + 2 * kv_heads)](
@@ -281,7 +306,7 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
             HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
             EXACT=_INTERPRET, num_warps=QUANTIZE_WARPS[head_dim],
         )  # fmt: skip
-    return q8, k8, v8, qs, ks, vs, block_base
+    return quantized
 
 
 def unblock(

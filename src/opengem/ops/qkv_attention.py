@@ -1,0 +1,132 @@
+"""Self-attention from the hidden states: the fused QKV projection, then JFA over its packed output.
+
+:func:`qkv_attention` is ``jagged_attention_packed(linear(x, weight, bias).view(T, 3, H, D), ...)``. With
+``precision="fp8"`` on the Triton path the projection and FP8 attention's quantization are one kernel
+(:mod:`opengem.ops.triton.qkv_projection_fp8`): Q, K and V are quantized in the GEMM's epilogue instead of being
+read back by a quantize pass (issue 12). The backward is JFA's bf16 one (the packed ``dqkv``, written by its
+kernels) followed by the projection's two GEMMs.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch.utils.flop_counter import register_flop_formula
+
+from opengem.ops.autocast import cast_inputs
+from opengem.ops.jagged_attention import (
+    _jagged_attention_packed_bwd,
+    _op_options,
+    _pairs_of,
+    _problem,
+    _use_triton,
+    jagged_attention_packed,
+)
+
+
+@torch.library.custom_op("opengem::qkv_attention_fp8_fwd", mutates_args=())
+def _qkv_attention_fp8_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    heads: int,
+    offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    max_len: int,
+    causal: bool,
+    contextual_len: int,
+    window: int,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(out [T, H, D], lse [H, T], qkv [T, 3, H, D])``: the fused projection + FP8 attention (Triton only)."""
+    from opengem.ops.triton.qkv_projection_fp8 import projected_attention_forward
+
+    _, pb = _problem(x, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+    return projected_attention_forward(x, weight, bias, heads, pb)
+
+
+@_qkv_attention_fp8_fwd.register_fake
+def _(x, weight, bias, heads, offsets, num_targets, max_len, causal, contextual_len, window, scale):
+    total, head_dim = x.shape[0], weight.shape[0] // (3 * heads)
+    return (
+        x.new_empty((total, heads, head_dim)),
+        x.new_empty((heads, total), dtype=torch.float32),
+        x.new_empty((total, 3, heads, head_dim)),
+    )
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, _, offsets, num_targets, max_len, causal, contextual_len, window, scale = inputs
+    out, lse, qkv = output
+    ctx.save_for_backward(x, weight, qkv, out, lse, offsets, num_targets)
+    ctx.set_materialize_grads(False)  # lse and qkv get no gradient unless used: None, not zeros
+    ctx.has_bias = bias is not None
+    ctx.options = (max_len, causal, contextual_len, window, scale)
+
+
+def _backward(ctx, dout, dlse, dqkv_out):
+    x, weight, qkv, out, lse, offsets, num_targets = ctx.saved_tensors
+    dqkv = _jagged_attention_packed_bwd(dout, qkv, out, lse, offsets, num_targets, *ctx.options, True)
+    if dqkv_out is not None:  # qkv is an output too (saved for the backward); a user of it adds its gradient
+        dqkv = dqkv + dqkv_out
+    flat = dqkv.flatten(1)  # [T, 3 H D]
+    dx, dweight = flat @ weight, flat.t() @ x
+    dbias = flat.sum(0) if ctx.has_bias else None
+    return dx, dweight, dbias, None, None, None, None, None, None, None, None
+
+
+_qkv_attention_fp8_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+@register_flop_formula(torch.ops.opengem.qkv_attention_fp8_fwd, get_raw=True)
+def _fwd_flops(x, weight, bias, heads, offsets, num_targets, max_len, causal, contextual_len, window, scale,
+               out_val=None):  # fmt: skip
+    """The projection's GEMM (2 T d 3HD) and the attention's 4 H D per unmasked pair."""
+    head_dim = weight.shape[0] // (3 * heads)
+    projection = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
+    return projection + 4 * heads * head_dim * _pairs_of(offsets, num_targets, causal, contextual_len, window)
+
+
+def qkv_attention(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    offsets: torch.Tensor,
+    max_len: int,
+    *,
+    num_heads: int,
+    causal: bool = True,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+    scale: float | None = None,
+    backend: str | None = None,
+    precision: str = "bf16",
+) -> torch.Tensor:
+    """``jagged_attention_packed(F.linear(x, weight, bias).view(T, 3, num_heads, D), ...)``: ``x [T, d]``,
+    ``weight [3 num_heads D, d]`` (Q's rows, then K's, then V's), ``bias [3 num_heads D]`` or None; the mask
+    and precision arguments as :func:`~opengem.ops.jagged_attention.jagged_attention`'s. Returns ``[T, H, D]``.
+    ``precision="fp8"`` on the Triton path fuses the projection with the quantization (module docstring)."""
+    if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % (3 * num_heads):
+        raise ValueError(f"x [T, d] and weight [3 * num_heads * D, d] expected with num_heads = {num_heads}, got x "
+                         f"{list(x.shape)} and weight {list(weight.shape)}")  # fmt: skip
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias must have shape [{weight.shape[0]}], got {list(bias.shape)}")
+    head_dim = weight.shape[0] // (3 * num_heads)
+    tensors = (x, weight) if bias is None else (x, weight, bias)
+    (x, weight, *rest), autocast_off = cast_inputs(*tensors)
+    bias = rest[0] if rest else None
+    if precision == "fp8" and _use_triton(x, backend):
+        shaped = x.new_empty(()).expand(x.shape[0], num_heads, head_dim)  # what the checks see: q, k and v's shape
+        options = _op_options(shaped, shaped, shaped, offsets, max_len, causal, num_targets, contextual_len, window,
+                              scale, False, backend, precision)  # fmt: skip
+        offsets, num_targets, max_len, causal, contextual_len, window_arg, scale_value, _, _ = options
+        with autocast_off:
+            out, _, _ = _qkv_attention_fp8_fwd(x, weight, bias, num_heads, offsets, num_targets, max_len, causal,
+                                               contextual_len, window_arg, scale_value)  # fmt: skip
+        return out
+    with autocast_off:
+        qkv = F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, head_dim)
+        return jagged_attention_packed(qkv, offsets, max_len, causal=causal, num_targets=num_targets,
+                                       contextual_len=contextual_len, window=window, scale=scale, backend=backend,
+                                       precision=precision)  # fmt: skip
