@@ -141,3 +141,18 @@ def test_the_gem_self_attention_layer_takes_the_fused_path_in_fp8(monkeypatch):
     torch.testing.assert_close(layer(sequence, torch.zeros(sum(LENGTHS))).values, h + layer.out(
         attended.reshape(h.shape[0], -1)), rtol=0, atol=0)  # fmt: skip
     assert calls == [1]  # the unfused path, as before
+
+
+def test_fused_path_compiles_fullgraph():
+    x, weight, b, dout = _layer(seed=4)
+    offsets = _offsets(LENGTHS)
+
+    def attend(x, w, b):
+        return qkv_attention(x, w, b, offsets, 37, num_heads=HEADS, window=6, backend="triton", precision="fp8")
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    out, grads = _grads(compiled, x, weight, b, dout)
+    want_out, want_grads = _grads(attend, x, weight, b, dout)
+    torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+    for got, want in zip(grads, want_grads):
+        torch.testing.assert_close(got, want)

@@ -47,12 +47,13 @@ class WukongLayer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens = x.shape[0], x.shape[1]
         padding = -tokens % self.token_align
-        aligned = F.pad(x, (0, 0, 0, padding))  # zero tokens: they add nothing to any sum below
-        compressed = torch.einsum("bnd,nk->bdk", aligned, F.pad(self.fm_projection, (0, 0, 0, padding)))  # X^T Y
+        pad = (lambda t, dims: F.pad(t, dims)) if padding else (lambda t, dims: t)  # F.pad by 0 would copy
+        aligned = pad(x, (0, 0, 0, padding))  # zero tokens: they add nothing to any sum below
+        compressed = torch.einsum("bnd,nk->bdk", aligned, pad(self.fm_projection, (0, 0, 0, padding)))  # X^T Y
         interactions = torch.bmm(x, compressed).flatten(1)  # X (X^T Y), flattened
         fm = self.fm_mlp(self.fm_norm(interactions)).view(batch, self.fm_tokens, self.dim)
         projections = [self.lc.weight] + ([] if isinstance(self.residual, nn.Identity) else [self.residual.weight])
-        mixed = torch.matmul(F.pad(torch.cat(projections), (0, padding)), aligned)  # [B, lc (+ out), d]
+        mixed = torch.matmul(pad(torch.cat(projections), (0, padding)), aligned)  # [B, lc (+ out), d]
         lc_tokens = self.lc.out_features
         residual = x if isinstance(self.residual, nn.Identity) else mixed[:, lc_tokens:]
         return self.norm(torch.cat([fm, mixed[:, :lc_tokens]], dim=1) + residual)
