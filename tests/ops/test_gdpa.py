@@ -6,6 +6,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 
+import numpy as np  # noqa: E402
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 import triton  # noqa: E402
@@ -504,6 +506,21 @@ def test_tuning_times_every_candidate_and_reports_them(monkeypatch):
     assert report["pick"] == "m128_n128_w8_s2_t1_tma"
     assert report["candidates"] == {"m128_n64_w8_s3_t1_tma": 3.0, "m128_n128_w8_s2_t1_tma": 1.0,
                                     "m128_n64_w8_s3_t1_ptr": 2.0, "m128_n128_w8_s2_t1_ptr": None}
+
+
+def test_tuning_key_splits_full_and_ragged_batches():
+    """One max_len bucket, two fills: a batch at sparsity 1.0 and one at 0.5 are tuned apart (their best tiles
+    differ), while batches of similar fill share a key."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    assert triton_gdpa.fill_bucket(np.array([1024, 1024, 1000]), 1024) == "full"
+    assert triton_gdpa.fill_bucket(np.array([1024, 300, 500]), 1024) == "ragged"
+    assert triton_gdpa.fill_bucket(np.array([], dtype=np.int64), 0) == "ragged"
+    args = GdpaArgs((7,), 1.0, 1.0, False, 0, None, False, 1024, 1024)
+    q = torch.zeros(4, 2, 16)
+    common = {"constexprs": {"MASKED": False}}
+    key = lambda lengths: triton_gdpa._tune_key("fwd", q, q, args, common, np.array(lengths), np.array(lengths))
+    assert key([1024, 1000]) == key([990, 1024]) != key([1024, 200])
 
 
 def test_fast_activations_only_in_compiled_16_bit_kernels(monkeypatch):

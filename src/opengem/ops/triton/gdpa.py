@@ -178,6 +178,7 @@ def tuning_report() -> list[dict]:
         pass_name, flags, broadcast, bucket_q, bucket_k = key[:5]
         report.append({
             "pass": pass_name, "broadcast_q": broadcast, "bucket_q": bucket_q, "bucket_k": bucket_k,
+            "fill": list(key[9:11]),  # (q, k): _tune_key's fill buckets
             "masked": dict(flags).get("MASKED"), "pick": _label(_TUNED[key]),
             "candidates": {_label(config): ms for config, ms in timings},
         })
@@ -311,10 +312,19 @@ def _rows_cols(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaArgs)
     return q_len, k_len
 
 
-def _tune_key(name: str, q: torch.Tensor, k: torch.Tensor, args: GdpaArgs, common: dict) -> tuple:
+def fill_bucket(lengths: np.ndarray, max_len: int) -> str:
+    """``"full"`` when the sequences fill at least 3/4 of the ``[B, max_len]`` grid, else ``"ragged"``. Batches
+    of one max_len bucket but different fill want different tiles (session 10: L1024 at sparsity 1.0 ran 64 x 64,
+    the sparsity-0.5 pick, at 433.8 TFLOP/s against 451.8 for 128 x 64); so the tuning key carries the fill."""
+    return "full" if lengths.size and lengths.sum() >= 0.75 * lengths.size * max(max_len, 1) else "ragged"
+
+
+def _tune_key(name: str, q: torch.Tensor, k: torch.Tensor, args: GdpaArgs, common: dict, q_len: np.ndarray,
+              k_len: np.ndarray) -> tuple:  # fmt: skip
     flags = tuple(sorted(common["constexprs"].items()))
     return (name, flags, args.broadcast_q, _bucket(args.max_len_q), _bucket(args.max_len_k), q.shape[2],
-            q.dtype, q.shape[1] // k.shape[1], str(q.device))
+            q.dtype, q.shape[1] // k.shape[1], str(q.device), fill_bucket(q_len, args.max_len_q),
+            fill_bucket(k_len, args.max_len_k))
 
 
 def gdpa_forward(
@@ -368,7 +378,7 @@ def gdpa_forward(
         # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
         candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma, head_dim, masked, kv_block)
-        config = _tuned(_tune_key("fwd", q, k, args, common) + (resident_fits,), candidates, launch)
+        config = _tuned(_tune_key("fwd", q, k, args, common, q_len, k_len) + (resident_fits,), candidates, launch)
     launch(config)
     return out
 
@@ -437,9 +447,10 @@ def gdpa_backward(
         launch_dq(_load_paths((_INTERPRET,), tma_dq, head_dim, masked)[0])
     else:
         # dK/dV loads its key tile through pointers, so every tile of it stays right on TMA (tma_tile_safe)
-        launch_dkdv(_tuned(_tune_key("dkdv", q, k, args, common), _load_paths(_DKDV, tma_dkdv), launch_dkdv))
+        dkdv_key = _tune_key("dkdv", q, k, args, common, q_len, k_len)
+        launch_dkdv(_tuned(dkdv_key, _load_paths(_DKDV, tma_dkdv), launch_dkdv))
         dq_candidates = _load_paths(_DQ, tma_dq, head_dim, masked)
-        launch_dq(_tuned(_tune_key("dq", q, k, args, common), dq_candidates, launch_dq))
+        launch_dq(_tuned(_tune_key("dq", q, k, args, common, q_len, k_len), dq_candidates, launch_dq))
     return dq, dk, dv
 
 

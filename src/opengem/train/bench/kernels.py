@@ -25,6 +25,7 @@ _MODULE_FAMILY = {  # opengem.ops.triton module -> family of its kernels
     "jagged_attention": "attention", "jagged_attention_fp8": "attention", "gdpa": "attention",
     "gdpa_kernels": "attention", "block_attention": "attention", "masks": "attention", "activations": "attention",
     "embedding": "embedding", "fp8_gemm": "low_precision", "mx": "low_precision",
+    "qkv_projection_fp8": "low_precision",  # the QKV GEMM that quantizes for FP8 attention in its epilogue
 }  # fmt: skip
 _GEMM_MARKERS = ("gemm", "nvjet", "cutlass", "xmma", "cublas", "matmul", "splitk")
 
