@@ -161,15 +161,15 @@ class SequenceSelfAttention(nn.Module):
                 backend=self.backend,
             )  # fmt: skip
         else:
-            mask = {"causal": False, "contextual_len": self.contextual_len, "window": self.window,
-                    "backend": None if self.backend == "auto" else self.backend, "precision": self.precision}
+            options = {"causal": False, "contextual_len": self.contextual_len, "window": self.window,
+                       "backend": None if self.backend == "auto" else self.backend, "precision": self.precision}
             if self.precision == "fp8" and type(self.qkv) is nn.Linear:  # the projection quantizes Q, K, V itself
                 attended = qkv_attention(x, self.qkv.weight, self.qkv.bias, sequence.offsets, sequence.max_len,
-                                         num_heads=self.num_heads, **mask)  # fmt: skip
+                                         num_heads=self.num_heads, **options)  # fmt: skip
             else:  # (a converted FP8 linear keeps its own forward)
                 qkv = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim)
                 # the gradient comes back packed: no stack copy in the backward
-                attended = jagged_attention_packed(qkv, sequence.offsets, sequence.max_len, **mask)
+                attended = jagged_attention_packed(qkv, sequence.offsets, sequence.max_len, **options)
             attended = attended.reshape(h.shape[0], -1)
         h = h + self.out(attended)
         if self.ffn is not None:

@@ -46,16 +46,20 @@ class WukongLayer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, tokens = x.shape[0], x.shape[1]
+        identity = isinstance(self.residual, nn.Identity)
+        mixing = torch.cat([self.lc.weight] + ([] if identity else [self.residual.weight]))  # [lc (+ out), n]
+        aligned, fm_projection = x, self.fm_projection
         padding = -tokens % self.token_align
-        pad = (lambda t, dims: F.pad(t, dims)) if padding else (lambda t, dims: t)  # F.pad by 0 would copy
-        aligned = pad(x, (0, 0, 0, padding))  # zero tokens: they add nothing to any sum below
-        compressed = torch.einsum("bnd,nk->bdk", aligned, pad(self.fm_projection, (0, 0, 0, padding)))  # X^T Y
+        if padding:  # zero tokens, and zero weights for them: they add nothing to any sum below
+            aligned = F.pad(x, (0, 0, 0, padding))
+            fm_projection = F.pad(fm_projection, (0, 0, 0, padding))
+            mixing = F.pad(mixing, (0, padding))
+        compressed = torch.einsum("bnd,nk->bdk", aligned, fm_projection)  # X^T Y
         interactions = torch.bmm(x, compressed).flatten(1)  # X (X^T Y), flattened
         fm = self.fm_mlp(self.fm_norm(interactions)).view(batch, self.fm_tokens, self.dim)
-        projections = [self.lc.weight] + ([] if isinstance(self.residual, nn.Identity) else [self.residual.weight])
-        mixed = torch.matmul(pad(torch.cat(projections), (0, padding)), aligned)  # [B, lc (+ out), d]
+        mixed = torch.matmul(mixing, aligned)  # [B, lc (+ out), d]
         lc_tokens = self.lc.out_features
-        residual = x if isinstance(self.residual, nn.Identity) else mixed[:, lc_tokens:]
+        residual = x if identity else mixed[:, lc_tokens:]
         return self.norm(torch.cat([fm, mixed[:, :lc_tokens]], dim=1) + residual)
 
 

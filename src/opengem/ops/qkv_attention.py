@@ -17,9 +17,9 @@ from opengem.ops.autocast import cast_inputs
 from opengem.ops.jagged_attention import (
     _jagged_attention_packed_bwd,
     _op_options,
-    _pairs_of,
     _problem,
     _use_triton,
+    forward_flops,
     jagged_attention_packed,
 )
 
@@ -84,7 +84,7 @@ def _fwd_flops(x, weight, bias, heads, offsets, num_targets, max_len, causal, co
     """The projection's GEMM (2 T d 3HD) and the attention's 4 H D per unmasked pair."""
     head_dim = weight.shape[0] // (3 * heads)
     projection = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
-    return projection + 4 * heads * head_dim * _pairs_of(offsets, num_targets, causal, contextual_len, window)
+    return projection + forward_flops(heads, head_dim, offsets, num_targets, causal, contextual_len, window)
 
 
 def qkv_attention(
@@ -120,10 +120,8 @@ def qkv_attention(
         shaped = x.new_empty(()).expand(x.shape[0], num_heads, head_dim)  # what the checks see: q, k and v's shape
         options = _op_options(shaped, shaped, shaped, offsets, max_len, causal, num_targets, contextual_len, window,
                               scale, False, backend, precision)  # fmt: skip
-        offsets, num_targets, max_len, causal, contextual_len, window_arg, scale_value, _, _ = options
-        with autocast_off:
-            out, _, _ = _qkv_attention_fp8_fwd(x, weight, bias, num_heads, offsets, num_targets, max_len, causal,
-                                               contextual_len, window_arg, scale_value)  # fmt: skip
+        with autocast_off:  # the fused op takes the options up to the scale (use_triton and precision are set)
+            out, _, _ = _qkv_attention_fp8_fwd(x, weight, bias, num_heads, *options[:7])
         return out
     with autocast_off:
         qkv = F.linear(x, weight, bias).view(x.shape[0], 3, num_heads, head_dim)

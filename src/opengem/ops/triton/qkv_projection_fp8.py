@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from opengem.ops.reference.attention_fp8 import rotation_size
-from opengem.ops.triton.jagged_attention import _INTERPRET, _SMALL, Problem, _sample, _tuning_bench
+from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, _tuning_bench, forward_buffers
 from opengem.ops.triton.jagged_attention_fp8 import (
     BLOCK,
     _rotate,
@@ -131,9 +131,7 @@ def projected_attention_forward(
     """FP8 attention of the projection of ``x``: ``(out [T, H, D], lse [H, T], qkv [T, 3, H, D])``, qkv in x's
     dtype for the bf16 backward."""
     qkv, quantized = project_quantize_qkv(x, weight, bias, heads, pb)
-    total, head_dim = x.shape[0], qkv.shape[3]
-    out = torch.empty((total, heads, head_dim), dtype=x.dtype, device=x.device)
-    lse = torch.empty((heads, total), dtype=torch.float32, device=x.device)
-    if total > 0 and pb.sched.query_tiles[_SMALL].shape[0] > 0:
+    _, out, lse, has_work = forward_buffers(*qkv.unbind(1), pb)
+    if has_work:
         attend(quantized, out, lse, heads, pb)
     return out, lse, qkv

@@ -130,7 +130,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     while_timed, laps_ms = events_report(events_before, after=step_events), timer.laps_ms()
     calm_laps = [ms for ms, compiled in zip(laps_ms, compiled_in_step) if not compiled]
     untuned_ms = statistics.fmean(calm_laps) if calm_laps else None
-    _progress(f"timed {options.steps} steps: {1e3 * elapsed / options.steps:.2f} ms each")
+    step_ms = 1e3 * elapsed / options.steps
+    _progress(f"timed {options.steps} steps: {step_ms:.2f} ms each")
 
     phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
     stream = None  # stops its loader workers before the loader runs alone
@@ -148,7 +149,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     ceiling = measured_matmul_peak(device, matmul_dtype, options.matmul_size or (8192 if device.type == "cuda" else 512))
     results = {
-        "step_ms": 1e3 * elapsed / options.steps,
+        "step_ms": step_ms,
         "step_ms_each": laps_ms,  # each timed step's share of the window (a stall shows as an outlier)
         "step_ms_median": statistics.median(laps_ms),
         # the mean over the timed steps that tuned or compiled nothing: the rate once every shape was met
@@ -171,7 +172,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "loader_over_step_rate": loader_samples_per_s * elapsed / samples,
         "profiled_step_ms": profiled_step_ms,
         # the profiler slows the host, so its "idle" overstates the timed steps' idle: this is the timed one
-        "gpu_idle_ms_timed": 1e3 * elapsed / options.steps - sum(families_ms.values()) if families_ms else None,
+        "gpu_idle_ms_timed": step_ms - sum(families_ms.values()) if families_ms else None,
         "last_loss": float(loss),
     }
     settings = {
