@@ -149,29 +149,28 @@ def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, nu
 @triton.jit(do_not_specialize=["num_blocks"])
 def _quantize_kernel(
     Q, K, V, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, heads, kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    V_ONLY: tl.constexpr,
 ):  # fmt: skip
-    """Program (block item, operand head), one tile each: axis 1 runs over Q's heads, then K's (both rotated by
-    ``R``), or with ``V_ONLY`` over V's heads, a launch of its own: without the rotation's MMA its programs hold
-    fewer registers and no shared memory, so more of them share an SM. (A program quantizing Q, K and V in turn
-    held 255 registers and spilled at 4 warps, one program per SM, ~10x over the copy time.)"""
+    """Program (block item, operand head): axis 1 runs over Q's heads, then K's, then V's, one tile each, Q and K
+    rotated by ``R``. One tile a program keeps its registers to one tile: a program quantizing Q, K and V in turn
+    held 255 registers and spilled at 4 warps, one program per SM, and ran ~10x over the copy time."""
     b = tl.load(items + 2 * tl.program_id(0))
     row = tl.load(items + 2 * tl.program_id(0) + 1)
     operand = tl.program_id(1)
     start, seq_len, _ = _sample(offsets, offsets, b, False)
     block_id = tl.load(block_base + b) + row // BLOCK
-    if V_ONLY:
-        _quantize_block(V + operand * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, operand, block_id,
-                        num_blocks, HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT)  # fmt: skip
-    elif operand < heads:
+    if operand < heads:
         _quantize_block(Q + operand * stride_qh, Q8, QS, R, start, row, seq_len, stride_qt, operand, block_id,
                         num_blocks, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT)  # fmt: skip
-    else:
+    elif operand < heads + kv_heads:
         h = operand - heads
         _quantize_block(K + h * stride_kh, K8, KS, R, start, row, seq_len, stride_kt, h, block_id, num_blocks,
                         HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT)  # fmt: skip
+    else:
+        h = operand - heads - kv_heads
+        _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
+                        HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -292,7 +291,7 @@ def blocked_buffers(
 
 
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, ...]:
-    """Two launches (Q and K rotated, then V) quantizing per (sample-aligned block of ``BLOCK`` rows, head);
+    """One launch rotating Q and K and quantizing Q, K and V per (sample-aligned block of ``BLOCK`` rows, head);
     returns ``(q8, k8, v8, q_scale, k_scale, v_scale, block_base)`` in the blocked layout of the module docstring."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     items = pb.sched.query_tiles[BLOCK]  # one item per block
@@ -301,13 +300,12 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     q8, k8, v8, qs, ks, vs, block_base = quantized
     if num_blocks:
         n = rotation_size(head_dim)
-        for operands, v_only in ((heads + kv_heads, False), (kv_heads, True)):  # Q and K rotated, then V
-            _quantize_kernel[(num_blocks, operands)](
-                q, k, v, q8, k8, v8, qs, ks, vs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
-                q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, heads,
-                HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                EXACT=_INTERPRET, V_ONLY=v_only, num_warps=QUANTIZE_WARPS[head_dim],
-            )  # fmt: skip
+        _quantize_kernel[(num_blocks, heads + 2 * kv_heads)](
+            q, k, v, q8, k8, v8, qs, ks, vs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, heads, kv_heads,
+            HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            EXACT=_INTERPRET, num_warps=QUANTIZE_WARPS[head_dim],
+        )  # fmt: skip
     return quantized
 
 
