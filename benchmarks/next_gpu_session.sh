@@ -96,6 +96,8 @@
 #   curve (bar 0.3%)
 # s17c (one GPU, next session): FP8 attention's GPU tests (the fused QKV projection among them), then the FP8
 #   benchmark quick and full (attention from hidden states: cuBLAS + bf16 op against the fused projection + FP8)
+# s17d (one GPU): FP8 attention's GPU tests, then the FP8 benchmark full (the quantize pass in one launch again;
+#   qkv_attention's default route, cuBLAS + the quantize pass, and the fused projection, against bf16)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -274,6 +276,10 @@ chain_s17c() {  # issue 12: the QKV projection quantizing in its epilogue, tests
   step attention_fp8 120 python -m benchmarks.attention_fp8 --quick
   step attention_fp8_full 300 python -m benchmarks.attention_fp8
 }
+chain_s17d() {  # issue 12: the single-launch quantize pass and qkv_attention's two FP8 routes against bf16's
+  step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
+  step attention_fp8_full 300 python -m benchmarks.attention_fp8
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -391,7 +397,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -192,7 +192,7 @@ def test_fused_qkv_projection_quantizes_like_the_quantize_pass(head_dim):
 
 
 def test_fused_qkv_attention_matches_the_unfused_fp8_path():
-    """qkv_attention(precision="fp8"): the fused projection + FP8 attention, forward and backward, against the
+    """qkv_attention(precision="fp8", fuse_projection=True): the fused projection + FP8 attention, forward and backward, against the
     projection by F.linear then the FP8 op (the same numerics but for rounding flips: far below FP8's error)."""
     from opengem.ops.jagged_attention import jagged_attention_packed
     from opengem.ops.qkv_attention import qkv_attention
@@ -209,7 +209,8 @@ def test_fused_qkv_attention_matches_the_unfused_fp8_path():
     for fused in (True, False):
         leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
         if fused:
-            out = qkv_attention(*leaves, offsets, max(LENGTHS), num_heads=heads, precision="fp8", **kwargs)
+            out = qkv_attention(*leaves, offsets, max(LENGTHS), num_heads=heads, precision="fp8",
+                                fuse_projection=True, **kwargs)  # fmt: skip
         else:
             qkv = torch.nn.functional.linear(*leaves).view(-1, 3, heads, head_dim)
             out = jagged_attention_packed(qkv, offsets, max(LENGTHS), precision="fp8", **kwargs)

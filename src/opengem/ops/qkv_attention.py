@@ -1,10 +1,13 @@
-"""Self-attention from the hidden states: the fused QKV projection, then JFA over its packed output.
+"""Self-attention from the hidden states: the QKV projection, then JFA over its packed output.
 
 :func:`qkv_attention` is ``jagged_attention_packed(linear(x, weight, bias).view(T, 3, H, D), ...)``. With
-``precision="fp8"`` on the Triton path the projection and FP8 attention's quantization are one kernel
-(:mod:`opengem.ops.triton.qkv_projection_fp8`): Q, K and V are quantized in the GEMM's epilogue instead of being
-read back by a quantize pass (issue 12). The backward is JFA's bf16 one (the packed ``dqkv``, written by its
-kernels) followed by the projection's two GEMMs.
+``precision="fp8", fuse_projection=True`` on the Triton path the projection and FP8 attention's quantization are
+one kernel (:mod:`opengem.ops.triton.qkv_projection_fp8`): Q, K and V are quantized in the GEMM's epilogue
+instead of being read back by the quantize pass (issue 12). It is off by default: on an H200 at model dim 512
+(H 4, D 128, 150k tokens) it took 0.96 ms against 0.40 ms for cuBLAS's projection plus ~0.35 ms for the quantize
+pass (``benchmarks/RESULTS.md``, session 17): with K 512 each 128 x 128 tile's epilogue (bf16 store, Hadamard
+rotation, quantization) outlasts its main loop, one program an SM. The backward is JFA's bf16 one (the packed
+``dqkv``, written by its kernels) followed by the projection's two GEMMs.
 """
 
 from __future__ import annotations
@@ -102,11 +105,16 @@ def qkv_attention(
     scale: float | None = None,
     backend: str | None = None,
     precision: str = "bf16",
+    fuse_projection: bool = False,
 ) -> torch.Tensor:
     """``jagged_attention_packed(F.linear(x, weight, bias).view(T, 3, num_heads, D), ...)``: ``x [T, d]``,
     ``weight [3 num_heads D, d]`` (Q's rows, then K's, then V's), ``bias [3 num_heads D]`` or None; the mask
     and precision arguments as :func:`~opengem.ops.jagged_attention.jagged_attention`'s. Returns ``[T, H, D]``.
-    ``precision="fp8"`` on the Triton path fuses the projection with the quantization (module docstring)."""
+    ``fuse_projection=True`` (``precision="fp8"`` only) quantizes in the projection's epilogue on the Triton path,
+    the same FP8 blocks as the quantize pass (module docstring for when it pays)."""
+    if fuse_projection and precision != "fp8":
+        raise ValueError(f"fuse_projection fuses FP8 attention's quantization: it needs precision='fp8', got "
+                         f"{precision!r}")  # fmt: skip
     if x.dim() != 2 or weight.dim() != 2 or weight.shape[1] != x.shape[1] or weight.shape[0] % (3 * num_heads):
         raise ValueError(f"x [T, d] and weight [3 * num_heads * D, d] expected with num_heads = {num_heads}, got x "
                          f"{list(x.shape)} and weight {list(weight.shape)}")  # fmt: skip
@@ -116,7 +124,7 @@ def qkv_attention(
     tensors = (x, weight) if bias is None else (x, weight, bias)
     (x, weight, *rest), autocast_off = cast_inputs(*tensors)
     bias = rest[0] if rest else None
-    if precision == "fp8" and _use_triton(x, backend):
+    if fuse_projection and _use_triton(x, backend):
         shaped = x.new_empty(()).expand(x.shape[0], num_heads, head_dim)  # what the checks see: q, k and v's shape
         options = _op_options(shaped, shaped, shaped, offsets, max_len, causal, num_targets, contextual_len, window,
                               scale, False, backend, precision)  # fmt: skip
