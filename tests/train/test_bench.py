@@ -1,5 +1,6 @@
 """`opengem bench train | layers | plot` on the CPU: tiny config, a few steps, every figure present."""
 
+import gzip
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 
 from opengem.cli.main import main
 from opengem.models.presets import GEM_PRESETS
-from opengem.train.bench.phases import PHASES
+from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, PHASES
 from opengem.train.bench.step import TrainBenchOptions, bench_config
 from opengem.train.config import load_config
 
@@ -19,9 +20,23 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 def train_result(tmp_path_factory) -> tuple[dict, str]:
     out = tmp_path_factory.mktemp("bench") / "train_tiny.json"
     argv = ["bench", "train", *TINY, "--steps", "3", "--warmup", "1", "--profile-steps", "2",
-            "--loader-batches", "3", "--peak-tflops", "1", "--with-layers", "--out", str(out)]
+            "--loader-batches", "3", "--peak-tflops", "1", "--with-layers", "--out", str(out),
+            "--trace", str(out.parent / "traces" / "tiny.json.gz")]
     assert main(argv) == 0
     return json.loads(out.read_text()), str(out)
+
+
+def test_bench_train_writes_the_profiled_steps_trace(train_result):
+    """--trace: the profiled steps' timeline, gzipped, with the phase ranges the split is made of (its folder
+    created up front)."""
+    payload, json_path = train_result
+    path = payload["settings"]["trace"]
+    assert path.endswith("traces/tiny.json.gz")
+    with gzip.open(path, "rt") as f:
+        events = json.load(f)["traceEvents"]
+    names = {e.get("name") for e in events}
+    assert {DATA_RANGE, HOST_TO_DEVICE_RANGE} <= names
+    assert sum(e.get("name") == DATA_RANGE for e in events) == 2  # one per profiled step
 
 
 def test_bench_train_reports_every_figure(train_result):

@@ -37,6 +37,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
     train.add_argument("--num-workers", type=int, help="data loader workers (default: the preset's)")
     train.add_argument("--profile-steps", type=int, default=3, help="steps profiled for the phase split")
+    train.add_argument("--trace", type=Path, help="write the profiled steps' CPU + GPU timeline (Chrome / Perfetto "
+                       "JSON, gzipped when the name ends in .gz)")
     train.add_argument("--loader-batches", type=int, default=20, help="batches timed for the loader alone")
     train.add_argument("--with-layers", action="store_true",
                        help="also time each layer alone (`bench layers`): local MFU and the scaling ratio E2E / local")
@@ -77,7 +79,7 @@ def run_bench(args: argparse.Namespace) -> int:
         return 0
     options = step.TrainBenchOptions(
         **common, steps=args.steps, warmup=args.warmup, max_tuning_steps=args.max_tuning_steps, low_precision_mlp=args.low_precision_mlp,
-        compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps,
+        compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps, trace=args.trace,
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip
     payload = step.bench_train(options)

@@ -53,6 +53,7 @@ class TrainBenchOptions:
     peak_tflops: float | None = None  # the device's dense BF16 peak when it is not in DEVICE_PEAKS
     matmul_size: int | None = None  # measured-ceiling GEMM size; None: 8192 on CUDA, 512 on CPU
     overrides: tuple[str, ...] = ()  # further `--set key=value` settings of the TrainConfig
+    trace: Path | None = None  # the profiled steps' CPU + GPU timeline (Chrome / Perfetto JSON; gzipped if .gz)
 
     def __post_init__(self) -> None:
         for name in ("steps", "profile_steps", "loader_batches"):
@@ -88,6 +89,8 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
 def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     """Run the benchmark; returns the JSON payload (see `format_report` for what each figure is)."""
     config, device, precision = bench_config(options)
+    if options.trace is not None:  # fail now, not after the run
+        options.trace.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
     model = learner.model
@@ -133,7 +136,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     step_ms = 1e3 * elapsed / options.steps
     _progress(f"timed {options.steps} steps: {step_ms:.2f} ms each")
 
-    phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps)
+    phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps,
+                                                                        options.trace)  # fmt: skip
     stream = None  # stops its loader workers before the loader runs alone
     _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
@@ -178,6 +182,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     settings = {
         **{k: v for k, v in dataclasses.asdict(options).items() if k != "overrides"},
         "overrides": list(options.overrides),
+        "trace": None if options.trace is None else str(options.trace),
         "precision": precision,
         "batch_size": config.batch_size,
         "num_workers": config.num_workers,
@@ -206,12 +211,12 @@ def _progress(message: str) -> None:
 
 
 def _profile_phases(
-    learner: Learner, stream: Any, device: torch.device, steps: int
+    learner: Learner, stream: Any, device: torch.device, steps: int, trace: Path | None = None
 ) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
     per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (both CUDA only); and
-    the step time."""
+    the step time. ``trace``: where to write the profiled steps' timeline, to see what the GPU waits for."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
     learner.model = ForwardRange(model)
@@ -228,6 +233,9 @@ def _profile_phases(
             step_ms = 1e3 * (time.perf_counter() - begin) / steps
     finally:
         learner.model = model
+    if trace is not None:
+        profiler.export_chrome_trace(str(trace))  # torch gzips a path ending in .gz
+        _progress(f"wrote the profiled steps' trace to {trace}")
     events = profiler.events()
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
