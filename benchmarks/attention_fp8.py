@@ -5,7 +5,8 @@ Workloads of :mod:`benchmarks.jfa` (bf16 inputs, H = 4, D = 128): (a) power-law 
 Per workload: the bf16 forward and the fp8 forward through the registered op
 (``torch.ops.opengem.jagged_attention_fwd``, quantize pass included), the fp8 attention kernel alone
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
-alone, beside its floor (a device copy moving the same bytes); then attention from hidden states ``[T, H D]``
+alone, beside its floor (a device copy moving the same bytes); each forward's backward through the registered op
+(fp8: straight through the quantization); then attention from hidden states ``[T, H D]``
 through a QKV projection (``qkv_attention``): cuBLAS then the bf16 op, cuBLAS then the FP8 op (quantize pass), and
 the projection that quantizes in its epilogue then the FP8 kernel (``fuse_projection``, issue 12's producer
 fusion); and each projection alone. Correctness in the same
@@ -36,6 +37,7 @@ from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
 from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms", "speedup",
+           "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup",
            "projected_bf16_ms", "projected_fp8_ms", "projected_fused_ms", "projected_speedup", "projected_fused_speedup",
            "projection_ms", "fused_projection_ms", "kernel_speedup",
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
@@ -80,6 +82,11 @@ def measure(wl: Workload) -> dict:
     quantized = fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb)
     out, lse = torch.empty_like(b.q), torch.empty((HEADS, b.q.shape[0]), device=b.q.device)
     times = {p: bench_ms(lambda p=p: run(p)) for p in ("bf16", "fp8")}
+    # the backward of each forward (fp8: straight through its quantization), from that forward's out and lse
+    dout = torch.randn_like(b.q)
+    saved = {p: forward(b.q, b.k, b.v, *options, p) for p in ("bf16", "fp8")}
+    backward = torch.ops.opengem.jagged_attention_bwd
+    bwd_times = {p: bench_ms(lambda p=p: backward(dout, b.q, b.k, b.v, *saved[p], *options, p)) for p in saved}
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
     # the pass's floor: a device copy moving its bytes (bf16 Q, K, V read, E4M3 blocks and scales written)
@@ -98,6 +105,9 @@ def measure(wl: Workload) -> dict:
         "quantize_ms": quantize_ms,
         "quantize_floor_ms": floor_ms,
         "speedup": times["bf16"] / times["fp8"],
+        "bf16_bwd_ms": bwd_times["bf16"],
+        "fp8_bwd_ms": bwd_times["fp8"],
+        "bwd_speedup": bwd_times["bf16"] / bwd_times["fp8"],
         **projected,
         "kernel_speedup": times["bf16"] / kernel_ms,
         "bf16_tflops": flops / times["bf16"] / 1e9,

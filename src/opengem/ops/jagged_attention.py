@@ -22,6 +22,7 @@ from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as reference_jagged_attention_fp8
+from opengem.ops.reference.attention_fp8 import jagged_attention_fp8_backward as reference_jagged_attention_fp8_backward
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 PRECISIONS = ("bf16", "fp8")
@@ -93,11 +94,26 @@ def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, w
     )  # fmt: skip
 
 
-def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale):
-    return reference_jagged_attention_backward(
-        dout, q, k, v, offsets, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
-        window=None if window == _NO_WINDOW else window, scale=scale,
-    )  # fmt: skip
+def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale, precision):
+    mask = dict(causal=causal, num_targets=num_targets, contextual_len=contextual_len,
+                window=None if window == _NO_WINDOW else window, scale=scale)  # fmt: skip
+    if precision == "fp8":
+        from opengem.ops.triton.jagged_attention_fp8 import BLOCK
+
+        grads = reference_jagged_attention_fp8_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+    return reference_jagged_attention_backward(dout, q, k, v, offsets, **mask)
+
+
+def _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=None):
+    """The kernels' backward: JFA's, or for an FP8 forward the straight-through one of its module."""
+    if precision == "fp8":
+        from opengem.ops.triton import jagged_attention_fp8
+
+        return jagged_attention_fp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
+    from opengem.ops.triton import jagged_attention as kernels
+
+    return kernels.backward(dout, q, k, v, out, lse, pb, grads=grads)
 
 
 @torch.library.custom_op("opengem::jagged_attention_fwd", mutates_args=())
@@ -155,24 +171,27 @@ def _jagged_attention_bwd(
     window: int,
     scale: float,
     use_triton: bool,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns ``dq, dk, dv``; the reference path differentiates the recomputed reference."""
+    """Returns ``dq, dk, dv``; the reference path differentiates the recomputed reference. ``precision``: the
+    forward's (an FP8 forward's backward goes straight through its quantization)."""
     if use_triton:
-        kernels, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
-        return kernels.backward(dout, q, k, v, out, lse, pb)
-    return _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale)
+        _, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+        return _triton_backward(dout, q, k, v, out, lse, pb, precision)
+    return _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale, precision)
 
 
 @_jagged_attention_bwd.register_fake
-def _(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton):
+def _(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton,
+      precision="bf16"):  # fmt: skip
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, _ = inputs
+    q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, offsets, num_targets)
-    ctx.options = (max_len, causal, contextual_len, window, scale, use_triton)
+    ctx.options = (max_len, causal, contextual_len, window, scale, use_triton, precision)
 
 
 def _backward(ctx, dout, dlse):
@@ -199,7 +218,7 @@ def _fwd_flops(q, k, v, offsets, num_targets, max_len, causal, contextual_len, w
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_bwd, get_raw=True)
-def _bwd_flops(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, out_val=None):  # fmt: skip
+def _bwd_flops(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
     """2.5x the forward (five GEMMs with recompute not counted, GEM_SPEC section 8)."""
     return 5 * forward_flops(q.shape[1], q.shape[2], offsets, num_targets, causal, contextual_len, window) // 2
 
@@ -251,27 +270,30 @@ def _jagged_attention_packed_bwd(
     window: int,
     scale: float,
     use_triton: bool,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """``dqkv [T, 3, H, D]``: the kernels write dq, dk and dv into its three views."""
     q, k, v = qkv.unbind(1)
     if use_triton:
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
-        kernels, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
-        kernels.backward(dout, q, k, v, out, lse, pb, grads=dqkv.unbind(1))
+        _, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+        _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=dqkv.unbind(1))
         return dqkv
-    return torch.stack(_reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale), 1)
+    grads = _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale, precision)
+    return torch.stack(grads, 1)
 
 
 @_jagged_attention_packed_bwd.register_fake
-def _(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton):
+def _(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton,
+      precision="bf16"):  # fmt: skip
     return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
 
 
 def _setup_packed_context(ctx, inputs, output):
-    qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, _ = inputs
+    qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, offsets, num_targets)
-    ctx.options = (max_len, causal, contextual_len, window, scale, use_triton)
+    ctx.options = (max_len, causal, contextual_len, window, scale, use_triton, precision)
 
 
 def _packed_backward(ctx, dout, dlse):
@@ -289,7 +311,7 @@ def _packed_fwd_flops(qkv, offsets, num_targets, max_len, causal, contextual_len
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_packed_bwd, get_raw=True)
-def _packed_bwd_flops(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, out_val=None):  # fmt: skip
+def _packed_bwd_flops(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
     return 5 * forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window) // 2
 
 
@@ -333,8 +355,9 @@ def jagged_attention(
             of a sample, head), E4M3 ``Q K^T`` and ``P V`` (P quantized as ``p * 256``) with fp32 accumulation,
             ~20x the bf16 error on N(0, 1) inputs (``docs/fp8_attention.md``), output
             in q's dtype; head_dim >= 32 on the Triton path; the reference path emulates it exactly
-            (:mod:`opengem.ops.reference.attention_fp8`). Forward-only low precision: the backward is the
-            bf16 one, from the saved unquantized inputs and the fp8 forward's output and log-sum-exp.
+            (:mod:`opengem.ops.reference.attention_fp8`). The backward runs JFA's bf16 kernels straight
+            through the quantization: on the operands the forward multiplied (quantized and scaled back), so
+            its P is the forward's, with dQ and dK rotated back.
 
     Returns:
         ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.

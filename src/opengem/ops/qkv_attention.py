@@ -4,10 +4,10 @@
 ``precision="fp8", fuse_projection=True`` on the Triton path the projection and FP8 attention's quantization are
 one kernel (:mod:`opengem.ops.triton.qkv_projection_fp8`): Q, K and V are quantized in the GEMM's epilogue
 instead of being read back by the quantize pass (issue 12). It is off by default: on an H200 at model dim 512
-(H 4, D 128, 150k tokens) it took 0.96 ms against 0.40-0.44 ms for cuBLAS's projection plus ~0.35 ms for the quantize
-pass (``benchmarks/RESULTS.md``, session 17): with K 512 each 128 x 128 tile's epilogue (bf16 store, Hadamard
-rotation, quantization) outlasts its main loop, one program an SM. The backward is JFA's bf16 one (the packed
-``dqkv``, written by its kernels) followed by the projection's two GEMMs.
+(H 4, D 128, 150k tokens) it took 0.96 ms against 0.40-0.44 ms for cuBLAS's projection plus ~0.35 ms for the
+quantize pass (``benchmarks/RESULTS.md``, session 17): with K 512 each 128 x 128 tile's epilogue (bf16 store,
+Hadamard rotation, quantization) outlasts its main loop, one program an SM. The backward is the FP8 op's (JFA's
+bf16 kernels straight through the quantization, into one packed ``dqkv``), then the projection's two GEMMs.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ def _setup_context(ctx, inputs, output) -> None:
 
 def _backward(ctx, dout, dlse, dqkv_out):
     x, weight, qkv, out, lse, offsets, num_targets = ctx.saved_tensors
-    dqkv = _jagged_attention_packed_bwd(dout, qkv, out, lse, offsets, num_targets, *ctx.options, True)
+    dqkv = _jagged_attention_packed_bwd(dout, qkv, out, lse, offsets, num_targets, *ctx.options, True, "fp8")
     if dqkv_out is not None:  # qkv is an output too (saved for the backward); a user of it adds its gradient
         dqkv = dqkv + dqkv_out
     flat = dqkv.flatten(1)  # [T, 3 H D]

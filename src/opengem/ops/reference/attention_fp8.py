@@ -25,8 +25,15 @@ one: ``docs/fp8_attention.md``):
 
 Only fp32 rounding differs from the kernel: the rotation's sums (the kernel's is a matmul), the attention's
 sums in another order, ``exp2`` to a few ulps; so a rotated element or a ``p`` within an ulp of an E4M3
-rounding boundary may round the other way. The backward of ``precision="fp8"`` is the bf16 one
-(forward-only low precision), so no backward is emulated here.
+rounding boundary may round the other way.
+
+The backward (:func:`jagged_attention_fp8_backward`) goes straight through the quantization: it is the
+gradient of softmax attention over the operands the forward multiplied (rotated Q and K, and V, each
+quantized and scaled back; logit scale ``/ n``), with dQ and dK rotated back by ``R^T``. Its logits, and so
+its P, are the forward's: a backward recomputing them from the bf16 Q and K against the FP8 forward's
+log-sum-exp gets rows of P that do not sum to one (by 17-23% on outlier-channel inputs), which put dQ and dK
+32-51% off the fp32 gradient there, against 14-16% straight through; on N(0, 1) inputs the order reverses, 2%
+against 5% (``benchmarks/diag/fp8_attention_backward.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import math
 
 import torch
 
-from opengem.ops.reference.attention import _length_groups, _pad, _unpad
+from opengem.ops.reference.attention import _length_groups, _pad, _unpad, jagged_attention_backward
 from opengem.ops.reference.masks import batched_attention_mask
 
 E4M3_MAX = 448.0
@@ -99,6 +106,48 @@ def quantize_jagged_blocks(x: torch.Tensor, offsets: torch.Tensor, block: int) -
         data[rows] = _unpad(q8.view(torch.uint8), lengths, padded.shape[2]).view(torch.float8_e4m3fn)
         scale[rows] = _unpad(s, lengths, padded.shape[2])[..., 0]
     return data, scale
+
+
+def unrotate_gradient(grad: torch.Tensor) -> torch.Tensor:
+    """The gradient of ``x`` from that of ``rotate(x)``: ``grad R^T`` (fp64 sums, as :func:`rotate`), fp32."""
+    n = rotation_size(grad.shape[-1])
+    blocks = grad.double().reshape(*grad.shape[:-1], grad.shape[-1] // n, n)
+    return (blocks @ rotation(n, torch.float64, grad.device).T).float().reshape(grad.shape)
+
+
+def straight_through_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the FP8 forward multiplies, fp32 ``[T, H, D]``: rotated Q and K, and V, quantized and scaled back."""
+    dequantized = []
+    for x in (rotate(q), rotate(k), v.float()):
+        data, scale = quantize_jagged_blocks(x, offsets, block)
+        dequantized.append(data.float() * scale[..., None])
+    return dequantized[0], dequantized[1], dequantized[2]
+
+
+def jagged_attention_fp8_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block: int,
+    causal: bool,
+    num_targets: torch.Tensor | None,
+    contextual_len: int,
+    window: int | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` (fp32) of :func:`jagged_attention_fp8`, straight through its quantization (module
+    docstring); ``scale`` final."""
+    q_st, k_st, v_st = straight_through_operands(q, k, v, offsets, block)
+    dq, dk, dv = jagged_attention_backward(
+        grad_out.float(), q_st, k_st, v_st, offsets, causal=causal, num_targets=num_targets,
+        contextual_len=contextual_len, window=window, scale=scale / rotation_size(q.shape[-1]),
+    )  # fmt: skip
+    return unrotate_gradient(dq), unrotate_gradient(dk), dv
 
 
 def quantize_p(p: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""FP8 JFA forward (``precision="fp8"``): one fused quantize pass over Q, K, V, then E4M3 Q K^T and P V.
+"""FP8 JFA (``precision="fp8"``): one fused quantize pass over Q, K, V, then E4M3 Q K^T and P V; the backward
+straight through the quantization (:func:`backward`).
 
 The numerics are those of :mod:`opengem.ops.reference.attention_fp8` (Q and K rotated by a randomized
 Hadamard matrix along the head dim, one MMA per ``n``-wide slice in the quantize pass, its ``1 / n`` in the
@@ -27,6 +28,7 @@ itself (exact fp8 -> fp16 upcast, fp32 matmul) is fine.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -36,6 +38,7 @@ import triton.language as tl
 
 from opengem.ops.reference import attention_fp8 as emulation
 from opengem.ops.reference.attention_fp8 import rotation, rotation_size
+from opengem.ops.triton import jagged_attention as jfa
 from opengem.ops.triton.jagged_attention import (
     _INTERPRET,
     _KEY,
@@ -265,7 +268,7 @@ def _fwd_fp8_kernel(
 # ------------------------------------------------------------------------------------------ launchers
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _rotation_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The Hadamard block in the inputs' dtype on their device, copied there once."""
     return rotation(n, dtype, device)
@@ -310,12 +313,14 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
 
 
 def unblock(
-    data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool
+    data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool,
+    total: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocked ``data`` and ``scale`` back as jagged ``[T, H, D]`` E4M3 and per-row ``[T, H]`` scales (tests)."""
+    """The blocked ``data`` and ``scale`` back as jagged ``[T, H, D]`` E4M3 and per-row ``[T, H]`` scales;
+    ``total`` (T) spares reading ``offsets[-1]`` from the device."""
     if transposed:
         data = data.transpose(-1, -2)
-    rows = torch.arange(int(offsets[-1]), device=offsets.device)
+    rows = torch.arange(int(offsets[-1]) if total is None else total, device=offsets.device)
     sample = torch.searchsorted(offsets, rows, right=True) - 1
     pos = rows - offsets[sample]
     block = block_base[sample].long() + pos // BLOCK
@@ -324,11 +329,50 @@ def unblock(
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP8 forward: ``out [T, H, D]`` in q's dtype and ``lse [H, T]`` fp32 base 2 (for the bf16 backward)."""
+    """FP8 forward: ``out [T, H, D]`` in q's dtype and ``lse [H, T]`` fp32 base 2 (for :func:`backward`)."""
     (q, k, v), out, lse, has_work = forward_buffers(q, k, v, pb)
     if has_work:
         attend(quantize_qkv(q, k, v, pb), out, lse, k.shape[1], pb)
     return out, lse
+
+
+def straight_through_operands(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the FP8 forward multiplies, ``[T, H, D]`` in q's dtype: rotated Q and K, and V, their E4M3 blocks
+    times their scales (the emulation's ``straight_through_operands`` to the dtype's rounding)."""
+    q8, k8, v8, qs, ks, vs, block_base = quantize_qkv(q, k, v, pb)
+    offsets = pb.offsets.long()
+
+    def back(data: torch.Tensor, scale: torch.Tensor, transposed: bool) -> torch.Tensor:
+        values, row_scale = unblock(data, scale, block_base, offsets, transposed, total=q.shape[0])
+        return (values.float() * row_scale[..., None]).to(q.dtype)
+
+    return back(q8, qs, False), back(k8, ks, False), back(v8, vs, True)
+
+
+def backward(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    pb: Problem, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The FP8 forward's backward, straight through its quantization (the emulation's
+    ``jagged_attention_fp8_backward``): JFA's bf16 backward kernels on :func:`straight_through_operands` with
+    the logit scale ``/ n``, against the FP8 forward's ``out`` and ``lse``, so P is the forward's; then dQ and dK
+    rotated back (``R^T``). ``grads`` as in JFA's ``backward``."""
+    head_dim = q.shape[2]
+    n = rotation_size(head_dim)
+    q_st, k_st, v_st = straight_through_operands(q, k, v, pb)
+    dq_st, dk_st = torch.empty_like(q_st), torch.empty_like(k_st)
+    dv = torch.empty_like(v) if grads is None else grads[2]
+    rotated_pb = dataclasses.replace(pb, scale=pb.scale / n)  # (q R)(k R)^T = n q k^T
+    jfa.backward(dout, q_st, k_st, v_st, out, lse, rotated_pb, grads=(dq_st, dk_st, dv))
+    rotation_t = _rotation_on(n, q.dtype, q.device).T
+    unrotated = [(g.view(*g.shape[:2], head_dim // n, n) @ rotation_t).view(g.shape) for g in (dq_st, dk_st)]
+    if grads is None:
+        return unrotated[0], unrotated[1], dv
+    grads[0].copy_(unrotated[0])
+    grads[1].copy_(unrotated[1])
+    return grads
 
 
 def attend(

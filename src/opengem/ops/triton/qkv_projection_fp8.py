@@ -129,7 +129,7 @@ def projected_attention_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int, pb: Problem
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FP8 attention of the projection of ``x``: ``(out [T, H, D], lse [H, T], qkv [T, 3, H, D])``, qkv in x's
-    dtype for the bf16 backward."""
+    dtype for the backward."""
     qkv, quantized = project_quantize_qkv(x, weight, bias, heads, pb)
     _, out, lse, has_work = forward_buffers(*qkv.unbind(1), pb)
     if has_work:
