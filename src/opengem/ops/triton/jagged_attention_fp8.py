@@ -114,20 +114,26 @@ def _rotate(x, R, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr
 
 
 @triton.jit
+def _e4m3_tile(x, EXACT: tl.constexpr):
+    """A tile ``x`` (fp32, rows past the sample zero) as E4M3 elements and its fp32 scale amax / 448."""
+    amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), MIN_AMAX)
+    e4m3_max = amax * 0.0 + E4M3_MAX
+    # both quotients correctly rounded, as torch divides (a compiled ``/`` is approximate)
+    scaled = x * tl.math.div_rn(e4m3_max, amax)
+    if EXACT:  # integer rounding wants |x| <= 448; the hardware conversion saturates by itself
+        scaled = tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX)
+    return to_e4m3(scaled, EXACT), tl.math.div_rn(amax, e4m3_max)
+
+
+@triton.jit
 def _store_quantized(x, X8, XS, h, block_id, num_blocks, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TRANSPOSE: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """One (block, head) tile ``x`` (fp32 ``[BLOCK, HEAD_DIM]``, rows past the sample zero): its fp32 scale
     amax / 448 and its E4M3 elements, in the blocked layout (``TRANSPOSE``: ``[D, BLOCK]``, V's)."""
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
-    amax = tl.maximum(tl.max(tl.max(tl.abs(x), 1), 0), MIN_AMAX)
-    e4m3_max = amax * 0.0 + E4M3_MAX
-    # both quotients correctly rounded, as torch divides (a compiled ``/`` is approximate)
-    tl.store(XS + h * num_blocks + block_id, tl.math.div_rn(amax, e4m3_max))
-    scaled = x * tl.math.div_rn(e4m3_max, amax)
-    if EXACT:  # integer rounding wants |x| <= 448; the hardware conversion saturates by itself
-        scaled = tl.minimum(tl.maximum(scaled, -E4M3_MAX), E4M3_MAX)
-    x8 = to_e4m3(scaled, EXACT)
+    x8, scale = _e4m3_tile(x, EXACT)
+    tl.store(XS + h * num_blocks + block_id, scale)
     base = X8 + (h * num_blocks + block_id).to(tl.int64) * BLOCK * HEAD_DIM
     if TRANSPOSE:
         tl.store(base + offs_d[None, :] * BLOCK + offs_r[:, None], x8)
@@ -136,17 +142,26 @@ def _store_quantized(x, X8, XS, h, block_id, num_blocks, HEAD_DIM: tl.constexpr,
 
 
 @triton.jit
-def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks,
+def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks, out_heads,
                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr,
-                    ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
-    """One (block, head) of ``X``, loaded (rows past the sample as zeros), rotated when ``ROTATE``, quantized."""
+                    ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
+                    DEQUANTIZE: tl.constexpr):  # fmt: skip
+    """One (block, head) of ``X``, loaded (rows past the sample as zeros), rotated when ``ROTATE``, quantized;
+    with ``DEQUANTIZE`` its E4M3 elements times its scale go to ``X8``, a contiguous ``[T, out_heads, D]`` tensor
+    of X's dtype, instead."""
     offs_r = tl.arange(0, BLOCK)
     offs_d = tl.arange(0, HEAD_DIM)
     ok = (row + offs_r)[:, None] < seq_len
     x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0)
     if ROTATE:
         x = _rotate(x, R, BLOCK, HEAD_DIM, ROT, PRECISION)
-    _store_quantized(x.to(tl.float32), X8, XS, h, block_id, num_blocks, HEAD_DIM, BLOCK, TRANSPOSE, EXACT)
+    if DEQUANTIZE:
+        x8, scale = _e4m3_tile(x.to(tl.float32), EXACT)
+        rows = (start + row + offs_r[:, None]).to(tl.int64) * (out_heads * HEAD_DIM)
+        tl.store(X8 + rows + h * HEAD_DIM + offs_d[None, :], (x8.to(tl.float32) * scale).to(X8.dtype.element_ty),
+                 mask=ok)  # fmt: skip
+    else:
+        _store_quantized(x.to(tl.float32), X8, XS, h, block_id, num_blocks, HEAD_DIM, BLOCK, TRANSPOSE, EXACT)
 
 
 @triton.jit(do_not_specialize=["num_blocks"])
@@ -154,10 +169,12 @@ def _quantize_kernel(
     Q, K, V, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, heads, kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
+    DEQUANTIZE: tl.constexpr = False,
 ):  # fmt: skip
     """Program (block item, operand head): axis 1 runs over Q's heads, then K's, then V's, one tile each, Q and K
     rotated by ``R``. One tile a program keeps its registers to one tile: a program quantizing Q, K and V in turn
-    held 255 registers and spilled at 4 warps, one program per SM, and ran ~10x over the copy time."""
+    held 255 registers and spilled at 4 warps, one program per SM, and ran ~10x over the copy time.
+    ``DEQUANTIZE``: Q8, K8, V8 are jagged ``[T, H, D]`` outputs of the straight-through values (no scales)."""
     b = tl.load(items + 2 * tl.program_id(0))
     row = tl.load(items + 2 * tl.program_id(0) + 1)
     operand = tl.program_id(1)
@@ -165,15 +182,15 @@ def _quantize_kernel(
     block_id = tl.load(block_base + b) + row // BLOCK
     if operand < heads:
         _quantize_block(Q + operand * stride_qh, Q8, QS, R, start, row, seq_len, stride_qt, operand, block_id,
-                        num_blocks, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT)  # fmt: skip
+                        num_blocks, heads, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
     elif operand < heads + kv_heads:
         h = operand - heads
         _quantize_block(K + h * stride_kh, K8, KS, R, start, row, seq_len, stride_kt, h, block_id, num_blocks,
-                        HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT)  # fmt: skip
+                        kv_heads, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
     else:
         h = operand - heads - kv_heads
         _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
-                        HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT)  # fmt: skip
+                        kv_heads, HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -274,15 +291,21 @@ def _rotation_on(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tens
     return rotation(n, dtype, device)
 
 
+def _block_base(pb: Problem, device: torch.device) -> torch.Tensor:
+    """``[B + 1]`` int32: each sample's first block of ``BLOCK`` rows in the blocked layout."""
+    lengths = pb.offsets[1:] - pb.offsets[:-1]
+    block_base = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
+    torch.cumsum(torch.div(lengths + BLOCK - 1, BLOCK, rounding_mode="floor"), 0, out=block_base[1:])
+    return block_base
+
+
 def blocked_buffers(
     pb: Problem, heads: int, kv_heads: int, head_dim: int, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """Empty ``(q8, k8, v8, q_scale, k_scale, v_scale)`` in the blocked layout of the module docstring, and
     ``block_base [B + 1]`` (filled: each sample's first block)."""
     num_blocks = pb.sched.query_tiles[BLOCK].shape[0]  # one item per block
-    lengths = pb.offsets[1:] - pb.offsets[:-1]
-    block_base = torch.zeros(lengths.numel() + 1, dtype=torch.int32, device=device)
-    torch.cumsum(torch.div(lengths + BLOCK - 1, BLOCK, rounding_mode="floor"), 0, out=block_base[1:])
+    block_base = _block_base(pb, device)
     new = lambda *shape: torch.empty(shape, dtype=torch.float8_e4m3fn, device=device)
     scales = lambda h: torch.empty((h, num_blocks), dtype=torch.float32, device=device)
     return (
@@ -296,31 +319,36 @@ def blocked_buffers(
 def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, ...]:
     """One launch rotating Q and K and quantizing Q, K and V per (sample-aligned block of ``BLOCK`` rows, head);
     returns ``(q8, k8, v8, q_scale, k_scale, v_scale, block_base)`` in the blocked layout of the module docstring."""
-    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
-    items = pb.sched.query_tiles[BLOCK]  # one item per block
-    num_blocks = items.shape[0]
-    quantized = blocked_buffers(pb, heads, kv_heads, head_dim, q.device)
-    q8, k8, v8, qs, ks, vs, block_base = quantized
-    if num_blocks:
-        n = rotation_size(head_dim)
-        _quantize_kernel[(num_blocks, heads + 2 * kv_heads)](
-            q, k, v, q8, k8, v8, qs, ks, vs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, heads, kv_heads,
-            HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            EXACT=_INTERPRET, num_warps=QUANTIZE_WARPS[head_dim],
-        )  # fmt: skip
+    quantized = blocked_buffers(pb, q.shape[1], k.shape[1], q.shape[2], q.device)
+    _quantize_pass(q, k, v, quantized[:6], quantized[6], pb, dequantize=False)
     return quantized
 
 
+def _quantize_pass(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outputs: tuple[torch.Tensor, ...], block_base: torch.Tensor,
+    pb: Problem, dequantize: bool,
+) -> None:
+    """The quantize kernel over every (block, operand head) into ``outputs``: the blocked E4M3 data and scales, or
+    (``dequantize``) three jagged tensors and, standing for the unused scales, anything."""
+    heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
+    items = pb.sched.query_tiles[BLOCK]  # one item per block
+    if items.shape[0]:
+        n = rotation_size(head_dim)
+        _quantize_kernel[(items.shape[0], heads + 2 * kv_heads)](
+            q, k, v, *outputs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
+            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), items.shape[0], heads,
+            kv_heads, HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+            EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim],
+        )  # fmt: skip
+
+
 def unblock(
-    data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool,
-    total: int | None = None,
+    data: torch.Tensor, scale: torch.Tensor, block_base: torch.Tensor, offsets: torch.Tensor, transposed: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocked ``data`` and ``scale`` back as jagged ``[T, H, D]`` E4M3 and per-row ``[T, H]`` scales;
-    ``total`` (T) spares reading ``offsets[-1]`` from the device."""
+    """The blocked ``data`` and ``scale`` back as jagged ``[T, H, D]`` E4M3 and per-row ``[T, H]`` scales (tests)."""
     if transposed:
         data = data.transpose(-1, -2)
-    rows = torch.arange(int(offsets[-1]) if total is None else total, device=offsets.device)
+    rows = torch.arange(int(offsets[-1]), device=offsets.device)
     sample = torch.searchsorted(offsets, rows, right=True) - 1
     pos = rows - offsets[sample]
     block = block_base[sample].long() + pos // BLOCK
@@ -339,16 +367,12 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
 def straight_through_operands(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the FP8 forward multiplies, ``[T, H, D]`` in q's dtype: rotated Q and K, and V, their E4M3 blocks
-    times their scales (the emulation's ``straight_through_operands`` to the dtype's rounding)."""
-    q8, k8, v8, qs, ks, vs, block_base = quantize_qkv(q, k, v, pb)
-    offsets = pb.offsets.long()
-
-    def back(data: torch.Tensor, scale: torch.Tensor, transposed: bool) -> torch.Tensor:
-        values, row_scale = unblock(data, scale, block_base, offsets, transposed, total=q.shape[0])
-        return (values.float() * row_scale[..., None]).to(q.dtype)
-
-    return back(q8, qs, False), back(k8, ks, False), back(v8, vs, True)
+    """What the FP8 forward multiplies, new ``[T, H, D]`` tensors in q's dtype: rotated Q and K, and V, their E4M3
+    blocks times their scales (the quantize pass writing those instead of the blocked layout; the emulation's
+    ``straight_through_operands`` to the dtype's rounding)."""
+    outs = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    _quantize_pass(q, k, v, (*outs, *outs), _block_base(pb, q.device), pb, dequantize=True)
+    return outs
 
 
 def backward(
