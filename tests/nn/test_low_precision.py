@@ -223,6 +223,38 @@ def test_monitor_measures_a_compiled_model_without_touching_its_graph() -> None:
     torch._dynamo.reset()
 
 
+def test_monitor_watches_fp8_attention_layers() -> None:
+    """A GEM self-attention layer in FP8: its residual update against the same layer's in bf16 (FP8's few
+    percent, not the residual-diluted output's), no watch in bf16, and past the bound a warning and, with
+    fallback, the layer in bf16 from then on (its output then the bf16 layer's exactly)."""
+    from opengem.jagged import Jagged
+    from opengem.nn.gem_layers import SequenceSelfAttention
+
+    torch.manual_seed(0)
+    layer = SequenceSelfAttention(64, 2, "jfa", window=8, block_size=16, contextual_len=2, ffn_mult=2,
+                                  time_scale=1.0, precision="fp8")  # fmt: skip
+    model = nn.ModuleDict({"attention": layer})
+    offsets = torch.tensor([0, 37, 38, 58])
+    sequence, age = Jagged(torch.randn(58, 64), offsets, offsets.clone(), 37), torch.zeros(58)
+    monitor = NumericsMonitor(model, every=1, bound=0.5)
+    monitor.step()
+    out = layer(sequence, age).values
+    assert set(monitor.metrics()) == {"numerics/attention/rel_error"}
+    assert 0.003 < monitor.stats["attention"]["rel_error"] < 0.1 and monitor.stats["attention"]["recipe"] == "fp8"
+    assert layer.precision == "fp8"  # the shadow put it back
+    strict = NumericsMonitor(model, every=1, bound=1e-6, fallback=True)
+    strict.step()
+    with pytest.warns(RuntimeWarning, match="'attention' \\(fp8\\): output relative error .* falling back to BF16"):
+        assert torch.equal(layer(sequence, age).values, out)
+    assert layer.precision == "bf16" and strict.stats["attention"]["fell_back"]
+    strict.step()
+    entry = dict(strict.stats["attention"])
+    assert not torch.equal(layer(sequence, age).values, out)  # bf16 now
+    assert strict.stats["attention"] == entry  # and no longer measured
+    monitor.remove()
+    strict.remove()
+
+
 def test_monitor_skips_inactive_steps() -> None:
     model = Tower()
     convert_to_low_precision(model, "fp8_rowwise")

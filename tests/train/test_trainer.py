@@ -182,10 +182,23 @@ def test_numerics_monitoring_logs_each_fp8_layer_and_leaves_training_unchanged(t
     with pytest.warns(RuntimeWarning, match="exceeds the bound 1e-09 at step 2; falling back to BF16"):
         train(_config(tmp_path, *extra, "numerics_every=2", "numerics_bound=1e-9", "numerics_fallback=true",
                       "name=fallback"), progress=False)
-    with pytest.raises(ValueError, match="numerics_every monitors the low-precision layers"):
+    with pytest.raises(ValueError, match="numerics_every monitors the low-precision layers: set low_precision_mlp or"):
         _config(tmp_path, "numerics_every=10")
     with pytest.raises(ValueError, match="numerics_bound must be > 0"):
         _config(tmp_path, *extra, "numerics_every=10", "numerics_bound=0")
+
+
+def test_numerics_monitoring_covers_fp8_attention(tmp_path):
+    """``gem.attention_precision=fp8`` alone is enough for ``numerics_every``: each FP8 self-attention layer's
+    residual update against its bf16 shadow goes to metrics.jsonl (FP8's few percent)."""
+    extra = ["steps=2", "eval_every=2", "eval_samples=500", "baseline=false", "architecture=gem", "precision=bf16",
+             "gem.attention_precision=fp8", "numerics_every=2", "name=attention"]
+    train(_config(tmp_path, *extra), progress=False)
+    records = [json.loads(line) for line in (tmp_path / "attention" / "metrics.jsonl").read_text().splitlines()]
+    (numerics,) = [r for r in records if any(key.startswith("numerics/") for key in r)]
+    errors = {key: value for key, value in numerics.items() if key != "step"}
+    assert errors and all(key.endswith("/rel_error") and "attention" in key for key in errors), errors
+    assert all(0.003 < error < 0.2 for error in errors.values()), errors
 
 
 def test_converted_mlp_blocks_train_fused_and_stay_monitored(tmp_path):

@@ -149,6 +149,18 @@ class SequenceSelfAttention(nn.Module):
         self.out = nn.Linear(dim, dim)
         self.ffn = nn.Sequential(nn.LayerNorm(dim), MLP(dim, [ffn_mult * dim], dim)) if ffn_mult > 0 else None
 
+    def bf16_shadow(self, inputs: tuple[Jagged, torch.Tensor], output: Jagged) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the numerics monitor (``opengem.nn.numerics``): this layer's residual update (output minus input)
+        from its forward hook's ``inputs`` and ``output``, and the update of the same layer with its attention in
+        bf16 on the same inputs (compared without the residual, which would hide the attention's error)."""
+        sequence, age = inputs
+        precision, self.precision = self.precision, "bf16"
+        try:
+            shadow = self(sequence, age)
+        finally:
+            self.precision = precision
+        return output.values - sequence.values, shadow.values - sequence.values
+
     def forward(self, sequence: Jagged, age: torch.Tensor) -> Jagged:
         """``age [T]``: seconds between each token's event and the impression (0 for CLS tokens)."""
         h = sequence.values

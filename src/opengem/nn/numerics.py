@@ -1,7 +1,9 @@
 """Numeric-drift monitoring of low-precision layers and per-layer automatic recipe choice (LoKA's idea).
 
 `NumericsMonitor`: every ``every`` steps, each `LowPrecisionLinear`'s output is compared with a BF16
-shadow computation on the same input (forward hook); the relative errors go to the training metrics
+shadow computation on the same input (forward hook), and so is each low-precision attention layer's (a module
+with ``precision != "bf16"`` and a ``bf16_shadow`` method, as `opengem.nn.gem_layers.SequenceSelfAttention`:
+its residual update against the same layer's in bf16); the relative errors go to the training metrics
 (`TrainConfig.numerics_every`), a layer past ``bound`` triggers a warning and, with ``fallback``, is
 switched to BF16 for the rest of the run.
 
@@ -40,6 +42,11 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out32 - ref32).norm() / ref32.norm().clamp_min(1e-30))
 
 
+def low_precision_attention(module: nn.Module) -> bool:
+    """An attention layer running in low precision that can compute its BF16 shadow (``bf16_shadow``)."""
+    return hasattr(module, "bf16_shadow") and getattr(module, "precision", "bf16") != "bf16"
+
+
 def _bf16_shadow(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     bias = None if layer.bias is None else layer.bias.to(torch.bfloat16)
     return F.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16), bias)
@@ -75,7 +82,7 @@ class NumericsMonitor:
 
     def _attach(self) -> list[torch.utils.hooks.RemovableHandle]:
         return [m.register_forward_hook(self._hook_for(name)) for name, m in self._model.named_modules()
-                if isinstance(m, LowPrecisionLinear)]
+                if isinstance(m, LowPrecisionLinear) or low_precision_attention(m)]
 
     def step(self) -> None:
         self._active = self.steps % self.every == 0
@@ -104,29 +111,36 @@ class NumericsMonitor:
         return self.metrics()
 
     def _hook_for(self, name: str) -> Callable[..., None]:
-        def hook(layer: LowPrecisionLinear, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:
-            if not self._active or name in self._measured or layer.recipe.is_bf16:
-                return
+        def hook(layer: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
+            linear = isinstance(layer, LowPrecisionLinear)
+            if not self._active or name in self._measured or not (linear or low_precision_attention(layer)):
+                return  # (a layer fallen back to BF16, or an inner forward of a shadow below)
             self._measured.add(name)
             with torch.no_grad():
-                err = relative_error(output, _bf16_shadow(layer, inputs[0]))
+                if linear:
+                    err, recipe = relative_error(output, _bf16_shadow(layer, inputs[0])), layer.recipe.forward
+                else:  # the layer's own comparison: its update against its BF16 shadow's
+                    err, recipe = relative_error(*layer.bf16_shadow(inputs, output)), layer.precision
             previous = self.stats.get(name, {})
             entry = {
                 "rel_error": err,
                 "max_rel_error": max(err, previous.get("max_rel_error", 0.0)),
-                "recipe": layer.recipe.forward,
+                "recipe": recipe,
                 "fell_back": False,
             }
             if err > self.bound:
                 action = "falling back to BF16" if self.fallback else "keeping its recipe"
                 warnings.warn(
-                    f"low-precision layer {name!r} ({layer.recipe.forward}): output relative error {err:.3g} "
+                    f"low-precision layer {name!r} ({recipe}): output relative error {err:.3g} "
                     f"vs BF16 exceeds the bound {self.bound:.3g} at step {self._current_step}; {action}",
                     RuntimeWarning,
                     stacklevel=2,
                 )
                 if self.fallback:
-                    layer.recipe = BF16
+                    if linear:
+                        layer.recipe = BF16
+                    else:
+                        layer.precision = "bf16"
                     entry["fell_back"] = True
             self.stats[name] = entry
 

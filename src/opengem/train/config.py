@@ -56,7 +56,8 @@ class TrainConfig:
     # (opengem.nn.numerics.select_precision; timed per layer on a GPU, a fixed speed order on CPU)
     low_precision_mlp: str = "none"
     low_precision_min_features: int = 512  # smaller Linear layers stay BF16 (their GEMMs gain nothing from FP8)
-    # every N steps (0: never) each low-precision layer's output against a BF16 shadow on the same input
+    # every N steps (0: never) each low-precision layer's output (FP8 linears; FP8 attention layers' residual
+    # updates) against a BF16 shadow on the same input
     # (opengem.nn.numerics.NumericsMonitor, one extra eager forward): "numerics/<layer>/rel_error" in
     # metrics.jsonl, a warning past numerics_bound and, with numerics_fallback, that layer in BF16 from then on;
     # numerics_bound is also low_precision_mlp="auto"'s selection bound
@@ -82,8 +83,10 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not self.numerics_bound > 0:
             raise ValueError(f"numerics_bound must be > 0, got {self.numerics_bound}")
-        if self.numerics_every and self.low_precision_mlp == "none":
-            raise ValueError("numerics_every monitors the low-precision layers: set low_precision_mlp too")
+        low_precision_attention = self.architecture == "gem" and self.gem.attention_precision != "bf16"
+        if self.numerics_every and self.low_precision_mlp == "none" and not low_precision_attention:
+            raise ValueError("numerics_every monitors the low-precision layers: set low_precision_mlp or "
+                             "gem.attention_precision too")
 
     @property
     def run_name(self) -> str:
