@@ -61,3 +61,32 @@ def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, ex
     assert len(commands) == len(expected)
     for command, pattern in zip(commands, expected):
         assert re.search(pattern, command), (command, pattern)
+
+
+def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
+    """Of the checkout's benchmarks/results only what the call wrote comes back (not every committed file), and
+    the compile caches the steps filled come back as compile_cache.tgz, to carry into a fresh machine."""
+    import os
+    import tarfile
+
+    root = tmp_path / "checkout"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    committed = root / "benchmarks" / "results" / "committed.json"
+    committed.write_text("{}")
+    os.utime(committed, (0, 0))
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    python = shim / "python"
+    python.write_text('#!/bin/bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+                      'echo "{}" > benchmarks/results/written.json\n'
+                      'mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && echo graph > "$TORCHINDUCTOR_CACHE_DIR/entry"\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    env = {"PATH": f"{shim}:/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)}
+    subprocess.run(["bash", str(SCRIPT), str(out), "s17d"], cwd=root, env=env, check=True, timeout=120,
+                   capture_output=True)
+    with tarfile.open(out / "results.tgz") as results:
+        names = {Path(name).name for name in results.getnames()}
+    assert "written.json" in names and "committed.json" not in names
+    with tarfile.open(out / "compile_cache.tgz") as cache:
+        assert "./inductor/entry" in cache.getnames()
