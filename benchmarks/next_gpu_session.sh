@@ -101,6 +101,8 @@
 # s18a (one GPU): FP8 attention's GPU tests with the straight-through backward, then the FP8 benchmark full (each
 #   forward's backward timed too)
 # s18b (one GPU): the 2000-step NE run with FP8 attention (straight-through backward) + FP8 MLPs, bar 0.3%
+# s18c (one GPU): gem-small b2048 twice in one call, the default with the profiled steps' timeline, then with
+#   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the timed steps' cudaMalloc count beside their GPU idle)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -197,6 +199,9 @@ chain_s12a() {
 }
 small_train() {  # gem-small b2048 under bench train, compiled, 8 + 20 warm-up and 20 timed steps
   train bench train --preset gem-small --batch-size 2048 --compile --steps 20 --warmup 8 --num-workers 12 "$@"
+}
+small_train_expandable() {  # the same with the caching allocator growing segments instead of adding new ones
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True small_train "$@"
 }
 chain_s12b() {
   step fp8_mlp_train 330 small_train --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_fp8.json"
@@ -299,6 +304,12 @@ chain_s18b() {  # issue 12: the NE run again with the straight-through FP8 backw
     --set gem.attention_precision=fp8
   step lp_curves_compare 30 untuned_curve --compare --variant fp8_rowwise --label fp8_attention_straight_through \
     --bar 0.003
+}
+chain_s18c() {  # issue 10: gem-small's GPU idle: the allocator's trips to the driver, the timeline, expandable segments
+  step bench_train_default 330 small_train --trace "$final/gem-small_steps.json.gz" \
+    --out "$out/results/train_gem-small_b2048_s18_default.json"
+  step bench_train_expandable 200 small_train_expandable \
+    --out "$out/results/train_gem-small_b2048_s18_expandable_segments.json"
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -411,13 +422,13 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train untuned_curve multi large_single curves_single predict
+export -f tests train small_train small_train_expandable untuned_curve multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18a|s18b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18a|s18b|s18c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

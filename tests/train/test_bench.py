@@ -56,7 +56,7 @@ def test_bench_train_reports_every_figure(train_result):
     assert payload["environment"]["device"] == "cpu"
     timed = payload["settings"]["host_events_while_timed"]  # no autotuner, no Triton kernel loads on CPU
     assert timed["autotuner_keys"] == 0 and timed["kernels_loaded"] == 0 and timed["kernels"] == []
-    assert timed["gc_ms"] >= 0
+    assert timed["gc_ms"] >= 0 and timed["device_mallocs"] == 0 and timed["alloc_retries"] == 0
     assert min(each := results["step_ms_each"]) <= results["step_ms_median"] <= max(each)
     each = results["step_ms_each"]  # one lap per timed step, adding up to (nearly) the whole window
     assert len(each) == 3 and all(ms > 0 for ms in each)
@@ -277,6 +277,24 @@ def test_host_events_count_kernel_loads_graphs_and_collections():
     assert now.gc_ms > before.gc_ms and not now.compiled_since(now._replace(gc_ms=0.0))
     report = events_report(before)
     assert report["kernels"] == ["_block_attention_bwd"] and report["autotuner_keys"] == 0
+
+
+def test_host_events_count_the_allocators_trips_to_the_driver(monkeypatch):
+    """The CUDA caching allocator's segment allocations and retries, from its host-side counters (0 without
+    CUDA), go into the timed window's report; they do not make a step "compiled"."""
+    from opengem.train.bench.watch import events_report, host_events
+
+    assert host_events().device_mallocs == 0 and host_events().alloc_retries == 0  # CPU
+    stats = {"segment.all.allocated": 10, "num_alloc_retries": 0}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "memory_stats", lambda: dict(stats))
+    before = host_events()
+    stats.update({"segment.all.allocated": 13, "num_alloc_retries": 1})
+    after = host_events()
+    report = events_report(before, after=after)
+    assert report["device_mallocs"] == 3 and report["alloc_retries"] == 1
+    assert not after.compiled_since(before)
 
 
 def test_warm_up_waits_for_kernel_loads(monkeypatch):

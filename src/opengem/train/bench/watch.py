@@ -1,7 +1,9 @@
 """Host-side events that stall a training step for far longer than its kernels, counted so a timed window
 can say whether it held one: an autotuner timing candidates, a Triton kernel loaded (a new JIT
 specialization of one of ours, or an Inductor kernel: 0.1-1 s each), a Dynamo graph compiled, a Python
-garbage collection. Counters only, no device synchronization."""
+garbage collection; and the CUDA caching allocator going to the driver (``cudaMalloc`` of a new segment, which
+jagged batches of a new size can need, and a retry after freeing the cache: both stall the host, a free
+synchronizes the device). Counters only, no device synchronization."""
 
 from __future__ import annotations
 
@@ -19,6 +21,8 @@ class HostEvents(NamedTuple):
     kernels_loaded: int
     dynamo_graphs: int
     gc_ms: float
+    device_mallocs: int = 0  # segments the CUDA caching allocator allocated from the driver
+    alloc_retries: int = 0  # allocations that freed the cache and retried (a device synchronization)
 
     def since(self, before: HostEvents) -> HostEvents:
         return HostEvents(*(now - then for now, then in zip(self, before)))
@@ -65,7 +69,19 @@ def host_events() -> HostEvents:
         graphs = int(counters["stats"]["unique_graphs"])
     except ImportError:
         graphs = 0
-    return HostEvents(tuned_keys(), len(_loaded_kernels), graphs, _gc["ms"])
+    mallocs, retries = _allocator_counts()
+    return HostEvents(tuned_keys(), len(_loaded_kernels), graphs, _gc["ms"], mallocs, retries)
+
+
+def _allocator_counts() -> tuple[int, int]:
+    """The CUDA caching allocator's cumulative segment allocations and retries (its host-side counters), or
+    zeros without an initialized CUDA context."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return 0, 0
+    stats = torch.cuda.memory_stats()
+    return int(stats.get("segment.all.allocated", 0)), int(stats.get("num_alloc_retries", 0))
 
 
 def kernels_loaded_since(before: HostEvents) -> list[str]:
