@@ -194,6 +194,10 @@ def test_monitor_reports_warns_and_falls_back() -> None:
         model(x)
     assert any("exceeds the bound" in str(w.message) for w in caught)
     assert model.up.recipe.is_bf16 and strict.stats["up"]["fell_back"]
+    strict.step()
+    entry = dict(strict.stats["up"])
+    model(x)
+    assert strict.stats["up"] == entry  # a layer fallen back to BF16 is no longer measured
     monitor.remove()
     strict.remove()
 

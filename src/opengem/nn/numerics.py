@@ -52,6 +52,26 @@ def _bf16_shadow(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     return F.linear(x.to(torch.bfloat16), layer.weight.to(torch.bfloat16), bias)
 
 
+def _runs_low_precision(layer: nn.Module) -> bool:
+    """A watched layer that still computes in low precision (not fallen back to, or chosen as, BF16)."""
+    return not layer.recipe.is_bf16 if isinstance(layer, LowPrecisionLinear) else low_precision_attention(layer)
+
+
+def _error_against_bf16(layer: nn.Module, inputs: tuple[Any, ...], output: Any) -> tuple[float, str]:
+    """The layer's relative error against its BF16 shadow on the same inputs, and its recipe's name: a linear's
+    output, an attention layer's own comparison (its residual update)."""
+    if isinstance(layer, LowPrecisionLinear):
+        return relative_error(output, _bf16_shadow(layer, inputs[0])), layer.recipe.forward
+    return relative_error(*layer.bf16_shadow(inputs, output)), layer.precision
+
+
+def _fall_back_to_bf16(layer: nn.Module) -> None:
+    if isinstance(layer, LowPrecisionLinear):
+        layer.recipe = BF16
+    else:
+        layer.precision = "bf16"
+
+
 class NumericsMonitor:
     """Watch every `LowPrecisionLinear` of ``model``. Call `step()` once per training step (before the
     forward); on steps divisible by ``every`` the hooks measure each layer's first forward of the step.
@@ -112,15 +132,11 @@ class NumericsMonitor:
 
     def _hook_for(self, name: str) -> Callable[..., None]:
         def hook(layer: nn.Module, inputs: tuple[Any, ...], output: Any) -> None:
-            linear = isinstance(layer, LowPrecisionLinear)
-            if not self._active or name in self._measured or not (linear or low_precision_attention(layer)):
-                return  # (a layer fallen back to BF16, or an inner forward of a shadow below)
+            if not self._active or name in self._measured or not _runs_low_precision(layer):
+                return  # (also an attention layer's inner forward of its own shadow: measured already)
             self._measured.add(name)
             with torch.no_grad():
-                if linear:
-                    err, recipe = relative_error(output, _bf16_shadow(layer, inputs[0])), layer.recipe.forward
-                else:  # the layer's own comparison: its update against its BF16 shadow's
-                    err, recipe = relative_error(*layer.bf16_shadow(inputs, output)), layer.precision
+                err, recipe = _error_against_bf16(layer, inputs, output)
             previous = self.stats.get(name, {})
             entry = {
                 "rel_error": err,
@@ -137,10 +153,7 @@ class NumericsMonitor:
                     stacklevel=2,
                 )
                 if self.fallback:
-                    if linear:
-                        layer.recipe = BF16
-                    else:
-                        layer.precision = "bf16"
+                    _fall_back_to_bf16(layer)
                     entry["fell_back"] = True
             self.stats[name] = entry
 
