@@ -28,7 +28,7 @@ from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.train.bench.kernels import family_split_us, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
-from opengem.train.bench.watch import events_report, host_events
+from opengem.train.bench.watch import allocator_counts, events_report, host_events
 from opengem.train.compile import compile_regions
 from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, apply_overrides, load_config
 from opengem.train.data_stream import train_batches
@@ -126,10 +126,12 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         lengths.append(batch.history_age.lengths_host())
         loss = learner.step(batch.to(device, non_blocking=True))
         timer.lap()
-        now = host_events()  # host counters, no sync: did this step tune or compile (a batch shape not met before)?
+        # host counters, no sync: did this step tune or compile (a batch shape not met before)?
+        now = host_events(allocator=False)
         compiled_in_step.append(now.compiled_since(step_events))
         step_events = now
     elapsed = timer.stop()
+    step_events = step_events._replace(**allocator_counts())  # (nothing allocates in the stop's synchronization)
     while_timed, laps_ms = events_report(events_before, after=step_events), timer.laps_ms()
     calm_laps = [ms for ms, compiled in zip(laps_ms, compiled_in_step) if not compiled]
     untuned_ms = statistics.fmean(calm_laps) if calm_laps else None

@@ -74,7 +74,7 @@ def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: in
     most ``slow_factor`` x the fastest run so far (or less than ``slow_floor_s`` more). Each run is timed between two ``sync()`` calls. ``agree`` turns this
     rank's "not settled" into every rank's (an all-reduce under torch.distributed), so all ranks run the
     same steps."""
-    seen, calm, ran, fastest = host_events(), 0, 0, float("inf")
+    seen, calm, ran, fastest = host_events(allocator=False), 0, 0, float("inf")
     while ran < min_steps or (calm < quiet_steps and ran < min_steps + max_extra):
         sync()
         begin = clock()
@@ -83,7 +83,7 @@ def warm_until_settled(step: Callable[[], object], min_steps: int, max_extra: in
         took = clock() - begin
         ran += 1
         fastest = min(fastest, took)
-        now = host_events()
+        now = host_events(allocator=False)
         slow = ran == 1 or (took > slow_factor * fastest and took - fastest > slow_floor_s)  # 1st: no reference
         calm = 0 if agree(now.compiled_since(seen) or slow) else calm + 1
         seen = now

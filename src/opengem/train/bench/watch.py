@@ -57,9 +57,11 @@ def _install() -> None:
     _installed = True
 
 
-def host_events() -> HostEvents:
+def host_events(allocator: bool = True) -> HostEvents:
     """Totals so far (the kernel-load and collection counters start at the first call). Autotuner keys:
-    the settled configurations of opengem's kernels (``opengem.ops.triton.tuning``, imported at the call)."""
+    the settled configurations of opengem's kernels (``opengem.ops.triton.tuning``, imported at the call).
+    ``allocator=False`` leaves the allocator's counters at 0: reading them builds the dict of all its statistics,
+    host work a per-step look inside a timed window should not add (`allocator_counts` at the window's end)."""
     from opengem.ops.triton.tuning import tuned_keys
 
     _install()
@@ -69,19 +71,20 @@ def host_events() -> HostEvents:
         graphs = int(counters["stats"]["unique_graphs"])
     except ImportError:
         graphs = 0
-    mallocs, retries = _allocator_counts()
-    return HostEvents(tuned_keys(), len(_loaded_kernels), graphs, _gc["ms"], mallocs, retries)
+    counts = allocator_counts() if allocator else {}
+    return HostEvents(tuned_keys(), len(_loaded_kernels), graphs, _gc["ms"], **counts)
 
 
-def _allocator_counts() -> tuple[int, int]:
-    """The CUDA caching allocator's cumulative segment allocations and retries (its host-side counters), or
-    zeros without an initialized CUDA context."""
+def allocator_counts() -> dict[str, int]:
+    """The CUDA caching allocator's cumulative segment allocations and retries (its host-side counters), as
+    `HostEvents` fields; zeros without an initialized CUDA context."""
     import torch
 
     if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
-        return 0, 0
+        return {"device_mallocs": 0, "alloc_retries": 0}
     stats = torch.cuda.memory_stats()
-    return int(stats.get("segment.all.allocated", 0)), int(stats.get("num_alloc_retries", 0))
+    return {"device_mallocs": int(stats.get("segment.all.allocated", 0)),
+            "alloc_retries": int(stats.get("num_alloc_retries", 0))}
 
 
 def kernels_loaded_since(before: HostEvents) -> list[str]:
