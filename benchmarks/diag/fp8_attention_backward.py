@@ -2,9 +2,9 @@
 
 One causal sample per row of the table, H = 2, D = 128, bf16-rounded N(0, 1) inputs, or with 4 of Q's and K's
 channels 10x the others (``outliers``: logits with std ~17, as trained Q and K carry). The FP8 forward is the
-emulation's (:mod:`opengem.ops.reference.attention_fp8`): rotated, block-quantized Q and K, block-quantized V, P in
-E4M3 per key block; its ``out`` and log-sum-exp feed the backwards, each written out in flash-attention form
-(``dS = P * (dO V^T - rowsum(dO * O))``):
+emulation's (:mod:`opengem.ops.reference.attention_fp8`): rotated, block-quantized Q and K, block-quantized V, P
+in E4M3 per key block. Its output and its log-sum-exp (of its logits) feed the backwards, each written out in
+flash-attention form (``dS = P * (dO V^T - rowsum(dO * O))``):
 
 - ``forward_only``: P recomputed from the bf16 Q and K against the FP8 log-sum-exp (what the op did before
   session 17): P's rows do not sum to one (``p_row_sum_error``);
@@ -24,43 +24,14 @@ import torch
 
 from benchmarks.common import print_table, write_results
 from opengem.ops.reference.attention_fp8 import (
-    LOG2E,
-    P_SCALE,
-    quantize_p,
-    quantize_padded_blocks,
-    rotate,
+    jagged_attention_fp8,
     rotation_size,
+    straight_through_operands,
     unrotate_gradient,
 )
 
 HEADS, HEAD_DIM, BLOCK = 2, 128, 128
 COLUMNS = ["inputs", "length", "backward", "dq_err", "dk_err", "dv_err", "p_row_sum_error", "forward_err"]
-
-
-def _dequantized_blocks(x: torch.Tensor) -> torch.Tensor:
-    """``x [L, H, D]`` -> ``[H, L, D]`` fp64: E4M3 blocks of ``BLOCK`` rows times their scales."""
-    length = x.shape[0]
-    padded = torch.zeros(1, HEADS, -(-length // BLOCK) * BLOCK, HEAD_DIM)
-    padded[0, :, :length] = x.permute(1, 0, 2)
-    data, scale = quantize_padded_blocks(padded, BLOCK)
-    return (data.float() * scale)[0, :, :length].double()
-
-
-def _fp8_forward(qd: torch.Tensor, kd: torch.Tensor, vd: torch.Tensor, mask: torch.Tensor, scale: float):
-    """The emulation's online softmax over key blocks: ``out`` (bf16-rounded) and the natural log-sum-exp."""
-    logits = ((qd @ kd.transpose(-1, -2)) * scale * LOG2E / rotation_size(HEAD_DIM)).masked_fill(~mask, -math.inf)
-    length = logits.shape[-1]
-    row_max = torch.full((HEADS, length), -1e30, dtype=torch.float64)
-    row_sum, acc = torch.zeros(HEADS, length, dtype=torch.float64), torch.zeros(HEADS, length, HEAD_DIM).double()
-    for start in range(0, length, BLOCK):
-        block = logits[..., start : start + BLOCK]
-        new_max = torch.maximum(row_max, block.amax(-1))
-        p, alpha = torch.exp2(block - new_max[..., None]), torch.exp2(row_max - new_max)
-        row_sum = row_sum * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + quantize_p(p.float()).double() @ vd[:, start : start + BLOCK] / P_SCALE
-        row_max = new_max
-    out = (acc / row_sum[..., None]).bfloat16().double()
-    return out, (row_max + torch.log2(row_sum)) / LOG2E
 
 
 def _flash_backward(dout, logits, lse, out, q, k, v, mask, scale):
@@ -85,12 +56,17 @@ def measure(length: int, outliers: bool, seed: int = 0) -> list[dict]:
     exact = torch.softmax(logits.masked_fill(~mask, -math.inf), -1) @ vh
     true = torch.autograd.grad(exact, (qh, kh, vh), dout)
     qh, kh, vh, logits, exact = qh.detach(), kh.detach(), vh.detach(), logits.detach(), exact.detach()
-    qd, kd, vd = _dequantized_blocks(rotate(q)), _dequantized_blocks(rotate(k)), _dequantized_blocks(v)
-    out, lse = _fp8_forward(qd, kd, vd, mask, scale)
+    # the FP8 forward: its output (rounded to bf16, as the kernel stores it) and its log-sum-exp, that of its
+    # logits over the operands it multiplies (its running sums add the unquantized p)
+    offsets = torch.tensor([0, length])
+    qd, kd, vd = (x.permute(1, 0, 2).double() for x in straight_through_operands(q, k, v, offsets, BLOCK))
+    out = jagged_attention_fp8(q, k, v, offsets, block=BLOCK).bfloat16().permute(1, 0, 2).double()
+    fp8_logits = (qd @ kd.transpose(-1, -2)) * scale / n
+    lse = torch.logsumexp(fp8_logits.masked_fill(~mask, -math.inf), -1)
     exact_lse = torch.logsumexp(logits.masked_fill(~mask, -math.inf), -1)
     variants = {
         "forward_only": (logits, lse, qh, kh, vh, scale),
-        "straight_through": ((qd @ kd.transpose(-1, -2)) * scale / n, lse, qd, kd, vd, scale / n),
+        "straight_through": (fp8_logits, lse, qd, kd, vd, scale / n),
         "exact_lse": (logits, exact_lse, qh, kh, vh, scale),
     }
     rows = []
