@@ -97,9 +97,8 @@
 # s17c (one GPU, next session): FP8 attention's GPU tests (the fused QKV projection among them), then the FP8
 #   benchmark quick and full (attention from hidden states: cuBLAS + bf16 op against the fused projection + FP8)
 # s17d (one GPU): FP8 attention's GPU tests, then the FP8 benchmark full (the quantize pass in one launch again;
+#   rerun after session 17: also the straight-through backward's tests and each forward's backward timed;
 #   qkv_attention's default route, cuBLAS + the quantize pass, and the fused projection, against bf16)
-# s18a (one GPU): FP8 attention's GPU tests with the straight-through backward, then the FP8 benchmark full (each
-#   forward's backward timed too)
 # s18b (one GPU): the 2000-step NE run with FP8 attention (straight-through backward) + FP8 MLPs, bar 0.3%
 # s18c (one GPU): gem-small b2048 twice in one call, the default with the profiled steps' timeline, then with
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the timed steps' cudaMalloc count beside their GPU idle)
@@ -295,10 +294,6 @@ chain_s17d() {  # issue 12: the single-launch quantize pass and qkv_attention's 
   step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
   step attention_fp8_full 300 python -m benchmarks.attention_fp8
 }
-chain_s18a() {  # issue 12: the straight-through FP8 backward's GPU tests, then the FP8 benchmark (backward timed)
-  step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
-  step attention_fp8_full 300 python -m benchmarks.attention_fp8
-}
 chain_s18b() {  # issue 12: the NE run again with the straight-through FP8 backward (session 17's kept as it is)
   step lp_curve_fp8_attention_st 560 untuned_curve --variant fp8_rowwise --label fp8_attention_straight_through \
     --set gem.attention_precision=fp8
@@ -428,7 +423,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18a|s18b|s18c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
