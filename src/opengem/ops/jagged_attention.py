@@ -100,8 +100,7 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
     if precision == "fp8":
         from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
-        grads = reference_jagged_attention_fp8_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
-        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))
+        return reference_jagged_attention_fp8_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
     return reference_jagged_attention_backward(dout, q, k, v, offsets, **mask)
 
 

@@ -140,14 +140,14 @@ def jagged_attention_fp8_backward(
     window: int | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``dq, dk, dv`` (fp32) of :func:`jagged_attention_fp8`, straight through its quantization (module
-    docstring); ``scale`` final."""
+    """``dq, dk, dv`` of :func:`jagged_attention_fp8`, straight through its quantization (module docstring), in the
+    inputs' dtypes as :func:`~opengem.ops.reference.attention.jagged_attention_backward`'s; ``scale`` final."""
     q_st, k_st, v_st = straight_through_operands(q, k, v, offsets, block)
     dq, dk, dv = jagged_attention_backward(
         grad_out.float(), q_st, k_st, v_st, offsets, causal=causal, num_targets=num_targets,
         contextual_len=contextual_len, window=window, scale=scale / rotation_size(q.shape[-1]),
     )  # fmt: skip
-    return unrotate_gradient(dq), unrotate_gradient(dk), dv
+    return unrotate_gradient(dq).to(q.dtype), unrotate_gradient(dk).to(k.dtype), dv.to(v.dtype)
 
 
 def quantize_p(p: torch.Tensor) -> torch.Tensor:
