@@ -109,12 +109,13 @@ def test_timed_steps_replay_batches_the_warm_up_ran(monkeypatch, tmp_path):
     original = Learner.step
     monkeypatch.setattr(Learner, "step", lambda self, batch: (
         seen.append(batch.history_age.lengths_host().numpy().tobytes()), original(self, batch))[1])
-    argv = ["bench", "train", *TINY, "--steps", "3", "--warmup", "2", "--profile-steps", "1",
+    argv = ["bench", "train", *TINY, "--steps", "3", "--warmup", "2", "--lead-steps", "1", "--profile-steps", "1",
             "--loader-batches", "2", "--out", str(tmp_path / "train.json")]
     assert main(argv) == 0
-    assert len(seen) == (2 + 3) + 3 + 1  # warm-up (CPU: no extra tuning steps), window, profiled step
-    warm, timed = seen[:5], seen[5:8]
-    assert len(set(timed)) == 3 and set(timed) <= set(warm)
+    # warm-up (CPU: no extra tuning steps), the restarted loader's lead step, window, profiled step
+    assert len(seen) == (2 + 1 + 3) + 1 + 3 + 1
+    warm, lead, timed = seen[:6], seen[6], seen[7:10]
+    assert lead == warm[0] and timed == warm[1:4] and len(set(timed)) == 3
 
 
 def test_bench_train_reports_the_scaling_ratio(train_result):

@@ -29,6 +29,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--steps", type=int, default=50, help="timed steps")
     train.add_argument("--warmup", type=int, default=10,
                        help="steps before timing, besides one run of the timed steps' own batches")
+    train.add_argument("--lead-steps", type=int, default=3,
+                       help="untimed steps after the loader restarts for the timed window (its workers' start)")
     train.add_argument("--max-tuning-steps", type=int, default=20,
                        help="after the warm-up, up to this many more steps while the autotuners meet new keys or a step "
                             "compiles (1.5x slower than the fastest)")
@@ -78,7 +80,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     options = step.TrainBenchOptions(
-        **common, steps=args.steps, warmup=args.warmup, max_tuning_steps=args.max_tuning_steps, low_precision_mlp=args.low_precision_mlp,
+        **common, steps=args.steps, warmup=args.warmup, lead_steps=args.lead_steps, max_tuning_steps=args.max_tuning_steps, low_precision_mlp=args.low_precision_mlp,
         compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps, trace=args.trace,
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip

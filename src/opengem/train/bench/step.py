@@ -41,6 +41,9 @@ class TrainBenchOptions:
     preset: str
     steps: int = 50
     warmup: int = 10
+    # untimed steps on the window's restarted loader: its workers' start contends with the first steps' host
+    # work (gem-small's first two timed steps took 290 and 213 ms against a 140.5 ms median, session 18)
+    lead_steps: int = 3
     max_tuning_steps: int = 20  # after ``warmup``: more steps until it settles (``warm_until_settled``)
     precision: str | None = None  # TrainConfig.precision; None: bf16 on CUDA, fp32 on CPU
     low_precision_mlp: str = "none"  # a recipe of opengem.nn.low_precision for the large Linear layers
@@ -59,7 +62,7 @@ class TrainBenchOptions:
         for name in ("steps", "profile_steps", "loader_batches"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "max_tuning_steps"):
+        for name in ("warmup", "lead_steps", "max_tuning_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -77,7 +80,8 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
         overrides.append(f"batch_size={options.batch_size}")
     if options.num_workers is not None:
         overrides.append(f"num_workers={options.num_workers}")
-    steps = options.warmup + options.max_tuning_steps + 2 * options.steps + options.profile_steps
+    steps = (options.warmup + options.max_tuning_steps + 2 * (options.lead_steps + options.steps)
+             + options.profile_steps)
     overrides.append(f"steps={steps}")  # the LR schedule's length
     config = load_config(options.preset, overrides=[*overrides, *options.overrides])
     device = resolve_device(config.device)
@@ -101,18 +105,21 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
-    # The warm-up runs the window's batches too (the window replays batches 0..steps-1): a batch whose shape
-    # meets new autotuner keys (a length bucket; 2.7 s on an H200 in session 12) is tuned before timing.
+    # The warm-up runs the window's batches too (the window replays batches 0..lead+steps-1): a batch whose
+    # shape meets new autotuner keys (a length bucket; 2.7 s on an H200 in session 12) is tuned before timing.
     tuning_steps = warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)),
-                                      options.warmup + options.steps,
+                                      options.warmup + options.lead_steps + options.steps,
                                       options.max_tuning_steps if device.type == "cuda" else 0,
                                       sync=lambda: synchronize(device))
     synchronize(device)
-    _progress(f"warm after {options.warmup} + {options.steps} (the window's batches) + {tuning_steps} steps")
+    _progress(f"warm after {options.warmup} + {options.lead_steps + options.steps} (the window's batches) + "
+              f"{tuning_steps} steps")
     stream = train_batches(config, start_step=0)
-    # The restarted loader's workers start now: its first batch is drawn before the window, so the window does
+    # The restarted loader's workers start now: its first batches run before the window, so the window does
     # not time their start (974 ms in the first timed step of gem-small, session 13); later waits are timed.
-    waiting_batch: Batch | None = next(stream)
+    for _ in range(options.lead_steps):
+        learner.step(next(stream).to(device, non_blocking=True))
+    waiting_batch: Batch | None = next(stream)  # (no sync: the window starts with the lead steps' work queued)
 
     timer, data_wait, lengths, loss = WindowTimer(device), 0.0, [], float("nan")
     events_before = host_events()
@@ -293,8 +300,9 @@ def format_report(payload: dict[str, Any]) -> str:
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
-        (f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + {s['steps']} + "
-         f"{s['tuning_steps']} warm-up, the window's batches among them)"),
+        (f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + "
+         f"{s.get('lead_steps', 0) + s['steps']} + {s['tuning_steps']} warm-up, the window's batches among them, "
+         f"and {s.get('lead_steps', 0)} on the restarted loader)"),
         (f"  timed steps       {r['step_ms_median']:>12.2f} ms median, {min(r['step_ms_each']):.2f} min, "
          f"{max(r['step_ms_each']):.2f} max"),
         "  while timed       " + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
