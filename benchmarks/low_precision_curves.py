@@ -7,9 +7,8 @@ for 2000 steps with low-precision MLPs ends within 0.2% relative NE of the BF16 
     PYTHONPATH=src:. python -m benchmarks.low_precision_curves --compare --label L
 
 A variant is a value of ``TrainConfig.low_precision_mlp`` (``none``: the BF16 run). Each run trains the preset
-(default gem-small: bf16 autocast, compiled blocks) from the same seed on the same stream of batches, with
-no checkpoints (gem-small's tables are tens of GB), and evaluates the held-out set every ``--eval-every``
-steps and at the end; the JSON is rewritten after every evaluation (``complete`` false until the last, and
+(default gem-small: bf16 autocast, compiled blocks) from the same seed on the same stream of batches and
+evaluates the held-out set every ``--eval-every`` steps and at the end; the JSON is rewritten after every evaluation (``complete`` false until the last, and
 ``--compare`` refuses such a run). On the GPU the kernels' tuning is switched off for both runs
 (`TUNING_ENV`, recorded with each run and required equal). One variant per invocation, so each fits one
 device call: it writes ``benchmarks/results/low_precision_curve_<variant>.json`` (per-step losses,
@@ -19,6 +18,11 @@ the BF16 run and ``--variant``'s, and writes ``low_precision_curves.json`` with 
 training losses, held-out NE per evaluation) when matplotlib is installed. A run given ``--label`` (one that
 differs from the BF16 run by ``--set`` overrides, such as issue 10's bf16 sequence stream) is saved and
 compared under that label (``low_precision_curves_<label>.json``).
+
+A run longer than one device call is split: ``--stop-after SECONDS --checkpoint-dir D`` saves a checkpoint
+(model, optimizer, RNG) and the curve so far once that time has passed, and the same command with ``--resume``
+continues from it on the same batches (the device keeps git-ignored folders such as ``runs/`` between the calls
+of one machine).
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from benchmarks import common
 from benchmarks.gem_curves import moving_average
 from opengem.data.schema import TASKS
 from opengem.nn.low_precision import LowPrecisionLinear
+from opengem.train.checkpoint import checkpoints_dir
 from opengem.train.config import LOW_PRECISION_MLPS, TrainConfig, load_config
 from opengem.train.trainer import LocalRun, evaluate
 
@@ -46,6 +51,7 @@ NE_BAR = 0.002  # issue 6: within 0.2% relative NE
 # runs alike) because the tuning compiles made gem-small's first step 164 s (session 13), too much for one call
 TUNING_ENV = ("OPENGEM_JFA_AUTOTUNE", "OPENGEM_GDPA_TUNE", "OPENGEM_FP8_AUTOTUNE")
 BASELINE = "none"
+CURVE_FILE = "curve.json"  # beside the checkpoints: the curve up to them
 
 
 def variant_config(preset: str, variant: str, steps: int, eval_every: int, overrides: Sequence[str]) -> TrainConfig:
@@ -56,49 +62,92 @@ def variant_config(preset: str, variant: str, steps: int, eval_every: int, overr
 
 def run_variant(
     config: TrainConfig, read_every: int = 50, on_evaluation: Callable[[dict[str, Any]], None] | None = None,
-    label: str | None = None, overrides: Sequence[str] = (),
+    label: str | None = None, overrides: Sequence[str] = (), checkpoint_dir: Path | None = None,
+    stop_after_s: float | None = None, previous: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Train ``config`` (no checkpoints): per-step losses (read from the device every ``read_every`` steps),
-    held-out evaluations, the first step's seconds (compiling) and the mean ms of the others outside
-    evaluations, the converted layers. ``on_evaluation`` gets the result so far after each evaluation
-    (``complete`` False until the last), so a run cut short keeps its curve. ``label`` (default: the variant)
-    and the ``overrides`` that made ``config`` are recorded with it."""
+    """Train ``config``: per-step losses (read from the device every ``read_every`` steps), held-out
+    evaluations, the first step's seconds (compiling) and the mean ms of the others outside evaluations, the
+    converted layers. ``on_evaluation`` gets the result so far after each evaluation and at a stop (``complete``
+    False until the last step), so a run cut short keeps its curve. ``label`` (default: the variant) and the
+    ``overrides`` that made ``config`` are recorded with it.
+
+    A run longer than one device call: past ``stop_after_s`` seconds (from the start, setup included) it saves a
+    checkpoint under ``checkpoint_dir`` at the step it reached and returns; ``previous`` (that stopped run's
+    result) continues it from the checkpoint, with the same batches and the restored model, optimizer and RNG."""
+    began = time.perf_counter()
     run = LocalRun(config)
     learner = run.learners["model"]
-    holdout, stream = run.holdout(), run.batches(0)
-    losses: list[float] = []
-    pending: list[torch.Tensor] = []
-    evaluations: list[dict[str, Any]] = []
     converted = [name for name, m in learner.model.named_modules() if isinstance(m, LowPrecisionLinear)]
     result: dict[str, Any] = {
         "variant": config.low_precision_mlp, "label": label or config.low_precision_mlp, "overrides": list(overrides),
         "preset": config.preset, "steps": config.steps,
         "batch_size": config.batch_size, "seed": config.seed, "precision": config.precision,
-        "compile": config.compile, "converted_layers": converted, "losses": losses, "evaluations": evaluations,
-        "tuning_env": {name: os.environ.get(name) for name in TUNING_ENV}}
-    train_s = first_step_s = 0.0
-    for step in range(1, config.steps + 1):
+        "compile": config.compile, "converted_layers": converted, "losses": [], "evaluations": [],
+        "tuning_env": {name: os.environ.get(name) for name in TUNING_ENV}, "parts": []}
+    start_step = 0
+    if previous is not None:
+        if checkpoint_dir is None:
+            raise ValueError("continuing a stopped run needs the checkpoint_dir it saved to")
+        start_step = run.restore(checkpoint_dir)
+        result = _continued(result, previous, start_step)
+    holdout, stream = run.holdout(), run.batches(start_step)
+    losses, evaluations = result["losses"], result["evaluations"]
+    pending: list[torch.Tensor] = []
+    part = {"from_step": start_step, "to_step": start_step, "first_step_s": 0.0, "train_s": 0.0}
+    result["parts"].append(part)
+    for step in range(start_step + 1, config.steps + 1):
         begin = time.perf_counter()
         pending.append(learner.step(next(stream).to(run.device, non_blocking=True)))
         evaluates = step % config.eval_every == 0 or step == config.steps
-        if step % read_every == 0 or evaluates or step == 1:  # step 1 read at once: its time is the compile's
-            losses += torch.stack(pending).double().tolist()  # one host transfer per read_every steps
-            pending.clear()
-        if step == 1:
-            first_step_s = time.perf_counter() - begin
-        else:
-            train_s += time.perf_counter() - begin
+        stops = stop_after_s is not None and step < config.steps and time.perf_counter() - began > stop_after_s
+        if step % read_every == 0 or evaluates or stops or step == start_step + 1:  # the first read at once:
+            losses += torch.stack(pending).double().tolist()  # its time is the compile's; one host transfer
+            pending.clear()  # per read_every steps
+        part["train_s" if step > start_step + 1 else "first_step_s"] += time.perf_counter() - begin
+        part["to_step"] = step
         if evaluates:
             evaluations.append({"step": step, **evaluate(*run.predictions(holdout))})
             print(f"step {step}: loss {losses[-1]:.4f}, NE " + ", ".join(
                 f"{task} {evaluations[-1][f'{task}/model/ne']:.4f}" for task in TASKS)
-                + f", {1e3 * train_s / max(step - 1, 1):.1f} ms a step after a first of {first_step_s:.1f} s",
+                + f", {_ms_per_step(result):.1f} ms a step after a first of {part['first_step_s']:.1f} s",
                 flush=True)
-            result.update(first_step_s=first_step_s, ms_per_step=1e3 * train_s / max(step - 1, 1),
+        if stops:
+            if checkpoint_dir is None:
+                raise ValueError("stop_after_s needs a checkpoint_dir to save the run to")
+            saving = time.perf_counter()
+            run.save(checkpoint_dir, step)
+            part["checkpoint_s"] = time.perf_counter() - saving
+            print(f"step {step}: stopped after {time.perf_counter() - began:.0f} s, checkpoint in {checkpoint_dir} "
+                  f"({part['checkpoint_s']:.1f} s); run again with --resume to continue", flush=True)
+        if evaluates or stops:
+            result.update(first_step_s=result["parts"][0]["first_step_s"], ms_per_step=_ms_per_step(result),
                           steps_done=step, complete=step == config.steps)
             if on_evaluation is not None:
                 on_evaluation(result)
+        if stops:
+            break
     return result
+
+
+def _ms_per_step(result: dict[str, Any]) -> float:
+    """Mean ms of the steps after each part's first (which compiles), evaluations and checkpoints left out."""
+    parts = result["parts"]
+    timed_steps = sum(max(p["to_step"] - p["from_step"] - 1, 0) for p in parts)
+    return 1e3 * sum(p["train_s"] for p in parts) / max(timed_steps, 1)
+
+
+def _continued(fresh: dict[str, Any], previous: dict[str, Any], start_step: int) -> dict[str, Any]:
+    """``previous`` (a stopped run's result) cut at the checkpoint's step, checked to be this run's."""
+    for key in ("variant", "label", "overrides", "preset", "steps", "batch_size", "seed", "precision", "compile",
+                "converted_layers", "tuning_env"):
+        if previous.get(key) != fresh[key]:
+            raise ValueError(f"the saved run differs in {key}: {previous.get(key)!r} against {fresh[key]!r} now")
+    if previous["steps_done"] < start_step or len(previous["losses"]) < start_step:
+        raise ValueError(f"the checkpoint is at step {start_step} but the saved curve ends at step "
+                         f"{previous['steps_done']}: they are not of one run")
+    return {**previous, "losses": previous["losses"][:start_step],
+            "evaluations": [e for e in previous["evaluations"] if e["step"] <= start_step],
+            "parts": [p for p in previous.get("parts", []) if p["to_step"] <= start_step]}
 
 
 def label_of(run: dict[str, Any]) -> str:
@@ -171,6 +220,14 @@ def _load(label: str) -> dict[str, Any]:
     return run
 
 
+def _saved_with_checkpoint(checkpoint_dir: Path) -> dict[str, Any]:
+    path = checkpoint_dir / CURVE_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: --resume continues a run stopped by --stop-after with this "
+                                "--checkpoint-dir")
+    return json.loads(path.read_text())
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--variant", choices=LOW_PRECISION_MLPS, default="fp8_rowwise",
@@ -183,6 +240,14 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bar", type=float, default=NE_BAR,
                         help="with --compare, the worst relative final NE that passes (issue 6: 0.002; issue 12's FP8 "
                              "attention: 0.003)")
+    parser.add_argument("--checkpoint-dir", type=Path,
+                        help="where a run stopped by --stop-after saves its checkpoint (and --resume finds it)")
+    parser.add_argument("--stop-after", type=float, metavar="SECONDS",
+                        help="save a checkpoint and stop once this many seconds have passed (a run longer than one "
+                             "device call); needs --checkpoint-dir")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the saved run of this label from --checkpoint-dir (nothing to do if it is "
+                             "complete)")
     parser.add_argument("--label", help="name of the run's file (default: the variant), for a run that differs from "
                                         "the BF16 one by its --set overrides (e.g. gem.sequence_dtype=compute)")
     args = parser.parse_args(argv)
@@ -201,10 +266,29 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         except ImportError:
             print("matplotlib is not installed: no PNG")
         return verdict
+    if (args.stop_after is not None or args.resume) and args.checkpoint_dir is None:
+        parser.error("--stop-after and --resume need --checkpoint-dir")
+    previous = None
+    if args.resume:
+        previous = _saved_with_checkpoint(args.checkpoint_dir)
+        if previous.get("complete"):
+            print(f"the {label} run is complete already ({previous['steps_done']} steps): nothing to resume")
+            return previous
+    elif args.checkpoint_dir is not None and checkpoints_dir(args.checkpoint_dir).exists() and any(
+            checkpoints_dir(args.checkpoint_dir).iterdir()):
+        parser.error(f"{args.checkpoint_dir} holds checkpoints of an earlier run: pass --resume, or remove them")
     config = variant_config(args.preset, args.variant, args.steps, args.eval_every, args.set)
     family = f"low_precision_curve_{label}"
-    result = run_variant(config, on_evaluation=lambda so_far: common.write_results(family, [so_far]), label=label,
-                         overrides=args.set)
+
+    def save_curve(so_far: dict[str, Any]) -> None:
+        common.write_results(family, [so_far])
+        if args.checkpoint_dir is not None:  # the curve travels with its checkpoint: --resume reads it there
+            args.checkpoint_dir.mkdir(parents=True, exist_ok=True)
+            (args.checkpoint_dir / CURVE_FILE).write_text(json.dumps(so_far))
+
+    result = run_variant(config, on_evaluation=save_curve, label=label,
+                         overrides=args.set, checkpoint_dir=args.checkpoint_dir, stop_after_s=args.stop_after,
+                         previous=previous)
     print(f"wrote {common.RESULTS_DIR / family}.json")
     return result
 

@@ -102,9 +102,13 @@
 # s18b (one GPU): the 2000-step NE run with FP8 attention (straight-through backward) + FP8 MLPs, bar 0.3%
 # s18c (one GPU): gem-small b2048 twice in one call, the default with the profiled steps' timeline, then with
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the timed steps' cudaMalloc count beside their GPU idle)
-# s18d (one GPU): the allocator's GPU tests, then gem-small b2048 with the new defaults (expandable segments from
-#   resolve_device, 3 lead steps on the restarted loader), then the same with PYTORCH_ALLOC_CONF
-#   =expandable_segments:False (the earlier allocator; the reverse order of s18c's pair)
+# s18d (one GPU, run in session 18 at 4d3c8c5, with an allocator default since reverted): gem-small b2048 with
+#   3 lead steps on the restarted loader, expandable segments then PYTORCH_ALLOC_CONF=expandable_segments:False
+# s19a (one GPU): gem-small b2048 four times in one call, the allocators alternating (fixed, expandable, fixed,
+#   expandable): s18c's 1.16x for expandable segments (second in its call) and s18d's 0.98x (first) disagree
+# s19b, then s19c on the same warm machine: issue 12's 2000-step NE run (FP8 attention, straight-through backward,
+#   + FP8 MLPs) in two calls: s19b stops after 420 s with a checkpoint in runs/ (kept between the calls of one
+#   machine), s19c resumes it to step 2000 and compares with the BF16 run (bar 0.3%)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -312,11 +316,29 @@ chain_s18c() {  # issue 10: gem-small's GPU idle: the allocator's trips to the d
   step bench_train_expandable 200 small_train_expandable \
     --out "$out/results/train_gem-small_b2048_s18_expandable_segments.json"
 }
-chain_s18d() {  # issue 10: the allocator default and the lead steps, against the earlier allocator in one call
-  step allocator_gpu_tests 90 tests tests/gpu/test_cuda_allocator_gpu.py
-  step bench_train_new_defaults 330 small_train --out "$out/results/train_gem-small_b2048_s18_new_defaults.json"
+chain_s18d() {  # issue 10: the lead steps; expandable segments (then a default, since reverted) against fixed ones
+  step bench_train_new_defaults 330 small_train_expandable \
+    --out "$out/results/train_gem-small_b2048_s18_new_defaults.json"
   step bench_train_fixed_segments 150 small_train_fixed_segments \
     --out "$out/results/train_gem-small_b2048_s18_fixed_segments.json"
+}
+chain_s19a() {  # issue 10: does the allocator or the run's place in its call move gem-small's step? (A B A B)
+  step bench_train_fixed_1 330 small_train_fixed_segments --out "$out/results/train_gem-small_b2048_s19_fixed_1.json"
+  step bench_train_expandable_1 120 small_train_expandable \
+    --out "$out/results/train_gem-small_b2048_s19_expandable_1.json"
+  step bench_train_fixed_2 120 small_train_fixed_segments --out "$out/results/train_gem-small_b2048_s19_fixed_2.json"
+  step bench_train_expandable_2 120 small_train_expandable \
+    --out "$out/results/train_gem-small_b2048_s19_expandable_2.json"
+}
+fp8_attention_curve() {  # issue 12's NE run, resumable: the same command stops (s19b) and resumes (s19c)
+  untuned_curve --variant fp8_rowwise --label fp8_attention_straight_through --set gem.attention_precision=fp8 \
+    --checkpoint-dir runs/curve_fp8_attention_straight_through "$@"
+}
+chain_s19b() { step lp_curve_fp8_attention_st_part1 560 fp8_attention_curve --stop-after 420; }
+chain_s19c() {
+  step lp_curve_fp8_attention_st_part2 540 fp8_attention_curve --resume
+  step lp_curves_compare 30 untuned_curve --compare --variant fp8_rowwise --label fp8_attention_straight_through \
+    --bar 0.003
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -429,13 +451,13 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_expandable small_train_fixed_segments untuned_curve multi large_single curves_single predict
+export -f tests train small_train small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -96,3 +96,41 @@ def test_a_labelled_run_differs_by_its_overrides_and_is_compared_under_its_label
         "bf16_sequence")
     with pytest.raises(FileNotFoundError, match="low_precision_curve_missing.json is missing"):
         low_precision_curves.main(["--compare", "--label", "missing"])
+
+
+def test_a_run_stopped_for_its_call_and_resumed_equals_the_uninterrupted_one(results, monkeypatch, tmp_path):
+    """--stop-after 0 stops after step 1 with a checkpoint; --resume then ends the run with the losses and
+    evaluations of the uninterrupted run, bit for bit (CPU), and the timing of both parts."""
+    folder, runs, _ = results
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    checkpoints = tmp_path / "run"
+    split = ["--variant", "none", *TINY, "--checkpoint-dir", str(checkpoints)]
+    stopped = low_precision_curves.main([*split, "--stop-after", "0"])
+    assert (stopped["steps_done"], stopped["complete"], len(stopped["losses"])) == (1, False, 1)
+    assert stopped["losses"] == runs["none"]["losses"][:1]
+    with pytest.raises(SystemExit):  # a fresh run would mix its checkpoints with the stopped one's
+        low_precision_curves.main(split)
+    resumed = low_precision_curves.main([*split, "--resume"])
+    assert resumed["complete"] and resumed["losses"] == runs["none"]["losses"]
+    assert resumed["evaluations"] == runs["none"]["evaluations"]
+    assert [(p["from_step"], p["to_step"]) for p in resumed["parts"]] == [(0, 1), (1, 4)]
+    assert resumed["parts"][0]["checkpoint_s"] > 0 and resumed["ms_per_step"] > 0
+    saved = json.loads((tmp_path / "low_precision_curve_none.json").read_text())["rows"][0]
+    assert saved == json.loads(json.dumps(resumed))
+    assert json.loads((checkpoints / "curve.json").read_text()) == saved
+    (tmp_path / "low_precision_curve_none.json").unlink()  # --resume reads the curve beside the checkpoint
+    again = low_precision_curves.main([*split, "--resume"])  # complete: nothing trains
+    assert again == saved
+
+
+def test_resume_refuses_a_curve_of_other_settings_and_a_stop_without_checkpoints(monkeypatch, tmp_path):
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    split = ["--variant", "none", *TINY, "--checkpoint-dir", str(tmp_path / "run")]
+    low_precision_curves.main([*split, "--stop-after", "0"])
+    with pytest.raises(ValueError, match="the saved run differs in overrides"):
+        low_precision_curves.main([*split, "--resume", "--set", "seed=7"])
+    for argv in (["--variant", "none", *TINY, "--stop-after", "5"], ["--variant", "none", *TINY, "--resume"]):
+        with pytest.raises(SystemExit):
+            low_precision_curves.main(argv)
+    with pytest.raises(FileNotFoundError, match="curve.json is missing"):
+        low_precision_curves.main(["--variant", "none", *TINY, "--resume", "--checkpoint-dir", str(tmp_path / "x")])

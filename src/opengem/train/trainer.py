@@ -38,7 +38,6 @@ from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from opengem.train.compile import compile_regions
-from opengem.train.cuda_allocator import configure_cuda_allocator
 from opengem.train.config import ARCHITECTURES, TrainConfig
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.guards import StepGuard
@@ -117,16 +116,12 @@ class Learner:
 
 
 def resolve_device(name: str) -> torch.device:
-    """The training device named by ``name``; a CUDA one gets the training allocator settings
-    (`configure_cuda_allocator`: expandable segments unless the user set PYTORCH_ALLOC_CONF)."""
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but torch sees no CUDA device")
     if name != "cpu" and not name.startswith("cuda"):
         raise ValueError(f"--device must be auto, cpu or cuda[:N], got {name!r}")
-    if name.startswith("cuda"):
-        configure_cuda_allocator()
     return torch.device(name)
 
 
