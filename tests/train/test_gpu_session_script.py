@@ -65,7 +65,8 @@ def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, ex
 
 def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
     """Of the checkout's benchmarks/results only what the call wrote comes back (not every committed file), and
-    the compile caches the steps filled come back as compile_cache.tgz, to carry into a fresh machine."""
+    the compile caches the steps filled come back as compile_cache.tgz in 15 MB pieces (a returned file's limit
+    is 16 MiB), to join and carry into a fresh machine."""
     import os
     import tarfile
 
@@ -79,7 +80,8 @@ def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
     python = shim / "python"
     python.write_text('#!/bin/bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
                       'echo "{}" > benchmarks/results/written.json\n'
-                      'mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && echo graph > "$TORCHINDUCTOR_CACHE_DIR/entry"\n')
+                      'mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && echo graph > "$TORCHINDUCTOR_CACHE_DIR/entry"\n'
+                      'head -c 16000000 /dev/urandom > "$TORCHINDUCTOR_CACHE_DIR/kernels.bin"\n')
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     env = {"PATH": f"{shim}:/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)}
@@ -88,5 +90,11 @@ def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
     with tarfile.open(out / "results.tgz") as results:
         names = {Path(name).name for name in results.getnames()}
     assert "written.json" in names and "committed.json" not in names
-    with tarfile.open(out / "compile_cache.tgz") as cache:
-        assert "./inductor/entry" in cache.getnames()
+    pieces = sorted(out.glob("compile_cache.tgz.part*"))
+    assert [p.name for p in pieces] == ["compile_cache.tgz.part0", "compile_cache.tgz.part1"]
+    assert all(p.stat().st_size <= 15_000_000 for p in pieces)
+    joined = tmp_path / "compile_cache.tgz"
+    joined.write_bytes(b"".join(p.read_bytes() for p in pieces))
+    with tarfile.open(joined) as cache:
+        assert {"./inductor/entry", "./inductor/kernels.bin"} <= set(cache.getnames())
+        assert cache.getmember("./inductor/kernels.bin").size == 16_000_000
