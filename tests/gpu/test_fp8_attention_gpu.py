@@ -269,3 +269,48 @@ def test_fused_qkv_attention_matches_the_unfused_fp8_path():
         results.append([out, *torch.autograd.grad(out, leaves, dout)])
     for got, want in zip(*results):
         assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
+
+
+GDPA_OPTIONS = dict(pre_scale=128**-0.5, post_scale=1.0, norm="max_len")
+
+
+@pytest.mark.parametrize("mask", ["full", "causal", "all_options"])
+@pytest.mark.parametrize("activation", [dict(activation="fast_gelu"), dict(head_activations=["silu", "gelu_tanh"] * 2)])
+def test_gdpa_fp8_kernel_matches_emulation(mask, activation):
+    """FP8 GDPA: the kernel against its emulation (same fp8 bits of Q, K, V; P quantized per row alike), apart
+    from fp32 rounding, the MMA's accumulation order and tanh.approx (silu, gelu_tanh) flipping a few E4M3
+    roundings of P: predicted below 1e-2 (the FP8 JFA's: 5e-3), against fp8's own ~5e-2 from fp32."""
+    from opengem.ops.gdpa import gdpa
+    from opengem.ops.reference.gdpa import gdpa as gdpa_reference
+    from opengem.ops.reference.gdpa_fp8 import gdpa_fp8
+
+    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=11)
+    kwargs = _mask_kwargs(MASKS[mask], LENGTHS)
+    top = max(LENGTHS)
+    out = gdpa(q, k, v, offsets, offsets, top, top, precision="fp8", **GDPA_OPTIONS, **activation, **kwargs)
+    names = activation.get("head_activations") or [activation["activation"]] * 4
+    options = dict(pre_scale=GDPA_OPTIONS["pre_scale"], out_scale=1.0 / top, **kwargs)
+    want = gdpa_fp8(q, k, v, offsets, block=kernels.BLOCK, head_activations=names, **options)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert _rel(out, want) < 1e-2
+    fp32 = gdpa_reference(q.float(), k.float(), v.float(), offsets, offsets, head_activations=names, **options)
+    bf16 = gdpa(q, k, v, offsets, offsets, top, top, **GDPA_OPTIONS, **activation, **kwargs)
+    assert 0.005 < _rel(out, fp32) < 0.1 and _rel(bf16, fp32) < 1e-2
+
+
+def test_gdpa_fp8_backward_is_the_straight_through_one():
+    """GDPA's bf16 backward kernels on the dequantized rotated operands against the reference's FP8 backward in
+    fp32 (GQA, masked): bf16 rounding of the operands and gradients apart, the same gradient."""
+    from opengem.ops.gdpa import gdpa
+
+    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=12)
+    dout = torch.randn_like(q)
+    kwargs = dict(_mask_kwargs(MASKS["all_options"], LENGTHS), activation="silu", **GDPA_OPTIONS)
+    grads = {}
+    for backend in ("triton", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        top = max(LENGTHS)
+        out = gdpa(*leaves, offsets, offsets, top, top, backend=backend, precision="fp8", **kwargs)
+        grads[backend] = torch.autograd.grad(out, leaves, dout)
+    for got, want in zip(grads["triton"], grads["reference"]):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2

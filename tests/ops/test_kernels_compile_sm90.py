@@ -53,6 +53,16 @@ ptx = compile_sm90(f._fwd_fp8_kernel.fn, attend,
                    dict(HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True,
                         SMALL=False, EXACT=False, BLOCK_M=128, BLOCK_N=128), num_warps=8, num_stages=3).asm["ptx"]
 assert "e4m3" in ptx  # E4M3 tensor-core MMAs
+from opengem.ops.triton import gdpa_fp8 as gf
+gdpa_attend = {**{k: v for k, v in attend.items() if k not in ("LSE", "scale_log2")}, "HEAD_ACT": "*i32",
+               "x_scale": "fp32", "out_scale": "fp32"}
+for act, fast in ((3, True), (7, True), (-1, True), (1, False)):  # fast_gelu, silu (tanh.approx), per head, gelu
+    for m, warps, stages in f._FWD_FP8[:2] if act == 3 else f._FWD_FP8[:1]:
+        ptx = compile_sm90(gf._gdpa_fp8_fwd_kernel.fn, gdpa_attend, dict(
+            HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=True, SMALL=False,
+            EXACT=False, ACT=act, FAST_ACT=fast, BLOCK_M=m, BLOCK_N=128), num_warps=warps, num_stages=stages).asm["ptx"]
+        assert "e4m3" in ptx and "div.rn.f32" in ptx  # E4M3 MMAs; P's row scales correctly rounded
+        assert ("tanh.approx.f32" in ptx) == (fast and act in (-1, 7))
 rowwise = {"x_ptr": bf16, "u_ptr": bf16, "out_ptr": bf16, "q_ptr": fp8, "scale_ptr": "*fp32", "sum_ptr": "*fp32"}
 for prologue in (1, 2):  # the GELU quantizers of the FP8 MLP (inline rcp / ex2): rows in registers or re-read,
     # and persistent programs, with and without column sums

@@ -21,9 +21,15 @@ from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
+from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as gdpa_fp8_reference
+from opengem.ops.reference.gdpa_fp8 import gdpa_fp8_backward as gdpa_fp8_reference_backward
+from opengem.ops.triton import gdpa_fp8
 from opengem.ops.triton.gdpa import GdpaArgs, check_triton_head_dim, gdpa_backward, gdpa_forward
+from opengem.ops.triton.jagged_attention_fp8 import BLOCK as FP8_BLOCK
+from opengem.ops.triton.jagged_attention_fp8 import FP8_HEAD_DIMS
 
 _BACKENDS = ("auto", "triton", "reference")
+PRECISIONS = ("bf16", "fp8")
 
 
 def gdpa(
@@ -46,6 +52,7 @@ def gdpa(
     window: int | None = None,
     broadcast_q: bool = False,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """``O_i = post_scale / norm * sum_j phi_h(pre_scale * q_i . k_j) * v_j`` over the sample's visible keys.
 
@@ -71,10 +78,14 @@ def gdpa(
       (every token sees itself). Without them every key of the sample is visible; that is also the only
       mode for cross-attention (different offsets) and ``broadcast_q``. Masked pairs contribute exactly 0:
       the mask applies after the activation (``phi(0)`` need not be 0).
+    * ``precision``: ``"bf16"`` (the inputs' dtype), or ``"fp8"`` (self-attention only: E4M3 ``Q K^T`` and
+      ``P V`` with block scales, Q and K Hadamard-rotated, P quantized per row and key block; the backward
+      straight through the quantization; numerics in :mod:`opengem.ops.reference.gdpa_fp8`).
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
-                          post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend)  # fmt: skip
+                          post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
+                          precision)  # fmt: skip
     with autocast_off:
         return torch.ops.opengem.gdpa_fwd(q, k, v, *options)
 
@@ -98,6 +109,7 @@ def gdpa_packed_kv(
     window: int | None = None,
     broadcast_q: bool = False,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """:func:`gdpa` with ``k, v = kv.unbind(1)`` of one ``[Tk, 2, H_kv, D]`` tensor (a fused K/V projection's
     output viewed per head; the other arguments as :func:`gdpa`'s). The same output; the kernels write dK and dV
@@ -108,16 +120,22 @@ def gdpa_packed_kv(
     (q, kv), autocast_off = cast_inputs(q, kv)
     k, v = kv.unbind(1)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
-                          post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend)  # fmt: skip
+                          post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
+                          precision)  # fmt: skip
     with autocast_off:
         return torch.ops.opengem.gdpa_kv_fwd(q, kv, *options)
 
 
 def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
-                post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend) -> tuple:  # fmt: skip
+                post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
+                precision) -> tuple:  # fmt: skip
     """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`gdpa`)."""
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if precision == "fp8" and broadcast_q:
+        raise ValueError("precision='fp8' runs self-attention (q_offsets equal to k_offsets), not broadcast_q")
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)
     out_scale = float(post_scale) / _norm_value(norm, max_len_k)
@@ -133,13 +151,15 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
         raise ValueError("q_offsets is required unless broadcast_q=True")
     if not torch.compiler.is_compiling():
         _check_contents(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, broadcast_q, masked,
-                        num_targets, contextual_len, window)
+                        num_targets, contextual_len, window, self_attention=precision == "fp8")
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if use_triton:
         check_triton_head_dim(q.shape[2])
+        if precision == "fp8" and q.shape[2] not in FP8_HEAD_DIMS:
+            raise ValueError(f"precision='fp8' needs head_dim in {FP8_HEAD_DIMS}, got {q.shape[2]}")
     return (k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
             [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
-            -1 if window is None else window, broadcast_q, use_triton)  # fmt: skip
+            -1 if window is None else window, broadcast_q, use_triton, precision)  # fmt: skip
 
 
 def hstu_attention(
@@ -219,8 +239,10 @@ def _check_contents(
     num_targets: torch.Tensor | None,
     contextual_len: int,
     window: int | None,
+    self_attention: bool = False,
 ) -> None:
-    """Checks that read the offsets (host sync); skipped while torch.compile traces."""
+    """Checks that read the offsets (host sync); skipped while torch.compile traces. ``self_attention``: the
+    op needs q_offsets equal to k_offsets even without a mask option (FP8)."""
     if broadcast_q:
         if q.dim() != 3:
             raise ValueError(f"q must have shape [Lq, heads, head_dim] with broadcast_q, got {tuple(q.shape)}")
@@ -230,11 +252,12 @@ def _check_contents(
         check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k)
         return
     check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k)
+    if (masked or self_attention) and q_offsets is not k_offsets and not torch.equal(
+            host_copy(q_offsets), host_copy(k_offsets)):
+        what = ("causal/num_targets/contextual_len/window apply to self-attention" if masked
+                else "precision='fp8' runs self-attention only")  # fmt: skip
+        raise ValueError(f"{what}: q_offsets must equal k_offsets")
     if masked:
-        if q_offsets is not k_offsets and not torch.equal(host_copy(q_offsets), host_copy(k_offsets)):
-            raise ValueError(
-                "causal/num_targets/contextual_len/window apply to self-attention: q_offsets must equal k_offsets"
-            )
         check_mask_options(k_offsets, num_targets, contextual_len, window)
 
 
@@ -258,17 +281,22 @@ def gdpa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """GDPA forward (``window = -1``: none; ``head_acts``: one id per head, or one for all). See :func:`gdpa`."""
     return _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
-                    out_scale, causal, contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
 
 
 def _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale,
-             causal, contextual_len, window, broadcast_q, use_triton) -> torch.Tensor:  # fmt: skip
+             causal, contextual_len, window, broadcast_q, use_triton, precision) -> torch.Tensor:  # fmt: skip
     head_acts = _per_head(head_acts, q.shape[1])
+    args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
+    if precision == "fp8":
+        if use_triton:
+            return gdpa_fp8.forward(q, k, v, q_offsets, num_targets, args)
+        return gdpa_fp8_reference(q, k, v, q_offsets, **_fp8_reference_options(args, num_targets))
     if use_triton:
-        args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
         return gdpa_forward(q, k, v, q_offsets, k_offsets, num_targets, args)
     return _reference(q, k, v, q_offsets, k_offsets, num_targets, head_acts, pre_scale, out_scale, causal,
                       contextual_len, window, broadcast_q)
@@ -276,7 +304,7 @@ def _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, h
 
 @gdpa_fwd.register_fake
 def _(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
-      contextual_len, window, broadcast_q, use_triton):
+      contextual_len, window, broadcast_q, use_triton, precision="bf16"):
     rows = (k_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, q.shape[1], q.shape[2]))
 
@@ -286,25 +314,39 @@ def gdpa_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
     k_offsets: torch.Tensor, num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int],
     pre_scale: float, out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool,
-    use_triton: bool,
+    use_triton: bool, precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """GDPA backward: ``(dq, dk, dv)`` (Triton passes, or the reference's closed form)."""
     return _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
-                          pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+                          pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton,
+                          precision)  # fmt: skip
 
 
 def _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
-                   out_scale, causal, contextual_len, window, broadcast_q, use_triton, grads=None):  # fmt: skip
+                   out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision,
+                   grads=None):  # fmt: skip
     """``(dq, dk, dv)``, on the Triton path written into ``grads`` when given (preallocated views)."""
     head_acts = _per_head(head_acts, q.shape[1])
+    args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
+    if precision == "fp8":
+        if use_triton:
+            return gdpa_fp8.backward(grad_out, q, k, v, q_offsets, num_targets, args, grads=grads)
+        return gdpa_fp8_reference_backward(grad_out, q, k, v, q_offsets,
+                                           **_fp8_reference_options(args, num_targets))  # fmt: skip
     if use_triton:
-        args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
         return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)
     return gdpa_reference_backward(
         grad_out, q, k, v, q_offsets, k_offsets, head_activations=[ACTIVATIONS[i] for i in head_acts],
         pre_scale=pre_scale, out_scale=out_scale, causal=causal, num_targets=num_targets,
         contextual_len=contextual_len, window=None if window < 0 else window, broadcast_q=broadcast_q,
     )
+
+
+def _fp8_reference_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> dict:
+    """The FP8 emulation's keyword arguments (its blocks are the kernel's) for the options in ``args``."""
+    return dict(block=FP8_BLOCK, head_activations=[ACTIVATIONS[i] for i in args.head_activations],
+                pre_scale=args.pre_scale, out_scale=args.out_scale, causal=args.causal, num_targets=num_targets,
+                contextual_len=args.contextual_len, window=args.window)
 
 
 def _per_head(head_acts: list[int], heads: int) -> list[int]:
@@ -346,16 +388,16 @@ def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextua
 
 @register_flop_formula(torch.ops.opengem.gdpa_fwd, get_raw=True)
 def _gdpa_fwd_flops(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
-                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, *, out_val=None,
-                    **kwargs) -> int:
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16", *,
+                    out_val=None, **kwargs) -> int:
     pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
     return attention_flops(pairs, q.shape[1], q.shape[2])[0]
 
 
 @register_flop_formula(torch.ops.opengem.gdpa_bwd, get_raw=True)
 def _gdpa_bwd_flops(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
-                    pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, *, out_val=None,
-                    **kwargs) -> int:
+                    pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16", *,
+                    out_val=None, **kwargs) -> int:
     pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
     return attention_flops(pairs, q.shape[1], q.shape[2])[1]
 
@@ -369,15 +411,16 @@ def gdpa_kv_fwd(
     q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
+    precision: str = "bf16",
 ) -> torch.Tensor:  # fmt: skip
     """As ``opengem::gdpa_fwd`` on ``kv.unbind(1)``."""
     return _forward(q, *kv.unbind(1), q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
-                    out_scale, causal, contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
 
 
 @gdpa_kv_fwd.register_fake
 def _(q, kv, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
-      contextual_len, window, broadcast_q, use_triton):  # fmt: skip
+      contextual_len, window, broadcast_q, use_triton, precision="bf16"):  # fmt: skip
     rows = (k_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, q.shape[1], q.shape[2]))
 
@@ -387,10 +430,11 @@ def gdpa_kv_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
+    precision: str = "bf16",
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dkv)``: the Triton passes write dK and dV into ``dkv``'s two views."""
     options = (q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
-               contextual_len, window, broadcast_q, use_triton)  # fmt: skip
+               contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
     if use_triton:
         dq, dkv = torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
         _backward_impl(grad_out, q, *kv.unbind(1), *options, grads=(dq, *dkv.unbind(1)))

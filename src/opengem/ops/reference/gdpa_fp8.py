@@ -1,0 +1,112 @@
+"""Exact emulation of the FP8 GDPA forward (``gdpa(..., precision="fp8")``, self-attention), and its backward.
+
+Q, K and V are quantized as the FP8 JFA forward quantizes them (:mod:`opengem.ops.reference.attention_fp8`: Q and
+K rotated by the randomized Hadamard matrix, ``1 / n`` folded into ``pre_scale``; one fp32 scale ``amax / 448`` per
+sample-aligned block of ``block`` rows and head, E4M3 elements), so one quantize pass serves both ops. Then, key
+block by key block as the kernel runs them:
+
+- ``x = (q8 sq)(k8 sk)^T * pre_scale / n``, ``p = mask * phi_h(x)`` in fp32;
+- ``P`` quantized per query row and key block: ``ps = amax_row / 448`` (amax at least 1e-12), elements
+  ``rne(p * (448 / amax_row))``. Unlike softmax's ``p`` (at most 1, so a fixed power-of-two scale), an activation's
+  values are unbounded and signed, so each row of each tile takes its own scale;
+- ``O += (p8 ps) (v8 sv)``; at the end ``O *= out_scale`` (``post_scale / norm``).
+
+The backward goes straight through the quantization, as JFA's FP8 backward: the bf16 GDPA gradient over the
+operands the forward multiplied (rotated Q and K, and V, quantized and scaled back; ``pre_scale / n``) with P
+recomputed unquantized, dQ and dK rotated back by ``R^T``.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from opengem.ops.activations import activation_value
+from opengem.ops.reference.attention import _length_groups, _pad, _unpad
+from opengem.ops.reference.attention_fp8 import (
+    E4M3_MAX,
+    MIN_AMAX,
+    _dequantized,
+    _round_up,
+    rotate,
+    rotation_size,
+    straight_through_operands,
+    unrotate_gradient,
+)
+from opengem.ops.reference.gdpa import gdpa_backward
+from opengem.ops.reference.masks import batched_attention_mask
+
+
+def quantize_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 ``p [..., M, N]`` -> its E4M3 values as fp32 and each row's scale ``amax / 448`` ``[..., M, 1]``."""
+    amax = p.abs().amax(-1, keepdim=True).clamp_min(MIN_AMAX)
+    limit = torch.full_like(amax, E4M3_MAX)  # tensor quotients: correctly rounded, as the kernel divides
+    return (p * (limit / amax)).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).float(), amax / limit
+
+
+def gdpa_fp8(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block: int,
+    head_activations: Sequence[str],
+    pre_scale: float = 1.0,
+    out_scale: float = 1.0,
+    causal: bool = False,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+) -> torch.Tensor:
+    """The FP8 forward of self-attention :func:`opengem.ops.reference.gdpa.gdpa` (q and k/v jagged by the same
+    ``offsets``); returns ``[T, H, D]`` in q's dtype."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    group = heads // k.shape[1]
+    x_scale = pre_scale / rotation_size(head_dim)  # (q R)(k R)^T = n q k^T
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
+        padded = _round_up(size, block)
+        operands = (rotate(q[rows]), rotate(k[rows]), v[rows].float())
+        qd, kd, vd = (_dequantized(_pad(x, lengths, padded), block) for x in operands)
+        kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
+        mask = batched_attention_mask(
+            lengths, padded, causal=causal, num_targets=targets, contextual_len=contextual_len, window=window
+        )
+        x = (qd @ kd.transpose(-1, -2)) * x_scale
+        p = torch.stack([activation_value(name, x[:, h]) for h, name in enumerate(head_activations)], 1)
+        p = p.masked_fill(~mask[:, None], 0.0)
+        acc = torch.zeros((*p.shape[:-1], head_dim), device=q.device)
+        for start in range(0, padded, block):
+            p8, p_scale = quantize_rows(p[..., start : start + block])
+            acc = acc + (p8 @ vd[..., start : start + block, :]) * p_scale
+        out[rows] = _unpad(acc * out_scale, lengths, padded)
+    return out.to(q.dtype)
+
+
+def gdpa_fp8_backward(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    offsets: torch.Tensor,
+    *,
+    block: int,
+    head_activations: Sequence[str],
+    pre_scale: float = 1.0,
+    out_scale: float = 1.0,
+    causal: bool = False,
+    num_targets: torch.Tensor | None = None,
+    contextual_len: int = 0,
+    window: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``dq, dk, dv`` of :func:`gdpa_fp8` straight through its quantization (module docstring), in the inputs'
+    dtypes."""
+    q_st, k_st, v_st = straight_through_operands(q, k, v, offsets, block)
+    dq, dk, dv = gdpa_backward(
+        grad_out.float(), q_st, k_st, v_st, offsets, offsets, head_activations=head_activations,
+        pre_scale=pre_scale / rotation_size(q.shape[-1]), out_scale=out_scale, causal=causal,
+        num_targets=num_targets, contextual_len=contextual_len, window=window,
+    )  # fmt: skip
+    return unrotate_gradient(dq).to(q.dtype), unrotate_gradient(dk).to(k.dtype), dv.to(v.dtype)
