@@ -1,8 +1,9 @@
-"""FP8 GDPA (issue 12) against GDPA in bf16 on workload (a) of :mod:`benchmarks.gdpa`, same process, same data.
+"""FP8 GDPA (issue 12) against GDPA in bf16 on workloads (a) and (b) of :mod:`benchmarks.gdpa`, same process,
+same data.
 
-Workload (a): B = 1152 self-attention samples, H = 4, D = 128, fast_gelu, non-causal, pre_scale 1 / sqrt(D),
-norm "max_len"; L in {1024, 2048} at sparsity 0.5 and 1.0 (``--quick``: L 1024, sparsity 1.0, default
-configs). Per shape: the bf16 and fp8 forwards through ``gdpa`` (fp8: the shared quantize pass included), the
+B = 1152 samples, H = 4, D = 128, fast_gelu, pre_scale 1 / sqrt(D), norm "max_len". (a) self-attention,
+non-causal, L in {1024, 2048} at sparsity 0.5 and 1.0; (b) cross-attention, jagged Q up to 2048 (sparsity 0.5)
+against K/V of 128 and 256 per sample (``--quick``: (a) L 1024 sparsity 1.0 and (b) K/V 256, default configs). Per shape: the bf16 and fp8 forwards through ``gdpa`` (fp8: the shared quantize pass included), the
 fp8 kernel alone on pre-quantized inputs and the quantize pass alone, timed in interleaved rounds (the
 speedups are medians of per-round ratios); each forward's backward (fp8: straight through the quantization).
 Correctness in the same run on the first 8 samples: both outputs against the fp32 reference, and the fp8 kernel
@@ -27,7 +28,7 @@ from opengem.ops.reference.gdpa import gdpa as reference
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as emulation
 from opengem.ops.triton import gdpa_fp8 as kernels
 from opengem.ops.triton.gdpa import GdpaArgs
-from opengem.ops.triton.jagged_attention_fp8 import BLOCK, quantize_qkv
+from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "bf16_tflops", "fp8_tflops", "fp8_kernel_tflops",
@@ -37,8 +38,17 @@ PRE_SCALE = 1 / math.sqrt(HEAD_DIM)
 
 
 def _selected(quick: bool) -> list[Workload]:
-    chosen = ("a self L=1024 s=1.0",) if quick else ("a self L=1024", "a self L=2048")
+    chosen = ("a self L=1024 s=1.0", "b cross Q<=2048 KV=256") if quick else ("a self L=1024", "a self L=2048", "b ")
     return [w for w in workloads(quick=False) if w.name.startswith(chosen)]
+
+
+def _tensors_of(w: Workload) -> dict:
+    """:func:`benchmarks.gdpa._tensors`, self-attention's K/V offsets being Q's tensor (FP8 GDPA then quantizes Q,
+    K and V in one launch, as a model passing one offsets tensor gets)."""
+    t = _tensors(w, "cuda")
+    if w.self_attention:
+        t["k_offsets"] = t["q_offsets"]
+    return t
 
 
 def _attend(t: dict, precision: str):
@@ -50,20 +60,21 @@ def _attend(t: dict, precision: str):
 
 
 def measure(w: Workload) -> dict:
-    t = _tensors(w, "cuda")
+    t = _tensors_of(w)
     leaves = (t["q"], t["k"], t["v"])
     args = GdpaArgs((activation_id("fast_gelu"),) * HEADS, PRE_SCALE, 1.0 / t["max_len_k"], False, 0, None, False,
                     t["max_len_q"], t["max_len_k"])  # fmt: skip
     q, k, v = (x.detach() for x in leaves)
-    pb = kernels.problem(q, t["q_offsets"], None, args)
-    quantized = quantize_qkv(q, k, v, pb)
+    pb = kernels.problem(q, t["q_offsets"], None, args, t["max_len_q"])
+    k_pb = None if w.self_attention else kernels.problem(k, t["k_offsets"], None, args, t["max_len_k"])
+    quantized = kernels.quantize(q, k, v, pb, k_pb)
     out = torch.empty_like(q)
     forwards = {p: _attend(t, p) for p in ("bf16", "fp8")}
     with torch.no_grad():
         times = interleaved_ms({
             **forwards,
-            "kernel": lambda: kernels.attend(quantized, out, k.shape[1], pb, args),
-            "quantize": lambda: quantize_qkv(q, k, v, pb),
+            "kernel": lambda: kernels.attend(quantized, out, pb, args),
+            "quantize": lambda: kernels.quantize(q, k, v, pb, k_pb),
         })  # fmt: skip
     backward = {}
     for precision, forward in forwards.items():
@@ -72,7 +83,7 @@ def measure(w: Workload) -> dict:
         torch.autograd.grad(result, leaves, grad, retain_graph=True)  # tuning outside the timed region
         backward[precision] = bench_ms(lambda: torch.autograd.grad(result, leaves, grad, retain_graph=True))
     median = {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
-    pairs = float((w.q_lengths.double() ** 2).sum())
+    pairs = float((w.q_lengths.double() * w.k_lengths.double()).sum())  # every key visible: (a) and (b)
     flops = 4 * HEADS * HEAD_DIM * pairs
     errors = _errors(w, t)
     torch.cuda.synchronize()
@@ -94,13 +105,13 @@ def _errors(w: Workload, t: dict) -> dict:
     tuning key), and the fp8 output against its emulation."""
     n = ERROR_SAMPLES
     sub = Workload(w.name, w.q_lengths[:n], w.k_lengths[:n], w.activation)
-    s = {**_tensors(sub, "cuda"), "max_len_q": t["max_len_q"], "max_len_k": t["max_len_k"]}
+    s = {**_tensors_of(sub), "max_len_q": t["max_len_q"], "max_len_k": t["max_len_k"]}
     q, k, v = (s[name].detach() for name in ("q", "k", "v"))
     options = dict(head_activations=["fast_gelu"] * HEADS, pre_scale=PRE_SCALE, out_scale=1.0 / s["max_len_k"])
     with torch.no_grad():
         outs = {p: _attend(s, p)() for p in ("bf16", "fp8")}
     want = reference(q.float(), k.float(), v.float(), s["q_offsets"], s["k_offsets"], **options)
-    emulated = emulation(q, k, v, s["q_offsets"], block=BLOCK, **options)
+    emulated = emulation(q, k, v, s["q_offsets"], s["k_offsets"], block=BLOCK, **options)
     bf16_err, fp8_err = (relative_error(outs[p], want) for p in ("bf16", "fp8"))
     return {"bf16_err": bf16_err, "fp8_err": fp8_err, "err_ratio": fp8_err / bf16_err,
             "fp8_vs_emulation": relative_error(outs["fp8"], emulated)}  # fmt: skip

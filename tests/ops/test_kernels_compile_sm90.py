@@ -56,11 +56,14 @@ assert "e4m3" in ptx  # E4M3 tensor-core MMAs
 from opengem.ops.triton import gdpa_fp8 as gf
 gdpa_attend = {**{k: v for k, v in attend.items() if k not in ("LSE", "scale_log2")}, "HEAD_ACT": "*i32",
                "x_scale": "fp32", "out_scale": "fp32"}
-for act, fast in ((3, True), (7, True), (-1, True), (1, False)):  # fast_gelu, silu (tanh.approx), per head, gelu
+gdpa_attend.update(k_offsets="*i32", k_block_base="*i32")
+for act, fast, cross in ((3, True, False), (3, True, True), (7, True, False), (-1, True, True), (1, False, False)):
+    # fast_gelu self / cross, silu (tanh.approx), per head, gelu
     for m, warps, stages in f._FWD_FP8[:2] if act == 3 else f._FWD_FP8[:1]:
         ptx = compile_sm90(gf._gdpa_fp8_fwd_kernel.fn, gdpa_attend, dict(
-            HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=True, SMALL=False,
-            EXACT=False, ACT=act, FAST_ACT=fast, BLOCK_M=m, BLOCK_N=128), num_warps=warps, num_stages=stages).asm["ptx"]
+            HEAD_DIM=128, GROUP=1, CAUSAL=not cross, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=not cross,
+            SMALL=False, EXACT=False, ACT=act, FAST_ACT=fast, CROSS=cross, BLOCK_M=m, BLOCK_N=128),
+            num_warps=warps, num_stages=stages).asm["ptx"]
         assert "e4m3" in ptx and "div.rn.f32" in ptx  # E4M3 MMAs; P's row scales correctly rounded
         assert ("tanh.approx.f32" in ptx) == (fast and act in (-1, 7))
 rowwise = {"x_ptr": bf16, "u_ptr": bf16, "out_ptr": bf16, "q_ptr": fp8, "scale_ptr": "*fp32", "sum_ptr": "*fp32"}

@@ -78,9 +78,10 @@ def gdpa(
       (every token sees itself). Without them every key of the sample is visible; that is also the only
       mode for cross-attention (different offsets) and ``broadcast_q``. Masked pairs contribute exactly 0:
       the mask applies after the activation (``phi(0)`` need not be 0).
-    * ``precision``: ``"bf16"`` (the inputs' dtype), or ``"fp8"`` (self-attention only: E4M3 ``Q K^T`` and
-      ``P V`` with block scales, Q and K Hadamard-rotated, P quantized per row and key block; the backward
-      straight through the quantization; numerics in :mod:`opengem.ops.reference.gdpa_fp8`).
+    * ``precision``: ``"bf16"`` (the inputs' dtype), or ``"fp8"`` (self- and cross-attention, not
+      ``broadcast_q``: E4M3 ``Q K^T`` and ``P V`` with block scales, Q and K Hadamard-rotated, P quantized per
+      row and key block; the backward straight through the quantization; numerics in
+      :mod:`opengem.ops.reference.gdpa_fp8`).
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
@@ -135,7 +136,7 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8" and broadcast_q:
-        raise ValueError("precision='fp8' runs self-attention (q_offsets equal to k_offsets), not broadcast_q")
+        raise ValueError("precision='fp8' runs self- and cross-attention, not broadcast_q")
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)
     out_scale = float(post_scale) / _norm_value(norm, max_len_k)
@@ -151,7 +152,7 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
         raise ValueError("q_offsets is required unless broadcast_q=True")
     if not torch.compiler.is_compiling():
         _check_contents(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, broadcast_q, masked,
-                        num_targets, contextual_len, window, self_attention=precision == "fp8")
+                        num_targets, contextual_len, window)
     use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
     if use_triton:
         check_triton_head_dim(q.shape[2])
@@ -239,10 +240,8 @@ def _check_contents(
     num_targets: torch.Tensor | None,
     contextual_len: int,
     window: int | None,
-    self_attention: bool = False,
 ) -> None:
-    """Checks that read the offsets (host sync); skipped while torch.compile traces. ``self_attention``: the
-    op needs q_offsets equal to k_offsets even without a mask option (FP8)."""
+    """Checks that read the offsets (host sync); skipped while torch.compile traces."""
     if broadcast_q:
         if q.dim() != 3:
             raise ValueError(f"q must have shape [Lq, heads, head_dim] with broadcast_q, got {tuple(q.shape)}")
@@ -252,12 +251,11 @@ def _check_contents(
         check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k)
         return
     check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k)
-    if (masked or self_attention) and q_offsets is not k_offsets and not torch.equal(
-            host_copy(q_offsets), host_copy(k_offsets)):
-        what = ("causal/num_targets/contextual_len/window apply to self-attention" if masked
-                else "precision='fp8' runs self-attention only")  # fmt: skip
-        raise ValueError(f"{what}: q_offsets must equal k_offsets")
     if masked:
+        if q_offsets is not k_offsets and not torch.equal(host_copy(q_offsets), host_copy(k_offsets)):
+            raise ValueError(
+                "causal/num_targets/contextual_len/window apply to self-attention: q_offsets must equal k_offsets"
+            )
         check_mask_options(k_offsets, num_targets, contextual_len, window)
 
 
@@ -294,8 +292,8 @@ def _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, h
     args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
     if precision == "fp8":
         if use_triton:
-            return gdpa_fp8.forward(q, k, v, q_offsets, num_targets, args)
-        return gdpa_fp8_reference(q, k, v, q_offsets, **_fp8_reference_options(args, num_targets))
+            return gdpa_fp8.forward(q, k, v, q_offsets, k_offsets, num_targets, args)
+        return gdpa_fp8_reference(q, k, v, q_offsets, k_offsets, **_fp8_reference_options(args, num_targets))
     if use_triton:
         return gdpa_forward(q, k, v, q_offsets, k_offsets, num_targets, args)
     return _reference(q, k, v, q_offsets, k_offsets, num_targets, head_acts, pre_scale, out_scale, causal,
@@ -330,8 +328,8 @@ def _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len
     args = _args(head_acts, pre_scale, out_scale, causal, contextual_len, window, broadcast_q, max_len_q, max_len_k)
     if precision == "fp8":
         if use_triton:
-            return gdpa_fp8.backward(grad_out, q, k, v, q_offsets, num_targets, args, grads=grads)
-        return gdpa_fp8_reference_backward(grad_out, q, k, v, q_offsets,
+            return gdpa_fp8.backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)
+        return gdpa_fp8_reference_backward(grad_out, q, k, v, q_offsets, k_offsets,
                                            **_fp8_reference_options(args, num_targets))  # fmt: skip
     if use_triton:
         return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)

@@ -1,9 +1,10 @@
-"""Exact emulation of the FP8 GDPA forward (``gdpa(..., precision="fp8")``, self-attention), and its backward.
+"""Exact emulation of the FP8 GDPA forward (``gdpa(..., precision="fp8")``, self- and cross-attention), and its
+backward.
 
 Q, K and V are quantized as the FP8 JFA forward quantizes them (:mod:`opengem.ops.reference.attention_fp8`: Q and
 K rotated by the randomized Hadamard matrix, ``1 / n`` folded into ``pre_scale``; one fp32 scale ``amax / 448`` per
-sample-aligned block of ``block`` rows and head, E4M3 elements), so one quantize pass serves both ops. Then, key
-block by key block as the kernel runs them:
+sample-aligned block of ``block`` rows and head, E4M3 elements), so one quantize pass serves both ops (cross-attention: Q blocked by its offsets, K and V by theirs). Then,
+key block by key block as the kernel runs them:
 
 - ``x = (q8 sq)(k8 sk)^T * pre_scale / n``, ``p = mask * phi_h(x)`` in fp32;
 - ``P`` quantized per query row and key block: ``ps = amax_row / 448`` (amax at least 1e-12), elements
@@ -49,7 +50,8 @@ def gdpa_fp8(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None = None,
     *,
     block: int,
     head_activations: Sequence[str],
@@ -60,13 +62,16 @@ def gdpa_fp8(
     contextual_len: int = 0,
     window: int | None = None,
 ) -> torch.Tensor:
-    """The FP8 forward of self-attention :func:`opengem.ops.reference.gdpa.gdpa` (q and k/v jagged by the same
-    ``offsets``); returns ``[T, H, D]`` in q's dtype."""
+    """The FP8 forward of :func:`opengem.ops.reference.gdpa.gdpa`, self-attention (``k_offsets`` None or with a mask
+    option, which needs equal offsets) or cross-attention; returns ``[Tq, H, D]`` in q's dtype."""
     heads, head_dim = q.shape[1], q.shape[2]
     group = heads // k.shape[1]
     x_scale = pre_scale / rotation_size(head_dim)  # (q R)(k R)^T = n q k^T
+    masked = causal or num_targets is not None or contextual_len > 0 or window is not None
+    if k_offsets is not None and k_offsets is not q_offsets and not masked:
+        return _cross_attention(q, k, v, q_offsets, k_offsets, block, head_activations, x_scale, out_scale)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
+    for rows, lengths, size, targets in _length_groups(q_offsets, num_targets, heads, q.device):
         padded = _round_up(size, block)
         operands = (rotate(q[rows]), rotate(k[rows]), v[rows].float())
         qd, kd, vd = (_dequantized(_pad(x, lengths, padded), block) for x in operands)
@@ -76,13 +81,41 @@ def gdpa_fp8(
         )
         x = (qd @ kd.transpose(-1, -2)) * x_scale
         p = torch.stack([activation_value(name, x[:, h]) for h, name in enumerate(head_activations)], 1)
-        p = p.masked_fill(~mask[:, None], 0.0)
-        acc = torch.zeros((*p.shape[:-1], head_dim), device=q.device)
-        for start in range(0, padded, block):
-            p8, p_scale = quantize_rows(p[..., start : start + block])
-            acc = acc + (p8 @ vd[..., start : start + block, :]) * p_scale
-        out[rows] = _unpad(acc * out_scale, lengths, padded)
+        out[rows] = _unpad(_quantized_pv(p.masked_fill(~mask[:, None], 0.0), vd, block) * out_scale, lengths, padded)
     return out.to(q.dtype)
+
+
+def _quantized_pv(p: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
+    """``P V`` key block by key block, each block of P quantized per row (:func:`quantize_rows`)."""
+    acc = torch.zeros((*p.shape[:-1], v.shape[-1]), device=p.device)
+    for start in range(0, p.shape[-1], block):
+        p8, p_scale = quantize_rows(p[..., start : start + block])
+        acc = acc + (p8 @ v[..., start : start + block, :]) * p_scale
+    return acc
+
+
+def _cross_attention(q, k, v, q_offsets, k_offsets, block, head_activations, x_scale, out_scale) -> torch.Tensor:
+    """Every key of the sample visible; Q blocked by ``q_offsets``, K and V by ``k_offsets`` (one sample at a time:
+    cross-attention's K/V are short)."""
+    qd, kd, vd = _straight_through(q, k, v, q_offsets, k_offsets, block)
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    q_bounds, k_bounds = q_offsets.tolist(), k_offsets.tolist()
+    for b in range(len(q_bounds) - 1):
+        qs, ks = slice(q_bounds[b], q_bounds[b + 1]), slice(k_bounds[b], k_bounds[b + 1])
+        for h, name in enumerate(head_activations):
+            p = activation_value(name, (qd[qs, h] @ kd[ks, h // group].T) * x_scale)
+            out[qs, h] = _quantized_pv(p, vd[ks, h // group], block) * out_scale
+    return out.to(q.dtype)
+
+
+def _straight_through(q, k, v, q_offsets, k_offsets, block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`straight_through_operands` with Q blocked by ``q_offsets`` and K, V by ``k_offsets``."""
+    if k_offsets is None:
+        return straight_through_operands(q, k, v, q_offsets, block)
+    rotated_q = straight_through_operands(q, q, q, q_offsets, block)[0]
+    _, rotated_k, values = straight_through_operands(k, k, v, k_offsets, block)
+    return rotated_q, rotated_k, values
 
 
 def gdpa_fp8_backward(
@@ -90,7 +123,8 @@ def gdpa_fp8_backward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    offsets: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor | None = None,
     *,
     block: int,
     head_activations: Sequence[str],
@@ -103,9 +137,10 @@ def gdpa_fp8_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` of :func:`gdpa_fp8` straight through its quantization (module docstring), in the inputs'
     dtypes."""
-    q_st, k_st, v_st = straight_through_operands(q, k, v, offsets, block)
+    q_st, k_st, v_st = _straight_through(q, k, v, q_offsets, k_offsets, block)
     dq, dk, dv = gdpa_backward(
-        grad_out.float(), q_st, k_st, v_st, offsets, offsets, head_activations=head_activations,
+        grad_out.float(), q_st, k_st, v_st, q_offsets, q_offsets if k_offsets is None else k_offsets,
+        head_activations=head_activations,
         pre_scale=pre_scale / rotation_size(q.shape[-1]), out_scale=out_scale, causal=causal,
         num_targets=num_targets, contextual_len=contextual_len, window=window,
     )  # fmt: skip

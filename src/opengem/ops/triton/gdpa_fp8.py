@@ -1,4 +1,4 @@
-"""FP8 GDPA (``gdpa(..., precision="fp8")``, self-attention): the FP8 JFA's quantize pass and blocked layout,
+"""FP8 GDPA (``gdpa(..., precision="fp8")``, self- and cross-attention): the FP8 JFA's quantize pass and blocked layout,
 E4M3 ``Q K^T`` and ``P V``; the backward straight through the quantization (:func:`backward`).
 
 The numerics are those of :mod:`opengem.ops.reference.gdpa_fp8`. The schedule, key loop and mask split are JFA's
@@ -40,8 +40,10 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     _configs,
     _prune,
     _rotation_on,
+    quantize_q_and_kv,
     quantize_qkv,
     straight_through_operands,
+    straight_through_q_and_kv,
     to_e4m3,
 )
 from opengem.ops.triton.masks import tile_mask
@@ -80,14 +82,19 @@ def _gdpa_fp8_tiles(
 
 @triton.autotune(configs=_configs(), key=[*_KEY, "ACT"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_tuning_bench)  # fmt: skip
-@triton.jit(do_not_specialize=["contextual_len", "window", "heads", "num_blocks"])
+@triton.jit(do_not_specialize=["contextual_len", "window", "heads", "num_blocks", "num_k_blocks"])
 def _gdpa_fp8_fwd_kernel(
-    Q8, K8, V8, QS, KS, VS, O, HEAD_ACT, offsets, num_targets, block_base, sched_small, sched_large,
-    stride_ot, stride_oh, heads, num_blocks, x_scale, out_scale, contextual_len, window, LEN_BUCKET,
+    Q8, K8, V8, QS, KS, VS, O, HEAD_ACT, offsets, num_targets, block_base, k_offsets, k_block_base,
+    sched_small, sched_large, stride_ot, stride_oh, heads, num_blocks, num_k_blocks, x_scale, out_scale,
+    contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, EXACT: tl.constexpr,
-    ACT: tl.constexpr, FAST_ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ACT: tl.constexpr, FAST_ACT: tl.constexpr, CROSS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
+    """One (query tile, head). Self-attention: K/V blocks are Q's (``k_* = offsets, block_base``), keys split
+    into masked and fully visible tiles as JFA's. ``CROSS``: K/V blocked by ``k_offsets``, every key of the
+    sample visible; the last block's rows past the sample are zeros, and ``phi(0) = 0`` for every activation,
+    so they add nothing without a mask."""
     b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     if ACT >= 0:  # one activation for all heads: folded at compile time
@@ -105,11 +112,18 @@ def _gdpa_fp8_fwd_kernel(
         + offs_d[None, :]
     )
     q_scale = tl.load(QS + q_block) * x_scale
-    kv_block0 = (h // GROUP) * num_blocks + block0
+    kv_block0 = (h // GROUP) * num_k_blocks + tl.load(k_block_base + b).to(tl.int64)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    lo, f_lo, f_hi, hi = _key_tiles(
-        m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT
-    )
+    if CROSS:
+        k_len = tl.load(k_offsets + b + 1) - tl.load(k_offsets + b)
+        lo = k_len * 0
+        f_lo = lo
+        f_hi = tl.cdiv(k_len, BLOCK_N) * BLOCK_N
+        hi = f_hi
+    else:
+        lo, f_lo, f_hi, hi = _key_tiles(
+            m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT
+        )
     acc = _gdpa_fp8_tiles(  # keys [lo, f_lo), masked
         acc, q, K8, V8, KS, VS, kv_block0, q_scale, act, lo, f_lo, offs_m, offs_d, seq_len, hist_len,
         contextual_len, window, HEAD_DIM, BLOCK_N, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, EXACT, FAST_ACT
@@ -129,47 +143,68 @@ def _gdpa_fp8_fwd_kernel(
     )
 
 
-def problem(q: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None,
-            args: gdpa_kernels.GdpaArgs) -> Problem:  # fmt: skip
-    """JFA's schedule and mask options (same semantics) for the GDPA self-attention problem of ``args``."""
+def problem(q: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None, args: gdpa_kernels.GdpaArgs,
+            max_len: int) -> Problem:  # fmt: skip
+    """JFA's schedule and mask options (same semantics) over ``offsets`` for the GDPA problem of ``args``;
+    ``max_len`` (the longest sequence) buckets the tuning key."""
     opts = jfa.MaskOptions(args.causal, args.contextual_len, args.window)
     host_targets = None if num_targets is None else host_copy(num_targets)
     sched = jfa.schedule(host_copy(offsets), host_targets, opts, q.device)
     targets = None if num_targets is None else num_targets.contiguous()
-    return Problem(offsets.contiguous(), targets, sched, opts, args.max_len_k, 1.0)
+    return Problem(offsets.contiguous(), targets, sched, opts, max_len, 1.0)
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
+def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
             num_targets: torch.Tensor | None, args: gdpa_kernels.GdpaArgs) -> torch.Tensor:  # fmt: skip
-    """FP8 forward: ``out [T, H, D]`` in q's dtype."""
-    pb = problem(q, offsets, num_targets, args)
+    """FP8 forward: ``out [T, H, D]`` in q's dtype; cross-attention when ``k_offsets`` is not ``q_offsets``."""
+    pb = problem(q, q_offsets, num_targets, args, args.max_len_q)
     (q, k, v), out, _, has_work = jfa.forward_buffers(q, k, v, pb)
     if has_work:
-        attend(quantize_qkv(q, k, v, pb), out, k.shape[1], pb, args)
+        attend(quantize(q, k, v, pb, _key_problem(k, q_offsets, k_offsets, num_targets, args)), out, pb, args)
     return out
 
 
-def attend(quantized: tuple[torch.Tensor, ...], out: torch.Tensor, kv_heads: int, pb: Problem,
-           args: gdpa_kernels.GdpaArgs) -> None:  # fmt: skip
-    """The attention kernel alone, from ``quantize_qkv``'s output, into ``out [T, H, D]``."""
-    q8, k8, v8, qs, ks, vs, block_base = quantized
-    heads, head_dim = out.shape[1], out.shape[2]
+def _key_problem(k: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor, num_targets: torch.Tensor | None,
+                 args: gdpa_kernels.GdpaArgs) -> Problem | None:  # fmt: skip
+    """Cross-attention's blocks of K/V (by ``k_offsets``), or None for self-attention: a masked problem (the op
+    checked its offsets equal) or one whose offsets are one tensor."""
+    if args.masked(num_targets) or k_offsets is q_offsets:
+        return None
+    return problem(k, k_offsets, None, args, args.max_len_k)
+
+
+def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem, k_pb: Problem | None) -> tuple:
+    """``(q8, k8, v8, q_scale, k_scale, v_scale, q_block_base, k_offsets, k_block_base)`` for :func:`attend`:
+    one quantize pass for self-attention (``k_pb`` None), one for Q and one for K/V for cross-attention."""
+    if k_pb is None:
+        *blocked, block_base = quantize_qkv(q, k, v, pb)
+        return (*blocked, block_base, pb.offsets, block_base)
+    (q8, qs, q_base), (k8, v8, ks, vs, k_base) = quantize_q_and_kv(q, k, v, pb, k_pb)
+    return q8, k8, v8, qs, ks, vs, q_base, k_pb.offsets, k_base
+
+
+def attend(quantized: tuple, out: torch.Tensor, pb: Problem, args: gdpa_kernels.GdpaArgs) -> None:
+    """The attention kernel alone, from :func:`quantize`'s output, into ``out [T, H, D]``."""
+    q8, k8, v8, qs, ks, vs, block_base, k_offsets, k_block_base = quantized
+    heads, head_dim, kv_heads = out.shape[1], out.shape[2], k8.shape[0]
     acts = args.head_activations
     single = len(set(acts)) == 1
     head_act = pb.offsets if single else gdpa_kernels._head_activation_tensor(acts, str(out.device))
     items = pb.sched.query_tiles
     _gdpa_fp8_fwd_kernel[_grid(items, heads, "BLOCK_M")](
-        q8, k8, v8, qs, ks, vs, out, head_act, pb.offsets, pb.targets_arg(), block_base, items[_SMALL], items[_LARGE],
-        out.stride(0), out.stride(1), heads, q8.shape[1], args.pre_scale / rotation_size(head_dim), args.out_scale,
+        q8, k8, v8, qs, ks, vs, out, head_act, pb.offsets, pb.targets_arg(), block_base, k_offsets, k_block_base,
+        items[_SMALL], items[_LARGE], out.stride(0), out.stride(1), heads, q8.shape[1], k8.shape[1],
+        args.pre_scale / rotation_size(head_dim), args.out_scale,
         **pb.runtime(), HEAD_DIM=head_dim, GROUP=heads // kv_heads, CAUSAL=pb.opts.causal,
         HAS_WINDOW=pb.opts.window is not None, HAS_CONTEXT=pb.opts.contextual_len > 0,
         HAS_TARGETS=pb.num_targets is not None, SMALL=_SMALL, EXACT=_INTERPRET, ACT=acts[0] if single else -1,
-        FAST_ACT=out.dtype != torch.float32 and gdpa_kernels.fast_activations(), BLOCK_N=BLOCK,
+        FAST_ACT=out.dtype != torch.float32 and gdpa_kernels.fast_activations(), CROSS=k_offsets is not pb.offsets,
+        BLOCK_N=BLOCK,
     )  # fmt: skip
 
 
-def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor,
-             num_targets: torch.Tensor | None, args: gdpa_kernels.GdpaArgs,
+def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
+             k_offsets: torch.Tensor, num_targets: torch.Tensor | None, args: gdpa_kernels.GdpaArgs,
              grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """The FP8 forward's backward straight through its quantization (the emulation's ``gdpa_fp8_backward``):
@@ -177,12 +212,16 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     unquantized; then dQ and dK rotated back (``R^T``). ``grads`` as in GDPA's backward."""
     head_dim = q.shape[2]
     n = rotation_size(head_dim)
-    pb = problem(q, offsets, num_targets, args)
-    q_st, k_st, v_st = straight_through_operands(q, k, v, pb)
+    pb = problem(q, q_offsets, num_targets, args, args.max_len_q)
+    k_pb = _key_problem(k, q_offsets, k_offsets, num_targets, args)
+    if k_pb is None:
+        q_st, k_st, v_st = straight_through_operands(q, k, v, pb)
+    else:
+        q_st, k_st, v_st = straight_through_q_and_kv(q, k, v, pb, k_pb)
     dq_st, dk_st = torch.empty_like(q_st), torch.empty_like(k_st)
     dv = torch.empty_like(v) if grads is None else grads[2]
     rotated = dataclasses.replace(args, pre_scale=args.pre_scale / n)  # (q R)(k R)^T = n q k^T
-    gdpa_kernels.gdpa_backward(grad_out, q_st, k_st, v_st, offsets, offsets, num_targets, rotated,
+    gdpa_kernels.gdpa_backward(grad_out, q_st, k_st, v_st, q_offsets, k_offsets, num_targets, rotated,
                                grads=(dq_st, dk_st, dv))  # fmt: skip
     rotation_t = _rotation_on(n, q.dtype, q.device).T
     unrotated = [(g.view(*g.shape[:2], head_dim // n, n) @ rotation_t).view(g.shape) for g in (dq_st, dk_st)]

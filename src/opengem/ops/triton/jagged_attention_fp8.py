@@ -324,17 +324,32 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     return quantized
 
 
+def quantize_q_and_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pb: Problem, k_pb: Problem
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """Cross-attention's quantize pass: Q blocked by ``q_pb``'s offsets, K and V by ``k_pb``'s (one launch each);
+    returns ``(q8, q_scale, q_block_base)`` and ``(k8, v8, k_scale, v_scale, k_block_base)``."""
+    q8, _, _, qs, _, _, q_base = blocked_buffers(q_pb, q.shape[1], 0, q.shape[2], q.device)
+    _, k8, v8, _, ks, vs, k_base = blocked_buffers(k_pb, 0, k.shape[1], k.shape[2], k.device)
+    _quantize_pass(q, k, v, (q8, k8, v8, qs, ks, vs), q_base, q_pb, dequantize=False, operands="q")
+    _quantize_pass(q, k, v, (q8, k8, v8, qs, ks, vs), k_base, k_pb, dequantize=False, operands="kv")
+    return (q8, qs, q_base), (k8, v8, ks, vs, k_base)
+
+
 def _quantize_pass(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outputs: tuple[torch.Tensor, ...], block_base: torch.Tensor,
-    pb: Problem, dequantize: bool,
+    pb: Problem, dequantize: bool, operands: str = "qkv",
 ) -> None:
     """The quantize kernel over every (block, operand head) into ``outputs``: the blocked E4M3 data and scales, or
-    (``dequantize``) three jagged tensors and, standing for the unused scales, anything."""
+    (``dequantize``) three jagged tensors and, standing for the unused scales, anything. ``operands``: ``"qkv"``,
+    or only ``"q"`` or ``"kv"`` (cross-attention: Q and K/V blocked by different offsets, ``pb``'s)."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     items = pb.sched.query_tiles[BLOCK]  # one item per block
-    if items.shape[0]:
+    # the kernel's second grid axis runs over Q's heads, then K's, then V's: "kv" starts it at K's (no Q heads)
+    heads, programs = {"qkv": (heads, heads + 2 * kv_heads), "q": (heads, heads), "kv": (0, 2 * kv_heads)}[operands]
+    if items.shape[0] and programs:
         n = rotation_size(head_dim)
-        _quantize_kernel[(items.shape[0], heads + 2 * kv_heads)](
+        _quantize_kernel[(items.shape[0], programs)](
             q, k, v, *outputs, _rotation_on(n, q.dtype, q.device), pb.offsets, block_base, items,
             q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), items.shape[0], heads,
             kv_heads, HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
@@ -372,6 +387,16 @@ def straight_through_operands(
     ``straight_through_operands`` to the dtype's rounding)."""
     outs = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
     _quantize_pass(q, k, v, (*outs, *outs), _block_base(pb, q.device), pb, dequantize=True)
+    return outs
+
+
+def straight_through_q_and_kv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pb: Problem, k_pb: Problem
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`straight_through_operands` of cross-attention: Q blocked by ``q_pb``'s offsets, K and V by ``k_pb``'s."""
+    outs = tuple(torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k, v))
+    _quantize_pass(q, k, v, (*outs, *outs), _block_base(q_pb, q.device), q_pb, dequantize=True, operands="q")
+    _quantize_pass(q, k, v, (*outs, *outs), _block_base(k_pb, k.device), k_pb, dequantize=True, operands="kv")
     return outs
 
 
