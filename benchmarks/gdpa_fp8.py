@@ -3,9 +3,11 @@ same data.
 
 B = 1152 samples, H = 4, D = 128, fast_gelu, pre_scale 1 / sqrt(D), norm "max_len". (a) self-attention,
 non-causal, L in {1024, 2048} at sparsity 0.5 and 1.0; (b) cross-attention, jagged Q up to 2048 (sparsity 0.5)
-against K/V of 128 and 256 per sample (``--quick``: (a) L 1024 sparsity 1.0 and (b) K/V 256, default configs). Per shape: the bf16 and fp8 forwards through ``gdpa`` (fp8: the shared quantize pass included), the
-fp8 kernel alone on pre-quantized inputs and the quantize pass alone, timed in interleaved rounds (the
-speedups are medians of per-round ratios); each forward's backward (fp8: straight through the quantization).
+against K/V of 128 and 256 per sample (``--quick``: (a) L 1024 sparsity 1.0 and (b) K/V 256, default configs).
+Per shape: the bf16 and fp8 forwards through ``gdpa`` (fp8: the shared quantize pass included), the fp8 kernel
+alone on pre-quantized inputs and the quantize pass alone, timed in interleaved rounds (the speedups are medians
+of per-round ratios), and the looping quantize pass with the op using it; each forward's backward (fp8: straight
+through the quantization).
 Correctness in the same run on the first 8 samples: both outputs against the fp32 reference, and the fp8 kernel
 against its exact emulation (:mod:`opengem.ops.reference.gdpa_fp8`). FLOPs: 4 H D per pair, backward 2.5x.
 
@@ -17,9 +19,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import statistics
 
 import torch
 
+from benchmarks.attention_fp8 import quantize_loop
 from benchmarks.common import bench_ms, interleaved_ms, paired_speedup, print_table, relative_error, write_results
 from benchmarks.gdpa import HEAD_DIM, HEADS, Workload, _tensors, workloads
 from opengem.ops.activations import activation_id
@@ -30,7 +34,8 @@ from opengem.ops.triton import gdpa_fp8 as kernels
 from opengem.ops.triton.gdpa import GdpaArgs
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
-COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
+COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_loop_ms", "speedup",
+           "loop_speedup", "kernel_speedup",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "bf16_tflops", "fp8_tflops", "fp8_kernel_tflops",
            "bf16_err", "fp8_err", "err_ratio", "fp8_vs_emulation"]  # fmt: skip
 ERROR_SAMPLES = 8
@@ -76,13 +81,15 @@ def measure(w: Workload) -> dict:
             "kernel": lambda: kernels.attend(quantized, out, pb, args),
             "quantize": lambda: kernels.quantize(q, k, v, pb, k_pb),
         })  # fmt: skip
+        with quantize_loop():  # the looping quantize pass, and the op with it
+            looped = interleaved_ms({"quantize": lambda: kernels.quantize(q, k, v, pb, k_pb), "fp8": forwards["fp8"]})
     backward = {}
     for precision, forward in forwards.items():
         result = forward()
         grad = torch.randn_like(result)
         torch.autograd.grad(result, leaves, grad, retain_graph=True)  # tuning outside the timed region
         backward[precision] = bench_ms(lambda: torch.autograd.grad(result, leaves, grad, retain_graph=True))
-    median = {name: sorted(ms)[len(ms) // 2] for name, ms in times.items()}
+    median = {name: statistics.median(ms) for name, ms in times.items()}
     pairs = float((w.q_lengths.double() * w.k_lengths.double()).sum())  # every key visible: (a) and (b)
     flops = 4 * HEADS * HEAD_DIM * pairs
     errors = _errors(w, t)
@@ -90,7 +97,8 @@ def measure(w: Workload) -> dict:
     return {
         "workload": w.name, "tokens": int(w.q_lengths.sum()),
         "bf16_ms": median["bf16"], "fp8_ms": median["fp8"], "fp8_kernel_ms": median["kernel"],
-        "quantize_ms": median["quantize"],
+        "quantize_ms": median["quantize"], "quantize_loop_ms": statistics.median(looped["quantize"]),
+        "loop_speedup": median["bf16"] / statistics.median(looped["fp8"]),
         "speedup": paired_speedup(times["bf16"], times["fp8"]),
         "kernel_speedup": paired_speedup(times["bf16"], times["kernel"]),
         "bf16_bwd_ms": backward["bf16"], "fp8_bwd_ms": backward["fp8"],

@@ -1,5 +1,5 @@
-"""FP8 GDPA (``gdpa(..., precision="fp8")``, self- and cross-attention): the Triton kernel (interpreter) against the exact
-emulation, the emulation against fp32, the straight-through backward, and the errors.
+"""FP8 GDPA (``gdpa(..., precision="fp8")``, self- and cross-attention): the Triton kernel (interpreter) against
+the exact emulation, the emulation against fp32, the straight-through backward, and the errors.
 
 Kernel and emulation share the quantize pass and quantize P alike (one scale per row of each key block), so they
 differ by fp32 rounding only (sums in another order), unless an element lands within an ulp of an E4M3 rounding

@@ -3,8 +3,9 @@ backward.
 
 Q, K and V are quantized as the FP8 JFA forward quantizes them (:mod:`opengem.ops.reference.attention_fp8`: Q and
 K rotated by the randomized Hadamard matrix, ``1 / n`` folded into ``pre_scale``; one fp32 scale ``amax / 448`` per
-sample-aligned block of ``block`` rows and head, E4M3 elements), so one quantize pass serves both ops (cross-attention: Q blocked by its offsets, K and V by theirs). Then,
-key block by key block as the kernel runs them:
+sample-aligned block of ``block`` rows and head, E4M3 elements), so one quantize pass serves both ops
+(cross-attention: Q blocked by its offsets, K and V by theirs). Then, key block by key block as the kernel runs
+them:
 
 - ``x = (q8 sq)(k8 sk)^T * pre_scale / n``, ``p = mask * phi_h(x)`` in fp32;
 - ``P`` quantized per query row and key block: ``ps = amax_row / 448`` (amax at least 1e-12), elements

@@ -1,5 +1,6 @@
-"""FP8 GDPA (``gdpa(..., precision="fp8")``, self- and cross-attention): the FP8 JFA's quantize pass and blocked layout,
-E4M3 ``Q K^T`` and ``P V``; the backward straight through the quantization (:func:`backward`).
+"""FP8 GDPA (``gdpa(..., precision="fp8")``, self- and cross-attention): the FP8 JFA's quantize pass and blocked
+layout, E4M3 ``Q K^T`` and ``P V``; the backward straight through the quantization (:func:`backward`).
+Cross-attention blocks Q by its offsets and K, V by theirs (``quantize_q_and_kv``).
 
 The numerics are those of :mod:`opengem.ops.reference.gdpa_fp8`. The schedule, key loop and mask split are JFA's
 (:mod:`opengem.ops.triton.jagged_attention_fp8`): the key tile is one block of the blocked layout, the query tile
