@@ -109,8 +109,9 @@
 # s19b, then s19c on the same warm machine: issue 12's 2000-step NE run (FP8 attention, straight-through backward,
 #   + FP8 MLPs) in two calls: s19b stops after 420 s with a checkpoint in runs/ (kept between the calls of one
 #   machine), s19c resumes it to step 2000 and compares with the BF16 run (bar 0.3%)
-# s19d (one GPU): FP8 GDPA (new in session 18): the FP8 attention GPU tests (GDPA's among them, and the sm_90
-#   compile of every FP8 kernel), then benchmarks.gdpa_fp8 quick, then full (workload (a) L 1024 / 2048)
+# s19d (one GPU): FP8 GDPA and the looping quantize pass (new in session 18): the FP8 attention GPU tests (GDPA's
+#   and the looping pass's among them), then benchmarks.gdpa_fp8 and attention_fp8 quick (both time both passes)
+# s19e (one GPU): benchmarks.gdpa_fp8 full (workload (a) L 1024 / 2048, (b) K/V 128 / 256, tuned)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -343,11 +344,12 @@ chain_s19c() {
   step lp_curves_compare 30 untuned_curve --compare --variant fp8_rowwise --label fp8_attention_straight_through \
     --bar 0.003
 }
-chain_s19d() {  # issue 12: FP8 GDPA, tests then timings against bf16 GDPA in the same run
+chain_s19d() {  # issue 12: FP8 GDPA and the looping quantize pass, tests then timings against bf16 in one run
   step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
-  step gdpa_fp8_quick 120 python -m benchmarks.gdpa_fp8 --quick
-  step gdpa_fp8_full 300 python -m benchmarks.gdpa_fp8
+  step gdpa_fp8_quick 150 python -m benchmarks.gdpa_fp8 --quick
+  step attention_fp8_quick 120 python -m benchmarks.attention_fp8 --quick
 }
+chain_s19e() { step gdpa_fp8_full 480 python -m benchmarks.gdpa_fp8; }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -465,7 +467,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
