@@ -81,7 +81,7 @@ def _gdpa_fp8_tiles(
     return acc
 
 
-@triton.autotune(configs=_configs(), key=[*_KEY, "ACT"], prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(configs=_configs(), key=[*_KEY, "ACT", "CROSS"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_tuning_bench)  # fmt: skip
 @triton.jit(do_not_specialize=["contextual_len", "window", "heads", "num_blocks", "num_k_blocks"])
 def _gdpa_fp8_fwd_kernel(
