@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -170,12 +171,28 @@ def jagged_attention_fp8(
 ) -> torch.Tensor:
     """The FP8 forward of :func:`opengem.ops.jagged_attention` (``scale`` final, default ``1 / sqrt(D)``);
     returns ``[T, H, D]`` in q's dtype. Shapes as in :func:`opengem.ops.reference.attention.jagged_attention`."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    group = heads // k.shape[1]
+    head_dim = q.shape[2]
     # (q R)(k R)^T = n q k^T: the power of two 1 / n goes with the logit scale
     scale_log2 = (1.0 / math.sqrt(head_dim) if scale is None else scale) * LOG2E / rotation_size(head_dim)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for rows, lengths, size, targets in _length_groups(offsets, num_targets, heads, q.device):
+    mask_options = dict(causal=causal, contextual_len=contextual_len, window=window)
+    for rows, lengths, padded, (qd, kd, vd), mask in quantized_groups(q, k, v, offsets, num_targets, block,
+                                                                       **mask_options):  # fmt: skip
+        logits = (qd @ kd.transpose(-1, -2)) * scale_log2
+        logits = logits.masked_fill(~mask[:, None], float("-inf"))
+        out[rows] = _unpad(_online_softmax_pv(logits, vd, block), lengths, padded)
+    return out.to(q.dtype)
+
+
+def quantized_groups(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | None,
+    block: int, *, causal: bool, contextual_len: int, window: int | None,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor, int, tuple[torch.Tensor, ...], torch.Tensor]]:
+    """Self-attention's samples in padded groups, as the FP8 emulations consume them: each group's rows, lengths,
+    padded length (a multiple of ``block``), its straight-through operands ``[G, H, L, D]`` (rotated Q and K, and
+    V, quantized per block and scaled back; K and V repeated to Q's heads) and its mask ``[G, L, L]``."""
+    group = q.shape[1] // k.shape[1]
+    for rows, lengths, size, targets in _length_groups(offsets, num_targets, q.shape[1], q.device):
         padded = _round_up(size, block)
         operands = (rotate(q[rows]), rotate(k[rows]), v[rows].float())
         qd, kd, vd = (_dequantized(_pad(x, lengths, padded), block) for x in operands)
@@ -183,10 +200,7 @@ def jagged_attention_fp8(
         mask = batched_attention_mask(
             lengths, padded, causal=causal, num_targets=targets, contextual_len=contextual_len, window=window
         )
-        logits = (qd @ kd.transpose(-1, -2)) * scale_log2
-        logits = logits.masked_fill(~mask[:, None], float("-inf"))
-        out[rows] = _unpad(_online_softmax_pv(logits, vd, block), lengths, padded)
-    return out.to(q.dtype)
+        yield rows, lengths, padded, (qd, kd, vd), mask
 
 
 def _online_softmax_pv(logits: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:

@@ -25,19 +25,16 @@ from typing import Sequence
 import torch
 
 from opengem.ops.activations import activation_value
-from opengem.ops.reference.attention import _length_groups, _pad, _unpad
+from opengem.ops.reference.attention import _unpad
 from opengem.ops.reference.attention_fp8 import (
     E4M3_MAX,
     MIN_AMAX,
-    _dequantized,
-    _round_up,
-    rotate,
+    quantized_groups,
     rotation_size,
     straight_through_operands,
     unrotate_gradient,
 )
 from opengem.ops.reference.gdpa import gdpa_backward
-from opengem.ops.reference.masks import batched_attention_mask
 
 
 def quantize_rows(p: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,21 +62,14 @@ def gdpa_fp8(
 ) -> torch.Tensor:
     """The FP8 forward of :func:`opengem.ops.reference.gdpa.gdpa`, self-attention (``k_offsets`` None or with a mask
     option, which needs equal offsets) or cross-attention; returns ``[Tq, H, D]`` in q's dtype."""
-    heads, head_dim = q.shape[1], q.shape[2]
-    group = heads // k.shape[1]
-    x_scale = pre_scale / rotation_size(head_dim)  # (q R)(k R)^T = n q k^T
+    x_scale = pre_scale / rotation_size(q.shape[2])  # (q R)(k R)^T = n q k^T
     masked = causal or num_targets is not None or contextual_len > 0 or window is not None
     if k_offsets is not None and k_offsets is not q_offsets and not masked:
         return _cross_attention(q, k, v, q_offsets, k_offsets, block, head_activations, x_scale, out_scale)
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-    for rows, lengths, size, targets in _length_groups(q_offsets, num_targets, heads, q.device):
-        padded = _round_up(size, block)
-        operands = (rotate(q[rows]), rotate(k[rows]), v[rows].float())
-        qd, kd, vd = (_dequantized(_pad(x, lengths, padded), block) for x in operands)
-        kd, vd = kd.repeat_interleave(group, dim=1), vd.repeat_interleave(group, dim=1)
-        mask = batched_attention_mask(
-            lengths, padded, causal=causal, num_targets=targets, contextual_len=contextual_len, window=window
-        )
+    mask_options = dict(causal=causal, contextual_len=contextual_len, window=window)
+    for rows, lengths, padded, (qd, kd, vd), mask in quantized_groups(q, k, v, q_offsets, num_targets, block,
+                                                                       **mask_options):  # fmt: skip
         x = (qd @ kd.transpose(-1, -2)) * x_scale
         p = torch.stack([activation_value(name, x[:, h]) for h, name in enumerate(head_activations)], 1)
         out[rows] = _unpad(_quantized_pv(p.masked_fill(~mask[:, None], 0.0), vd, block) * out_scale, lengths, padded)

@@ -40,9 +40,10 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     MIN_AMAX,
     _configs,
     _prune,
-    _rotation_on,
     quantize_q_and_kv,
     quantize_qkv,
+    query_tile,
+    rotated_back,
     straight_through_operands,
     straight_through_q_and_kv,
     to_e4m3,
@@ -105,14 +106,8 @@ def _gdpa_fp8_fwd_kernel(
     block0 = tl.load(block_base + b).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_block = h * num_blocks + block0 + m_start // BLOCK_N
-    q = tl.load(
-        Q8
-        + q_block * BLOCK_N * HEAD_DIM
-        + (m_start % BLOCK_N + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM
-        + offs_d[None, :]
-    )
-    q_scale = tl.load(QS + q_block) * x_scale
+    q, q_scale = query_tile(Q8, QS, h, num_blocks, block0, m_start, BLOCK_M, BLOCK_N, HEAD_DIM)
+    q_scale = q_scale * x_scale
     kv_block0 = (h // GROUP) * num_k_blocks + tl.load(k_block_base + b).to(tl.int64)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     if CROSS:
@@ -211,8 +206,6 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
     """The FP8 forward's backward straight through its quantization (the emulation's ``gdpa_fp8_backward``):
     GDPA's bf16 backward on the dequantized rotated Q and K, and V, with ``pre_scale / n`` and P recomputed
     unquantized; then dQ and dK rotated back (``R^T``). ``grads`` as in GDPA's backward."""
-    head_dim = q.shape[2]
-    n = rotation_size(head_dim)
     pb = problem(q, q_offsets, num_targets, args, args.max_len_q)
     k_pb = _key_problem(k, q_offsets, k_offsets, num_targets, args)
     if k_pb is None:
@@ -221,13 +214,7 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         q_st, k_st, v_st = straight_through_q_and_kv(q, k, v, pb, k_pb)
     dq_st, dk_st = torch.empty_like(q_st), torch.empty_like(k_st)
     dv = torch.empty_like(v) if grads is None else grads[2]
-    rotated = dataclasses.replace(args, pre_scale=args.pre_scale / n)  # (q R)(k R)^T = n q k^T
+    rotated = dataclasses.replace(args, pre_scale=args.pre_scale / rotation_size(q.shape[2]))  # (q R)(k R)^T = n q k^T
     gdpa_kernels.gdpa_backward(grad_out, q_st, k_st, v_st, q_offsets, k_offsets, num_targets, rotated,
                                grads=(dq_st, dk_st, dv))  # fmt: skip
-    rotation_t = _rotation_on(n, q.dtype, q.device).T
-    unrotated = [(g.view(*g.shape[:2], head_dim // n, n) @ rotation_t).view(g.shape) for g in (dq_st, dk_st)]
-    if grads is None:
-        return unrotated[0], unrotated[1], dv
-    grads[0].copy_(unrotated[0])
-    grads[1].copy_(unrotated[1])
-    return grads
+    return rotated_back(dq_st, dk_st, dv, grads)

@@ -287,6 +287,17 @@ def _fwd_fp8_tiles(
     return acc, l_i, m_i, v_scale
 
 
+@triton.jit
+def query_tile(Q8, QS, h, num_blocks, block0, m_start, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HEAD_DIM: tl.constexpr):  # fmt: skip
+    """The E4M3 query tile at row ``m_start`` of the sample whose first block is ``block0`` (head ``h``), inside one
+    block of the blocked layout, and that block's scale."""
+    q_block = h * num_blocks + block0 + m_start // BLOCK_N
+    rows = m_start % BLOCK_N + tl.arange(0, BLOCK_M)
+    q = tl.load(Q8 + q_block * BLOCK_N * HEAD_DIM + rows[:, None] * HEAD_DIM + tl.arange(0, HEAD_DIM)[None, :])
+    return q, tl.load(QS + q_block)
+
+
 @triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
 def _fwd_fp8_kernel(
@@ -301,14 +312,8 @@ def _fwd_fp8_kernel(
     block0 = tl.load(block_base + b).to(tl.int64)
     offs_m = m_start + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    q_block = h * num_blocks + block0 + m_start // BLOCK_N
-    q = tl.load(
-        Q8
-        + q_block * BLOCK_N * HEAD_DIM
-        + (m_start % BLOCK_N + tl.arange(0, BLOCK_M))[:, None] * HEAD_DIM
-        + offs_d[None, :]
-    )
-    qk_scale = tl.load(QS + q_block) * scale_log2
+    q, q_scale = query_tile(Q8, QS, h, num_blocks, block0, m_start, BLOCK_M, BLOCK_N, HEAD_DIM)
+    qk_scale = q_scale * scale_log2
     kv_block0 = (h // GROUP) * num_blocks + block0
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32) - 1.0e30  # finite: rows that see nothing stay free of inf - inf
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -480,7 +485,18 @@ def backward(
     dv = torch.empty_like(v) if grads is None else grads[2]
     rotated_pb = dataclasses.replace(pb, scale=pb.scale / n)  # (q R)(k R)^T = n q k^T
     jfa.backward(dout, q_st, k_st, v_st, out, lse, rotated_pb, grads=(dq_st, dk_st, dv))
-    rotation_t = _rotation_on(n, q.dtype, q.device).T
+    return rotated_back(dq_st, dk_st, dv, grads)
+
+
+def rotated_back(
+    dq_st: torch.Tensor, dk_st: torch.Tensor, dv: torch.Tensor,
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(dq, dk, dv)`` from the gradients of the rotated Q and K (times ``R^T``), written into ``grads`` when
+    given (``matmul`` cannot write a strided view, so those are copies)."""
+    head_dim = dq_st.shape[2]
+    n = rotation_size(head_dim)
+    rotation_t = _rotation_on(n, dq_st.dtype, dq_st.device).T
     unrotated = [(g.view(*g.shape[:2], head_dim // n, n) @ rotation_t).view(g.shape) for g in (dq_st, dk_st)]
     if grads is None:
         return unrotated[0], unrotated[1], dv
