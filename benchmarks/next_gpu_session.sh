@@ -104,8 +104,8 @@
 #   PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (the timed steps' cudaMalloc count beside their GPU idle)
 # s18d (one GPU, run in session 18 at 4d3c8c5, with an allocator default since reverted): gem-small b2048 with
 #   3 lead steps on the restarted loader, expandable segments then PYTORCH_ALLOC_CONF=expandable_segments:False
-# s19a (one GPU): gem-small b2048 four times in one call, the allocators alternating (fixed, expandable, fixed,
-#   expandable): s18c's 1.16x for expandable segments (second in its call) and s18d's 0.98x (first) disagree
+# s19a (one GPU): gem-small b2048 three times in one call, the allocators alternating (fixed, expandable, fixed):
+#   s18c's 1.16x for expandable segments (second in its call) and s18d's 0.98x (first) disagree
 # s19b, then s19c on the same warm machine: issue 12's 2000-step NE run (FP8 attention, straight-through backward,
 #   + FP8 MLPs) in two calls: s19b stops after 420 s with a checkpoint in runs/ (kept between the calls of one
 #   machine), s19c resumes it to step 2000 and compares with the BF16 run (bar 0.3%)
@@ -326,13 +326,11 @@ chain_s18d() {  # issue 10: the lead steps; expandable segments (then a default,
   step bench_train_fixed_segments 150 small_train_fixed_segments \
     --out "$out/results/train_gem-small_b2048_s18_fixed_segments.json"
 }
-chain_s19a() {  # issue 10: does the allocator or the run's place in its call move gem-small's step? (A B A B)
+chain_s19a() {  # issue 10: does the allocator or the run's place in its call move gem-small's step? (A B A)
   step bench_train_fixed_1 330 small_train_fixed_segments --out "$out/results/train_gem-small_b2048_s19_fixed_1.json"
   step bench_train_expandable_1 120 small_train_expandable \
     --out "$out/results/train_gem-small_b2048_s19_expandable_1.json"
   step bench_train_fixed_2 120 small_train_fixed_segments --out "$out/results/train_gem-small_b2048_s19_fixed_2.json"
-  step bench_train_expandable_2 120 small_train_expandable \
-    --out "$out/results/train_gem-small_b2048_s19_expandable_2.json"
 }
 fp8_attention_curve() {  # issue 12's NE run, resumable: the same command stops (s19b) and resumes (s19c)
   untuned_curve --variant fp8_rowwise --label fp8_attention_straight_through --set gem.attention_precision=fp8 \
