@@ -55,7 +55,7 @@ from benchmarks.common import (
     sparsity_lengths,
     write_results,
 )
-from opengem.ops.block_attention import Rotary, block_attention_from_hidden, block_pairs
+from opengem.ops.block_attention import Rotary, block_attention, block_attention_from_hidden, block_pairs
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import apply_rotary, positions_in_sequence, time_phase
 
@@ -447,6 +447,14 @@ def bench_jfa(results: Results, b: Batch) -> None:
     _run_peer(results, b, "jfa_causal_window64", fn, (b.q, b.k, b.v), b.grad, None)
 
 
+def bench_fp8(results: Results, b: Batch) -> None:
+    """Ours with ``precision="fp8"`` (the blocks as sequences of their own through the FP8 JFA), its output
+    against ours in bf16 (FP8's error, ~5e-2), then its timed rows."""
+    fn = lambda: block_attention(b.q, b.k, b.v, b.offsets, b.max_len, block_size=BLOCK_SIZE, precision="fp8")  # noqa: E731
+    reference_out = _op(b.q, b.k, b.v, b.offsets, BLOCK_SIZE, 0, None).detach()
+    _run_peer(results, b, "ours_fp8", fn, (b.q, b.k, b.v), b.grad, reference_out)
+
+
 def bench_flex(results: Results, b: Batch) -> None:
     try:
         from torch.nn.attention.flex_attention import flex_attention
@@ -517,7 +525,7 @@ def run(quick: bool) -> list[dict[str, Any]]:
         results.set_copy_bandwidth(copy_bandwidth_gbps())
     except Exception as exc:  # noqa: BLE001
         results.add(_error_row("device", "d2d_copy", "error", exc))
-    for peers in [bench_sdpa] if quick else [bench_sdpa, bench_jfa, bench_flex]:  # compiled (risky) peers last
+    for peers in [bench_sdpa, bench_fp8] if quick else [bench_sdpa, bench_fp8, bench_jfa, bench_flex]:  # compiled last
         on_each_workload(lambda b: peers(results, b))
     for name, _ in chosen:
         _ratios(results.rows, name)

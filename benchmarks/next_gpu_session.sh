@@ -110,7 +110,8 @@
 #   + FP8 MLPs) in two calls: s19b stops after 420 s with a checkpoint in runs/ (kept between the calls of one
 #   machine), s19c resumes it to step 2000 and compares with the BF16 run (bar 0.3%)
 # s19d (one GPU): FP8 GDPA and the looping quantize pass (new in session 18): the FP8 attention GPU tests (GDPA's
-#   and the looping pass's among them), then benchmarks.gdpa_fp8 and attention_fp8 quick (both time both passes)
+#   and the looping pass's and FP8 BlockAttention's among them), then benchmarks.gdpa_fp8 and attention_fp8 quick
+#   (both time both passes) and block_attention quick (FP8 BlockAttention beside ours in bf16)
 # s19e (one GPU): benchmarks.gdpa_fp8 full (workload (a) L 1024 / 2048, (b) K/V 128 / 256, tuned)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
@@ -346,6 +347,7 @@ chain_s19d() {  # issue 12: FP8 GDPA and the looping quantize pass, tests then t
   step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
   step gdpa_fp8_quick 150 python -m benchmarks.gdpa_fp8 --quick
   step attention_fp8_quick 120 python -m benchmarks.attention_fp8 --quick
+  step block_attention_quick 100 python -m benchmarks.block_attention --quick
 }
 chain_s19e() { step gdpa_fp8_full 480 python -m benchmarks.gdpa_fp8; }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers

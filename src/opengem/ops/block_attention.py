@@ -19,6 +19,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import host_copy
 from opengem.ops.autocast import cast_inputs
+from opengem.ops.block_attention_fp8 import block_attention_fp8
 from opengem.ops.checks import check_attention_inputs
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
@@ -26,6 +27,7 @@ from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_p
 BLOCK_SIZES = (16, 32, 64, 128)
 TRITON_HEAD_DIMS = (32, 64, 128, 256)
 BACKENDS = ("auto", "triton", "reference")
+PRECISIONS = ("bf16", "fp8")
 # Rotary modes passed to the custom op (and to the kernels as a constexpr).
 ROTARY_NONE, ROTARY_SEQUENCE_POSITION, ROTARY_POSITIONS, ROTARY_TIME_GAPS = 0, 1, 2, 3
 
@@ -72,6 +74,7 @@ def block_attention(
     activation: str = "softmax",
     rotary: Rotary | None = None,
     backend: str = "auto",
+    precision: str = "bf16",
 ) -> torch.Tensor:
     """Block-diagonal attention: block c of each sequence's queries attends to block c of its keys.
 
@@ -97,6 +100,9 @@ def block_attention(
             special-function unit (absolute error below ~3e-5), and in-sequence positions are rotated
             relative to each block, which leaves scores and gradients unchanged.
         backend: ``"auto"`` (CUDA -> Triton, CPU -> reference), ``"triton"`` or ``"reference"``.
+        precision: ``"bf16"`` (the inputs' dtype) or ``"fp8"``: the blocks as sequences of their own through the
+            FP8 JFA (softmax) or FP8 GDPA (pointwise), rotary applied before in fp32 torch ops
+            (:mod:`opengem.ops.block_attention_fp8`; head dims 32-256 on the Triton path).
 
     Returns:
         ``[T, H, D]`` in q's dtype. Head dims 32/64/128/256 on the Triton path (block 128 with D = 256 is
@@ -107,11 +113,18 @@ def block_attention(
     host once per offsets tensor (cached) and reuses it for every layer and the backward.
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if not torch.compiler.is_compiling():
         _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mode, values = (ROTARY_NONE, None) if rotary is None else (rotary.mode(), rotary.values())
     config = rotary or Rotary()
+    if precision == "fp8":
+        phase = _reference_phase(offsets, q.shape[0], mode, values, config.time_scale)
+        with autocast_off:
+            return block_attention_fp8(q, k, v, offsets, block_size=block_size, scale=scale, activation=activation,
+                                       rotary_phase=phase, rotary_base=float(config.base), backend=backend)  # fmt: skip
     with autocast_off:
         return torch.ops.opengem.block_attention_fwd(
             q, k, v, offsets, block_size, scale, activation, mode, values, float(config.base),

@@ -1,0 +1,48 @@
+"""FP8 BlockAttention (``block_attention(..., precision="fp8")``): rotary in fp32 torch ops, then the FP8 JFA
+(softmax) or the FP8 GDPA (pointwise activations) over the blocks as sequences of their own.
+
+Block-diagonal attention is full attention inside each block, so cutting every sequence into its blocks
+(:func:`block_offsets`) makes it a jagged batch of non-causal sequences of at most ``block_size`` tokens. The
+numerics, the exact emulation (``backend="reference"``) and the backward (straight through the quantization) are
+then those of the FP8 JFA and GDPA (``docs/fp8_attention.md``); each block is a quantization block of its own,
+so every block of Q, K and V has its own scales. Rotary goes through autograd (its transpose rotates the gradients
+back), in fp32 and rounded to q's dtype, where the bf16 kernel rotates inside its tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from opengem.jagged.host import host_copy, to_device
+from opengem.ops.gdpa import gdpa
+from opengem.ops.jagged_attention import jagged_attention
+from opengem.ops.reference.rotary import apply_rotary
+
+
+@torch.compiler.disable  # sizes a new offsets tensor from the host copy: one graph break under torch.compile
+def block_offsets(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
+    """``[n_blocks + 1]`` offsets of every block of every sequence, in ``offsets``' dtype and device: each
+    sequence cut into ``block_size``-token blocks from its first token, the last one partial, empty ones none."""
+    host = host_copy(offsets).long()
+    lengths = host[1:] - host[:-1]
+    blocks = torch.div(lengths + block_size - 1, block_size, rounding_mode="floor")
+    sequence = torch.repeat_interleave(torch.arange(lengths.numel()), blocks)
+    first_block = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
+    starts = host[:-1][sequence] + (torch.arange(sequence.numel()) - first_block) * block_size
+    return to_device(torch.cat([starts, host[-1:]]).to(offsets.dtype), offsets.device)
+
+
+def block_attention_fp8(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, *, block_size: int, scale: float,
+    activation: str, rotary_phase: torch.Tensor | None, rotary_base: float, backend: str,
+) -> torch.Tensor:
+    """FP8 block attention of checked inputs (see :func:`opengem.ops.block_attention.block_attention`)."""
+    if rotary_phase is not None:
+        q = apply_rotary(q, rotary_phase, rotary_base).to(q.dtype)
+        k = apply_rotary(k, rotary_phase, rotary_base).to(k.dtype)
+    blocks = block_offsets(offsets, block_size)
+    if activation == "softmax":  # (JFA's backend None: its own default, Triton for CUDA tensors)
+        return jagged_attention(q, k, v, blocks, block_size, causal=False, scale=scale,
+                                backend=None if backend == "auto" else backend, precision="fp8")  # fmt: skip
+    return gdpa(q, k, v, blocks, blocks, block_size, block_size, activation=activation, pre_scale=scale,
+                backend=backend, precision="fp8")  # fmt: skip
