@@ -6,8 +6,9 @@ Per workload: the bf16 forward and the fp8 forward through the registered op
 (``torch.ops.opengem.jagged_attention_fwd``, quantize pass included), the fp8 attention kernel alone
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
 alone, beside its floor (a device copy moving the same bytes), and the looping quantize pass (``QUANTIZE_LOOP``:
-its time, the fp8 op's with it, and whether it writes the same bits); each forward's backward through the registered op
-(fp8: straight through the quantization); then attention from hidden states ``[T, H D]``
+its time, the fp8 op's with it, and whether it writes the same bits); each forward's backward through the
+registered op (fp8: straight through the quantization; and the FP8 one with E4M3 S and dP products,
+``FP8_BACKWARD_PRODUCTS``); then attention from hidden states ``[T, H D]``
 through a QKV projection (``qkv_attention``): cuBLAS then the bf16 op, cuBLAS then the FP8 op (quantize pass), and
 the projection that quantizes in its epilogue then the FP8 kernel (``fuse_projection``, issue 12's producer
 fusion); and each projection alone. Correctness in the same
@@ -25,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import os
 from collections.abc import Iterator
 
@@ -39,9 +41,10 @@ from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulatio
 from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
 from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
+jagged_attention_op = importlib.import_module("opengem.ops.jagged_attention")  # (the package exports the function)
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms",
            "quantize_loop_ms", "quantize_loop_same_bits", "speedup", "loop_speedup",
-           "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup",
+           "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "fp8_products_bwd_ms", "products_bwd_speedup",
            "projected_bf16_ms", "projected_fp8_ms", "projected_fused_ms", "projected_speedup", "projected_fused_speedup",
            "projection_ms", "fused_projection_ms", "kernel_speedup",
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
@@ -58,6 +61,17 @@ def quantize_loop() -> Iterator[None]:
         yield
     finally:
         fp8_kernels.QUANTIZE_LOOP = saved
+
+
+@contextlib.contextmanager
+def fp8_backward_products() -> Iterator[None]:
+    """The FP8 op's backward with E4M3 S and dP products (``FP8_BACKWARD_PRODUCTS``) inside the block."""
+    saved = jagged_attention_op.FP8_BACKWARD_PRODUCTS
+    jagged_attention_op.FP8_BACKWARD_PRODUCTS = True
+    try:
+        yield
+    finally:
+        jagged_attention_op.FP8_BACKWARD_PRODUCTS = saved
 
 
 def _selected(quick: bool) -> list[Workload]:
@@ -102,6 +116,8 @@ def measure(wl: Workload) -> dict:
     saved = {p: forward(b.q, b.k, b.v, *options, p) for p in ("bf16", "fp8")}
     backward = torch.ops.opengem.jagged_attention_bwd
     bwd_times = {p: bench_ms(lambda p=p: backward(dout, b.q, b.k, b.v, *saved[p], *options, p)) for p in saved}
+    with fp8_backward_products():  # the backward with E4M3 S and dP products (dO quantized)
+        products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, "fp8"))
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
     # the looping quantize pass (QUANTIZE_LOOP): its time, the op's with it, and the same bits as the tile pass
@@ -133,6 +149,8 @@ def measure(wl: Workload) -> dict:
         "bf16_bwd_ms": bwd_times["bf16"],
         "fp8_bwd_ms": bwd_times["fp8"],
         "bwd_speedup": bwd_times["bf16"] / bwd_times["fp8"],
+        "fp8_products_bwd_ms": products_bwd_ms,
+        "products_bwd_speedup": bwd_times["bf16"] / products_bwd_ms,
         **projected,
         "kernel_speedup": times["bf16"] / kernel_ms,
         "bf16_tflops": flops / times["bf16"] / 1e9,

@@ -353,7 +353,8 @@ def test_looping_quantize_pass_writes_the_tile_passes_bits(monkeypatch, head_dim
     the same E4M3 bits and scales, blocked and dequantized, self- and cross-attention."""
     q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, head_dim=head_dim, seed=15)
     _, pb = _problem(q, offsets, None, max(LENGTHS), True, 0, -1, 1.0)
-    _, k_cross, v_cross, k_offsets = _batch([256, 0, 1, 256, 77, 256], heads=4, kv_heads=2, head_dim=head_dim, seed=16)
+    cross_lengths = [256, 0, 1, 256, 77, 256]
+    _, k_cross, v_cross, k_offsets = _batch(cross_lengths, heads=4, kv_heads=2, head_dim=head_dim, seed=16)
     _, k_pb = _problem(k_cross, k_offsets, None, 256, False, 0, -1, 1.0)
     runs = {}
     for loop in (False, True):
@@ -389,3 +390,23 @@ def test_block_attention_fp8(activation):
     assert 0.005 < _rel(outs["triton"], fp32) < 0.1
     for got, want in zip(grads["triton"], grads["reference"]):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 5e-2
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_backward_with_fp8_products_matches_its_emulation(monkeypatch, mask):
+    """``FP8_BACKWARD_PRODUCTS``: the kernels' E4M3 S and dP (dO quantized) against the emulation in fp32 on the
+    same bf16 inputs (GQA): apart from bf16 dS, P and operands in the three 16-bit products and the MMAs'
+    accumulation, the same gradient (the CPU interpreter in fp32: ~1e-4); dV within bf16 rounding."""
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", True)
+    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=19)
+    dout = torch.randn_like(q)
+    kwargs = _mask_kwargs(MASKS[mask], LENGTHS)
+    grads = {}
+    for backend in ("triton", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision="fp8", **kwargs)
+        grads[backend] = torch.autograd.grad(out, leaves, dout)
+    for got, want in zip(grads["triton"], grads["reference"]):
+        assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2

@@ -8,6 +8,7 @@ ulps of an E4M3 rounding midpoint (about 2^-19 of the elements) may round the ot
 row's output by up to ``|v| p / 16 / rowsum``. So: almost every element within 1e-4, all within max|v| / 8.
 """
 
+import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -297,3 +298,44 @@ def test_torch_compile_fullgraph_cpu():
 
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
+
+
+@pytest.mark.parametrize("mask", ["causal", "full", "all_options"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_backward_with_fp8_products_matches_its_emulation(poisoned, monkeypatch, mask, dtype):  # noqa: F811
+    """``FP8_BACKWARD_PRODUCTS``: E4M3 S and dP (dO quantized per block) in the kernels against the emulation, GQA
+    included; both differ from the straight-through backward by dO's quantization (a few %, dV not at all)."""
+    op = importlib.import_module("opengem.ops.jagged_attention")  # (the package's name is the function's)
+
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=21)
+    q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
+    offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
+    grads = {}
+    for products in (True, False):
+        monkeypatch.setattr(op, "FP8_BACKWARD_PRODUCTS", products)
+        for backend in ("triton", "reference"):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = jagged_attention(*leaves, offsets, 37, backend=backend, precision="fp8", **kwargs)
+            grads[products, backend] = torch.autograd.grad(out, leaves, dout)
+    tolerance = 1e-3 if dtype == torch.float32 else 2e-2  # fp16: the kernels' 16-bit dS, P and operands
+    for got, want in zip(grads[True, "triton"], grads[True, "reference"]):
+        assert got.dtype == dtype and torch.isfinite(got).all() and _rel(got, want) < tolerance
+    for name, products, straight in zip("qkv", grads[True, "reference"], grads[False, "reference"]):
+        if name == "v":
+            assert _rel(products, straight) < 1e-6  # dV = P^T dO with the unquantized dO
+        else:
+            assert 1e-3 < _rel(products, straight) < 0.1
+
+
+def test_packed_gradient_with_fp8_products_equals_the_unbound_one(poisoned, monkeypatch):  # noqa: F811
+    from opengem.ops.jagged_attention import jagged_attention_packed
+
+    monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", True)
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=22)
+    offsets = _offsets(LENGTHS)
+    packed = torch.stack([q, k, v], 1).requires_grad_()
+    (dqkv,) = torch.autograd.grad(jagged_attention_packed(packed, offsets, 37, backend="triton", precision="fp8"),
+                                  packed, dout)  # fmt: skip
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    grads = torch.autograd.grad(jagged_attention(*leaves, offsets, 37, backend="triton", precision="fp8"), leaves, dout)
+    assert torch.equal(dqkv, torch.stack(grads, 1))

@@ -69,6 +69,16 @@ for act, fast, cross in ((3, True, False), (3, True, True), (7, True, False), (-
             num_warps=warps, num_stages=stages).asm["ptx"]
         assert "e4m3" in ptx and "div.rn.f32" in ptx  # E4M3 MMAs; P's row scales correctly rounded
         assert ("tanh.approx.f32" in ptx) == (fast and act in (-1, 7))
+from opengem.ops.triton import jagged_attention_fp8_backward as fb
+backward = {"Q8": fp8, "K8": fp8, "V8": fp8, "DO8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "DOS": "*fp32",
+            "O": bf16, "DO": bf16, "LSE": "*fp32", "Delta": "*fp32", "DQ": bf16, "DK": bf16, "DV": bf16,
+            "offsets": "*i32", "num_targets": "*i32", "block_base": "*i32", "sched_small": "*i32",
+            "sched_large": "*i32", "scale": "fp32", "scale_log2": "fp32"}
+masks = dict(HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True, SMALL=64)
+for kernel, candidates in ((fb._dq_fp8_kernel, fb._DQ), (fb._dkdv_fp8_kernel, fb._DKDV)):  # every candidate
+    for block_m, warps, stages in candidates:
+        ptx = compile_sm90(kernel.fn, backward, dict(masks, BLOCK_M=block_m, BLOCK_N=128), warps, stages).asm["ptx"]
+        assert "e4m3" in ptx and "bf16" in ptx  # E4M3 S and dP; 16-bit dS products
 rowwise = {"x_ptr": bf16, "u_ptr": bf16, "out_ptr": bf16, "q_ptr": fp8, "scale_ptr": "*fp32", "sum_ptr": "*fp32"}
 for prologue in (1, 2):  # the GELU quantizers of the FP8 MLP (inline rcp / ex2): rows in registers or re-read,
     # and persistent programs, with and without column sums

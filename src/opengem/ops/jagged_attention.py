@@ -23,9 +23,13 @@ from opengem.ops.reference.attention import jagged_attention as reference_jagged
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as reference_jagged_attention_fp8
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8_backward as reference_jagged_attention_fp8_backward
+from opengem.ops.reference.attention_fp8_backward import jagged_attention_fp8_mma_backward
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 PRECISIONS = ("bf16", "fp8")
+# The FP8 forward's backward: straight through the quantization on JFA's bf16 kernels (default), or with E4M3
+# S and dP products and dO quantized (OPENGEM_FP8_BACKWARD=1; opt-in until it measures faster and trains as well)
+FP8_BACKWARD_PRODUCTS = os.environ.get("OPENGEM_FP8_BACKWARD") == "1"
 _NO_WINDOW = -1  # custom ops take plain ints: -1 stands for "no window"
 
 
@@ -100,6 +104,8 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
     if precision == "fp8":
         from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
+        if FP8_BACKWARD_PRODUCTS:
+            return jagged_attention_fp8_mma_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
         return reference_jagged_attention_fp8_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
     return reference_jagged_attention_backward(dout, q, k, v, offsets, **mask)
 
@@ -107,9 +113,10 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
 def _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=None):
     """The kernels' backward: JFA's, or for an FP8 forward the straight-through one of its module."""
     if precision == "fp8":
-        from opengem.ops.triton import jagged_attention_fp8
+        from opengem.ops.triton import jagged_attention_fp8, jagged_attention_fp8_backward
 
-        return jagged_attention_fp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
+        fp8 = jagged_attention_fp8_backward if FP8_BACKWARD_PRODUCTS else jagged_attention_fp8
+        return fp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
     from opengem.ops.triton import jagged_attention as kernels
 
     return kernels.backward(dout, q, k, v, out, lse, pb, grads=grads)

@@ -182,11 +182,12 @@ def _quantize_kernel(
     Q, K, V, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, heads, kv_heads,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    DEQUANTIZE: tl.constexpr = False,
+    DEQUANTIZE: tl.constexpr = False, V_ROWS: tl.constexpr = False,
 ):  # fmt: skip
     """Program (block item, operand head): axis 1 runs over Q's heads, then K's, then V's, one tile each, Q and K
-    rotated by ``R``. One tile a program keeps its registers to one tile: a program quantizing Q, K and V in turn
-    held 255 registers and spilled at 4 warps, one program per SM, and ran ~10x over the copy time.
+    rotated by ``R``; V's blocks transposed (the forward's P V operand) unless ``V_ROWS`` (the backward's). One
+    tile a program keeps its registers to one tile: a program quantizing Q, K and V in turn held 255 registers and
+    spilled at 4 warps, one program per SM, and ran ~10x over the copy time.
     ``DEQUANTIZE``: Q8, K8, V8 are jagged ``[T, H, D]`` outputs of the straight-through values (no scales)."""
     b = tl.load(items + 2 * tl.program_id(0))
     row = tl.load(items + 2 * tl.program_id(0) + 1)
@@ -202,8 +203,12 @@ def _quantize_kernel(
                         kv_heads, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
     else:
         h = operand - heads - kv_heads
-        _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
-                        kv_heads, HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
+        if V_ROWS:  # (a constexpr branch: ``not V_ROWS`` would pass a runtime value)
+            _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
+                            kv_heads, HEAD_DIM, BLOCK, False, False, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
+        else:
+            _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
+                            kv_heads, HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
 
 
 @triton.jit
@@ -387,6 +392,21 @@ def quantize_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem)
     return quantized
 
 
+def quantize_for_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, pb: Problem
+) -> tuple[torch.Tensor, ...]:
+    """The FP8 backward's operands: Q, K, V blocked as :func:`quantize_qkv` but V's blocks row-major, and dO
+    quantized as V (no rotation, row-major blocks; one launch more); returns ``(q8, k8, v8, do8, q_scale, k_scale,
+    v_scale, do_scale, block_base)``."""
+    q8, k8, _, qs, ks, _, block_base = blocked_buffers(pb, q.shape[1], k.shape[1], q.shape[2], q.device)
+    v8, do8 = torch.empty_like(k8), torch.empty_like(q8)
+    vs, do_s = torch.empty_like(ks), torch.empty_like(qs)
+    _quantize_pass(q, k, v, (q8, k8, v8, qs, ks, vs), block_base, pb, dequantize=False, v_rows=True)
+    _quantize_pass(dout, dout, dout, (do8, do8, do8, do_s, do_s, do_s), block_base, pb, dequantize=False,
+                   operands="v", v_rows=True)  # fmt: skip
+    return q8, k8, v8, do8, qs, ks, vs, do_s, block_base
+
+
 def quantize_q_and_kv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pb: Problem, k_pb: Problem
 ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -401,16 +421,18 @@ def quantize_q_and_kv(
 
 def _quantize_pass(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, outputs: tuple[torch.Tensor, ...], block_base: torch.Tensor,
-    pb: Problem, dequantize: bool, operands: str = "qkv",
+    pb: Problem, dequantize: bool, operands: str = "qkv", v_rows: bool = False,
 ) -> None:
     """The quantize kernel over every (block, operand head) into ``outputs``: the blocked E4M3 data and scales, or
     (``dequantize``) three jagged tensors and, standing for the unused scales, anything. ``operands``: ``"qkv"``,
-    or only ``"q"`` or ``"kv"`` (cross-attention: Q and K/V blocked by different offsets, ``pb``'s)."""
+    or only ``"q"`` or ``"kv"`` (cross-attention: Q and K/V blocked by different offsets, ``pb``'s), or ``"v"``
+    (the backward's dO, quantized as V); ``v_rows``: V's blocks row-major, as the backward's products want them."""
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     items = pb.sched.query_tiles[BLOCK]  # one item per block
     # the kernel's second grid axis runs over Q's heads, then K's, then V's: "kv" starts it at K's (no Q heads)
-    heads, operand_heads = {"qkv": (heads, heads + 2 * kv_heads), "q": (heads, heads),
-                            "kv": (0, 2 * kv_heads)}[operands]  # fmt: skip
+    # "v": V alone (its heads are then axis 1's only operands: no Q and no K heads before them)
+    heads, kv_heads, operand_heads = {"qkv": (heads, kv_heads, heads + 2 * kv_heads), "q": (heads, kv_heads, heads),
+                                      "kv": (0, kv_heads, 2 * kv_heads), "v": (0, 0, v.shape[1])}[operands]  # fmt: skip
     num_blocks = items.shape[0]
     if not (num_blocks and operand_heads):
         return
@@ -420,11 +442,11 @@ def _quantize_pass(
                  kv_heads)  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                       EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim])  # fmt: skip
-    if QUANTIZE_LOOP:
+    if QUANTIZE_LOOP and not v_rows:
         programs = min(num_blocks, max(1, _resident_programs(q.device) // operand_heads))
         _quantize_loop_kernel[(programs, operand_heads)](*arguments, programs, **constexprs)
     else:
-        _quantize_kernel[(num_blocks, operand_heads)](*arguments, **constexprs)
+        _quantize_kernel[(num_blocks, operand_heads)](*arguments, **constexprs, V_ROWS=v_rows)
 
 
 def unblock(
