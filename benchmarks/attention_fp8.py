@@ -25,14 +25,20 @@ kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib
 import os
-from collections.abc import Iterator
 
 import torch
 
-from benchmarks.common import bench_ms, interleaved_ms, paired_speedup, print_table, relative_error, write_results
+from benchmarks.common import (
+    bench_ms,
+    interleaved_ms,
+    paired_speedup,
+    print_table,
+    relative_error,
+    switched,
+    write_results,
+)
 from benchmarks.jfa import HEAD_DIM, HEADS, Workload, _batch, _sub_batch_rows, workloads
 from opengem.ops.jagged_attention import _problem, attention_pairs
 from opengem.ops.qkv_attention import qkv_attention
@@ -50,28 +56,6 @@ COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
            "fp8_vs_emulation"]  # fmt: skip
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0
-
-
-@contextlib.contextmanager
-def quantize_loop() -> Iterator[None]:
-    """The FP8 ops' quantize pass as looping programs (``QUANTIZE_LOOP``) inside the block."""
-    saved = fp8_kernels.QUANTIZE_LOOP
-    fp8_kernels.QUANTIZE_LOOP = True
-    try:
-        yield
-    finally:
-        fp8_kernels.QUANTIZE_LOOP = saved
-
-
-@contextlib.contextmanager
-def fp8_backward_products() -> Iterator[None]:
-    """The FP8 op's backward with E4M3 S and dP products (``FP8_BACKWARD_PRODUCTS``) inside the block."""
-    saved = jagged_attention_op.FP8_BACKWARD_PRODUCTS
-    jagged_attention_op.FP8_BACKWARD_PRODUCTS = True
-    try:
-        yield
-    finally:
-        jagged_attention_op.FP8_BACKWARD_PRODUCTS = saved
 
 
 def _selected(quick: bool) -> list[Workload]:
@@ -116,12 +100,12 @@ def measure(wl: Workload) -> dict:
     saved = {p: forward(b.q, b.k, b.v, *options, p) for p in ("bf16", "fp8")}
     backward = torch.ops.opengem.jagged_attention_bwd
     bwd_times = {p: bench_ms(lambda p=p: backward(dout, b.q, b.k, b.v, *saved[p], *options, p)) for p in saved}
-    with fp8_backward_products():  # the backward with E4M3 S and dP products (dO quantized)
+    with switched(jagged_attention_op, "FP8_BACKWARD_PRODUCTS"):  # E4M3 S and dP products, dO quantized
         products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, "fp8"))
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
     # the looping quantize pass (QUANTIZE_LOOP): its time, the op's with it, and the same bits as the tile pass
-    with quantize_loop():
+    with switched(fp8_kernels, "QUANTIZE_LOOP"):
         quantize_loop_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
         fp8_loop_ms = bench_ms(lambda: run("fp8"))
         looped = fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb)

@@ -23,8 +23,15 @@ import statistics
 
 import torch
 
-from benchmarks.attention_fp8 import quantize_loop
-from benchmarks.common import bench_ms, interleaved_ms, paired_speedup, print_table, relative_error, write_results
+from benchmarks.common import (
+    bench_ms,
+    interleaved_ms,
+    paired_speedup,
+    print_table,
+    relative_error,
+    switched,
+    write_results,
+)
 from benchmarks.gdpa import HEAD_DIM, HEADS, Workload, _tensors, workloads
 from opengem.ops.activations import activation_id
 from opengem.ops.gdpa import gdpa
@@ -32,6 +39,7 @@ from opengem.ops.reference.gdpa import gdpa as reference
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as emulation
 from opengem.ops.triton import gdpa_fp8 as kernels
 from opengem.ops.triton.gdpa import GdpaArgs
+from opengem.ops.triton import jagged_attention_fp8 as fp8_quantize
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_loop_ms", "speedup",
@@ -81,7 +89,7 @@ def measure(w: Workload) -> dict:
             "kernel": lambda: kernels.attend(quantized, out, pb, args),
             "quantize": lambda: kernels.quantize(q, k, v, pb, k_pb),
         })  # fmt: skip
-        with quantize_loop():  # the looping quantize pass, and the op with it
+        with switched(fp8_quantize, "QUANTIZE_LOOP"):  # the looping quantize pass, and the op with it
             looped = interleaved_ms({"quantize": lambda: kernels.quantize(q, k, v, pb, k_pb), "fp8": forwards["fp8"]})
     backward = {}
     for precision, forward in forwards.items():

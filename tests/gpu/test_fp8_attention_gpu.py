@@ -180,11 +180,9 @@ def test_straight_through_operands_match_the_emulation():
         assert bool(close.all()) if name == "v" else close.double().mean() > 0.99 and _rel(g.float(), w) < 1e-2
 
 
-@pytest.mark.parametrize("mask", ["causal", "all_options"])
-def test_backward_is_the_straight_through_one(mask):
-    """bf16 kernels against the reference's FP8 backward in fp32 on the same bf16 inputs (GQA): dV to bf16
-    rounding, dQ and dK within what the forward's quantized P does to rowsum(dO * O) (CPU: <= 3e-2)."""
-    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=3)
+def _fp8_gradients(mask: str, seed: int) -> dict[str, tuple[torch.Tensor, ...]]:
+    """dQ, dK, dV of the FP8 op on bf16 inputs (GQA), by backend (the kernels', the reference's in fp32)."""
+    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=seed)
     dout = torch.randn_like(q)
     kwargs = _mask_kwargs(MASKS[mask], LENGTHS)
     grads = {}
@@ -192,6 +190,14 @@ def test_backward_is_the_straight_through_one(mask):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision="fp8", **kwargs)
         grads[backend] = torch.autograd.grad(out, leaves, dout)
+    return grads
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_backward_is_the_straight_through_one(mask):
+    """bf16 kernels against the reference's FP8 backward in fp32 on the same bf16 inputs (GQA): dV to bf16
+    rounding, dQ and dK within what the forward's quantized P does to rowsum(dO * O) (CPU: <= 3e-2)."""
+    grads = _fp8_gradients(mask, seed=3)
     (dq, dk, dv), (want_dq, want_dk, want_dv) = grads["triton"], grads["reference"]
     assert _rel(dv, want_dv) < 1e-2
     assert _rel(dq, want_dq) < 5e-2 and _rel(dk, want_dk) < 5e-2
@@ -400,13 +406,6 @@ def test_backward_with_fp8_products_matches_its_emulation(monkeypatch, mask):
     import importlib
 
     monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", True)
-    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=19)
-    dout = torch.randn_like(q)
-    kwargs = _mask_kwargs(MASKS[mask], LENGTHS)
-    grads = {}
-    for backend in ("triton", "reference"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision="fp8", **kwargs)
-        grads[backend] = torch.autograd.grad(out, leaves, dout)
+    grads = _fp8_gradients(mask, seed=19)
     for got, want in zip(grads["triton"], grads["reference"]):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2

@@ -240,9 +240,11 @@ def test_fp8_backward_beats_the_forward_only_one_on_outlier_channels():
         assert _rel(new, want) < 0.6 * _rel(old, want)
 
 
-def test_packed_fp8_gradient_equals_the_unbound_one(poisoned):  # noqa: F811 (the imported fixture)
+@pytest.mark.parametrize("products", [False, True])  # FP8_BACKWARD_PRODUCTS: the E4M3-product backward too
+def test_packed_fp8_gradient_equals_the_unbound_one(poisoned, monkeypatch, products):  # noqa: F811 (the fixture)
     from opengem.ops.jagged_attention import jagged_attention_packed
 
+    monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", products)
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=6)
     offsets = _offsets(LENGTHS)
     packed = torch.stack([q, k, v], 1).requires_grad_()
@@ -326,16 +328,3 @@ def test_backward_with_fp8_products_matches_its_emulation(poisoned, monkeypatch,
         else:
             assert 1e-3 < _rel(products, straight) < 0.1
 
-
-def test_packed_gradient_with_fp8_products_equals_the_unbound_one(poisoned, monkeypatch):  # noqa: F811
-    from opengem.ops.jagged_attention import jagged_attention_packed
-
-    monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", True)
-    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=22)
-    offsets = _offsets(LENGTHS)
-    packed = torch.stack([q, k, v], 1).requires_grad_()
-    (dqkv,) = torch.autograd.grad(jagged_attention_packed(packed, offsets, 37, backend="triton", precision="fp8"),
-                                  packed, dout)  # fmt: skip
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    grads = torch.autograd.grad(jagged_attention(*leaves, offsets, 37, backend="triton", precision="fp8"), leaves, dout)
-    assert torch.equal(dqkv, torch.stack(grads, 1))
