@@ -442,7 +442,7 @@ def _quantize_pass(
                  kv_heads)  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                       EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim])  # fmt: skip
-    if QUANTIZE_LOOP and not v_rows:
+    if QUANTIZE_LOOP and not v_rows:  # (the looping kernel writes V's blocks transposed only)
         programs = min(num_blocks, max(1, _resident_programs(q.device) // operand_heads))
         _quantize_loop_kernel[(programs, operand_heads)](*arguments, programs, **constexprs)
     else:
