@@ -28,6 +28,8 @@ def test_block_offsets_cut_every_sequence_from_its_first_token(dtype):
     assert got.dtype == dtype and got.tolist() == [0, 5, 69, 133, 134, 198, 262, 264]
     assert block_offsets(_offsets([0, 0]).to(dtype), 32).tolist() == [0]
     assert block_offsets(_offsets([16, 16]).to(dtype), 16).tolist() == [0, 16, 32]
+    assert block_offsets(offsets.clone(), 64) is got  # the layers of one batch share one tensor
+    assert block_offsets(offsets, 32).tolist() == [0, 5, 37, 69, 101, 133, 134, 166, 198, 230, 262, 264]
 
 
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
