@@ -35,6 +35,7 @@ from opengem.ops.triton.jagged_attention import (
     _tuning_bench,
 )
 from opengem.ops.triton.jagged_attention_fp8 import (
+    _FWD_FP8,
     BLOCK,
     E4M3_MAX,
     MIN_AMAX,
@@ -82,7 +83,7 @@ def _gdpa_fp8_tiles(
     return acc
 
 
-@triton.autotune(configs=_configs(), key=[*_KEY, "ACT", "CROSS"], prune_configs_by={"early_config_prune": _prune},
+@triton.autotune(configs=_configs(_FWD_FP8), key=[*_KEY, "ACT", "CROSS"], prune_configs_by={"early_config_prune": _prune},
                  do_bench=_tuning_bench)  # fmt: skip
 @triton.jit(do_not_specialize=["contextual_len", "window", "heads", "num_blocks", "num_k_blocks"])
 def _gdpa_fp8_fwd_kernel(

@@ -82,10 +82,11 @@ def _resident_programs(device: torch.device) -> int:
 _FWD_FP8 = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (128, 8, 4), (64, 4, 4)]
 
 
-def _configs() -> list[triton.Config]:
+def _configs(candidates: list[tuple[int, int, int]]) -> list[triton.Config]:
+    """The FP8 kernels' ``(BLOCK_M, num_warps, num_stages)`` candidates as tuning configs."""
     if _INTERPRET:  # query tiles of 16 inside blocks of 32: several tiles share one block's scale
         return [triton.Config({"BLOCK_M": _SMALL}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s) for m, w, s in _FWD_FP8]
+    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s) for m, w, s in candidates]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -303,7 +304,7 @@ def query_tile(Q8, QS, h, num_blocks, block0, m_start, BLOCK_M: tl.constexpr, BL
     return q, tl.load(QS + q_block)
 
 
-@triton.autotune(configs=_configs(), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+@triton.autotune(configs=_configs(_FWD_FP8), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
 def _fwd_fp8_kernel(
     Q8, K8, V8, QS, KS, VS, O, LSE, offsets, num_targets, block_base, sched_small, sched_large,

@@ -18,7 +18,6 @@ import triton.language as tl
 
 from opengem.ops.reference.attention_fp8 import rotation_size
 from opengem.ops.triton.jagged_attention import (
-    _INTERPRET,
     _KEY,
     _LARGE,
     _SMALL,
@@ -31,7 +30,14 @@ from opengem.ops.triton.jagged_attention import (
     _sample,
     _tuning_bench,
 )
-from opengem.ops.triton.jagged_attention_fp8 import BLOCK, _prune, query_tile, quantize_for_backward, rotated_back
+from opengem.ops.triton.jagged_attention_fp8 import (
+    BLOCK,
+    _configs,
+    _prune,
+    query_tile,
+    quantize_for_backward,
+    rotated_back,
+)
 from opengem.ops.triton.masks import tile_mask
 
 # (BLOCK_M, num_warps, num_stages), the first the untuned default; the key tile is always one block. From sm_90
@@ -39,12 +45,6 @@ from opengem.ops.triton.masks import tile_mask
 # dK/dV at 32 query rows / 8 warps holds 247 registers, at 64 rows it spills
 _DQ = [(128, 8, 2), (128, 8, 1), (64, 8, 2)]
 _DKDV = [(32, 8, 2), (32, 8, 1), (64, 8, 1)]
-
-
-def _configs(candidates: list[tuple[int, int, int]]) -> list[triton.Config]:
-    if _INTERPRET:
-        return [triton.Config({"BLOCK_M": _SMALL}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s) for m, w, s in candidates]
 
 
 _TUNING = dict(key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
