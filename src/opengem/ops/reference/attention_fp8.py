@@ -117,12 +117,15 @@ def unrotate_gradient(grad: torch.Tensor) -> torch.Tensor:
 
 
 def straight_through_operands(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block: int
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: torch.Tensor, block: int,
+    k_offsets: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the FP8 forward multiplies, fp32 ``[T, H, D]``: rotated Q and K, and V, quantized and scaled back."""
+    """What the FP8 forward multiplies, fp32 ``[T, H, D]``: rotated Q and K, and V, quantized and scaled back;
+    blocked by ``offsets``, K and V by ``k_offsets`` when given (cross-attention)."""
+    key_offsets = offsets if k_offsets is None else k_offsets
     dequantized = []
-    for x in (rotate(q), rotate(k), v.float()):
-        data, scale = quantize_jagged_blocks(x, offsets, block)
+    for x, x_offsets in ((rotate(q), offsets), (rotate(k), key_offsets), (v.float(), key_offsets)):
+        data, scale = quantize_jagged_blocks(x, x_offsets, block)
         dequantized.append(data.float() * scale[..., None])
     return dequantized[0], dequantized[1], dequantized[2]
 

@@ -88,7 +88,7 @@ def _quantized_pv(p: torch.Tensor, v: torch.Tensor, block: int) -> torch.Tensor:
 def _cross_attention(q, k, v, q_offsets, k_offsets, block, head_activations, x_scale, out_scale) -> torch.Tensor:
     """Every key of the sample visible; Q blocked by ``q_offsets``, K and V by ``k_offsets`` (one sample at a time:
     cross-attention's K/V are short)."""
-    qd, kd, vd = _straight_through(q, k, v, q_offsets, k_offsets, block)
+    qd, kd, vd = straight_through_operands(q, k, v, q_offsets, block, k_offsets)
     group = q.shape[1] // k.shape[1]
     out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
     q_bounds, k_bounds = q_offsets.tolist(), k_offsets.tolist()
@@ -98,15 +98,6 @@ def _cross_attention(q, k, v, q_offsets, k_offsets, block, head_activations, x_s
             p = activation_value(name, (qd[qs, h] @ kd[ks, h // group].T) * x_scale)
             out[qs, h] = _quantized_pv(p, vd[ks, h // group], block) * out_scale
     return out.to(q.dtype)
-
-
-def _straight_through(q, k, v, q_offsets, k_offsets, block) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`straight_through_operands` with Q blocked by ``q_offsets`` and K, V by ``k_offsets``."""
-    if k_offsets is None:
-        return straight_through_operands(q, k, v, q_offsets, block)
-    rotated_q = straight_through_operands(q, q, q, q_offsets, block)[0]
-    _, rotated_k, values = straight_through_operands(k, k, v, k_offsets, block)
-    return rotated_q, rotated_k, values
 
 
 def gdpa_fp8_backward(
@@ -128,7 +119,7 @@ def gdpa_fp8_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv`` of :func:`gdpa_fp8` straight through its quantization (module docstring), in the inputs'
     dtypes."""
-    q_st, k_st, v_st = _straight_through(q, k, v, q_offsets, k_offsets, block)
+    q_st, k_st, v_st = straight_through_operands(q, k, v, q_offsets, block, k_offsets)
     dq, dk, dv = gdpa_backward(
         grad_out.float(), q_st, k_st, v_st, q_offsets, q_offsets if k_offsets is None else k_offsets,
         head_activations=head_activations,
