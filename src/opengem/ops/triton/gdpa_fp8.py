@@ -172,10 +172,11 @@ def _key_problem(k: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tens
 
 def quantize(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem, k_pb: Problem | None) -> tuple:
     """``(q8, k8, v8, q_scale, k_scale, v_scale, q_block_base, k_offsets, k_block_base)`` for :func:`attend`:
-    one quantize pass for self-attention (``k_pb`` None), one for Q and one for K/V for cross-attention."""
+    one quantize pass for self-attention (``k_pb`` None; K/V blocked as Q: ``k_offsets`` None), one for Q and
+    one for K/V for cross-attention."""
     if k_pb is None:
         *blocked, block_base = quantize_qkv(q, k, v, pb)
-        return (*blocked, block_base, pb.offsets, block_base)
+        return (*blocked, block_base, None, block_base)
     (q8, qs, q_base), (k8, v8, ks, vs, k_base) = quantize_q_and_kv(q, k, v, pb, k_pb)
     return q8, k8, v8, qs, ks, vs, q_base, k_pb.offsets, k_base
 
@@ -184,18 +185,20 @@ def attend(quantized: tuple, out: torch.Tensor, pb: Problem, args: gdpa_kernels.
     """The attention kernel alone, from :func:`quantize`'s output, into ``out [T, H, D]``."""
     q8, k8, v8, qs, ks, vs, block_base, k_offsets, k_block_base = quantized
     heads, head_dim, kv_heads = out.shape[1], out.shape[2], k8.shape[0]
+    cross = k_offsets is not None
     acts = args.head_activations
     single = len(set(acts)) == 1
     head_act = pb.offsets if single else gdpa_kernels._head_activation_tensor(acts, str(out.device))
     items = pb.sched.query_tiles
     _gdpa_fp8_fwd_kernel[_grid(items, heads, "BLOCK_M")](
-        q8, k8, v8, qs, ks, vs, out, head_act, pb.offsets, pb.targets_arg(), block_base, k_offsets, k_block_base,
+        q8, k8, v8, qs, ks, vs, out, head_act, pb.offsets, pb.targets_arg(), block_base,
+        k_offsets if cross else pb.offsets, k_block_base,
         items[_SMALL], items[_LARGE], out.stride(0), out.stride(1), heads, q8.shape[1], k8.shape[1],
         args.pre_scale / rotation_size(head_dim), args.out_scale,
         **pb.runtime(), HEAD_DIM=head_dim, GROUP=heads // kv_heads, CAUSAL=pb.opts.causal,
         HAS_WINDOW=pb.opts.window is not None, HAS_CONTEXT=pb.opts.contextual_len > 0,
         HAS_TARGETS=pb.num_targets is not None, SMALL=_SMALL, EXACT=_INTERPRET, ACT=acts[0] if single else -1,
-        FAST_ACT=out.dtype != torch.float32 and gdpa_kernels.fast_activations(), CROSS=k_offsets is not pb.offsets,
+        FAST_ACT=out.dtype != torch.float32 and gdpa_kernels.fast_activations(), CROSS=cross,
         BLOCK_N=BLOCK,
     )  # fmt: skip
 
