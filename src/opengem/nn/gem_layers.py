@@ -118,7 +118,8 @@ class SequenceSelfAttention(nn.Module):
     event age; ``kind="jfa"``: windowed softmax JFA (``|i - j| <= window``) where the first
     ``contextual_len`` rows (the CLS tokens) see the whole sequence; ``precision="fp8"`` runs its forward
     in E4M3 (``opengem.ops.jagged_attention``; Q, K and V quantized by its fused quantize pass, which measured
-    faster than quantizing in the projection's epilogue at these widths: ``opengem.ops.qkv_attention``).
+    faster than quantizing in the projection's epilogue at model dim 512: ``opengem.ops.qkv_attention``; this
+    layer's widths are not measured).
     """
 
     def __init__(

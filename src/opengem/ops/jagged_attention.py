@@ -111,7 +111,8 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
 
 
 def _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=None):
-    """The kernels' backward: JFA's, or for an FP8 forward the straight-through one of its module."""
+    """The kernels' backward: JFA's, or for an FP8 forward the straight-through one on JFA's bf16 kernels (or, with
+    ``FP8_BACKWARD_PRODUCTS``, the one with E4M3 S and dP products)."""
     if precision == "fp8":
         from opengem.ops.triton import jagged_attention_fp8, jagged_attention_fp8_backward
 

@@ -4,8 +4,8 @@
 ``precision="fp8", fuse_projection=True`` on the Triton path the projection and FP8 attention's quantization are
 one kernel (:mod:`opengem.ops.triton.qkv_projection_fp8`): Q, K and V are quantized in the GEMM's epilogue
 instead of being read back by the quantize pass (issue 12). It is off by default: on an H200 at model dim 512
-(H 4, D 128, 150k tokens) it took 0.96 ms against 0.40-0.44 ms for cuBLAS's projection plus ~0.35 ms for the
-quantize pass (``benchmarks/RESULTS.md``, session 17): with K 512 each 128 x 128 tile's epilogue (bf16 store,
+(H 4, D 128, 150k tokens) it took 0.956 ms against 0.437 ms for cuBLAS's projection plus 0.341 ms for the
+quantize pass, in one run (``benchmarks/RESULTS.md``, session 17, call 6): with K 512 each 128 x 128 tile's epilogue (bf16 store,
 Hadamard rotation, quantization) outlasts its main loop, one program an SM. The backward is the FP8 op's (JFA's
 bf16 kernels straight through the quantization, into one packed ``dqkv``), then the projection's two GEMMs.
 """
