@@ -5,8 +5,7 @@ Workloads of :mod:`benchmarks.jfa` (bf16 inputs, H = 4, D = 128): (a) power-law 
 Per workload: the bf16 forward and the fp8 forward through the registered op
 (``torch.ops.opengem.jagged_attention_fwd``, quantize pass included), the fp8 attention kernel alone
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
-alone, beside its floor (a device copy moving the same bytes), and the looping quantize pass (``QUANTIZE_LOOP``:
-its time, the fp8 op's with it, and whether it writes the same bits); each forward's backward through the
+alone, beside its floor (a device copy moving the same bytes); each forward's backward through the
 registered op (fp8: straight through the quantization; and the FP8 one with E4M3 S and dP products,
 ``FP8_BACKWARD_PRODUCTS``); then attention from hidden states ``[T, H D]``
 through a QKV projection (``qkv_attention``): cuBLAS then the bf16 op, cuBLAS then the FP8 op (quantize pass), and
@@ -49,7 +48,7 @@ from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
 jagged_attention_op = importlib.import_module("opengem.ops.jagged_attention")  # (the package exports the function)
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms",
-           "quantize_loop_ms", "quantize_loop_same_bits", "speedup", "loop_speedup",
+           "speedup",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "fp8_products_bwd_ms", "products_bwd_speedup",
            "projected_bf16_ms", "projected_fp8_ms", "projected_fused_ms", "projected_speedup", "projected_fused_speedup",
            "projection_ms", "fused_projection_ms", "kernel_speedup",
@@ -104,13 +103,6 @@ def measure(wl: Workload) -> dict:
         products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, "fp8"))
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
-    # the looping quantize pass (QUANTIZE_LOOP): its time, the op's with it, and the same bits as the tile pass
-    with switched(fp8_kernels, "QUANTIZE_LOOP"):
-        quantize_loop_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
-        fp8_loop_ms = bench_ms(lambda: run("fp8"))
-        looped = fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb)
-    same_bits = all(torch.equal(x.view(torch.uint8), y.view(torch.uint8)) for x, y in zip(quantized[:3], looped[:3]))
-    same_bits = same_bits and all(torch.equal(x, y) for x, y in zip(quantized[3:6], looped[3:6]))
     # the pass's floor: a device copy moving its bytes (bf16 Q, K, V read, E4M3 blocks and scales written)
     moved = sum(x.numel() * x.element_size() for x in (b.q, b.k, b.v, *quantized[:6]))
     source = torch.empty(moved // 2, dtype=torch.uint8, device=b.q.device)
@@ -126,10 +118,7 @@ def measure(wl: Workload) -> dict:
         "fp8_kernel_ms": kernel_ms,
         "quantize_ms": quantize_ms,
         "quantize_floor_ms": floor_ms,
-        "quantize_loop_ms": quantize_loop_ms,
-        "quantize_loop_same_bits": same_bits,
         "speedup": times["bf16"] / times["fp8"],
-        "loop_speedup": times["bf16"] / fp8_loop_ms,
         "bf16_bwd_ms": bwd_times["bf16"],
         "fp8_bwd_ms": bwd_times["fp8"],
         "bwd_speedup": bwd_times["bf16"] / bwd_times["fp8"],

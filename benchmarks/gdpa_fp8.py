@@ -6,8 +6,7 @@ non-causal, L in {1024, 2048} at sparsity 0.5 and 1.0; (b) cross-attention, jagg
 against K/V of 128 and 256 per sample (``--quick``: (a) L 1024 sparsity 1.0 and (b) K/V 256, default configs).
 Per shape: the bf16 and fp8 forwards through ``gdpa`` (fp8: the shared quantize pass included), the fp8 kernel
 alone on pre-quantized inputs and the quantize pass alone, timed in interleaved rounds (the speedups are medians
-of per-round ratios), and the looping quantize pass with the op using it; each forward's backward (fp8: straight
-through the quantization).
+of per-round ratios); each forward's backward (fp8: straight through the quantization).
 Correctness in the same run on the first 8 samples: both outputs against the fp32 reference, and the fp8 kernel
 against its exact emulation (:mod:`opengem.ops.reference.gdpa_fp8`). FLOPs: 4 H D per pair, backward 2.5x.
 
@@ -29,7 +28,6 @@ from benchmarks.common import (
     paired_speedup,
     print_table,
     relative_error,
-    switched,
     write_results,
 )
 from benchmarks.gdpa import HEAD_DIM, HEADS, Workload, _tensors, workloads
@@ -39,11 +37,9 @@ from opengem.ops.reference.gdpa import gdpa as reference
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as emulation
 from opengem.ops.triton import gdpa_fp8 as kernels
 from opengem.ops.triton.gdpa import GdpaArgs
-from opengem.ops.triton import jagged_attention_fp8 as fp8_quantize
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
-COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_loop_ms", "speedup",
-           "loop_speedup", "kernel_speedup",
+COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "bf16_tflops", "fp8_tflops", "fp8_kernel_tflops",
            "bf16_err", "fp8_err", "err_ratio", "fp8_vs_emulation"]  # fmt: skip
 ERROR_SAMPLES = 8
@@ -89,8 +85,6 @@ def measure(w: Workload) -> dict:
             "kernel": lambda: kernels.attend(quantized, out, pb, args),
             "quantize": lambda: kernels.quantize(q, k, v, pb, k_pb),
         })  # fmt: skip
-        with switched(fp8_quantize, "QUANTIZE_LOOP"):  # the looping quantize pass, and the op with it
-            looped = interleaved_ms({"quantize": lambda: kernels.quantize(q, k, v, pb, k_pb), "fp8": forwards["fp8"]})
     backward = {}
     for precision, forward in forwards.items():
         result = forward()
@@ -105,8 +99,7 @@ def measure(w: Workload) -> dict:
     return {
         "workload": w.name, "tokens": int(w.q_lengths.sum()),
         "bf16_ms": median["bf16"], "fp8_ms": median["fp8"], "fp8_kernel_ms": median["kernel"],
-        "quantize_ms": median["quantize"], "quantize_loop_ms": statistics.median(looped["quantize"]),
-        "loop_speedup": median["bf16"] / statistics.median(looped["fp8"]),
+        "quantize_ms": median["quantize"],
         "speedup": paired_speedup(times["bf16"], times["fp8"]),
         "kernel_speedup": paired_speedup(times["bf16"], times["kernel"]),
         "bf16_bwd_ms": backward["bf16"], "fp8_bwd_ms": backward["fp8"],

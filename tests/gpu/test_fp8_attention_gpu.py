@@ -353,25 +353,6 @@ def test_gdpa_fp8_cross_attention(kv_len):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
-def test_looping_quantize_pass_writes_the_tile_passes_bits(monkeypatch, head_dim):
-    """The looping quantize pass (cp.async stages in flight across blocks) against the one-tile pass on the GPU:
-    the same E4M3 bits and scales, blocked and dequantized, self- and cross-attention."""
-    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, head_dim=head_dim, seed=15)
-    _, pb = _problem(q, offsets, None, max(LENGTHS), True, 0, -1, 1.0)
-    cross_lengths = [256, 0, 1, 256, 77, 256]
-    _, k_cross, v_cross, k_offsets = _batch(cross_lengths, heads=4, kv_heads=2, head_dim=head_dim, seed=16)
-    _, k_pb = _problem(k_cross, k_offsets, None, 256, False, 0, -1, 1.0)
-    runs = {}
-    for loop in (False, True):
-        monkeypatch.setattr(kernels, "QUANTIZE_LOOP", loop)
-        runs[loop] = [*kernels.quantize_qkv(q, k, v, pb), *kernels.straight_through_operands(q, k, v, pb),
-                      *kernels.quantize_q_and_kv(q, k_cross, v_cross, pb, k_pb)[1]]
-    for tile, looped in zip(runs[False], runs[True]):
-        as_bits = (lambda x: x.view(torch.uint8)) if tile.dtype == torch.float8_e4m3fn else (lambda x: x)
-        assert torch.equal(as_bits(tile), as_bits(looped))
-
-
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 def test_block_attention_fp8(activation):
     """FP8 BlockAttention (the blocks of 64 as sequences of their own through the FP8 JFA / GDPA, time-aware

@@ -74,28 +74,6 @@ def test_quantize_pass_matches_emulation(kv_heads, head_dim, dtype):
         assert_quantized_like(*got, *want, exact=transposed)  # V is not rotated
 
 
-@pytest.mark.parametrize("kv_heads", [1, 2])
-def test_looping_quantize_pass_writes_what_the_one_tile_pass_writes(monkeypatch, kv_heads):
-    """``QUANTIZE_LOOP`` (programs looping over blocks, loads in flight) against one program per tile: the same
-    bits, blocked or dequantized, for Q, K and V together and for cross-attention's separate launches."""
-    lengths = [37, 0, 1, 64, 33, 90]
-    q, k, v, _ = _inputs(lengths, heads=2, kv_heads=kv_heads, head_dim=32, seed=8)
-    offsets = _offsets(lengths)
-    _, pb = _problem(q, offsets, None, max(lengths), True, 0, -1, 1.0)
-    _, k_pb = _problem(k, _offsets([5, 40, 0, 70, 1, 64]), None, 70, False, 0, -1, 1.0)
-    k_cross, v_cross = (torch.randn(180, kv_heads, 32, generator=torch.Generator().manual_seed(9)) for _ in range(2))
-    runs = {}
-    for loop in (False, True):
-        monkeypatch.setattr(kernels, "QUANTIZE_LOOP", loop)
-        blocked = kernels.quantize_qkv(q, k, v, pb)
-        cross = kernels.quantize_q_and_kv(q, k_cross, v_cross, pb, k_pb)
-        runs[loop] = [*blocked, *cross[0], *cross[1], *kernels.straight_through_operands(q, k, v, pb),
-                      *kernels.straight_through_q_and_kv(q, k_cross, v_cross, pb, k_pb)]
-    for tile, looped in zip(runs[False], runs[True]):
-        assert torch.equal(tile.view(torch.uint8) if tile.dtype == torch.float8_e4m3fn else tile,
-                           looped.view(torch.uint8) if looped.dtype == torch.float8_e4m3fn else looped)
-
-
 @pytest.mark.parametrize("head_dim, n", [(16, 16), (32, 32), (48, 16), (128, 128), (256, 128), (1, 1)])
 def test_rotation_preserves_logits(head_dim, n):
     assert rotation_size(head_dim) == n

@@ -64,20 +64,6 @@ P_SCALE = tl.constexpr(emulation.P_SCALE)
 FP8_HEAD_DIMS = (32, 64, 128, 256)  # the E4M3 MMA reduces over at least 32
 # the quantize pass: registers for one tile without spills, from static sm_90 counts (benchmarks/sass.py)
 QUANTIZE_WARPS = {32: 4, 64: 4, 128: 8, 256: 16}
-# The quantize pass as looping programs (``_quantize_loop_kernel``, the next blocks' loads in flight) instead of
-# one program per tile; off until measured against it on the GPU (OPENGEM_FP8_QUANTIZE_LOOP=1, or assign).
-QUANTIZE_LOOP = os.environ.get("OPENGEM_FP8_QUANTIZE_LOOP") == "1"
-# one an SM: at D = 128 a looping program holds 147 KB of shared memory (its stages of tiles in flight, the
-# rotation's operands; sm_90 static count), and a program that is not resident would only start at the end
-LOOP_PROGRAMS_PER_SM = 1
-
-
-def _resident_programs(device: torch.device) -> int:
-    """Looping programs for the whole pass: one an SM, or a few in the interpreter (so that each loops)."""
-    if _INTERPRET or device.type != "cuda":
-        return 3
-    return LOOP_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count
-
 # (BLOCK_M, num_warps, num_stages); BLOCK_N is always BLOCK. The first is the untuned default.
 _FWD_FP8 = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (128, 8, 4), (64, 4, 4)]
 
@@ -210,51 +196,6 @@ def _quantize_kernel(
         else:
             _quantize_block(V + h * stride_vh, V8, VS, R, start, row, seq_len, stride_vt, h, block_id, num_blocks,
                             kv_heads, HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
-
-
-@triton.jit
-def _quantize_blocks(X, X8, XS, R, offsets, block_base, items, first, step, num_blocks, stride_t, h, out_heads,
-                     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATE: tl.constexpr,
-                     ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr, DEQUANTIZE: tl.constexpr,
-                     STAGES: tl.constexpr):  # fmt: skip
-    """Blocks ``first, first + step, ...`` of one operand head, the next blocks' loads in flight (``STAGES``)
-    while this one is rotated, reduced and stored."""
-    for i in tl.range(first, num_blocks, step, num_stages=STAGES):
-        b = tl.load(items + 2 * i)
-        row = tl.load(items + 2 * i + 1)
-        start, seq_len, _ = _sample(offsets, offsets, b, False)
-        block_id = tl.load(block_base + b) + row // BLOCK
-        _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, num_blocks, out_heads, HEAD_DIM,
-                        BLOCK, TRANSPOSE, ROTATE, ROT, PRECISION, EXACT, DEQUANTIZE)  # fmt: skip
-
-
-@triton.jit(do_not_specialize=["num_blocks", "programs"])
-def _quantize_loop_kernel(
-    Q, K, V, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, num_blocks, heads, kv_heads, programs,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    DEQUANTIZE: tl.constexpr = False, STAGES: tl.constexpr = 3,
-):  # fmt: skip
-    """:func:`_quantize_kernel`'s work, ``programs`` programs per operand head (axis 1 as there) each looping
-    over every ``programs``-th block: the one-tile program leaves its loads idle while it rotates, reduces and
-    stores (0.34 ms against a 0.17 ms copy floor on workload (a), session 17); here the loop keeps the next
-    blocks' loads in flight."""
-    first = tl.program_id(0)
-    operand = tl.program_id(1)
-    if operand < heads:
-        _quantize_blocks(Q + operand * stride_qh, Q8, QS, R, offsets, block_base, items, first, programs, num_blocks,
-                         stride_qt, operand, heads, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT, DEQUANTIZE,
-                         STAGES)  # fmt: skip
-    elif operand < heads + kv_heads:
-        h = operand - heads
-        _quantize_blocks(K + h * stride_kh, K8, KS, R, offsets, block_base, items, first, programs, num_blocks,
-                         stride_kt, h, kv_heads, HEAD_DIM, BLOCK, False, True, ROT, PRECISION, EXACT, DEQUANTIZE,
-                         STAGES)  # fmt: skip
-    else:
-        h = operand - heads - kv_heads
-        _quantize_blocks(V + h * stride_vh, V8, VS, R, offsets, block_base, items, first, programs, num_blocks,
-                         stride_vt, h, kv_heads, HEAD_DIM, BLOCK, True, False, ROT, PRECISION, EXACT, DEQUANTIZE,
-                         STAGES)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------- forward
@@ -443,11 +384,7 @@ def _quantize_pass(
                  kv_heads)  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
                       EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim])  # fmt: skip
-    if QUANTIZE_LOOP and not v_rows:  # (the looping kernel writes V's blocks transposed only)
-        programs = min(num_blocks, max(1, _resident_programs(q.device) // operand_heads))
-        _quantize_loop_kernel[(programs, operand_heads)](*arguments, programs, **constexprs)
-    else:
-        _quantize_kernel[(num_blocks, operand_heads)](*arguments, **constexprs, V_ROWS=v_rows)
+    _quantize_kernel[(num_blocks, operand_heads)](*arguments, **constexprs, V_ROWS=v_rows)
 
 
 def unblock(
