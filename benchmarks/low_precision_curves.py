@@ -17,7 +17,10 @@ the BF16 run and ``--variant``'s, and writes ``low_precision_curves.json`` with 
 (variant / bf16 - 1) and the verdict against the 0.2% bar, and ``low_precision_curves.png`` (smoothed
 training losses, held-out NE per evaluation) when matplotlib is installed. A run given ``--label`` (one that
 differs from the BF16 run by ``--set`` overrides, such as issue 10's bf16 sequence stream) is saved and
-compared under that label (``low_precision_curves_<label>.json``).
+compared under that label (``low_precision_curves_<label>.json``). ``--baseline LABEL`` compares against
+another saved run than the BF16 one of ``--variant none`` (for example a repeat of that run at a later commit,
+``--variant none --label bf16_repeat``: comparing the two gives the spread of one configuration's final NE,
+against which a bar can be read); its verdict file is ``low_precision_curves_<label>_vs_<baseline>.json``.
 
 A run longer than one device call is split: ``--stop-after SECONDS --checkpoint-dir D`` saves a checkpoint
 (model, optimizer, RNG) and the curve so far once that time has passed, and the same command with ``--resume``
@@ -158,7 +161,8 @@ def compare(baseline: dict[str, Any], variant: dict[str, Any], smooth: int = 50,
     """Final held-out NE per task of both runs, the relative difference and the verdict against ``bar``."""
     for key in ("preset", "steps", "batch_size", "seed", "tuning_env"):
         if baseline[key] != variant[key]:
-            raise ValueError(f"the runs differ in {key}: {baseline[key]!r} (bf16) against {variant[key]!r}")
+            raise ValueError(f"the runs differ in {key}: {baseline[key]!r} ({label_of(baseline)}) against "
+                             f"{variant[key]!r} ({label_of(variant)})")
     final_b, final_v = baseline["evaluations"][-1], variant["evaluations"][-1]
     tasks = {}
     for task in TASKS:
@@ -168,8 +172,9 @@ def compare(baseline: dict[str, Any], variant: dict[str, Any], smooth: int = 50,
     smoothed = [abs(a - b) for a, b in zip(moving_average(baseline["losses"], smooth),
                                            moving_average(variant["losses"], smooth))]
     return {
-        "variant": variant["variant"], "label": label_of(variant), "preset": variant["preset"],
-        "steps": variant["steps"],
+        "variant": variant["variant"], "label": label_of(variant), "baseline": label_of(baseline),
+        "preset": variant["preset"], "steps": variant["steps"],
+        "commits": {label_of(baseline): baseline.get("git_commit"), label_of(variant): variant.get("git_commit")},
         "overrides": {"bf16": baseline.get("overrides", []), label_of(variant): variant.get("overrides", [])},
         "final_ne": tasks, "worst_relative_ne": worst, "bar": bar, "passes": worst <= bar,
         "smoothed_loss_gap": {"window": smooth, "max": max(smoothed), "mean": statistics.fmean(smoothed)},
@@ -187,7 +192,7 @@ def plot(baseline: dict[str, Any], variant: dict[str, Any], verdict: dict[str, A
     import matplotlib.pyplot as plt
 
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(9, 7), sharex=True)
-    for run, label, color in ((baseline, "bf16", "tab:blue"), (variant, label_of(variant), "tab:orange")):
+    for run, label, color in ((baseline, label_of(baseline), "tab:blue"), (variant, label_of(variant), "tab:orange")):
         steps = range(1, len(run["losses"]) + 1)
         top.plot(steps, moving_average(run["losses"], smooth), label=label, color=color, linewidth=1.2)
         for task, style in zip(TASKS, ("-o", "--s")):
@@ -201,8 +206,9 @@ def plot(baseline: dict[str, Any], variant: dict[str, Any], verdict: dict[str, A
     bottom.legend()
     verdict_text = "PASS" if verdict["passes"] else "FAIL"
     what = f"{verdict['label']} MLPs" if verdict["label"] == verdict["variant"] else verdict["label"]
-    figure.suptitle(f"{verdict['preset']}: {what} against bf16, worst final NE "
-                    f"{100 * verdict['worst_relative_ne']:+.3f}% ({verdict_text} at 0.2%)")
+    against = "bf16" if verdict["baseline"] == BASELINE else verdict["baseline"]
+    figure.suptitle(f"{verdict['preset']}: {what} against {against}, worst final NE "
+                    f"{100 * verdict['worst_relative_ne']:+.3f}% ({verdict_text} at {100 * verdict['bar']:g}%)")
     figure.tight_layout()
     figure.savefig(out, dpi=120)
     plt.close(figure)
@@ -213,7 +219,8 @@ def _load(label: str) -> dict[str, Any]:
     path = common.RESULTS_DIR / f"low_precision_curve_{label}.json"
     if not path.exists():
         raise FileNotFoundError(f"{path} is missing: run it first (`--variant {label}`, or the `--label` it was given)")
-    run = json.loads(path.read_text())["rows"][0]
+    saved = json.loads(path.read_text())
+    run = {**saved["rows"][0], "git_commit": saved.get("environment", {}).get("git_commit")}
     if not run.get("complete"):
         raise ValueError(f"{path} holds a run cut short at step {run.get('steps_done')} of {run['steps']}: "
                          "run it again to the end")
@@ -248,17 +255,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--resume", action="store_true",
                         help="continue the saved run of this label from --checkpoint-dir (nothing to do if it is "
                              "complete)")
+    parser.add_argument("--baseline", default=BASELINE,
+                        help="with --compare, the saved run compared against (default: the BF16 run, none)")
     parser.add_argument("--label", help="name of the run's file (default: the variant), for a run that differs from "
                                         "the BF16 one by its --set overrides (e.g. gem.sequence_dtype=compute)")
     args = parser.parse_args(argv)
     label = args.label or args.variant
     if args.compare:
-        if label == BASELINE:
-            parser.error("--compare needs a --variant other than none, or the --label of another run")
-        baseline, variant = _load(BASELINE), _load(label)
+        if label == args.baseline:
+            parser.error(f"--compare needs a run other than the baseline ({args.baseline}): a --variant other than "
+                         "none, or the --label of another run")
+        baseline, variant = _load(args.baseline), _load(label)
         verdict = compare(baseline, variant, bar=args.bar)
-        # issue 6's verdict keeps its name; a labelled run's gets its own
+        # issue 6's verdict keeps its name; a labelled run's gets its own, and one against another baseline too
         family = "low_precision_curves" if label == args.variant else f"low_precision_curves_{label}"
+        if args.baseline != BASELINE:
+            family = f"low_precision_curves_{label}_vs_{args.baseline}"
         common.write_results(family, [verdict])
         print(json.dumps(verdict, indent=2))
         try:

@@ -54,6 +54,10 @@ def test_every_one_gpu_part_dispatches_and_each_step_runs(tmp_path):
     ("s15c", [(r"tuning=0 python -m benchmarks\.low_precision_curves --variant none --label bf16_sequence "
                r"--set gem\.sequence_dtype=compute"), r"tuning=0 python .* --compare --label bf16_sequence"]),
     ("s13c", [r"tuning=0 python .* --variant fp8_rowwise$", r"tuning=0 python .* --compare --variant fp8_rowwise"]),
+    ("s20b", [r"tuning=0 python .* --variant none --label bf16_repeat --checkpoint-dir runs/curve_bf16_repeat --resume$",
+              r"tuning=0 python .* --compare --variant none --label bf16_repeat --bar 0\.003$",
+              (r"tuning=0 python .* --compare --variant fp8_rowwise --label fp8_attention_straight_through "
+               r"--baseline bf16_repeat --bar 0\.003$")]),
 ])
 def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, expected, tmp_path):
     """The curves run with the kernels' tuning off (both runs of a comparison alike), the benchmarks tuned."""

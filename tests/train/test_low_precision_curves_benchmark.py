@@ -98,6 +98,26 @@ def test_a_labelled_run_differs_by_its_overrides_and_is_compared_under_its_label
         low_precision_curves.main(["--compare", "--label", "missing"])
 
 
+def test_a_run_is_compared_against_another_baseline_such_as_a_repeat_of_the_bf16_run(results, monkeypatch):
+    """``--baseline``: the BF16 run repeated under a label gives the spread of one configuration (here the same
+    CPU run twice: 0), and the FP8 run compared against that repeat gets a verdict file of its own naming both."""
+    folder, runs, verdict = results
+    monkeypatch.setattr(common, "RESULTS_DIR", folder)
+    low_precision_curves.main(["--variant", "none", "--label", "bf16_repeat", *TINY])
+    spread = low_precision_curves.main(["--compare", "--variant", "none", "--label", "bf16_repeat"])
+    assert spread["baseline"] == "none" and spread["worst_relative_ne"] == 0.0  # the CPU run repeats exactly
+    against_repeat = low_precision_curves.main(["--compare", "--variant", "fp8_rowwise", "--baseline", "bf16_repeat"])
+    assert against_repeat["baseline"] == "bf16_repeat" and set(against_repeat["commits"]) == {"bf16_repeat",
+                                                                                              "fp8_rowwise"}
+    assert against_repeat["final_ne"] == verdict["final_ne"]  # the repeat equals the BF16 run it repeats
+    saved = json.loads((folder / "low_precision_curves_fp8_rowwise_vs_bf16_repeat.json").read_text())["rows"][0]
+    assert saved["baseline"] == "bf16_repeat"
+    assert (folder / "low_precision_curves_fp8_rowwise_vs_bf16_repeat.png").exists()
+    with pytest.raises(SystemExit):  # a run against itself
+        low_precision_curves.main(["--compare", "--variant", "none", "--label", "bf16_repeat",
+                                   "--baseline", "bf16_repeat"])
+
+
 def test_a_run_stopped_for_its_call_and_resumed_equals_the_uninterrupted_one(results, monkeypatch, tmp_path):
     """--stop-after 0 stops after step 1 with a checkpoint; --resume then ends the run with the losses and
     evaluations of the uninterrupted run, bit for bit (CPU), and the timing of both parts."""
