@@ -7,7 +7,8 @@ Per workload: the bf16 forward and the fp8 forward through the registered op
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
 alone, beside its floor (a device copy moving the same bytes); each forward's backward through the
 registered op (fp8: straight through the quantization; and the FP8 one with E4M3 S and dP products,
-``FP8_BACKWARD_PRODUCTS``); then attention from hidden states ``[T, H D]``
+``FP8_BACKWARD_PRODUCTS``); the MXFP8 op (``precision="mxfp8"``: MX-E4M3 numerics on the bf16 kernels, not a
+speed mode) forward and backward, with its error; then attention from hidden states ``[T, H D]``
 through a QKV projection (``qkv_attention``): cuBLAS then the bf16 op, cuBLAS then the FP8 op (quantize pass), and
 the projection that quantizes in its epilogue then the FP8 kernel (``fuse_projection``, issue 12's producer
 fusion); and each projection alone. Correctness in the same
@@ -48,13 +49,14 @@ from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
 jagged_attention_op = importlib.import_module("opengem.ops.jagged_attention")  # (the package exports the function)
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms",
-           "speedup",
+           "speedup", "mxfp8_ms", "mxfp8_speedup", "mxfp8_bwd_ms", "mxfp8_err", "mxfp8_err_outliers",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "fp8_products_bwd_ms", "products_bwd_speedup",
            "projected_bf16_ms", "projected_fp8_ms", "projected_fused_ms", "projected_speedup", "projected_fused_speedup",
            "projection_ms", "fused_projection_ms", "kernel_speedup",
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
            "fp8_vs_emulation"]  # fmt: skip
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
 def _selected(quick: bool) -> list[Workload]:
@@ -72,7 +74,7 @@ def measure(wl: Workload) -> dict:
         with torch.no_grad():
             return forward(b.q, b.k, b.v, *options, precision)[0]
 
-    outs = {p: run(p) for p in ("bf16", "fp8")}
+    outs = {p: run(p) for p in PRECISIONS}
     torch.cuda.synchronize()
     count, rows = _sub_batch_rows(wl.lengths)
     sub = {
@@ -93,10 +95,10 @@ def measure(wl: Workload) -> dict:
     _, pb = _problem(b.q, b.offsets, b.targets, wl.max_len, wl.causal, 0, window, b.scale)
     quantized = fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb)
     out, lse = torch.empty_like(b.q), torch.empty((HEADS, b.q.shape[0]), device=b.q.device)
-    times = {p: bench_ms(lambda p=p: run(p)) for p in ("bf16", "fp8")}
+    times = {p: bench_ms(lambda p=p: run(p)) for p in PRECISIONS}
     # the backward of each forward (fp8: straight through its quantization), from that forward's out and lse
     dout = torch.randn_like(b.q)
-    saved = {p: forward(b.q, b.k, b.v, *options, p) for p in ("bf16", "fp8")}
+    saved = {p: forward(b.q, b.k, b.v, *options, p) for p in PRECISIONS}
     backward = torch.ops.opengem.jagged_attention_bwd
     bwd_times = {p: bench_ms(lambda p=p: backward(dout, b.q, b.k, b.v, *saved[p], *options, p)) for p in saved}
     with switched(jagged_attention_op, "FP8_BACKWARD_PRODUCTS"):  # E4M3 S and dP products, dO quantized
@@ -119,6 +121,11 @@ def measure(wl: Workload) -> dict:
         "quantize_ms": quantize_ms,
         "quantize_floor_ms": floor_ms,
         "speedup": times["bf16"] / times["fp8"],
+        "mxfp8_ms": times["mxfp8"],
+        "mxfp8_speedup": times["bf16"] / times["mxfp8"],
+        "mxfp8_bwd_ms": bwd_times["mxfp8"],
+        "mxfp8_err": errors["mxfp8"],
+        "mxfp8_err_outliers": outlier_errors["mxfp8"],
         "bf16_bwd_ms": bwd_times["bf16"],
         "fp8_bwd_ms": bwd_times["fp8"],
         "bwd_speedup": bwd_times["bf16"] / bwd_times["fp8"],
@@ -176,7 +183,7 @@ def _outlier_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
         x[..., channels] *= OUTLIER_FACTOR
     want = reference(q.float(), k.float(), v.float(), options[0], options[2], **mask)
     with torch.no_grad():
-        outs = {p: torch.ops.opengem.jagged_attention_fwd(q, k, v, *options, p)[0] for p in ("bf16", "fp8")}
+        outs = {p: torch.ops.opengem.jagged_attention_fwd(q, k, v, *options, p)[0] for p in PRECISIONS}
     return {p: relative_error(out, want) for p, out in outs.items()}
 
 

@@ -180,15 +180,16 @@ def test_straight_through_operands_match_the_emulation():
         assert bool(close.all()) if name == "v" else close.double().mean() > 0.99 and _rel(g.float(), w) < 1e-2
 
 
-def _fp8_gradients(mask: str, seed: int) -> dict[str, tuple[torch.Tensor, ...]]:
-    """dQ, dK, dV of the FP8 op on bf16 inputs (GQA), by backend (the kernels', the reference's in fp32)."""
+def _fp8_gradients(mask: str, seed: int, precision: str = "fp8") -> dict[str, tuple[torch.Tensor, ...]]:
+    """dQ, dK, dV of the FP8 (or MXFP8) op on bf16 inputs (GQA), by backend (the kernels', the reference's in
+    fp32)."""
     q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=seed)
     dout = torch.randn_like(q)
     kwargs = _mask_kwargs(MASKS[mask], LENGTHS)
     grads = {}
     for backend in ("triton", "reference"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision="fp8", **kwargs)
+        out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision=precision, **kwargs)
         grads[backend] = torch.autograd.grad(out, leaves, dout)
     return grads
 
@@ -390,3 +391,31 @@ def test_backward_with_fp8_products_matches_its_emulation(monkeypatch, mask):
     grads = _fp8_gradients(mask, seed=19)
     for got, want in zip(grads["triton"], grads["reference"]):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2
+
+
+@pytest.mark.parametrize("mask", ["causal", "full", "all_options"])
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 128), (4, 1, 64)])
+def test_mxfp8_kernel_matches_emulation(mask, heads, kv_heads, head_dim):
+    """``precision="mxfp8"``: the bf16 kernel with P quantized to MX-E4M3 in its key loop (hardware E4M3
+    conversion) against the emulation (P quantized once per row): the same MX operands, so they differ by fp32
+    rounding (ex2.approx, MMA order) flipping a few P roundings, as FP8's kernel does (< 5e-3 there)."""
+    from opengem.ops.reference.attention_mxfp8 import jagged_attention_mxfp8
+
+    q, k, v, offsets = _batch(LENGTHS, heads, kv_heads, head_dim, seed=21)
+    kwargs = _mask_kwargs(MASKS[mask], LENGTHS)
+    out = jagged_attention(q, k, v, offsets, max(LENGTHS), precision="mxfp8", **kwargs)
+    want = jagged_attention_mxfp8(q, k, v, offsets, **kwargs)
+    assert out.dtype == torch.bfloat16 and torch.isfinite(out).all()
+    assert _rel(out, want) < 5e-3
+    fp32 = reference(q.float(), k.float(), v.float(), offsets, max(LENGTHS), **kwargs)
+    assert 1e-2 < _rel(out, fp32) < 8e-2
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_mxfp8_backward_is_the_straight_through_one(mask):
+    """The bf16 backward kernels on the MX operands against the reference's straight-through gradient in fp32."""
+    grads = _fp8_gradients(mask, seed=22, precision="mxfp8")
+    (dq, dk, dv), (want_dq, want_dk, want_dv) = grads["triton"], grads["reference"]
+    assert all(g.dtype == torch.bfloat16 and torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert _rel(dv, want_dv) < 1e-2
+    assert _rel(dq, want_dq) < 5e-2 and _rel(dk, want_dk) < 5e-2

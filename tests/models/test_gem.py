@@ -211,18 +211,19 @@ def test_attention_backend_reference_is_the_cpu_default(batch):
     torch.testing.assert_close(forced(batch), auto(batch))
 
 
-def test_fp8_self_attention_runs_the_fp8_emulation(batch):
-    """GEMConfig.attention_precision="fp8": the JFA self-attention's forward in E4M3 (the CPU runs the exact
-    emulation of the kernel); close to the bf16 model, not equal to it, and trainable."""
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_low_precision_self_attention_runs_its_emulation(batch, precision):
+    """GEMConfig.attention_precision="fp8" / "mxfp8": the JFA self-attention in E4M3 (the CPU runs the exact
+    emulation of the kernels); close to the bf16 model, not equal to it, and trainable."""
     config = dataclasses.replace(SMALL, d_model=64, num_heads=2)  # head_dim 32: the fp8 kernel's minimum
-    plain, fp8 = _model(config), _model(dataclasses.replace(config, attention_precision="fp8"))
+    plain, fp8 = _model(config), _model(dataclasses.replace(config, attention_precision=precision))
     out, out_fp8 = plain(batch), fp8(batch)
     assert not torch.equal(out_fp8, out)
     assert float((out_fp8 - out).detach().norm() / out.detach().norm()) < 0.05
     out_fp8.square().sum().backward()
     assert all(torch.isfinite(p.grad).all() for p in fp8.parameters() if p.grad is not None)
     with pytest.raises(ValueError, match="jfa self-attention only"):
-        _model(dataclasses.replace(config, self_attention="block", attention_precision="fp8"))
+        _model(dataclasses.replace(config, self_attention="block", attention_precision=precision))
 
 
 @pytest.mark.parametrize("self_attention", ["jfa", "block"])

@@ -132,8 +132,11 @@ def ptx(name, kernel, block_m, block_n, num_warps, tma, **extra):
 
 
 TMA_LOAD = "cp.async.bulk.tensor"
-assert TMA_LOAD in ptx("fwd", j._fwd_kernel, 128, 64, 8, True, NEGATIVE_SCALE=False)
-assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False, NEGATIVE_SCALE=True)
+assert TMA_LOAD in ptx("fwd", j._fwd_kernel, 128, 64, 8, True, NEGATIVE_SCALE=False, P_MX=False, EXACT=False)
+assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False, NEGATIVE_SCALE=True, P_MX=False, EXACT=False)
+for block_m, block_n, warps, tma in ((128, 64, 8, True), (128, 128, 8, True), (64, 64, 4, False)):  # P quantized to MX
+    mx = ptx("fwd", j._fwd_kernel, block_m, block_n, warps, tma, NEGATIVE_SCALE=False, P_MX=True, EXACT=False)
+    assert "e4m3x2" in mx  # P rounded by the hardware's E4M3 conversion
 assert TMA_LOAD in ptx("dq", j._dq_kernel, 128, 64, 8, True)
 assert TMA_LOAD in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=False)
 assert TMA_LOAD not in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=True)  # the tuner's other path
@@ -142,7 +145,8 @@ print("compiled")
 
 
 def test_jfa_tma_and_pointer_paths_compile_for_sm90():
-    """Every JFA pass with ragged TMA loads (5-D descriptors, every mask option) and dK/dV's pointer-load
-    configs beside them compile for Hopper; the interpreter tests cannot see a GPU-only compile error."""
+    """Every JFA pass with ragged TMA loads (5-D descriptors, every mask option), dK/dV's pointer-load configs
+    beside them, and the forward quantizing P to MX (``precision="mxfp8"``) compile for Hopper; the interpreter
+    tests cannot see a GPU-only compile error."""
     result = run_compiled(_JFA_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]

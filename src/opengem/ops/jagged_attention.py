@@ -24,9 +24,13 @@ from opengem.ops.reference.attention import jagged_attention_backward as referen
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as reference_jagged_attention_fp8
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8_backward as reference_jagged_attention_fp8_backward
 from opengem.ops.reference.attention_fp8_backward import jagged_attention_fp8_mma_backward
+from opengem.ops.reference.attention_mxfp8 import jagged_attention_mxfp8 as reference_jagged_attention_mxfp8
+from opengem.ops.reference.attention_mxfp8 import (
+    jagged_attention_mxfp8_backward as reference_jagged_attention_mxfp8_backward,
+)
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 # The FP8 forward's backward: straight through the quantization on JFA's bf16 kernels (default), or with E4M3
 # S and dP products and dO quantized (OPENGEM_FP8_BACKWARD=1; opt-in: on an H200 it measured 0.82x the bf16
 # backward on JFA workload (a), against the straight-through one's 0.91x, session 19)
@@ -93,6 +97,11 @@ def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, w
             q, k, v, offsets, block=BLOCK, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
             window=window, scale=scale,
         )  # fmt: skip
+    if precision == "mxfp8":
+        return reference_jagged_attention_mxfp8(
+            q, k, v, offsets, causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window,
+            scale=scale,
+        )  # fmt: skip
     return reference_jagged_attention(
         q, k, v, offsets, max_len, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
         window=window, scale=scale,
@@ -108,6 +117,8 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
         if FP8_BACKWARD_PRODUCTS:
             return jagged_attention_fp8_mma_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
         return reference_jagged_attention_fp8_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
+    if precision == "mxfp8":
+        return reference_jagged_attention_mxfp8_backward(dout, q, k, v, offsets, **mask)
     return reference_jagged_attention_backward(dout, q, k, v, offsets, **mask)
 
 
@@ -119,6 +130,10 @@ def _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=None):
 
         fp8 = jagged_attention_fp8_backward if FP8_BACKWARD_PRODUCTS else jagged_attention_fp8
         return fp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
+    if precision == "mxfp8":
+        from opengem.ops.triton import jagged_attention_mxfp8
+
+        return jagged_attention_mxfp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
     from opengem.ops.triton import jagged_attention as kernels
 
     return kernels.backward(dout, q, k, v, out, lse, pb, grads=grads)
@@ -154,6 +169,10 @@ def _forward(q, k, v, offsets, num_targets, max_len, causal, contextual_len, win
         from opengem.ops.triton import jagged_attention_fp8
 
         return jagged_attention_fp8.forward(q, k, v, pb)
+    if precision == "mxfp8":
+        from opengem.ops.triton import jagged_attention_mxfp8
+
+        return jagged_attention_mxfp8.forward(q, k, v, pb)
     return kernels.forward(q, k, v, pb)
 
 
@@ -366,6 +385,11 @@ def jagged_attention(
             (:mod:`opengem.ops.reference.attention_fp8`). The backward runs JFA's bf16 kernels straight
             through the quantization: on the operands the forward multiplied (quantized and scaled back), so
             its P is the forward's, with dQ and dK rotated back.
+            ``"mxfp8"``: OCP MX-E4M3 with power-of-two scales per 32 elements: Q and K along D, V along each
+            sample's tokens, P along the keys (:mod:`opengem.ops.reference.attention_mxfp8`, which the reference
+            path runs and the kernels match); Hopper has no MX tensor cores, so the kernels multiply the MX
+            values on the 16-bit ones: MXFP8's numerics at bf16's speed or below, not FP8's speed. Backward
+            straight through on JFA's bf16 kernels.
 
     Returns:
         ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from opengem.jagged.host import to_device
 from opengem.ops.triton.masks import key_range, tile_mask
+from opengem.ops.triton.mx import mx_e4m3_rows
 from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok, tma_passes
 from opengem.ops.triton.tuning import tuning_bench as _tuning_bench
 
@@ -56,7 +57,8 @@ def full_product(name: str) -> list[tuple[int, int, int, int]]:
     return [c for c in _FULL if (c[1] if name == "dkdv" else c[0]) >= 16 * c[2]]
 
 
-_INTERPRETER_TILES = {"fwd": (32, 16), "dkdv": (16, 32), "dq": (32, 16)}
+# (the forward's key tiles hold whole MX blocks of 32 keys, for precision="mxfp8")
+_INTERPRETER_TILES = {"fwd": (16, 32), "dkdv": (16, 32), "dq": (32, 16)}
 
 
 # The tensors each kernel reads in query-tile rows (BLOCK_M) and key-tile rows (BLOCK_N), by argument name.
@@ -268,8 +270,11 @@ def _fwd_tiles(
     offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr, P_MX: tl.constexpr, EXACT: tl.constexpr,
 ):  # fmt: skip
+    """Key tiles ``[n_lo, n_hi)`` of one query tile; ``P_MX``: P quantized to MX-E4M3 before ``P V``
+    (``precision="mxfp8"``, :mod:`opengem.ops.reference.attention_mxfp8`), the running maximum kept on integers
+    so that every rescale is a power of two, which MX quantization commutes with."""
     for n_start in range(n_lo, n_hi, BLOCK_N):
         offs_n = n_start + tl.arange(0, BLOCK_N)
         if USE_TMA:
@@ -290,12 +295,18 @@ def _fwd_tiles(
             visible = tile_mask(offs_m, offs_n, seq_len, hist_len, contextual_len, window, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
             s = tl.where(visible, s * scale_log2, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))
+            if P_MX:
+                m_new = tl.math.ceil(m_new)
             p = tl.math.exp2(s - m_new[:, None])
         else:
             m_new = tl.maximum(m_i, _row_max_scaled(s, scale_log2, NEGATIVE_SCALE))
+            if P_MX:
+                m_new = tl.math.ceil(m_new)
             p = tl.math.exp2(s * scale_log2 - m_new[:, None])
         alpha = tl.math.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if P_MX:  # (its values have 4 significant bits: the cast to v's dtype below is exact in 16 bits)
+            p = mx_e4m3_rows(p, offs_m.shape[0], BLOCK_N, EXACT)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, l_i, m_i
@@ -310,6 +321,7 @@ def _fwd_kernel(
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
     NEGATIVE_SCALE: tl.constexpr, USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    P_MX: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):  # fmt: skip
     b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
@@ -330,13 +342,13 @@ def _fwd_kernel(
     lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo,
                                offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
-                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION, P_MX, EXACT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi,
                                offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
-                               HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+                               HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION, P_MX, EXACT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi,
                                offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
-                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION)
+                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION, P_MX, EXACT)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
     out = acc / l_i[:, None]
     tl.store(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
@@ -675,8 +687,11 @@ def forward_buffers(
     return (q, k, v), out, lse, total > 0 and pb.sched.query_tiles[_SMALL].shape[0] > 0
 
 
-def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32 (base 2)."""
+def forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem, p_mx: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``out [T, H, D]`` (q's dtype) and ``lse [H, T]`` fp32 (base 2); ``p_mx``: P quantized to MX-E4M3
+    before ``P V`` (the MXFP8 forward, on operands the caller quantized)."""
     (q, k, v), out, lse, has_work = forward_buffers(q, k, v, pb)
     if not has_work:
         return out, lse
@@ -687,7 +702,7 @@ def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: Problem) -> t
         q, k, v, out, lse, pb.offsets, pb.targets_arg(), items[_SMALL], items[_LARGE], *descs,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         total, heads, pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k), NEGATIVE_SCALE=pb.scale < 0,
-        USE_TMA=use_tma,
+        USE_TMA=use_tma, P_MX=p_mx, EXACT=_INTERPRET,
     )  # fmt: skip
     return out, lse
 

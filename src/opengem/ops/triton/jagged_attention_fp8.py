@@ -54,7 +54,7 @@ from opengem.ops.triton.jagged_attention import (
     forward_buffers,
 )
 from opengem.ops.triton.masks import tile_mask
-from opengem.ops.triton.mx import fp32_to_fp8_bits
+from opengem.ops.triton.mx import to_e4m3
 
 BLOCK = _LARGE
 # the emulation's constants, as constexpr: a compiled kernel reads no other globals (the interpreter would)
@@ -90,14 +90,6 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
             triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages),
         )
     return list(kept.values())
-
-
-@triton.jit
-def to_e4m3(x, EXACT: tl.constexpr):
-    """fp32 ``x`` (|x| <= 448) to E4M3, nearest-even: the hardware conversion, or integer arithmetic when ``EXACT``."""
-    if EXACT:
-        return fp32_to_fp8_bits(x, 3, 7).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
-    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
 
 
 # ------------------------------------------------------------------------------------------ quantize

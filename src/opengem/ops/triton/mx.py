@@ -70,6 +70,37 @@ def fp32_to_fp8_bits(q, MANT: tl.constexpr, BIAS: tl.constexpr):
     return out | (sign << 7)
 
 
+@triton.jit
+def to_e4m3(x, EXACT: tl.constexpr):
+    """fp32 ``x`` (|x| <= 448) to E4M3, nearest-even: the hardware conversion, or integer arithmetic when ``EXACT``."""
+    if EXACT:
+        return fp32_to_fp8_bits(x, 3, 7).to(tl.uint8).to(tl.float8e4nv, bitcast=True)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne")
+
+
+@triton.jit
+def e4m3_values(x, EXACT: tl.constexpr):
+    """fp32 ``x`` (|x| <= 448) rounded to its nearest-even E4M3 value, as fp32; ``EXACT`` decodes the bits by
+    integer arithmetic (the interpreter's fp8 casts are not exact)."""
+    if EXACT:
+        bits = fp32_to_fp8_bits(x, 3, 7)
+        exponent = (bits >> 3) & 15
+        mantissa = (bits & 7).to(tl.float32)
+        magnitude = tl.where(exponent == 0, mantissa * 0.001953125, (mantissa + 8.0) * exp2_int(exponent - 10))
+        return tl.where((bits & 128) != 0, -magnitude, magnitude)
+    return x.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.float32)
+
+
+@triton.jit
+def mx_e4m3_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 ``x [ROWS, COLS]`` (finite; COLS a multiple of 32) -> its MX-E4M3 values in fp32: each row's blocks of
+    32 columns scaled by their power of two (``rceil``: nothing saturates), rounded to E4M3, scaled back."""
+    blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
+    e = shared_exponent(tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), 8, True)
+    values = e4m3_values(mul_exp2(blocks, -e[:, :, None]), EXACT)
+    return tl.reshape(mul_exp2(values, e[:, :, None]), (ROWS, COLS))
+
+
 @triton.jit(do_not_specialize=["rows"])  # rows (tokens) change every batch; cols is the stride
 def _mx_quantize_kernel(
     x_ptr, data_ptr, scale_ptr, rows, cols, scale_cols,

@@ -1,0 +1,166 @@
+"""MXFP8 JFA (``precision="mxfp8"``): the MX operands against the MX reference, the emulation against fp32, the
+kernels (interpreter) against the emulation, and the straight-through backward."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+from opengem.ops.jagged_attention import jagged_attention, jagged_attention_packed
+from opengem.ops.reference.attention import jagged_attention as reference
+from opengem.ops.reference.attention_fp8 import rotate, rotation, rotation_size
+from opengem.ops.reference.attention_mxfp8 import (
+    mx_along_head_dim,
+    mx_along_keys,
+    mx_along_sequence,
+    sequence_blocks,
+)
+from opengem.ops.reference.mx import mx_dequantize_reference, mx_quantize_reference
+from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
+
+
+def test_head_dim_blocks_are_the_mx_reference_and_exact_in_bf16():
+    x = torch.randn(50, 2, 64, generator=torch.Generator().manual_seed(0)) * torch.logspace(-3, 3, 64)
+    got = mx_along_head_dim(x)
+    data, scales = mx_quantize_reference(x.reshape(-1, 64), (32,), "e4m3", "rceil")
+    assert torch.equal(got, mx_dequantize_reference(data, scales, (32,)).reshape(x.shape))
+    assert torch.equal(got.bfloat16().float(), got)  # 4 significant bits: the kernels' 16-bit operands are exact
+    assert 0 < _rel(got, x) < 0.05
+
+
+def test_sequence_blocks_start_at_each_sample_and_never_cross_samples():
+    """Blocks of 32 tokens from each sample's first token: an outlier at a sample's token 35 coarsens its tokens
+    32..39 only; the other sample and the first block are as when quantized alone."""
+    lengths = [40, 0, 33]
+    offsets = _offsets(lengths)
+    block, count = sequence_blocks(offsets, 73)
+    assert count == 2 + 0 + 2 and block.tolist() == [0] * 32 + [1] * 8 + [2] * 32 + [3]
+    x = torch.randn(73, 1, 4, generator=torch.Generator().manual_seed(1))
+    plain = mx_along_sequence(x, offsets)
+    x[35, 0, 0] = 1e4
+    spiked = mx_along_sequence(x, offsets)
+    changed = (spiked != plain).any(-1).any(-1).nonzero().flatten().tolist()
+    assert set(changed) <= set(range(32, 40)) and 35 in changed
+    alone = mx_along_sequence(x[40:], _offsets([33]))
+    assert torch.equal(spiked[40:], alone)
+    x[50, 0, 1] = float("nan")  # a NaN makes its own block (tokens 40..71, channel 1) NaN, nothing else
+    poisoned_block = mx_along_sequence(x, offsets)
+    assert poisoned_block[40:72, 0, 1].isnan().all() and not poisoned_block[72:, 0, 1].isnan().any()
+    assert not poisoned_block[:, 0, 0].isnan().any()
+
+
+def test_p_quantization_commutes_with_powers_of_two():
+    """Why the kernel may quantize P per key tile against its running maximum: an integer maximum makes each
+    rescale a power of two, and MX quantization commutes with those (the blocks' exponents move, the elements
+    stay), so every tiling gives the emulation's P."""
+    p = torch.rand(6, 96, generator=torch.Generator().manual_seed(2)) ** 8  # spread over many binades
+    for k in (-1, -7, -30):
+        assert torch.equal(mx_along_keys(p * 2.0**k), mx_along_keys(p) * 2.0**k)
+    assert not torch.equal(mx_along_keys(p * 0.75), mx_along_keys(p) * 0.75)  # not for other factors
+
+
+def _forward(lengths, heads, kv_heads, head_dim, backend, dtype=torch.float32, seed=0, **kwargs):
+    q, k, v, _ = _inputs(lengths, heads=heads, kv_heads=kv_heads, head_dim=head_dim, seed=seed, dtype=dtype)
+    out = jagged_attention(q, k, v, _offsets(lengths), max(lengths), backend=backend, precision="mxfp8", **kwargs)
+    return out, (q, k, v)
+
+
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_kernel_matches_emulation(poisoned, mask):  # noqa: F811 (the imported fixture)
+    """The forward kernel (key tiles of 32, P quantized inside its loop) against the emulation (P quantized once
+    per row): equal to fp32 rounding, GQA and every mask option included."""
+    kwargs = _mask_kwargs(MASKS[mask])
+    got, _ = _forward(LENGTHS, 2, 1, 32, "triton", **kwargs)
+    want, _ = _forward(LENGTHS, 2, 1, 32, "reference", **kwargs)
+    assert torch.isfinite(got).all()
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_kernel_matches_emulation_in_fp16():
+    got, _ = _forward([70, 3, 41], 2, 2, 64, "triton", dtype=torch.float16, causal=False)
+    want, _ = _forward([70, 3, 41], 2, 2, 64, "reference", dtype=torch.float16, causal=False)
+    assert got.dtype == torch.float16 and _rel(got.float(), want.float()) < 2e-3
+
+
+def test_emulation_error_against_fp32_and_fp8s():
+    """MX-E4M3 Q, K, V and P: ~5% relative error on N(0, 1) inputs, as the FP8 recipe (one scale per 128 rows);
+    on outlier-channel Q and K the rotation keeps it there (without it, MX along D measured 0.17 at D = 128)."""
+    lengths = [200, 120]
+    q, k, v, _ = _inputs(lengths, heads=2, kv_heads=2, head_dim=128, seed=11)
+    offsets = _offsets(lengths)
+    for outliers in (False, True):
+        if outliers:
+            channels = torch.randperm(128, generator=torch.Generator().manual_seed(11))[:4]
+            for x in (q, k, v):
+                x[..., channels] *= 10
+        want = reference(q, k, v, offsets, 200)
+        err = _rel(jagged_attention(q, k, v, offsets, 200, backend="reference", precision="mxfp8"), want)
+        fp8 = _rel(jagged_attention(q, k, v, offsets, 200, backend="reference", precision="fp8"), want)
+        assert 0.02 < err < 0.08 and err < 1.5 * fp8, (outliers, err, fp8)
+
+
+def _straight_through(x: torch.Tensor, offsets: torch.Tensor, rotated: bool) -> torch.Tensor:
+    """``x`` (rotated) forward as its MX values, backward as the identity (times ``R`` when rotated): an autograd
+    construction independent of the backward under test."""
+    head_dim = x.shape[-1]
+    n = rotation_size(head_dim)
+    if rotated:
+        y = (x.reshape(*x.shape[:-1], head_dim // n, n) @ rotation(n)).reshape(x.shape)
+        values = mx_along_head_dim(rotate(x.detach()))
+    else:
+        y, values = x, mx_along_sequence(x.detach(), offsets)
+    return y + (values - y).detach()
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_reference_backward_is_the_straight_through_gradient(mask):
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=64, seed=3)
+    offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = jagged_attention(*leaves, offsets, 37, backend="reference", precision="mxfp8", **kwargs)
+    got = torch.autograd.grad(out, leaves, dout)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    st = [_straight_through(x, offsets, rotated) for x, rotated in zip(leaves, (True, True, False))]
+    want = torch.autograd.grad(reference(*st, offsets, 37, scale=64**-0.5 / rotation_size(64), **kwargs), leaves, dout)
+    for g, w in zip(got, want):
+        assert _rel(g, w) < 1e-5
+
+
+@pytest.mark.parametrize("mask", ["causal", "all_options"])
+def test_triton_backward_is_the_straight_through_one(poisoned, mask):  # noqa: F811 (the imported fixture)
+    """The kernels' backward against the reference's: dV equal to fp32 rounding; dQ and dK within what the
+    forward's quantized P does to rowsum(dO * O)."""
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=64, seed=4)
+    offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
+    grads = {}
+    for backend in ("triton", "reference"):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = jagged_attention(*leaves, offsets, 37, backend=backend, precision="mxfp8", **kwargs)
+        grads[backend] = torch.autograd.grad(out, leaves, dout)
+    (dq, dk, dv), (want_dq, want_dk, want_dv) = grads["triton"], grads["reference"]
+    assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
+    assert _rel(dv, want_dv) < 1e-4
+    assert _rel(dq, want_dq) < 5e-2 and _rel(dk, want_dk) < 5e-2
+
+
+def test_packed_op_equals_the_unbound_one(poisoned):  # noqa: F811 (the imported fixture)
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=5)
+    offsets = _offsets(LENGTHS)
+    qkv = torch.stack([q, k, v], 1).requires_grad_()
+    packed = jagged_attention_packed(qkv, offsets, 37, backend="triton", precision="mxfp8")
+    (dqkv,) = torch.autograd.grad(packed, qkv, dout)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = jagged_attention(*leaves, offsets, 37, backend="triton", precision="mxfp8")
+    grads = torch.autograd.grad(out, leaves, dout)
+    assert torch.equal(packed, out)
+    for i, g in enumerate(grads):
+        assert torch.equal(dqkv[:, i], g)
+
+
+def test_unknown_precision_is_refused_with_the_choices():
+    q, k, v, _ = _inputs([4], heads=1, kv_heads=1, head_dim=32)
+    with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8', 'mxfp8'\), got 'mxfp4'"):
+        jagged_attention(q, k, v, _offsets([4]), 4, precision="mxfp4")
+
