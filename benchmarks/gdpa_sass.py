@@ -21,9 +21,16 @@ UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=Fal
 
 
 def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
-    """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments)."""
+    """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments).
+    A constexpr left out of ``constants`` takes its default, added to ``constants`` (the launchers leave those
+    at their defaults: ``P_MX``, ``EXACT``)."""
+    params = {param.name: param for param in jit_function(kernel).params}
+
     def kind(name: str) -> str:
         if name in constants:
+            return "constexpr"
+        if params[name].is_constexpr and params[name].has_default:
+            constants[name] = params[name].default
             return "constexpr"
         if name.endswith("_desc"):
             rows = constants["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constants["BLOCK_N"]

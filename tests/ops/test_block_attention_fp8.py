@@ -1,5 +1,5 @@
-"""FP8 BlockAttention (``block_attention(..., precision="fp8")``): the blocks as sequences of their own through
-the FP8 JFA / GDPA. The Triton path (interpreter) against the exact emulation (the same composition on the
+"""FP8 and MXFP8 BlockAttention (``block_attention(..., precision="fp8" | "mxfp8")``): the blocks as sequences of
+their own through the FP8 (MXFP8) JFA / GDPA. The Triton path (interpreter) against the exact emulation (the same composition on the
 reference path), both against fp32, gradients included, and the block offsets themselves."""
 
 import os
@@ -32,16 +32,17 @@ def test_block_offsets_cut_every_sequence_from_its_first_token(dtype):
     assert block_offsets(offsets, 32).tolist() == [0, 5, 37, 69, 101, 133, 134, 166, 198, 230, 262, 264]
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("activation", ["softmax", "silu"])
 @pytest.mark.parametrize("rotary", ["none", "sequence", "time_gaps"])
-def test_triton_matches_the_emulation_forward_and_backward(activation, rotary):
+def test_triton_matches_the_emulation_forward_and_backward(activation, rotary, precision):
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=3)
     offsets = _offsets(LENGTHS)
     outs, grads = {}, {}
     for backend in ("triton", "reference"):
         leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
         out = block_attention(*leaves, offsets, 130, block_size=64, activation=activation,
-                              rotary=_rotary(rotary, q.shape[0]), backend=backend, precision="fp8")  # fmt: skip
+                              rotary=_rotary(rotary, q.shape[0]), backend=backend, precision=precision)  # fmt: skip
         grads[backend] = torch.autograd.grad(out, leaves, dout)
         outs[backend] = out.detach()
     assert torch.isfinite(outs["triton"]).all() and _rel(outs["triton"], outs["reference"]) < 1e-5
@@ -55,16 +56,17 @@ def test_triton_matches_the_emulation_forward_and_backward(activation, rotary):
     assert 0.01 < _rel(outs["reference"], fp32) < 0.1  # FP8's error, not a different op
 
 
-def test_blocks_stay_apart():
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_blocks_stay_apart(precision):
     """A block's output does not move when another block of its sequence changes (its quantization scales
     are its own too)."""
     q, k, v, _ = _inputs([130], heads=1, kv_heads=1, head_dim=32, seed=4)
     offsets = _offsets([130])
-    base = block_attention(q, k, v, offsets, 130, block_size=64, precision="fp8", backend="triton")
+    base = block_attention(q, k, v, offsets, 130, block_size=64, precision=precision, backend="triton")
     k2, v2 = k.detach().clone(), v.detach().clone()
     k2[70:90] *= 30.0
     v2[70:90] += 5.0
-    moved = block_attention(q, k2, v2, offsets, 130, block_size=64, precision="fp8", backend="triton")
+    moved = block_attention(q, k2, v2, offsets, 130, block_size=64, precision=precision, backend="triton")
     assert torch.equal(moved[:64], base[:64]) and torch.equal(moved[128:], base[128:])
     assert not torch.allclose(moved[64:128], base[64:128])
 

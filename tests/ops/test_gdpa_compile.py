@@ -28,6 +28,7 @@ def compile_sm90(fn, constexprs, num_warps, num_stages):
     assert (TMA_LOAD in ptx) == tma, (fn.__name__, tma)
     # silu (in every per-head table, ACT -1, and alone, ACT 7) takes the one-instruction tanh
     assert ("tanh.approx.f32" in ptx) == (constexprs["FAST_ACT"] and constexprs["ACT"] in (-1, 2, 7)), fn.__name__
+    return ptx
 
 
 masks = dict(GROUP=2, D=128, ACT=-1, MASKED=True, CAUSAL=True, HAS_TARGETS=True, HAS_WINDOW=True,
@@ -41,6 +42,11 @@ for tma in (True, False):  # both load paths of every jagged pass
                                          BROADCAST_Q=False, KV_RESIDENT=False, USE_TMA=tma, FAST_ACT=False), 8, 3)
     compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, BROADCAST_Q=False, USE_TMA=tma), 8, 2)
     compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, USE_TMA=tma), 8, 2)
+for resident in (False, True):  # P quantized to MX-E4M3 (precision="mxfp8"): the hardware's E4M3 conversion
+    ptx = compile_sm90(g.gdpa_fwd_kernel, dict(masks, MASKED=not resident, BLOCK_M=128, BLOCK_N=128 if resident else 64,
+                                               TILES=2 if resident else 1, BROADCAST_Q=False, KV_RESIDENT=resident,
+                                               USE_TMA=True, P_MX=True, EXACT=False), 8, 2)
+    assert "e4m3x2" in ptx
 compile_sm90(g.gdpa_bwd_dq_broadcast_kernel, dict(GROUP=1, D=128, ACT=7, PRECISION="tf32", BLOCK_M=64,
                                                   BLOCK_N=64, FAST_ACT=True), 4, 2)
 print("compiled")

@@ -27,7 +27,7 @@ from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_p
 BLOCK_SIZES = (16, 32, 64, 128)
 TRITON_HEAD_DIMS = (32, 64, 128, 256)
 BACKENDS = ("auto", "triton", "reference")
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 # Rotary modes passed to the custom op (and to the kernels as a constexpr).
 ROTARY_NONE, ROTARY_SEQUENCE_POSITION, ROTARY_POSITIONS, ROTARY_TIME_GAPS = 0, 1, 2, 3
 
@@ -104,7 +104,8 @@ def block_attention(
             FP8 JFA (softmax) or FP8 GDPA (pointwise), rotary applied before in fp32 torch ops
             (:mod:`opengem.ops.block_attention_fp8`; head dims 32-256 on the Triton path). It measured 0.19x
             the bf16 kernel forward and 0.26x backward (H200, session 19): the bf16 kernel runs at copy
-            bandwidth, so reading the bf16 inputs to quantize them already costs as much.
+            bandwidth, so reading the bf16 inputs to quantize them already costs as much. ``"mxfp8"``: the
+            same composition through the MXFP8 JFA / GDPA (MXFP8's numerics, not speed).
 
     Returns:
         ``[T, H, D]`` in q's dtype. Head dims 32/64/128/256 on the Triton path (block 128 with D = 256 is
@@ -122,11 +123,12 @@ def block_attention(
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mode, values = (ROTARY_NONE, None) if rotary is None else (rotary.mode(), rotary.values())
     config = rotary or Rotary()
-    if precision == "fp8":
+    if precision != "bf16":
         phase = _reference_phase(offsets, q.shape[0], mode, values, config.time_scale)
         with autocast_off:
             return block_attention_fp8(q, k, v, offsets, block_size=block_size, scale=scale, activation=activation,
-                                       rotary_phase=phase, rotary_base=float(config.base), backend=backend)  # fmt: skip
+                                       rotary_phase=phase, rotary_base=float(config.base), backend=backend,
+                                       precision=precision)  # fmt: skip
     with autocast_off:
         return torch.ops.opengem.block_attention_fwd(
             q, k, v, offsets, block_size, scale, activation, mode, values, float(config.base),

@@ -23,13 +23,15 @@ from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as gdpa_fp8_reference
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8_backward as gdpa_fp8_reference_backward
-from opengem.ops.triton import gdpa_fp8
+from opengem.ops.reference.gdpa_mxfp8 import gdpa_mxfp8 as gdpa_mxfp8_reference
+from opengem.ops.reference.gdpa_mxfp8 import gdpa_mxfp8_backward as gdpa_mxfp8_reference_backward
+from opengem.ops.triton import gdpa_fp8, gdpa_mxfp8
 from opengem.ops.triton.gdpa import GdpaArgs, check_triton_head_dim, gdpa_backward, gdpa_forward
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK as FP8_BLOCK
 from opengem.ops.triton.jagged_attention_fp8 import FP8_HEAD_DIMS
 
 _BACKENDS = ("auto", "triton", "reference")
-PRECISIONS = ("bf16", "fp8")
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
 def gdpa(
@@ -84,6 +86,10 @@ def gdpa(
       :mod:`opengem.ops.reference.gdpa_fp8`). Slower than bf16 on an H200 (session 19, D = 128): the op
       0.64-0.87x on self-attention and 0.34-0.51x on cross-attention with K/V of 128-256, its kernel alone
       1.03-1.11x and 0.62-0.89x: the activation costs the same in both, and the quantize pass is added.
+      ``"mxfp8"`` (every mode, ``broadcast_q`` included): OCP MX-E4M3 numerics, blocks of 32 with power-of-two
+      scales, Q and K rotated and blocked along D, V along K/V's samples, P along the keys
+      (:mod:`opengem.ops.reference.gdpa_mxfp8`); the kernels multiply the MX values on the 16-bit tensor cores
+      (Hopper has no MX ones), so it gives MXFP8's numerics, not speed; backward straight through.
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
@@ -296,6 +302,10 @@ def _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, h
         if use_triton:
             return gdpa_fp8.forward(q, k, v, q_offsets, k_offsets, num_targets, args)
         return gdpa_fp8_reference(q, k, v, q_offsets, k_offsets, **_fp8_reference_options(args, num_targets))
+    if precision == "mxfp8":
+        if use_triton:
+            return gdpa_mxfp8.forward(q, k, v, q_offsets, k_offsets, num_targets, args)
+        return gdpa_mxfp8_reference(q, k, v, q_offsets, k_offsets, **_mxfp8_reference_options(args, num_targets))
     if use_triton:
         return gdpa_forward(q, k, v, q_offsets, k_offsets, num_targets, args)
     return _reference(q, k, v, q_offsets, k_offsets, num_targets, head_acts, pre_scale, out_scale, causal,
@@ -333,6 +343,11 @@ def _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len
             return gdpa_fp8.backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)
         return gdpa_fp8_reference_backward(grad_out, q, k, v, q_offsets, k_offsets,
                                            **_fp8_reference_options(args, num_targets))  # fmt: skip
+    if precision == "mxfp8":
+        if use_triton:
+            return gdpa_mxfp8.backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)
+        return gdpa_mxfp8_reference_backward(grad_out, q, k, v, q_offsets, k_offsets,
+                                             **_mxfp8_reference_options(args, num_targets))  # fmt: skip
     if use_triton:
         return gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads=grads)
     return gdpa_reference_backward(
@@ -347,6 +362,13 @@ def _fp8_reference_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> 
     return dict(block=FP8_BLOCK, head_activations=[ACTIVATIONS[i] for i in args.head_activations],
                 pre_scale=args.pre_scale, out_scale=args.out_scale, causal=args.causal, num_targets=num_targets,
                 contextual_len=args.contextual_len, window=args.window)
+
+
+def _mxfp8_reference_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> dict:
+    """The MXFP8 emulation's keyword arguments (no blocks to name: MX's are 32 everywhere)."""
+    options = _fp8_reference_options(args, num_targets)
+    del options["block"]
+    return {**options, "broadcast_q": args.broadcast_q}
 
 
 def _per_head(head_acts: list[int], heads: int) -> list[int]:

@@ -82,7 +82,9 @@ def mx_along_sequence(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
 
 
 def mx_along_keys(p: torch.Tensor) -> torch.Tensor:
-    """fp32 ``p [..., L]`` (non-negative, finite) -> its MX-E4M3 values, blocks of 32 along the last dim."""
+    """fp32 ``p [..., L]`` (finite) -> its MX-E4M3 values, blocks of 32 along the last dim."""
+    if p.numel() == 0:
+        return p.float()
     data, scales = mx_quantize_reference(p, (MX_BLOCK,), "e4m3", "rceil")
     return mx_dequantize_reference(data, scales, (MX_BLOCK,))
 

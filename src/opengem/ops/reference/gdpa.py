@@ -5,6 +5,7 @@ The specification the Triton kernels are tested against and the CPU path of :fun
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Sequence
 
 import torch
@@ -28,6 +29,7 @@ def gdpa(
     contextual_len: int = 0,
     window: int | None = None,
     broadcast_q: bool = False,
+    p_quantizer: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``O_i = out_scale * sum_j [mask_ij] phi_h(pre_scale * q_i . k_j) v_j``; returns q's dtype.
 
@@ -35,12 +37,16 @@ def gdpa(
     ``[B * Lq, H, D]``, sample-major); k, v ``[Tk, H_kv, D]``; offsets ``[B + 1]``. ``out_scale`` is
     ``post_scale / norm``. With any mask option (causal, targets, contextual prefix, window) the sample is
     self-attention (equal q/k lengths) under :func:`attention_mask`; otherwise every key of the sample is
-    visible. Masked pairs contribute exactly 0 (the mask applies after the activation).
+    visible. Masked pairs contribute exactly 0 (the mask applies after the activation). ``p_quantizer`` (the
+    low-precision emulations): applied to each sample's ``P [..., Lq, Lk]`` (keys from the sample's first, masked
+    and padded keys 0) before ``P V``.
     """
+    quantized = p_quantizer or (lambda p: p)
     if not _is_masked(causal, num_targets, contextual_len, window):
-        return _unmasked_forward(q, k, v, q_offsets, k_offsets, head_activations, pre_scale, out_scale, broadcast_q)
+        return _unmasked_forward(q, k, v, q_offsets, k_offsets, head_activations, pre_scale, out_scale, broadcast_q,
+                                 quantized)  # fmt: skip
     outputs = [
-        out_scale * (_weights(scores, mask, head_activations)[0] @ vb).transpose(0, 1)
+        out_scale * (quantized(_weights(scores, mask, head_activations)[0]) @ vb).transpose(0, 1)
         for _, scores, mask, _, vb in _samples(
             q, k, v, q_offsets, k_offsets, pre_scale, causal, num_targets, contextual_len, window, broadcast_q
         )
@@ -227,12 +233,12 @@ def _activate(scores: torch.Tensor, k_valid: torch.Tensor, head_activations, wit
     return weights, slopes.masked_fill(~keep, 0.0)
 
 
-def _unmasked_forward(q, k, v, q_offsets, k_offsets, head_activations, pre_scale, out_scale, broadcast_q):
+def _unmasked_forward(q, k, v, q_offsets, k_offsets, head_activations, pre_scale, out_scale, broadcast_q, quantized):
     rows = q.shape[0] * (k_offsets.numel() - 1) if broadcast_q else q.shape[0]
     out = torch.zeros((rows, *q.shape[1:]), dtype=torch.float32, device=q.device)
     for chunk in _unmasked_chunks(q, k, v, q_offsets, k_offsets, broadcast_q):
         weights, _ = _activate(chunk.scores(pre_scale), chunk.k_valid, head_activations, with_grad=False)
-        out.index_copy_(0, chunk.o_index, chunk.unpad_q(out_scale * (weights @ chunk.v)))
+        out.index_copy_(0, chunk.o_index, chunk.unpad_q(out_scale * (quantized(weights) @ chunk.v)))
     return out.to(q.dtype)
 
 

@@ -95,6 +95,8 @@ _DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
 _INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
+_INTERPRET_MX = Config(16, 32, 1, 1, 2)  # P's MX blocks of 32 keys need key tiles of 32 or more
+MX_BLOCK_KEYS = 32
 
 
 PASSES = ("fwd", "dkdv", "dq")
@@ -336,8 +338,10 @@ def gdpa_forward(
     num_targets: torch.Tensor | None,
     args: GdpaArgs,
     out: torch.Tensor | None = None,
+    p_mx: bool = False,
 ) -> torch.Tensor:
-    """Forward; ``out`` (optional, ``[Tq or B * Lq, H, D]``) is fully overwritten."""
+    """Forward; ``out`` (optional, ``[Tq or B * Lq, H, D]``) is fully overwritten; ``p_mx``: P quantized to
+    MX-E4M3 before ``P V`` (the MXFP8 forward, on operands the caller quantized)."""
     check_triton_head_dim(q.shape[2])
     q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
     batch = k_offsets.numel() - 1
@@ -348,7 +352,7 @@ def gdpa_forward(
     common = _common(q, args, num_targets, k_offsets)
     q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
     masked = common["constexprs"]["MASKED"]
-    kv_block = max(16, triton.next_power_of_2(max(args.max_len_k, 1)))
+    kv_block = max(MX_BLOCK_KEYS if p_mx else 16, triton.next_power_of_2(max(args.max_len_k, 1)))
     # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
     resident_fits = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
     kind = "causal_q" if masked and args.causal else "full"
@@ -369,16 +373,18 @@ def gdpa_forward(
             GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
             TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+            P_MX=p_mx, EXACT=interpreting(),
         )
 
     if interpreting():
-        interpreter_config = _INTERPRET_RESIDENT if resident_fits else _INTERPRET
+        interpreter_config = _INTERPRET_RESIDENT if resident_fits else (_INTERPRET_MX if p_mx else _INTERPRET)
         config = _load_paths((interpreter_config,), tma, head_dim, masked, kv_block)[0]
     else:
         # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
         candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma, head_dim, masked, kv_block)
-        config = _tuned(_tune_key("fwd", q, k, args, common, q_len, k_len) + (resident_fits,), candidates, launch)
+        config = _tuned(_tune_key("fwd", q, k, args, common, q_len, k_len) + (resident_fits, p_mx), candidates,
+                        launch)
     launch(config)
     return out
 

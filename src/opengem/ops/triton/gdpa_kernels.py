@@ -24,6 +24,7 @@ import triton.language as tl
 
 from opengem.ops.triton.activations import activation_value, activation_value_and_grad
 from opengem.ops.triton.masks import key_range, tile_mask
+from opengem.ops.triton.mx import mx_e4m3_rows
 from opengem.ops.triton.ragged_tiles import ragged_tile
 
 
@@ -97,7 +98,10 @@ def gdpa_fwd_kernel(
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr,
     KV_RESIDENT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
+    P_MX: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):
+    """``P_MX``: P quantized to MX-E4M3 per row in blocks of 32 keys before ``P V`` (``precision="mxfp8"``,
+    :mod:`opengem.ops.reference.gdpa_mxfp8`; key tiles are multiples of 32 from the sample's first key)."""
     pid = tl.program_id(0)
     h = pid % num_heads
     item = pid // num_heads
@@ -140,6 +144,8 @@ def gdpa_fwd_kernel(
             if MASKED:
                 p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                        CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
+            if P_MX:
+                p = mx_e4m3_rows(p, BLOCK_M, BLOCK_N, EXACT)
             acc = tl.dot(p.to(v_res.dtype), v_res, input_precision=PRECISION)
         else:
             acc = tl.zeros([BLOCK_M, D], dtype=tl.float32)
@@ -166,6 +172,8 @@ def gdpa_fwd_kernel(
                     if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
                         p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                                CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
+                if P_MX:
+                    p = mx_e4m3_rows(p, BLOCK_M, BLOCK_N, EXACT)
                 acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         out = (acc * out_scale).to(O.dtype.element_ty)
         tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], out, mask=offs_m[:, None] < q_len)
