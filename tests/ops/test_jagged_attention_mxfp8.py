@@ -164,3 +164,22 @@ def test_unknown_precision_is_refused_with_the_choices():
     with pytest.raises(ValueError, match=r"precision must be one of \('bf16', 'fp8', 'mxfp8'\), got 'mxfp4'"):
         jagged_attention(q, k, v, _offsets([4]), 4, precision="mxfp4")
 
+
+
+def test_torch_compile_fullgraph_with_gradients_cpu():
+    """The MXFP8 op under ``torch.compile(fullgraph=True)``: no graph break, the eager output and gradients."""
+    lengths = [6, 2]
+    q, k, v, dout = _inputs(lengths, heads=2, kv_heads=1, head_dim=32)
+    offsets = _offsets(lengths)
+
+    def attend(q, k, v):
+        return jagged_attention(q, k, v, offsets, 6, precision="mxfp8")
+
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    results = {}
+    for name, fn in (("eager", attend), ("compiled", compiled)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves)
+        results[name] = (out, *torch.autograd.grad(out, leaves, dout))
+    for got, want in zip(results["compiled"], results["eager"]):
+        torch.testing.assert_close(got, want)
