@@ -1,5 +1,6 @@
 """FP8 GDPA (``gdpa(..., precision="fp8")``, self- and cross-attention): the Triton kernel (interpreter) against
-the exact emulation, the emulation against fp32, the straight-through backward, and the errors.
+the exact emulation, the emulation against fp32, the straight-through backward, and the errors. The tests that
+hold for any low precision run MXFP8 GDPA too (its own: ``test_gdpa_mxfp8``).
 
 Kernel and emulation share the quantize pass and quantize P alike (one scale per row of each key block), so they
 differ by fp32 rounding only (sums in another order), unless an element lands within an ulp of an E4M3 rounding
@@ -20,23 +21,34 @@ from opengem.ops.reference.gdpa import gdpa as reference
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8, quantize_rows
 from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
 from tests.ops.test_jagged_attention_fp8 import _straight_through
+from tests.ops.test_jagged_attention_mxfp8 import _straight_through as _mx_straight_through
 
 OPTIONS = dict(pre_scale=0.25, post_scale=0.5, norm="max_len")
 ACTIVATIONS = {"fast_gelu": dict(activation="fast_gelu"), "per_head": dict(head_activations=["silu", "gelu_tanh"])}
 
 
-def _gdpa(q, k, v, offsets, backend, **kwargs):
-    return gdpa(q, k, v, offsets, offsets, 37, 37, backend=backend, precision="fp8", **OPTIONS, **kwargs)
+def _gdpa(q, k, v, offsets, backend, precision="fp8", **kwargs):
+    return gdpa(q, k, v, offsets, offsets, 37, 37, backend=backend, precision=precision, **OPTIONS, **kwargs)
 
 
+def _straight_through_operands(precision: str, leaves: list[torch.Tensor], offsets: torch.Tensor) -> list:
+    """The operands each precision multiplies (rotated Q and K, and V, quantized and scaled back), forward as
+    those and backward as the identity (times ``R``): independent of the backwards under test."""
+    if precision == "fp8":
+        return [_straight_through(x, offsets, 32, rotated) for x, rotated in zip(leaves, (True, True, False))]
+    return [_mx_straight_through(x, offsets, rotated) for x, rotated in zip(leaves, (True, True, False))]
+
+
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("activation", list(ACTIVATIONS))
 @pytest.mark.parametrize("mask", ["full", "causal", "all_options", "full_all_options"])
-def test_kernel_matches_emulation(poisoned, mask, activation):  # noqa: F811 (the imported fixture)
+def test_kernel_matches_emulation(poisoned, mask, activation, precision):  # noqa: F811 (the imported fixture)
+    """MXFP8: key tiles of 32 (looping and resident K/V) quantize P in exactly the emulation's blocks."""
     q, k, v, _ = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=1)
     offsets = _offsets(LENGTHS)
     kwargs = {**_mask_kwargs(MASKS[mask]), **ACTIVATIONS[activation]}
-    out = _gdpa(q, k, v, offsets, "triton", **kwargs)
-    emulated = _gdpa(q, k, v, offsets, "reference", **kwargs)
+    out = _gdpa(q, k, v, offsets, "triton", precision, **kwargs)
+    emulated = _gdpa(q, k, v, offsets, "reference", precision, **kwargs)
     assert torch.isfinite(out).all() and _rel(out, emulated) < 1e-5
 
 
@@ -90,16 +102,18 @@ def test_row_scales_keep_small_rows_exact_in_relative_terms():
     assert _rel(p8 * scale, p) < 2e-2
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("mask", ["causal", "all_options"])
-def test_reference_backward_is_the_straight_through_gradient(mask):
+def test_reference_backward_is_the_straight_through_gradient(mask, precision):
     """The op's reference backward: autograd of fp32 GDPA over the straight-through operands (pre_scale / n),
     GQA included, dQ and dK rotated back."""
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=64, seed=3)
     offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = torch.autograd.grad(_gdpa(*leaves, offsets, "reference", activation="silu", **kwargs), leaves, dout)
+    out = _gdpa(*leaves, offsets, "reference", precision, activation="silu", **kwargs)
+    got = torch.autograd.grad(out, leaves, dout)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    st = [_straight_through(x, offsets, 32, rotated) for x, rotated in zip(leaves, (True, True, False))]
+    st = _straight_through_operands(precision, leaves, offsets)
     want_out = gdpa(*st, offsets, offsets, 37, 37, backend="reference", activation="silu",
                     pre_scale=OPTIONS["pre_scale"] / rotation_size(64), post_scale=0.5, norm="max_len", **kwargs)
     want = torch.autograd.grad(want_out, leaves, dout)
@@ -107,8 +121,9 @@ def test_reference_backward_is_the_straight_through_gradient(mask):
         assert _rel(g, w) < 1e-5
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("mask", ["full", "all_options"])
-def test_triton_backward_is_the_reference_one(poisoned, mask):  # noqa: F811 (the imported fixture)
+def test_triton_backward_is_the_reference_one(poisoned, mask, precision):  # noqa: F811 (the imported fixture)
     """Both are GDPA's exact gradient over the same straight-through operands (no log-sum-exp in GDPA), so they
     agree to fp32 rounding; a missing 1 / n or rotation back would show as O(1)."""
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=4)
@@ -116,21 +131,22 @@ def test_triton_backward_is_the_reference_one(poisoned, mask):  # noqa: F811 (th
     grads = {}
     for backend in ("triton", "reference"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = _gdpa(*leaves, offsets, backend, activation="fast_gelu", **kwargs)
+        out = _gdpa(*leaves, offsets, backend, precision, activation="fast_gelu", **kwargs)
         grads[backend] = torch.autograd.grad(out, leaves, dout)
     for got, want in zip(grads["triton"], grads["reference"]):
         assert torch.isfinite(got).all() and _rel(got, want) < 1e-5
 
 
-def test_packed_kv_fp8_gradient_equals_the_unbound_one(poisoned):  # noqa: F811 (the imported fixture)
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_packed_kv_gradient_equals_the_unbound_one(poisoned, precision):  # noqa: F811 (the imported fixture)
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=6)
     offsets = _offsets(LENGTHS)
     kv = torch.stack([k, v], 1).requires_grad_()
     q_leaf = q.clone().requires_grad_()
-    out = gdpa_packed_kv(q_leaf, kv, offsets, offsets, 37, 37, backend="triton", precision="fp8", causal=True)
+    out = gdpa_packed_kv(q_leaf, kv, offsets, offsets, 37, 37, backend="triton", precision=precision, causal=True)
     dq, dkv = torch.autograd.grad(out, (q_leaf, kv), dout)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_unbound = gdpa(*leaves, offsets, offsets, 37, 37, backend="triton", precision="fp8", causal=True)
+    out_unbound = gdpa(*leaves, offsets, offsets, 37, 37, backend="triton", precision=precision, causal=True)
     grads = torch.autograd.grad(out_unbound, leaves, dout)
     assert torch.equal(out, out_unbound) and torch.equal(dq, grads[0]) and torch.equal(dkv, torch.stack(grads[1:], 1))
 

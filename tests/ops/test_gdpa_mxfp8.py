@@ -1,42 +1,20 @@
-"""MXFP8 GDPA (``gdpa(..., precision="mxfp8")``: self-, cross-attention and broadcast_q): the Triton kernels
-(interpreter) against the exact emulation, the emulation against fp32 and its recipe, the straight-through
-backward."""
+"""MXFP8 GDPA (``gdpa(..., precision="mxfp8")``): cross-attention and broadcast_q, kernels (interpreter) against
+the exact emulation forward and backward, and the emulation against its recipe and fp32. Self-attention's kernel,
+backward and packed K/V tests run both low precisions in ``test_gdpa_fp8``."""
 
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import pytest
 import torch
 
-from opengem.ops.gdpa import gdpa, gdpa_packed_kv
+from opengem.ops.gdpa import gdpa
 from opengem.ops.reference.attention_fp8 import rotation_size
 from opengem.ops.reference.attention_mxfp8 import mx_along_keys
 from opengem.ops.reference.gdpa import gdpa as reference
 from opengem.ops.reference.gdpa_mxfp8 import gdpa_mxfp8
 from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
 from tests.ops.test_jagged_attention_mxfp8 import _straight_through
-
-OPTIONS = dict(pre_scale=0.25, post_scale=0.5, norm="max_len")
-ACTIVATIONS = {"fast_gelu": dict(activation="fast_gelu"), "per_head": dict(head_activations=["silu", "gelu_tanh"])}
-
-
-def _gdpa(q, k, v, offsets, backend, **kwargs):
-    return gdpa(q, k, v, offsets, offsets, 37, 37, backend=backend, precision="mxfp8", **OPTIONS, **kwargs)
-
-
-@pytest.mark.parametrize("activation", list(ACTIVATIONS))
-@pytest.mark.parametrize("mask", ["full", "causal", "all_options", "full_all_options"])
-def test_kernel_matches_emulation(poisoned, mask, activation):  # noqa: F811 (the imported fixture)
-    """Key tiles of 32 (looping and resident K/V) quantize P in exactly the emulation's blocks: equal to fp32
-    rounding."""
-    q, k, v, _ = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=1)
-    offsets = _offsets(LENGTHS)
-    kwargs = {**_mask_kwargs(MASKS[mask]), **ACTIVATIONS[activation]}
-    out = _gdpa(q, k, v, offsets, "triton", **kwargs)
-    emulated = _gdpa(q, k, v, offsets, "reference", **kwargs)
-    assert torch.isfinite(out).all() and _rel(out, emulated) < 1e-5
-
 
 def test_cross_attention_and_broadcast_q_match_emulation_forward_and_backward(poisoned):  # noqa: F811
     """Long jagged Q against short K/V (lengths 0, 1, partial and two MX blocks; V blocked by K/V's offsets),
@@ -75,44 +53,3 @@ def test_emulation_is_the_documented_recipe():
     assert _rel(got[:, 0], want) < 1e-6
     fp32 = reference(q, k, v, offsets, offsets, head_activations=["silu"], pre_scale=0.5, out_scale=0.1)
     assert 0.01 < _rel(got, fp32) < 0.1
-
-
-@pytest.mark.parametrize("mask", ["causal", "all_options"])
-def test_reference_backward_is_the_straight_through_gradient(mask):
-    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=64, seed=3)
-    offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    got = torch.autograd.grad(_gdpa(*leaves, offsets, "reference", activation="silu", **kwargs), leaves, dout)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    st = [_straight_through(x, offsets, rotated) for x, rotated in zip(leaves, (True, True, False))]
-    want_out = gdpa(*st, offsets, offsets, 37, 37, backend="reference", activation="silu",
-                    pre_scale=OPTIONS["pre_scale"] / rotation_size(64), post_scale=0.5, norm="max_len", **kwargs)
-    want = torch.autograd.grad(want_out, leaves, dout)
-    for g, w in zip(got, want):
-        assert _rel(g, w) < 1e-5
-
-
-@pytest.mark.parametrize("mask", ["full", "all_options"])
-def test_triton_backward_is_the_reference_one(poisoned, mask):  # noqa: F811 (the imported fixture)
-    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=4)
-    offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
-    grads = {}
-    for backend in ("triton", "reference"):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = _gdpa(*leaves, offsets, backend, activation="fast_gelu", **kwargs)
-        grads[backend] = torch.autograd.grad(out, leaves, dout)
-    for got, want in zip(grads["triton"], grads["reference"]):
-        assert torch.isfinite(got).all() and _rel(got, want) < 1e-5
-
-
-def test_packed_kv_gradient_equals_the_unbound_one(poisoned):  # noqa: F811 (the imported fixture)
-    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=6)
-    offsets = _offsets(LENGTHS)
-    kv = torch.stack([k, v], 1).requires_grad_()
-    q_leaf = q.clone().requires_grad_()
-    out = gdpa_packed_kv(q_leaf, kv, offsets, offsets, 37, 37, backend="triton", precision="mxfp8", causal=True)
-    dq, dkv = torch.autograd.grad(out, (q_leaf, kv), dout)
-    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out_unbound = gdpa(*leaves, offsets, offsets, 37, 37, backend="triton", precision="mxfp8", causal=True)
-    grads = torch.autograd.grad(out_unbound, leaves, dout)
-    assert torch.equal(out, out_unbound) and torch.equal(dq, grads[0]) and torch.equal(dkv, torch.stack(grads[1:], 1))
