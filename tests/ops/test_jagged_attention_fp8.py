@@ -179,9 +179,10 @@ def test_reference_backward_is_the_straight_through_gradient(mask):
         assert _rel(g, w) < 1e-5
 
 
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("mask", ["causal", "all_options"])
-def test_triton_backward_is_the_straight_through_one(poisoned, mask):  # noqa: F811 (the imported fixture)
-    """The kernels' FP8 backward against the reference's: dV the same (P from the forward's logits and
+def test_triton_backward_is_the_straight_through_one(poisoned, mask, precision):  # noqa: F811 (the fixture)
+    """The kernels' FP8 (MXFP8) backward against the reference's: dV the same (P from the forward's logits and
     log-sum-exp); dQ and dK within what the forward's quantized P does to rowsum(dO * O) (measured <= 3e-2 on
     outlier channels; a missing 1 / n or rotation back shows as O(1))."""
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=64, seed=4)
@@ -189,7 +190,7 @@ def test_triton_backward_is_the_straight_through_one(poisoned, mask):  # noqa: F
     grads = {}
     for backend in ("triton", "reference"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = jagged_attention(*leaves, offsets, 37, backend=backend, precision="fp8", **kwargs)
+        out = jagged_attention(*leaves, offsets, 37, backend=backend, precision=precision, **kwargs)
         grads[backend] = torch.autograd.grad(out, leaves, dout)
     (dq, dk, dv), (want_dq, want_dk, want_dv) = grads["triton"], grads["reference"]
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
