@@ -6,7 +6,8 @@ non-causal, L in {1024, 2048} at sparsity 0.5 and 1.0; (b) cross-attention, jagg
 against K/V of 128 and 256 per sample (``--quick``: (a) L 1024 sparsity 1.0 and (b) K/V 256, default configs).
 Per shape: the bf16 and fp8 forwards through ``gdpa`` (fp8: the shared quantize pass included), the fp8 kernel
 alone on pre-quantized inputs and the quantize pass alone, timed in interleaved rounds (the speedups are medians
-of per-round ratios); each forward's backward (fp8: straight through the quantization).
+of per-round ratios), and the MXFP8 op beside them (``precision="mxfp8"``: MX-E4M3 numerics on the bf16
+kernels); each forward's backward (fp8, mxfp8: straight through the quantization).
 Correctness in the same run on the first 8 samples: both outputs against the fp32 reference, and the fp8 kernel
 against its exact emulation (:mod:`opengem.ops.reference.gdpa_fp8`). FLOPs: 4 H D per pair, backward 2.5x.
 
@@ -40,9 +41,11 @@ from opengem.ops.triton.gdpa import GdpaArgs
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
+           "mxfp8_ms", "mxfp8_speedup", "mxfp8_bwd_ms", "mxfp8_err",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "bf16_tflops", "fp8_tflops", "fp8_kernel_tflops",
            "bf16_err", "fp8_err", "err_ratio", "fp8_vs_emulation"]  # fmt: skip
 ERROR_SAMPLES = 8
+PRECISIONS = ("bf16", "fp8", "mxfp8")
 PRE_SCALE = 1 / math.sqrt(HEAD_DIM)
 
 
@@ -78,7 +81,7 @@ def measure(w: Workload) -> dict:
     k_pb = None if w.self_attention else kernels.problem(k, t["k_offsets"], None, args, t["max_len_k"])
     quantized = kernels.quantize(q, k, v, pb, k_pb)
     out = torch.empty_like(q)
-    forwards = {p: _attend(t, p) for p in ("bf16", "fp8")}
+    forwards = {p: _attend(t, p) for p in PRECISIONS}
     with torch.no_grad():
         times = interleaved_ms({
             **forwards,
@@ -102,6 +105,8 @@ def measure(w: Workload) -> dict:
         "quantize_ms": median["quantize"],
         "speedup": paired_speedup(times["bf16"], times["fp8"]),
         "kernel_speedup": paired_speedup(times["bf16"], times["kernel"]),
+        "mxfp8_ms": median["mxfp8"], "mxfp8_speedup": paired_speedup(times["bf16"], times["mxfp8"]),
+        "mxfp8_bwd_ms": backward["mxfp8"],
         "bf16_bwd_ms": backward["bf16"], "fp8_bwd_ms": backward["fp8"],
         "bwd_speedup": backward["bf16"] / backward["fp8"],
         "bf16_tflops": flops / median["bf16"] / 1e9, "fp8_tflops": flops / median["fp8"] / 1e9,
@@ -118,12 +123,13 @@ def _errors(w: Workload, t: dict) -> dict:
     q, k, v = (s[name].detach() for name in ("q", "k", "v"))
     options = dict(head_activations=["fast_gelu"] * HEADS, pre_scale=PRE_SCALE, out_scale=1.0 / s["max_len_k"])
     with torch.no_grad():
-        outs = {p: _attend(s, p)() for p in ("bf16", "fp8")}
+        outs = {p: _attend(s, p)() for p in PRECISIONS}
     want = reference(q.float(), k.float(), v.float(), s["q_offsets"], s["k_offsets"], **options)
     emulated = emulation(q, k, v, s["q_offsets"], s["k_offsets"], block=BLOCK, **options)
     bf16_err, fp8_err = (relative_error(outs[p], want) for p in ("bf16", "fp8"))
     return {"bf16_err": bf16_err, "fp8_err": fp8_err, "err_ratio": fp8_err / bf16_err,
-            "fp8_vs_emulation": relative_error(outs["fp8"], emulated)}  # fmt: skip
+            "fp8_vs_emulation": relative_error(outs["fp8"], emulated),
+            "mxfp8_err": relative_error(outs["mxfp8"], want)}  # fmt: skip
 
 
 def main() -> None:

@@ -116,8 +116,8 @@
 # s20a, then s20b on the same warm machine: the BF16 2000-step run repeated at this commit (label bf16_repeat) in
 #   two calls, then compared with session 14's BF16 run (the spread of one configuration's final NE, code drift
 #   included) and the FP8 attention run of session 19 compared against the repeat (issue 12's bar, 0.3%)
-# s20c (one GPU): the FP8 attention GPU tests (MXFP8 JFA's, new in session 19, among them), then attention_fp8
-#   full (FP8 and MXFP8 against bf16, tuned)
+# s20c (one GPU): the FP8 attention GPU tests (MXFP8 JFA's and GDPA's, new in session 19, among them), then
+#   attention_fp8 full (FP8 and MXFP8 JFA against bf16, tuned) and gdpa_fp8 quick (FP8 and MXFP8 GDPA)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -361,6 +361,7 @@ bf16_repeat_curve() {  # the BF16 run again, resumable like fp8_attention_curve
 chain_s20c() {
   step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
   step attention_fp8_full 330 python -m benchmarks.attention_fp8
+  step gdpa_fp8_quick 150 python -m benchmarks.gdpa_fp8 --quick
 }
 chain_s20a() { step lp_curve_bf16_repeat_part1 560 bf16_repeat_curve --stop-after 420; }
 chain_s20b() {

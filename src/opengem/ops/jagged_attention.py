@@ -385,8 +385,8 @@ def jagged_attention(
             (:mod:`opengem.ops.reference.attention_fp8`). The backward runs JFA's bf16 kernels straight
             through the quantization: on the operands the forward multiplied (quantized and scaled back), so
             its P is the forward's, with dQ and dK rotated back.
-            ``"mxfp8"``: OCP MX-E4M3 with power-of-two scales per 32 elements: Q and K along D, V along each
-            sample's tokens, P along the keys (:mod:`opengem.ops.reference.attention_mxfp8`, which the reference
+            ``"mxfp8"``: OCP MX-E4M3 with power-of-two scales per 32 elements: Q and K (Hadamard-rotated, as
+            for ``"fp8"``) along D, V along each sample's tokens, P along the keys (:mod:`opengem.ops.reference.attention_mxfp8`, which the reference
             path runs and the kernels match); Hopper has no MX tensor cores, so the kernels multiply the MX
             values on the 16-bit ones: MXFP8's numerics at bf16's speed or below, not FP8's speed. Backward
             straight through on JFA's bf16 kernels.

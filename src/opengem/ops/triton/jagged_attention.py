@@ -342,13 +342,16 @@ def _fwd_kernel(
     lo, f_lo, f_hi, hi = _key_tiles(m_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, lo, f_lo,
                                offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
-                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION, P_MX, EXACT)
+                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION,
+                               P_MX, EXACT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_lo, f_hi,
                                offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
-                               HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION, P_MX, EXACT)
+                               HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION,
+                               P_MX, EXACT)
     acc, l_i, m_i = _fwd_tiles(acc, l_i, m_i, q, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi,
                                offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N,
-                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION, P_MX, EXACT)
+                               HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, NEGATIVE_SCALE, USE_TMA, PRECISION,
+                               P_MX, EXACT)
     l_i = tl.where(l_i > 0.0, l_i, 1.0)  # only rows past the sample see nothing
     out = acc / l_i[:, None]
     tl.store(O + (start + offs_m[:, None]) * stride_ot + h * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
