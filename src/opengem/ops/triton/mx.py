@@ -94,11 +94,15 @@ def e4m3_values(x, EXACT: tl.constexpr):
 @triton.jit
 def mx_e4m3_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
     """fp32 ``x [ROWS, COLS]`` (finite; COLS a multiple of 32) -> its MX-E4M3 values in fp32: each row's blocks of
-    32 columns scaled by their power of two (``rceil``: nothing saturates), rounded to E4M3, scaled back."""
+    32 columns scaled by their power of two (``rceil``: nothing saturates), rounded to E4M3, scaled back.
+
+    Plain products, not :func:`mul_exp2`: they are exact but where an input or a result is an fp32 subnormal
+    (under 2^-126) and the GPU flushes it, which moves an attention output by ~1e-38 at most; the guarded
+    products doubled the JFA forward's instructions (sm_90: 3,032 bf16, 5,896 guarded, 3,872 plain, at 128 x 64)."""
     blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
     e = shared_exponent(tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), 8, True)
-    values = e4m3_values(mul_exp2(blocks, -e[:, :, None]), EXACT)
-    return tl.reshape(mul_exp2(values, e[:, :, None]), (ROWS, COLS))
+    values = e4m3_values(blocks * exp2_int(-e[:, :, None]), EXACT)
+    return tl.reshape(values * exp2_int(e[:, :, None]), (ROWS, COLS))
 
 
 @triton.jit(do_not_specialize=["rows"])  # rows (tokens) change every batch; cols is the stride
