@@ -166,3 +166,17 @@ def test_torch_compile_fullgraph_with_gradients_cpu():
         results[name] = (out, *torch.autograd.grad(out, leaves, dout))
     for got, want in zip(results["compiled"], results["eager"]):
         torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_empty_batches(backend):
+    """No tokens (no samples, or empty ones): empty outputs and gradients, JFA and GDPA alike."""
+    from opengem.ops.gdpa import gdpa
+
+    for lengths in ([], [0, 0]):
+        offsets = _offsets(lengths)
+        q = torch.zeros(0, 2, 32, requires_grad=True)
+        out = jagged_attention(q, q, q, offsets, 0, backend=backend, precision="mxfp8")
+        pooled = gdpa(q, q, q, offsets, offsets, 0, 0, backend=backend, precision="mxfp8")
+        (grad,) = torch.autograd.grad(out.sum() + pooled.sum(), q)
+        assert out.shape == pooled.shape == grad.shape == (0, 2, 32)

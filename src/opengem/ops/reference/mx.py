@@ -68,7 +68,7 @@ def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> tuple[torch.Tensor, tup
         n = x.shape[-1]
         pad = (-n) % block[0]
         xp = torch.nn.functional.pad(x, (0, pad))
-        return xp.reshape(*x.shape[:-1], -1, block[0]), x.shape
+        return xp.reshape(*x.shape[:-1], xp.shape[-1] // block[0], block[0]), x.shape  # (no -1: empty x too)
     rows, cols = x.shape
     xp = torch.nn.functional.pad(x, (0, (-cols) % block[1], 0, (-rows) % block[0]))
     rb, cb = xp.shape[0] // block[0], xp.shape[1] // block[1]
@@ -78,7 +78,7 @@ def _blocked(x: torch.Tensor, block: tuple[int, ...]) -> tuple[torch.Tensor, tup
 
 def _unblocked(tiles: torch.Tensor, shape: tuple[int, ...], block: tuple[int, ...]) -> torch.Tensor:
     if len(block) == 1:
-        return tiles.reshape(*shape[:-1], -1)[..., : shape[-1]]
+        return tiles.reshape(*shape[:-1], tiles.shape[-2] * tiles.shape[-1])[..., : shape[-1]]
     rb, cb = tiles.shape[:2]
     full = tiles.reshape(rb, cb, block[0], block[1]).permute(0, 2, 1, 3).reshape(rb * block[0], cb * block[1])
     return full[: shape[0], : shape[1]]
