@@ -8,7 +8,8 @@ Per workload: the bf16 forward and the fp8 forward through the registered op
 alone, beside its floor (a device copy moving the same bytes); each forward's backward through the
 registered op (fp8: straight through the quantization; and the FP8 one with E4M3 S and dP products,
 ``FP8_BACKWARD_PRODUCTS``); the MXFP8 op (``precision="mxfp8"``: MX-E4M3 numerics on the bf16 kernels, not a
-speed mode) forward and backward, with its error; then attention from hidden states ``[T, H D]``
+speed mode) forward and backward, its two parts alone (the torch-op quantization of Q, K, V; the bf16 kernel
+quantizing P), and its error; then attention from hidden states ``[T, H D]``
 through a QKV projection (``qkv_attention``): cuBLAS then the bf16 op, cuBLAS then the FP8 op (quantize pass), and
 the projection that quantizes in its epilogue then the FP8 kernel (``fuse_projection``, issue 12's producer
 fusion); and each projection alone. Correctness in the same
@@ -44,12 +45,15 @@ from opengem.ops.jagged_attention import _problem, attention_pairs
 from opengem.ops.qkv_attention import qkv_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
+from opengem.ops.triton import jagged_attention as jfa_kernels
 from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
+from opengem.ops.triton import jagged_attention_mxfp8 as mxfp8_kernels
 from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
 jagged_attention_op = importlib.import_module("opengem.ops.jagged_attention")  # (the package exports the function)
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms",
-           "speedup", "mxfp8_ms", "mxfp8_speedup", "mxfp8_bwd_ms", "mxfp8_err", "mxfp8_err_outliers",
+           "speedup", "mxfp8_ms", "mxfp8_speedup", "mxfp8_bwd_ms", "mxfp8_quantize_ms", "mxfp8_kernel_ms",
+           "mxfp8_kernel_speedup", "mxfp8_err", "mxfp8_err_outliers",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "fp8_products_bwd_ms", "products_bwd_speedup",
            "projected_bf16_ms", "projected_fp8_ms", "projected_fused_ms", "projected_speedup", "projected_fused_speedup",
            "projection_ms", "fused_projection_ms", "kernel_speedup",
@@ -105,6 +109,10 @@ def measure(wl: Workload) -> dict:
         products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, "fp8"))
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
+    # MXFP8's two parts: the torch-op quantization of Q, K, V, and the bf16 kernel quantizing P in its loop
+    mx_quantize_ms = bench_ms(lambda: mxfp8_kernels.operands(b.q, b.k, b.v, pb))
+    mx_operands = mxfp8_kernels.operands(b.q, b.k, b.v, pb)
+    mx_kernel_ms = bench_ms(lambda: jfa_kernels.forward(*mx_operands, p_mx=True))
     # the pass's floor: a device copy moving its bytes (bf16 Q, K, V read, E4M3 blocks and scales written)
     moved = sum(x.numel() * x.element_size() for x in (b.q, b.k, b.v, *quantized[:6]))
     source = torch.empty(moved // 2, dtype=torch.uint8, device=b.q.device)
@@ -124,6 +132,9 @@ def measure(wl: Workload) -> dict:
         "mxfp8_ms": times["mxfp8"],
         "mxfp8_speedup": times["bf16"] / times["mxfp8"],
         "mxfp8_bwd_ms": bwd_times["mxfp8"],
+        "mxfp8_quantize_ms": mx_quantize_ms,
+        "mxfp8_kernel_ms": mx_kernel_ms,
+        "mxfp8_kernel_speedup": times["bf16"] / mx_kernel_ms,
         "mxfp8_err": errors["mxfp8"],
         "mxfp8_err_outliers": outlier_errors["mxfp8"],
         "bf16_bwd_ms": bwd_times["bf16"],
