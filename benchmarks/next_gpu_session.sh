@@ -118,6 +118,7 @@
 #   included) and the FP8 attention run of session 19 compared against the repeat (issue 12's bar, 0.3%)
 # s20c (one GPU): the FP8 attention GPU tests (MXFP8 JFA's and GDPA's, new in session 19, among them), then
 #   attention_fp8 full (FP8 and MXFP8 JFA against bf16, tuned) and gdpa_fp8 quick (FP8 and MXFP8 GDPA)
+# s20d (one GPU): gem-large b512 under bench train (issue 10; last measured in session 16: 299.8 ms, 26.2%)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -363,6 +364,10 @@ chain_s20c() {
   step attention_fp8_full 330 python -m benchmarks.attention_fp8
   step gdpa_fp8_quick 150 python -m benchmarks.gdpa_fp8 --quick
 }
+chain_s20d() {  # issue 10: gem-large's step at the current commit (last measured in session 16), bf16 stream as then
+  step bench_train_large 300 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s20_bf16_sequence.json"
+}
 chain_s20a() { step lp_curve_bf16_repeat_part1 560 bf16_repeat_curve --stop-after 420; }
 chain_s20b() {
   step lp_curve_bf16_repeat_part2 540 bf16_repeat_curve --resume
@@ -487,7 +492,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
