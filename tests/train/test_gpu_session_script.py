@@ -33,7 +33,10 @@ def run_part(part: str, tmp_path: Path) -> tuple[list[str], list[str]]:
     record = tmp_path / f"{part}.commands"
     out = tmp_path / part
     env = {"PATH": f"{shim}:/usr/bin:/bin", "RECORD": str(record), "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)}
-    subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=SCRIPT.parents[1], env=env, check=True, timeout=120,
+    # a checkout of its own: the script unpacks a carried .compile_cache.tgz and packs .compile_cache/ where it runs
+    checkout = tmp_path / "checkout"
+    (checkout / "benchmarks" / "results").mkdir(parents=True, exist_ok=True)
+    subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=checkout, env=env, check=True, timeout=120,
                    capture_output=True)
     status = (out / "status").read_text().splitlines()
     return status, record.read_text().splitlines() if record.exists() else []
