@@ -188,11 +188,12 @@ def test_numerics_monitoring_logs_each_fp8_layer_and_leaves_training_unchanged(t
         _config(tmp_path, *extra, "numerics_every=10", "numerics_bound=0")
 
 
-def test_numerics_monitoring_covers_fp8_attention(tmp_path):
-    """``gem.attention_precision=fp8`` alone is enough for ``numerics_every``: each FP8 self-attention layer's
-    residual update against its bf16 shadow goes to metrics.jsonl (FP8's few percent)."""
+@pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
+def test_numerics_monitoring_covers_low_precision_attention(tmp_path, precision):
+    """``gem.attention_precision=fp8`` (or ``mxfp8``) alone is enough for ``numerics_every``: each low-precision
+    self-attention layer's residual update against its bf16 shadow goes to metrics.jsonl (a few percent)."""
     extra = ["steps=2", "eval_every=2", "eval_samples=500", "baseline=false", "architecture=gem", "precision=bf16",
-             "gem.attention_precision=fp8", "numerics_every=2", "name=attention"]
+             f"gem.attention_precision={precision}", "numerics_every=2", "name=attention"]
     train(_config(tmp_path, *extra), progress=False)
     records = [json.loads(line) for line in (tmp_path / "attention" / "metrics.jsonl").read_text().splitlines()]
     (numerics,) = [r for r in records if any(key.startswith("numerics/") for key in r)]
