@@ -357,18 +357,21 @@ def _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len
     )
 
 
-def _fp8_reference_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> dict:
-    """The FP8 emulation's keyword arguments (its blocks are the kernel's) for the options in ``args``."""
-    return dict(block=FP8_BLOCK, head_activations=[ACTIVATIONS[i] for i in args.head_activations],
-                pre_scale=args.pre_scale, out_scale=args.out_scale, causal=args.causal, num_targets=num_targets,
+def _emulation_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> dict:
+    """The keyword arguments both low-precision emulations take for the options in ``args``."""
+    return dict(head_activations=[ACTIVATIONS[i] for i in args.head_activations], pre_scale=args.pre_scale,
+                out_scale=args.out_scale, causal=args.causal, num_targets=num_targets,
                 contextual_len=args.contextual_len, window=args.window)
 
 
+def _fp8_reference_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> dict:
+    """The FP8 emulation's keyword arguments: its blocks are the kernel's (it has no ``broadcast_q``)."""
+    return {**_emulation_options(args, num_targets), "block": FP8_BLOCK}
+
+
 def _mxfp8_reference_options(args: GdpaArgs, num_targets: torch.Tensor | None) -> dict:
-    """The MXFP8 emulation's keyword arguments (no blocks to name: MX's are 32 everywhere)."""
-    options = _fp8_reference_options(args, num_targets)
-    del options["block"]
-    return {**options, "broadcast_q": args.broadcast_q}
+    """The MXFP8 emulation's keyword arguments (MX blocks are 32 everywhere: none to name)."""
+    return {**_emulation_options(args, num_targets), "broadcast_q": args.broadcast_q}
 
 
 def _per_head(head_acts: list[int], heads: int) -> list[int]:
