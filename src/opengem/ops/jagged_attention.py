@@ -82,10 +82,7 @@ def _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, s
     from opengem.ops.triton import jagged_attention as kernels
 
     opts = kernels.MaskOptions(causal, contextual_len, None if window == _NO_WINDOW else window)
-    host_targets = None if num_targets is None else host_copy(num_targets)
-    sched = kernels.schedule(host_copy(offsets), host_targets, opts, q.device)
-    targets = None if num_targets is None else num_targets.contiguous()
-    return kernels, kernels.Problem(offsets.contiguous(), targets, sched, opts, max_len, scale)
+    return kernels, kernels.problem(offsets, num_targets, opts, max_len, scale, q.device)
 
 
 def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, precision) -> torch.Tensor:

@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from opengem.jagged.host import host_copy
 from opengem.ops.reference.attention_fp8 import rotation_size
 from opengem.ops.triton import gdpa as gdpa_kernels
 from opengem.ops.triton import jagged_attention as jfa
@@ -144,11 +143,8 @@ def problem(q: torch.Tensor, offsets: torch.Tensor, num_targets: torch.Tensor | 
             max_len: int) -> Problem:  # fmt: skip
     """JFA's schedule and mask options (same semantics) over ``offsets`` for the GDPA problem of ``args``;
     ``max_len`` (the longest sequence) buckets the tuning key."""
-    opts = jfa.MaskOptions(args.causal, args.contextual_len, args.window)
-    host_targets = None if num_targets is None else host_copy(num_targets)
-    sched = jfa.schedule(host_copy(offsets), host_targets, opts, q.device)
-    targets = None if num_targets is None else num_targets.contiguous()
-    return Problem(offsets.contiguous(), targets, sched, opts, max_len, 1.0)
+    return jfa.problem(offsets, num_targets, jfa.MaskOptions(args.causal, args.contextual_len, args.window), max_len,
+                       1.0, q.device)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,

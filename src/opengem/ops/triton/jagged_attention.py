@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from opengem.jagged.host import to_device
+from opengem.jagged.host import host_copy, to_device
 from opengem.ops.triton.masks import key_range, tile_mask
 from opengem.ops.triton.mx import mx_e4m3_rows
 from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok, tma_passes
@@ -652,6 +652,17 @@ class Problem:
 
     def targets_arg(self) -> torch.Tensor:
         return self.offsets if self.num_targets is None else self.num_targets
+
+
+def problem(
+    offsets: torch.Tensor, num_targets: torch.Tensor | None, opts: MaskOptions, max_len: int, scale: float,
+    device: torch.device,
+) -> Problem:
+    """One call's :class:`Problem`: its tile schedule, built from the offsets' (and targets') host mirrors."""
+    host_targets = None if num_targets is None else host_copy(num_targets)
+    sched = schedule(host_copy(offsets), host_targets, opts, device)
+    targets = None if num_targets is None else num_targets.contiguous()
+    return Problem(offsets.contiguous(), targets, sched, opts, max_len, scale)
 
 
 PASSES = tuple(KERNELS)
