@@ -44,6 +44,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     quantize_qkv,
     query_tile,
     rotated_back,
+    rotated_gradient_buffers,
     straight_through_operands,
     straight_through_q_and_kv,
     to_e4m3,
@@ -212,9 +213,7 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
         q_st, k_st, v_st = straight_through_operands(q, k, v, pb)
     else:
         q_st, k_st, v_st = straight_through_q_and_kv(q, k, v, pb, k_pb)
-    dq_st, dk_st = torch.empty_like(q_st), torch.empty_like(k_st)
-    dv = torch.empty_like(v) if grads is None else grads[2]
+    buffers = rotated_gradient_buffers(q_st, k_st, v, grads)
     rotated = dataclasses.replace(args, pre_scale=args.pre_scale / rotation_size(q.shape[2]))  # (q R)(k R)^T = n q k^T
-    gdpa_kernels.gdpa_backward(grad_out, q_st, k_st, v_st, q_offsets, k_offsets, num_targets, rotated,
-                               grads=(dq_st, dk_st, dv))  # fmt: skip
-    return rotated_back(dq_st, dk_st, dv, grads)
+    gdpa_kernels.gdpa_backward(grad_out, q_st, k_st, v_st, q_offsets, k_offsets, num_targets, rotated, grads=buffers)
+    return rotated_back(*buffers, grads)

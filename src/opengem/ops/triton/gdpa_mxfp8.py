@@ -16,7 +16,7 @@ import torch
 from opengem.ops.reference.attention_fp8 import rotation_size
 from opengem.ops.reference.gdpa_mxfp8 import straight_through_operands
 from opengem.ops.triton import gdpa as gdpa_kernels
-from opengem.ops.triton.jagged_attention_fp8 import rotated_back
+from opengem.ops.triton.jagged_attention_fp8 import rotated_back, rotated_gradient_buffers
 
 
 def operands(
@@ -40,8 +40,6 @@ def backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     """``(dq, dk, dv)`` straight through the quantization; ``grads`` as in GDPA's backward."""
     qd, kd, vd, rotated = operands(q, k, v, k_offsets, args)
-    dq_rotated, dk_rotated = torch.empty_like(qd), torch.empty_like(kd)
-    dv = torch.empty_like(v) if grads is None else grads[2]
-    gdpa_kernels.gdpa_backward(grad_out, qd, kd, vd, q_offsets, k_offsets, num_targets, rotated,
-                               grads=(dq_rotated, dk_rotated, dv))  # fmt: skip
-    return rotated_back(dq_rotated, dk_rotated, dv, grads)
+    buffers = rotated_gradient_buffers(qd, kd, v, grads)
+    gdpa_kernels.gdpa_backward(grad_out, qd, kd, vd, q_offsets, k_offsets, num_targets, rotated, grads=buffers)
+    return rotated_back(*buffers, grads)

@@ -433,11 +433,18 @@ def backward(
     head_dim = q.shape[2]
     n = rotation_size(head_dim)
     q_st, k_st, v_st = straight_through_operands(q, k, v, pb)
-    dq_st, dk_st = torch.empty_like(q_st), torch.empty_like(k_st)
-    dv = torch.empty_like(v) if grads is None else grads[2]
+    buffers = rotated_gradient_buffers(q_st, k_st, v, grads)
     rotated_pb = dataclasses.replace(pb, scale=pb.scale / n)  # (q R)(k R)^T = n q k^T
-    jfa.backward(dout, q_st, k_st, v_st, out, lse, rotated_pb, grads=(dq_st, dk_st, dv))
-    return rotated_back(dq_st, dk_st, dv, grads)
+    jfa.backward(dout, q_st, k_st, v_st, out, lse, rotated_pb, grads=buffers)
+    return rotated_back(*buffers, grads)
+
+
+def rotated_gradient_buffers(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Where a straight-through backward writes: new dQ and dK of the rotated operands (:func:`rotated_back` turns
+    them back), and dV (``grads[2]`` when given, else new)."""
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v) if grads is None else grads[2]
 
 
 def rotated_back(

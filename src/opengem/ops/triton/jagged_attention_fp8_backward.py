@@ -37,6 +37,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     query_tile,
     quantize_for_backward,
     rotated_back,
+    rotated_gradient_buffers,
 )
 from opengem.ops.triton.masks import tile_mask
 
@@ -208,11 +209,10 @@ def backward(
     """The FP8 forward's backward with E4M3 ``S`` and ``dP`` products (module docstring); ``grads`` as in JFA's."""
     q, k, v, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout, out))
     total, heads, head_dim = q.shape
-    dq_rot, dk_rot = torch.empty_like(q), torch.empty_like(k)
-    dv = torch.empty_like(v) if grads is None else grads[2]
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
         zeros = [torch.zeros_like(t) for t in (q, k, v)]
         return tuple(zeros) if grads is None else tuple(g.zero_() for g in grads)
+    dq_rot, dk_rot, dv = rotated_gradient_buffers(q, k, v, grads)
     q8, k8, v8, do8, qs, ks, vs, do_s, block_base = quantize_for_backward(q, k, v, dout, pb)
     delta = torch.empty_like(lse)
     n = rotation_size(head_dim)

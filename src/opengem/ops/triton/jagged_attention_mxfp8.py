@@ -17,7 +17,7 @@ import torch
 from opengem.ops.reference.attention_fp8 import rotation_size
 from opengem.ops.reference.attention_mxfp8 import straight_through_operands
 from opengem.ops.triton import jagged_attention as kernels
-from opengem.ops.triton.jagged_attention_fp8 import rotated_back
+from opengem.ops.triton.jagged_attention_fp8 import rotated_back, rotated_gradient_buffers
 
 
 def operands(
@@ -43,7 +43,6 @@ def backward(
     """``dq, dk, dv`` straight through the quantization: JFA's backward on the operands the forward multiplied,
     against its ``out`` and ``lse``, then dQ and dK rotated back; ``grads`` as in JFA's ``backward``."""
     qd, kd, vd, rotated_pb = operands(q, k, v, pb)
-    dq_rotated, dk_rotated = torch.empty_like(qd), torch.empty_like(kd)
-    dv = torch.empty_like(v) if grads is None else grads[2]
-    kernels.backward(dout, qd, kd, vd, out, lse, rotated_pb, grads=(dq_rotated, dk_rotated, dv))
-    return rotated_back(dq_rotated, dk_rotated, dv, grads)
+    buffers = rotated_gradient_buffers(qd, kd, v, grads)
+    kernels.backward(dout, qd, kd, vd, out, lse, rotated_pb, grads=buffers)
+    return rotated_back(*buffers, grads)
