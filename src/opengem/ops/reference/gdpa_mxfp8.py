@@ -17,16 +17,9 @@ from typing import Sequence
 
 import torch
 
-from opengem.ops.reference.attention_fp8 import rotate, rotation_size, unrotate_gradient
-from opengem.ops.reference.attention_mxfp8 import mx_along_head_dim, mx_along_keys, mx_along_sequence
+from opengem.ops.reference.attention_fp8 import rotation_size, unrotate_gradient
+from opengem.ops.reference.attention_mxfp8 import mx_along_keys, straight_through_operands
 from opengem.ops.reference.gdpa import gdpa, gdpa_backward
-
-
-def straight_through_operands(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """What the MXFP8 GDPA multiplies, fp32: rotated Q and K in MX blocks along D, V along K/V's samples."""
-    return mx_along_head_dim(rotate(q)), mx_along_head_dim(rotate(k)), mx_along_sequence(v, k_offsets)
 
 
 def gdpa_mxfp8(

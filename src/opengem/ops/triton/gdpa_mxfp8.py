@@ -14,18 +14,18 @@ import dataclasses
 import torch
 
 from opengem.ops.reference.attention_fp8 import rotation_size
-from opengem.ops.reference.gdpa_mxfp8 import straight_through_operands
 from opengem.ops.triton import gdpa as gdpa_kernels
 from opengem.ops.triton.jagged_attention_fp8 import rotated_back, rotated_gradient_buffers
+from opengem.ops.triton.jagged_attention_mxfp8 import mx_values
 
 
 def operands(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_offsets: torch.Tensor, args: gdpa_kernels.GdpaArgs
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, gdpa_kernels.GdpaArgs]:
-    """Rotated Q and K, and V, as MX-E4M3 values in their own dtypes, and ``args`` with ``pre_scale / n``."""
-    qd, kd, vd = straight_through_operands(q, k, v, k_offsets)
+    """MXFP8 JFA's :func:`~opengem.ops.triton.jagged_attention_mxfp8.mx_values` (V blocked by K/V's offsets), and
+    ``args`` with ``pre_scale / n``."""
     rotated = dataclasses.replace(args, pre_scale=args.pre_scale / rotation_size(q.shape[2]))  # (q R)(k R)^T = n q k^T
-    return qd.to(q.dtype), kd.to(k.dtype), vd.to(v.dtype), rotated
+    return (*mx_values(q, k, v, k_offsets), rotated)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,

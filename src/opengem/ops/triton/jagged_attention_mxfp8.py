@@ -20,14 +20,21 @@ from opengem.ops.triton import jagged_attention as kernels
 from opengem.ops.triton.jagged_attention_fp8 import rotated_back, rotated_gradient_buffers
 
 
+def mx_values(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_offsets: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated Q and K, and V (blocked by ``kv_offsets``), as MX-E4M3 values in their own dtypes: exact in 16 bits,
+    but for values under 2^-24 in fp16. Their logits are ``n`` times Q K^T (``n = rotation_size(D)``)."""
+    qd, kd, vd = straight_through_operands(q, k, v, kv_offsets)
+    return qd.to(q.dtype), kd.to(k.dtype), vd.to(v.dtype)
+
+
 def operands(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: kernels.Problem
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, kernels.Problem]:
-    """Rotated Q and K, and V, as MX-E4M3 values in their own dtypes (exact in 16 bits, but for values under
-    2^-24 in fp16), and ``pb`` with the logit scale ``/ n`` of the rotation."""
-    qd, kd, vd = straight_through_operands(q, k, v, pb.offsets)
+    """:func:`mx_values`, and ``pb`` with the logit scale ``/ n`` of the rotation."""
     rotated_pb = dataclasses.replace(pb, scale=pb.scale / rotation_size(q.shape[2]))  # (q R)(k R)^T = n q k^T
-    return qd.to(q.dtype), kd.to(k.dtype), vd.to(v.dtype), rotated_pb
+    return (*mx_values(q, k, v, pb.offsets), rotated_pb)
 
 
 def forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pb: kernels.Problem) -> tuple[torch.Tensor, torch.Tensor]:
