@@ -63,7 +63,7 @@ class GEMConfig:
     domain_feature: str = "surface"
     event_type_feature: str = "hist_event_type"
     attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on CUDA, reference on CPU
-    # jfa self-attention's arithmetic (issue 12): fp8 (E4M3, block scales) or mxfp8 (MX-E4M3 numerics; not faster)
+    # jfa self-attention's arithmetic (issue 12): fp8 (E4M3, block scales) or mxfp8 (MX-E4M3 numerics)
     attention_precision: Literal["bf16", "fp8", "mxfp8"] = "bf16"
     # The sequence stream S (residual adds, norms' inputs, saved activations) in fp32, or in the forward's
     # compute dtype (bf16 under autocast; FSDP's bf16 parameters already give that). "compute" halves the

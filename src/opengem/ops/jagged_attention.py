@@ -383,10 +383,11 @@ def jagged_attention(
             through the quantization: on the operands the forward multiplied (quantized and scaled back), so
             its P is the forward's, with dQ and dK rotated back.
             ``"mxfp8"``: OCP MX-E4M3 with power-of-two scales per 32 elements: Q and K (Hadamard-rotated, as
-            for ``"fp8"``) along D, V along each sample's tokens, P along the keys (:mod:`opengem.ops.reference.attention_mxfp8`, which the reference
-            path runs and the kernels match); Hopper has no MX tensor cores, so the kernels multiply the MX
-            values on the 16-bit ones: MXFP8's numerics at bf16's speed or below, not FP8's speed. Backward
-            straight through on JFA's bf16 kernels.
+            for ``"fp8"``) along D, V along each sample's tokens, P along the keys
+            (:mod:`opengem.ops.reference.attention_mxfp8`, which the reference path runs and the kernels match).
+            Hopper has no MX tensor cores, so the kernels multiply the MX values on the 16-bit ones: MXFP8's
+            numerics with more work than the bf16 path (not yet timed). Backward straight through on JFA's
+            bf16 kernels.
 
     Returns:
         ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.

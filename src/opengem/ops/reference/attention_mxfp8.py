@@ -19,7 +19,7 @@ E4M3 elements, one power-of-two E8M0 scale per block of 32, ``rceil`` scales so 
 - ``out = (P_mx V_mx) / l`` with fp32 sums.
 
 Hopper has no MX tensor cores: the kernel multiplies the MX values (exactly representable in bf16) on its bf16
-tensor cores, so this mode gives MXFP8's numerics, not FP8's speed (``docs/fp8_attention.md``).
+tensor cores: this mode gives MXFP8's numerics, with more work than the bf16 path (``docs/fp8_attention.md``).
 
 The backward goes straight through the quantization: the gradient of softmax attention over the operands the
 forward multiplied (rotated Q and K, and V, quantized and scaled back; logit scale ``/ n``), against the forward's

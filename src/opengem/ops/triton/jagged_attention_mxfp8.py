@@ -4,7 +4,7 @@ Q and K are rotated and quantized to MX-E4M3 along the head dim, and V along the
 torch ops (the same bits on every device); the forward kernel multiplies those values, exact in 16 bits, with P
 quantized to MX-E4M3 inside its key loop (``P_MX``). Hopper has no MX tensor cores, so this costs the
 quantization on top of the bf16 kernel: it is for training with MXFP8's numerics (what a Blackwell run would
-compute), not for speed. The backward runs JFA's bf16 kernels straight through the quantization, then rotates
+compute); it is not yet timed. The backward runs JFA's bf16 kernels straight through the quantization, then rotates
 dQ and dK back. Specification: :mod:`opengem.ops.reference.attention_mxfp8`.
 """
 
