@@ -119,21 +119,21 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
     return reference_jagged_attention_backward(dout, q, k, v, offsets, **mask)
 
 
+def _kernels(precision: str, backward: bool = False):
+    """The Triton module whose ``forward`` / ``backward`` run a precision: JFA's (bf16), the FP8 one (its backward
+    straight through on JFA's bf16 kernels, or with ``FP8_BACKWARD_PRODUCTS`` the one with E4M3 S and dP
+    products), the MXFP8 one."""
+    from opengem.ops.triton import jagged_attention, jagged_attention_fp8, jagged_attention_fp8_backward
+    from opengem.ops.triton import jagged_attention_mxfp8
+
+    if precision == "fp8" and backward and FP8_BACKWARD_PRODUCTS:
+        return jagged_attention_fp8_backward
+    return {"bf16": jagged_attention, "fp8": jagged_attention_fp8, "mxfp8": jagged_attention_mxfp8}[precision]
+
+
 def _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=None):
-    """The kernels' backward: JFA's, or for an FP8 forward the straight-through one on JFA's bf16 kernels (or, with
-    ``FP8_BACKWARD_PRODUCTS``, the one with E4M3 S and dP products)."""
-    if precision == "fp8":
-        from opengem.ops.triton import jagged_attention_fp8, jagged_attention_fp8_backward
-
-        fp8 = jagged_attention_fp8_backward if FP8_BACKWARD_PRODUCTS else jagged_attention_fp8
-        return fp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
-    if precision == "mxfp8":
-        from opengem.ops.triton import jagged_attention_mxfp8
-
-        return jagged_attention_mxfp8.backward(dout, q, k, v, out, lse, pb, grads=grads)
-    from opengem.ops.triton import jagged_attention as kernels
-
-    return kernels.backward(dout, q, k, v, out, lse, pb, grads=grads)
+    """The kernels' backward of a forward in ``precision`` (:func:`_kernels`)."""
+    return _kernels(precision, backward=True).backward(dout, q, k, v, out, lse, pb, grads=grads)
 
 
 @torch.library.custom_op("opengem::jagged_attention_fwd", mutates_args=())
@@ -161,16 +161,8 @@ def _forward(q, k, v, offsets, num_targets, max_len, causal, contextual_len, win
     if not use_triton:
         out = _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, precision)
         return out, q.new_empty((q.shape[1], 0), dtype=torch.float32)
-    kernels, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
-    if precision == "fp8":
-        from opengem.ops.triton import jagged_attention_fp8
-
-        return jagged_attention_fp8.forward(q, k, v, pb)
-    if precision == "mxfp8":
-        from opengem.ops.triton import jagged_attention_mxfp8
-
-        return jagged_attention_mxfp8.forward(q, k, v, pb)
-    return kernels.forward(q, k, v, pb)
+    _, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+    return _kernels(precision).forward(q, k, v, pb)
 
 
 @_jagged_attention_fwd.register_fake
