@@ -11,40 +11,12 @@ back), in fp32 and rounded to q's dtype, where the bf16 kernel rotates inside it
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import torch
 
-from opengem.jagged.host import host_copy, to_device
+from opengem.jagged.blocks import block_offsets
 from opengem.ops.gdpa import gdpa
 from opengem.ops.jagged_attention import jagged_attention
 from opengem.ops.reference.rotary import apply_rotary
-
-
-_BLOCK_OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # every layer of a model asks for the same
-_BLOCK_OFFSETS_CACHE_SIZE = 16
-
-
-@torch.compiler.disable  # sizes a new offsets tensor from the host copy: one graph break under torch.compile
-def block_offsets(offsets: torch.Tensor, block_size: int) -> torch.Tensor:
-    """``[n_blocks + 1]`` offsets of every block of every sequence, in ``offsets``' dtype and device: each
-    sequence cut into ``block_size``-token blocks from its first token, the last one partial, empty ones none.
-    Cached by the offsets' host values (the layers of one batch share them)."""
-    host = host_copy(offsets).long()
-    key = (host.numpy().tobytes(), block_size, offsets.dtype, str(offsets.device))
-    if key in _BLOCK_OFFSETS:
-        _BLOCK_OFFSETS.move_to_end(key)
-        return _BLOCK_OFFSETS[key]
-    lengths = host[1:] - host[:-1]
-    blocks = torch.div(lengths + block_size - 1, block_size, rounding_mode="floor")
-    sequence = torch.repeat_interleave(torch.arange(lengths.numel()), blocks)
-    first_block = torch.repeat_interleave(torch.cumsum(blocks, 0) - blocks, blocks)
-    starts = host[:-1][sequence] + (torch.arange(sequence.numel()) - first_block) * block_size
-    result = to_device(torch.cat([starts, host[-1:]]).to(offsets.dtype), offsets.device)
-    _BLOCK_OFFSETS[key] = result
-    if len(_BLOCK_OFFSETS) > _BLOCK_OFFSETS_CACHE_SIZE:
-        _BLOCK_OFFSETS.popitem(last=False)
-    return result
 
 
 def block_attention_fp8(

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from opengem.jagged.host import host_copy
+from opengem.jagged.blocks import block_offsets
 from opengem.ops.reference.attention import _length_groups, _pad, _unpad, jagged_attention_backward
 from opengem.ops.reference.attention_fp8 import rotate, rotation_size, unrotate_gradient
 from opengem.ops.reference.masks import batched_attention_mask
@@ -58,15 +58,10 @@ def mx_along_head_dim(x: torch.Tensor) -> torch.Tensor:
 
 def sequence_blocks(offsets: torch.Tensor, total: int) -> tuple[torch.Tensor, int]:
     """Each token's MX block along the sequence (32 tokens of one sample, from its first token) ``[T]`` int64,
-    and the number of blocks (from the offsets' host mirror: no device sync on the kernels' path)."""
-    host_lengths = host_copy(offsets).long().diff()  # (the argument itself: its mirror may be registered)
-    offsets = offsets.long()
-    blocks_per_sample = -(-offsets.diff() // MX_BLOCK)
-    first_block = torch.cumsum(blocks_per_sample, 0) - blocks_per_sample
+    and the number of blocks (:func:`~opengem.jagged.blocks.block_offsets`: cached, from the host mirror)."""
+    starts = block_offsets(offsets, MX_BLOCK)
     tokens = torch.arange(total, device=offsets.device)
-    sample = torch.searchsorted(offsets, tokens, right=True) - 1
-    block = first_block[sample] + (tokens - offsets[sample]) // MX_BLOCK
-    return block, int((-(-host_lengths // MX_BLOCK)).sum())
+    return torch.searchsorted(starts, tokens.to(starts.dtype), right=True) - 1, starts.numel() - 1
 
 
 def mx_along_sequence(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
