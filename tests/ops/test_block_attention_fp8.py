@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from opengem.ops.block_attention import block_attention  # noqa: E402
-from opengem.ops.block_attention_fp8 import block_offsets  # noqa: E402
+from opengem.jagged.blocks import block_offsets  # noqa: E402
 from tests.ops.test_block_attention import _inputs, _offsets, _rotary  # noqa: E402
 
 LENGTHS = [0, 5, 64, 65, 130]  # empty, one partial block, exact, exact + 1, two and a bit
