@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.sass import COUNTED, jit_function, programs_per_sm, sass_cost
+from benchmarks.sass import COUNTED, jit_function, programs_per_sm, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import gdpa as host
 from opengem.ops.triton import gdpa_kernels as kernels
 
@@ -21,16 +21,10 @@ UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=Fal
 
 
 def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
-    """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments).
-    A constexpr left out of ``constants`` takes its default, added to ``constants`` (the launchers leave those
-    at their defaults: ``P_MX``, ``EXACT``)."""
-    params = {param.name: param for param in jit_function(kernel).params}
-
+    """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments);
+    ``constants`` with the defaults of the constexprs a launch leaves out (``sass.with_constexpr_defaults``)."""
     def kind(name: str) -> str:
         if name in constants:
-            return "constexpr"
-        if params[name].is_constexpr and params[name].has_default:
-            constants[name] = params[name].default
             return "constexpr"
         if name.endswith("_desc"):
             rows = constants["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constants["BLOCK_N"]
@@ -67,7 +61,7 @@ def main() -> None:
     for name, label, kernel, constants, config in _variants():
         base = None
         for tma in (False, True):
-            consts = dict(constants, USE_TMA=tma)
+            consts = with_constexpr_defaults(kernel, dict(constants, USE_TMA=tma))
             cost = sass_cost(kernel, signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)
             base = base or cost["instructions"]
             counts = " | ".join(str(cost[op]) for op in COUNTED)

@@ -27,6 +27,13 @@ def jit_function(kernel) -> JITFunction:
     return kernel
 
 
+def with_constexpr_defaults(kernel, constants: dict) -> dict:
+    """``constants`` plus the defaults of the kernel's constexpr parameters it leaves out, as a launch that does not
+    pass them gets them (a signature typing them as runtime arguments would compile branches no launch takes)."""
+    params = jit_function(kernel).params
+    return {**{p.name: p.default for p in params if p.is_constexpr and p.has_default}, **constants}
+
+
 def sass_cost(
     kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1, maxnreg: int | None = None
 ) -> dict[str, int]:

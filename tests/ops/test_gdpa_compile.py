@@ -12,6 +12,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from benchmarks.gdpa_sass import signature as gdpa_signature
+from benchmarks.sass import with_constexpr_defaults
 from opengem.ops.triton import gdpa_kernels as g
 
 TMA_LOAD = "cp.async.bulk.tensor"
@@ -20,6 +21,7 @@ TMA_LOAD = "cp.async.bulk.tensor"
 def compile_sm90(fn, constexprs, num_warps, num_stages):
     # with USE_TMA the *_desc arguments are ragged descriptors of the tile boxes
     tma = constexprs.get("USE_TMA", False)
+    constexprs = with_constexpr_defaults(fn, constexprs)
     signature = gdpa_signature(fn, constexprs, tma)
     kernel = triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
@@ -79,11 +81,12 @@ _NO_REPLICATION_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
 from benchmarks.gdpa_sass import UNMASKED, _variants, signature
-from benchmarks.sass import TARGET, jit_function, replicated_dots
+from benchmarks.sass import TARGET, jit_function, replicated_dots, with_constexpr_defaults
 from opengem.ops.triton import gdpa_kernels as g
 
 
 def ttgir(kernel, constants, num_warps, num_stages):
+    constants = with_constexpr_defaults(kernel, constants)
     source = ASTSource(fn=jit_function(kernel), signature=signature(kernel, constants, True), constexprs=constants)
     return triton.compile(source, target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages)).asm["ttgir"]
 

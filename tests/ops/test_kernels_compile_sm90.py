@@ -101,6 +101,7 @@ _JFA_SCRIPT = r"""
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from benchmarks.sass import with_constexpr_defaults
 from opengem.ops.triton import jagged_attention as j
 
 MASKS = dict(GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGETS=True, SMALL=64, PRECISION="tf32",
@@ -109,7 +110,7 @@ MASKS = dict(GROUP=1, CAUSAL=True, HAS_WINDOW=True, HAS_CONTEXT=True, HAS_TARGET
 
 def ptx(name, kernel, block_m, block_n, num_warps, tma, **extra):
     fn = kernel.fn
-    constexprs = dict(MASKS, USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n, **extra)
+    constexprs = with_constexpr_defaults(fn, dict(MASKS, USE_TMA=tma, BLOCK_M=block_m, BLOCK_N=block_n, **extra))
     rows_m, rows_n = j._TILE_ROWS[name]
 
     def kind(arg):
@@ -132,8 +133,8 @@ def ptx(name, kernel, block_m, block_n, num_warps, tma, **extra):
 
 
 TMA_LOAD = "cp.async.bulk.tensor"
-assert TMA_LOAD in ptx("fwd", j._fwd_kernel, 128, 64, 8, True, NEGATIVE_SCALE=False, P_MX=False, EXACT=False)
-assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False, NEGATIVE_SCALE=True, P_MX=False, EXACT=False)
+assert TMA_LOAD in ptx("fwd", j._fwd_kernel, 128, 64, 8, True, NEGATIVE_SCALE=False)
+assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False, NEGATIVE_SCALE=True)
 for block_m, block_n, warps, tma in ((128, 64, 8, True), (128, 128, 8, True), (64, 64, 4, False)):  # P quantized to MX
     mx = ptx("fwd", j._fwd_kernel, block_m, block_n, warps, tma, NEGATIVE_SCALE=False, P_MX=True, EXACT=False)
     assert "e4m3x2" in mx  # P rounded by the hardware's E4M3 conversion
