@@ -393,6 +393,23 @@ def test_backward_with_fp8_products_matches_its_emulation(monkeypatch, mask):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_mxfp8_operand_pass_matches_the_emulation(head_dim):
+    """MXFP8's Triton operand pass (``mx_values``) on bf16 inputs: V (no rotation) the emulation's bits; rotated Q
+    and K too but for elements whose fp32 sums on the tensor cores round to the neighbouring E4M3 value (the
+    emulation sums in fp64): a few in a million."""
+    from opengem.ops.reference.attention_mxfp8 import straight_through_operands
+    from opengem.ops.triton.jagged_attention_mxfp8 import mx_values
+
+    q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, head_dim=head_dim, seed=23)
+    got = mx_values(q, k, v, offsets)
+    want = straight_through_operands(q, k, v, offsets.long())
+    for g, w, name in zip(got, want, "qkv"):
+        assert g.dtype == torch.bfloat16 and g.shape == w.shape and torch.isfinite(g).all()
+        differs = (g.float() != w).double().mean().item()
+        assert differs == 0.0 if name == "v" else differs < 1e-4, (name, differs)
+
+
 @pytest.mark.parametrize("mask", ["causal", "full", "all_options"])
 @pytest.mark.parametrize("heads, kv_heads, head_dim", [(4, 4, 128), (4, 1, 64)])
 def test_mxfp8_kernel_matches_emulation(mask, heads, kv_heads, head_dim):

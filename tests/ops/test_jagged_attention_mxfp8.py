@@ -16,8 +16,10 @@ from opengem.ops.reference.attention_mxfp8 import (
     mx_along_keys,
     mx_along_sequence,
     sequence_blocks,
+    straight_through_operands,
 )
 from opengem.ops.reference.mx import mx_dequantize_reference, mx_quantize_reference
+from opengem.ops.triton.jagged_attention_mxfp8 import mx_values
 from tests.ops.test_jagged_attention import LENGTHS, MASKS, _inputs, _mask_kwargs, _offsets, _rel, poisoned  # noqa: F401
 
 
@@ -49,6 +51,30 @@ def test_sequence_blocks_start_at_each_sample_and_never_cross_samples():
     poisoned_block = mx_along_sequence(x, offsets)
     assert poisoned_block[40:72, 0, 1].isnan().all() and not poisoned_block[72:, 0, 1].isnan().any()
     assert not poisoned_block[:, 0, 0].isnan().any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_operand_pass_gives_the_emulations_bits(dtype):
+    """The Triton pass (``mx_values``: one launch per operand) against the emulation's ``straight_through_operands``:
+    the same bits for fp32 inputs (rotated in fp64, rounded once) and 16-bit ones (exact products, fp32 sums of a
+    few binades), on strided views (packed QKV), GQA, samples of 0, 1, 33 and 70 tokens, a NaN and an inf that
+    poison their own rows / MX blocks only, and no tokens at all."""
+    lengths = [70, 0, 1, 33]
+    offsets = _offsets(lengths)
+    gen = torch.Generator().manual_seed(21)
+    qkv = (torch.randn(104, 3, 2, 64, generator=gen) * torch.logspace(-2, 2, 64)).to(dtype)
+    q, k, v = qkv[:, 0], qkv[:, 1, :1], qkv[:, 2, :1]  # strided views; K and V one head (GQA)
+    q[5, 1, 40] = float("nan")
+    v[80, 0, 3] = float("inf")
+    got = mx_values(q, k, v, offsets)
+    want = straight_through_operands(q, k, v, offsets)
+    for g, w in zip(got, want):
+        assert g.dtype == dtype and g.is_contiguous()
+        assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.to(dtype).nan_to_num())
+    assert got[0].isnan().sum() == 64 and got[0][5, 1].isnan().all()  # the rotation spreads Q's NaN over its row
+    assert got[2].isnan().sum() == 32 and got[2][71:103, 0, 3].isnan().all()  # V's: one channel of 32 tokens
+    empty = torch.zeros(0, 2, 64, dtype=dtype)
+    assert all(x.shape == (0, 2, 64) for x in mx_values(empty, empty, empty, _offsets([0, 0])))
 
 
 def test_p_quantization_commutes_with_powers_of_two():

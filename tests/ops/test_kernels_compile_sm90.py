@@ -138,6 +138,17 @@ assert TMA_LOAD not in ptx("fwd", j._fwd_kernel, 128, 64, 8, False, NEGATIVE_SCA
 for block_m, block_n, warps, tma in ((128, 64, 8, True), (128, 128, 8, True), (64, 64, 4, False)):  # P quantized to MX
     mx = ptx("fwd", j._fwd_kernel, block_m, block_n, warps, tma, NEGATIVE_SCALE=False, P_MX=True, EXACT=False)
     assert "e4m3x2" in mx  # P rounded by the hardware's E4M3 conversion
+from opengem.ops.triton import jagged_attention_mxfp8 as mx_ops
+for dtype, rotation, rotate, along_sequence, rows, warps in (  # MXFP8's operand pass: Q/K rotated, V along the sequence
+    ("bf16", "bf16", True, False, 128, 8), ("bf16", "bf16", False, True, 32, 4), ("fp32", "fp64", True, False, 128, 8),
+):
+    operand = {"X": f"*{dtype}", "OUT": f"*{dtype}", "R": f"*{rotation}", "block_starts": "*i32"}
+    constexprs = dict(HEAD_DIM=128, BLOCK_T=rows, ROT=128, ROTATE=rotate, ALONG_SEQUENCE=along_sequence, EXACT=False)
+    kernel = mx_ops._mx_operand_kernel
+    signature = {arg: "constexpr" if arg in constexprs else operand.get(arg, "i32") for arg in kernel.arg_names}
+    source = ASTSource(kernel, signature, constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
+    assert "e4m3x2" in compiled.asm["ptx"]  # elements rounded by the hardware's E4M3 conversion
 assert TMA_LOAD in ptx("dq", j._dq_kernel, 128, 64, 8, True)
 assert TMA_LOAD in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=False)
 assert TMA_LOAD not in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=True)  # the tuner's other path
@@ -147,7 +158,7 @@ print("compiled")
 
 def test_jfa_tma_and_pointer_paths_compile_for_sm90():
     """Every JFA pass with ragged TMA loads (5-D descriptors, every mask option), dK/dV's pointer-load configs
-    beside them, and the forward quantizing P to MX (``precision="mxfp8"``) compile for Hopper; the interpreter
+    beside them, and MXFP8's forward quantizing P and its operand pass (``precision="mxfp8"``) compile for Hopper; the interpreter
     tests cannot see a GPU-only compile error."""
     result = run_compiled(_JFA_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]

@@ -105,7 +105,8 @@ def block_attention(
             (:mod:`opengem.ops.block_attention_fp8`; head dims 32-256 on the Triton path). It measured 0.19x
             the bf16 kernel forward and 0.26x backward (H200, session 19): the bf16 kernel runs at copy
             bandwidth, so reading the bf16 inputs to quantize them already costs as much. ``"mxfp8"``: the
-            same composition through the MXFP8 JFA / GDPA (MXFP8's numerics; not yet timed).
+            same composition through the MXFP8 JFA / GDPA (MXFP8's numerics, slower than bf16:
+            ``docs/fp8_attention.md``).
 
     Returns:
         ``[T, H, D]`` in q's dtype. Head dims 32/64/128/256 on the Triton path (block 128 with D = 256 is

@@ -89,8 +89,8 @@ def gdpa(
       ``"mxfp8"`` (every mode, ``broadcast_q`` included): OCP MX-E4M3 numerics, blocks of 32 with power-of-two
       scales, Q and K rotated and blocked along D, V along K/V's samples, P along the keys
       (:mod:`opengem.ops.reference.gdpa_mxfp8`); the kernels multiply the MX values on the 16-bit tensor cores
-      (Hopper has no MX ones): MXFP8's numerics with more work than bf16 (not yet timed); backward straight
-      through.
+      (Hopper has no MX ones): MXFP8's numerics with more work than bf16 (``docs/fp8_attention.md`` has the
+      times); backward straight through.
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,

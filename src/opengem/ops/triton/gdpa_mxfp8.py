@@ -1,9 +1,9 @@
 """MXFP8 GDPA (``gdpa(..., precision="mxfp8")``) on GDPA's kernels: GEM's MXFP8 numerics on any GPU.
 
 As MXFP8 JFA (:mod:`opengem.ops.triton.jagged_attention_mxfp8`): Q and K rotated and quantized to MX-E4M3 along
-the head dim, V along K/V's samples, by the reference's torch ops; the forward kernel multiplies those values
-(exact in 16 bits) with P quantized to MX-E4M3 in blocks of 32 keys (``P_MX``); the backward runs GDPA's bf16
-kernels straight through and rotates dQ and dK back. Self-, cross-attention and ``broadcast_q`` alike.
+the head dim, V along K/V's samples, by its Triton operand pass (``mx_values``); the forward kernel multiplies
+those values (exact in 16 bits) with P quantized to MX-E4M3 in blocks of 32 keys (``P_MX``); the backward runs
+GDPA's bf16 kernels straight through and rotates dQ and dK back. Self-, cross-attention and ``broadcast_q`` alike.
 Specification: :mod:`opengem.ops.reference.gdpa_mxfp8`. Not a speed mode on Hopper (no MX tensor cores).
 """
 

@@ -96,7 +96,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
 
 
 @triton.jit
-def _rotate(x, R, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr):
+def rotate_slices(x, R, BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr):
     """``x R`` on every ``ROT``-wide slice of each row, ``R`` the ``[ROT, ROT]`` +-1 Hadamard block: one MMA
     (products by +-1 are exact, the sums fp32)."""
     offs_n = tl.arange(0, ROT)
@@ -146,7 +146,7 @@ def _quantize_block(X, X8, XS, R, start, row, seq_len, stride_t, h, block_id, nu
     ok = (row + offs_r)[:, None] < seq_len
     x = tl.load(X + (start + row + offs_r[:, None]) * stride_t + offs_d[None, :], mask=ok, other=0.0)
     if ROTATE:
-        x = _rotate(x, R, BLOCK, HEAD_DIM, ROT, PRECISION)
+        x = rotate_slices(x, R, BLOCK, HEAD_DIM, ROT, PRECISION)
     if DEQUANTIZE:
         x8, scale = _e4m3_tile(x.to(tl.float32), EXACT)
         rows = (start + row + offs_r[:, None]).to(tl.int64) * (out_heads * HEAD_DIM)

@@ -105,6 +105,18 @@ def mx_e4m3_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr)
     return tl.reshape(values * exp2_int(e[:, :, None]), (ROWS, COLS))
 
 
+@triton.jit
+def mx_e4m3_rows_nan_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
+    """:func:`mx_e4m3_rows` for any fp32 ``x``: a block holding inf or NaN comes out NaN, as an MX block with the
+    NaN scale dequantizes (for operands from a model; P, which :func:`mx_e4m3_rows` takes, is always finite)."""
+    blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
+    amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
+    finite = (amax_bits < 0x7F800000)[:, :, None]
+    e = shared_exponent(tl.where(amax_bits < 0x7F800000, amax_bits, 0), 8, True)[:, :, None]
+    values = e4m3_values(tl.where(finite, blocks, 0.0) * exp2_int(-e), EXACT) * exp2_int(e)
+    return tl.reshape(tl.where(finite, values, float("nan")), (ROWS, COLS))
+
+
 @triton.jit(do_not_specialize=["rows"])  # rows (tokens) change every batch; cols is the stride
 def _mx_quantize_kernel(
     x_ptr, data_ptr, scale_ptr, rows, cols, scale_cols,

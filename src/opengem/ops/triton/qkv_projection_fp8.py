@@ -21,11 +21,11 @@ from opengem.ops.reference.attention_fp8 import rotation_size
 from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, _tuning_bench, forward_buffers
 from opengem.ops.triton.jagged_attention_fp8 import (
     BLOCK,
-    _rotate,
     _rotation_on,
     _store_quantized,
     attend,
     blocked_buffers,
+    rotate_slices,
 )
 
 # (BLOCK_K, num_warps, num_stages), the first the untuned default. One 128 x D fp32 tile a program: 144-164
@@ -87,10 +87,10 @@ def _project_quantize_kernel(
     y = tl.where(ok[:, None], y, 0.0)  # rows past the sample quantize as zeros, as the quantize pass loads them
     h = operand % heads
     if operand < heads:
-        q = _rotate(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)
+        q = rotate_slices(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)
         _store_quantized(q, Q8, QS, h, block_id, num_blocks, HEAD_DIM, BLOCK, False, EXACT)
     elif operand < 2 * heads:
-        k = _rotate(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)
+        k = rotate_slices(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)
         _store_quantized(k, K8, KS, h, block_id, num_blocks, HEAD_DIM, BLOCK, False, EXACT)
     else:
         _store_quantized(y.to(tl.float32), V8, VS, h, block_id, num_blocks, HEAD_DIM, BLOCK, True, EXACT)
