@@ -158,7 +158,7 @@ print("compiled")
 
 def test_jfa_tma_and_pointer_paths_compile_for_sm90():
     """Every JFA pass with ragged TMA loads (5-D descriptors, every mask option), dK/dV's pointer-load configs
-    beside them, and MXFP8's forward quantizing P and its operand pass (``precision="mxfp8"``) compile for Hopper; the interpreter
-    tests cannot see a GPU-only compile error."""
+    beside them, and MXFP8's forward quantizing P and its operand pass (``precision="mxfp8"``) compile for Hopper;
+    the interpreter tests cannot see a GPU-only compile error."""
     result = run_compiled(_JFA_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]

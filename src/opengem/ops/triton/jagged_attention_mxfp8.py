@@ -104,7 +104,7 @@ def mx_values(
     """Rotated Q and K, and V (blocked by ``kv_offsets``), as MX-E4M3 values in their own dtypes: exact in 16 bits,
     but for values under 2^-24 in fp16. Their logits are ``n`` times Q K^T (``n = rotation_size(D)``); the
     emulation's ``straight_through_operands`` to the rotation's sums (module docstring)."""
-    return _mx_operand(q, rotate=True), _mx_operand(k, rotate=True), _mx_operand(v, rotate=False, kv_offsets=kv_offsets)
+    return _mx_operand(q, True), _mx_operand(k, True), _mx_operand(v, False, kv_offsets=kv_offsets)
 
 
 def operands(
