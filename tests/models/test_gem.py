@@ -226,6 +226,21 @@ def test_low_precision_self_attention_runs_its_emulation(batch, precision):
         _model(dataclasses.replace(config, self_attention="block", attention_precision=precision))
 
 
+def test_late_layers_keep_bf16_attention(batch):
+    """``bf16_attention_last_layers=N``: the last N layers' self-attention in bf16, the others in the low precision;
+    N = num_layers is the bf16 model bit for bit; N outside [0, num_layers] is refused with the range."""
+    config = dataclasses.replace(SMALL, d_model=64, num_heads=2, num_layers=3, attention_precision="fp8")
+    model = _model(dataclasses.replace(config, bf16_attention_last_layers=1))
+    assert [layer.self_attention.precision for layer in model.layers] == ["fp8", "fp8", "bf16"]
+    plain = _model(dataclasses.replace(config, attention_precision="bf16"))
+    all_bf16 = _model(dataclasses.replace(config, bf16_attention_last_layers=3))
+    assert torch.equal(all_bf16(batch), plain(batch))
+    assert not torch.equal(model(batch), plain(batch)) and not torch.equal(model(batch), _model(config)(batch))
+    for bad in (-1, 4):
+        with pytest.raises(ValueError, match=rf"bf16_attention_last_layers must be in \[0, num_layers = 3\], got {bad}"):
+            _model(dataclasses.replace(config, bf16_attention_last_layers=bad))
+
+
 @pytest.mark.parametrize("self_attention", ["jfa", "block"])
 def test_sequence_stream_in_the_compute_dtype(batch, self_attention):
     """``sequence_dtype="compute"``: under bf16 autocast the sequence enters every layer in bf16, the

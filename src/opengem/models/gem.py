@@ -65,6 +65,9 @@ class GEMConfig:
     attention_backend: Literal["auto", "triton", "reference"] = "auto"  # auto: Triton on CUDA, reference on CPU
     # jfa self-attention's arithmetic (issue 12): fp8 (E4M3, block scales) or mxfp8 (MX-E4M3 numerics)
     attention_precision: Literal["bf16", "fp8", "mxfp8"] = "bf16"
+    # ... except in the last N layers, whose self-attention stays in bf16: GEM's lever of keeping the sensitive
+    # late layers in BF16 (GEM_SPEC section 5)
+    bf16_attention_last_layers: int = 0
     # The sequence stream S (residual adds, norms' inputs, saved activations) in fp32, or in the forward's
     # compute dtype (bf16 under autocast; FSDP's bf16 parameters already give that). "compute" halves the
     # element-wise traffic of the sequence branch: on CPU, gem-small at batch 256 moved 25.7 GB in its
@@ -79,7 +82,10 @@ class GEMConfig:
 class GEMLayer(nn.Module):
     """One interleaved layer: summaries of both sides, the sequence branch, the interaction branch."""
 
-    def __init__(self, num_tokens: int, config: GEMConfig, last: bool) -> None:
+    def __init__(
+        self, num_tokens: int, config: GEMConfig, last: bool, attention_precision: str | None = None
+    ) -> None:
+        """``attention_precision``: this layer's self-attention arithmetic (default ``config.attention_precision``)."""
         super().__init__()
         d = config.d_model
         self.x_summary = self.pffn = self.self_attention = self.s_summary = None
@@ -91,7 +97,7 @@ class GEMLayer(nn.Module):
             self.self_attention = SequenceSelfAttention(
                 d, config.num_heads, config.self_attention, window=config.window, block_size=config.block_size,
                 contextual_len=config.num_cls, ffn_mult=config.ffn_mult, time_scale=config.time_scale,
-                backend=config.attention_backend, precision=config.attention_precision,
+                backend=config.attention_backend, precision=attention_precision or config.attention_precision,
             )  # fmt: skip
             if config.use_wukong or last:  # S_sum feeds the interaction branch, or the heads after the last layer
                 seeds = config.num_seeds if config.use_pooling else 0
@@ -151,6 +157,9 @@ class GEM(nn.Module):
             raise ValueError(f"event_type_feature {config.event_type_feature!r} must name a sequence feature")
         if config.num_layers < 1:
             raise ValueError(f"num_layers must be >= 1, got {config.num_layers}")
+        if not 0 <= config.bf16_attention_last_layers <= config.num_layers:
+            raise ValueError(f"bf16_attention_last_layers must be in [0, num_layers = {config.num_layers}], "
+                             f"got {config.bf16_attention_last_layers}")  # fmt: skip
         if config.d_model % config.num_heads:
             raise ValueError(f"d_model {config.d_model} must be divisible by num_heads {config.num_heads}")
         if config.sequence_dtype not in ("fp32", "compute"):
@@ -185,9 +194,12 @@ class GEM(nn.Module):
             self.cls_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
             self.cls_proj = nn.Linear(config.num_summary_tokens * d, config.num_cls * d)
             self.cls = nn.Parameter(torch.randn(config.num_cls, d) * 0.02)
+        low_precision_layers = config.num_layers - config.bf16_attention_last_layers
         self.layers = nn.ModuleList(
-            GEMLayer(num_tokens, config, last=i == config.num_layers - 1) for i in range(config.num_layers)
-        )
+            GEMLayer(num_tokens, config, last=i == config.num_layers - 1,
+                     attention_precision=config.attention_precision if i < low_precision_layers else "bf16")
+            for i in range(config.num_layers)
+        )  # fmt: skip
         self.final_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
         summary_tokens = self.layers[-1].s_summary.num_tokens if config.use_sequence else 0
         head_in = (config.num_summary_tokens + summary_tokens) * d
