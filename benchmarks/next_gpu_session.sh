@@ -121,9 +121,9 @@
 # s20d (one GPU): gem-large b512 under bench train (issue 10; last measured in session 16: 299.8 ms, 26.2%)
 # s21a (one GPU): MXFP8's Triton operand pass (new after session 20): the FP8/MXFP8 attention GPU tests, then
 #   attention_fp8 quick (MXFP8 JFA's op with the pass, against bf16)
-# s21b, s21c, s21d on the same warm machine: issue 12's NE verdict on a second seed: the BF16 run with seed 1
-#   (s21b, resumed in s21c if it stopped), then FP8 attention + FP8 MLPs with seed 1 (started in s21c, resumed in
-#   s21d), compared with each other (bar 0.3%)
+# s21b, then s21c on the same warm machine: issue 12's NE run with GEM's late-layer lever: FP8 attention in all but
+#   the last 2 layers (gem.bf16_attention_last_layers=2) + FP8 MLPs, seed 0, compared with both BF16 runs (bar 0.3%)
+# s21d, then s21e on the same warm machine: the BF16 run with seed 1 (the baseline of a later FP8 run on seed 1)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -384,23 +384,23 @@ chain_s21a() {  # issue 12: MXFP8's operand pass on the GPU (tests, then the op'
   step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
   step attention_fp8_quick 150 python -m benchmarks.attention_fp8 --quick
 }
-bf16_seed1_curve() {  # issue 12's NE bar on a second seed: the BF16 half, resumable
+bf16_seed1_curve() {  # the BF16 run on a second seed, resumable (its FP8 partner comes in a later session)
   untuned_curve --variant none --label bf16_seed1 --set seed=1 --checkpoint-dir runs/curve_bf16_seed1 "$@"
 }
-fp8_seed1_curve() {  # ... and the FP8 attention + FP8 MLPs half
-  untuned_curve --variant fp8_rowwise --label fp8_attention_seed1 --set seed=1 --set gem.attention_precision=fp8 \
-    --checkpoint-dir runs/curve_fp8_attention_seed1 "$@"
+fp8_late_bf16_curve() {  # issue 12's NE run with the last 2 of gem-small's 8 attention layers in bf16, resumable
+  untuned_curve --variant fp8_rowwise --label fp8_attention_late_bf16 --set gem.attention_precision=fp8 \
+    --set gem.bf16_attention_last_layers=2 --checkpoint-dir runs/curve_fp8_attention_late_bf16 "$@"
 }
-chain_s21b() { step lp_curve_bf16_seed1_part1 560 bf16_seed1_curve --stop-after 450; }
-chain_s21c() {  # the BF16 half's rest (nothing when it finished in s21b), then the FP8 half's start
-  step lp_curve_bf16_seed1_part2 300 bf16_seed1_curve --resume
-  step lp_curve_fp8_seed1_part1 400 fp8_seed1_curve --stop-after 280
+chain_s21b() { step lp_curve_fp8_late_bf16_part1 560 fp8_late_bf16_curve --stop-after 450; }
+chain_s21c() {
+  step lp_curve_fp8_late_bf16_part2 400 fp8_late_bf16_curve --resume
+  step lp_curves_fp8_late_bf16_vs_repeat 30 untuned_curve --compare --variant fp8_rowwise \
+    --label fp8_attention_late_bf16 --baseline bf16_repeat --bar 0.003
+  step lp_curves_fp8_late_bf16 30 untuned_curve --compare --variant fp8_rowwise --label fp8_attention_late_bf16 \
+    --bar 0.003
 }
-chain_s21d() {
-  step lp_curve_fp8_seed1_part2 540 fp8_seed1_curve --resume
-  step lp_curves_fp8_seed1 30 untuned_curve --compare --variant fp8_rowwise --label fp8_attention_seed1 \
-    --baseline bf16_seed1 --bar 0.003
-}
+chain_s21d() { step lp_curve_bf16_seed1_part1 560 bf16_seed1_curve --stop-after 450; }
+chain_s21e() { step lp_curve_bf16_seed1_part2 300 bf16_seed1_curve --resume; }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -512,13 +512,13 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_seed1_curve multi large_single curves_single predict
+export -f tests train small_train small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
