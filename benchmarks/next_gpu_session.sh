@@ -120,7 +120,7 @@
 #   attention_fp8 full (FP8 and MXFP8 JFA against bf16, tuned) and gdpa_fp8 quick (FP8 and MXFP8 GDPA)
 # s20d (one GPU): gem-large b512 under bench train (issue 10; last measured in session 16: 299.8 ms, 26.2%)
 # s21a (one GPU): MXFP8's Triton operand pass (new after session 20): the FP8/MXFP8 attention GPU tests, then
-#   attention_fp8 quick (MXFP8 JFA's op with the pass, against bf16)
+#   attention_fp8 quick (MXFP8 JFA's op with the pass, against bf16); then benchmarks.diag.gdpa_small_overhead
 # s21b, then s21c on the same warm machine: issue 12's NE run with GEM's late-layer lever: FP8 attention in all but
 #   the last 2 layers (gem.bf16_attention_last_layers=2) + FP8 MLPs, seed 0, compared with both BF16 runs (bar 0.3%)
 # s21d, then s21e on the same warm machine: the BF16 run with seed 1 (the baseline of a later FP8 run on seed 1)
@@ -380,9 +380,11 @@ chain_s20b() {
   step lp_curves_fp8_attention_vs_repeat 30 untuned_curve --compare --variant fp8_rowwise \
     --label fp8_attention_straight_through --baseline bf16_repeat --bar 0.003
 }
-chain_s21a() {  # issue 12: MXFP8's operand pass on the GPU (tests, then the op's time against bf16)
+chain_s21a() {  # issue 12: MXFP8's operand pass on the GPU (tests, then the op's time against bf16); issue 4: where
+  # GDPA's op time goes on short ragged batches (L256 s0.5: 0.816 ms op against a 0.298 ms launch)
   step fp8_attention_gpu_tests 150 tests tests/gpu/test_fp8_attention_gpu.py
   step attention_fp8_quick 150 python -m benchmarks.attention_fp8 --quick
+  step gdpa_small_overhead 150 python -m benchmarks.diag.gdpa_small_overhead
 }
 bf16_seed1_curve() {  # the BF16 run on a second seed, resumable (its FP8 partner comes in a later session)
   untuned_curve --variant none --label bf16_seed1 --set seed=1 --checkpoint-dir runs/curve_bf16_seed1 "$@"

@@ -1,0 +1,102 @@
+"""Where GDPA's op time goes on short ragged batches: issue 4's (a) L256 s0.5 forward took 0.816 ms in session 20
+against 0.298 ms for its tuned kernel launch alone and 0.437 ms for the op in session 10 (its bar, 3x the compiled
+padded reference, met then and missed now), while L256 s1.0's op ran at its launch's time (0.534 / 0.516 ms).
+
+For each workload (the (a) L256 / L512 ones of ``benchmarks.gdpa``), forward and backward:
+- ``op_ms``: the op through ``opengem.ops.gdpa`` as the benchmark times it (``do_bench``: host time shows once it
+  exceeds the device's),
+- ``graph_ms``: the same calls replayed from a CUDA graph (device time only; None where a call syncs),
+- ``host_ms``: host time per call, enqueued back to back without a sync (the device catches up at the end),
+- ``syncs``: whether a call synchronizes with the device (``torch.cuda.set_sync_debug_mode("error")``),
+- the forward again with every load on pointers (``TMA_PASSES`` empty), and the profiler's top host ops of 5 calls.
+
+Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_small_overhead``; writes
+``benchmarks/results/gdpa_small_overhead.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from benchmarks.common import bench_graph_ms, bench_ms, write_results
+from benchmarks.gdpa import _ours, _tensors, workloads
+from opengem.ops.triton import gdpa as host
+
+NAMES = ("a self L=256 s=0.5", "a self L=256 s=1.0", "a self L=512 s=0.5")
+HOST_CALLS = 200
+
+
+def _host_ms(fn: Callable[[], Any]) -> float:
+    """Mean host milliseconds per call, calls enqueued back to back (no sync between them)."""
+    torch.cuda.synchronize()
+    began = time.perf_counter()
+    for _ in range(HOST_CALLS):
+        fn()
+    elapsed = time.perf_counter() - began
+    torch.cuda.synchronize()
+    return elapsed * 1e3 / HOST_CALLS
+
+
+def _syncs(fn: Callable[[], Any]) -> str | None:
+    """The error a synchronizing call raises under sync debug mode "error", else None."""
+    torch.cuda.synchronize()
+    mode = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        fn()
+        return None
+    except RuntimeError as exc:
+        return str(exc).splitlines()[0][:300]
+    finally:
+        torch.cuda.set_sync_debug_mode(mode)
+        torch.cuda.synchronize()
+
+
+def _top_host_ops(fn: Callable[[], Any], calls: int = 5, top: int = 12) -> list[tuple[str, float]]:
+    """(name, host ms per call) of the profiler's CPU ops with the most self time."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:top]
+    return [(e.key[:80], e.self_cpu_time_total / 1e3 / calls) for e in rows]
+
+
+def _measure(fn: Callable[[], Any]) -> dict[str, Any]:
+    fn()
+    torch.cuda.synchronize()
+    return {"op_ms": bench_ms(fn), "graph_ms": bench_graph_ms(fn), "host_ms": _host_ms(fn), "syncs": _syncs(fn)}
+
+
+def main() -> None:
+    rows = []
+    for w in (w for w in workloads(quick=False) if w.name in NAMES):
+        t = _tensors(w, "cuda")
+        forward = _ours(w, t)
+        leaves = (t["q"], t["k"], t["v"])
+        out = forward()
+        grad = torch.randn_like(out)
+        with torch.no_grad():
+            row: dict[str, Any] = {"workload": w.name, "fwd": _measure(forward)}
+        row["bwd"] = _measure(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
+        with torch.no_grad():
+            row["fwd_top_host_ops"] = _top_host_ops(forward)
+            passes = host.TMA_PASSES
+            host.TMA_PASSES = frozenset()  # pointer loads everywhere (other candidates: tuned anew)
+            try:
+                row["fwd_pointer_loads"] = _measure(forward)
+            finally:
+                host.TMA_PASSES = passes
+        bucket = host._bucket(int(w.q_lengths.max()))
+        row["tuning"] = [r for r in host.tuning_report() if r["pass"] == "fwd" and r["bucket_q"] == bucket]
+        rows.append(row)
+        print(row, flush=True)
+    write_results("gdpa_small_overhead", rows)
+
+
+if __name__ == "__main__":
+    main()
