@@ -53,28 +53,28 @@ def test_sequence_blocks_start_at_each_sample_and_never_cross_samples():
     assert not poisoned_block[:, 0, 0].isnan().any()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_operand_pass_gives_the_emulations_bits(dtype):
+@pytest.mark.parametrize("dtype, head_dim", [(torch.float32, 64), (torch.float16, 64), (torch.float32, 16)])
+def test_operand_pass_gives_the_emulations_bits(dtype, head_dim):
     """The Triton pass (``mx_values``: one launch per operand) against the emulation's ``straight_through_operands``:
     the same bits for fp32 inputs (rotated in fp64, rounded once) and 16-bit ones (exact products, fp32 sums of a
     few binades), on strided views (packed QKV), GQA, samples of 0, 1, 33 and 70 tokens, a NaN and an inf that
-    poison their own rows / MX blocks only, and no tokens at all."""
+    poison their own rows / MX blocks only, and no tokens at all; D 16 as one zero-padded block of 32."""
     lengths = [70, 0, 1, 33]
     offsets = _offsets(lengths)
     gen = torch.Generator().manual_seed(21)
-    qkv = (torch.randn(104, 3, 2, 64, generator=gen) * torch.logspace(-2, 2, 64)).to(dtype)
+    qkv = (torch.randn(104, 3, 2, head_dim, generator=gen) * torch.logspace(-2, 2, head_dim)).to(dtype)
     q, k, v = qkv[:, 0], qkv[:, 1, :1], qkv[:, 2, :1]  # strided views; K and V one head (GQA)
-    q[5, 1, 40] = float("nan")
+    q[5, 1, head_dim // 2] = float("nan")
     v[80, 0, 3] = float("inf")
     got = mx_values(q, k, v, offsets)
     want = straight_through_operands(q, k, v, offsets)
     for g, w in zip(got, want):
         assert g.dtype == dtype and g.is_contiguous()
         assert torch.equal(g.isnan(), w.isnan()) and torch.equal(g.nan_to_num(), w.to(dtype).nan_to_num())
-    assert got[0].isnan().sum() == 64 and got[0][5, 1].isnan().all()  # the rotation spreads Q's NaN over its row
+    assert got[0].isnan().sum() == head_dim and got[0][5, 1].isnan().all()  # the rotation spreads Q's NaN: its row
     assert got[2].isnan().sum() == 32 and got[2][71:103, 0, 3].isnan().all()  # V's: one channel of 32 tokens
-    empty = torch.zeros(0, 2, 64, dtype=dtype)
-    assert all(x.shape == (0, 2, 64) for x in mx_values(empty, empty, empty, _offsets([0, 0])))
+    empty = torch.zeros(0, 2, head_dim, dtype=dtype)
+    assert all(x.shape == (0, 2, head_dim) for x in mx_values(empty, empty, empty, _offsets([0, 0])))
 
 
 def test_p_quantization_commutes_with_powers_of_two():
@@ -101,6 +101,13 @@ def test_kernel_matches_emulation(poisoned, mask):  # noqa: F811 (the imported f
     got, _ = _forward(LENGTHS, 2, 1, 32, "triton", **kwargs)
     want, _ = _forward(LENGTHS, 2, 1, 32, "reference", **kwargs)
     assert torch.isfinite(got).all()
+    assert (got - want).abs().max() < 1e-5
+
+
+def test_kernel_matches_emulation_at_head_dim_16():
+    """D 16, the Triton path's smallest: Q and K quantize as one zero-padded block of 32 along D, as the emulation."""
+    got, _ = _forward(LENGTHS, 2, 1, 16, "triton")
+    want, _ = _forward(LENGTHS, 2, 1, 16, "reference")
     assert (got - want).abs().max() < 1e-5
 
 

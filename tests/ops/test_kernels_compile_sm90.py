@@ -143,7 +143,8 @@ for dtype, rotation, rotate, along_sequence, rows, warps in (  # MXFP8's operand
     ("bf16", "bf16", True, False, 128, 8), ("bf16", "bf16", False, True, 32, 4), ("fp32", "fp64", True, False, 128, 8),
 ):
     operand = {"X": f"*{dtype}", "OUT": f"*{dtype}", "R": f"*{rotation}", "block_starts": "*i32"}
-    constexprs = dict(HEAD_DIM=128, BLOCK_T=rows, ROT=128, ROTATE=rotate, ALONG_SEQUENCE=along_sequence, EXACT=False)
+    constexprs = dict(HEAD_DIM=128, BLOCK_T=rows, ROT=128, ROTATE=rotate, ALONG_SEQUENCE=along_sequence, EXACT=False,
+                      HEAD_DIM_BLOCK=32)
     kernel = mx_ops._mx_operand_kernel
     signature = {arg: "constexpr" if arg in constexprs else operand.get(arg, "i32") for arg in kernel.arg_names}
     source = ASTSource(kernel, signature, constexprs)

@@ -44,11 +44,12 @@ ROWS_ALONG_HEAD_DIM = 32 if _INTERPRET else 128
 def _mx_operand_kernel(
     X, OUT, R, block_starts, rows, stride_t, stride_h, heads,
     HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, ROT: tl.constexpr, ROTATE: tl.constexpr,
-    ALONG_SEQUENCE: tl.constexpr, EXACT: tl.constexpr,
+    ALONG_SEQUENCE: tl.constexpr, EXACT: tl.constexpr, HEAD_DIM_BLOCK: tl.constexpr,
 ):  # fmt: skip
     """Program (token tile, head): ``BLOCK_T`` tokens of one head of ``X``, rotated when ``ROTATE``, to MX-E4M3
     values in ``OUT`` (contiguous ``[T, heads, D]``, X's dtype): blocks of 32 along the head dim, or with
-    ``ALONG_SEQUENCE`` (``BLOCK_T`` 32) one block of tokens ``block_starts[i] .. block_starts[i + 1]`` per channel."""
+    ``ALONG_SEQUENCE`` (``BLOCK_T`` 32) one block of tokens ``block_starts[i] .. block_starts[i + 1]`` per channel.
+    ``HEAD_DIM_BLOCK``: 32, or the head dim when it is shorter (D 16: one zero-padded block, as the emulation's)."""
     h = tl.program_id(1)
     if ALONG_SEQUENCE:
         start = tl.load(block_starts + tl.program_id(0)).to(tl.int64)
@@ -67,9 +68,9 @@ def _mx_operand_kernel(
             x = rotate_slices(x, R, BLOCK_T, HEAD_DIM, ROT, "tf32")
     x = x.to(tl.float32)
     if ALONG_SEQUENCE:
-        values = tl.trans(mx_e4m3_rows_nan_blocks(tl.trans(x), HEAD_DIM, BLOCK_T, EXACT))
+        values = tl.trans(mx_e4m3_rows_nan_blocks(tl.trans(x), HEAD_DIM, BLOCK_T, BLOCK_T, EXACT))
     else:
-        values = mx_e4m3_rows_nan_blocks(x, BLOCK_T, HEAD_DIM, EXACT)
+        values = mx_e4m3_rows_nan_blocks(x, BLOCK_T, HEAD_DIM, HEAD_DIM_BLOCK, EXACT)
     out = OUT + tokens[:, None] * (heads * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
     tl.store(out, values.to(OUT.dtype.element_ty), mask=inside)
 
@@ -93,6 +94,7 @@ def _mx_operand(x: torch.Tensor, rotate: bool, kv_offsets: torch.Tensor | None =
         _mx_operand_kernel[grid](
             x, out, rotation, starts, tokens, x.stride(0), x.stride(1), heads, HEAD_DIM=head_dim, BLOCK_T=block_t,
             ROT=n, ROTATE=rotate, ALONG_SEQUENCE=kv_offsets is not None, EXACT=_INTERPRET,
+            HEAD_DIM_BLOCK=min(MX_BLOCK, head_dim),
             num_warps=QUANTIZE_WARPS.get(head_dim, 4) if block_t > MX_BLOCK else 4,
         )  # fmt: skip
     return out

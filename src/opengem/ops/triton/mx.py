@@ -106,10 +106,11 @@ def mx_e4m3_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr)
 
 
 @triton.jit
-def mx_e4m3_rows_nan_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
+def mx_e4m3_rows_nan_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
     """:func:`mx_e4m3_rows` for any fp32 ``x``: a block holding inf or NaN comes out NaN, as an MX block with the
-    NaN scale dequantizes (for operands from a model; P, which :func:`mx_e4m3_rows` takes, is always finite)."""
-    blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
+    NaN scale dequantizes (for operands from a model; P, which :func:`mx_e4m3_rows` takes, is always finite).
+    ``BLOCK``: 32, or COLS when a row is shorter (one block zero-padded to 32: the padding leaves its maximum)."""
+    blocks = tl.reshape(x, (ROWS, COLS // BLOCK, BLOCK))
     amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
     finite = (amax_bits < 0x7F800000)[:, :, None]
     e = shared_exponent(tl.where(amax_bits < 0x7F800000, amax_bits, 0), 8, True)[:, :, None]
