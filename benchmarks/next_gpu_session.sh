@@ -123,7 +123,8 @@
 #   attention_fp8 quick (MXFP8 JFA's op with the pass, against bf16); then benchmarks.diag.gdpa_small_overhead
 # s21b, then s21c on the same warm machine: issue 12's NE run with GEM's late-layer lever: FP8 attention in all but
 #   the last 2 layers (gem.bf16_attention_last_layers=2) + FP8 MLPs, seed 0, compared with both BF16 runs (bar 0.3%)
-# s21d, then s21e on the same warm machine: the BF16 run with seed 1 (the baseline of a later FP8 run on seed 1)
+# s21d (one GPU): gem-large b512 with FP8 MLPs under bench train (issue 10's 1.2x samples/s against s20d's BF16)
+# s21e, then s21f on the same warm machine: the BF16 run with seed 1 (the baseline of a later FP8 run on seed 1)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -401,8 +402,13 @@ chain_s21c() {
   step lp_curves_fp8_late_bf16 30 untuned_curve --compare --variant fp8_rowwise --label fp8_attention_late_bf16 \
     --bar 0.003
 }
-chain_s21d() { step lp_curve_bf16_seed1_part1 560 bf16_seed1_curve --stop-after 450; }
-chain_s21e() { step lp_curve_bf16_seed1_part2 300 bf16_seed1_curve --resume; }
+chain_s21d() {  # issue 10: gem-large with FP8 MLPs (never timed; bar 1.2x the samples/s of s20d's BF16 run)
+  step bench_train_large_fp8 320 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --set low_precision_mlp=fp8_rowwise \
+    --out "$out/results/train_gem-large_b512_s21_fp8_mlps.json"
+}
+chain_s21e() { step lp_curve_bf16_seed1_part1 560 bf16_seed1_curve --stop-after 450; }
+chain_s21f() { step lp_curve_bf16_seed1_part2 300 bf16_seed1_curve --resume; }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -520,7 +526,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
