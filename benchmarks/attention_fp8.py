@@ -7,8 +7,8 @@ Per workload: the bf16 forward and the fp8 forward through the registered op
 (pre-quantized inputs: the speed a quantizing QKV projection epilogue would leave) and the quantize pass
 alone, beside its floor (a device copy moving the same bytes); each forward's backward through the
 registered op (fp8: straight through the quantization; and the FP8 one with E4M3 S and dP products,
-``FP8_BACKWARD_PRODUCTS``); the MXFP8 op (``precision="mxfp8"``: MX-E4M3 numerics on the bf16 kernels, not a
-speed mode) forward and backward, its two parts alone (the torch-op quantization of Q, K, V; the bf16 kernel
+``backward_precision="fp8"``); the MXFP8 op (``precision="mxfp8"``: MX-E4M3 numerics on the bf16 kernels, not a
+speed mode) forward and backward, its two parts alone (the operand pass quantizing Q, K, V; the bf16 kernel
 quantizing P), and its error; then attention from hidden states ``[T, H D]``
 through a QKV projection (``qkv_attention``): cuBLAS then the bf16 op, cuBLAS then the FP8 op (quantize pass), and
 the projection that quantizes in its epilogue then the FP8 kernel (``fuse_projection``, issue 12's producer
@@ -26,7 +26,6 @@ kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), a
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 
 import torch
@@ -37,11 +36,10 @@ from benchmarks.common import (
     paired_speedup,
     print_table,
     relative_error,
-    switched,
     write_results,
 )
 from benchmarks.jfa import HEAD_DIM, HEADS, Workload, _batch, _sub_batch_rows, workloads
-from opengem.ops.jagged_attention import _problem, attention_pairs
+from opengem.ops.jagged_attention import FP8_WITH_FP8_BACKWARD, _problem, attention_pairs
 from opengem.ops.qkv_attention import qkv_attention
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as emulation
@@ -50,7 +48,6 @@ from opengem.ops.triton import jagged_attention_fp8 as fp8_kernels
 from opengem.ops.triton import jagged_attention_mxfp8 as mxfp8_kernels
 from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
 
-jagged_attention_op = importlib.import_module("opengem.ops.jagged_attention")  # (the package exports the function)
 COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "quantize_floor_ms",
            "speedup", "mxfp8_ms", "mxfp8_speedup", "mxfp8_bwd_ms", "mxfp8_quantize_ms", "mxfp8_kernel_ms",
            "mxfp8_kernel_speedup", "mxfp8_err", "mxfp8_err_outliers",
@@ -105,11 +102,11 @@ def measure(wl: Workload) -> dict:
     saved = {p: forward(b.q, b.k, b.v, *options, p) for p in PRECISIONS}
     backward = torch.ops.opengem.jagged_attention_bwd
     bwd_times = {p: bench_ms(lambda p=p: backward(dout, b.q, b.k, b.v, *saved[p], *options, p)) for p in saved}
-    with switched(jagged_attention_op, "FP8_BACKWARD_PRODUCTS"):  # E4M3 S and dP products, dO quantized
-        products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, "fp8"))
+    products = FP8_WITH_FP8_BACKWARD  # the registered ops' precision for E4M3 S and dP products, dO quantized
+    products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, products))
     kernel_ms = bench_ms(lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb))
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
-    # MXFP8's two parts: the torch-op quantization of Q, K, V, and the bf16 kernel quantizing P in its loop
+    # MXFP8's two parts: the operand pass quantizing Q, K, V, and the bf16 kernel quantizing P in its loop
     mx_quantize_ms = bench_ms(lambda: mxfp8_kernels.operands(b.q, b.k, b.v, pb))
     mx_operands = mxfp8_kernels.operands(b.q, b.k, b.v, pb)
     mx_kernel_ms = bench_ms(lambda: jfa_kernels.forward(*mx_operands, p_mx=True))

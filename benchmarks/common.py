@@ -11,8 +11,6 @@ import math
 import os
 import statistics
 import subprocess
-import types
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Callable
 
@@ -236,14 +234,3 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     return "" if value is None else str(value)
-
-
-@contextlib.contextmanager
-def switched(module: types.ModuleType, flag: str, value: object = True) -> Iterator[None]:
-    """``module.flag = value`` inside the block (a module-level switch such as an opt-in kernel variant)."""
-    saved = getattr(module, flag)
-    setattr(module, flag, value)
-    try:
-        yield
-    finally:
-        setattr(module, flag, saved)

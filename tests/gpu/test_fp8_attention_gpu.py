@@ -180,7 +180,9 @@ def test_straight_through_operands_match_the_emulation():
         assert bool(close.all()) if name == "v" else close.double().mean() > 0.99 and _rel(g.float(), w) < 1e-2
 
 
-def _fp8_gradients(mask: str, seed: int, precision: str = "fp8") -> dict[str, tuple[torch.Tensor, ...]]:
+def _fp8_gradients(
+    mask: str, seed: int, precision: str = "fp8", backward_precision: str = "bf16"
+) -> dict[str, tuple[torch.Tensor, ...]]:
     """dQ, dK, dV of the FP8 (or MXFP8) op on bf16 inputs (GQA), by backend (the kernels', the reference's in
     fp32)."""
     q, k, v, offsets = _batch(LENGTHS, heads=4, kv_heads=2, seed=seed)
@@ -189,7 +191,8 @@ def _fp8_gradients(mask: str, seed: int, precision: str = "fp8") -> dict[str, tu
     grads = {}
     for backend in ("triton", "reference"):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision=precision, **kwargs)
+        out = jagged_attention(*leaves, offsets, max(LENGTHS), backend=backend, precision=precision,
+                               backward_precision=backward_precision, **kwargs)  # fmt: skip
         grads[backend] = torch.autograd.grad(out, leaves, dout)
     return grads
 
@@ -381,14 +384,11 @@ def test_block_attention_fp8(activation):
 
 
 @pytest.mark.parametrize("mask", ["causal", "all_options"])
-def test_backward_with_fp8_products_matches_its_emulation(monkeypatch, mask):
-    """``FP8_BACKWARD_PRODUCTS``: the kernels' E4M3 S and dP (dO quantized) against the emulation in fp32 on the
-    same bf16 inputs (GQA): apart from bf16 dS, P and operands in the three 16-bit products and the MMAs'
+def test_backward_with_fp8_products_matches_its_emulation(mask):
+    """``backward_precision="fp8"``: the kernels' E4M3 S and dP (dO quantized) against the emulation in fp32 on
+    the same bf16 inputs (GQA): apart from bf16 dS, P and operands in the three 16-bit products and the MMAs'
     accumulation, the same gradient (the CPU interpreter in fp32: ~1e-4); dV within bf16 rounding."""
-    import importlib
-
-    monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", True)
-    grads = _fp8_gradients(mask, seed=19)
+    grads = _fp8_gradients(mask, seed=19, backward_precision="fp8")
     for got, want in zip(grads["triton"], grads["reference"]):
         assert got.dtype == torch.bfloat16 and torch.isfinite(got).all() and _rel(got, want) < 2e-2
 

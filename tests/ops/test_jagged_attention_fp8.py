@@ -8,7 +8,6 @@ ulps of an E4M3 rounding midpoint (about 2^-19 of the elements) may round the ot
 row's output by up to ``|v| p / 16 / rowsum``. So: almost every element within 1e-4, all within max|v| / 8.
 """
 
-import importlib
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -219,18 +218,18 @@ def test_fp8_backward_beats_the_forward_only_one_on_outlier_channels():
         assert _rel(new, want) < 0.6 * _rel(old, want)
 
 
-@pytest.mark.parametrize("products", [False, True])  # FP8_BACKWARD_PRODUCTS: the E4M3-product backward too
-def test_packed_fp8_gradient_equals_the_unbound_one(poisoned, monkeypatch, products):  # noqa: F811 (the fixture)
+@pytest.mark.parametrize("backward_precision", ["bf16", "fp8"])  # the E4M3-product backward too
+def test_packed_fp8_gradient_equals_the_unbound_one(poisoned, backward_precision):  # noqa: F811 (the fixture)
     from opengem.ops.jagged_attention import jagged_attention_packed
 
-    monkeypatch.setattr(importlib.import_module("opengem.ops.jagged_attention"), "FP8_BACKWARD_PRODUCTS", products)
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, head_dim=32, seed=6)
     offsets = _offsets(LENGTHS)
+    precisions = dict(precision="fp8", backward_precision=backward_precision)
     packed = torch.stack([q, k, v], 1).requires_grad_()
-    (dqkv,) = torch.autograd.grad(jagged_attention_packed(packed, offsets, 37, backend="triton", precision="fp8"),
+    (dqkv,) = torch.autograd.grad(jagged_attention_packed(packed, offsets, 37, backend="triton", **precisions),
                                   packed, dout)  # fmt: skip
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    grads = torch.autograd.grad(jagged_attention(*leaves, offsets, 37, backend="triton", precision="fp8"), leaves, dout)
+    grads = torch.autograd.grad(jagged_attention(*leaves, offsets, 37, backend="triton", **precisions), leaves, dout)
     assert torch.equal(dqkv, torch.stack(grads, 1))
 
 
@@ -281,22 +280,32 @@ def test_torch_compile_fullgraph_cpu():
     torch.testing.assert_close(compiled(q, k, v), attend(q, k, v))
 
 
+def test_backward_precision_is_checked():
+    """An unknown backward precision, or E4M3 products under a forward that has none (bf16, MXFP8), is refused
+    with the choices; no gradient is computed silently in another precision."""
+    q, k, v, _ = _inputs([4], heads=1, kv_heads=1, head_dim=32)
+    offsets = _offsets([4])
+    with pytest.raises(ValueError, match=r"backward_precision must be one of \('bf16', 'fp8'\), got 'fp16'"):
+        jagged_attention(q, k, v, offsets, 4, precision="fp8", backward_precision="fp16")
+    for precision in ("bf16", "mxfp8"):
+        with pytest.raises(ValueError, match=rf"exists for precision='fp8' only, got precision='{precision}'"):
+            jagged_attention(q, k, v, offsets, 4, precision=precision, backward_precision="fp8")
+
+
 @pytest.mark.parametrize("mask", ["causal", "full", "all_options"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_backward_with_fp8_products_matches_its_emulation(poisoned, monkeypatch, mask, dtype):  # noqa: F811
-    """``FP8_BACKWARD_PRODUCTS``: E4M3 S and dP (dO quantized per block) in the kernels against the emulation, GQA
-    included; both differ from the straight-through backward by dO's quantization (a few %, dV not at all)."""
-    op = importlib.import_module("opengem.ops.jagged_attention")  # (the package's name is the function's)
-
+def test_backward_with_fp8_products_matches_its_emulation(poisoned, mask, dtype):  # noqa: F811
+    """``backward_precision="fp8"``: E4M3 S and dP (dO quantized per block) in the kernels against the emulation,
+    GQA included; both differ from the straight-through backward by dO's quantization (a few %, dV not at all)."""
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=32, seed=21)
     q, k, v, dout = (x.to(dtype) for x in (q, k, v, dout))
     offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
     grads = {}
     for products in (True, False):
-        monkeypatch.setattr(op, "FP8_BACKWARD_PRODUCTS", products)
         for backend in ("triton", "reference"):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            out = jagged_attention(*leaves, offsets, 37, backend=backend, precision="fp8", **kwargs)
+            out = jagged_attention(*leaves, offsets, 37, backend=backend, precision="fp8",
+                                   backward_precision="fp8" if products else "bf16", **kwargs)  # fmt: skip
             grads[products, backend] = torch.autograd.grad(out, leaves, dout)
     tolerance = 1e-3 if dtype == torch.float32 else 2e-2  # fp16: the kernels' 16-bit dS, P and operands
     for got, want in zip(grads[True, "triton"], grads[True, "reference"]):

@@ -31,10 +31,11 @@ from opengem.ops.reference.attention_mxfp8 import (
 
 KERNEL_HEAD_DIMS = (16, 32, 64, 128, 256)
 PRECISIONS = ("bf16", "fp8", "mxfp8")
-# The FP8 forward's backward: straight through the quantization on JFA's bf16 kernels (default), or with E4M3
-# S and dP products and dO quantized (OPENGEM_FP8_BACKWARD=1; opt-in: on an H200 it measured 0.82x the bf16
-# backward on JFA workload (a), against the straight-through one's 0.91x, session 19)
-FP8_BACKWARD_PRODUCTS = os.environ.get("OPENGEM_FP8_BACKWARD") == "1"
+BACKWARD_PRECISIONS = ("bf16", "fp8")
+# The registered ops' precision for precision="fp8" with backward_precision="fp8": the FP8 forward, then the
+# backward with E4M3 S and dP products and dO quantized (opt-in: on an H200 it measured 0.82x the bf16 backward on
+# JFA workload (a), against the straight-through one's 0.91x, session 19)
+FP8_WITH_FP8_BACKWARD = "fp8+fp8_backward"
 _NO_WINDOW = -1  # custom ops take plain ints: -1 stands for "no window"
 
 
@@ -85,8 +86,14 @@ def _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, s
     return kernels, kernels.problem(offsets, num_targets, opts, max_len, scale, q.device)
 
 
+def _forward_precision(precision: str) -> str:
+    """The forward's arithmetic of a registered op's ``precision``."""
+    return "fp8" if precision == FP8_WITH_FP8_BACKWARD else precision
+
+
 def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, precision) -> torch.Tensor:
     window = None if window == _NO_WINDOW else window
+    precision = _forward_precision(precision)
     if precision == "fp8":
         from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
@@ -108,10 +115,10 @@ def _reference(q, k, v, offsets, num_targets, max_len, causal, contextual_len, w
 def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale, precision):
     mask = dict(causal=causal, num_targets=num_targets, contextual_len=contextual_len,
                 window=None if window == _NO_WINDOW else window, scale=scale)  # fmt: skip
-    if precision == "fp8":
+    if precision in ("fp8", FP8_WITH_FP8_BACKWARD):
         from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
-        if FP8_BACKWARD_PRODUCTS:
+        if precision == FP8_WITH_FP8_BACKWARD:
             return jagged_attention_fp8_mma_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
         return reference_jagged_attention_fp8_backward(dout, q, k, v, offsets, block=BLOCK, **mask)
     if precision == "mxfp8":
@@ -120,15 +127,16 @@ def _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_
 
 
 def _kernels(precision: str, backward: bool = False):
-    """The Triton module whose ``forward`` / ``backward`` run a precision: JFA's (bf16), the FP8 one (its backward
-    straight through on JFA's bf16 kernels, or with ``FP8_BACKWARD_PRODUCTS`` the one with E4M3 S and dP
-    products), the MXFP8 one."""
+    """The Triton module whose ``forward`` / ``backward`` run a registered op's precision: JFA's (bf16), the FP8
+    one (its backward straight through on JFA's bf16 kernels), for ``FP8_WITH_FP8_BACKWARD`` the FP8 forward and
+    the backward with E4M3 S and dP products, the MXFP8 one."""
     from opengem.ops.triton import jagged_attention, jagged_attention_fp8, jagged_attention_fp8_backward
     from opengem.ops.triton import jagged_attention_mxfp8
 
-    if precision == "fp8" and backward and FP8_BACKWARD_PRODUCTS:
+    if precision == FP8_WITH_FP8_BACKWARD and backward:
         return jagged_attention_fp8_backward
-    return {"bf16": jagged_attention, "fp8": jagged_attention_fp8, "mxfp8": jagged_attention_mxfp8}[precision]
+    modules = {"bf16": jagged_attention, "fp8": jagged_attention_fp8, "mxfp8": jagged_attention_mxfp8}
+    return modules[_forward_precision(precision)]
 
 
 def _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=None):
@@ -346,6 +354,7 @@ def jagged_attention(
     normalize_by_max_len: bool = False,
     backend: str | None = None,
     precision: str = "bf16",
+    backward_precision: str = "bf16",
 ) -> torch.Tensor:
     """Softmax attention per sample and head over jagged sequences: ``softmax(scale q k^T + mask) v``.
 
@@ -380,6 +389,11 @@ def jagged_attention(
             Hopper has no MX tensor cores, so the kernels multiply the MX values on the 16-bit ones: MXFP8's
             numerics with more work than the bf16 path (its kernel alone 0.82x bf16 on an H200; the op with
             its operand pass: ``docs/fp8_attention.md``). Backward straight through on JFA's bf16 kernels.
+        backward_precision: ``"bf16"`` (default): the backward on JFA's bf16 kernels, straight through a low
+            precision forward's quantization. ``"fp8"`` (with ``precision="fp8"`` only): S and dP products in
+            E4M3 with dO quantized per block, emulated exactly by
+            :mod:`opengem.ops.reference.attention_fp8_backward`; on an H200 it measured 0.82x the bf16 backward
+            on workload (a), slower than the straight-through one's 0.91x (session 19), so it is opt-in.
 
     Returns:
         ``[T, H, D]`` in q's dtype. The exact mask is the one of :mod:`opengem.ops.reference.masks`.
@@ -387,7 +401,7 @@ def jagged_attention(
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale,
-                          normalize_by_max_len, backend, precision)  # fmt: skip
+                          normalize_by_max_len, backend, precision, backward_precision)  # fmt: skip
     with autocast_off:
         out, _ = _jagged_attention_fwd(q, k, v, *options)
     return out
@@ -406,6 +420,7 @@ def jagged_attention_packed(
     normalize_by_max_len: bool = False,
     backend: str | None = None,
     precision: str = "bf16",
+    backward_precision: str = "bf16",
 ) -> torch.Tensor:
     """:func:`jagged_attention` of ``q, k, v = qkv.unbind(1)``, for a fused QKV projection's output viewed
     ``[T, 3, H, D]`` (same arguments otherwise). The same output; the gradient comes back as one ``[T, 3, H, D]``
@@ -415,18 +430,23 @@ def jagged_attention_packed(
     (qkv,), autocast_off = cast_inputs(qkv)
     q, k, v = qkv.unbind(1)
     options = _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale,
-                          normalize_by_max_len, backend, precision)  # fmt: skip
+                          normalize_by_max_len, backend, precision, backward_precision)  # fmt: skip
     with autocast_off:
         out, _ = _jagged_attention_packed_fwd(qkv, *options)
     return out
 
 
 def _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale, normalize_by_max_len,
-                backend, precision) -> tuple:  # fmt: skip
+                backend, precision, backward_precision) -> tuple:  # fmt: skip
     """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`jagged_attention`)."""
     use_triton = _use_triton(q, backend)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if backward_precision not in BACKWARD_PRECISIONS:
+        raise ValueError(f"backward_precision must be one of {BACKWARD_PRECISIONS}, got {backward_precision!r}")
+    if backward_precision == "fp8" and precision != "fp8":
+        raise ValueError(f"backward_precision='fp8' (E4M3 products) exists for precision='fp8' only, got "
+                         f"precision={precision!r}")  # fmt: skip
     if not torch.compiler.is_compiling():  # validation reads host values, which a traced graph cannot
         check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
         check_mask_options(offsets, num_targets, contextual_len, window)
@@ -442,4 +462,5 @@ def _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, 
     if normalize_by_max_len:
         scale = scale / max(max_len, 1)
     window_arg = _NO_WINDOW if window is None else window
-    return offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton, precision
+    op_precision = FP8_WITH_FP8_BACKWARD if backward_precision == "fp8" else precision
+    return offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton, op_precision

@@ -1,4 +1,4 @@
-"""Exact emulation of the FP8 JFA backward with E4M3 products (``jagged_attention_fp8_backward.FP8_BACKWARD``).
+"""Exact emulation of the FP8 JFA backward with E4M3 products (``backward_precision="fp8"``).
 
 Against the straight-through backward (:func:`opengem.ops.reference.attention_fp8.jagged_attention_fp8_backward`)
 one operand changes: ``dP = dO V^T`` multiplies dO quantized per block like V (one fp32 scale ``amax / 448`` per
