@@ -202,6 +202,20 @@ def test_numerics_monitoring_covers_low_precision_attention(tmp_path, precision)
     assert all(0.003 < error < 0.2 for error in errors.values()), errors
 
 
+def test_late_bf16_attention_layers_from_the_command_line(tmp_path):
+    """``--set gem.bf16_attention_last_layers=N`` reaches the built model: the last N self-attention layers in bf16,
+    the others in the low precision, and only those are watched by the numerics monitor."""
+    from opengem.nn.numerics import low_precision_attention
+    from opengem.train.trainer import build_model
+
+    extra = ["architecture=gem", "precision=bf16", "gem.num_layers=3", "gem.d_model=64", "gem.num_heads=2",
+             "gem.attention_precision=mxfp8", "gem.bf16_attention_last_layers=2"]
+    model = build_model(_config(tmp_path, *extra), "attention", torch.device("cpu"))
+    assert [layer.self_attention.precision for layer in model.layers] == ["mxfp8", "bf16", "bf16"]
+    watched = [name for name, m in model.named_modules() if low_precision_attention(m)]
+    assert watched == ["layers.0.self_attention"]
+
+
 def test_converted_mlp_blocks_train_fused_and_stay_monitored(tmp_path):
     """At widths down to 64, gem-tiny's attention FFN (Linear, GELU, Linear) converts in full and trains as
     one fused `LowPrecisionMLP` (same state-dict keys as the BF16 model); the numerics monitor still
