@@ -34,7 +34,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     rotated_back,
     rotated_gradient_buffers,
 )
-from opengem.ops.triton.mx import mx_e4m3_rows_nan_blocks
+from opengem.ops.triton.mx import mx_e4m3_rows
 
 # tokens a program quantizes along the head dim: the FP8 pass's tile on the GPU (registers from its sm_90 counts)
 ROWS_ALONG_HEAD_DIM = 32 if _INTERPRET else 128
@@ -68,9 +68,9 @@ def _mx_operand_kernel(
             x = rotate_slices(x, R, BLOCK_T, HEAD_DIM, ROT, "tf32")
     x = x.to(tl.float32)
     if ALONG_SEQUENCE:
-        values = tl.trans(mx_e4m3_rows_nan_blocks(tl.trans(x), HEAD_DIM, BLOCK_T, BLOCK_T, EXACT))
+        values = tl.trans(mx_e4m3_rows(tl.trans(x), HEAD_DIM, BLOCK_T, EXACT, BLOCK_T, NAN_BLOCKS=True))
     else:
-        values = mx_e4m3_rows_nan_blocks(x, BLOCK_T, HEAD_DIM, HEAD_DIM_BLOCK, EXACT)
+        values = mx_e4m3_rows(x, BLOCK_T, HEAD_DIM, EXACT, HEAD_DIM_BLOCK, NAN_BLOCKS=True)
     out = OUT + tokens[:, None] * (heads * HEAD_DIM) + h * HEAD_DIM + offs_d[None, :]
     tl.store(out, values.to(OUT.dtype.element_ty), mask=inside)
 

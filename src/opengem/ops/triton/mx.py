@@ -92,30 +92,28 @@ def e4m3_values(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def mx_e4m3_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr):
-    """fp32 ``x [ROWS, COLS]`` (finite; COLS a multiple of 32) -> its MX-E4M3 values in fp32: each row's blocks of
-    32 columns scaled by their power of two (``rceil``: nothing saturates), rounded to E4M3, scaled back.
+def mx_e4m3_rows(x, ROWS: tl.constexpr, COLS: tl.constexpr, EXACT: tl.constexpr, BLOCK: tl.constexpr = 32,
+                 NAN_BLOCKS: tl.constexpr = False):  # fmt: skip
+    """fp32 ``x [ROWS, COLS]`` -> its MX-E4M3 values in fp32: each row's blocks of ``BLOCK`` columns scaled by their
+    power of two (``rceil``: nothing saturates), rounded to E4M3, scaled back. ``BLOCK``: 32, or COLS when a row is
+    shorter (one block zero-padded to 32: the padding leaves its maximum). ``x`` finite (P in the attention
+    kernels' loops), or with ``NAN_BLOCKS`` anything: a block holding inf or NaN then comes out NaN, as an MX block
+    with the NaN scale dequantizes (operands from a model).
 
     Plain products, not :func:`mul_exp2`: they are exact but where an input or a result is an fp32 subnormal
     (under 2^-126) and the GPU flushes it, which moves an attention output by ~1e-38 at most; the guarded
     products doubled the JFA forward's instructions (sm_90: 3,032 bf16, 5,896 guarded, 3,872 plain, at 128 x 64)."""
-    blocks = tl.reshape(x, (ROWS, COLS // 32, 32))
-    e = shared_exponent(tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2), 8, True)
-    values = e4m3_values(blocks * exp2_int(-e[:, :, None]), EXACT)
-    return tl.reshape(values * exp2_int(e[:, :, None]), (ROWS, COLS))
-
-
-@triton.jit
-def mx_e4m3_rows_nan_blocks(x, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK: tl.constexpr, EXACT: tl.constexpr):
-    """:func:`mx_e4m3_rows` for any fp32 ``x``: a block holding inf or NaN comes out NaN, as an MX block with the
-    NaN scale dequantizes (for operands from a model; P, which :func:`mx_e4m3_rows` takes, is always finite).
-    ``BLOCK``: 32, or COLS when a row is shorter (one block zero-padded to 32: the padding leaves its maximum)."""
     blocks = tl.reshape(x, (ROWS, COLS // BLOCK, BLOCK))
     amax_bits = tl.max(blocks.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)
-    finite = (amax_bits < 0x7F800000)[:, :, None]
-    e = shared_exponent(tl.where(amax_bits < 0x7F800000, amax_bits, 0), 8, True)[:, :, None]
-    values = e4m3_values(tl.where(finite, blocks, 0.0) * exp2_int(-e), EXACT) * exp2_int(e)
-    return tl.reshape(tl.where(finite, values, float("nan")), (ROWS, COLS))
+    if NAN_BLOCKS:
+        finite = amax_bits < 0x7F800000
+        blocks = tl.where(finite[:, :, None], blocks, 0.0)
+        amax_bits = tl.where(finite, amax_bits, 0)
+    e = shared_exponent(amax_bits, 8, True)[:, :, None]
+    values = e4m3_values(blocks * exp2_int(-e), EXACT) * exp2_int(e)
+    if NAN_BLOCKS:
+        values = tl.where(finite[:, :, None], values, float("nan"))
+    return tl.reshape(values, (ROWS, COLS))
 
 
 @triton.jit(do_not_specialize=["rows"])  # rows (tokens) change every batch; cols is the stride
