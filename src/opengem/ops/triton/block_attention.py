@@ -27,6 +27,7 @@ from triton.language.extra import libdevice
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import activation_id
 from opengem.ops.triton.activations import activation_value_and_grad
+from opengem.ops.triton.ragged_tiles import last_dim_contiguous
 
 _LOG2E = tl.constexpr(1.4426950408889634)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -383,10 +384,6 @@ def _common_args(
     return pointers, (float(scale), float(time_scale)), meta
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def block_attention_fwd(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -407,7 +404,7 @@ def block_attention_fwd(
     ``reduce_angles``: range-reduce every rotary angle before the SFU sin/cos (needed for ``inv_freq > 1``;
     blocks of given positions that span 128 or more reduce on their own; see :func:`_rotary_cos_sin`).
     """
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     out = q.new_empty(q.shape)
     schedule = block_schedule(offsets, block_size)
     num_blocks = schedule.shape[1]
@@ -442,7 +439,7 @@ def block_attention_bwd(
     reduce_angles: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` shaped like q, k, v (contiguous), in the inputs' dtype."""
-    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    q, k, v, grad_out = (last_dim_contiguous(t) for t in (q, k, v, grad_out))
     dq, dk, dv = q.new_empty(q.shape), k.new_empty(k.shape), k.new_empty(k.shape)
     schedule = block_schedule(offsets, block_size)
     num_blocks = schedule.shape[1]

@@ -46,7 +46,7 @@ from opengem.ops.triton.gdpa_kernels import (
     gdpa_fwd_kernel,
 )
 from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP
-from opengem.ops.triton.ragged_tiles import ragged_descriptor, tma_ok, tma_passes
+from opengem.ops.triton.ragged_tiles import last_dim_contiguous, ragged_descriptor, tma_ok, tma_passes
 
 SHORT_KV_MAX = 256
 RESIDENT_KV_BYTES = 128 * 1024
@@ -304,10 +304,6 @@ def _broadcast_len(q: torch.Tensor, args: GdpaArgs) -> int:
     return q.shape[0] if args.broadcast_q else 0
 
 
-def _last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
-    return t if t.stride(-1) == 1 else t.contiguous()
-
-
 def _rows_cols(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaArgs) -> tuple[np.ndarray, np.ndarray]:
     k_len = _lengths(k_offsets)
     q_len = np.full_like(k_len, args.max_len_q) if args.broadcast_q else _lengths(q_offsets)
@@ -343,7 +339,7 @@ def gdpa_forward(
     """Forward; ``out`` (optional, ``[Tq or B * Lq, H, D]``) is fully overwritten; ``p_mx``: P quantized to
     MX-E4M3 before ``P V`` (the MXFP8 forward, on operands the caller quantized)."""
     check_triton_head_dim(q.shape[2])
-    q, k, v = (_last_dim_contiguous(t) for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     batch = k_offsets.numel() - 1
     heads, head_dim = q.shape[1], q.shape[2]
     rows_out = batch * q.shape[0] if args.broadcast_q else q.shape[0]
@@ -402,7 +398,7 @@ def gdpa_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``; ``grads`` (optional preallocated outputs) are fully overwritten."""
     check_triton_head_dim(q.shape[2])
-    q, k, v, grad_out = (_last_dim_contiguous(t) for t in (q, k, v, grad_out))
+    q, k, v, grad_out = (last_dim_contiguous(t) for t in (q, k, v, grad_out))
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = heads // kv_heads

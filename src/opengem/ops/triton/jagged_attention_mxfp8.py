@@ -35,6 +35,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     rotated_gradient_buffers,
 )
 from opengem.ops.triton.mx import mx_e4m3_rows
+from opengem.ops.triton.ragged_tiles import last_dim_contiguous
 
 # tokens a program quantizes along the head dim: the FP8 pass's tile on the GPU (registers from its sm_90 counts)
 ROWS_ALONG_HEAD_DIM = 32 if _INTERPRET else 128
@@ -78,8 +79,7 @@ def _mx_operand_kernel(
 def _mx_operand(x: torch.Tensor, rotate: bool, kv_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """One operand ``[T, H, D]`` through :func:`_mx_operand_kernel`: along the head dim (rotated when ``rotate``),
     or with ``kv_offsets`` along each sample's blocks of 32 tokens. A new contiguous tensor of x's dtype."""
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = last_dim_contiguous(x)
     tokens, heads, head_dim = x.shape
     out = torch.empty((tokens, heads, head_dim), dtype=x.dtype, device=x.device)
     n = rotation_size(head_dim)

@@ -51,6 +51,12 @@ def tma_ok(t: torch.Tensor) -> bool:
     )
 
 
+def last_dim_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a contiguous copy where its last dim is strided: the kernels' loads (pointer and TMA alike) take
+    unit stride along the head dim, any stride along tokens and heads (packed QKV views pass as they are)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 def tma_passes(setting: str, passes: tuple[str, ...], variable: str) -> frozenset[str]:
     """The passes an environment setting (``variable``: ``none`` or a comma-separated subset of ``passes``)
     lets load through TMA descriptors."""
