@@ -409,6 +409,17 @@ chain_s21d() {  # issue 10: gem-large with FP8 MLPs (never timed; bar 1.2x the s
 }
 chain_s21e() { step lp_curve_bf16_seed1_part1 560 bf16_seed1_curve --stop-after 450; }
 chain_s21f() { step lp_curve_bf16_seed1_part2 300 bf16_seed1_curve --resume; }
+chain_s22a() {  # issue 10: FP8 linears compiled as torch ops (Inductor fuses the quantizations; no row pad):
+  # their GPU tests (both compile paths, ragged rows), the layer against compiled BF16, gem-small b2048 with FP8
+  # MLPs then BF16 (the same-run peer); issue 4: GDPA's host time per call after the cached offsets summary
+  step low_precision_gpu_tests 100 tests tests/gpu/test_low_precision_gpu.py
+  step fp8_compile 100 python -m benchmarks.diag.fp8_compile
+  step gdpa_small_overhead 70 python -m benchmarks.diag.gdpa_small_overhead
+  step bench_train_fp8_inductor 170 train bench train --preset gem-small --batch-size 2048 --compile --steps 20 \
+    --warmup 8 --num-workers 12 --low-precision-mlp fp8_rowwise --out "$out/results/train_gem-small_b2048_s22_fp8.json"
+  step bench_train_bf16 130 train bench train --preset gem-small --batch-size 2048 --compile --steps 20 --warmup 8 \
+    --num-workers 12 --out "$out/results/train_gem-small_b2048_s22_bf16.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -526,7 +537,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

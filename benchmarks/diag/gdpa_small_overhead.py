@@ -8,7 +8,8 @@ For each workload (the (a) L256 / L512 ones of ``benchmarks.gdpa``), forward and
 - ``graph_ms``: the same calls replayed from a CUDA graph (device time only; None where a call syncs),
 - ``host_ms``: host time per call, enqueued back to back without a sync (the device catches up at the end),
 - ``syncs``: whether a call synchronizes with the device (``torch.cuda.set_sync_debug_mode("error")``),
-- the forward again with every load on pointers (``TMA_PASSES`` empty), and the profiler's top host ops of 5 calls.
+- the forward again with every load on pointers (``TMA_PASSES`` empty), the profiler's top host ops of 5 calls,
+  cProfile's top Python functions (own time per call) and the host time per forward with autograd recording.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_small_overhead``; writes
 ``benchmarks/results/gdpa_small_overhead.json``.
@@ -16,6 +17,8 @@ Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_small_overhead``
 
 from __future__ import annotations
 
+import cProfile
+import pstats
 import time
 from collections.abc import Callable
 from typing import Any
@@ -66,6 +69,22 @@ def _top_host_ops(fn: Callable[[], Any], calls: int = 5, top: int = 12) -> list[
     return [(e.key[:80], e.self_cpu_time_total / 1e3 / calls) for e in rows]
 
 
+def _python_profile(fn: Callable[[], Any], calls: int = 100, top: int = 30) -> list[dict[str, Any]]:
+    """cProfile's functions with the most own time over ``calls`` calls (microseconds per call): which Python
+    (ours, torch's custom-op dispatch, Triton's launcher) the host time goes to."""
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(calls):
+        fn()
+    profile.disable()
+    torch.cuda.synchronize()
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (calls, primitive calls, own s, cumulative s, callers)
+    rows = sorted(stats.items(), key=lambda item: -item[1][2])[:top]
+    return [{"function": f"{name} ({file.rsplit('/', 2)[-1]}:{line})", "calls_per_call": n / calls,
+             "own_us": own * 1e6 / calls, "cumulative_us": cumulative * 1e6 / calls}
+            for (file, line, name), (_, n, own, cumulative, _) in rows]
+
+
 def _measure(fn: Callable[[], Any]) -> dict[str, Any]:
     fn()
     torch.cuda.synchronize()
@@ -85,12 +104,14 @@ def main() -> None:
         row["bwd"] = _measure(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
         with torch.no_grad():
             row["fwd_top_host_ops"] = _top_host_ops(forward)
+            row["fwd_python_profile"] = _python_profile(forward)
             passes = host.TMA_PASSES
             host.TMA_PASSES = frozenset()  # pointer loads everywhere (other candidates: tuned anew)
             try:
                 row["fwd_pointer_loads"] = _measure(forward)
             finally:
                 host.TMA_PASSES = passes
+        row["fwd_with_grad_host_ms"] = _host_ms(forward)  # the autograd path: torch's custom-op autograd glue
         bucket = host._bucket(int(w.q_lengths.max()))
         row["tuning"] = [r for r in host.tuning_report() if r["pass"] == "fwd" and r["bucket_q"] == bucket]
         rows.append(row)

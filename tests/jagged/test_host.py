@@ -94,3 +94,22 @@ def test_to_device_registers_the_mirror():
     moved = to_device(host, torch.device("meta"))  # pinning is only for CUDA targets
     assert moved.device.type == "meta" and host_copy(moved) is host
     assert to_device(host, torch.device("cpu")) is host
+
+
+def test_offsets_summary_is_computed_once_per_mirrored_tensor_and_version():
+    from opengem.jagged.host import offsets_summary
+
+    device = torch.empty(4, dtype=torch.int64, device="meta")
+    register_host_copy(device, torch.tensor([0, 2, 5, 4]))
+    summary = offsets_summary(device)
+    assert summary.lengths.tolist() == [2, 3, -1] and (summary.first, summary.last) == (0, 4)
+    assert summary.first_decrease == 2 and summary.longest == 3
+    assert offsets_summary(device) is summary  # cached with the mirror
+    with pytest.raises(ValueError):
+        summary.lengths[0] = 7  # shared by every reader: read-only
+    register_host_copy(device, torch.tensor([0, 1, 1, 9]))  # a new mirror: a new summary
+    assert offsets_summary(device).longest == 8
+    cpu = torch.tensor([0, 3, 3])
+    assert offsets_summary(cpu).longest == 3
+    cpu[2] = 10  # changed in place: CPU tensors are summarized on every call
+    assert offsets_summary(cpu).longest == 7 and offsets_summary(torch.tensor([0])).longest == 0

@@ -227,19 +227,6 @@ def test_blackwell_scale_swizzle_follows_the_cublas_layout() -> None:
         assert blocked[offset] == scales[i, j]
 
 
-def test_pad_rows_for_cublas_keeps_data_and_adds_zero_rows() -> None:
-    from opengem.ops.fp8_gemm import pad_rows
-
-    g = torch.Generator().manual_seed(9)
-    data, scale = torch.randn(21, 32, generator=g).to(torch.float8_e4m3fn), torch.rand(21, generator=g)
-    padded, padded_scale = pad_rows(data, scale, 16)
-    assert padded.shape == (32, 32) and padded.dtype == data.dtype and padded_scale.shape == (32,)
-    assert torch.equal(padded[:21].view(torch.uint8), data.view(torch.uint8)) and torch.equal(padded_scale[:21], scale)
-    assert (padded[21:].float() == 0).all() and (padded_scale[21:] == 1).all()
-    aligned = data[:16]
-    assert pad_rows(aligned, scale[:16], 16)[0] is aligned
-
-
 @pytest.mark.parametrize("columns", [1, 200, 4096])
 @pytest.mark.parametrize("prologue", [None, "gelu", "gelu_backward"])
 def test_persistent_row_programs_equal_the_plain_launch(columns: int, prologue: str | None) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.utils._pytree
 
-from opengem.jagged.host import host_copy, register_host_copy, to_device
+from opengem.jagged.host import host_copy, offsets_summary, register_host_copy, to_device
 
 OFFSET_DTYPES = (torch.int32, torch.int64)
 
@@ -25,18 +25,17 @@ def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offset
         raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
         raise ValueError(f"{name} must have shape [B + 1] with B >= 0, got {tuple(offsets.shape)}")
-    host = host_copy(offsets)
-    if int(host[0]) != 0:
-        raise ValueError(f"{name}[0] must be 0, got {int(host[0])}")
-    steps = host[1:] - host[:-1]
-    if bool((steps < 0).any()):
-        bad = int(torch.nonzero(steps < 0)[0])
+    summary = offsets_summary(offsets)
+    if summary.first != 0:
+        raise ValueError(f"{name}[0] must be 0, got {summary.first}")
+    if summary.first_decrease >= 0:
+        bad, host = summary.first_decrease, host_copy(offsets)
         raise ValueError(
             f"{name} must be non-decreasing: {name}[{bad + 1}] = {int(host[bad + 1])} "
             f"< {name}[{bad}] = {int(host[bad])}"
         )
-    if int(host[-1]) != num_values:
-        raise ValueError(f"{name}[-1] = {int(host[-1])} must equal the number of values, {num_values}")
+    if summary.last != num_values:
+        raise ValueError(f"{name}[-1] = {summary.last} must equal the number of values, {num_values}")
 
 
 def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from opengem.nn.low_precision_recipe import LowPrecisionRecipe
+from opengem.nn.low_precision_traced import rowwise_linear, traceable
 from opengem.ops.fp8_gemm import (
     HADAMARD_SIZE,
     QuantizedOperand,
@@ -186,10 +187,13 @@ _linear_op.register_autograd(_backward, setup_context=_setup_context)
 def low_precision_linear(
     x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, layer: LowPrecisionLinear
 ) -> torch.Tensor:
-    """The FP8 / MX linear of ``layer`` for ``x2d [tokens, in_features]``: the custom op while compiling,
-    the cached autograd.Function otherwise (see the module docstring)."""
+    """The FP8 / MX linear of ``layer`` for ``x2d [tokens, in_features]``: while compiling, the torch-op
+    linear of `opengem.nn.low_precision_traced` for the recipes it runs and the custom op for the others; the
+    cached autograd.Function otherwise (see the module docstring)."""
     if torch.compiler.is_compiling():
         r = layer.recipe
+        if traceable(r):
+            return rowwise_linear(x2d, weight, bias, r)
         signs = layer.hadamard_signs if r.hadamard else None
         return torch.ops.opengem.low_precision_linear(
             x2d, weight, bias, signs, r.forward, r.grad_input, r.grad_weight, r.hadamard, r.stochastic_rounding,

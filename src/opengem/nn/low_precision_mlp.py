@@ -14,10 +14,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opengem.nn.low_precision import LowPrecisionLinear, LowPrecisionRecipe, resolve_recipe
 from opengem.nn.low_precision_autograd import WeightQuantizer, uncached_quantizer
+from opengem.nn.low_precision_traced import rowwise_linear, traceable
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.fp8_gemm import (
     quantize_gelu,
@@ -140,6 +142,8 @@ def _fused_mlp(
 ) -> torch.Tensor:
     if torch.compiler.is_compiling():
         recipe = mlp.fc1.recipe
+        if traceable(recipe):  # Inductor fuses the GELU into fc2's input quantization (and back)
+            return rowwise_linear(F.gelu(rowwise_linear(x2d, w1, b1, recipe)), w2, b2, recipe)
         return torch.ops.opengem.fp8_mlp(x2d, w1, b1, w2, b2, recipe.fast_accum, recipe.fast_accum_grad,
                                          mlp.fuse_bias_grads)[0]
     return _FusedMLPFn.apply(x2d, w1, b1, w2, b2, mlp)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from opengem.jagged import validate_offsets
-from opengem.jagged.host import host_copy
+from opengem.jagged.host import host_copy, offsets_summary
 
 
 def check_attention_inputs(
@@ -53,8 +53,7 @@ def check_attention_inputs(
 def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
     if not isinstance(max_len, int) or max_len < 0:
         raise ValueError(f"{name} must be a non-negative host int, got {max_len!r}")
-    host = host_copy(offsets)
-    longest = int((host[1:] - host[:-1]).max()) if host.numel() > 1 else 0
+    longest = offsets_summary(offsets).longest
     if longest > max_len:
         raise ValueError(f"{name} = {max_len} is shorter than the longest sequence ({longest})")
 

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.testing
 
-from opengem.jagged.host import host_copy, to_device
+from opengem.jagged.host import offsets_summary, to_device
 from opengem.ops.triton.gdpa_kernels import (
     gdpa_bwd_dkdv_kernel,
     gdpa_bwd_dq_broadcast_kernel,
@@ -127,8 +127,9 @@ def tma_tile_safe(config: Config, head_dim: int, masked: bool, kv_block: int = 0
     return not (masked and block_n == head_dim)
 
 
+@functools.lru_cache(maxsize=256)  # per call it rebuilt up to 14 dataclasses (host time on short batches)
 def _load_paths(
-    candidates: Sequence[Config], tma: bool, head_dim: int = 0, masked: bool = False, kv_block: int = 0
+    candidates: tuple[Config, ...], tma: bool, head_dim: int = 0, masked: bool = False, kv_block: int = 0
 ) -> tuple[Config, ...]:
     """Each candidate with TMA loads (where :func:`tma_tile_safe`), then each with pointer loads; pointer
     loads alone without TMA."""
@@ -268,8 +269,7 @@ def _work_list(
 
 
 def _lengths(offsets: torch.Tensor) -> np.ndarray:
-    host = host_copy(offsets).to(torch.int64).numpy()
-    return np.ascontiguousarray(host[1:] - host[:-1])
+    return offsets_summary(offsets).lengths
 
 
 @functools.lru_cache(maxsize=32)
