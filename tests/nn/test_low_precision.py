@@ -451,6 +451,39 @@ def test_fp8_layers_compile_without_graph_breaks_and_match_eager(monkeypatch, re
     assert frozen.weight.grad is not None and frozen.weight.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "fp8_rowwise_all"])
+def test_traced_fp8_layers_compile_with_dynamic_shapes_in_bf16(monkeypatch, recipe: str) -> None:
+    """The trainer's compile (`compile_regions`: dynamic shapes, fullgraph) of chained traced FP8 layers in bf16,
+    on token counts that are not multiples of 16: Dynamo failed on the first GPU run (a module-level float
+    inside the Function became a free symbol), and torch 2.11 lost the gradients of a Function whose output went
+    through a no-op ``to`` (bf16 in, bf16 out). Every gradient against eager's, and against zero."""
+    from opengem.nn.low_precision_mlp import LowPrecisionMLP
+    from opengem.nn.low_precision_traced import _in_dtype
+
+    monkeypatch.setenv("OPENGEM_FP8_COMPILE", "inductor")
+    torch.manual_seed(6)
+    fc1, fc2 = nn.Linear(64, 128, dtype=torch.bfloat16), nn.Linear(128, 64, dtype=torch.bfloat16)
+    if recipe == "fp8_rowwise":
+        model = LowPrecisionMLP(fc1, fc2)  # two traced linears chained
+    else:
+        model = nn.Sequential(LowPrecisionLinear.from_linear(fc1, recipe), nn.ReLU(),
+                              LowPrecisionLinear.from_linear(fc2, recipe))
+    compiled = torch.compile(model, fullgraph=True, dynamic=True, backend="aot_eager")
+    for tokens in (45, 77):
+        x = torch.randn(tokens, 64, dtype=torch.bfloat16)
+        grads = []
+        for run in (model, compiled):
+            model.zero_grad(set_to_none=True)
+            xi = x.clone().requires_grad_()
+            run(xi).float().square().mean().backward()
+            grads.append([xi.grad, *(p.grad for p in model.parameters())])
+        for eager, traced in zip(*grads):
+            assert traced.abs().sum() > 0 and relative_error(traced, eager) < 0.08
+    torch._dynamo.reset()
+    same = torch.ones(3, dtype=torch.bfloat16)
+    assert _in_dtype(same, torch.bfloat16) is same  # no `to` that returns its input
+
+
 def test_fp8_compile_path_setting_is_checked(monkeypatch) -> None:
     from opengem.nn.low_precision_traced import traceable
 

@@ -1,17 +1,24 @@
-"""The fp8_rowwise linear under torch.compile, in torch ops that Inductor compiles (the default there).
+"""The fp8_rowwise linear under torch.compile in torch ops that Inductor compiles (``OPENGEM_FP8_COMPILE=inductor``).
 
 The custom ops of `opengem.nn.low_precision_autograd` are opaque to the compiler: every call runs their Python
-body (two Triton quantizer launches, a row pad, ``torch._scaled_mm``) and no quantization fuses with the kernel
+body (two Triton quantizer launches, ``torch._scaled_mm``) and no quantization fuses with the kernel
 that produced its input. gem-large at batch 512 with its 138 FP8 linears: 424 ms a step against 285 ms in BF16,
 with 118 ms of it the GPU waiting on the host (H200, session 21). Written in torch ops inside an
 ``autograd.Function``, the forward and backward trace into the compiled graph: Inductor generates the
 quantizations (fused with their producers: norms, activations, the transposed weight's copy) and launches
 cuBLAS from the graph. The numerics are the custom ops' (row amax / 448 scales, E4M3, bf16 GEMM output).
 
-Session 12 found Dynamo's trace of the earlier autograd.Function (whose forward launched user Triton kernels)
-giving the backward zeros for its output gradient; this one holds torch ops only, and the GPU test
-`test_fp8_linears_under_torch_compile` asserts every gradient against eager for both paths.
-``OPENGEM_FP8_COMPILE=custom_op`` keeps the custom ops.
+Session 12 found Dynamo's trace of the eager autograd.Function giving the backward zeros for its output gradient:
+torch 2.11 loses the gradients of a Function whose output went through a no-op ``to`` (`_in_dtype`; session 21's
+first GPU run of this module lost them too). The GPU test `test_fp8_linears_under_torch_compile` asserts every
+gradient against eager for both paths, and `tests/nn/test_low_precision.py` the no-op-``to`` case on the CPU.
+Status (session 21, H200, torch 2.11): the layer alone compiled runs forward + backward in 1.39 ms against 3.13 ms
+through the custom ops and 1.46 ms for compiled BF16 (16384 x 1024 -> 4096 -> 1024), but that run lost the
+gradients (the no-op ``to``) and gem-small's compile failed inside Dynamo (``lift_tracked_freevar_to_input should
+not be called on root SubgraphTracer``: with dynamic shapes, the trainer's, a module-level float read inside the
+Function became a free symbol; `opengem.ops.fp8_gemm` now writes 448.0 as a literal). Both reproduced and fixed on
+the CPU (torch 2.11 and 2.13, `test_traced_fp8_layers_compile_with_dynamic_shapes_in_bf16`), not yet on the GPU,
+so the custom ops stay the default until a GPU run passes the tests and gem-small trains through this path.
 """
 
 from __future__ import annotations
@@ -30,8 +37,8 @@ FP8_ALIGNMENT = 16  # torch._scaled_mm: K and N multiples of 16
 
 
 def compile_path() -> str:
-    """How FP8 linears compile: ``inductor`` (this module, fp8_rowwise recipes) or ``custom_op``."""
-    path = os.environ.get("OPENGEM_FP8_COMPILE", "inductor")
+    """How FP8 linears compile: ``custom_op`` (default) or ``inductor`` (this module, fp8_rowwise recipes)."""
+    path = os.environ.get("OPENGEM_FP8_COMPILE", "custom_op")
     if path not in COMPILE_PATHS:
         raise ValueError(f"OPENGEM_FP8_COMPILE must be one of {COMPILE_PATHS}, got {path!r}")
     return path
@@ -39,7 +46,7 @@ def compile_path() -> str:
 
 def traceable(recipe: LowPrecisionRecipe) -> bool:
     """Whether ``recipe`` compiles through this module: an fp8_rowwise forward, fp8_rowwise or BF16 gradient
-    GEMMs, no rotation or stochastic rounding, and ``OPENGEM_FP8_COMPILE`` not ``custom_op``."""
+    GEMMs, no rotation or stochastic rounding, and ``OPENGEM_FP8_COMPILE=inductor``."""
     return (
         recipe.forward == "fp8_rowwise"
         and recipe.grad_input in ("fp8_rowwise", "bf16")
@@ -48,6 +55,13 @@ def traceable(recipe: LowPrecisionRecipe) -> bool:
         and not recipe.stochastic_rounding
         and compile_path() == "inductor"
     )
+
+
+def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the no-op ``to``: torch 2.11's Dynamo loses every gradient of an autograd.Function
+    whose output went through a ``to`` that returned its input (found on the CPU in session 21; torch 2.13 is
+    right). It is also what lost session 12's gradients: ``scaled_gemm`` ended in ``out.to(out_dtype)``."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def _padded_tokens(t: torch.Tensor) -> torch.Tensor:
@@ -61,7 +75,7 @@ class _RowwiseLinearFn(torch.autograd.Function):
                 grad_input_fp8: bool, fast_accum_grad: bool, grad_weight_fp8: bool) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.options = (bias is not None, grad_input_fp8, fast_accum_grad, grad_weight_fp8)
-        return rowwise_matmul(x, weight.to(x.dtype), fast_accum, bias).to(x.dtype)
+        return _in_dtype(rowwise_matmul(x, _in_dtype(weight, x.dtype), fast_accum, bias), x.dtype)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -69,14 +83,14 @@ class _RowwiseLinearFn(torch.autograd.Function):
         has_bias, grad_input_fp8, fast_accum_grad, grad_weight_fp8 = ctx.options
         dx = None
         if ctx.needs_input_grad[0]:  # contraction over out_features
-            w = weight.to(dy.dtype)
-            dx = rowwise_matmul(dy, w.t(), fast_accum_grad).to(dy.dtype) if grad_input_fp8 else dy @ w
+            w = _in_dtype(weight, dy.dtype)
+            dx = _in_dtype(rowwise_matmul(dy, w.t(), fast_accum_grad), dy.dtype) if grad_input_fp8 else dy @ w
         if grad_weight_fp8:  # contraction over tokens
-            dw = rowwise_matmul(_padded_tokens(dy.t()), _padded_tokens(x.t().to(dy.dtype)), False)
+            dw = rowwise_matmul(_padded_tokens(dy.t()), _padded_tokens(_in_dtype(x.t(), dy.dtype)), False)
         else:
-            dw = dy.t() @ x.to(dy.dtype)
-        db = dy.sum(0).to(weight.dtype) if has_bias else None
-        return dx, dw.to(weight.dtype), db, None, None, None, None
+            dw = dy.t() @ _in_dtype(x, dy.dtype)
+        db = _in_dtype(dy.sum(0), weight.dtype) if has_bias else None
+        return dx, _in_dtype(dw, weight.dtype), db, None, None, None, None
 
 
 def rowwise_linear(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

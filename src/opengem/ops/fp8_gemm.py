@@ -75,11 +75,14 @@ def _stochastic_round_e4m3(v: torch.Tensor, generator: torch.Generator | None) -
 def _rowwise_torch(
     x: torch.Tensor, stochastic: bool, generator: torch.Generator | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    # 448.0 (E4M3_MAX) as literals: a module-level float read inside an autograd.Function that Dynamo traces with
+    # dynamic shapes becomes a free symbol it fails to lift ("lift_tracked_freevar_to_input should not be called on
+    # root SubgraphTracer", torch 2.11 and 2.13; `rowwise_matmul` in `opengem.nn.low_precision_traced`)
     amax = x.float().abs().amax(dim=1).clamp_min(1e-12)
-    v = (x.float() * (E4M3_MAX / amax)[:, None]).clamp(-E4M3_MAX, E4M3_MAX)
+    v = (x.float() * (448.0 / amax)[:, None]).clamp(-448.0, 448.0)
     if stochastic:
         v = _stochastic_round_e4m3(v, generator)
-    return v.to(torch.float8_e4m3fn), amax / E4M3_MAX
+    return v.to(torch.float8_e4m3fn), amax / 448.0
 
 
 def rowwise_matmul(a: torch.Tensor, b: torch.Tensor, fast_accum: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
