@@ -125,6 +125,11 @@
 #   the last 2 layers (gem.bf16_attention_last_layers=2) + FP8 MLPs, seed 0, compared with both BF16 runs (bar 0.3%)
 # s21d (one GPU): gem-large b512 with FP8 MLPs under bench train (issue 10's 1.2x samples/s against s20d's BF16)
 # s21e, then s21f on the same warm machine: the BF16 run with seed 1 (the baseline of a later FP8 run on seed 1)
+# s22a (one GPU, session 21): the low-precision GPU tests, the FP8 layer compiled both ways, GDPA's host time,
+#   gem-small b2048 FP8 (inductor path) then BF16
+# s23a (one GPU): the same after the traced path's two fixes, OPENGEM_FP8_COMPILE=inductor for the FP8 run
+# s23b (one GPU): gem-large b512 FP8 MLPs through Inductor then BF16 (issue 10's 1.2x), GDPA (a) L256 / L512 at
+#   s0.5 with JFA and the compiled padded peer (issue 4; writes gdpa.json: keep the full run's file, rename this one)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -420,6 +425,24 @@ chain_s22a() {  # issue 10: FP8 linears compiled as torch ops (Inductor fuses th
   step bench_train_bf16 130 train bench train --preset gem-small --batch-size 2048 --compile --steps 20 --warmup 8 \
     --num-workers 12 --out "$out/results/train_gem-small_b2048_s22_bf16.json"
 }
+small_train_fp8_inductor() { OPENGEM_FP8_COMPILE=inductor small_train --low-precision-mlp fp8_rowwise "$@"; }
+chain_s23a() {  # issue 10: the traced FP8 linears (OPENGEM_FP8_COMPILE=inductor) after session 21's two CPU-found
+  # fixes: tests on both paths, the layer against compiled BF16, gem-small b2048 with inductor FP8 MLPs then BF16
+  step low_precision_gpu_tests 100 tests tests/gpu/test_low_precision_gpu.py
+  step fp8_compile 80 python -m benchmarks.diag.fp8_compile
+  step bench_train_fp8_inductor 170 small_train_fp8_inductor --out "$out/results/train_gem-small_b2048_s23_fp8_inductor.json"
+  step bench_train_bf16 120 small_train --out "$out/results/train_gem-small_b2048_s23_bf16.json"
+}
+chain_s23b() {  # issue 10's bar at gem-large b512: FP8 MLPs through Inductor, then BF16 (the same-call peer); issue
+  # 4: GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer after the host-time cut
+  step bench_train_large_fp8_inductor 320 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
+    --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
+    --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s23_fp8_inductor.json"
+  step bench_train_large 150 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s23_bf16_sequence.json"
+  step gdpa_small 120 python -m benchmarks.gdpa --workloads "a self L=256 s=0.5,a self L=512 s=0.5" \
+    --peers jfa,padded-compiled
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -531,13 +554,13 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single curves_single predict
+export -f tests train small_train small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
