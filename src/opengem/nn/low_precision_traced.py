@@ -60,7 +60,7 @@ def traceable(recipe: LowPrecisionRecipe) -> bool:
 def _in_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``t.to(dtype)`` without the no-op ``to``: torch 2.11's Dynamo loses every gradient of an autograd.Function
     whose output went through a ``to`` that returned its input (found on the CPU in session 21; torch 2.13 is
-    right). It is also what lost session 12's gradients: ``scaled_gemm`` ended in ``out.to(out_dtype)``."""
+    right); most likely also what lost session 12's gradients (``scaled_gemm`` ends in ``out.to(out_dtype)``)."""
     return t if t.dtype == dtype else t.to(dtype)
 
 
