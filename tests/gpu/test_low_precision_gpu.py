@@ -151,6 +151,23 @@ def test_gpu_gemm_matches_emulation(recipe: str, shape: tuple[int, int, int]) ->
     assert 0.005 < errors["vs_exact"] < 0.06, context
 
 
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_torch_op_rowwise_matmul_equals_the_custom_op_gemm(fast_accum: bool) -> None:
+    """The traced linear's GEMM (`rowwise_matmul`: torch ops) against `scaled_gemm` on the Triton quantizers'
+    operands, 300 rows (not a multiple of 16) with a bias: the same scales and E4M3 values but for rounding ties
+    (`test_rowwise_quantizers_match_torch`: < 1e-3 of the elements), into the same cuBLAS call."""
+    from opengem.ops.fp8_gemm import rowwise_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    x = torch.randn(300, 512, device="cuda", generator=g).to(torch.bfloat16)
+    w = (torch.randn(384, 512, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
+    bias = torch.randn(384, device="cuda", generator=g).to(torch.bfloat16)
+    ours = rowwise_matmul(x, w, fast_accum, bias)
+    custom = scaled_gemm(quantize_operand(x, "fp8_rowwise"), quantize_operand(w, "fp8_rowwise"), torch.bfloat16,
+                         fast_accum=fast_accum, bias=bias)
+    assert rel(ours, custom) < 1e-3, rel(ours, custom)
+
+
 def test_cublas_blockwise_probe_answers() -> None:
     """The probe never raises: it says whether cuBLAS blockwise runs here and why not (printed with -rA)."""
     for b_blocks in (True, False):

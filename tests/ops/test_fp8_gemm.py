@@ -309,3 +309,19 @@ def test_transposed_view_quantizes_like_its_contiguous_copy() -> None:
     ref_q, ref_scale, _ = rowwise_quantize(w.t().contiguous())
     assert q is None and scale is None
     assert torch.equal(qt.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(scale_t, ref_scale)
+
+
+def test_rowwise_matmul_in_torch_ops_has_the_rowwise_recipes_numerics() -> None:
+    """`rowwise_matmul` (the traced FP8 linear's GEMM): the same E4M3 rows and scales as `quantize_operand`, and
+    the product of the dequantized operands up to the bf16 output's rounding, bias included, on ragged rows."""
+    from opengem.ops.fp8_gemm import rowwise_matmul
+
+    g = torch.Generator().manual_seed(12)
+    a, b = torch.randn(21, 48, generator=g) * 3, torch.randn(32, 48, generator=g) * 0.1
+    bias = torch.randn(32, generator=g)
+    out = rowwise_matmul(a, b, fast_accum=False, bias=bias)
+    qa, qb = quantize_operand(a, "fp8_rowwise"), quantize_operand(b, "fp8_rowwise")
+    expected = dequantize_operand(qa) @ dequantize_operand(qb).t() + bias
+    assert out.dtype == torch.bfloat16 and out.shape == (21, 32)
+    torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-2)
+    assert (out.float() - (a @ b.t() + bias)).norm() / (a @ b.t() + bias).norm() > 1e-3  # quantized, not exact
