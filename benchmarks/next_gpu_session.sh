@@ -442,6 +442,7 @@ chain_s23b() {  # issue 10's bar at gem-large b512: FP8 MLPs through Inductor, t
     --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s23_bf16_sequence.json"
   step gdpa_small 120 python -m benchmarks.gdpa --workloads "a self L=256 s=0.5,a self L=512 s=0.5" \
     --peers jfa,padded-compiled
+  step gdpa_small_overhead 70 python -m benchmarks.diag.gdpa_small_overhead  # where the with-grad host time goes
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
