@@ -128,8 +128,9 @@
 # s22a (one GPU, session 21): the low-precision GPU tests, the FP8 layer compiled both ways, GDPA's host time,
 #   gem-small b2048 FP8 (inductor path) then BF16
 # s23a (one GPU): the same after the traced path's two fixes, OPENGEM_FP8_COMPILE=inductor for the FP8 run
-# s23b (one GPU): gem-large b512 FP8 MLPs through Inductor then BF16 (issue 10's 1.2x), GDPA (a) L256 / L512 at
-#   s0.5 with JFA and the compiled padded peer (issue 4; writes gdpa.json: keep the full run's file, rename this one)
+# s23b (one GPU): gem-large b512 FP8 MLPs through Inductor then BF16 (issue 10's 1.2x)
+# s23c (one GPU): GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer, the host-time diag (issue 4;
+#   writes gdpa.json: keep the full run's file, rename this one)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -433,16 +434,18 @@ chain_s23a() {  # issue 10: the traced FP8 linears (OPENGEM_FP8_COMPILE=inductor
   step bench_train_fp8_inductor 170 small_train_fp8_inductor --out "$out/results/train_gem-small_b2048_s23_fp8_inductor.json"
   step bench_train_bf16 120 small_train --out "$out/results/train_gem-small_b2048_s23_bf16.json"
 }
-chain_s23b() {  # issue 10's bar at gem-large b512: FP8 MLPs through Inductor, then BF16 (the same-call peer); issue
-  # 4: GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer after the host-time cut
+chain_s23b() {  # issue 10's bar at gem-large b512: FP8 MLPs through Inductor, then BF16 (the same-call peer)
   step bench_train_large_fp8_inductor 320 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
     --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
     --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s23_fp8_inductor.json"
   step bench_train_large 150 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
     --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s23_bf16_sequence.json"
-  step gdpa_small 120 python -m benchmarks.gdpa --workloads "a self L=256 s=0.5,a self L=512 s=0.5" \
+}
+chain_s23c() {  # issue 4: GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer after the host-time cut
+  # (writes gdpa.json: keep the full run's file, rename this one), then where the with-grad host time goes
+  step gdpa_small 150 python -m benchmarks.gdpa --workloads "a self L=256 s=0.5,a self L=512 s=0.5" \
     --peers jfa,padded-compiled
-  step gdpa_small_overhead 70 python -m benchmarks.diag.gdpa_small_overhead  # where the with-grad host time goes
+  step gdpa_small_overhead 80 python -m benchmarks.diag.gdpa_small_overhead
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -561,7 +564,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
