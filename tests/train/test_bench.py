@@ -67,18 +67,21 @@ def test_bench_train_reports_every_figure(train_result):
 
 
 def test_window_timer_laps_split_the_window(monkeypatch):
-    """Each lap is the time from the previous mark; the window is start to stop, laps or not."""
+    """Each lap is the time from the previous mark; the window runs from start to the last lap (what follows the
+    last step is not timed), or to stop without laps."""
     from opengem.train.bench import timing
 
-    clock = iter([10.0, 10.5, 12.0, 12.25, 13.0])
+    clock = iter([10.0, 10.5, 12.0, 12.25, 20.0, 21.5])
     monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
     timer = timing.WindowTimer(torch.device("cpu"))
     timer.start()
     timer.lap()
     timer.lap()
     timer.lap()
-    assert timer.stop() == pytest.approx(3.0)
+    assert timer.stop() == pytest.approx(2.25)
     assert timer.laps_ms() == pytest.approx([500.0, 1500.0, 250.0])
+    timer.start()  # 20.0
+    assert timer.stop() == pytest.approx(1.5)
 
 
 def test_autotuner_keys_tuned_while_timed_are_reported(monkeypatch, tmp_path):

@@ -50,7 +50,10 @@ class WindowTimer:
         self._laps.append(self._mark())
 
     def stop(self) -> float:
-        self._end = self._mark()
+        """Seconds from ``start()`` to the last lap (the end of the last timed step), or to now without laps:
+        the bench's bookkeeping after the last step is not the window's (on a busy 2-core CI runner it once
+        added 1.5 s to a 150 ms window)."""
+        self._end = self._laps[-1] if self._laps else self._mark()
         if self.device.type == "cuda":
             self._end.synchronize()
             return self._begin.elapsed_time(self._end) / 1e3
