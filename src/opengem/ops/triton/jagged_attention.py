@@ -23,7 +23,14 @@ import triton.language as tl
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.triton.masks import key_range, tile_mask
 from opengem.ops.triton.mx import mx_e4m3_rows
-from opengem.ops.triton.ragged_tiles import ragged_descriptor, ragged_tile, set_block_rows, tma_ok, tma_passes
+from opengem.ops.triton.ragged_tiles import (
+    last_dim_contiguous,
+    ragged_descriptor,
+    ragged_tile,
+    set_block_rows,
+    tma_ok,
+    tma_passes,
+)
 from opengem.ops.triton.tuning import tuning_bench as _tuning_bench
 
 LOG2E = 1.4426950408889634
@@ -694,7 +701,7 @@ def forward_buffers(
 ) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor, bool]:
     """What every forward starts with (bf16 and FP8): q, k, v with unit column stride, the empty ``out``
     ``[T, H, D]`` (q's dtype) and ``lse`` ``[H, T]`` fp32, and whether any query tile has work."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     total, heads, _ = q.shape
     out = torch.empty_like(q)
     lse = torch.empty((heads, total), device=q.device, dtype=torch.float32)
@@ -727,13 +734,12 @@ def backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``dq, dk, dv``, written into ``grads`` when given (views with a unit last stride, e.g. of one packed
     ``[T, 3, H, D]`` gradient), else into new tensors."""
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
     total, heads, _ = q.shape
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
         return dq, dk, dv
-    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    out = out if out.stride(-1) == 1 else out.contiguous()
+    dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     delta = torch.empty_like(lse)  # written by the dQ pass, read by the dK/dV pass
     common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))

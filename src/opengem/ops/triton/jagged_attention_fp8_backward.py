@@ -40,6 +40,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     rotated_gradient_buffers,
 )
 from opengem.ops.triton.masks import tile_mask
+from opengem.ops.triton.ragged_tiles import last_dim_contiguous
 
 # (BLOCK_M, num_warps, num_stages), the first the untuned default; the key tile is always one block. From sm_90
 # static counts (benchmarks/sass.py, D = 128): dQ at 128 rows / 8 warps spills nothing at one stage, 8 B at two;
@@ -207,7 +208,7 @@ def backward(
     pb: Problem, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The FP8 forward's backward with E4M3 ``S`` and ``dP`` products (module docstring); ``grads`` as in JFA's."""
-    q, k, v, dout, out = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, dout, out))
+    q, k, v, dout, out = (last_dim_contiguous(t) for t in (q, k, v, dout, out))
     total, heads, head_dim = q.shape
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
         zeros = [torch.zeros_like(t) for t in (q, k, v)]
