@@ -67,16 +67,16 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
 def offsets_summary(offsets: torch.Tensor) -> OffsetsSummary:
     """The :class:`OffsetsSummary` of a 1-D offsets tensor with at least one entry; computed once per mirrored
     device tensor (and version), each call for a CPU tensor (which may change in place without a mirror)."""
+    host_tensor = host_copy(offsets)  # registers the mirror of a device tensor that had none
     entry = None if offsets.device.type == "cpu" else _entry(offsets)
     if entry is not None and entry[3] is not None:
         return entry[3]
-    host = host_copy(offsets).numpy().astype(np.int64, copy=False)
+    host = host_tensor.numpy().astype(np.int64, copy=False)
     lengths = host[1:] - host[:-1]
     lengths.setflags(write=False)  # shared by every reader
     decreasing = np.flatnonzero(lengths < 0)
     summary = OffsetsSummary(lengths, int(host[0]), int(host[-1]), int(decreasing[0]) if decreasing.size else -1,
                              int(lengths.max()) if lengths.size else 0)
-    entry = None if offsets.device.type == "cpu" else _entry(offsets)
     if entry is not None:
         _MIRRORS[id(offsets)] = (*entry[:3], summary)
     return summary
