@@ -127,10 +127,11 @@
 # s21e, then s21f on the same warm machine: the BF16 run with seed 1 (the baseline of a later FP8 run on seed 1)
 # s22a (one GPU, session 21): the low-precision GPU tests, the FP8 layer compiled both ways, GDPA's host time,
 #   gem-small b2048 FP8 (inductor path) then BF16
-# s23a (one GPU): the same after the traced path's two fixes, OPENGEM_FP8_COMPILE=inductor for the FP8 run
+# s23a (one GPU): gem-small b2048 FP8 MLPs through Inductor (OPENGEM_FP8_COMPILE=inductor), then BF16
 # s23b (one GPU): gem-large b512 FP8 MLPs through Inductor then BF16 (issue 10's 1.2x)
-# s23c (one GPU): GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer, the host-time diag (issue 4;
-#   writes gdpa.json: keep the full run's file, rename this one)
+# s23c (one GPU): the low-precision GPU tests and the fp8_compile diag (issue 10), GDPA (a) L256 / L512 at s0.5
+#   with JFA and the compiled padded peer and the host-time diag (issue 4; writes gdpa.json: keep the full run's
+#   file, rename this one)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -427,22 +428,23 @@ chain_s22a() {  # issue 10: FP8 linears compiled as torch ops (Inductor fuses th
     --num-workers 12 --out "$out/results/train_gem-small_b2048_s22_bf16.json"
 }
 small_train_fp8_inductor() { OPENGEM_FP8_COMPILE=inductor small_train --low-precision-mlp fp8_rowwise "$@"; }
-chain_s23a() {  # issue 10: the traced FP8 linears (OPENGEM_FP8_COMPILE=inductor) after session 21's two CPU-found
-  # fixes: tests on both paths, the layer against compiled BF16, gem-small b2048 with inductor FP8 MLPs then BF16
-  step low_precision_gpu_tests 100 tests tests/gpu/test_low_precision_gpu.py
-  step fp8_compile 80 python -m benchmarks.diag.fp8_compile
-  step bench_train_fp8_inductor 170 small_train_fp8_inductor --out "$out/results/train_gem-small_b2048_s23_fp8_inductor.json"
-  step bench_train_bf16 120 small_train --out "$out/results/train_gem-small_b2048_s23_bf16.json"
+chain_s23a() {  # issue 10: gem-small b2048 with FP8 MLPs through Inductor (OPENGEM_FP8_COMPILE=inductor), then BF16:
+  # the same-call peer; caps for a cold compile cache (session 22 had none to carry)
+  step bench_train_fp8_inductor 300 small_train_fp8_inductor --out "$out/results/train_gem-small_b2048_s23_fp8_inductor.json"
+  step bench_train_bf16 240 small_train --out "$out/results/train_gem-small_b2048_s23_bf16.json"
 }
 chain_s23b() {  # issue 10's bar at gem-large b512: FP8 MLPs through Inductor, then BF16 (the same-call peer)
   step bench_train_large_fp8_inductor 320 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
     --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
     --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s23_fp8_inductor.json"
-  step bench_train_large 150 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+  step bench_train_large 240 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
     --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s23_bf16_sequence.json"
 }
-chain_s23c() {  # issue 4: GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer after the host-time cut
-  # (writes gdpa.json: keep the full run's file, rename this one), then where the with-grad host time goes
+chain_s23c() {  # the traced FP8 linears' GPU tests (both compile paths) and the layer against compiled BF16 (issue 10);
+  # issue 4: GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer after the host-time cut (writes
+  # gdpa.json: keep the full run's file, rename this one), then where the with-grad host time goes
+  step low_precision_gpu_tests 100 tests tests/gpu/test_low_precision_gpu.py
+  step fp8_compile 80 python -m benchmarks.diag.fp8_compile
   step gdpa_small 150 python -m benchmarks.gdpa --workloads "a self L=256 s=0.5,a self L=512 s=0.5" \
     --peers jfa,padded-compiled
   step gdpa_small_overhead 80 python -m benchmarks.diag.gdpa_small_overhead

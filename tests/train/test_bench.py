@@ -382,3 +382,15 @@ def test_gpu_time_by_kernel_family():
     ranked = top_kernels(events + [kernel("_dq_kernel", 50, 55)], steps=2, count=2)
     assert ranked == [{"name": "nvjet_sm90_x", "family": "gemm", "ms_per_step": 0.015, "calls_per_step": 0.5},
                       {"name": "_dq_kernel", "family": "attention", "ms_per_step": 0.0075, "calls_per_step": 1.0}]
+
+
+def test_bench_train_records_the_recipe_an_override_sets(tmp_path):
+    """`--set low_precision_mlp=...` wins over `--low-precision-mlp`'s default, and the result says so (session 21's
+    gem-large FP8 run was reported as `low-precision MLP none`)."""
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", *TINY, "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--loader-batches", "1",
+            "--set", "low_precision_mlp=fp8_rowwise", "--out", str(out)]
+    assert main(argv) == 0
+    settings = json.loads(out.read_text())["settings"]
+    assert settings["low_precision_mlp"] == "fp8_rowwise" and settings["low_precision_layers"] > 0
+    assert settings["fp8_compile_path"] in ("custom_op", "inductor")

@@ -25,6 +25,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import LowPrecisionLinear
+from opengem.nn.low_precision_traced import compile_path
 from opengem.train.bench.kernels import family_split_us, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
@@ -195,6 +196,9 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "precision": precision,
         "batch_size": config.batch_size,
         "num_workers": config.num_workers,
+        # the config's recipe: a `--set low_precision_mlp=...` override wins over the option
+        "low_precision_mlp": config.low_precision_mlp,
+        "fp8_compile_path": compile_path() if config.low_precision_mlp != "none" else None,
         "low_precision_layers": converted,
         "device": str(device),
         "tuning_steps": tuning_steps,  # warm-up steps past ``warmup + steps`` (something compiled, or slow steps)
@@ -299,7 +303,8 @@ def format_report(payload: dict[str, Any]) -> str:
     memory = "n/a (CPU)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GiB"
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
-        f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}, compile {s['compile']}"),
+        f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}"
+         f"{'' if s.get('fp8_compile_path') is None else ' (' + s['fp8_compile_path'] + ')'}, compile {s['compile']}"),
         (f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + "
          f"{s.get('lead_steps', 0) + s['steps']} + {s['tuning_steps']} warm-up, the window's batches among them, "
          f"and {s.get('lead_steps', 0)} on the restarted loader)"),
