@@ -132,6 +132,7 @@
 # s23c (one GPU): the low-precision GPU tests and the fp8_compile diag (issue 10), GDPA (a) L256 / L512 at s0.5
 #   with JFA and the compiled padded peer and the host-time diag (issue 4; writes gdpa.json: keep the full run's
 #   file, rename this one)
+# s24a (one GPU): the low-precision GPU tests, gem-large b512 FP8 (Inductor) then BF16 with mix-order reductions off
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -449,6 +450,20 @@ chain_s23c() {  # the traced FP8 linears' GPU tests (both compile paths) and the
     --peers jfa,padded-compiled
   step gdpa_small_overhead 80 python -m benchmarks.diag.gdpa_small_overhead
 }
+chain_s24a() {  # session 22, call 4: the low-precision GPU tests held to the fp32 computation; gem-large b512 FP8
+  # through Inductor, then BF16, both with Inductor's mix-order reductions off (call 3: the FP8 backward's row
+  # quantization fused with the bias gradient's column sum into mix-order kernels at 0.66-2.8 ms a call)
+  step low_precision_gpu_tests 80 tests tests/gpu/test_low_precision_gpu.py
+  step mix_order_off 20 env TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 python -c \
+    "import torch._inductor.config as c; print('mix_order_reduction', c.triton.mix_order_reduction)"
+  step bench_train_large_fp8_inductor_nomix 290 env TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 OPENGEM_FP8_COMPILE=inductor \
+    python -m opengem.cli.main bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --set low_precision_mlp=fp8_rowwise \
+    --out "$out/results/train_gem-large_b512_s24_fp8_inductor_nomix.json"
+  step bench_train_large_nomix 190 env TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 python -m opengem.cli.main bench train \
+    --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 \
+    --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s24_bf16_nomix.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -566,7 +581,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

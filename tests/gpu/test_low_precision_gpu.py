@@ -154,18 +154,27 @@ def test_gpu_gemm_matches_emulation(recipe: str, shape: tuple[int, int, int]) ->
 @pytest.mark.parametrize("fast_accum", [False, True])
 def test_torch_op_rowwise_matmul_equals_the_custom_op_gemm(fast_accum: bool) -> None:
     """The traced linear's GEMM (`rowwise_matmul`: torch ops) against `scaled_gemm` on the Triton quantizers'
-    operands, 300 rows (not a multiple of 16) with a bias: the same scales and E4M3 values but for rounding ties
-    (`test_rowwise_quantizers_match_torch`: < 1e-3 of the elements), into the same cuBLAS call."""
-    from opengem.ops.fp8_gemm import rowwise_matmul
+    operands, 300 rows (not a multiple of 16) with a bias: the same scales and E4M3 values but for rounding ties,
+    into the same cuBLAS call. A tie moves one element by an E4M3 step (~6%): under 1e-3 of the elements differ,
+    which moves the product by ~sqrt(1e-3) * 6% = 2e-3 (3.1e-3 in session 22), so the two are held to the same
+    error against the fp32 product instead of to each other."""
+    from opengem.ops.fp8_gemm import _rowwise_torch, rowwise_matmul
 
     g = torch.Generator(device="cuda").manual_seed(8)
     x = torch.randn(300, 512, device="cuda", generator=g).to(torch.bfloat16)
     w = (torch.randn(384, 512, device="cuda", generator=g) * 0.05).to(torch.bfloat16)
     bias = torch.randn(384, device="cuda", generator=g).to(torch.bfloat16)
+    for operand in (x, w):
+        q_torch, scale_torch = _rowwise_torch(operand, False, None)
+        q_triton = quantize_operand(operand, "fp8_rowwise")
+        assert torch.equal(scale_torch, q_triton.scale)
+        assert (q_torch.float() != q_triton.data.float()).float().mean().item() < 1e-3
     ours = rowwise_matmul(x, w, fast_accum, bias)
     custom = scaled_gemm(quantize_operand(x, "fp8_rowwise"), quantize_operand(w, "fp8_rowwise"), torch.bfloat16,
                          fast_accum=fast_accum, bias=bias)
-    assert rel(ours, custom) < 1e-3, rel(ours, custom)
+    exact = x.float() @ w.float().t() + bias.float()
+    assert rel(ours, custom) < 1e-2, rel(ours, custom)
+    assert rel(ours, exact) < 1.1 * rel(custom, exact) + 1e-4, (rel(ours, exact), rel(custom, exact))
 
 
 def test_cublas_blockwise_probe_answers() -> None:
@@ -368,8 +377,8 @@ def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
 @pytest.mark.parametrize("path", ["inductor", "custom_op"])
 def test_fp8_linears_under_torch_compile(monkeypatch, path: str) -> None:
     """FP8 linears and the fused FP8 MLP in one compiled graph (fullgraph, dynamic shapes as the trainer compiles),
-    on 2,043 tokens (not a multiple of 16): the output and every gradient match eager's, through Inductor's
-    torch-op path and through the custom ops. torch bugs met here: Dynamo failed on the row quantizer's
+    on 2,043 tokens (not a multiple of 16): the output and every gradient as close to the fp32 computation as
+    eager's, through Inductor's torch-op path and through the custom ops. torch bugs met here: Dynamo failed on the row quantizer's
     `prune_configs_by` tuner launched several times in one trace (pytorch#177600); traced as an autograd.Function
     the FP8 linear's backward got zeros for its output gradient (sessions 12 and 21: a no-op ``to`` on the output);
     a module-level float inside the Function failed Dynamo under dynamic shapes (session 21)."""
@@ -396,7 +405,28 @@ def test_fp8_linears_under_torch_compile(monkeypatch, path: str) -> None:
         compiled_y = torch.compile(module, fullgraph=True, dynamic=True)(compiled_x)
         compiled_y.float().square().mean().backward()
         torch._dynamo.reset()
-        assert rel(compiled_y, eager_y) < 2e-2 and rel(compiled_x.grad, eager_x.grad) < 2e-2
-        assert compiled_x.grad.abs().sum() > 0
-        for p, eager_grad in zip(module.parameters(), eager_grads):
-            assert eager_grad.abs().sum() > 0 and rel(p.grad, eager_grad) < 2e-2
+        compiled_grads = [p.grad.clone() for p in module.parameters()]
+        exact_x = x.float().requires_grad_()
+        exact_y, exact_params = _fp32_reference(module, exact_x)
+        exact_y.square().mean().backward()
+        # Inductor keeps fused intermediates (GELU) in fp32 and divides approximately, so its E4M3 roundings are
+        # not eager's: dx differed by 3% between the two in session 22. Each is held to the fp32 computation, the
+        # compiled path within 1.25x of eager's error (lost or zero gradients are off by ~100%)
+        pairs = [(compiled_y, eager_y, exact_y), (compiled_x.grad, eager_x.grad, exact_x.grad),
+                 *((c, e, p.grad) for c, e, p in zip(compiled_grads, eager_grads, exact_params))]
+        for compiled, eager, exact in pairs:
+            assert eager.abs().sum() > 0 and compiled.abs().sum() > 0
+            assert rel(compiled, exact) < 1.25 * rel(eager, exact) + 2e-3, (rel(compiled, exact), rel(eager, exact))
+
+
+def _fp32_reference(module: torch.nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``module``'s Linear / GELU chain in fp32 on fp32 copies of its parameters: (output, the copies in
+    ``module.parameters()`` order, whose ``.grad`` the backward fills)."""
+    copies = {id(p): p.detach().float().requires_grad_() for p in module.parameters()}
+    for layer in [module] if isinstance(module, torch.nn.Linear) else list(module):
+        if isinstance(layer, torch.nn.Linear):
+            bias = None if layer.bias is None else copies[id(layer.bias)]
+            x = torch.nn.functional.linear(x, copies[id(layer.weight)], bias)
+        else:
+            x = layer(x)
+    return x, [copies[id(p)] for p in module.parameters()]
