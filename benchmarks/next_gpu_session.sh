@@ -133,6 +133,7 @@
 #   with JFA and the compiled padded peer and the host-time diag (issue 4; writes gdpa.json: keep the full run's
 #   file, rename this one)
 # s24a (one GPU): the low-precision GPU tests, gem-large b512 FP8 (Inductor) then BF16 with mix-order reductions off
+# s24b (one GPU): the same with the traced bias gradient as a GEMV and Inductor's defaults
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -464,6 +465,15 @@ chain_s24a() {  # session 22, call 4: the low-precision GPU tests held to the fp
     --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 \
     --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s24_bf16_nomix.json"
 }
+chain_s24b() {  # session 22, call 5: the traced FP8 linear's bias gradient as a GEMV (no mix-order fusion with dy's
+  # row amax), Inductor's defaults otherwise: the low-precision GPU tests, gem-large b512 FP8 then BF16 in one call
+  step low_precision_gpu_tests 80 tests tests/gpu/test_low_precision_gpu.py
+  step bench_train_large_fp8_inductor 240 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
+    --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
+    --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s24_fp8_inductor_gemv_bias.json"
+  step bench_train_large 160 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s24_bf16.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -581,7 +591,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -89,7 +89,9 @@ class _RowwiseLinearFn(torch.autograd.Function):
             dw = rowwise_matmul(_padded_tokens(dy.t()), _padded_tokens(_in_dtype(x.t(), dy.dtype)), False)
         else:
             dw = dy.t() @ _in_dtype(x, dy.dtype)
-        db = _in_dtype(dy.sum(0), weight.dtype) if has_bias else None
+        # the bias gradient as a GEMV (cuBLAS), not ``dy.sum(0)``: Inductor fuses that column sum with dy's row
+        # amax above into one mix-order reduction kernel that ran at 0.66-2.8 ms a call on gem-large (session 22)
+        db = _in_dtype(torch.mv(dy.t(), dy.new_ones(dy.shape[0])), weight.dtype) if has_bias else None
         return dx, _in_dtype(dw, weight.dtype), db, None, None, None, None
 
 
