@@ -466,13 +466,13 @@ chain_s24a() {  # session 22, call 4: the low-precision GPU tests held to the fp
     --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s24_bf16_nomix.json"
 }
 chain_s24b() {  # session 22, call 5: the traced FP8 linear's bias gradient as a GEMV (no mix-order fusion with dy's
-  # row amax), Inductor's defaults otherwise: the low-precision GPU tests, gem-large b512 FP8 then BF16 in one call
-  step low_precision_gpu_tests 80 tests tests/gpu/test_low_precision_gpu.py
+  # row amax), Inductor's defaults otherwise: gem-large b512 FP8 then BF16 in one call, then the low-precision GPU tests
   step bench_train_large_fp8_inductor 240 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
     --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
     --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s24_fp8_inductor_gemv_bias.json"
   step bench_train_large 160 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
     --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s24_bf16.json"
+  step low_precision_gpu_tests 80 tests tests/gpu/test_low_precision_gpu.py  # last: the device time left is short
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
