@@ -453,10 +453,9 @@ chain_s23c() {  # the traced FP8 linears' GPU tests (both compile paths) and the
 }
 chain_s24a() {  # session 22, call 4: the low-precision GPU tests held to the fp32 computation; gem-large b512 FP8
   # through Inductor, then BF16, both with Inductor's mix-order reductions off (call 3: the FP8 backward's row
-  # quantization fused with the bias gradient's column sum into mix-order kernels at 0.66-2.8 ms a call)
+  # quantization fused with the bias gradient's column sum into mix-order kernels at 0.66-2.8 ms a call). Call 4 also
+  # printed the setting through `python -c` (session22_logs/call4_s24a_mix_order_off.log: False)
   step low_precision_gpu_tests 80 tests tests/gpu/test_low_precision_gpu.py
-  step mix_order_off 20 env TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 python -c \
-    "import torch._inductor.config as c; print('mix_order_reduction', c.triton.mix_order_reduction)"
   step bench_train_large_fp8_inductor_nomix 290 env TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 OPENGEM_FP8_COMPILE=inductor \
     python -m opengem.cli.main bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
     --num-workers 12 --set gem.sequence_dtype=compute --set low_precision_mlp=fp8_rowwise \

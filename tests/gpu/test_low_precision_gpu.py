@@ -155,9 +155,9 @@ def test_gpu_gemm_matches_emulation(recipe: str, shape: tuple[int, int, int]) ->
 def test_torch_op_rowwise_matmul_equals_the_custom_op_gemm(fast_accum: bool) -> None:
     """The traced linear's GEMM (`rowwise_matmul`: torch ops) against `scaled_gemm` on the Triton quantizers'
     operands, 300 rows (not a multiple of 16) with a bias: the same scales (to one ulp) and E4M3 values but for
-    rounding ties, into the same cuBLAS call. A tie moves one element by an E4M3 step (~6%): under 1e-3 of the elements differ,
-    which moves the product by ~sqrt(1e-3) * 6% = 2e-3 (3.1e-3 in session 22), so the two are held to the same
-    error against the fp32 product instead of to each other."""
+    rounding ties, into the same cuBLAS call. A tie moves one element by an E4M3 step (~6%): under 1e-3 of the
+    elements differ, which moves the product by ~sqrt(1e-3) * 6% = 2e-3 (3.1e-3 in session 22), so the two are held
+    to the same error against the fp32 product instead of to each other."""
     from opengem.ops.fp8_gemm import _rowwise_torch, rowwise_matmul
 
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -379,10 +379,10 @@ def test_fp8_matmul_recipes_agree_with_mx_emulation_on_gpu() -> None:
 def test_fp8_linears_under_torch_compile(monkeypatch, path: str) -> None:
     """FP8 linears and the fused FP8 MLP in one compiled graph (fullgraph, dynamic shapes as the trainer compiles),
     on 2,043 tokens (not a multiple of 16): the output and every gradient as close to the fp32 computation as
-    eager's, through Inductor's torch-op path and through the custom ops. torch bugs met here: Dynamo failed on the row quantizer's
-    `prune_configs_by` tuner launched several times in one trace (pytorch#177600); traced as an autograd.Function
-    the FP8 linear's backward got zeros for its output gradient (sessions 12 and 21: a no-op ``to`` on the output);
-    a module-level float inside the Function failed Dynamo under dynamic shapes (session 21)."""
+    eager's, through Inductor's torch-op path and through the custom ops. torch bugs met here: Dynamo failed on the
+    row quantizer's `prune_configs_by` tuner launched several times in one trace (pytorch#177600); traced as an
+    autograd.Function the FP8 linear's backward got zeros for its output gradient (sessions 12 and 21: a no-op
+    ``to`` on the output); a module-level float inside the Function failed Dynamo under dynamic shapes (session 21)."""
     from opengem.nn.low_precision_mlp import LowPrecisionMLP
 
     monkeypatch.setenv("OPENGEM_FP8_COMPILE", path)

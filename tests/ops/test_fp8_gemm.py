@@ -119,6 +119,9 @@ def test_rowwise_quantizer_kernel_matches_the_torch_path(columns: int, prologue:
     carry = (values * 2 == ref_values) & (torch.frexp(ref_values).mantissa.abs() == 0.5)
     quirks = carry | ((values == 0) & (ref_values.abs() == 2.0**-9))
     codes, ref_codes = q.view(torch.uint8).int(), ref_q.view(torch.uint8).int()
+    # -0 and +0 (codes 0x80 and 0x00) are the same value: in session 22's fresh environment (triton 3.9.0, NumPy
+    # 2.4.6) the GELU of a large negative input came out -0.0 on one path and +0.0 on the other
+    codes, ref_codes = codes.where(values != 0, 0), ref_codes.where(ref_values != 0, 0)
     steps = (codes - ref_codes).abs()[~quirks]
     assert steps.max() <= (0 if prologue is None else 1) and (steps == 0).float().mean() > 0.99
     assert quirks.float().mean() < 0.05

@@ -283,35 +283,50 @@ def test_compiled_regions_trace_whole_and_match_eager(architecture):
         torch.testing.assert_close(compiled(batch), eager(batch))
 
 
-def test_compiled_regions_with_fp8_linears_train_like_eager():
+@pytest.mark.parametrize("path", ["inductor", "custom_op"])
+def test_compiled_regions_with_fp8_linears_train_like_eager(monkeypatch, path: str):
     """FP8 linears inside the compiled blocks keep them whole (fullgraph: GPU session 12's bench train died on
-    an eager region's graph break) and give eager's loss and gradients."""
+    an eager region's graph break) and give eager's loss and gradients: to float rounding through the custom ops.
+    Through the torch ops (``OPENGEM_FP8_COMPILE=inductor``, the default) ``_scaled_mm`` rounds its output to bf16,
+    which the CPU's eager emulation (fp32 out) skips, and the later layers' E4M3 roundings follow apart (1-3% per
+    gradient here): each is held to the unconverted fp32 model instead, the compiled one within 1.25x of eager's
+    error (a lost gradient is off by 100%)."""
     from opengem.nn.low_precision import convert_to_low_precision
     from opengem.train.compile import compile_regions
     from opengem.train.data_stream import train_batches
     from opengem.train.trainer import build_model
 
+    monkeypatch.setenv("OPENGEM_FP8_COMPILE", path)
     config = load_config("gem-tiny", None, [*SMALL, "architecture=gem", "gem.num_layers=2"])
     torch.manual_seed(0)
-    models = [build_model(config, config.model.history, torch.device("cpu")) for _ in range(2)]
-    models[1].load_state_dict(models[0].state_dict())
+    exact, *models = [build_model(config, config.model.history, torch.device("cpu")) for _ in range(3)]
     every_aligned = lambda name, m: m.in_features % 16 == 0 and m.out_features % 16 == 0  # noqa: E731
-    converted = [convert_to_low_precision(m, "fp8_rowwise", filter=every_aligned) for m in models]
+    converted = []
+    for model in models:
+        model.load_state_dict(exact.state_dict())
+        converted.append(convert_to_low_precision(model, "fp8_rowwise", filter=every_aligned))
     assert converted[0] == converted[1] and len(converted[0]) >= 4
     assert compile_regions(models[1], backend="aot_eager") == 4
     batch = next(train_batches(config, 0))
     losses, grads = [], []
-    for model in models:
+    for model in (exact, *models):
         loss = model(batch).float().square().mean()
         loss.backward()
         losses.append(loss.detach())
         grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
-    torch.testing.assert_close(losses[1], losses[0])
-    assert grads[0].keys() == grads[1].keys()
+    assert grads[0].keys() == grads[1].keys() == grads[2].keys()
     for name in converted[0]:
-        assert grads[1][f"{name}.weight"].abs().sum() > 0, name
+        assert grads[2][f"{name}.weight"].abs().sum() > 0, name
+    if path == "custom_op":
+        torch.testing.assert_close(losses[2], losses[1])
+        for name, grad in grads[1].items():
+            torch.testing.assert_close(grads[2][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        return
+    error = lambda got, want: ((got - want).norm() / want.norm()).item()  # noqa: E731
+    assert error(losses[2], losses[0]) < 1.5 * error(losses[1], losses[0]) + 2e-3
     for name, grad in grads[0].items():
-        torch.testing.assert_close(grads[1][name], grad, rtol=1e-4, atol=1e-5, msg=name)
+        compiled, eager = error(grads[2][name], grad), error(grads[1][name], grad)
+        assert compiled < 1.25 * eager + 2e-3, (name, compiled, eager)
 
 
 def test_compile_mode_reaches_every_region(monkeypatch):

@@ -301,10 +301,10 @@ def format_report(payload: dict[str, Any]) -> str:
     else:
         e2e = f"{100 * r['mfu']:.1f} % of the dense BF16 peak ({r['device_peak_tflops']:.0f} TFLOP/s)"
     memory = "n/a (CPU)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GiB"
+    fp8_path = "" if s.get("fp8_compile_path") is None else f" ({s['fp8_compile_path']})"  # absent before session 22
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
-        f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}"
-         f"{'' if s.get('fp8_compile_path') is None else ' (' + s['fp8_compile_path'] + ')'}, compile {s['compile']}"),
+         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}{fp8_path}, compile {s['compile']}"),
         (f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + "
          f"{s.get('lead_steps', 0) + s['steps']} + {s['tuning_steps']} warm-up, the window's batches among them, "
          f"and {s.get('lead_steps', 0)} on the restarted loader)"),
