@@ -155,9 +155,11 @@ def test_gpu_gemm_matches_emulation(recipe: str, shape: tuple[int, int, int]) ->
 def test_torch_op_rowwise_matmul_equals_the_custom_op_gemm(fast_accum: bool) -> None:
     """The traced linear's GEMM (`rowwise_matmul`: torch ops) against `scaled_gemm` on the Triton quantizers'
     operands, 300 rows (not a multiple of 16) with a bias: the same scales (to one ulp) and E4M3 values but for
-    rounding ties, into the same cuBLAS call. A tie moves one element by an E4M3 step (~6%): under 1e-3 of the
-    elements differ, which moves the product by ~sqrt(1e-3) * 6% = 2e-3 (3.1e-3 in session 22), so the two are held
-    to the same error against the fp32 product instead of to each other."""
+    rounding ties, into the same cuBLAS call. bf16 inputs over a scale of amax / 448 land exactly on E4M3 ties
+    often, and a scale one ulp apart resolves such a tie the other way: a tie moves one element by an E4M3 step
+    (~6%). 1.7e-3 of the elements differed in session 23 (H200; the bound 1e-3 written before a GPU run failed), which
+    moves the product by ~sqrt(2e-3) * 6% = 3e-3 (3.1e-3 in session 22), so the two are held to the same error
+    against the fp32 product instead of to each other."""
     from opengem.ops.fp8_gemm import _rowwise_torch, rowwise_matmul
 
     g = torch.Generator(device="cuda").manual_seed(8)
@@ -169,7 +171,10 @@ def test_torch_op_rowwise_matmul_equals_the_custom_op_gemm(fast_accum: bool) -> 
         q_triton = quantize_operand(operand, "fp8_rowwise")
         # torch divides a CUDA tensor by a Python number as a multiply by its reciprocal: one ulp off at most
         torch.testing.assert_close(scale_torch, q_triton.scale, rtol=2.5e-7, atol=0)
-        assert (q_torch.float() != q_triton.data.float()).float().mean().item() < 1e-3
+        a, b = q_torch.float(), q_triton.data.float()
+        assert (a != b).float().mean().item() < 5e-3
+        # ties only: a differing element is one E4M3 step off (3 mantissa bits; subnormal step 2^-9)
+        assert ((a - b).abs() <= torch.maximum(a.abs(), b.abs()) / 8 + 2.0**-9).all()
     ours = rowwise_matmul(x, w, fast_accum, bias)
     custom = scaled_gemm(quantize_operand(x, "fp8_rowwise"), quantize_operand(w, "fp8_rowwise"), torch.bfloat16,
                          fast_accum=fast_accum, bias=bias)

@@ -459,7 +459,7 @@ def test_tma_loads_only_where_the_tensors_and_the_setting_allow():
     assert not triton_gdpa._tma_possible("fwd", shifted, k, v)
     assert not triton_gdpa._tma_possible("dkdv", q, torch.randn(1, 2, 16).expand_as(q))  # e.g. out.sum()'s
     both = triton_gdpa._load_paths(triton_gdpa._FWD, True)
-    assert [c.pointer_loads for c in both] == [False] * 3 + [True] * 3
+    assert [c.pointer_loads for c in both] == [False] * len(triton_gdpa._FWD) + [True] * len(triton_gdpa._FWD)
     assert {c.pointer_loads for c in triton_gdpa._load_paths(triton_gdpa._FWD, False)} == {True}
     # masked tiles with BLOCK_N = D compute wrong results through TMA on the GPU: pointer loads only
     wide, narrow = triton_gdpa.Config(128, 128, 8, 2), triton_gdpa.Config(128, 64, 8, 3)
@@ -491,7 +491,8 @@ def test_tuning_times_every_candidate_and_reports_them(monkeypatch):
         return next(times)
 
     monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
-    candidates = triton_gdpa._load_paths(triton_gdpa._FWD[:2], True)  # 2 tiles x 2 load paths
+    tiles = (triton_gdpa.Config(128, 64, 8, 3), triton_gdpa.Config(128, 128, 8, 2))
+    candidates = triton_gdpa._load_paths(tiles, True)  # 2 tiles x 2 load paths
     failing = candidates[3]
 
     def launch(config):
