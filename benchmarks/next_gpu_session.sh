@@ -135,8 +135,8 @@
 # s24a (one GPU): the low-precision GPU tests, gem-large b512 FP8 (Inductor) then BF16 with mix-order reductions off
 # s24b (one GPU): the same with the traced bias gradient as a GEMV and Inductor's defaults
 # s25a (one GPU): GDPA's forward with extra tile candidates on (a) L256-L1024 and (b) K/V 256, beside JFA (issue 4)
-# s25b (one GPU): GDPA's GPU tests with the 32-wide tiles shipped, (a) L<=1024 and (b) with JFA and the compiled
-#   padded peer, the low-precision GPU tests
+# s25b (one GPU): GDPA's GPU tests with the 32-wide tiles shipped, (a) L256 / L512 and (b) K/V 256 with JFA and the
+#   compiled padded peer, the low-precision GPU tests
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -480,10 +480,10 @@ chain_s25a() {  # session 23: issue 4's short-sample bars (1.1x JFA's forward, (
   step gdpa_short_tiles 300 python -m benchmarks.diag.gdpa_short_tiles
 }
 chain_s25b() {  # session 23: the 64 x 32 forward (and the backward's 32-wide tiles) shipped; issue 4's bars in one run
-  step gdpa_gpu_tests 100 tests tests/gpu/test_gdpa_gpu.py
-  step gdpa_a_b 300 python -m benchmarks.gdpa --workloads "a self L=256,a self L=512,a self L=1024,b " \
+  step gdpa_gpu_tests 90 tests tests/gpu/test_gdpa_gpu.py
+  step gdpa_a_b 240 python -m benchmarks.gdpa --workloads "a self L=256,a self L=512,b cross Q<=2048 KV=256" \
     --peers jfa,padded-compiled
-  step low_precision_gpu_tests 70 tests tests/gpu/test_low_precision_gpu.py
+  step low_precision_gpu_tests 60 tests tests/gpu/test_low_precision_gpu.py
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
