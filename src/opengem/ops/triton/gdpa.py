@@ -86,7 +86,7 @@ class Config:
 # rows < 16 x num_warps replicate that dot and the activation on every warpgroup (64 rows at 8 warps: twice
 # the work, found in session 9 on the CPU: benchmarks.gdpa_sass), so 64-row tiles run 4 warps, 128-row 8.
 # The rows are BLOCK_M in the forward and dQ, BLOCK_N in dK/dV (its tiles are transposed).
-# 64 x 32 at 4 stages: the fastest forward on every (a) workload of L256-L1024 it was timed on (0.85-0.93x the
+# 64 x 32 at 4 stages: the fastest forward on every (a) workload of L256-L1024 it was timed on (0.83-0.93x the
 # 64 x 64 tile's time, H200, session 23: benchmarks.diag.gdpa_short_tiles), so it leads (the untuned default).
 _FWD = (Config(64, 32, 4, 4), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
 # resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
@@ -94,7 +94,8 @@ _FWD = (Config(64, 32, 4, 4), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Con
 # tiles: 3% faster than 16 on (b) K/V 256, session 23)
 _FWD_RESIDENT = (Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4), Config(128, 0, 8, 2, 8), Config(64, 0, 4, 3, 16),
                  Config(64, 0, 4, 3, 32))
-# the backward's narrower inner tiles (Q tiles of 32 in dK/dV, key tiles of 32 in dQ) as the forward's 64 x 32
+# the backward's narrower inner tiles (Q tiles of 32 in dK/dV, key tiles of 32 in dQ), as the forward's 64 x 32:
+# picked on every dK/dV key and 3 of 5 dQ keys of (a) L256 / L512 and (b) K/V 256 (session 23, 1-5% faster)
 _DKDV = (Config(64, 128, 8, 2), Config(64, 64, 4, 2), Config(32, 128, 8, 2), Config(32, 64, 4, 3))
 _DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2), Config(64, 32, 4, 3))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
