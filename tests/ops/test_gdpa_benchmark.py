@@ -18,3 +18,35 @@ def test_unknown_peer_is_refused(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["gdpa", "--peers", "jfa,flash"])
     with pytest.raises(SystemExit, match="unknown \\['flash'\\]"):
         gdpa.main()
+
+
+def test_paired_forward_ratio_interleaves_the_two_without_autograd(monkeypatch):
+    """x_fwd_paired: JFA's time over ours, round by round, with autograd off (the forward alone is timed)."""
+    import torch
+
+    calls = []
+
+    def fake_peer(name, ms):
+        def fn():
+            calls.append((name, torch.is_grad_enabled()))
+            return ms
+
+        return lambda w, t: fn
+
+    monkeypatch.setattr(gdpa, "_jfa_peer", fake_peer("jfa", 2.0))
+    monkeypatch.setattr(gdpa, "_ours", fake_peer("gdpa", 0.8))
+    monkeypatch.setattr(gdpa, "bench_ms", lambda fn: fn())
+    lengths = torch.tensor([3, 5])
+    w = gdpa.Workload("a tiny", lengths, lengths, "fast_gelu")
+    assert gdpa._paired_fwd_x_jfa(w, "cpu", rounds=3) == 2.5
+    assert [name for name, _ in calls] == ["jfa", "gdpa", "gdpa", "jfa", "jfa", "gdpa"]  # each round starts later
+    assert not any(grad for _, grad in calls)
+
+
+def test_acceptance_checks_the_interleaved_ratio_beside_the_separate_one():
+    rows = [{"workload": "a self L=512 s=0.5", "impl": "gdpa", "fwd_ms": 1.0},
+            {"workload": "a self L=512 s=0.5", "impl": "jfa", "x_fwd": 1.05, "x_fwd_paired": 1.12}]
+    checks = {c["check"]: c for c in gdpa.acceptance(rows)}
+    assert checks["fwd x jfa"]["pass"] is False and checks["fwd x jfa (interleaved)"]["pass"] is True
+    assert checks["fwd x jfa (interleaved)"]["value"] == 1.12
+    assert checks["fwd x padded-compiled"]["pass"] is None  # the peer did not run: no verdict
