@@ -1,9 +1,11 @@
 """JFA on issue 3's workload (b), where it trails varlen flash (short causal sequences): each kernel's device
 time (profiler), the configs the autotuner picked, and every tile config of the {64, 128}^2 x {4, 8} warps x
-{2, 3, 4} stages product forced alone per kernel, beside flash's kernels.
+{2, 3, 4} stages product forced alone per kernel, beside flash's kernels. ``--extra-tiles 64x32x4x4,...``
+(BLOCK_M x BLOCK_N x warps x stages) adds tiles outside that product to each sweep: GDPA's forward, the same
+dot -> element-wise -> dot chain, ran fastest on 64 x 32 at 4 stages on every (a) workload up to L1024 (session 23).
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_configs [--workloads b_L512_s0.5_causal,...]
-[--sweep fwd,dkdv,dq]``; writes ``benchmarks/results/jfa_configs.json``.
+[--sweep fwd,dkdv,dq] [--extra-tiles 64x32x4x4]``; writes ``benchmarks/results/jfa_configs.json``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,25 @@ from opengem.ops.triton import jagged_attention as kernels
 DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
 
 
-def sweep(name: str, fn, rows: list[dict], workload: str) -> None:
-    """Time ``fn`` with each config of the full product forced on kernel ``name`` (the others stay tuned)."""
+def tiles(text: str) -> list[tuple[int, int, int, int]]:
+    """``"64x32x4x4,128x32x8x3"`` -> [(64, 32, 4, 4), (128, 32, 8, 3)]; a malformed entry is refused by name."""
+    out = []
+    for entry in (e for e in text.split(",") if e):
+        parts = entry.split("x")
+        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"tile {entry!r}: want BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 64x32x4x4")
+        out.append(tuple(int(p) for p in parts))
+    return out
+
+
+def sweep(name: str, fn, rows: list[dict], workload: str, extra: list[tuple[int, int, int, int]] = ()) -> None:
+    """Time ``fn`` with each config of the full product (and ``extra``) forced on kernel ``name`` (the others stay
+    tuned)."""
     kernel = kernels.KERNELS[name]
     every = list(kernel.configs)
+    product = kernels.full_product(name)
     try:
-        for m, n, w, s in kernels.full_product(name):
+        for m, n, w, s in [*product, *(t for t in extra if t not in product)]:
             config = kernels.tile_config(name, m, n, w, s)
             kernel.configs = [config]
             kernel.cache.clear()
@@ -46,6 +61,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, type=lambda text: text.split(","))
     parser.add_argument("--sweep", default="dkdv,dq", type=lambda text: [s for s in text.split(",") if s])
+    parser.add_argument("--extra-tiles", default=[], type=tiles, help="tiles outside the product, e.g. 64x32x4x4")
     args = parser.parse_args()
     rows: list[dict] = []
     for wl in selected(False, args.workloads):
@@ -61,7 +77,7 @@ def main() -> None:
             rows.append(row)
             print(row, flush=True)
         for name in args.sweep:
-            sweep(name, jfa.fwd if name == "fwd" else jfa.bwd, rows, wl.name)
+            sweep(name, jfa.fwd if name == "fwd" else jfa.bwd, rows, wl.name, args.extra_tiles)
         write_results("jfa_configs", rows)
         del b, jfa, flash
         torch.cuda.empty_cache()
