@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import collections
 import contextlib
 import datetime
@@ -60,6 +61,18 @@ def by_name_prefix(items: list, prefixes: list[str] | None, option: str) -> list
     if unknown:
         raise SystemExit(f"{option}: no workload starts with {unknown}; names: {[item.name for item in items]}")
     return [item for item in items if any(item.name.startswith(p) for p in prefixes)]
+
+
+def int_tuples(text: str, arity: int, example: str) -> list[tuple[int, ...]]:
+    """Command-line lists of sizes: ``"64x32x4x4,128x32x8x3"`` -> ``[(64, 32, 4, 4), (128, 32, 8, 3)]``, each entry
+    ``arity`` positive integers joined by ``x``; a malformed entry is refused by name (an argparse type error)."""
+    out = []
+    for entry in (e for e in text.split(",") if e):
+        parts = entry.split("x")
+        if len(parts) != arity or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise argparse.ArgumentTypeError(f"{entry!r}: want {arity} positive integers joined by x, e.g. {example}")
+        out.append(tuple(int(p) for p in parts))
+    return out
 
 
 def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> float:

@@ -14,22 +14,11 @@ import argparse
 
 import torch
 
-from benchmarks.common import bench_ms, kernel_ms, write_results
+from benchmarks.common import bench_ms, int_tuples, kernel_ms, write_results
 from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
 DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
-
-
-def tiles(text: str) -> list[tuple[int, int, int, int]]:
-    """``"64x32x4x4,128x32x8x3"`` -> [(64, 32, 4, 4), (128, 32, 8, 3)]; a malformed entry is refused by name."""
-    out = []
-    for entry in (e for e in text.split(",") if e):
-        parts = entry.split("x")
-        if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-            raise argparse.ArgumentTypeError(f"tile {entry!r}: want BLOCK_MxBLOCK_NxWARPSxSTAGES, e.g. 64x32x4x4")
-        out.append(tuple(int(p) for p in parts))
-    return out
 
 
 def sweep(name: str, fn, rows: list[dict], workload: str, extra: list[tuple[int, int, int, int]] = ()) -> None:
@@ -61,7 +50,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default=DEFAULT_WORKLOADS, type=lambda text: text.split(","))
     parser.add_argument("--sweep", default="dkdv,dq", type=lambda text: [s for s in text.split(",") if s])
-    parser.add_argument("--extra-tiles", default=[], type=tiles, help="tiles outside the product, e.g. 64x32x4x4")
+    parser.add_argument("--extra-tiles", default=[], type=lambda text: int_tuples(text, 4, "64x32x4x4"),
+                        help="BLOCK_MxBLOCK_NxWARPSxSTAGES tiles outside the product, e.g. 64x32x4x4")
     args = parser.parse_args()
     rows: list[dict] = []
     for wl in selected(False, args.workloads):

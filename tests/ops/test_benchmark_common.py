@@ -1,4 +1,4 @@
-"""The benchmarks' interleaved timing (benchmarks.common): the order of the rounds and the paired speedup."""
+"""The benchmarks' shared plumbing (benchmarks.common): the interleaved rounds, the paired speedup, the size lists."""
 
 import pytest
 
@@ -27,3 +27,15 @@ def test_paired_speedup_is_the_median_of_per_round_ratios():
     assert interleaved_ms({}, rounds=3, bench=lambda fn: 1.0) == {}  # every variant failed before timing
     with pytest.raises(ValueError, match="rounds must be >= 1"):
         interleaved_ms({"a": lambda: None}, rounds=0, bench=lambda fn: 1.0)
+
+
+def test_int_tuples_parses_sizes_and_refuses_a_malformed_entry_by_name():
+    import argparse
+
+    from benchmarks.common import int_tuples
+
+    assert int_tuples("64x32x4x4,128x32x8x3", 4, "64x32x4x4") == [(64, 32, 4, 4), (128, 32, 8, 3)]
+    assert int_tuples("16384x1024,", 2, "16384x1024") == [(16384, 1024)]
+    for bad in ("64x32x4", "64x0x4x4", "64x-1x4x4", "64xax4x4"):
+        with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
+            int_tuples(f"64x32x4x4,{bad}", 4, "64x32x4x4")

@@ -91,7 +91,7 @@ class Config:
 _FWD = (Config(64, 32, 4, 4), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
 # resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
 # hidden behind another program's math; more Q tiles per program spread it over up to 2,048 query rows (32
-# tiles: 3% faster than 16 on (b) K/V 256, session 23)
+# tiles: 2-3% faster than 16 on (b) K/V 256 in two runs, session 23)
 _FWD_RESIDENT = (Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4), Config(128, 0, 8, 2, 8), Config(64, 0, 4, 3, 16),
                  Config(64, 0, 4, 3, 32))
 # the backward's narrower inner tiles (Q tiles of 32 in dK/dV, key tiles of 32 in dQ), as the forward's 64 x 32:
