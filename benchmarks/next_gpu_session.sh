@@ -140,6 +140,8 @@
 # s26a (one GPU): the traced FP8 linear's backward reductions of dy alone, compiled with and without Inductor's
 #   mix-order fusion, per bias-gradient formulation (issue 10)
 # s26b (one GPU): JFA's forward tiles on (a)-like non-causal workloads with the 32-wide key tiles added (kernels)
+# s27a (one GPU): GDPA's op against its kernel at L256 / L512 (device kernels, 20 / 100 ms windows, the SM clock
+#   sampled throughout), then GDPA (a) L256-L1024 with JFA (interleaved forward) and the compiled padded peer
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -495,6 +497,22 @@ chain_s26b() {  # after session 23: does the 64 x 32 tile that won GDPA's forwar
   step jfa_forward_tiles 300 python -m benchmarks.diag.jfa_configs --sweep fwd \
     --workloads b_L512_s0.5_full,b_L512_s1.0_full,b_L1024_s0.5_full --extra-tiles 64x32x4x4,64x32x4x3,128x32x8x4
 }
+clock_log() {  # clock_log start|stop: the SM clock, power and throttle reasons every 200 ms into logs/clocks.csv
+  if [ "$1" = start ]; then
+    nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 200 > "$out/logs/clocks.csv" 2>&1 &
+    clock_pid=$!
+  else
+    kill "$clock_pid" 2>/dev/null
+  fi
+}
+chain_s27a() {  # session 24: where GDPA's op time goes beyond its kernel at L512, then issue 4's (a) bars with x_fwd_paired
+  clock_log start
+  step gdpa_small_overhead 200 python -m benchmarks.diag.gdpa_small_overhead
+  step gdpa_a 300 python -m benchmarks.gdpa --workloads "a self L=256,a self L=512,a self L=1024" \
+    --peers jfa,padded-compiled
+  clock_log stop
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -612,7 +630,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

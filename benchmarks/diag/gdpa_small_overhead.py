@@ -11,7 +11,11 @@ For each workload (the (a) L256 / L512 ones of ``benchmarks.gdpa``), forward and
 - the forward again with every load on pointers (``TMA_PASSES`` empty), the profiler's top host ops of 5 calls,
   cProfile's top Python functions (own time per call), and the host time and cProfile of the forward with autograd
   recording (session 21: 0.86 ms a call at L256 s0.5 against 0.33 ms without; this CPU's torch spends ~0.1 ms on
-  the custom op's autograd glue, so most of that gap is not yet explained).
+  the custom op's autograd glue, so most of that gap is not yet explained),
+- ``fwd_kernels``: the profiler's device kernels of 5 forward calls (name, device ms per call): whether anything
+  but GDPA's kernel runs (session 23: the op 0.05-0.35 ms over the tuner's kernel time at L512),
+- ``fwd_op_ms_by_rep``: the op timed over 20 ms (the tuner's window) and 100 ms (the benchmark's) after 1 s idle,
+  beside ``fwd_kernel_ms`` (the profiler's figure): a card that clocks down under a longer window shows it here.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_small_overhead``; writes
 ``benchmarks/results/gdpa_small_overhead.json``.
@@ -31,7 +35,7 @@ from benchmarks.common import bench_graph_ms, bench_ms, write_results
 from benchmarks.gdpa import _ours, _tensors, workloads
 from opengem.ops.triton import gdpa as host
 
-NAMES = ("a self L=256 s=0.5", "a self L=256 s=1.0", "a self L=512 s=0.5")
+NAMES = ("a self L=256 s=0.5", "a self L=256 s=1.0", "a self L=512 s=0.5", "a self L=512 s=1.0")
 HOST_CALLS = 200
 
 
@@ -71,6 +75,27 @@ def _top_host_ops(fn: Callable[[], Any], calls: int = 5, top: int = 12) -> list[
     return [(e.key[:80], e.self_cpu_time_total / 1e3 / calls) for e in rows]
 
 
+def _device_kernels(fn: Callable[[], Any], calls: int = 5) -> list[tuple[str, float]]:
+    """(kernel name, device ms per call) of every device kernel ``calls`` calls of ``fn`` ran, longest first."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [e for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(key=lambda e: -e.device_time_total)
+    return [(e.key[:100], e.device_time_total / 1e3 / calls) for e in rows]
+
+
+def _ms_by_rep(fn: Callable[[], Any]) -> dict[str, float]:
+    """``fn``'s median ms over a 20 ms and a 100 ms window, each after 1 s with the card idle."""
+    times = {}
+    for rep in (20, 100):
+        torch.cuda.synchronize()
+        time.sleep(1.0)
+        times[f"rep{rep}"] = bench_ms(fn, warmup_ms=5, rep_ms=rep)
+    return times
+
+
 def _python_profile(fn: Callable[[], Any], calls: int = 100, top: int = 30) -> list[dict[str, Any]]:
     """cProfile's functions with the most own time over ``calls`` calls (microseconds per call): which Python
     (ours, torch's custom-op dispatch, Triton's launcher) the host time goes to."""
@@ -106,6 +131,9 @@ def main() -> None:
         row["bwd"] = _measure(lambda: torch.autograd.grad(out, leaves, grad, retain_graph=True))
         with torch.no_grad():
             row["fwd_top_host_ops"] = _top_host_ops(forward)
+            row["fwd_kernels"] = _device_kernels(forward)
+            row["fwd_kernel_ms"] = sum(ms for _, ms in row["fwd_kernels"])
+            row["fwd_op_ms_by_rep"] = _ms_by_rep(forward)
             row["fwd_python_profile"] = _python_profile(forward)
             passes = host.TMA_PASSES
             host.TMA_PASSES = frozenset()  # pointer loads everywhere (other candidates: tuned anew)
