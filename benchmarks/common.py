@@ -12,6 +12,7 @@ import math
 import os
 import statistics
 import subprocess
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -80,6 +81,15 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> f
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+def rested_ms(fn: Callable[[], Any], rep_ms: int, rest_s: float = 1.0) -> float:
+    """``bench_ms`` over a ``rep_ms`` window after ``rest_s`` seconds with the card idle. An H200 under a dense
+    attention kernel reaches its power cap within ~100 ms and lowers its SM clock (1980 -> 1400-1900 MHz, throttle
+    reason SW power cap, session 24): a short window after a rest times the kernel at full clock, as tuners do."""
+    torch.cuda.synchronize()
+    time.sleep(rest_s)
+    return bench_ms(fn, warmup_ms=5, rep_ms=rep_ms)
 
 
 def interleaved_ms(

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import bench_graph_ms, bench_ms, write_results
+from benchmarks.common import bench_graph_ms, bench_ms, rested_ms, write_results
 from benchmarks.gdpa import _ours, _tensors, workloads
 from opengem.ops.triton import gdpa as host
 
@@ -88,12 +88,7 @@ def _device_kernels(fn: Callable[[], Any], calls: int = 5) -> list[tuple[str, fl
 
 def _ms_by_rep(fn: Callable[[], Any]) -> dict[str, float]:
     """``fn``'s median ms over a 20 ms and a 100 ms window, each after 1 s with the card idle."""
-    times = {}
-    for rep in (20, 100):
-        torch.cuda.synchronize()
-        time.sleep(1.0)
-        times[f"rep{rep}"] = bench_ms(fn, warmup_ms=5, rep_ms=rep)
-    return times
+    return {f"rep{rep}": rested_ms(fn, rep) for rep in (20, 100)}
 
 
 def _python_profile(fn: Callable[[], Any], calls: int = 100, top: int = 30) -> list[dict[str, Any]]:

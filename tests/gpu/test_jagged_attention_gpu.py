@@ -189,6 +189,8 @@ def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
         ((128, 128, 8, 3), (64, 128, 4, 3), (128, 128, 8, 2)),
         ((64, 64, 4, 3), (64, 64, 4, 2), (64, 64, 4, 1)),  # the short-sequence backward tiles
         ((64, 64, 4, 3), (64, 64, 4, 1), (64, 64, 4, 2)),
+        ((64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),  # the forward's 32-key tiles: two per 64-row causal diagonal
+        ((64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 3)),
     ],
 )
 def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):

@@ -44,9 +44,12 @@ _SMALL, _LARGE = _TILES
 # tries the whole product, =0 only the default.
 # (64, 64, 4, 2) forward: for short sequences, where 64 x 64 at 3 stages was picked and ran 0.97x flash (B 1152,
 # max length 512, non-causal, session 8); fewer stages, more programs per SM.
+# (64, 32, 4, 3) / (64, 32, 4, 4): 32-key tiles, outside the {64, 128}^2 product, after they won GDPA's forward: on
+# JFA's forward at B 1152, max length 512, sparsity 0.5, non-causal 0.659 / 0.682 ms against 0.768 for the best of
+# the product (64 x 64 x 3); at sparsity 1.0 and at L1024 within 2% of the best (H200, session 24).
 _FWD = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
-    (64, 64, 4, 2),
+    (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4),
 ]  # fmt: skip
 # (64, 64, 4, 2) in the backward: the best dK/dV and dQ tiles of the full product on short causal sequences
 # (B 1152, max length 512 at sparsity 0.5, H200, session 7: backward 2.69 -> 2.53 ms for dK/dV, -> 2.62 for
