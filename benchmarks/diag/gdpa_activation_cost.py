@@ -14,6 +14,7 @@ For (b) K/V 256 and (a) L512 s1.0 and each activation: forward and backward mill
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 
 import torch
@@ -27,11 +28,14 @@ ACTIVATIONS = ("identity", "relu", "fast_gelu", "silu", "gelu_tanh")
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--activations", default=",".join(ACTIVATIONS), type=lambda text: text.split(","))
+    activations = parser.parse_args().activations
     rows = []
     for w in (w for w in workloads(quick=False) if w.name in NAMES):
         t = _tensors(w, "cuda")
         fwd_flops, bwd_flops = attention_flops(visible_pairs(w.q_lengths, w.k_lengths, masked=False), HEADS, HEAD_DIM)
-        for activation in ACTIVATIONS:
+        for activation in activations:
             forward = _ours(dataclasses.replace(w, activation=activation), t)
             out = forward()
             grad = torch.randn_like(out)

@@ -11,11 +11,14 @@ os.environ.setdefault("OPENGEM_GDPA_TUNE", "0")
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from opengem.ops.activations import ACTIVATIONS
+from opengem.ops.activations import ACTIVATIONS, activation_grad, activation_value
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention
 from opengem.ops.reference import gdpa as reference
 from opengem.ops.triton import gdpa as triton_gdpa
+from opengem.ops.triton.activations import activation_value_and_grad, scaled_activation_value
 from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -114,6 +117,28 @@ def test_broadcast_q_pooling_and_bitwise_deterministic_dq(seeds):
     first = torch.autograd.grad(out, (q,), grad_out, retain_graph=True)[0]
     second = torch.autograd.grad(out, (q,), grad_out)[0]
     assert torch.equal(first, second)
+
+
+@triton.jit
+def _fast_activation_kernel(X, Y, DY, SCALED, act, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    y, dy = activation_value_and_grad(x, act, True)
+    tl.store(Y + offs, y)
+    tl.store(DY + offs, dy)
+    tl.store(SCALED + offs, scaled_activation_value(x * 4.0, 0.25, act, True))
+
+
+def test_fast_gelu_smoothstep_on_the_gpu_matches_the_cubic():
+    """The compiled kernels' fast_gelu (one saturating FMA, smoothstep gate; pre-scale folded into the forward's
+    constants) equals the reference's cubic in fp32, its derivative too, and keeps NaN and infinities as it."""
+    x = torch.cat([torch.linspace(-6, 6, 4093), torch.tensor([float("nan"), float("inf"), -float("inf")])]).to(DEVICE)
+    y, dy, scaled = (torch.empty_like(x) for _ in range(3))
+    _fast_activation_kernel[(1,)](x, y, dy, scaled, ACTIVATIONS.index("fast_gelu"), N=4096)
+    want = activation_value("fast_gelu", x)
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(scaled, want, rtol=1e-5, atol=1e-5, equal_nan=True)
+    torch.testing.assert_close(dy[:-3], activation_grad("fast_gelu", x[:-3]), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("first", [0, 3, 6])

@@ -16,7 +16,7 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
-from opengem.ops.activations import ACTIVATIONS, activation_grad, activation_value  # noqa: E402
+from opengem.ops.activations import ACTIVATIONS, FAST_GELU_RADIUS, activation_grad, activation_value  # noqa: E402
 from opengem.ops.attention_flops import visible_pairs  # noqa: E402
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention  # noqa: E402
 from opengem.ops.reference import gdpa as reference  # noqa: E402
@@ -90,6 +90,22 @@ def test_fast_gelu_is_close_to_gelu_and_exact_relu_outside_radius():
     assert (activation_value("fast_gelu", x) - activation_value("gelu", x)).abs().max() < 0.07
     outside = x.abs() >= 1.88
     torch.testing.assert_close(activation_value("fast_gelu", x)[outside], torch.relu(x)[outside])
+
+
+def test_fast_gelu_as_smoothstep_of_one_saturating_fma():
+    """The compiled 16-bit kernels compute fast_gelu from ``v = clamp(x / 3.76 + 1/2, 0, 1)`` (one FFMA.SAT):
+    ``phi(s x) = s x v^2 (3 - 2 v)`` and ``phi'(x) = 4 v^2 (3 - 2 v) - 3 v``, the clamp included. The instruction
+    runs only on the GPU (its tests compare against the reference in bf16); the algebra is checked here."""
+    x = torch.linspace(-6, 6, 120001, dtype=torch.float64)
+    v = torch.clamp(x * (0.5 / FAST_GELU_RADIUS) + 0.5, 0.0, 1.0)
+    gate = v * v * (3 - 2 * v)
+    torch.testing.assert_close(x * gate, activation_value("fast_gelu", x), rtol=0, atol=1e-12)
+    torch.testing.assert_close(4 * gate - 3 * v, activation_grad("fast_gelu", x), rtol=0, atol=1e-12)
+    scale = 0.37  # the forward folds the pre-scale into the constants: scale * s * gate(scale * s)
+    s = x / scale
+    v = torch.clamp(s * (scale * 0.5 / FAST_GELU_RADIUS) + 0.5, 0.0, 1.0)
+    torch.testing.assert_close(s * (v * v * (3 * scale - 2 * scale * v)), activation_value("fast_gelu", x),
+                               rtol=0, atol=1e-12)
 
 
 # ---------------------------------------------------------------- reference

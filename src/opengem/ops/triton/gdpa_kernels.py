@@ -22,7 +22,7 @@ dK/dV measured faster so: the descriptor's reshape made k, v register operands).
 import triton
 import triton.language as tl
 
-from opengem.ops.triton.activations import activation_value, activation_value_and_grad
+from opengem.ops.triton.activations import activation_value_and_grad, scaled_activation_value
 from opengem.ops.triton.masks import key_range, tile_mask
 from opengem.ops.triton.mx import mx_e4m3_rows
 from opengem.ops.triton.ragged_tiles import ragged_tile
@@ -139,8 +139,7 @@ def gdpa_fwd_kernel(
         else:
             q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
         if KV_RESIDENT:
-            x = tl.dot(q, k_res, input_precision=PRECISION) * pre_scale
-            p = activation_value(x, act, FAST_ACT)
+            p = scaled_activation_value(tl.dot(q, k_res, input_precision=PRECISION), pre_scale, act, FAST_ACT)
             if MASKED:
                 p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                        CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
@@ -166,8 +165,7 @@ def gdpa_fwd_kernel(
                                  mask=offs_n[None, :] < k_len, other=0.0)
                     v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                                 mask=offs_n[:, None] < k_len, other=0.0)
-                x = tl.dot(q, kt, input_precision=PRECISION) * pre_scale
-                p = activation_value(x, act, FAST_ACT)
+                p = scaled_activation_value(tl.dot(q, kt, input_precision=PRECISION), pre_scale, act, FAST_ACT)
                 if MASKED:
                     if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
                         p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
