@@ -50,7 +50,7 @@ def main() -> None:
                    "bwd_tflops_rep20": bwd_flops / bwd20 / 1e9}
             rows.append(row)
             print(row, flush=True)
-    write_results("gdpa_activation_cost", rows)
+            write_results("gdpa_activation_cost", rows)  # each row at once: a call cut short keeps what finished
 
 
 if __name__ == "__main__":
