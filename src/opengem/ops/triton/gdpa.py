@@ -79,6 +79,7 @@ class Config:
     num_stages: int
     tiles: int = 1
     pointer_loads: bool = False  # masked pointer loads even where the tensors allow TMA descriptors
+    max_registers: int = 0  # ptxas's per-thread cap (Triton's maxnreg); 0: none
 
 
 # Candidates for sm_90 at D = 128 (ptxas reports: no or small register spills). Each pass chains two dots, for
@@ -88,7 +89,9 @@ class Config:
 # The rows are BLOCK_M in the forward and dQ, BLOCK_N in dK/dV (its tiles are transposed).
 # 64 x 32 at 4 stages: the fastest forward on every (a) workload of L256-L1024 it was timed on (0.83-0.93x the
 # 64 x 64 tile's time, H200, session 23: benchmarks.diag.gdpa_short_tiles), so it leads (the untuned default).
-_FWD = (Config(64, 32, 4, 4), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
+# Capped at 168 registers: three programs per SM (65,536 / (168 x 128)); fast_gelu's smoothstep took it to 177
+# (two per SM) and 20% slower on (a) L256 / L512 (H200, session 24); at 168 no spills (sm_90 SASS, Triton 3.6).
+_FWD = (Config(64, 32, 4, 4, max_registers=168), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
 # resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
 # hidden behind another program's math; more Q tiles per program spread it over up to 2,048 query rows (32
 # tiles: 2-3% faster than 16 on (b) K/V 256 in two runs, session 23)
@@ -194,10 +197,16 @@ def tuning_report() -> list[dict]:
     return report
 
 
+def _register_cap(config: Config) -> dict:
+    """The launch's ``maxnreg`` where the config caps registers (the interpreter takes no such option)."""
+    return {"maxnreg": config.max_registers} if config.max_registers and not interpreting() else {}
+
+
 def _label(config: Config) -> str:
     block_n = "resident" if config.block_n == 0 else config.block_n
     loads = "ptr" if config.pointer_loads else "tma"
-    return f"m{config.block_m}_n{block_n}_w{config.num_warps}_s{config.num_stages}_t{config.tiles}_{loads}"
+    cap = f"_r{config.max_registers}" if config.max_registers else ""
+    return f"m{config.block_m}_n{block_n}_w{config.num_warps}_s{config.num_stages}_t{config.tiles}{cap}_{loads}"
 
 
 def fast_activations() -> bool:
@@ -375,7 +384,7 @@ def gdpa_forward(
             GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
             TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
-            P_MX=p_mx, EXACT=interpreting(),
+            P_MX=p_mx, EXACT=interpreting(), **_register_cap(config),
         )
 
     if interpreting():

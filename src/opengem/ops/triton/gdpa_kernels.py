@@ -22,7 +22,7 @@ dK/dV measured faster so: the descriptor's reshape made k, v register operands).
 import triton
 import triton.language as tl
 
-from opengem.ops.triton.activations import activation_value_and_grad, scaled_activation_value
+from opengem.ops.triton.activations import activation_value, activation_value_and_grad, scaled_activation_value
 from opengem.ops.triton.masks import key_range, tile_mask
 from opengem.ops.triton.mx import mx_e4m3_rows
 from opengem.ops.triton.ragged_tiles import ragged_tile
@@ -90,6 +90,18 @@ def _sample_bounds(Q_OFF, K_OFF, TARGETS, b, bcast_len, HAS_TARGETS: tl.constexp
 
 
 @triton.jit
+def _weights(dot, pre_scale, act, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
+    """``phi_h(pre_scale * dot)``. One activation for all heads (``ACT >= 0``) may take the scale into its constants
+    (fast_gelu); per-head ones (``act`` a runtime id) multiply first: Triton 3.6's software pipeliner fails on the
+    forward's key loop with the folded form inside a runtime branch ("TritonGPUPipeline" pass, sm_90)."""
+    if ACT >= 0:
+        p = scaled_activation_value(dot, pre_scale, act, FAST_ACT)
+    else:
+        p = activation_value(dot * pre_scale, act, FAST_ACT)
+    return p
+
+
+@triton.jit
 def gdpa_fwd_kernel(
     Q, K, V, O, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, K_desc, V_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
@@ -139,7 +151,7 @@ def gdpa_fwd_kernel(
         else:
             q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
         if KV_RESIDENT:
-            p = scaled_activation_value(tl.dot(q, k_res, input_precision=PRECISION), pre_scale, act, FAST_ACT)
+            p = _weights(tl.dot(q, k_res, input_precision=PRECISION), pre_scale, act, ACT, FAST_ACT)
             if MASKED:
                 p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                        CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
@@ -165,7 +177,7 @@ def gdpa_fwd_kernel(
                                  mask=offs_n[None, :] < k_len, other=0.0)
                     v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                                 mask=offs_n[:, None] < k_len, other=0.0)
-                p = scaled_activation_value(tl.dot(q, kt, input_precision=PRECISION), pre_scale, act, FAST_ACT)
+                p = _weights(tl.dot(q, kt, input_precision=PRECISION), pre_scale, act, ACT, FAST_ACT)
                 if MASKED:
                     if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
                         p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
