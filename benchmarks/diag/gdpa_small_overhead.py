@@ -15,7 +15,9 @@ For each workload (the (a) L256 / L512 ones of ``benchmarks.gdpa``), forward and
 - ``fwd_kernels``: the profiler's device kernels of 5 forward calls (name, device ms per call): whether anything
   but GDPA's kernel runs (session 23: the op 0.05-0.35 ms over the tuner's kernel time at L512),
 - ``fwd_op_ms_by_rep``: the op timed over 20 ms (the tuner's window) and 100 ms (the benchmark's) after 1 s idle,
-  beside ``fwd_kernel_ms`` (the profiler's figure): a card that clocks down under a longer window shows it here.
+  beside ``fwd_kernel_ms`` (the profiler's figure): a card that clocks down under a longer window shows it here,
+- ``jfa_fwd`` and ``jfa_fwd_python_profile``: JFA's forward on the same inputs (session 24: at L256 s0.5 GDPA's op
+  took 0.304 ms against its 0.248 ms kernel, JFA's 0.272: which host path is shorter, and where the time goes).
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.gdpa_small_overhead``; writes
 ``benchmarks/results/gdpa_small_overhead.json``.
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import bench_graph_ms, bench_ms, rested_ms, write_results
-from benchmarks.gdpa import _ours, _tensors, workloads
+from benchmarks.gdpa import _jfa_peer, _ours, _tensors, workloads
 from opengem.ops.triton import gdpa as host
 
 NAMES = ("a self L=256 s=0.5", "a self L=256 s=1.0", "a self L=512 s=0.5", "a self L=512 s=1.0")
@@ -130,6 +132,10 @@ def main() -> None:
             row["fwd_kernel_ms"] = sum(ms for _, ms in row["fwd_kernels"])
             row["fwd_op_ms_by_rep"] = _ms_by_rep(forward)
             row["fwd_python_profile"] = _python_profile(forward)
+            jfa_forward = _jfa_peer(w, t)  # the same forward through JFA: whose host time is shorter, and where
+            jfa_forward()
+            row["jfa_fwd"] = _measure(jfa_forward)
+            row["jfa_fwd_python_profile"] = _python_profile(jfa_forward)
             passes = host.TMA_PASSES
             host.TMA_PASSES = frozenset()  # pointer loads everywhere (other candidates: tuned anew)
             try:

@@ -41,12 +41,17 @@ def test_paired_forward_ratio_interleaves_the_two_without_autograd(monkeypatch):
     assert gdpa._paired_fwd_x_jfa(w, "cpu", rounds=3) == 2.5
     assert [name for name, _ in calls] == ["jfa", "gdpa", "gdpa", "jfa", "jfa", "gdpa"]  # each round starts later
     assert not any(grad for _, grad in calls)
+    # a timer that gives no figure (bench_graph_ms on a call that syncs) gives no ratio rather than a wrong one
+    assert gdpa._paired_fwd_x_jfa(w, "cpu", rounds=2, bench=lambda fn: None) is None
+    assert gdpa._paired_fwd_x_jfa(w, "cpu", rounds=2, bench=lambda fn: 2 * fn()) == 2.5
 
 
-def test_acceptance_checks_the_interleaved_ratio_beside_the_separate_one():
+def test_acceptance_checks_the_interleaved_and_device_time_ratios_beside_the_separate_one():
     rows = [{"workload": "a self L=512 s=0.5", "impl": "gdpa", "fwd_ms": 1.0},
-            {"workload": "a self L=512 s=0.5", "impl": "jfa", "x_fwd": 1.05, "x_fwd_paired": 1.12}]
+            {"workload": "a self L=512 s=0.5", "impl": "jfa", "x_fwd": 1.05, "x_fwd_paired": 1.12,
+             "x_fwd_graph": 1.08}]
     checks = {c["check"]: c for c in gdpa.acceptance(rows)}
     assert checks["fwd x jfa"]["pass"] is False and checks["fwd x jfa (interleaved)"]["pass"] is True
+    assert checks["fwd x jfa (interleaved, device time)"]["pass"] is False
     assert checks["fwd x jfa (interleaved)"]["value"] == 1.12
     assert checks["fwd x padded-compiled"]["pass"] is None  # the peer did not run: no verdict
