@@ -530,14 +530,22 @@ def test_tuning_key_splits_full_and_ragged_batches():
     differ), while batches of similar fill share a key."""
     from opengem.ops.triton import gdpa as triton_gdpa
 
-    assert triton_gdpa.fill_bucket(np.array([1024, 1024, 1000]), 1024) == "full"
-    assert triton_gdpa.fill_bucket(np.array([1024, 300, 500]), 1024) == "ragged"
-    assert triton_gdpa.fill_bucket(np.array([], dtype=np.int64), 0) == "ragged"
+    assert triton_gdpa.fill_bucket(3048, 3, 1024) == "full"
+    assert triton_gdpa.fill_bucket(1824, 3, 1024) == "ragged"
+    assert triton_gdpa.fill_bucket(0, 0, 0) == "ragged"
     args = GdpaArgs((7,), 1.0, 1.0, False, 0, None, False, 1024, 1024)
     q = torch.zeros(4, 2, 16)
     common = {"constexprs": {"MASKED": False}}
-    key = lambda lengths: triton_gdpa._tune_key("fwd", q, q, args, common, np.array(lengths), np.array(lengths))
-    assert key([1024, 1000]) == key([990, 1024]) != key([1024, 200])
+
+    def key(lengths: list[int], offset: int = 0, run_args: GdpaArgs = args) -> tuple:
+        # offsets need not start at 0 (a slice of a larger batch): the fill counts tokens between the ends
+        offsets = offset + torch.tensor(np.concatenate([[0], np.cumsum(lengths)]))
+        return triton_gdpa._tune_key("fwd", q, q, run_args, common, triton_gdpa._batch_lengths(offsets, offsets, run_args))
+
+    assert key([1024, 1000]) == key([990, 1024], offset=77) != key([1024, 200])
+    # broadcast-Q: every sample holds max_len_q queries, so its query side is always full
+    pooled = GdpaArgs((7,), 1.0, 1.0, False, 0, None, True, 32, 1024)
+    assert key([1024, 200], run_args=pooled)[-2:] == ("full", "ragged")
 
 
 def test_fast_activations_only_in_compiled_16_bit_kernels(monkeypatch):

@@ -17,7 +17,7 @@ from opengem.ops.jagged_attention import attention_pairs, jagged_attention, jagg
 from opengem.ops.reference.attention import jagged_attention as reference
 from opengem.ops.reference.masks import attention_mask
 from opengem.ops.triton import jagged_attention as kernels
-from opengem.ops.triton.ragged_tiles import tma_ok
+from opengem.ops.triton.ragged_tiles import ragged_descriptor, tma_ok
 
 MASKS = {
     "causal": dict(causal=True),
@@ -126,6 +126,20 @@ def test_tma_only_where_the_tensors_allow_it():
     assert kernels._tma_passes("none") == frozenset() and kernels._tma_passes("dq, fwd") == {"dq", "fwd"}
     with pytest.raises(ValueError, match="OPENGEM_JFA_TMA"):
         kernels._tma_passes("fwd,bwd")
+
+
+@pytest.mark.parametrize("block_rows", [16, 64])
+def test_ragged_descriptor_matches_tritons_helper(block_rows):
+    """The descriptor built without Triton's checks (host time) has exactly the fields of Triton's own
+    ``create_ragged_descriptor``, for a packed-QKV view too: a Triton upgrade that changes the layout fails here."""
+    from triton.tools.ragged_tma import create_ragged_descriptor
+
+    packed = torch.randn(40, 3 * 2, 32)
+    for t in (packed[:, :2], packed[:, 4:], torch.randn(7, 1, 64)):
+        ours, theirs = ragged_descriptor(t, block_rows), create_ragged_descriptor(t, [block_rows, 1, t.shape[2]])
+        assert ours.base is t and type(ours) is type(theirs)
+        assert (ours.shape, ours.strides, ours.block_shape, ours.padding) == (
+            list(theirs.shape), list(theirs.strides), list(theirs.block_shape), theirs.padding)
 
 
 @pytest.mark.parametrize("mask", ["causal", "all_options"])

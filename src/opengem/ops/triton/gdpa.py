@@ -31,7 +31,7 @@ import functools
 import math
 import os
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 import torch
@@ -80,6 +80,12 @@ class Config:
     tiles: int = 1
     pointer_loads: bool = False  # masked pointer loads even where the tensors allow TMA descriptors
     max_registers: int = 0  # ptxas's per-thread cap (Triton's maxnreg); 0: none
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
+
+    def __hash__(self) -> int:  # hashed once: every call's tuning key holds up to 18 candidates (~20 us a call)
+        return self._hash
 
 
 # Candidates for sm_90 at D = 128 (ptxas reports: no or small register spills). Each pass chains two dots, for
@@ -283,8 +289,6 @@ def _work_list(
     return work_b, work_t
 
 
-def _lengths(offsets: torch.Tensor) -> np.ndarray:
-    return offsets_summary(offsets).lengths
 
 
 @functools.lru_cache(maxsize=32)
@@ -319,25 +323,41 @@ def _broadcast_len(q: torch.Tensor, args: GdpaArgs) -> int:
     return q.shape[0] if args.broadcast_q else 0
 
 
-def _rows_cols(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaArgs) -> tuple[np.ndarray, np.ndarray]:
-    k_len = _lengths(k_offsets)
-    q_len = np.full_like(k_len, args.max_len_q) if args.broadcast_q else _lengths(q_offsets)
-    return q_len, k_len
+@dataclass(frozen=True)
+class BatchLengths:
+    """Per-sample query and key lengths (the host mirrors' summaries) and how full each side's grid is."""
+
+    q: np.ndarray
+    k: np.ndarray
+    fill_q: str
+    fill_k: str
 
 
-def fill_bucket(lengths: np.ndarray, max_len: int) -> str:
-    """``"full"`` when the sequences fill at least 3/4 of the ``[B, max_len]`` grid, else ``"ragged"``. Batches
-    of one max_len bucket but different fill want different tiles (session 10: L1024 at sparsity 1.0 ran 64 x 64,
-    the sparsity-0.5 pick, at 433.8 TFLOP/s against 451.8 for 128 x 64); so the tuning key carries the fill."""
-    return "full" if lengths.size and lengths.sum() >= 0.75 * lengths.size * max(max_len, 1) else "ragged"
+def _batch_lengths(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaArgs) -> BatchLengths:
+    k_summary = offsets_summary(k_offsets)
+    batch = k_summary.lengths.size
+    if args.broadcast_q:
+        q_len, q_tokens = np.full_like(k_summary.lengths, args.max_len_q), batch * args.max_len_q
+    else:
+        q_summary = offsets_summary(q_offsets)
+        q_len, q_tokens = q_summary.lengths, q_summary.last - q_summary.first
+    return BatchLengths(q_len, k_summary.lengths, fill_bucket(q_tokens, batch, args.max_len_q),
+                        fill_bucket(k_summary.last - k_summary.first, batch, args.max_len_k))
 
 
-def _tune_key(name: str, q: torch.Tensor, k: torch.Tensor, args: GdpaArgs, common: dict, q_len: np.ndarray,
-              k_len: np.ndarray) -> tuple:  # fmt: skip
+def fill_bucket(tokens: int, batch: int, max_len: int) -> str:
+    """``"full"`` when ``batch`` sequences of ``tokens`` in all fill at least 3/4 of the ``[B, max_len]`` grid,
+    else ``"ragged"``. Batches of one max_len bucket but different fill want different tiles (session 10: L1024
+    at sparsity 1.0 ran 64 x 64, the sparsity-0.5 pick, at 433.8 TFLOP/s against 451.8 for 128 x 64); so the
+    tuning key carries the fill."""
+    return "full" if batch and tokens >= 0.75 * batch * max(max_len, 1) else "ragged"
+
+
+def _tune_key(name: str, q: torch.Tensor, k: torch.Tensor, args: GdpaArgs, common: dict,
+              lengths: BatchLengths) -> tuple:  # fmt: skip
     flags = tuple(sorted(common["constexprs"].items()))
     return (name, flags, args.broadcast_q, _bucket(args.max_len_q), _bucket(args.max_len_k), q.shape[2],
-            q.dtype, q.shape[1] // k.shape[1], str(q.device), fill_bucket(q_len, args.max_len_q),
-            fill_bucket(k_len, args.max_len_k))
+            q.dtype, q.shape[1] // k.shape[1], str(q.device), lengths.fill_q, lengths.fill_k)
 
 
 def gdpa_forward(
@@ -361,8 +381,10 @@ def gdpa_forward(
     if out is None:
         out = torch.empty((rows_out, heads, head_dim), dtype=q.dtype, device=q.device)
     common = _common(q, args, num_targets, k_offsets)
-    q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
+    lengths = _batch_lengths(q_offsets, k_offsets, args)
+    q_len, k_len = lengths.q.tobytes(), lengths.k.tobytes()
     masked = common["constexprs"]["MASKED"]
+    interpret = interpreting()
     kv_block = max(MX_BLOCK_KEYS if p_mx else 16, triton.next_power_of_2(max(args.max_len_k, 1)))
     # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
     resident_fits = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
@@ -372,30 +394,29 @@ def gdpa_forward(
     def launch(config: Config) -> None:
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
-        work_b, work_t = _work_list(q_len.tobytes(), k_len.tobytes(), config.block_m, config.tiles if resident else 1,
-                                    kind, args.window or 0, str(q.device))
+        work_b, work_t = _work_list(q_len, k_len, config.block_m, config.tiles if resident else 1, kind,
+                                    args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
         gdpa_fwd_kernel[(work_b.numel() * heads,)](
             q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
             heads, args.pre_scale, args.out_scale, args.contextual_len, args.window or 0, _broadcast_len(q, args),
             GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
             TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
-            P_MX=p_mx, EXACT=interpreting(), **_register_cap(config),
+            P_MX=p_mx, EXACT=interpret, **_register_cap(config),
         )
 
-    if interpreting():
+    if interpret:
         interpreter_config = _INTERPRET_RESIDENT if resident_fits else (_INTERPRET_MX if p_mx else _INTERPRET)
         config = _load_paths((interpreter_config,), tma, head_dim, masked, kv_block)[0]
     else:
         # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
         candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma, head_dim, masked, kv_block)
-        config = _tuned(_tune_key("fwd", q, k, args, common, q_len, k_len) + (resident_fits, p_mx), candidates,
-                        launch)
+        config = _tuned(_tune_key("fwd", q, k, args, common, lengths) + (resident_fits, p_mx), candidates, launch)
     launch(config)
     return out
 
@@ -418,14 +439,15 @@ def gdpa_backward(
     heads, kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[2]
     group = heads // kv_heads
     common = _common(q, args, num_targets, k_offsets)
-    q_len, k_len = _rows_cols(q_offsets, k_offsets, args)
+    lengths = _batch_lengths(q_offsets, k_offsets, args)
+    q_len, k_len = lengths.q.tobytes(), lengths.k.tobytes()
     masked = common["constexprs"]["MASKED"]
     scalars = (args.contextual_len, args.window or 0)
     tma_dkdv = _tma_possible("dkdv", q, grad_out)
     tma_dq = not args.broadcast_q and _tma_possible("dq", q, k, v, grad_out)  # broadcast-Q dQ: pointer loads
 
     def launch_dkdv(config: Config) -> None:
-        work_b, work_t = _work_list(k_len.tobytes(), q_len.tobytes(), config.block_n, 1,
+        work_b, work_t = _work_list(k_len, q_len, config.block_n, 1,
                                     "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
@@ -433,8 +455,8 @@ def gdpa_backward(
         gdpa_bwd_dkdv_kernel[(work_b.numel() * kv_heads,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
             *descs,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            *grad_out.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
             kv_heads, args.pre_scale, args.out_scale, *scalars, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
@@ -444,7 +466,7 @@ def gdpa_backward(
         if args.broadcast_q:
             _launch_dq_broadcast(config, grad_out, q, k, v, k_offsets, dq, args, common)
             return
-        work_b, work_t = _work_list(q_len.tobytes(), k_len.tobytes(), config.block_m, 1,
+        work_b, work_t = _work_list(q_len, k_len, config.block_m, 1,
                                     "causal_q" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
@@ -452,8 +474,8 @@ def gdpa_backward(
         descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
         gdpa_bwd_dq_kernel[(work_b.numel() * heads,)](
             q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            grad_out.stride(0), grad_out.stride(1), dq.stride(0), dq.stride(1),
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            *grad_out.stride()[:2], *dq.stride()[:2],
             heads, args.pre_scale, args.out_scale * args.pre_scale, *scalars,
             GROUP=group, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
             num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
@@ -464,10 +486,10 @@ def gdpa_backward(
         launch_dq(_load_paths((_INTERPRET,), tma_dq, head_dim, masked)[0])
     else:
         # dK/dV loads its key tile through pointers, so every tile of it stays right on TMA (tma_tile_safe)
-        dkdv_key = _tune_key("dkdv", q, k, args, common, q_len, k_len)
+        dkdv_key = _tune_key("dkdv", q, k, args, common, lengths)
         launch_dkdv(_tuned(dkdv_key, _load_paths(_DKDV, tma_dkdv), launch_dkdv))
         dq_candidates = _load_paths(_DQ, tma_dq, head_dim, masked)
-        launch_dq(_tuned(_tune_key("dq", q, k, args, common, q_len, k_len), dq_candidates, launch_dq))
+        launch_dq(_tuned(_tune_key("dq", q, k, args, common, lengths), dq_candidates, launch_dq))
     return dq, dk, dv
 
 
@@ -503,8 +525,8 @@ def _launch_dq_broadcast(
     partial = torch.empty((chunks, seeds, heads, head_dim), dtype=torch.float32, device=q.device)
     gdpa_bwd_dq_broadcast_kernel[(chunks * num_q_tiles * heads,)](
         q, k, v, grad_out, partial, k_offsets, common["head_act"],
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        grad_out.stride(0), grad_out.stride(1), partial.stride(0), partial.stride(1), partial.stride(2),
+        *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+        *grad_out.stride()[:2], partial.stride(0), partial.stride(1), partial.stride(2),
         heads, num_q_tiles, batch, per_chunk, seeds, args.pre_scale, args.out_scale * args.pre_scale,
         GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n,
         ACT=common["constexprs"]["ACT"], PRECISION=common["constexprs"]["PRECISION"],
