@@ -337,6 +337,11 @@ def _paired_fwd_x_jfa(w: Workload, device: str, rounds: int = PAIRED_ROUNDS,
     t = _tensors(w, device)
     fns = {"jfa": _jfa_peer(w, t), "gdpa": _ours(w, t)}
     with torch.no_grad():
+        # one untimed call each: the first call on fresh offsets reads them to the host (a sync), which a CUDA-graph
+        # capture refuses (session 25: every x_fwd_graph was None without it)
+        for fn in fns.values():
+            fn()
+        _sync()
         times = interleaved_ms(fns, rounds=rounds, bench=bench)
     _sync()
     if any(ms is None for ms in (*times["jfa"], *times["gdpa"])):
