@@ -289,8 +289,6 @@ def _work_list(
     return work_b, work_t
 
 
-
-
 @functools.lru_cache(maxsize=32)
 def _head_activation_tensor(ids: tuple[int, ...], device: str) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.int32, device=device)

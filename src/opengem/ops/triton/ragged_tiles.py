@@ -70,8 +70,8 @@ def tma_passes(setting: str, passes: tuple[str, ...], variable: str) -> frozense
 
 def ragged_descriptor(t: torch.Tensor, block_rows: int = 16) -> TensorDescriptor:
     """The descriptor of ``t [T, H, D]`` read in ``[block_rows, 1 head, D]`` boxes (see :func:`set_block_rows`):
-    the fields of ``create_ragged_descriptor(t, [block_rows, 1, D])`` (a test checks they agree), set without its
-    checks, which :func:`tma_ok` made already (they cost 3 descriptors ~30 us of host time a launch)."""
+    the fields of ``create_ragged_descriptor(t, [block_rows, 1, D])`` (a test checks they agree), set without
+    re-running its checks, which :func:`tma_ok` made already (they cost a launch's three descriptors ~30 us)."""
     rows, heads, unit = t.stride()
     desc = object.__new__(TensorDescriptor)
     desc.__dict__.update(
