@@ -1,6 +1,6 @@
 """Static cost of a Triton kernel on Hopper without a GPU: compile it for sm_90 (Triton's bundled ptxas) and
 count registers, local-memory spills, shared memory, resident programs per SM and SASS instructions per
-thread. Used by ``benchmarks.block_attention_sass`` and ``benchmarks.gdpa_sass``; not under
+thread. Used by ``benchmarks.block_attention_sass``, ``benchmarks.gdpa_sass`` and ``benchmarks.jfa_sass``; not under
 ``TRITON_INTERPRET=1`` (kernels would compile their interpreter variant).
 """
 

@@ -191,6 +191,10 @@ def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
         ((64, 64, 4, 3), (64, 64, 4, 1), (64, 64, 4, 2)),
         ((64, 32, 4, 3), (64, 64, 4, 3), (64, 64, 4, 3)),  # the forward's 32-key tiles: two per 64-row causal diagonal
         ((64, 32, 4, 4), (64, 64, 4, 3), (64, 64, 4, 3)),
+        # narrower inner tiles for the backward (GDPA's picks; candidates of benchmarks.diag.jfa_configs): 32 query
+        # rows per dK/dV step (four per 128-key causal diagonal), 32 keys per dQ step
+        ((64, 64, 4, 3), (32, 128, 8, 2), (64, 32, 4, 3)),
+        ((64, 64, 4, 3), (32, 64, 4, 3), (128, 32, 8, 3)),
     ],
 )
 def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):

@@ -1,0 +1,65 @@
+"""Static cost of JFA's backward kernels on Hopper without a GPU: registers, spills, shared memory, programs per SM
+and SASS instructions per thread (:func:`benchmarks.sass.sass_cost`) of the tuner's dK/dV and dQ tiles beside
+narrower inner tiles (32 query rows per dK/dV step, 32 keys per dQ step: GDPA's backward picks), bf16, D 128, TMA
+and pointer loads, non-causal and causal.
+
+``PYTHONPATH=src:. python -m benchmarks.jfa_sass`` (CPU is enough; not under ``TRITON_INTERPRET=1``). The
+GPU image runs Triton 3.6: install it beside the venv's (``pip install --target /tmp/t36 triton==3.6.0 --no-deps``)
+and put it first on ``PYTHONPATH`` for its figures.
+"""
+
+from __future__ import annotations
+
+import os
+
+from benchmarks.sass import jit_function, programs_per_sm, sass_cost, with_constexpr_defaults
+from opengem.ops.triton import jagged_attention as kernels
+
+D = 128
+NARROWER = {"dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2)],
+            "dq": [(64, 32, 4, 3), (64, 32, 4, 2), (128, 32, 8, 3)]}
+_FP32_POINTERS, _INT_POINTERS = {"LSE", "Delta"}, {"offsets", "num_targets", "sched_small", "sched_large"}
+_QUERY_ROW_DESCS = {"Q_desc", "DO_desc", "O_desc"}  # the other descriptors hold key rows
+
+
+def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
+    """Argument types of a JFA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments)."""
+    def kind(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name.endswith("_desc"):
+            rows = constants["BLOCK_M"] if name in _QUERY_ROW_DESCS else constants["BLOCK_N"]
+            return f"tensordesc<bf16[1,1,{rows},1,{D}]>" if tma else "*bf16"
+        if name in _FP32_POINTERS:
+            return "*fp32"
+        if name in _INT_POINTERS:
+            return "*i32"
+        if name[0].isupper():
+            return "*bf16"
+        return "fp32" if name.startswith("scale") else "i32"
+
+    return {name: kind(name) for name in jit_function(kernel).arg_names}
+
+
+def main() -> None:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
+    print("pass | mask | tile (M, N, warps, stages) | loads | regs | spill stack B | shared KB | programs / SM | "
+          "replicated dots | SASS instr/thread")
+    fixed = dict(HEAD_DIM=D, GROUP=1, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=False, SMALL=False,
+                 PRECISION="tf32")
+    for name, curated in (("dkdv", kernels._DKDV), ("dq", kernels._DQ)):
+        kernel = kernels.KERNELS[name]
+        for causal in (False, True):
+            for m, n, warps, stages in [*curated, *NARROWER[name]]:
+                for tma in (True, False):
+                    constants = with_constexpr_defaults(kernel, dict(fixed, CAUSAL=causal, USE_TMA=tma, BLOCK_M=m,
+                                                                     BLOCK_N=n))
+                    cost = sass_cost(kernel, signature(kernel, constants, tma), constants, warps, stages)
+                    print(f"{name} | {'causal' if causal else 'full'} | {(m, n, warps, stages)} | "
+                          f"{'tma' if tma else 'pointer'} | {cost['reg']} | {cost['stack']} | {cost['shared'] // 1024} | "
+                          f"{programs_per_sm(cost, warps)} | {cost['replicated']} | {cost['instructions']}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
