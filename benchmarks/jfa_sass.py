@@ -57,8 +57,9 @@ def main() -> None:
                                                                      BLOCK_N=n))
                     cost = sass_cost(kernel, signature(kernel, constants, tma), constants, warps, stages)
                     print(f"{name} | {'causal' if causal else 'full'} | {(m, n, warps, stages)} | "
-                          f"{'tma' if tma else 'pointer'} | {cost['reg']} | {cost['stack']} | {cost['shared'] // 1024} | "
-                          f"{programs_per_sm(cost, warps)} | {cost['replicated']} | {cost['instructions']}", flush=True)
+                          f"{'tma' if tma else 'pointer'} | {cost['reg']} | {cost['stack']} | "
+                          f"{cost['shared'] // 1024} | {programs_per_sm(cost, warps)} | {cost['replicated']} | "
+                          f"{cost['instructions']}", flush=True)
 
 
 if __name__ == "__main__":
