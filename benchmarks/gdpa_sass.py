@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.sass import COUNTED, jit_function, programs_per_sm, sass_cost, with_constexpr_defaults
+from benchmarks.sass import COUNTED, cost_columns, jit_function, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import gdpa as host
 from opengem.ops.triton import gdpa_kernels as kernels
 
@@ -66,9 +66,8 @@ def main() -> None:
             base = base or cost["instructions"]
             counts = " | ".join(str(cost[op]) for op in COUNTED)
             print(f"{name} | {label} | {config.num_warps} | {config.num_stages} | {'tma' if tma else 'pointer'} | "
-                  f"{cost['reg']} | {cost['stack']} | {cost['shared'] / 1024:.0f} | "
-                  f"{programs_per_sm(cost, config.num_warps)} | {cost['replicated']} | {cost['instructions']} "
-                  f"({cost['instructions'] / base - 1:+.0%}) | {counts}", flush=True)
+                  f"{cost_columns(cost, config.num_warps)} ({cost['instructions'] / base - 1:+.0%}) | {counts}",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.sass import jit_function, programs_per_sm, sass_cost, with_constexpr_defaults
+from benchmarks.sass import cost_columns, jit_function, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import jagged_attention as kernels
 
 D = 128
@@ -57,9 +57,7 @@ def main() -> None:
                                                                      BLOCK_N=n))
                     cost = sass_cost(kernel, signature(kernel, constants, tma), constants, warps, stages)
                     print(f"{name} | {'causal' if causal else 'full'} | {(m, n, warps, stages)} | "
-                          f"{'tma' if tma else 'pointer'} | {cost['reg']} | {cost['stack']} | "
-                          f"{cost['shared'] // 1024} | {programs_per_sm(cost, warps)} | {cost['replicated']} | "
-                          f"{cost['instructions']}", flush=True)
+                          f"{'tma' if tma else 'pointer'} | {cost_columns(cost, warps)}", flush=True)
 
 
 if __name__ == "__main__":

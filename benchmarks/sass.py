@@ -76,3 +76,9 @@ def programs_per_sm(cost: dict[str, int], num_warps: int) -> int:
     by_registers = 65536 // (cost["reg"] * 32 * num_warps)
     by_shared = 228 * 1024 // (cost["shared"] + 1024)
     return min(by_registers, by_shared)
+
+
+def cost_columns(cost: dict[str, int], num_warps: int) -> str:
+    """``regs | spill stack B | shared KB | programs / SM | replicated dots | SASS instr/thread`` of one variant."""
+    return (f"{cost['reg']} | {cost['stack']} | {cost['shared'] / 1024:.0f} | {programs_per_sm(cost, num_warps)} | "
+            f"{cost['replicated']} | {cost['instructions']}")
