@@ -19,6 +19,7 @@ from typing import Any, Callable
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from opengem.jagged.host import to_device
 from opengem.train.bench.timing import WindowTimer
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -48,9 +49,11 @@ def power_law_lengths(
 
 
 def offsets_of(lengths: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """int32 offsets of ``lengths`` on ``device``, with their host mirror registered as the data loader does
+    (``opengem.jagged.host.to_device``): an op's first call reads them without a device sync."""
     offsets = torch.zeros(lengths.numel() + 1, dtype=torch.int32)
     offsets[1:] = torch.cumsum(lengths, 0)
-    return offsets.to(device)
+    return to_device(offsets, device)
 
 
 def by_name_prefix(items: list, prefixes: list[str] | None, option: str) -> list:

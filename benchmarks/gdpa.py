@@ -337,8 +337,7 @@ def _paired_fwd_x_jfa(w: Workload, device: str, rounds: int = PAIRED_ROUNDS,
     t = _tensors(w, device)
     fns = {"jfa": _jfa_peer(w, t), "gdpa": _ours(w, t)}
     with torch.no_grad():
-        # one untimed call each: the first call on fresh offsets reads them to the host (a sync), which a CUDA-graph
-        # capture refuses (session 25: every x_fwd_graph was None without it)
+        # one untimed call each: bench_graph_ms captures only calls that ran before (host caches warm, no sync)
         for fn in fns.values():
             fn()
         _sync()

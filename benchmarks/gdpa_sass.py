@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.sass import COUNTED, cost_columns, jit_function, sass_cost, with_constexpr_defaults
+from benchmarks.sass import COUNTED, cost_columns, launch_signature, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import gdpa as host
 from opengem.ops.triton import gdpa_kernels as kernels
 
@@ -23,17 +23,9 @@ UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=Fal
 def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
     """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments);
     ``constants`` with the defaults of the constexprs a launch leaves out (``sass.with_constexpr_defaults``)."""
-    def kind(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name.endswith("_desc"):
-            rows = constants["BLOCK_M"] if name in ("Q_desc", "DO_desc") else constants["BLOCK_N"]
-            return f"tensordesc<bf16[1,1,{rows},1,{constants['D']}]>" if tma else "*bf16"
-        if name.isupper():
-            return "*i32" if name in INT_POINTERS else ("*fp32" if name == "DQ_PARTIAL" else "*bf16")
-        return "fp32" if name in ("pre_scale", "out_scale", "dq_scale") else "i32"
-
-    return {name: kind(name) for name in jit_function(kernel).arg_names}
+    pointers = {**dict.fromkeys(INT_POINTERS, "*i32"), "DQ_PARTIAL": "*fp32"}
+    return launch_signature(kernel, constants, tma, constants["D"], {"Q_desc", "DO_desc"}, pointers,
+                            {"pre_scale", "out_scale", "dq_scale"})
 
 
 def _variants():

@@ -12,33 +12,20 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.sass import cost_columns, jit_function, sass_cost, with_constexpr_defaults
+from benchmarks.sass import cost_columns, launch_signature, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import jagged_attention as kernels
 
 D = 128
 NARROWER = {"dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2)],
             "dq": [(64, 32, 4, 3), (64, 32, 4, 2), (128, 32, 8, 3)]}
-_FP32_POINTERS, _INT_POINTERS = {"LSE", "Delta"}, {"offsets", "num_targets", "sched_small", "sched_large"}
-_QUERY_ROW_DESCS = {"Q_desc", "DO_desc", "O_desc"}  # the other descriptors hold key rows
+_POINTERS = {"LSE": "*fp32", "Delta": "*fp32", **dict.fromkeys(("offsets", "num_targets", "sched_small", "sched_large"),
+                                                                 "*i32")}
 
 
 def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
     """Argument types of a JFA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments)."""
-    def kind(name: str) -> str:
-        if name in constants:
-            return "constexpr"
-        if name.endswith("_desc"):
-            rows = constants["BLOCK_M"] if name in _QUERY_ROW_DESCS else constants["BLOCK_N"]
-            return f"tensordesc<bf16[1,1,{rows},1,{D}]>" if tma else "*bf16"
-        if name in _FP32_POINTERS:
-            return "*fp32"
-        if name in _INT_POINTERS:
-            return "*i32"
-        if name[0].isupper():
-            return "*bf16"
-        return "fp32" if name.startswith("scale") else "i32"
-
-    return {name: kind(name) for name in jit_function(kernel).arg_names}
+    return launch_signature(kernel, constants, tma, D, {"Q_desc", "DO_desc", "O_desc"}, _POINTERS,
+                            {"scale", "scale_log2"})
 
 
 def main() -> None:

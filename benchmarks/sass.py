@@ -34,6 +34,29 @@ def with_constexpr_defaults(kernel, constants: dict) -> dict:
     return {**{p.name: p.default for p in params if p.is_constexpr and p.has_default}, **constants}
 
 
+def launch_signature(
+    kernel, constants: dict, tma: bool, head_dim: int, query_descs: set[str], pointers: dict[str, str],
+    float_scalars: set[str],
+) -> dict[str, str]:
+    """Argument types of an attention kernel as the launcher specializes a bf16 call: ``constants`` are constexprs;
+    ``*_desc`` arguments ragged descriptors (``tma``) of ``BLOCK_M`` rows for ``query_descs``, else ``BLOCK_N``, or
+    plain pointers; ``pointers`` the non-bf16 pointer types by name; other capitalized names bf16 tensors;
+    ``float_scalars`` fp32, every other scalar i32."""
+    def kind(name: str) -> str:
+        if name in constants:
+            return "constexpr"
+        if name.endswith("_desc"):
+            rows = constants["BLOCK_M"] if name in query_descs else constants["BLOCK_N"]
+            return f"tensordesc<bf16[1,1,{rows},1,{head_dim}]>" if tma else "*bf16"
+        if name in pointers:
+            return pointers[name]
+        if name[0].isupper():
+            return "*bf16"
+        return "fp32" if name in float_scalars else "i32"
+
+    return {name: kind(name) for name in jit_function(kernel).arg_names}
+
+
 def sass_cost(
     kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1, maxnreg: int | None = None
 ) -> dict[str, int]:

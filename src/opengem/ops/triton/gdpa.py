@@ -323,10 +323,11 @@ def _broadcast_len(q: torch.Tensor, args: GdpaArgs) -> int:
 
 @dataclass(frozen=True)
 class BatchLengths:
-    """Per-sample query and key lengths (the host mirrors' summaries) and how full each side's grid is."""
+    """Per-sample query and key lengths as int64 bytes (``_work_list``'s cache key; from the host mirrors'
+    summaries) and how full each side's grid is."""
 
-    q: np.ndarray
-    k: np.ndarray
+    q: bytes
+    k: bytes
     fill_q: str
     fill_k: str
 
@@ -339,7 +340,7 @@ def _batch_lengths(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaA
     else:
         q_summary = offsets_summary(q_offsets)
         q_len, q_tokens = q_summary.lengths, q_summary.last - q_summary.first
-    return BatchLengths(q_len, k_summary.lengths, fill_bucket(q_tokens, batch, args.max_len_q),
+    return BatchLengths(q_len.tobytes(), k_summary.lengths.tobytes(), fill_bucket(q_tokens, batch, args.max_len_q),
                         fill_bucket(k_summary.last - k_summary.first, batch, args.max_len_k))
 
 
@@ -380,7 +381,6 @@ def gdpa_forward(
         out = torch.empty((rows_out, heads, head_dim), dtype=q.dtype, device=q.device)
     common = _common(q, args, num_targets, k_offsets)
     lengths = _batch_lengths(q_offsets, k_offsets, args)
-    q_len, k_len = lengths.q.tobytes(), lengths.k.tobytes()
     masked = common["constexprs"]["MASKED"]
     interpret = interpreting()
     kv_block = max(MX_BLOCK_KEYS if p_mx else 16, triton.next_power_of_2(max(args.max_len_k, 1)))
@@ -392,7 +392,7 @@ def gdpa_forward(
     def launch(config: Config) -> None:
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
-        work_b, work_t = _work_list(q_len, k_len, config.block_m, config.tiles if resident else 1, kind,
+        work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, config.tiles if resident else 1, kind,
                                     args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
@@ -438,14 +438,13 @@ def gdpa_backward(
     group = heads // kv_heads
     common = _common(q, args, num_targets, k_offsets)
     lengths = _batch_lengths(q_offsets, k_offsets, args)
-    q_len, k_len = lengths.q.tobytes(), lengths.k.tobytes()
     masked = common["constexprs"]["MASKED"]
     scalars = (args.contextual_len, args.window or 0)
     tma_dkdv = _tma_possible("dkdv", q, grad_out)
     tma_dq = not args.broadcast_q and _tma_possible("dq", q, k, v, grad_out)  # broadcast-Q dQ: pointer loads
 
     def launch_dkdv(config: Config) -> None:
-        work_b, work_t = _work_list(k_len, q_len, config.block_n, 1,
+        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, 1,
                                     "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
@@ -464,7 +463,7 @@ def gdpa_backward(
         if args.broadcast_q:
             _launch_dq_broadcast(config, grad_out, q, k, v, k_offsets, dq, args, common)
             return
-        work_b, work_t = _work_list(q_len, k_len, config.block_m, 1,
+        work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, 1,
                                     "causal_q" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
