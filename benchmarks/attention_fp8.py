@@ -19,7 +19,7 @@ others, as real Q and K look: ``*_err_outliers``), and the fp8 kernel against th
 (:mod:`opengem.ops.reference.attention_fp8`). FLOPs: 4 H D per unmasked pair. The recipe and the CPU-measured
 error of its alternatives: ``docs/fp8_attention.md``.
 
-Run: ``PYTHONPATH=src python -m benchmarks.attention_fp8 [--quick]``. ``--quick``: workload (a), each
+Run: ``PYTHONPATH=src python -m benchmarks.attention_fp8 [--quick] [--workloads a_,c_]``. ``--quick``: workload (a), each
 kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), autotuned, a few minutes.
 """
 
@@ -60,8 +60,8 @@ OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
-def _selected(quick: bool) -> list[Workload]:
-    chosen = ("a_",) if quick else ("a_", "c_", "d_")
+def _selected(quick: bool, prefixes: tuple[str, ...] | None = None) -> list[Workload]:
+    chosen = prefixes or (("a_",) if quick else ("a_", "c_", "d_"))
     return [wl for wl in workloads(quick=False) if wl.name.startswith(chosen)]
 
 
@@ -198,11 +198,13 @@ def _outlier_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="workload (a), default kernel configs (< 90 s)")
+    parser.add_argument("--workloads", type=lambda text: tuple(text.split(",")), default=None,
+                        help="workload name prefixes, e.g. a_ (default: a_, c_, d_; with --quick a_)")
     args = parser.parse_args()
     if args.quick:
         os.environ["OPENGEM_JFA_AUTOTUNE"] = "0"
     rows = []
-    for wl in _selected(args.quick):
+    for wl in _selected(args.quick, args.workloads):
         rows.append(measure(wl))
         print_table(rows[-1:], COLUMNS)
         write_results("attention_fp8", rows, {"quick": args.quick, "heads": HEADS, "head_dim": HEAD_DIM})
