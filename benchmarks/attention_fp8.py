@@ -20,8 +20,8 @@ others, as real Q and K look: ``*_err_outliers``), and the fp8 kernel against th
 (:mod:`opengem.ops.reference.attention_fp8`). FLOPs: 4 H D per unmasked pair. The recipe and the CPU-measured
 error of its alternatives: ``docs/fp8_attention.md``.
 
-Run: ``PYTHONPATH=src python -m benchmarks.attention_fp8 [--quick] [--workloads a_,c_]``. ``--quick``: workload (a), each
-kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), autotuned, a few minutes.
+Run: ``PYTHONPATH=src python -m benchmarks.attention_fp8 [--quick] [--workloads a_,c_]``. ``--quick``: workload
+(a), each kernel's default config (no autotuning), well under 90 s. Full: (a), (c), (d), autotuned, a few minutes.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize
            "mxfp8_kernel_speedup", "mxfp8_err", "mxfp8_err_outliers",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "fp8_products_bwd_ms", "products_bwd_speedup",
            "projected_bf16_ms", "projected_fp8_ms", "projected_fused_ms", "projected_speedup", "projected_fused_speedup",
-           "projection_ms", "fused_projection_ms", "fused_projection_persistent_ms", "persistent_projection_same_bits",
-           "kernel_speedup",
+           "projection_ms", "fused_projection_ms", "fused_projection_persistent_ms",
+           "persistent_projection_same_bits", "kernel_speedup",
            "bf16_tflops", "fp8_tflops", "bf16_err", "fp8_err", "err_ratio", "bf16_err_outliers", "fp8_err_outliers",
            "fp8_vs_emulation"]  # fmt: skip
 OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0

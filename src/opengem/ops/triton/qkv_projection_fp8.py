@@ -115,7 +115,7 @@ _TUNING = dict(key=["model_dim", "HEAD_DIM", "PRECISION"], prune_configs_by={"ea
 
 
 @triton.autotune(configs=_configs(), **_TUNING)
-@triton.jit(do_not_specialize=["num_blocks"])
+@triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
 def _project_quantize_kernel(
     X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
     stride_xt, stride_wn, num_blocks, heads, model_dim, num_tiles,
