@@ -110,40 +110,29 @@ def _project_quantize_tile(
         _store_quantized(y.to(tl.float32), V8, VS, h, block_id, num_blocks, HEAD_DIM, BLOCK, True, EXACT)
 
 
-_TUNING = dict(key=["model_dim", "HEAD_DIM", "PRECISION"], prune_configs_by={"early_config_prune": _prune},
-               do_bench=_tuning_bench)
-
-
-@triton.autotune(configs=_configs(), **_TUNING)
+@triton.autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION", "PERSISTENT"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)  # fmt: skip
 @triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
 def _project_quantize_kernel(
     X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
     stride_xt, stride_wn, num_blocks, heads, model_dim, num_tiles,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    _project_quantize_tile(
-        tl.program_id(0), X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items, stride_xt,
-        stride_wn, num_blocks, heads, model_dim, HEAD_DIM, BLOCK, ROT, PRECISION, EXACT, HAS_BIAS, BLOCK_K, False,
-    )  # fmt: skip
-
-
-@triton.autotune(configs=_configs(), **_TUNING)
-@triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
-def _project_quantize_persistent_kernel(
-    X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
-    stride_xt, stride_wn, num_blocks, heads, model_dim, num_tiles,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One program an SM looping over the tiles: the loop nest flattened so that Triton's pipeliner can issue the
-    next tile's first loads under this tile's epilogue (bf16 store, rotation MMA, amax, E4M3 store), which the
-    one-tile programs run with nothing to overlap."""
-    for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+    """One tile a program, or (``PERSISTENT``) programs looping over the tiles with the loop nest flattened, so that
+    Triton's pipeliner can issue the next tile's first loads under this tile's epilogue (bf16 store, rotation MMA,
+    amax, E4M3 store), which one-tile programs run with nothing to overlap."""
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
+            _project_quantize_tile(
+                tile, X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items, stride_xt,
+                stride_wn, num_blocks, heads, model_dim, HEAD_DIM, BLOCK, ROT, PRECISION, EXACT, HAS_BIAS, BLOCK_K,
+                True,
+            )  # fmt: skip
+    else:
         _project_quantize_tile(
-            tile, X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items, stride_xt,
-            stride_wn, num_blocks, heads, model_dim, HEAD_DIM, BLOCK, ROT, PRECISION, EXACT, HAS_BIAS, BLOCK_K,
-            True,
+            tl.program_id(0), X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items, stride_xt,
+            stride_wn, num_blocks, heads, model_dim, HEAD_DIM, BLOCK, ROT, PRECISION, EXACT, HAS_BIAS, BLOCK_K, False,
         )  # fmt: skip
 
 
@@ -172,15 +161,13 @@ def project_quantize_qkv(
     num_tiles = items.shape[0] * 3 * heads
     if num_tiles:
         n = rotation_size(head_dim)
-        kernel, grid = _project_quantize_kernel, num_tiles
-        if programs is not None:
-            kernel, grid = _project_quantize_persistent_kernel, min(programs, num_tiles)
-        kernel[(grid,)](
+        grid = num_tiles if programs is None else min(programs, num_tiles)
+        _project_quantize_kernel[(grid,)](
             x, weight, weight if bias is None else bias, qkv, q8, k8, v8, qs, ks, vs,
             _rotation_on(n, x.dtype, x.device), pb.offsets, block_base, items, x.stride(0), weight.stride(0),
             items.shape[0], heads, model_dim, num_tiles,
             HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            EXACT=_INTERPRET, HAS_BIAS=bias is not None,
+            EXACT=_INTERPRET, HAS_BIAS=bias is not None, PERSISTENT=programs is not None,
         )  # fmt: skip
     return qkv, quantized
 
