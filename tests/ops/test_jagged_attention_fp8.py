@@ -91,6 +91,16 @@ def test_kernel_matches_emulation(poisoned, mask):  # noqa: F811 (the imported f
     _assert_matches_emulation(*_forward_pair(LENGTHS, 2, 1, 32, **_mask_kwargs(MASKS[mask])))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_kernel_matches_emulation_with_a_negative_scale(poisoned, causal):  # noqa: F811 (the imported fixture)
+    """A negative logit scale: on tiles without a mask the kernel takes the row maximum of the scaled logits as
+    the minimum of the raw products (the scale is one FMA in the exponent), so a maximum taken on the raw products
+    would overflow exp2 here."""
+    out, emulated, v = _forward_pair([70, 33, 96], 2, 1, 32, causal=causal, scale=-0.5)
+    _assert_matches_emulation(out, emulated, v)
+    assert torch.isfinite(out).all() and float(out.abs().max()) <= float(v.abs().max())
+
+
 @settings(max_examples=10, deadline=None)
 @given(
     lengths=st.lists(st.integers(0, 40), min_size=1, max_size=4),
