@@ -39,7 +39,7 @@ from benchmarks.common import (
     relative_error,
     write_results,
 )
-from benchmarks.jfa import HEAD_DIM, HEADS, Workload, _batch, _sub_batch_rows, workloads
+from benchmarks.jfa import HEAD_DIM, HEADS, Workload, _batch, _sub_batch_rows, selected
 from opengem.ops.jagged_attention import FP8_WITH_FP8_BACKWARD, _problem, attention_pairs
 from opengem.ops.qkv_attention import qkv_attention
 from opengem.ops.reference.attention import jagged_attention as reference
@@ -62,9 +62,9 @@ OUTLIER_CHANNELS, OUTLIER_FACTOR = 4, 10.0
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
-def _selected(quick: bool, prefixes: tuple[str, ...] | None = None) -> list[Workload]:
-    chosen = prefixes or (("a_",) if quick else ("a_", "c_", "d_"))
-    return [wl for wl in workloads(quick=False) if wl.name.startswith(chosen)]
+def _selected(quick: bool, prefixes: list[str] | None = None) -> list[Workload]:
+    """``--workloads``' prefixes (an unknown one is an error), by default (a), (c), (d); (a) alone with ``--quick``."""
+    return selected(False, prefixes or (["a_"] if quick else ["a_", "c_", "d_"]))
 
 
 def measure(wl: Workload) -> dict:
@@ -217,7 +217,7 @@ def _outlier_errors(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, options: 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="workload (a), default kernel configs (< 90 s)")
-    parser.add_argument("--workloads", type=lambda text: tuple(text.split(",")), default=None,
+    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None,
                         help="workload name prefixes, e.g. a_ (default: a_, c_, d_; with --quick a_)")
     args = parser.parse_args()
     if args.quick:
