@@ -26,6 +26,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     _store_quantized,
     attend,
     blocked_buffers,
+    blocked_tile_offsets,
     rotate_slices,
 )
 
@@ -95,11 +96,10 @@ def _project_quantize_tile(
         tl.store(tl.where(is_q, QS, tl.where(is_v, VS, KS)) + block_at, scale)
         # the masks as tensors: the interpreter's tensor & scalar-bool is no boolean mask
         tile_operand = offs_r[:, None] * 0 + operand
-        rows_first = block_at.to(tl.int64) * BLOCK * HEAD_DIM + offs_r[:, None] * HEAD_DIM + offs_d[None, :]
+        rows_first = blocked_tile_offsets(block_at, HEAD_DIM, BLOCK, False)
         tl.store(Q8 + rows_first, x8, mask=tile_operand < heads)
         tl.store(K8 + rows_first, x8, mask=(tile_operand >= heads) & (tile_operand < 2 * heads))
-        tl.store(V8 + block_at.to(tl.int64) * BLOCK * HEAD_DIM + offs_d[None, :] * BLOCK + offs_r[:, None], x8,
-                 mask=tile_operand >= 2 * heads)
+        tl.store(V8 + blocked_tile_offsets(block_at, HEAD_DIM, BLOCK, True), x8, mask=tile_operand >= 2 * heads)
     elif operand < heads:
         q = rotate_slices(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)
         _store_quantized(q, Q8, QS, h, block_id, num_blocks, HEAD_DIM, BLOCK, False, EXACT)
