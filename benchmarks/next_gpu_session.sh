@@ -157,6 +157,9 @@
 # s29d (one GPU): attention_fp8 on (a) again and (c), tuned: the repeat of s29c's ratios
 # s30a (one GPU): the persistent fused FP8 projection's GPU tests and time on (a); JFA's bf16 forward tiles on (a)
 # s30b (one GPU, session 27): JFA's tuner timings against each tile timed rested and hot on (a) and (c), with clocks
+# s30c (one GPU, session 27): the interleaved autotuner against Triton's one window (repeated fresh tunings on (a)
+#   and (c), each pick's hot time), then issue 12's (a) with it
+# s30d (one GPU, session 27): JFA's GPU tests and gem-large b512 with the interleaved autotuner
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -590,6 +593,17 @@ chain_s30b() {  # session 27: does JFA's tuner (rested card) pick what runs fast
   step jfa_tuning_regimes 450 python -m benchmarks.diag.jfa_tuning_regimes --workloads a_power_law_causal,c_1024
   clock_log stop
 }
+chain_s30c() {  # session 27: how often each tuner misses the hot-fastest tile; FP8 attention's (a) with the new tuner
+  clock_log start
+  step jfa_tuner_retunes 330 python -m benchmarks.diag.jfa_tuning_regimes --workloads a_power_law_causal,c_1024 --retunes 5
+  clock_log stop
+  step attention_fp8_a 200 python -m benchmarks.attention_fp8 --workloads a_
+}
+chain_s30d() {  # session 27: the JFA GPU tests (tuned through the interleaved rounds), then gem-large with them
+  step jfa_gpu_tests 220 tests tests/gpu/test_jagged_attention_gpu.py
+  step bench_train_large 330 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s30_bf16.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -707,7 +721,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from opengem.ops.reference.attention_fp8 import rotation_size
-from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, _tuning_bench, forward_buffers
+from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, forward_buffers
 from opengem.ops.triton.jagged_attention_fp8 import (
     BLOCK,
     _e4m3_tile,
@@ -29,6 +29,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     blocked_tile_offsets,
     rotate_slices,
 )
+from opengem.ops.triton.tuning import autotune
 
 # (BLOCK_K, num_warps, num_stages), the first the untuned default. One 128 x D fp32 tile a program: 144-164
 # registers at 8 warps (one program an SM), 98 at 16, no spills at D 128 (static sm_90 counts, benchmarks/sass.py).
@@ -110,8 +111,8 @@ def _project_quantize_tile(
         _store_quantized(y.to(tl.float32), V8, VS, h, block_id, num_blocks, HEAD_DIM, BLOCK, True, EXACT)
 
 
-@triton.autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION", "PERSISTENT"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)  # fmt: skip
+@autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION", "PERSISTENT"],
+          prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
 def _project_quantize_kernel(
     X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
