@@ -14,7 +14,7 @@ import statistics
 import subprocess
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -84,6 +84,37 @@ def bench_ms(fn: Callable[[], Any], warmup_ms: int = 25, rep_ms: int = 100) -> f
     import triton.testing
 
     return float(triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median"))
+
+
+@contextlib.contextmanager
+def only_config(tuner, config) -> Iterator[None]:
+    """Inside the block, Triton autotuner ``tuner`` runs ``config`` alone (its tuned picks forgotten before and
+    after)."""
+    every = list(tuner.configs)
+    tuner.configs = [config]
+    tuner.cache.clear()
+    try:
+        yield
+    finally:
+        tuner.configs = every
+        tuner.cache.clear()
+
+
+def fastest_forced(tuner, fn: Callable[[], Any]) -> tuple[float, str]:
+    """``bench_ms`` of ``fn`` with each of autotuner ``tuner``'s candidates forced alone: the fastest time and its
+    config (``BLOCK_M128_BLOCK_N64_w8_s3``). The strongest-peer check of a tuned baseline: the tuner's one-window
+    timings of close tiles are a coin flip (session 27: a pick 19% slower than the best tile under load)."""
+    best: tuple[float, str] = (math.inf, "")
+    for config in list(tuner.configs):
+        label = "_".join(f"{k}{v}" for k, v in config.kwargs.items()) + f"_w{config.num_warps}_s{config.num_stages}"
+        with only_config(tuner, config):
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception:  # noqa: BLE001  (a candidate this shape prunes or cannot fit: not a peer)
+                continue
+            best = min(best, (bench_ms(fn), label))
+    return best
 
 
 def rested_ms(fn: Callable[[], Any], rep_ms: int, rest_s: float = 1.0) -> float:

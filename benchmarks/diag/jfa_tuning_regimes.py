@@ -5,17 +5,18 @@ workload (a), which ran 2.01 ms in a 100 ms window against 1.69 for 128 x 128 x 
 
 For each workload and pass: the autotuner's own timings (a fresh tune), then every candidate forced alone and
 timed twice: ``rested`` (1 s idle, a 40 ms window: the tuner's conditions) and ``hot`` (300 ms of the pass, then
-a 100 ms window: a training step's conditions); then ``--retunes`` fresh tunings with Triton's one window (1
-round of 10 + 40 ms) and with opengem's interleaved rounds (3 of 5 + 20 ms), each pick's hot time over the best's.
+a 100 ms window: a training step's conditions). Session 27 found no rested-versus-hot bias in the ranking, but
+the tuner's one-window timings 2-16% above the rested ones, unevenly: a coin flip between tiles within ~5%. An
+interleaved tuner (three rotating rounds of 5 + 20 ms, median) was measured against it over 5 fresh tunings per
+pass (commit 93271af, ``--retunes``) and was no better, so Triton's tuner stays.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_tuning_regimes [--workloads a_,c_1024]
-[--passes fwd,dkdv,dq] [--retunes 6]``; writes ``benchmarks/results/jfa_tuning_regimes.json``.
+[--passes fwd,dkdv,dq]``; writes ``benchmarks/results/jfa_tuning_regimes.json``.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
 
@@ -56,29 +57,6 @@ def forced_timings(name: str, run) -> dict[str, dict[str, float]]:
     return times
 
 
-# (rounds, (warm-up ms, timed ms)): Triton's autotuner as opengem called it before session 27, and opengem's now
-TUNERS = {"one_window": (1, (10, 40)), "interleaved": (3, (5, 20))}
-
-
-def retuned_picks(name: str, run, retunes: int) -> dict[str, list[str]]:
-    """The pick of ``retunes`` fresh tunings of pass ``name`` with each of ``TUNERS``, alternating tuners."""
-    kernel = kernels.KERNELS[name]
-    picks: dict[str, list[str]] = {tuner: [] for tuner in TUNERS}
-    try:
-        for _ in range(retunes):
-            for tuner, (rounds, window) in TUNERS.items():
-                kernel.rounds, kernel.window_ms = rounds, window
-                kernel.cache.clear()
-                run()
-                torch.cuda.synchronize()
-                picks[tuner].append(config_label(kernel.best_config))
-    finally:
-        vars(kernel).pop("rounds", None)  # back to the class's settings
-        vars(kernel).pop("window_ms", None)
-        kernel.cache.clear()
-    return picks
-
-
 def fastest(times: dict[str, float]) -> str:
     return min(times, key=times.get)
 
@@ -87,7 +65,6 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="a_power_law_causal,c_1024", type=lambda text: text.split(","))
     parser.add_argument("--passes", default="fwd,dkdv,dq", type=lambda text: text.split(","))
-    parser.add_argument("--retunes", default=6, type=int)
     args = parser.parse_args()
     rows = []
     for wl in selected(False, args.workloads):
@@ -105,14 +82,9 @@ def main() -> None:
             hot = {k: v["hot"] for k, v in forced.items()}
             row["hot_ms_of_tuner_pick"] = hot.get(row["tuner_pick"])
             row["hot_ms_of_hot_pick"] = hot[row["hot_pick"]]
-            row["retuned_picks"] = retuned_picks(name, run, args.retunes)
-            row["retuned_slowdown"] = {  # each pick's hot time over the hot-fastest tile's
-                tuner: [round(hot.get(p, math.nan) / row["hot_ms_of_hot_pick"], 4) for p in picks]
-                for tuner, picks in row["retuned_picks"].items()
-            }
             rows.append(row)
             print({k: row[k] for k in ("workload", "pass", "tuner_pick", "rested_pick", "hot_pick",
-                                       "hot_ms_of_tuner_pick", "hot_ms_of_hot_pick", "retuned_slowdown")}, flush=True)
+                                       "hot_ms_of_tuner_pick", "hot_ms_of_hot_pick")}, flush=True)
             write_results("jfa_tuning_regimes", rows)
         del b, jfa
         torch.cuda.empty_cache()

@@ -281,26 +281,6 @@ def test_fused_qkv_attention_matches_the_unfused_fp8_path():
         assert got.dtype == torch.bfloat16 and _rel(got, want) < 1e-2
 
 
-@pytest.mark.parametrize("programs", [7, None])  # None: one program an SM
-def test_persistent_fused_projection_writes_the_one_tile_kernels_bits(programs):
-    """The persistent fused projection (its loop nest flattened, so the pipeliner prefetches across tiles) writes
-    the one-tile kernel's qkv, E4M3 blocks and scales bit for bit, D 128 and blocks of 128 on the GPU."""
-    from opengem.ops.triton.qkv_projection_fp8 import project_quantize_qkv
-
-    programs = programs or torch.cuda.get_device_properties(0).multi_processor_count
-    gen = torch.Generator(device="cuda").manual_seed(6)
-    heads, head_dim, model_dim = 4, 128, 512
-    x = torch.randn(sum(LENGTHS), model_dim, generator=gen, device="cuda").bfloat16()
-    weight = (torch.randn(3 * heads * head_dim, model_dim, generator=gen, device="cuda") / model_dim**0.5).bfloat16()
-    bias = torch.randn(3 * heads * head_dim, generator=gen, device="cuda").bfloat16()
-    offsets = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    _, pb = _problem(x.view(-1, 1, model_dim), offsets, None, max(LENGTHS), True, 0, -1, 1.0)
-    want = project_quantize_qkv(x, weight, bias, heads, pb)
-    got = project_quantize_qkv(x, weight, bias, heads, pb, programs=programs)
-    for a, b in zip((got[0], *got[1]), (want[0], *want[1])):
-        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-
-
 GDPA_OPTIONS = dict(pre_scale=128**-0.5, post_scale=1.0, norm="max_len")
 
 

@@ -191,9 +191,12 @@ def test_reference_backward_is_the_straight_through_gradient(mask):
 @pytest.mark.parametrize("precision", ["fp8", "mxfp8"])
 @pytest.mark.parametrize("mask", ["causal", "all_options"])
 def test_triton_backward_is_the_straight_through_one(poisoned, mask, precision):  # noqa: F811 (the fixture)
-    """The kernels' FP8 (MXFP8) backward against the reference's: dV the same (P from the forward's logits and
-    log-sum-exp); dQ and dK within what the forward's quantized P does to rowsum(dO * O) (measured <= 3e-2 on
-    outlier channels; a missing 1 / n or rotation back shows as O(1))."""
+    """The kernels' FP8 (MXFP8) backward against the reference's: dV the same but for P's rounding ties (P from the
+    forward's logits and log-sum-exp); dQ and dK within what the forward's quantized P does to rowsum(dO * O)
+    (measured <= 3e-2 on outlier channels; a missing 1 / n or rotation back shows as O(1)). dV's bound: where P * 256
+    sits on an E4M3 rounding boundary, the interpreter's exp2 (NumPy's) and torch's differ in the last bit and P
+    moves one E4M3 step (1/16): 5 key rows of 74 and dV 1.6e-4 off on an AMD EPYC with NumPy 2.4, under 1e-4 on
+    the CI machine."""
     q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, head_dim=64, seed=4)
     offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS[mask])
     grads = {}
@@ -203,7 +206,7 @@ def test_triton_backward_is_the_straight_through_one(poisoned, mask, precision):
         grads[backend] = torch.autograd.grad(out, leaves, dout)
     (dq, dk, dv), (want_dq, want_dk, want_dv) = grads["triton"], grads["reference"]
     assert all(torch.isfinite(g).all() for g in (dq, dk, dv))
-    assert _rel(dv, want_dv) < 1e-4
+    assert _rel(dv, want_dv) < 1e-3
     assert _rel(dq, want_dq) < 5e-2 and _rel(dk, want_dk) < 5e-2
 
 

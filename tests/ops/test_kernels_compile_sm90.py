@@ -41,12 +41,11 @@ for dequantize in (False, True):  # the blocked E4M3 layout, or the straight-thr
     assert "wgmma" in ptx or "mma" in ptx  # the rotation is one MMA
 project = {"X": bf16, "W": bf16, "Bias": bf16, "QKV": bf16, "Q8": fp8, "K8": fp8, "V8": fp8, "QS": "*fp32",
            "KS": "*fp32", "VS": "*fp32", "R": bf16, "offsets": "*i32", "block_base": "*i32", "items": "*i32"}
-for block_k, warps, stages in p._TILES:  # every candidate of the fused QKV projection, one-tile and persistent
-    for persistent in (False, True):  # (the persistent loop nest is flattened: Triton 3.6 fails that on an scf.if)
-        ptx = compile_sm90(p._project_quantize_kernel.fn, project, dict(
-            HEAD_DIM=128, BLOCK=128, ROT=128, PRECISION="tf32", EXACT=False, HAS_BIAS=True, PERSISTENT=persistent,
-            BLOCK_K=block_k), num_warps=warps, num_stages=stages).asm["ptx"]
-        assert "wgmma" in ptx  # the projection and the rotation on the tensor cores
+for block_k, warps, stages in p._TILES:  # every candidate of the fused QKV projection
+    ptx = compile_sm90(p._project_quantize_kernel.fn, project, dict(
+        HEAD_DIM=128, BLOCK=128, ROT=128, PRECISION="tf32", EXACT=False, HAS_BIAS=True, BLOCK_K=block_k),
+        num_warps=warps, num_stages=stages).asm["ptx"]
+    assert "wgmma" in ptx  # the projection and the rotation on the tensor cores
 attend = {"Q8": fp8, "K8": fp8, "V8": fp8, "QS": "*fp32", "KS": "*fp32", "VS": "*fp32", "O": bf16,
           "LSE": "*fp32", "offsets": "*i32", "num_targets": "*i32", "block_base": "*i32", "sched_small": "*i32",
           "sched_large": "*i32", "scale_log2": "fp32"}

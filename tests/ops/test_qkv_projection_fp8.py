@@ -38,30 +38,6 @@ def test_projection_and_its_blocks_equal_the_linear_then_the_quantize_pass(heads
                            expected.view(torch.uint8) if expected.dtype == torch.float8_e4m3fn else expected)
 
 
-@pytest.mark.parametrize("programs", [1, 4, 1000])  # fewer programs than tiles (each loops), and more (clipped)
-def test_persistent_projection_writes_the_same_bits(programs):
-    """The persistent kernel (one program looping over tiles, its epilogue as selects and masked stores) writes
-    what the one-tile programs write, bit for bit: qkv, every E4M3 block and every scale."""
-    lengths, heads, head_dim, model_dim = [37, 0, 1, 64, 33], 2, 32, 48
-    gen = torch.Generator().manual_seed(1)
-    x = torch.randn(sum(lengths), model_dim, generator=gen)
-    weight = torch.randn(3 * heads * head_dim, model_dim, generator=gen) / model_dim**0.5
-    bias = torch.randn(3 * heads * head_dim, generator=gen)
-    _, pb = _problem(x.view(-1, 1, model_dim), _offsets(lengths), None, max(lengths), True, 0, -1, 1.0)
-    want = project_quantize_qkv(x, weight, bias, heads, pb)
-    got = project_quantize_qkv(x, weight, bias, heads, pb, programs=programs)
-    for a, b in zip((got[0], *got[1]), (want[0], *want[1])):
-        assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
-                           b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
-
-
-def test_persistent_projection_refuses_no_programs():
-    x = torch.zeros(4, 32)
-    _, pb = _problem(x.view(4, 1, 32), _offsets([4]), None, 4, True, 0, -1, 1.0)
-    with pytest.raises(ValueError, match="programs must be a positive count or None, got 0"):
-        project_quantize_qkv(x, torch.zeros(3 * 32, 32), None, 1, pb, programs=0)
-
-
 def test_empty_batch_returns_empty_buffers():
     x = torch.zeros(0, 32)
     offsets = _offsets([0, 0])

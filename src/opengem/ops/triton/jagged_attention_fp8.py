@@ -52,11 +52,11 @@ from opengem.ops.triton.jagged_attention import (
     _key_tiles,
     _row_max_scaled,
     _sample,
+    _tuning_bench,
     forward_buffers,
 )
 from opengem.ops.triton.masks import tile_mask
 from opengem.ops.triton.mx import to_e4m3
-from opengem.ops.triton.tuning import autotune
 
 BLOCK = _LARGE
 # the emulation's constants, as constexpr: a compiled kernel reads no other globals (the interpreter would)
@@ -257,7 +257,7 @@ def query_tile(Q8, QS, h, num_blocks, block0, m_start, BLOCK_M: tl.constexpr, BL
     return q, tl.load(QS + q_block)
 
 
-@autotune(configs=_configs(_FWD_FP8), key=_KEY, prune_configs_by={"early_config_prune": _prune})
+@triton.autotune(configs=_configs(_FWD_FP8), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
 def _fwd_fp8_kernel(
     Q8, K8, V8, QS, KS, VS, O, LSE, offsets, num_targets, block_base, sched_small, sched_large,

@@ -18,18 +18,15 @@ import triton
 import triton.language as tl
 
 from opengem.ops.reference.attention_fp8 import rotation_size
-from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, forward_buffers
+from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, _tuning_bench, forward_buffers
 from opengem.ops.triton.jagged_attention_fp8 import (
     BLOCK,
-    _e4m3_tile,
     _rotation_on,
     _store_quantized,
     attend,
     blocked_buffers,
-    blocked_tile_offsets,
     rotate_slices,
 )
-from opengem.ops.triton.tuning import autotune
 
 # (BLOCK_K, num_warps, num_stages), the first the untuned default. One 128 x D fp32 tile a program: 144-164
 # registers at 8 warps (one program an SM), 98 at 16, no spills at D 128 (static sm_90 counts, benchmarks/sass.py).
@@ -55,18 +52,19 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return kept[:1] if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0" else kept
 
 
-@triton.jit
-def _project_quantize_tile(
-    tile, X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
+@triton.autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION"],
+                 prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)  # fmt: skip
+@triton.jit(do_not_specialize=["num_blocks"])
+def _project_quantize_kernel(
+    X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
     stride_xt, stride_wn, num_blocks, heads, model_dim,
     HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr, BRANCH_FREE: tl.constexpr,
+    HAS_BIAS: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """Tile ``tile``: one (block, operand head), operand heads fastest. ``BRANCH_FREE``: the epilogue as selects
-    and masked stores (every tile rotates, V's result unused), for the persistent kernel's flattened loop."""
+    """One tile a program: one (block, operand head), operand heads fastest."""
     operands = 3 * heads
-    item = tile // operands
-    operand = tile % operands  # q heads, then k heads, then v heads: W's rows operand * D + [0, D)
+    item = tl.program_id(0) // operands
+    operand = tl.program_id(0) % operands  # q heads, then k heads, then v heads: W's rows operand * D + [0, D)
     b = tl.load(items + 2 * item)
     row = tl.load(items + 2 * item + 1)
     start, seq_len, _ = _sample(offsets, offsets, b, False)
@@ -89,19 +87,7 @@ def _project_quantize_tile(
     tl.store(qkv_rows + operand * HEAD_DIM + offs_d[None, :], y, mask=ok[:, None])
     y = tl.where(ok[:, None], y, 0.0)  # rows past the sample quantize as zeros, as the quantize pass loads them
     h = operand % heads
-    if BRANCH_FREE:  # (Triton 3.6's loop flattening fails on an scf.if inside the loop)
-        rotated = rotate_slices(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)  # unused on V tiles
-        is_q, is_v = operand < heads, operand >= 2 * heads
-        x8, scale = _e4m3_tile(tl.where(is_v, y.to(tl.float32), rotated), EXACT)
-        block_at = h * num_blocks + block_id
-        tl.store(tl.where(is_q, QS, tl.where(is_v, VS, KS)) + block_at, scale)
-        # the masks as tensors: the interpreter's tensor & scalar-bool is no boolean mask
-        tile_operand = offs_r[:, None] * 0 + operand
-        rows_first = blocked_tile_offsets(block_at, HEAD_DIM, BLOCK, False)
-        tl.store(Q8 + rows_first, x8, mask=tile_operand < heads)
-        tl.store(K8 + rows_first, x8, mask=(tile_operand >= heads) & (tile_operand < 2 * heads))
-        tl.store(V8 + blocked_tile_offsets(block_at, HEAD_DIM, BLOCK, True), x8, mask=tile_operand >= 2 * heads)
-    elif operand < heads:
+    if operand < heads:
         q = rotate_slices(y, R, BLOCK, HEAD_DIM, ROT, PRECISION).to(tl.float32)
         _store_quantized(q, Q8, QS, h, block_id, num_blocks, HEAD_DIM, BLOCK, False, EXACT)
     elif operand < 2 * heads:
@@ -111,43 +97,12 @@ def _project_quantize_tile(
         _store_quantized(y.to(tl.float32), V8, VS, h, block_id, num_blocks, HEAD_DIM, BLOCK, True, EXACT)
 
 
-@autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION", "PERSISTENT"],
-          prune_configs_by={"early_config_prune": _prune})  # fmt: skip
-@triton.jit(do_not_specialize=["num_blocks", "num_tiles"])
-def _project_quantize_kernel(
-    X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
-    stride_xt, stride_wn, num_blocks, heads, model_dim, num_tiles,
-    HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, ROT: tl.constexpr, PRECISION: tl.constexpr, EXACT: tl.constexpr,
-    HAS_BIAS: tl.constexpr, PERSISTENT: tl.constexpr, BLOCK_K: tl.constexpr,
-):  # fmt: skip
-    """One tile a program, or (``PERSISTENT``) programs looping over the tiles with the loop nest flattened, so that
-    Triton's pipeliner can issue the next tile's first loads under this tile's epilogue (bf16 store, rotation MMA,
-    amax, E4M3 store), which one-tile programs run with nothing to overlap."""
-    if PERSISTENT:
-        for tile in tl.range(tl.program_id(0), num_tiles, tl.num_programs(0), flatten=True):
-            _project_quantize_tile(
-                tile, X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items, stride_xt,
-                stride_wn, num_blocks, heads, model_dim, HEAD_DIM, BLOCK, ROT, PRECISION, EXACT, HAS_BIAS, BLOCK_K,
-                True,
-            )  # fmt: skip
-    else:
-        _project_quantize_tile(
-            tl.program_id(0), X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items, stride_xt,
-            stride_wn, num_blocks, heads, model_dim, HEAD_DIM, BLOCK, ROT, PRECISION, EXACT, HAS_BIAS, BLOCK_K, False,
-        )  # fmt: skip
-
-
 def project_quantize_qkv(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int, pb: Problem,
-    programs: int | None = None,
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, heads: int, pb: Problem
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``qkv = (x @ weight.T + bias).view(T, 3, heads, D)`` in x's dtype, and its FP8 blocks as
     :func:`~opengem.ops.triton.jagged_attention_fp8.quantize_qkv` returns them. ``x [T, d]`` (unit column
-    stride), ``weight [3 heads D, d]``, ``bias [3 heads D]`` or None, all one dtype. ``programs``: run the
-    persistent kernel with that many programs (each loops over tiles; not yet timed on a GPU, so not the default);
-    None: one program a tile."""
-    if programs is not None and programs < 1:
-        raise ValueError(f"project_quantize_qkv: programs must be a positive count or None, got {programs}")
+    stride), ``weight [3 heads D, d]``, ``bias [3 heads D]`` or None, all one dtype. One program a tile."""
     total, model_dim = x.shape
     head_dim = weight.shape[0] // (3 * heads)
     if model_dim % K_ALIGN:
@@ -162,13 +117,12 @@ def project_quantize_qkv(
     num_tiles = items.shape[0] * 3 * heads
     if num_tiles:
         n = rotation_size(head_dim)
-        grid = num_tiles if programs is None else min(programs, num_tiles)
-        _project_quantize_kernel[(grid,)](
+        _project_quantize_kernel[(num_tiles,)](
             x, weight, weight if bias is None else bias, qkv, q8, k8, v8, qs, ks, vs,
             _rotation_on(n, x.dtype, x.device), pb.offsets, block_base, items, x.stride(0), weight.stride(0),
-            items.shape[0], heads, model_dim, num_tiles,
+            items.shape[0], heads, model_dim,
             HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-            EXACT=_INTERPRET, HAS_BIAS=bias is not None, PERSISTENT=programs is not None,
+            EXACT=_INTERPRET, HAS_BIAS=bias is not None,
         )  # fmt: skip
     return qkv, quantized
 
