@@ -289,8 +289,9 @@ def test_compiled_regions_with_fp8_linears_train_like_eager(monkeypatch, path: s
     an eager region's graph break) and give eager's loss and gradients: to float rounding through the custom ops.
     Through the torch ops (``OPENGEM_FP8_COMPILE=inductor``, the default) ``_scaled_mm`` rounds its output to bf16,
     which the CPU's eager emulation (fp32 out) skips, and the later layers' E4M3 roundings follow apart (1-3% per
-    gradient here): each is held to the unconverted fp32 model instead, the compiled one within 1.25x of eager's
-    error (a lost gradient is off by 100%)."""
+    gradient here): each is held to the unconverted fp32 model instead, the compiled one within 1.5x of eager's
+    error (a lost gradient is off by 100%; the ratio depends on the CPU's vector code: up to 1.29x on an AMD EPYC,
+    layer 1's q bias 8.2% against eager's 6.4%, under 1.25x on the CI machine)."""
     from opengem.nn.low_precision import convert_to_low_precision
     from opengem.train.compile import compile_regions
     from opengem.train.data_stream import train_batches
@@ -326,7 +327,7 @@ def test_compiled_regions_with_fp8_linears_train_like_eager(monkeypatch, path: s
     assert error(losses[2], losses[0]) < 1.5 * error(losses[1], losses[0]) + 2e-3
     for name, grad in grads[0].items():
         compiled, eager = error(grads[2][name], grad), error(grads[1][name], grad)
-        assert compiled < 1.25 * eager + 2e-3, (name, compiled, eager)
+        assert compiled < 1.5 * eager + 2e-3, (name, compiled, eager)
 
 
 def test_compile_mode_reaches_every_region(monkeypatch):
