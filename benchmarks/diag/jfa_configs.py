@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import bench_ms, int_tuples, kernel_ms, write_results
+from benchmarks.common import bench_ms, int_tuples, kernel_ms, only_config, write_results
 from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
@@ -24,26 +24,19 @@ DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
 def sweep(name: str, fn, rows: list[dict], workload: str, extra: list[tuple[int, int, int, int]] = ()) -> None:
     """Time ``fn`` with each config of the full product (and ``extra``) forced on kernel ``name`` (the others stay
     tuned)."""
-    kernel = kernels.KERNELS[name]
-    every = list(kernel.configs)
     product = kernels.full_product(name)
-    try:
-        for m, n, w, s in [*product, *(t for t in extra if t not in product)]:
-            config = kernels.tile_config(name, m, n, w, s)
-            kernel.configs = [config]
-            kernel.cache.clear()
-            row = {"workload": workload, "kernel": name, "config": config_label(config)}
+    for m, n, w, s in [*product, *(t for t in extra if t not in product)]:
+        config = kernels.tile_config(name, m, n, w, s)
+        row = {"workload": workload, "kernel": name, "config": config_label(config)}
+        with only_config(kernels.KERNELS[name], config):
             try:
                 fn()
                 torch.cuda.synchronize()
                 row["ms"] = bench_ms(fn, warmup_ms=10, rep_ms=40)
             except Exception as err:  # noqa: BLE001  (out of shared memory: the config is not possible)
                 row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
-            rows.append(row)
-            print(f"[{workload}] {name} {row['config']}: {row.get('ms', row.get('error'))}", flush=True)
-    finally:
-        kernel.configs = every
-        kernel.cache.clear()
+        rows.append(row)
+        print(f"[{workload}] {name} {row['config']}: {row.get('ms', row.get('error'))}", flush=True)
 
 
 def main() -> None:

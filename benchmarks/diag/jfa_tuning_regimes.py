@@ -20,7 +20,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import bench_ms, rested_ms, write_results
+from benchmarks.common import bench_ms, only_config, rested_ms, write_results
 from benchmarks.jfa import _batch, config_label, jfa_impl, selected
 from opengem.ops.triton import jagged_attention as kernels
 
@@ -37,12 +37,10 @@ def tuner_timings(name: str, run) -> dict[str, float]:
 def forced_timings(name: str, run) -> dict[str, dict[str, float]]:
     """Each candidate of pass ``name`` forced alone, timed rested and hot."""
     kernel = kernels.KERNELS[name]
-    every = list(kernel.configs)
     times: dict[str, dict[str, float]] = {}
-    try:
-        for config in every:
-            kernel.configs, label = [config], config_label(config)
-            kernel.cache.clear()
+    for config in list(kernel.configs):
+        label = config_label(config)
+        with only_config(kernel, config):
             try:
                 run()
                 torch.cuda.synchronize()
@@ -50,10 +48,7 @@ def forced_timings(name: str, run) -> dict[str, dict[str, float]]:
                 print(f"{name} {label}: {type(err).__name__}", flush=True)
                 continue
             times[label] = {"rested": rested_ms(run, rep_ms=40), "hot": bench_ms(run, warmup_ms=300, rep_ms=100)}
-            print(f"{name} {label}: {times[label]}", flush=True)
-    finally:
-        kernel.configs = every
-        kernel.cache.clear()
+        print(f"{name} {label}: {times[label]}", flush=True)
     return times
 
 

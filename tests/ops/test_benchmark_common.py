@@ -1,8 +1,12 @@
-"""The benchmarks' shared plumbing (benchmarks.common): the interleaved rounds, the paired speedup, the size lists."""
+"""The benchmarks' shared plumbing (benchmarks.common): the interleaved rounds, the paired speedup, the size lists,
+the forced-config baselines."""
 
 import pytest
+import torch
+import triton
 
-from benchmarks.common import interleaved_ms, paired_speedup
+import benchmarks.common as common
+from benchmarks.common import fastest_forced, interleaved_ms, only_config, paired_speedup
 
 
 def test_interleaved_rounds_rotate_the_order_and_keep_each_entry_in_round_order():
@@ -39,3 +43,36 @@ def test_int_tuples_parses_sizes_and_refuses_a_malformed_entry_by_name():
     for bad in ("64x32x4", "64x0x4x4", "64x-1x4x4", "64xax4x4"):
         with pytest.raises(argparse.ArgumentTypeError, match=repr(bad)):
             int_tuples(f"64x32x4x4,{bad}", 4, "64x32x4x4")
+
+
+class _Tuner:
+    """What only_config touches of a Triton autotuner: its candidates and its cache of picks."""
+
+    def __init__(self, configs: list) -> None:
+        self.configs, self.cache = configs, {("key",): configs[0]}
+
+
+def test_only_config_restores_the_candidates_and_forgets_picks_even_on_error():
+    configs = [triton.Config({"BLOCK_M": m}, num_warps=4, num_stages=3) for m in (64, 128)]
+    tuner = _Tuner(configs)
+    with pytest.raises(RuntimeError), only_config(tuner, configs[1]):
+        assert tuner.configs == [configs[1]] and tuner.cache == {}
+        tuner.cache[("key",)] = configs[1]
+        raise RuntimeError("out of shared memory")
+    assert tuner.configs == configs and tuner.cache == {}  # the forced pick is not left behind
+
+
+def test_fastest_forced_skips_failing_candidates_and_names_the_fastest(monkeypatch):
+    configs = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}, num_warps=w, num_stages=3) for m, w in ((64, 4), (128, 8))]
+    configs.append(triton.Config({"BLOCK_M": 256, "BLOCK_N": 64}, num_warps=8, num_stages=4))  # does not fit
+    tuner = _Tuner(configs)
+    times = {64: 2.0, 128: 1.5}
+
+    def fn() -> None:
+        if tuner.configs[0].kwargs["BLOCK_M"] == 256:
+            raise RuntimeError("OutOfResources")
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(common, "bench_ms", lambda f: times[tuner.configs[0].kwargs["BLOCK_M"]])
+    assert fastest_forced(tuner, fn) == (1.5, "BLOCK_M128_BLOCK_N64_w8_s3")
+    assert tuner.configs == configs
