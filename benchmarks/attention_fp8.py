@@ -70,6 +70,12 @@ def _selected(quick: bool, prefixes: list[str] | None = None) -> list[Workload]:
     return selected(False, prefixes or (["a_"] if quick else ["a_", "c_", "d_"]))
 
 
+def _strongest(tuned_ms: float, tuner, fn, quick: bool) -> tuple[float, str]:
+    """The faster of the tuner's pick (``tuned_ms``, labelled "tuned") and each of ``tuner``'s candidates forced
+    alone; ``quick`` (default configs): the tuned time alone."""
+    return (tuned_ms, "tuned") if quick else min((tuned_ms, "tuned"), fastest_forced(tuner, fn))
+
+
 def measure(wl: Workload, quick: bool = False) -> dict:
     """One workload's row; ``quick``: default configs, no forced-tile baselines."""
     b = _batch(wl, seed=0)
@@ -105,10 +111,8 @@ def measure(wl: Workload, quick: bool = False) -> dict:
     times = {p: bench_ms(lambda p=p: run(p)) for p in PRECISIONS}
     # The strongest bf16 op: the tuned one or, when faster, the op with one forward tile forced (the tuner's pick
     # among tiles within ~5% of each other is a coin flip; session 27 caught a pick 19% slower on (a)).
-    bf16_tuned_ms, bf16_tile = times["bf16"], "tuned"
-    if not quick:
-        forced = fastest_forced(jfa_kernels.KERNELS["fwd"], lambda: run("bf16"))
-        times["bf16"], bf16_tile = min((bf16_tuned_ms, bf16_tile), forced)
+    bf16_tuned_ms = times["bf16"]
+    times["bf16"], bf16_tile = _strongest(bf16_tuned_ms, jfa_kernels.KERNELS["fwd"], lambda: run("bf16"), quick)
     # the backward of each forward (fp8: straight through its quantization), from that forward's out and lse
     dout = torch.randn_like(b.q)
     saved = {p: forward(b.q, b.k, b.v, *options, p) for p in PRECISIONS}
@@ -117,11 +121,8 @@ def measure(wl: Workload, quick: bool = False) -> dict:
     products = FP8_WITH_FP8_BACKWARD  # the registered ops' precision for E4M3 S and dP products, dO quantized
     products_bwd_ms = bench_ms(lambda: backward(dout, b.q, b.k, b.v, *saved["fp8"], *options, products))
     attend = lambda: fp8_kernels.attend(quantized, out, lse, b.k.shape[1], pb)  # noqa: E731
-    kernel_tuned_ms, fp8_kernel_tile = bench_ms(attend), "tuned"
-    kernel_ms = kernel_tuned_ms
-    if not quick:
-        forced = fastest_forced(fp8_kernels._fwd_fp8_kernel, attend)
-        kernel_ms, fp8_kernel_tile = min((kernel_tuned_ms, fp8_kernel_tile), forced)
+    kernel_tuned_ms = bench_ms(attend)
+    kernel_ms, fp8_kernel_tile = _strongest(kernel_tuned_ms, fp8_kernels._fwd_fp8_kernel, attend, quick)
     quantize_ms = bench_ms(lambda: fp8_kernels.quantize_qkv(b.q, b.k, b.v, pb))
     # MXFP8's two parts: the operand pass quantizing Q, K, V, and the bf16 kernel quantizing P in its loop
     mx_quantize_ms = bench_ms(lambda: mxfp8_kernels.operands(b.q, b.k, b.v, pb))

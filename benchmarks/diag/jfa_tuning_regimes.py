@@ -70,11 +70,10 @@ def main() -> None:
             run = jfa.fwd if name == "fwd" else jfa.bwd
             tuner = tuner_timings(name, run)
             forced = forced_timings(name, run)
-            row = {"workload": wl.name, "pass": name, "tuner_ms": tuner, "forced_ms": forced,
-                   "tuner_pick": fastest(tuner),
-                   "rested_pick": fastest({k: v["rested"] for k, v in forced.items()}),
-                   "hot_pick": fastest({k: v["hot"] for k, v in forced.items()})}
+            rested = {k: v["rested"] for k, v in forced.items()}
             hot = {k: v["hot"] for k, v in forced.items()}
+            row = {"workload": wl.name, "pass": name, "tuner_ms": tuner, "forced_ms": forced,
+                   "tuner_pick": fastest(tuner), "rested_pick": fastest(rested), "hot_pick": fastest(hot)}
             row["hot_ms_of_tuner_pick"] = hot.get(row["tuner_pick"])
             row["hot_ms_of_hot_pick"] = hot[row["hot_pick"]]
             rows.append(row)
