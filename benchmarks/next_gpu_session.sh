@@ -162,6 +162,11 @@
 # s30d (one GPU, session 27, not run: the interleaved autotuner was dropped after s30c)
 # s30e (one GPU, session 27): the FP8 attention GPU tests (persistent projection removed), issue 12's (a) and (c)
 #   against the bf16 op at its fastest forward tile (every tile forced alone beside the tuned pick)
+# s31a (one GPU, session 28): the confirming autotuner against Triton's one window (fresh tunings on (a) and (c), each
+#   pick's hot time), then the FP8 attention GPU tests (every forward tile forced alone, the register-capped ones too)
+# s31b (one GPU, session 28): issue 12's (a) and (c) with the register-capped FP8 forward tiles and the confirming
+#   tuner, then the JFA GPU tests
+# s31c (one GPU, session 28): gem-large b512 BF16 with the confirming tuner (issue 10)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -610,6 +615,20 @@ chain_s30e() {  # session 27: FP8 attention GPU tests, then issue 12's ratios ag
   step fp8_attention_gpu_tests 170 tests tests/gpu/test_fp8_attention_gpu.py -k "not gdpa and not block_attention"
   step attention_fp8_ac 330 python -m benchmarks.attention_fp8 --workloads a_,c_
 }
+chain_s31a() {  # session 28: does a second, longer look at the close finalists pick the hot-fastest tile?
+  clock_log start
+  step jfa_tuner_confirm 420 python -m benchmarks.diag.jfa_tuning_regimes --workloads a_power_law_causal,c_1024 --retunes 6
+  clock_log stop
+  step fp8_attention_gpu_tests 170 tests tests/gpu/test_fp8_attention_gpu.py -k "not gdpa and not block_attention"
+}
+chain_s31b() {  # session 28: issue 12's ratios with the register-capped FP8 tiles; JFA GPU tests under the new tuner
+  step attention_fp8_ac 330 python -m benchmarks.attention_fp8 --workloads a_,c_
+  step jfa_gpu_tests 220 tests tests/gpu/test_jagged_attention_gpu.py
+}
+chain_s31c() {  # session 28: gem-large b512 BF16, every kernel tuned by the confirming autotuner (issue 10)
+  step bench_train_large 560 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
+    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s31_bf16.json"
+}
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
 chain_3a() { step curve_single_fp32 580 curves_single --set precision=fp32 --out "$out/results/curve_single_fp32.json"; }
@@ -727,7 +746,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

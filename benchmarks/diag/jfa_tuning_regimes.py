@@ -8,15 +8,18 @@ timed twice: ``rested`` (1 s idle, a 40 ms window: the tuner's conditions) and `
 a 100 ms window: a training step's conditions). Session 27 found no rested-versus-hot bias in the ranking, but
 the tuner's one-window timings 2-16% above the rested ones, unevenly: a coin flip between tiles within ~5%. An
 interleaved tuner (three rotating rounds of 5 + 20 ms, median) was measured against it over 5 fresh tunings per
-pass (commit 93271af, ``--retunes``) and was no better, so Triton's tuner stays.
+pass (commit 93271af) and was no better. ``--retunes N`` now runs N fresh tunings with each of Triton's one window
+(``ConfirmingAutotuner.finalists = 1``) and opengem's confirming tuner (the close finalists timed again after 100 ms
+of their own runs, over 100 ms), alternating, and gives each pick's hot time over the hot-fastest tile's.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_tuning_regimes [--workloads a_,c_1024]
-[--passes fwd,dkdv,dq]``; writes ``benchmarks/results/jfa_tuning_regimes.json``.
+[--passes fwd,dkdv,dq] [--retunes 6]``; writes ``benchmarks/results/jfa_tuning_regimes.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 
 import torch
 
@@ -26,11 +29,16 @@ from opengem.ops.triton import jagged_attention as kernels
 
 
 def tuner_timings(name: str, run) -> dict[str, float]:
-    """Median milliseconds the autotuner measured for each candidate of pass ``name`` in a fresh tune."""
+    """Median milliseconds the autotuner's first look (one window each) measured for each candidate of pass ``name``
+    in a fresh tune."""
     kernel = kernels.KERNELS[name]
+    kernel.finalists = 1
     kernel.cache.clear()
-    run()
-    torch.cuda.synchronize()
+    try:
+        run()
+        torch.cuda.synchronize()
+    finally:
+        vars(kernel).pop("finalists")
     return {config_label(c): t[0] for c, t in kernel.configs_timings.items()}
 
 
@@ -52,6 +60,32 @@ def forced_timings(name: str, run) -> dict[str, dict[str, float]]:
     return times
 
 
+TUNERS = {"one_window": 1, "confirm": None}  # finalists of the second look (None: the class's setting)
+
+
+def retuned_picks(name: str, run, retunes: int) -> tuple[dict[str, list[str]], dict[str, list[float]]]:
+    """The pick of ``retunes`` fresh tunings of pass ``name`` with each of ``TUNERS`` (alternating), and each tuning's
+    seconds."""
+    kernel = kernels.KERNELS[name]
+    picks: dict[str, list[str]] = {tuner: [] for tuner in TUNERS}
+    seconds: dict[str, list[float]] = {tuner: [] for tuner in TUNERS}
+    try:
+        for _ in range(retunes):
+            for tuner, finalists in TUNERS.items():
+                vars(kernel).pop("finalists", None)
+                if finalists is not None:
+                    kernel.finalists = finalists
+                kernel.cache.clear()
+                run()
+                torch.cuda.synchronize()
+                picks[tuner].append(config_label(kernel.best_config))
+                seconds[tuner].append(round(kernel.bench_time, 2))
+    finally:
+        vars(kernel).pop("finalists", None)  # back to the class's setting
+        kernel.cache.clear()
+    return picks, seconds
+
+
 def fastest(times: dict[str, float]) -> str:
     return min(times, key=times.get)
 
@@ -60,6 +94,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workloads", default="a_power_law_causal,c_1024", type=lambda text: text.split(","))
     parser.add_argument("--passes", default="fwd,dkdv,dq", type=lambda text: text.split(","))
+    parser.add_argument("--retunes", default=0, type=int)
     args = parser.parse_args()
     rows = []
     for wl in selected(False, args.workloads):
@@ -76,9 +111,16 @@ def main() -> None:
                    "tuner_pick": fastest(tuner), "rested_pick": fastest(rested), "hot_pick": fastest(hot)}
             row["hot_ms_of_tuner_pick"] = hot.get(row["tuner_pick"])
             row["hot_ms_of_hot_pick"] = hot[row["hot_pick"]]
+            if args.retunes:
+                row["retuned_picks"], row["tuning_seconds"] = retuned_picks(name, run, args.retunes)
+                row["retuned_slowdown"] = {  # each pick's hot time over the hot-fastest tile's
+                    tuner: [round(hot.get(p, math.nan) / row["hot_ms_of_hot_pick"], 4) for p in picks]
+                    for tuner, picks in row["retuned_picks"].items()
+                }
             rows.append(row)
-            print({k: row[k] for k in ("workload", "pass", "tuner_pick", "rested_pick", "hot_pick",
-                                       "hot_ms_of_tuner_pick", "hot_ms_of_hot_pick")}, flush=True)
+            print({k: row.get(k) for k in ("workload", "pass", "tuner_pick", "rested_pick", "hot_pick",
+                                           "hot_ms_of_tuner_pick", "hot_ms_of_hot_pick", "retuned_slowdown",
+                                           "tuning_seconds")}, flush=True)
             write_results("jfa_tuning_regimes", rows)
         del b, jfa
         torch.cuda.empty_cache()

@@ -124,7 +124,7 @@ def test_every_attention_tuning_list_keeps_16_rows_per_warp():
         "jfa fwd": [(m, w) for m, _, w, _ in jfa._FWD],
         "jfa dkdv": [(n, w) for _, n, w, _ in jfa._DKDV],
         "jfa dq": [(m, w) for m, _, w, _ in jfa._DQ],
-        "jfa fp8 fwd": [(m, w) for m, w, _ in jfa_fp8._FWD_FP8],
+        "jfa fp8 fwd": [(m, w) for m, w, *_ in jfa_fp8._FWD_FP8],
         **{f"jfa full {name}": [(n if name == "dkdv" else m, w) for m, n, w, _ in jfa.full_product(name)]
            for name in ("fwd", "dkdv", "dq")},
     }

@@ -18,11 +18,11 @@ from opengem.ops.triton import jagged_attention_fp8 as f
 from opengem.ops.triton import qkv_projection_fp8 as p
 
 
-def compile_sm90(fn, signature, constexprs, num_warps=4, num_stages=2):
+def compile_sm90(fn, signature, constexprs, num_warps=4, num_stages=2, maxnreg=None):
     signature = {**{name: signature.get(name, "i32") for name in fn.arg_names if name not in constexprs},
                  **{name: "constexpr" for name in constexprs}}
-    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
+    options = dict(num_warps=num_warps, num_stages=num_stages) | ({"maxnreg": maxnreg} if maxnreg else {})
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
 
 lookup = {"weights": "*fp32", "meta": "*i64", "ids": "*i64", "offsets": "*i64", "out": "*fp32"}
@@ -54,6 +54,11 @@ ptx = compile_sm90(f._fwd_fp8_kernel.fn, attend,
                         SMALL=False, NEGATIVE_SCALE=False, EXACT=False, BLOCK_M=128, BLOCK_N=128), num_warps=8,
                    num_stages=3).asm["ptx"]
 assert "e4m3" in ptx  # E4M3 tensor-core MMAs
+for m, warps, stages, maxnreg in [c for c in f._FWD_FP8 if len(c) == 4]:  # the register-capped candidates
+    ptx = compile_sm90(f._fwd_fp8_kernel.fn, attend, dict(
+        HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=False, SMALL=False,
+        NEGATIVE_SCALE=False, EXACT=False, BLOCK_M=m, BLOCK_N=128), warps, stages, maxnreg).asm["ptx"]
+    assert f".maxnreg {maxnreg}" in ptx
 from opengem.ops.triton import gdpa_fp8 as gf
 gdpa_attend = {**{k: v for k, v in attend.items() if k not in ("LSE", "scale_log2")}, "HEAD_ACT": "*i32",
                "x_scale": "fp32", "out_scale": "fp32"}

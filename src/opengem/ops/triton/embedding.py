@@ -48,7 +48,7 @@ from opengem.ops.reference.embedding import (
     ROW_OFFSET,
     WEIGHT_OFFSET,
 )
-from opengem.ops.triton.tuning import tuning_bench
+from opengem.ops.triton.tuning import autotune
 
 DENSE_GRAD = 3  # "optimizer" code of the unfused path: write the aggregated row gradient out
 SEGMENT = 64  # most gradient contributions one program lane sums serially (longer runs are split)
@@ -114,7 +114,7 @@ def _lookup_configs() -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": n}, num_warps=w) for n, w in _LOOKUP_TILES]
 
 
-@triton.autotune(configs=_lookup_configs(), key=["BLOCK_D", "ALIGN"], do_bench=tuning_bench)
+@autotune(configs=_lookup_configs(), key=["BLOCK_D", "ALIGN"])
 @triton.jit
 def _lookup_kernel(
     weights, meta, ids, offsets, out, batch_size,

@@ -31,7 +31,6 @@ from opengem.ops.triton.jagged_attention import (
     _item,
     _key_tiles,
     _sample,
-    _tuning_bench,
 )
 from opengem.ops.triton.jagged_attention_fp8 import (
     _FWD_FP8,
@@ -50,6 +49,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     to_e4m3,
 )
 from opengem.ops.triton.masks import tile_mask
+from opengem.ops.triton.tuning import autotune
 
 
 @triton.jit
@@ -83,8 +83,7 @@ def _gdpa_fp8_tiles(
     return acc
 
 
-@triton.autotune(configs=_configs(_FWD_FP8), key=[*_KEY, "ACT", "CROSS"], prune_configs_by={"early_config_prune": _prune},
-                 do_bench=_tuning_bench)  # fmt: skip
+@autotune(configs=_configs(_FWD_FP8), key=[*_KEY, "ACT", "CROSS"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["contextual_len", "window", "heads", "num_blocks", "num_k_blocks"])
 def _gdpa_fp8_fwd_kernel(
     Q8, K8, V8, QS, KS, VS, O, HEAD_ACT, offsets, num_targets, block_base, k_offsets, k_block_base,

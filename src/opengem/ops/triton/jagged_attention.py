@@ -31,7 +31,7 @@ from opengem.ops.triton.ragged_tiles import (
     tma_ok,
     tma_passes,
 )
-from opengem.ops.triton.tuning import tuning_bench as _tuning_bench
+from opengem.ops.triton.tuning import autotune
 
 LOG2E = 1.4426950408889634
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -158,7 +158,7 @@ def tuning_bucket(max_len: int) -> int:
 
 
 _KEY = ["LEN_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_CONTEXT", "HAS_TARGETS"]
-_TUNING = dict(key=[*_KEY, "USE_TMA"], prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+_TUNING = dict(key=[*_KEY, "USE_TMA"], prune_configs_by={"early_config_prune": _prune})
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -327,7 +327,7 @@ def _fwd_tiles(
     return acc, l_i, m_i
 
 
-@triton.autotune(configs=_configs("fwd", _FWD), **_TUNING)
+@autotune(configs=_configs("fwd", _FWD), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _fwd_kernel(
     Q, K, V, O, LSE, offsets, num_targets, sched_small, sched_large, Q_desc, K_desc, V_desc,
@@ -407,7 +407,7 @@ def _dkdv_tiles(
     return dk, dv
 
 
-@triton.autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
+@autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, DO_desc,
@@ -480,7 +480,7 @@ def _dq_tiles(
     return dq
 
 
-@triton.autotune(configs=_configs("dq", _DQ), **_TUNING)
+@autotune(configs=_configs("dq", _DQ), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dq_kernel(
     Q, K, V, O, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,

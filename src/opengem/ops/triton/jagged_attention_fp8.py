@@ -52,11 +52,11 @@ from opengem.ops.triton.jagged_attention import (
     _key_tiles,
     _row_max_scaled,
     _sample,
-    _tuning_bench,
     forward_buffers,
 )
 from opengem.ops.triton.masks import tile_mask
 from opengem.ops.triton.mx import to_e4m3
+from opengem.ops.triton.tuning import autotune
 
 BLOCK = _LARGE
 # the emulation's constants, as constexpr: a compiled kernel reads no other globals (the interpreter would)
@@ -66,15 +66,23 @@ P_SCALE_LOG2 = tl.constexpr(math.log2(emulation.P_SCALE))
 FP8_HEAD_DIMS = (32, 64, 128, 256)  # the E4M3 MMA reduces over at least 32
 # the quantize pass: registers for one tile without spills, from static sm_90 counts (benchmarks/sass.py)
 QUANTIZE_WARPS = {32: 4, 64: 4, 128: 8, 256: 16}
-# (BLOCK_M, num_warps, num_stages); BLOCK_N is always BLOCK. The first is the untuned default.
-_FWD_FP8 = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (128, 8, 4), (64, 4, 4)]
+# (BLOCK_M, num_warps, num_stages[, maxnreg]); BLOCK_N is always BLOCK. The first is the untuned default.
+# The 64-row tile at 4 warps holds 226 registers (sm_90, D 128, Triton 3.6): two programs an SM, each waiting on its
+# Q K^T before its exp2s (Triton 3.6 overlaps neither the next tile's product nor warp-specializes this loop on
+# sm_90), so only another program's MMAs fill those waits. Capped at 168 registers it spills 24 bytes and a third
+# program fits (shared memory 74 KB at 3 stages, 58 KB at 2): candidates, not measured when added.
+_FWD_FP8 = [(128, 8, 3), (128, 8, 2), (128, 4, 3), (64, 4, 3), (128, 8, 4), (64, 4, 4), (64, 4, 3, 168), (64, 4, 2, 168)]
 
 
-def _configs(candidates: list[tuple[int, int, int]]) -> list[triton.Config]:
-    """The FP8 kernels' ``(BLOCK_M, num_warps, num_stages)`` candidates as tuning configs."""
+def _config(block_m: int, num_warps: int, num_stages: int, maxnreg: int | None = None) -> triton.Config:
+    return triton.Config({"BLOCK_M": block_m}, num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg)
+
+
+def _configs(candidates: list[tuple[int, ...]]) -> list[triton.Config]:
+    """The FP8 kernels' ``(BLOCK_M, num_warps, num_stages[, maxnreg])`` candidates as tuning configs."""
     if _INTERPRET:  # query tiles of 16 inside blocks of 32: several tiles share one block's scale
-        return [triton.Config({"BLOCK_M": _SMALL}, num_warps=1, num_stages=1)]
-    return [triton.Config({"BLOCK_M": m}, num_warps=w, num_stages=s) for m, w, s in candidates]
+        return [_config(_SMALL, 1, 1)]
+    return [_config(*candidate) for candidate in candidates]
 
 
 def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[triton.Config]:
@@ -86,11 +94,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
         return configs
     kept = {}
     for c in configs:
-        stages = min(c.num_stages, 2)
-        kept.setdefault(
-            (c.kwargs["BLOCK_M"], c.num_warps, stages),
-            triton.Config(dict(c.kwargs), num_warps=c.num_warps, num_stages=stages),
-        )
+        shallower = (c.kwargs["BLOCK_M"], c.num_warps, min(c.num_stages, 2), c.maxnreg)
+        kept.setdefault(shallower, _config(*shallower))
     return list(kept.values())
 
 
@@ -257,7 +262,7 @@ def query_tile(Q8, QS, h, num_blocks, block0, m_start, BLOCK_M: tl.constexpr, BL
     return q, tl.load(QS + q_block)
 
 
-@triton.autotune(configs=_configs(_FWD_FP8), key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+@autotune(configs=_configs(_FWD_FP8), key=_KEY, prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
 def _fwd_fp8_kernel(
     Q8, K8, V8, QS, KS, VS, O, LSE, offsets, num_targets, block_base, sched_small, sched_large,

@@ -28,7 +28,6 @@ from opengem.ops.triton.jagged_attention import (
     _key_tiles,
     _query_tiles,
     _sample,
-    _tuning_bench,
 )
 from opengem.ops.triton.jagged_attention_fp8 import (
     BLOCK,
@@ -41,6 +40,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
 )
 from opengem.ops.triton.masks import tile_mask
 from opengem.ops.triton.ragged_tiles import last_dim_contiguous
+from opengem.ops.triton.tuning import autotune
 
 # (BLOCK_M, num_warps, num_stages), the first the untuned default; the key tile is always one block. From sm_90
 # static counts (benchmarks/sass.py, D = 128): dQ at 128 rows / 8 warps spills nothing at one stage, 8 B at two;
@@ -49,7 +49,7 @@ _DQ = [(128, 8, 2), (128, 8, 1), (64, 8, 2)]
 _DKDV = [(32, 8, 2), (32, 8, 1), (64, 8, 1)]
 
 
-_TUNING = dict(key=_KEY, prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)
+_TUNING = dict(key=_KEY, prune_configs_by={"early_config_prune": _prune})
 
 
 @triton.jit
@@ -83,7 +83,7 @@ def _dq_tiles(dq, q8, do8, qk_scale, do_scale, lse, delta, K8, V8, KS, VS, kv_h,
     return dq
 
 
-@triton.autotune(configs=_configs(_DQ), **_TUNING)
+@autotune(configs=_configs(_DQ), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
 def _dq_fp8_kernel(
     Q8, K8, V8, DO8, QS, KS, VS, DOS, O, DO, LSE, Delta, DQ, offsets, num_targets, block_base, sched_small,
@@ -156,7 +156,7 @@ def _dkdv_tiles(dk, dv, k8, v8, k_scale, v_scale, Q8, DO8, QS, DOS, DO, LSE, Del
     return dk, dv
 
 
-@triton.autotune(configs=_configs(_DKDV), **_TUNING)
+@autotune(configs=_configs(_DKDV), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "num_blocks"])
 def _dkdv_fp8_kernel(
     Q8, K8, V8, DO8, QS, KS, VS, DOS, DO, LSE, Delta, DK, DV, offsets, num_targets, block_base, sched_small,

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from opengem.ops.reference.attention_fp8 import rotation_size
-from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, _tuning_bench, forward_buffers
+from opengem.ops.triton.jagged_attention import _INTERPRET, Problem, _sample, forward_buffers
 from opengem.ops.triton.jagged_attention_fp8 import (
     BLOCK,
     _rotation_on,
@@ -27,6 +27,7 @@ from opengem.ops.triton.jagged_attention_fp8 import (
     blocked_buffers,
     rotate_slices,
 )
+from opengem.ops.triton.tuning import autotune
 
 # (BLOCK_K, num_warps, num_stages), the first the untuned default. One 128 x D fp32 tile a program: 144-164
 # registers at 8 warps (one program an SM), 98 at 16, no spills at D 128 (static sm_90 counts, benchmarks/sass.py).
@@ -52,8 +53,7 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return kept[:1] if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0" else kept
 
 
-@triton.autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION"],
-                 prune_configs_by={"early_config_prune": _prune}, do_bench=_tuning_bench)  # fmt: skip
+@autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION"], prune_configs_by={"early_config_prune": _prune})
 @triton.jit(do_not_specialize=["num_blocks"])
 def _project_quantize_kernel(
     X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,

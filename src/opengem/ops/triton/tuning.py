@@ -1,4 +1,4 @@
-"""How many (kernel, key) configurations opengem's autotuners have settled so far.
+"""The autotuner of opengem's kernels, and how many (kernel, key) configurations they have settled so far.
 
 A kernel meeting a new tuning key (a new length bucket, mask or head dim) times every candidate on the
 host before it runs: seconds, not milliseconds. Benchmarks warm up until this count stops growing, so no
@@ -7,8 +7,9 @@ tuning lands in a timed window (``opengem.train.bench.timing.warm_until_settled`
 
 from __future__ import annotations
 
+import math
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from triton.runtime.autotuner import Autotuner
 
@@ -51,9 +52,93 @@ def tuned_key_names() -> set[str]:
     return names | ({f"gdpa: {key}" for key in gdpa.tuned_key_list()} if gdpa is not None else set())
 
 
-def tuning_bench(kernel_call, quantiles):
-    """The autotuners' timer: shorter windows than Triton's default (25 / 100 ms), so that first calls on big
-    batches tune faster."""
-    import triton.testing
+def timed_window(warmup_ms: float, rep_ms: float) -> Callable:
+    """An autotuner timer (``do_bench``) of one window: ``warmup_ms`` of runs, then ``rep_ms`` timed."""
 
-    return triton.testing.do_bench(kernel_call, warmup=10, rep=40, quantiles=quantiles)
+    def bench(kernel_call, quantiles):
+        import triton.testing
+
+        return triton.testing.do_bench(kernel_call, warmup=warmup_ms, rep=rep_ms, quantiles=quantiles)
+
+    bench.window_ms = (warmup_ms, rep_ms)
+    return bench
+
+
+# The first look at every candidate: shorter windows than Triton's default (25 / 100 ms), so that first calls on big
+# batches tune faster.
+tuning_bench = timed_window(10, 40)
+
+
+class ConfirmingAutotuner(Autotuner):
+    """Triton's autotuner (every candidate timed once, in one short window), then a second look at the finalists:
+    the ``finalists`` fastest within ``margin`` of the best are timed again, one after the other, each after
+    ``confirm_window_ms[0]`` ms of its own runs and over ``confirm_window_ms[1]`` ms, and the fastest of that look
+    is the pick.
+
+    Why: on a power-capped H200 one 40 ms window put tiles 2-16% above their rested times, unevenly, so between
+    tiles within ~5% the pick was a coin flip: over five fresh tunings JFA's forward missed the fastest tile (timed
+    hot: after 300 ms of the pass, a 100 ms window) by 5.3% once on workload (a) and by 10.4% once on (c), and in
+    one process picked a tile 19% slower (session 27). Rested and hot timings ranked the tiles alike there, so a
+    longer look at the few close candidates, in the hot regime a training step runs in, is what the first window
+    lacks; three short rounds over every candidate (an interleaved tuner) did not help.
+
+    ``configs_timings`` keeps the first look's quantiles, but a finalist's are its second look's scaled so that the
+    pick sits at the first look's best (Triton takes the minimum); ``confirmed_timings`` holds the second look as
+    measured. ``finalists = 1`` is Triton's one-window tuner.
+    """
+
+    finalists = 3
+    margin = 1.10
+    confirm_window_ms = (100, 100)
+
+    @property
+    def do_bench(self):  # (Triton caches its own on first use; the second look swaps the window)
+        return self._do_bench
+
+    def prune_configs(self, kwargs: dict) -> list:
+        candidates = super().prune_configs(kwargs)
+        self._candidates, self._timings = candidates, None  # a new tuning: the first _bench times them all
+        return candidates
+
+    def _bench(self, *args, config, **meta):
+        if self._timings is None:
+            self._timings = self._time_and_confirm(args, meta)
+        return self._timings[id(config)]
+
+    def _time_and_confirm(self, args: tuple, meta: dict) -> dict[int, list[float]]:
+        """Each candidate's timing quantiles by ``id``, finalists' from the second look (see the class docstring)."""
+        bench = super()._bench  # times one candidate in the window ``self._do_bench`` holds at the call
+        timings = {id(c): list(bench(*args, config=c, **meta)) for c in self._candidates}
+        ranked = sorted((c for c in self._candidates if math.isfinite(timings[id(c)][0])), key=lambda c: timings[id(c)][0])
+        self.confirmed_timings = {}
+        if not ranked:
+            return timings
+        best = timings[id(ranked[0])][0]
+        finalists = [c for i, c in enumerate(ranked)
+                     if timings[id(c)][0] == best or (i < self.finalists and timings[id(c)][0] <= best * self.margin)]
+        if len(finalists) < 2:
+            return timings
+        first_look = self._do_bench
+        self._do_bench = timed_window(*self.confirm_window_ms)
+        try:
+            second = {id(c): list(bench(*args, config=c, **meta)) for c in finalists}
+        finally:
+            self._do_bench = first_look
+        fastest = min(second[id(c)][0] for c in finalists)
+        if not math.isfinite(fastest):  # (cannot fail after a finite first look; kept to the first look if it does)
+            return timings
+        for c in finalists:
+            timings[id(c)] = [best * t / fastest for t in second[id(c)]]
+        self.confirmed_timings = {c: second[id(c)] for c in finalists}
+        return timings
+
+
+def autotune(configs: list, key: list[str], reset_to_zero=None, restore_value=None, **kwargs) -> Callable:
+    """``triton.autotune`` (same arguments but ``do_bench``, ``warmup``, ``rep``) with :class:`ConfirmingAutotuner`
+    and :data:`tuning_bench` as its first look."""
+
+    def decorator(fn) -> ConfirmingAutotuner:
+        return ConfirmingAutotuner(fn, fn.arg_names, configs, key, reset_to_zero, restore_value, do_bench=tuning_bench,
+                                   **kwargs)
+
+    return decorator
