@@ -64,8 +64,10 @@ E4M3_MAX = tl.constexpr(emulation.E4M3_MAX)
 MIN_AMAX = tl.constexpr(emulation.MIN_AMAX)
 P_SCALE_LOG2 = tl.constexpr(math.log2(emulation.P_SCALE))
 FP8_HEAD_DIMS = (32, 64, 128, 256)  # the E4M3 MMA reduces over at least 32
-# the quantize pass: registers for one tile without spills, from static sm_90 counts (benchmarks/sass.py)
+# the quantize pass: registers for one tile without spills, from static sm_90 counts (benchmarks/sass.py), and a
+# register cap per head dim (None: ptxas's choice; ``benchmarks.diag.fp8_quantize_pass`` times the alternatives)
 QUANTIZE_WARPS = {32: 4, 64: 4, 128: 8, 256: 16}
+QUANTIZE_MAXNREG: dict[int, int | None] = {32: None, 64: None, 128: None, 256: None}
 # (BLOCK_M, num_warps, num_stages[, maxnreg]); BLOCK_N is always BLOCK. The first is the untuned default.
 # The 64-row tile at 4 warps holds 226 registers (sm_90, D 128, Triton 3.6): two programs an SM, each waiting on its
 # Q K^T before its exp2s (Triton 3.6 overlaps neither the next tile's product nor warp-specializes this loop on
@@ -404,7 +406,8 @@ def _quantize_pass(
                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, heads,
                  kv_heads)  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                      EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim])  # fmt: skip
+                      EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim],
+                      maxnreg=QUANTIZE_MAXNREG[head_dim])  # fmt: skip
     _quantize_kernel[(num_blocks, operand_heads)](*arguments, **constexprs, V_ROWS=v_rows)
 
 
