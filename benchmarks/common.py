@@ -102,8 +102,9 @@ def only_config(tuner, config) -> Iterator[None]:
 
 def fastest_forced(tuner, fn: Callable[[], Any]) -> tuple[float, str]:
     """``bench_ms`` of ``fn`` with each of autotuner ``tuner``'s candidates forced alone: the fastest time and its
-    config (``BLOCK_M128_BLOCK_N64_w8_s3``, ``_r168`` appended under a register cap). The strongest-peer check of a tuned baseline: the tuner's one-window
-    timings of close tiles are a coin flip (session 27: a pick 19% slower than the best tile under load)."""
+    config (``BLOCK_M128_BLOCK_N64_w8_s3``, ``_r168`` appended under a register cap). The strongest-peer check of a
+    tuned baseline: the tuner's one-window timings of close tiles are a coin flip (session 27: a pick 19% slower
+    than the best tile under load)."""
     best: tuple[float, str] = (math.inf, "")
     for config in list(tuner.configs):
         label = "_".join(f"{k}{v}" for k, v in config.kwargs.items()) + f"_w{config.num_warps}_s{config.num_stages}"

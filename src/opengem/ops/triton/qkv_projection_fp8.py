@@ -53,7 +53,8 @@ def _prune(configs: list[triton.Config], named_args: dict, **kwargs) -> list[tri
     return kept[:1] if os.environ.get("OPENGEM_JFA_AUTOTUNE") == "0" else kept
 
 
-@autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION"], prune_configs_by={"early_config_prune": _prune})
+@autotune(configs=_configs(), key=["model_dim", "HEAD_DIM", "PRECISION"],
+          prune_configs_by={"early_config_prune": _prune})  # fmt: skip
 @triton.jit(do_not_specialize=["num_blocks"])
 def _project_quantize_kernel(
     X, W, Bias, QKV, Q8, K8, V8, QS, KS, VS, R, offsets, block_base, items,
