@@ -409,8 +409,9 @@ def _quantize_pass(
                  q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), num_blocks, heads,
                  kv_heads)  # fmt: skip
     constexprs = dict(HEAD_DIM=head_dim, BLOCK=BLOCK, ROT=n, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-                      EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim],
-                      maxnreg=QUANTIZE_MAXNREG[head_dim])  # fmt: skip
+                      EXACT=_INTERPRET, DEQUANTIZE=dequantize, num_warps=QUANTIZE_WARPS[head_dim])  # fmt: skip
+    cap = QUANTIZE_MAXNREG[head_dim]
+    constexprs |= {"maxnreg": cap} if cap else {}  # (the interpreter takes no such option)
     _quantize_kernel[(num_blocks, operand_heads)](*arguments, **constexprs, V_ROWS=v_rows)
 
 
