@@ -3,7 +3,9 @@ bandwidth of a device copy of the same bytes (0.34 against 0.17 ms on workload (
 quantizes one (block of 128 rows, head, operand) tile: at D = 128 and 8 warps it holds 114 registers and 64 KB of
 shared memory (the rotation MMA's operands), two programs an SM (sm_90 static counts). This times the pass at
 other warp counts and register caps (16 warps at 64 registers: twice the warps in flight an SM, no spills), each
-against the shipped setting's output (E4M3 bits equal, scales equal), beside the copy floor.
+against the shipped setting's output (E4M3 bits equal, scales equal), beside the copy floor. Session 28 (H200): none
+beat the shipped 8 warps (0.341 ms on (a)); 16 warps at 64 registers took 0.361, so the pass is not short of
+programs in flight.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.fp8_quantize_pass [--workloads a_,c_]``; writes
 ``benchmarks/results/fp8_quantize_pass.json``.
