@@ -100,15 +100,20 @@ def only_config(tuner, config) -> Iterator[None]:
         tuner.cache.clear()
 
 
+def tuner_config_label(config) -> str:
+    """A Triton config as ``BLOCK_M128_BLOCK_N64_w8_s3`` (its kwargs, warps, stages), ``_r168`` appended under a
+    register cap."""
+    label = "_".join(f"{k}{v}" for k, v in config.kwargs.items()) + f"_w{config.num_warps}_s{config.num_stages}"
+    return label + (f"_r{config.maxnreg}" if config.maxnreg else "")
+
+
 def fastest_forced(tuner, fn: Callable[[], Any]) -> tuple[float, str]:
     """``bench_ms`` of ``fn`` with each of autotuner ``tuner``'s candidates forced alone: the fastest time and its
-    config (``BLOCK_M128_BLOCK_N64_w8_s3``, ``_r168`` appended under a register cap). The strongest-peer check of a
-    tuned baseline: the tuner's one-window timings of close tiles are a coin flip (session 27: a pick 19% slower
-    than the best tile under load)."""
+    config (:func:`tuner_config_label`). The strongest-peer check of a tuned baseline: the one-window timings of
+    close tiles were a coin flip (session 27: a pick 19% slower than the best tile under load)."""
     best: tuple[float, str] = (math.inf, "")
     for config in list(tuner.configs):
-        label = "_".join(f"{k}{v}" for k, v in config.kwargs.items()) + f"_w{config.num_warps}_s{config.num_stages}"
-        label += f"_r{config.maxnreg}" if config.maxnreg else ""
+        label = tuner_config_label(config)
         with only_config(tuner, config):
             try:
                 fn()

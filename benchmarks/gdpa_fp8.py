@@ -29,6 +29,7 @@ from benchmarks.common import (
     paired_speedup,
     print_table,
     relative_error,
+    tuner_config_label,
     write_results,
 )
 from benchmarks.gdpa import HEAD_DIM, HEADS, Workload, _tensors, workloads
@@ -40,7 +41,8 @@ from opengem.ops.triton import gdpa_fp8 as kernels
 from opengem.ops.triton.gdpa import GdpaArgs
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK
 
-COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "quantize_ms", "speedup", "kernel_speedup",
+COLUMNS = ["workload", "tokens", "bf16_ms", "fp8_ms", "fp8_kernel_ms", "fp8_kernel_tile", "quantize_ms", "speedup",
+           "kernel_speedup",
            "mxfp8_ms", "mxfp8_speedup", "mxfp8_bwd_ms", "mxfp8_err",
            "bf16_bwd_ms", "fp8_bwd_ms", "bwd_speedup", "bf16_tflops", "fp8_tflops", "fp8_kernel_tflops",
            "bf16_err", "fp8_err", "err_ratio", "fp8_vs_emulation"]  # fmt: skip
@@ -102,6 +104,7 @@ def measure(w: Workload) -> dict:
     return {
         "workload": w.name, "tokens": int(w.q_lengths.sum()),
         "bf16_ms": median["bf16"], "fp8_ms": median["fp8"], "fp8_kernel_ms": median["kernel"],
+        "fp8_kernel_tile": tuner_config_label(kernels._gdpa_fp8_fwd_kernel.best_config),  # the tuner's pick
         "quantize_ms": median["quantize"],
         "speedup": paired_speedup(times["bf16"], times["fp8"]),
         "kernel_speedup": paired_speedup(times["bf16"], times["kernel"]),

@@ -76,3 +76,9 @@ def test_fastest_forced_skips_failing_candidates_and_names_the_fastest(monkeypat
     monkeypatch.setattr(common, "bench_ms", lambda f: times[tuner.configs[0].kwargs["BLOCK_M"]])
     assert fastest_forced(tuner, fn) == (1.5, "BLOCK_M128_BLOCK_N64_w8_s3")
     assert tuner.configs == configs
+
+
+def test_config_labels_name_a_register_cap():
+    capped = triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2, maxnreg=168)
+    assert common.tuner_config_label(capped) == "BLOCK_M64_w4_s2_r168"
+    assert common.tuner_config_label(triton.Config({"BLOCK_M": 64}, num_warps=4, num_stages=2)) == "BLOCK_M64_w4_s2"
