@@ -428,9 +428,12 @@ def _compare(rows: list[dict]) -> None:
 
 
 def config_label(config) -> str:
-    """A JFA tile config as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``, ``_ptr`` for dK/dV's pointer loads."""
+    """A JFA tile config as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``, ``_r{maxnreg}`` under a register cap,
+    ``_ptr`` for dK/dV's pointer loads."""
+    capped = f"_r{config.maxnreg}" if config.maxnreg else ""
     pointer = "_ptr" if config.kwargs.get("POINTER_LOADS") else ""
-    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}{pointer}"
+    tile = f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}"
+    return tile + capped + pointer
 
 
 def tuned_configs() -> dict[str, str]:

@@ -121,7 +121,7 @@ def test_every_attention_tuning_list_keeps_16_rows_per_warp():
         "gdpa fwd": [(c.block_m, c.num_warps) for c in (*host._FWD, *host._FWD_RESIDENT)],
         "gdpa dkdv": [(c.block_n, c.num_warps) for c in host._DKDV],
         "gdpa dq": [(c.block_m, c.num_warps) for c in host._DQ],
-        "jfa fwd": [(m, w) for m, _, w, _ in jfa._FWD],
+        "jfa fwd": [(m, w) for m, _, w, *_ in jfa._FWD],
         "jfa dkdv": [(n, w) for _, n, w, _ in jfa._DKDV],
         "jfa dq": [(m, w) for m, _, w, _ in jfa._DQ],
         "jfa fp8 fwd": [(m, w) for m, w, *_ in jfa_fp8._FWD_FP8],

@@ -47,9 +47,13 @@ _SMALL, _LARGE = _TILES
 # (64, 32, 4, 3) / (64, 32, 4, 4): 32-key tiles, outside the {64, 128}^2 product, after they won GDPA's forward: on
 # JFA's forward at B 1152, max length 512, sparsity 0.5, non-causal 0.659 / 0.682 ms against 0.768 for the best of
 # the product (64 x 64 x 3); at sparsity 1.0 and at L1024 within 2% of the best (H200, session 24).
+# (64, 64, 4, 2, 168): a fifth number caps registers (maxnreg). Uncapped, that tile holds 183 registers, two programs
+# an SM; capped at 168 it compiles without spills and a third fits (64 KB of shared memory; sm_90 static counts,
+# Triton 3.6), as the capped 64-row tile did for the FP8 forward, where it won by ~6% (session 28). Not yet timed here
+# (benchmarks/NOTES.md, waiting list after session 28). Rows of 256 bf16 (D 256) keep the uncapped one (_prune).
 _FWD = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
-    (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4),
+    (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2, 168),
 ]  # fmt: skip
 # (64, 64, 4, 2) in the backward: the best dK/dV and dQ tiles of the full product on short causal sequences
 # (B 1152, max length 512 at sparsity 0.5, H200, session 7: backward 2.69 -> 2.53 ms for dK/dV, -> 2.62 for
@@ -93,12 +97,13 @@ def _tma_block_shapes(name: str):
 
 
 def tile_config(
-    name: str, block_m: int, block_n: int, num_warps: int, num_stages: int, pointer_loads: bool = False
+    name: str, block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None,
+    pointer_loads: bool = False,
 ) -> triton.Config:
-    """A config of kernel ``name`` (fwd, dkdv, dq), with the pre-hook that sizes its TMA boxes;
-    ``pointer_loads`` (dK/dV only): masked pointer loads even where TMA descriptors were passed."""
+    """A config of kernel ``name`` (fwd, dkdv, dq), with the pre-hook that sizes its TMA boxes; ``maxnreg``: ptxas's
+    register cap; ``pointer_loads`` (dK/dV only): masked pointer loads even where TMA descriptors were passed."""
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n} | ({"POINTER_LOADS": True} if pointer_loads else {}),
-                         num_warps=num_warps, num_stages=num_stages, pre_hook=_tma_block_shapes(name))
+                         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, pre_hook=_tma_block_shapes(name))
 
 
 # dK/dV is tuned over both load paths: with k and v through TMA too, it ran 12% slower on workload (a) (3.94
@@ -109,7 +114,7 @@ def tile_config(
 _BOTH_LOAD_PATHS = {"dkdv"}
 
 
-def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton.Config]:
+def _configs(name: str, curated: list[tuple[int, ...]]) -> list[triton.Config]:
     if _INTERPRET:
         return [tile_config(name, *_INTERPRETER_TILES[name], 1, 1)]
     full = os.environ.get("OPENGEM_JFA_AUTOTUNE") == "full"
