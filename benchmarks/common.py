@@ -107,20 +107,29 @@ def tuner_config_label(config) -> str:
     return label + (f"_r{config.maxnreg}" if config.maxnreg else "")
 
 
+def forced_configs(tuner, fn: Callable[[], Any], configs: list | None = None) -> Iterator[tuple[Any, Exception | None]]:
+    """Each of ``configs`` (by default ``tuner``'s candidates) forced alone on autotuner ``tuner`` and ``fn`` run once
+    with it (compiled, synchronized): yields ``(config, None)`` with the config still forced, for the caller to time
+    ``fn``, or ``(config, error)`` where it failed (pruned for this shape, out of shared memory: not a candidate)."""
+    for config in list(tuner.configs if configs is None else configs):
+        with only_config(tuner, config):
+            try:
+                fn()
+                torch.cuda.synchronize()
+            except Exception as err:  # noqa: BLE001
+                yield config, err
+                continue
+            yield config, None
+
+
 def fastest_forced(tuner, fn: Callable[[], Any]) -> tuple[float, str]:
     """``bench_ms`` of ``fn`` with each of autotuner ``tuner``'s candidates forced alone: the fastest time and its
     config (:func:`tuner_config_label`). The strongest-peer check of a tuned baseline: the one-window timings of
     close tiles were a coin flip (session 27: a pick 19% slower than the best tile under load)."""
     best: tuple[float, str] = (math.inf, "")
-    for config in list(tuner.configs):
-        label = tuner_config_label(config)
-        with only_config(tuner, config):
-            try:
-                fn()
-                torch.cuda.synchronize()
-            except Exception:  # noqa: BLE001  (a candidate this shape prunes or cannot fit: not a peer)
-                continue
-            best = min(best, (bench_ms(fn), label))
+    for config, error in forced_configs(tuner, fn):
+        if error is None:
+            best = min(best, (bench_ms(fn), tuner_config_label(config)))
     return best
 
 

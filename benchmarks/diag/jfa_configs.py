@@ -14,7 +14,7 @@ import argparse
 
 import torch
 
-from benchmarks.common import bench_ms, int_tuples, kernel_ms, only_config, write_results
+from benchmarks.common import bench_ms, forced_configs, int_tuples, kernel_ms, write_results
 from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
@@ -25,16 +25,13 @@ def sweep(name: str, fn, rows: list[dict], workload: str, extra: list[tuple[int,
     """Time ``fn`` with each config of the full product (and ``extra``) forced on kernel ``name`` (the others stay
     tuned)."""
     product = kernels.full_product(name)
-    for m, n, w, s in [*product, *(t for t in extra if t not in product)]:
-        config = kernels.tile_config(name, m, n, w, s)
+    configs = [kernels.tile_config(name, *t) for t in [*product, *(t for t in extra if t not in product)]]
+    for config, error in forced_configs(kernels.KERNELS[name], fn, configs):
         row = {"workload": workload, "kernel": name, "config": config_label(config)}
-        with only_config(kernels.KERNELS[name], config):
-            try:
-                fn()
-                torch.cuda.synchronize()
-                row["ms"] = bench_ms(fn, warmup_ms=10, rep_ms=40)
-            except Exception as err:  # noqa: BLE001  (out of shared memory: the config is not possible)
-                row["error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        if error is None:
+            row["ms"] = bench_ms(fn, warmup_ms=10, rep_ms=40)
+        else:  # (out of shared memory: the config is not possible)
+            row["error"] = f"{type(error).__name__}: {str(error)[:200]}"
         rows.append(row)
         print(f"[{workload}] {name} {row['config']}: {row.get('ms', row.get('error'))}", flush=True)
 

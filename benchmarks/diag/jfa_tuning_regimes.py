@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from benchmarks.common import bench_ms, only_config, rested_ms, write_results
+from benchmarks.common import bench_ms, forced_configs, rested_ms, write_results
 from benchmarks.jfa import _batch, config_label, jfa_impl, selected
 from opengem.ops.triton import jagged_attention as kernels
 
@@ -44,19 +44,12 @@ def tuner_timings(name: str, run) -> dict[str, float]:
 
 def forced_timings(name: str, run) -> dict[str, dict[str, float]]:
     """Each candidate of pass ``name`` forced alone, timed rested and hot."""
-    kernel = kernels.KERNELS[name]
     times: dict[str, dict[str, float]] = {}
-    for config in list(kernel.configs):
+    for config, error in forced_configs(kernels.KERNELS[name], run):
         label = config_label(config)
-        with only_config(kernel, config):
-            try:
-                run()
-                torch.cuda.synchronize()
-            except Exception as err:  # noqa: BLE001  (pruned for this shape or out of shared memory)
-                print(f"{name} {label}: {type(err).__name__}", flush=True)
-                continue
+        if error is None:
             times[label] = {"rested": rested_ms(run, rep_ms=40), "hot": bench_ms(run, warmup_ms=300, rep_ms=100)}
-        print(f"{name} {label}: {times[label]}", flush=True)
+        print(f"{name} {label}: {times.get(label, type(error).__name__)}", flush=True)
     return times
 
 
