@@ -19,7 +19,9 @@ Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.jfa_tuning_regimes [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import math
+from collections.abc import Iterator
 
 import torch
 
@@ -28,17 +30,27 @@ from benchmarks.jfa import _batch, config_label, jfa_impl, selected
 from opengem.ops.triton import jagged_attention as kernels
 
 
+@contextlib.contextmanager
+def fresh_tuning(kernel, finalists: int | None) -> Iterator[None]:
+    """Inside the block ``kernel`` tunes afresh with ``finalists`` finalists for its second look (None: the class's
+    setting); the class's setting and a fresh cache after."""
+    if finalists is not None:
+        kernel.finalists = finalists
+    kernel.cache.clear()
+    try:
+        yield
+    finally:
+        vars(kernel).pop("finalists", None)
+        kernel.cache.clear()
+
+
 def tuner_timings(name: str, run) -> dict[str, float]:
     """Median milliseconds the autotuner's first look (one window each) measured for each candidate of pass ``name``
     in a fresh tune."""
     kernel = kernels.KERNELS[name]
-    kernel.finalists = 1
-    kernel.cache.clear()
-    try:
+    with fresh_tuning(kernel, finalists=1):
         run()
         torch.cuda.synchronize()
-    finally:
-        vars(kernel).pop("finalists")
     return {config_label(c): t[0] for c, t in kernel.configs_timings.items()}
 
 
@@ -62,20 +74,13 @@ def retuned_picks(name: str, run, retunes: int) -> tuple[dict[str, list[str]], d
     kernel = kernels.KERNELS[name]
     picks: dict[str, list[str]] = {tuner: [] for tuner in TUNERS}
     seconds: dict[str, list[float]] = {tuner: [] for tuner in TUNERS}
-    try:
-        for _ in range(retunes):
-            for tuner, finalists in TUNERS.items():
-                vars(kernel).pop("finalists", None)
-                if finalists is not None:
-                    kernel.finalists = finalists
-                kernel.cache.clear()
+    for _ in range(retunes):
+        for tuner, finalists in TUNERS.items():
+            with fresh_tuning(kernel, finalists):
                 run()
                 torch.cuda.synchronize()
                 picks[tuner].append(config_label(kernel.best_config))
                 seconds[tuner].append(round(kernel.bench_time, 2))
-    finally:
-        vars(kernel).pop("finalists", None)  # back to the class's setting
-        kernel.cache.clear()
     return picks, seconds
 
 
