@@ -130,27 +130,19 @@ def _e4m3_tile(x, EXACT: tl.constexpr):
 
 
 @triton.jit
-def blocked_tile_offsets(block_at, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr, TRANSPOSE: tl.constexpr):
-    """Element offsets of the ``[BLOCK, HEAD_DIM]`` tile of block ``block_at`` (``head * num_blocks + block``) in
-    the blocked layout, stored ``[D, BLOCK]`` when ``TRANSPOSE`` (V's)."""
-    offs_r = tl.arange(0, BLOCK)
-    offs_d = tl.arange(0, HEAD_DIM)
-    base = block_at.to(tl.int64) * BLOCK * HEAD_DIM
-    if TRANSPOSE:
-        offsets = base + offs_d[None, :] * BLOCK + offs_r[:, None]
-    else:
-        offsets = base + offs_r[:, None] * HEAD_DIM + offs_d[None, :]
-    return offsets
-
-
-@triton.jit
 def _store_quantized(x, X8, XS, h, block_id, num_blocks, HEAD_DIM: tl.constexpr, BLOCK: tl.constexpr,
                      TRANSPOSE: tl.constexpr, EXACT: tl.constexpr):  # fmt: skip
     """One (block, head) tile ``x`` (fp32 ``[BLOCK, HEAD_DIM]``, rows past the sample zero): its fp32 scale
     amax / 448 and its E4M3 elements, in the blocked layout (``TRANSPOSE``: ``[D, BLOCK]``, V's)."""
+    offs_r = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
     x8, scale = _e4m3_tile(x, EXACT)
     tl.store(XS + h * num_blocks + block_id, scale)
-    tl.store(X8 + blocked_tile_offsets(h * num_blocks + block_id, HEAD_DIM, BLOCK, TRANSPOSE), x8)
+    base = X8 + (h * num_blocks + block_id).to(tl.int64) * BLOCK * HEAD_DIM
+    if TRANSPOSE:
+        tl.store(base + offs_d[None, :] * BLOCK + offs_r[:, None], x8)
+    else:
+        tl.store(base + offs_r[:, None] * HEAD_DIM + offs_d[None, :], x8)
 
 
 @triton.jit
