@@ -49,8 +49,9 @@ _SMALL, _LARGE = _TILES
 # the product (64 x 64 x 3); at sparsity 1.0 and at L1024 within 2% of the best (H200, session 24).
 # (64, 64, 4, 2, 168): a fifth number caps registers (maxnreg). Uncapped, that tile holds 183 registers, two programs
 # an SM; capped at 168 it compiles without spills and a third fits (64 KB of shared memory; sm_90 static counts,
-# Triton 3.6), as the capped 64-row tile did for the FP8 forward, where it won by ~6% (session 28). Not yet timed here
-# (benchmarks/NOTES.md, waiting list after session 28). Rows of 256 bf16 (D 256) keep the uncapped one (_prune).
+# Triton 3.6), as the capped 64-row tile did for the FP8 forward, which the tuner then picked (1.29-1.31 ms on (a)
+# against 1.396 for the best uncapped tile in session 27: across runs, never side by side; session 28). Not yet
+# timed here (benchmarks/NOTES.md, waiting list after session 28). Rows of 256 bf16 (D 256) keep the uncapped one.
 _FWD = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
     (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2, 168),
