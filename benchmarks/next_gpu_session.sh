@@ -655,8 +655,8 @@ chain_s32a() {  # session 29: the waiting list after session 28 (items 1-3)
   step jfa_gpu_tests 170 tests tests/gpu/test_jagged_attention_gpu.py
 }
 chain_s32b() {  # session 29: the fused backward's speed, then its GPU tests
-  step jfa_fused_backward 300 python -m benchmarks.diag.jfa_fused_backward
-  step jfa_fused_gpu_tests 260 tests tests/gpu/test_jagged_attention_fused_backward_gpu.py
+  step jfa_fused_backward 270 python -m benchmarks.diag.jfa_fused_backward
+  step jfa_fused_gpu_tests 300 tests tests/gpu/test_jagged_attention_fused_backward_gpu.py
 }
 chain_s32c() {  # session 29: gem-large with JFA's fused backward (issue 10)
   step bench_train_large 560 env OPENGEM_JFA_BACKWARD=fused python -m opengem.cli.main bench train --preset gem-large \

@@ -1,4 +1,4 @@
-"""JFA's fused backward against its two-pass one and PyTorch's varlen FlashAttention-2 backward, same run.
+"""JFA's fused backward (dQ by atomic adds from registers, or by TMA reductions) against its two-pass one and PyTorch's varlen FlashAttention-2 backward, same run.
 
 The two-pass backward runs seven matrix products a (query tile, key tile) pair (its dQ pass recomputes S and dP);
 the fused one five, adding each key tile's share of dQ into an fp32 buffer with atomic adds
@@ -27,9 +27,17 @@ from opengem.ops.triton import jagged_attention_fused_backward as fused
 DEFAULT_WORKLOADS = "a_power_law_causal,c_1024_hist_64_targets,b_L1024_s0.5_causal,b_L512_s0.5_full,b_L2048_s1.0_full"
 
 
+# mode: (fused.BACKWARD, fused.DQ_ADDS)
+MODES = {"two_pass": ("two_pass", "atomic"), "fused": ("fused", "atomic"), "fused_tma": ("fused", "tma")}
+
+
+def _set(mode: str) -> None:
+    fused.BACKWARD, fused.DQ_ADDS = MODES[mode]
+
+
 def _in_mode(mode: str, fn):
     def run():
-        fused.BACKWARD = mode
+        _set(mode)
         return fn()
 
     return run
@@ -47,14 +55,17 @@ def measure(wl, rounds: int) -> dict:
     want = _reference_sub_batch(wl, b)
     row: dict = {"workload": wl.name, "tokens": int(wl.lengths.sum()), "pairs": pairs, "errors": {}}
     runs = {}
-    for mode in ("two_pass", "fused"):
-        fused.BACKWARD = mode
+    tiles = {}
+    for mode in MODES:
+        _set(mode)
+        fused._fused_bwd_kernel.cache.clear()  # (each way of adding dQ tunes afresh)
         row["errors"][mode] = _errors(jfa.fwd_bwd(), wl, want)  # (tunes the mode's kernels)
+        tiles[mode] = _picked(fused._fused_bwd_kernel)
         jfa.fwd()
         runs[mode] = _in_mode(mode, jfa.bwd)
         runs[mode]()
     row["tiles"] = {"fwd": _picked(kernels._fwd_kernel), "dkdv": _picked(kernels._dkdv_kernel),
-                    "dq": _picked(kernels._dq_kernel), "fused": _picked(fused._fused_bwd_kernel)}
+                    "dq": _picked(kernels._dq_kernel), "fused": tiles["fused"], "fused_tma": tiles["fused_tma"]}
     try:
         flash = flash_impl(wl, b)
         out = flash.fwd()
@@ -66,12 +77,11 @@ def measure(wl, rounds: int) -> dict:
     row["ms_rounds"] = {k: [round(t, 4) for t in v] for k, v in times.items()}
     row["ms"] = {k: statistics.median(v) for k, v in times.items()}
     row["tflops"] = {k: flops / ms / 1e9 for k, ms in row["ms"].items()}
-    row["fused_over_two_pass"] = paired_speedup(times["two_pass"], times["fused"])
+    row["speedups"] = {f"{mode}_over_two_pass": paired_speedup(times["two_pass"], times[mode]) for mode in MODES}
     if "flash" in times:
-        row["fused_over_flash"] = paired_speedup(times["flash"], times["fused"])
-        row["two_pass_over_flash"] = paired_speedup(times["flash"], times["two_pass"])
-    row["fused_kernels_ms"] = kernel_ms(runs["fused"])
-    fused.BACKWARD = "two_pass"
+        row["speedups"] |= {f"{mode}_over_flash": paired_speedup(times["flash"], times[mode]) for mode in MODES}
+    row["kernels_ms"] = {mode: kernel_ms(runs[mode]) for mode in ("fused", "fused_tma")}
+    _set("two_pass")
     return row
 
 
@@ -83,7 +93,7 @@ def main() -> None:
     rows = []
     for wl in selected(False, args.workloads):
         rows.append(measure(wl, args.rounds))
-        print({k: rows[-1][k] for k in ("workload", "ms", "tflops", "errors", "tiles", "fused_over_two_pass")},
+        print({k: rows[-1][k] for k in ("workload", "ms", "tflops", "errors", "tiles", "speedups")},
               flush=True)
         write_results("jfa_fused_backward", rows)
         torch.cuda.empty_cache()

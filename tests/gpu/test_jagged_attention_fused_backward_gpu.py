@@ -28,9 +28,16 @@ def fused_selected(monkeypatch):
     monkeypatch.setattr(fused, "BACKWARD", "fused")
 
 
+@pytest.fixture(params=["atomic", "tma"])
+def dq_adds(request, monkeypatch):
+    """Each way of adding dQ's shares: reductions from registers, TMA reductions from shared memory."""
+    monkeypatch.setattr(fused, "DQ_ADDS", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("mask", list(MASKS))
 @pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
-def test_bf16_matches_reference(mask, head_dim):
+def test_bf16_matches_reference(dq_adds, mask, head_dim):
     lengths = [300, 0, 1, 129, 64, 17, 511]
     _check(lengths, 4, 2, head_dim, torch.bfloat16, 1e-2, **_mask_kwargs(MASKS[mask], lengths))
 
@@ -45,7 +52,7 @@ def test_fp16_and_fp32_mqa_and_pointer_loads(monkeypatch):
 
 @pytest.mark.parametrize("tile", fused._FUSED)
 @pytest.mark.parametrize("pointer_loads", [False, True])
-def test_every_tile_forced_alone_on_a_long_causal_batch(poisoned_outputs, monkeypatch, tile, pointer_loads):
+def test_every_tile_forced_alone_on_a_long_causal_batch(poisoned_outputs, monkeypatch, dq_adds, tile, pointer_loads):
     monkeypatch.setattr(fused._fused_bwd_kernel, "configs", [kernels.tile_config("dkdv", *tile,
                                                                                  pointer_loads=pointer_loads)])
     lengths = [4100, 2, 1500, 129, 64, 63, 3001]
@@ -53,7 +60,7 @@ def test_every_tile_forced_alone_on_a_long_causal_batch(poisoned_outputs, monkey
 
 
 @pytest.mark.parametrize("window", [None, 256])
-def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, monkeypatch, window):
+def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, monkeypatch, dq_adds, window):
     """JFA's workloads (a) and (d), tuned: the autotuner's timing runs add into dQ too, then reset it."""
     monkeypatch.delenv("OPENGEM_JFA_AUTOTUNE")
     fused._fused_bwd_kernel.cache.clear()

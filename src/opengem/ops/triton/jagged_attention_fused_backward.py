@@ -16,6 +16,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.tools.ragged_tma import atomic_add_ragged
 
 from opengem.ops.triton.jagged_attention import (
     _INTERPRET,
@@ -32,7 +33,7 @@ from opengem.ops.triton.jagged_attention import (
     _sample,
 )
 from opengem.ops.triton.masks import tile_mask
-from opengem.ops.triton.ragged_tiles import last_dim_contiguous, ragged_tile
+from opengem.ops.triton.ragged_tiles import last_dim_contiguous, ragged_descriptor, ragged_tile, set_block_rows, tma_ok
 from opengem.ops.triton.tuning import autotune
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages), the first the untuned default: dK/dV's tiles less the 64 x 128 ones that
@@ -52,6 +53,11 @@ def backward_setting(text: str) -> str:
 
 # Which backward :func:`opengem.ops.triton.jagged_attention.backward` runs (benchmarks reassign it to time both).
 BACKWARD = backward_setting(os.environ.get("OPENGEM_JFA_BACKWARD", "two_pass"))
+
+
+# How the programs add their dQ shares: "atomic" (vectorized fp32 reductions from registers) or "tma" (a bulk tensor
+# reduction of the tile from shared memory, FlashAttention-3's way; needs the TMA path, not in the interpreter).
+DQ_ADDS = "atomic"
 
 
 def use_fused_backward() -> bool:
@@ -75,10 +81,11 @@ def _delta_kernel(O, DO, Delta, total_tokens, stride_ot, stride_oh, stride_dot, 
 
 @triton.jit
 def _fused_tiles(
-    dk, dv, k, v, Q, DO, DQ, Q_desc, DO_desc, start, h, LSE, Delta, stride_qt, stride_dot, stride_dqt, m_lo, m_hi,
+    dk, dv, k, v, Q, DO, DQ, Q_desc, DO_desc, DQ_desc, start, h, LSE, Delta, stride_qt, stride_dot, stride_dqt, m_lo, m_hi,
     offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
+    DQ_TMA: tl.constexpr,
 ):  # fmt: skip
     """``_dkdv_tiles`` (its products transposed: [N, M]), plus each query tile's ``dS K`` added into ``DQ``."""
     for m_start in range(m_lo, m_hi, BLOCK_M):
@@ -102,20 +109,41 @@ def _fused_tiles(
         dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=PRECISION)
         dq = tl.dot(tl.trans(dsT), k, input_precision=PRECISION)  # [M, D]: this key tile's share of dS K
         # rows past the sample hold zeros (masked P) but would add into the next sample's rows: masked off
-        tl.atomic_add(DQ + offs_m[:, None] * stride_dqt + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
+        if DQ_TMA:
+            atomic_add_ragged(DQ_desc, start.to(tl.int32), seq_len, [m_start, h, 0], tl.reshape(dq, [BLOCK_M, 1, HEAD_DIM]))
+        else:
+            tl.atomic_add(DQ + offs_m[:, None] * stride_dqt + offs_d[None, :], dq, mask=row_ok[:, None], sem="relaxed")
     return dk, dv
 
 
-@autotune(configs=_configs("dkdv", _FUSED), reset_to_zero=["DQ"], **_TUNING)  # (timing runs add into DQ)
+def _with_dq_rows(hook):
+    """dK/dV's pre-hook (Q's and dO's TMA boxes of BLOCK_M rows), and dQ's reduction box as theirs."""
+
+    def both(nargs: dict) -> None:
+        hook(nargs)
+        set_block_rows(nargs["DQ_desc"], nargs["BLOCK_M"])
+
+    return both
+
+
+def _fused_configs() -> list[triton.Config]:
+    configs = _configs("dkdv", _FUSED)
+    for config in configs:
+        config.pre_hook = _with_dq_rows(config.pre_hook)
+    return configs
+
+
+@autotune(configs=_fused_configs(), reset_to_zero=["DQ"], **_TUNING)  # (timing runs add into DQ)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _fused_bwd_kernel(
-    Q, K, V, DO, LSE, Delta, DQ, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, DO_desc,
+    Q, K, V, DO, LSE, Delta, DQ, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, DO_desc, DQ_desc,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POINTER_LOADS: tl.constexpr = False,
+    USE_TMA: tl.constexpr, DQ_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POINTER_LOADS: tl.constexpr = False,
 ):  # fmt: skip
     """One key tile of one kv head: its dK, dV, and its shares of dQ (unscaled, into fp32 ``DQ``)."""
     TMA: tl.constexpr = USE_TMA and not POINTER_LOADS
@@ -137,18 +165,22 @@ def _fused_bwd_kernel(
         LSEh = LSE + h * total_tokens + start
         Dh = Delta + h * total_tokens + start
         # the four ranges of _query_tiles: contextual rows, masked, fully visible, masked
-        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
+        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, DQ_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
                               stride_dqt, 0, c_hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window,
-                              scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
+                              scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION,
+                              DQ_TMA)
+        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, DQ_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
                               stride_dqt, lo, f_lo, offs_n, offs_d, seq_len, hist_len, contextual_len, window,
-                              scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
+                              scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION,
+                              DQ_TMA)
+        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, DQ_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
                               stride_dqt, f_lo, f_hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window,
-                              scale_log2, BLOCK_M, HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
+                              scale_log2, BLOCK_M, HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION,
+                              DQ_TMA)
+        dk, dv = _fused_tiles(dk, dv, k, v, Qh, DOh, DQh, Q_desc, DO_desc, DQ_desc, start, h, LSEh, Dh, stride_qt, stride_dot,
                               stride_dqt, f_hi, hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window,
-                              scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
+                              scale_log2, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION,
+                              DQ_TMA)
     tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + (start + offs_n[:, None]) * stride_dvt + h_kv * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
 
@@ -172,11 +204,12 @@ def fused_backward(
     dq_acc = torch.zeros((total, heads, head_dim), device=q.device, dtype=torch.float32)
     key_items = pb.sched.key_tiles
     descs, use_tma = _descriptors("dkdv", q, dout)
+    dq_tma = DQ_ADDS == "tma" and use_tma and tma_ok(dq_acc)
     _fused_bwd_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
         q, k, v, dout, lse, delta, dq_acc, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE],
-        *descs, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        *descs, ragged_descriptor(dq_acc) if dq_tma else dq_acc, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         dout.stride(0), dout.stride(1), dq_acc.stride(0), dq_acc.stride(1), dk.stride(0), dk.stride(1),
         dv.stride(0), dv.stride(1), total_tokens=total, heads=k.shape[1], scale=pb.scale,
-        scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k), USE_TMA=use_tma,
+        scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k), USE_TMA=use_tma, DQ_TMA=dq_tma,
     )  # fmt: skip
     torch.mul(dq_acc, pb.scale, out=dq)  # one pass: scaled and cast into dq's dtype and strides
