@@ -195,7 +195,6 @@ def test_benchmark_shape_class_long_power_law_batch(poisoned_outputs, window):
         # rows per dK/dV step (four per 128-key causal diagonal), 32 keys per dQ step
         ((64, 64, 4, 3), (32, 128, 8, 2), (64, 32, 4, 3)),
         ((64, 64, 4, 3), (32, 64, 4, 3), (128, 32, 8, 3)),
-        ((64, 64, 4, 2, 168), (64, 64, 4, 3), (64, 64, 4, 3)),  # the register-capped forward: a third program an SM
     ],
 )
 def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatch, configs):

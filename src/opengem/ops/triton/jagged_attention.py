@@ -47,14 +47,12 @@ _SMALL, _LARGE = _TILES
 # (64, 32, 4, 3) / (64, 32, 4, 4): 32-key tiles, outside the {64, 128}^2 product, after they won GDPA's forward: on
 # JFA's forward at B 1152, max length 512, sparsity 0.5, non-causal 0.659 / 0.682 ms against 0.768 for the best of
 # the product (64 x 64 x 3); at sparsity 1.0 and at L1024 within 2% of the best (H200, session 24).
-# (64, 64, 4, 2, 168): a fifth number caps registers (maxnreg). Uncapped, that tile holds 183 registers, two programs
-# an SM; capped at 168 it compiles without spills and a third fits (64 KB of shared memory; sm_90 static counts,
-# Triton 3.6), as the capped 64-row tile did for the FP8 forward, which the tuner then picked (1.29-1.31 ms on (a)
-# against 1.396 for the best uncapped tile in session 27: across runs, never side by side; session 28). Not yet
-# timed here (benchmarks/NOTES.md, waiting list after session 28). Rows of 256 bf16 (D 256) keep the uncapped one.
+# A fifth number would cap registers (maxnreg). (64, 64, 4, 2, 168) (183 registers uncapped, two programs an SM;
+# capped, a third, as for the FP8 forward's winning tile) ran 2.080 ms hot on (a) against 1.812 for 128 x 128 x 8 x 3,
+# and 0.777 against 0.699 on (c) (H200, session 29): dropped.
 _FWD = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
-    (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4), (64, 64, 4, 2, 168),
+    (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4),
 ]  # fmt: skip
 # (64, 64, 4, 2) in the backward: the best dK/dV and dQ tiles of the full product on short causal sequences
 # (B 1152, max length 512 at sparsity 0.5, H200, session 7: backward 2.69 -> 2.53 ms for dK/dV, -> 2.62 for

@@ -28,7 +28,6 @@ from opengem.ops.reference.mx import MX_BLOCK
 from opengem.ops.triton import jagged_attention as kernels
 from opengem.ops.triton.jagged_attention import _INTERPRET
 from opengem.ops.triton.jagged_attention_fp8 import (
-    QUANTIZE_WARPS,
     _rotation_on,
     rotate_slices,
     rotated_back,
@@ -39,6 +38,9 @@ from opengem.ops.triton.ragged_tiles import last_dim_contiguous
 
 # tokens a program quantizes along the head dim: the FP8 pass's tile on the GPU (registers from its sm_90 counts)
 ROWS_ALONG_HEAD_DIM = 32 if _INTERPRET else 128
+# its warps per head dim: the FP8 pass's before session 29 (that pass now runs D 128 at 4 warps under a register
+# cap, timed on its own kernel only)
+MX_QUANTIZE_WARPS = {32: 4, 64: 4, 128: 8, 256: 16}
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -95,7 +97,7 @@ def _mx_operand(x: torch.Tensor, rotate: bool, kv_offsets: torch.Tensor | None =
             x, out, rotation, starts, tokens, x.stride(0), x.stride(1), heads, HEAD_DIM=head_dim, BLOCK_T=block_t,
             ROT=n, ROTATE=rotate, ALONG_SEQUENCE=kv_offsets is not None, EXACT=_INTERPRET,
             HEAD_DIM_BLOCK=min(MX_BLOCK, head_dim),
-            num_warps=QUANTIZE_WARPS.get(head_dim, 4) if block_t > MX_BLOCK else 4,
+            num_warps=MX_QUANTIZE_WARPS.get(head_dim, 4) if block_t > MX_BLOCK else 4,
         )  # fmt: skip
     return out
 
