@@ -174,9 +174,8 @@
 #   lookup) and of FP8 GDPA / BlockAttention
 # s32a (one GPU, session 29): the quantize pass at 4 warps capped at 160 / 168 registers, FP8 GDPA full (its tuned FP8
 #   tile recorded), JFA's bf16 forward tiles with the capped (64, 64, 4, 2, 168) on (a) and (c), the JFA GPU tests
-# s32b (one GPU, session 29): JFA's fused backward (dQ by atomic adds) against the two-pass one and flash, then its
-#   GPU tests
-# s32c (one GPU, session 29): gem-large b512 BF16 with JFA's fused backward (issue 10; s31c: 277.05 ms two-pass)
+# s32b (one GPU, session 29; removed with the fused backward after it, commit c127629): JFA's fused backward (dQ by
+#   atomic or TMA reductions) against the two-pass one and flash, then its GPU tests; s32c (gem-large with it) not run
 # s32d (one GPU, session 29): the FP8 attention GPU tests with the quantize pass at 4 warps capped at 168 registers,
 #   then issue 12's (a) and (c) with it
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -656,15 +655,6 @@ chain_s32a() {  # session 29: the waiting list after session 28 (items 1-3)
   step jfa_fwd_regimes 150 python -m benchmarks.diag.jfa_tuning_regimes --workloads a_power_law_causal,c_1024 --passes fwd
   step jfa_gpu_tests 170 tests tests/gpu/test_jagged_attention_gpu.py
 }
-chain_s32b() {  # session 29: the fused backward's speed, then its GPU tests
-  step jfa_fused_backward 270 python -m benchmarks.diag.jfa_fused_backward
-  step jfa_fused_gpu_tests 300 tests tests/gpu/test_jagged_attention_fused_backward_gpu.py
-}
-chain_s32c() {  # session 29: gem-large with JFA's fused backward (issue 10)
-  step bench_train_large 560 env OPENGEM_JFA_BACKWARD=fused python -m opengem.cli.main bench train --preset gem-large \
-    --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
-    --out "$out/results/train_gem-large_b512_s32_bf16_fused.json"
-}
 chain_s32d() {  # session 29: the quantize pass's new default on the GPU (tests), issue 12's ratios with it
   step fp8_attention_gpu_tests 120 tests tests/gpu/test_fp8_attention_gpu.py -k "not gdpa and not block_attention"
   step attention_fp8_ac 330 python -m benchmarks.attention_fp8 --workloads a_,c_
@@ -786,7 +776,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32b|s32c|s32d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

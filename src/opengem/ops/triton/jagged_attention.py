@@ -751,11 +751,6 @@ def backward(
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
         return dq, dk, dv
-    from opengem.ops.triton import jagged_attention_fused_backward as fused  # (it imports this module)
-
-    if fused.use_fused_backward():
-        fused.fused_backward(dout, q, k, v, out, lse, pb, dq, dk, dv)
-        return dq, dk, dv
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     delta = torch.empty_like(lse)  # written by the dQ pass, read by the dK/dV pass
     common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
