@@ -37,8 +37,10 @@ quantize = {"Q": bf16, "K": bf16, "V": bf16, "Q8": fp8, "K8": fp8, "V8": fp8, "Q
 for dequantize in (False, True):  # the blocked E4M3 layout, or the straight-through values for the backward
     outputs = {"Q8": bf16, "K8": bf16, "V8": bf16} if dequantize else {}
     ptx = compile_sm90(f._quantize_kernel, {**quantize, **outputs}, dict(
-        HEAD_DIM=128, BLOCK=128, ROT=64, PRECISION="tf32", EXACT=False, DEQUANTIZE=dequantize), num_warps=4).asm["ptx"]
+        HEAD_DIM=128, BLOCK=128, ROT=64, PRECISION="tf32", EXACT=False, DEQUANTIZE=dequantize),
+        num_warps=f.QUANTIZE_WARPS[128], maxnreg=f.QUANTIZE_MAXNREG[128]).asm["ptx"]
     assert "wgmma" in ptx or "mma" in ptx  # the rotation is one MMA
+    assert f".maxnreg {f.QUANTIZE_MAXNREG[128]}" in ptx  # the shipped cap (three programs an SM)
 project = {"X": bf16, "W": bf16, "Bias": bf16, "QKV": bf16, "Q8": fp8, "K8": fp8, "V8": fp8, "QS": "*fp32",
            "KS": "*fp32", "VS": "*fp32", "R": bf16, "offsets": "*i32", "block_base": "*i32", "items": "*i32"}
 for block_k, warps, stages in p._TILES:  # every candidate of the fused QKV projection
