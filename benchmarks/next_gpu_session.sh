@@ -220,6 +220,11 @@ large_single() {  # large_single BATCH NAME [ARGS]: gem-large on one GPU with th
   local batch=$1 name=$2; shift 2
   multi 1 --preset gem-large --layouts single --batch-per-gpu "$batch" --warmup 6 --steps 10 --out "$out/results/$name.json" "$@"
 }
+large_b512() {  # large_b512 NAME [ARGS]: gem-large b512 under bench train (bf16 sequence stream), issue 10's steady state
+  local name=$1; shift
+  train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 \
+    --set gem.sequence_dtype=compute "$@" --out "$out/results/$name.json"
+}
 predict() {  # predict CALIBRATION: the planner's 1-GPU step for the runs of part 1 (issue 13)
   local run
   for run in "gem-small 2048" "gem-large 256" "gem-large 512"; do
@@ -352,8 +357,7 @@ chain_s16a() {  # issue 10: the bf16 sequence stream against fp32 in one call, t
   step bench_train_fp32_sequence 260 small_train --out "$out/results/train_gem-small_b2048_s16_fp32_sequence.json"
   step bench_train_bf16_sequence 200 small_train --set gem.sequence_dtype=compute \
     --out "$out/results/train_gem-small_b2048_s16_bf16_sequence.json"
-  step bench_train_large 200 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s16_bf16_sequence.json"
+  step bench_train_large 200 large_b512 train_gem-large_b512_s16_bf16_sequence
 }
 chain_s16b() {  # issue 12's quantize pass, then issue 10's Wukong GEMMs (eager and compiled, both presets' shapes)
   step fp8_attention_gpu_tests 100 tests tests/gpu/test_fp8_attention_gpu.py
@@ -428,8 +432,7 @@ chain_s20c() {
   step gdpa_fp8_quick 150 python -m benchmarks.gdpa_fp8 --quick
 }
 chain_s20d() {  # issue 10: gem-large's step at the current commit (last measured in session 16), bf16 stream as then
-  step bench_train_large 300 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s20_bf16_sequence.json"
+  step bench_train_large 300 large_b512 train_gem-large_b512_s20_bf16_sequence
 }
 chain_s20a() { step lp_curve_bf16_repeat_part1 560 bf16_repeat_curve --stop-after 420; }
 chain_s20b() {
@@ -460,9 +463,7 @@ chain_s21c() {
     --bar 0.003
 }
 chain_s21d() {  # issue 10: gem-large with FP8 MLPs (never timed; bar 1.2x the samples/s of s20d's BF16 run)
-  step bench_train_large_fp8 320 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --set low_precision_mlp=fp8_rowwise \
-    --out "$out/results/train_gem-large_b512_s21_fp8_mlps.json"
+  step bench_train_large_fp8 320 large_b512 train_gem-large_b512_s21_fp8_mlps --set low_precision_mlp=fp8_rowwise
 }
 chain_s21e() { step lp_curve_bf16_seed1_part1 560 bf16_seed1_curve --stop-after 450; }
 chain_s21f() { step lp_curve_bf16_seed1_part2 300 bf16_seed1_curve --resume; }
@@ -487,8 +488,7 @@ chain_s23b() {  # issue 10's bar at gem-large b512: FP8 MLPs through Inductor, t
   step bench_train_large_fp8_inductor 320 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
     --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
     --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s23_fp8_inductor.json"
-  step bench_train_large 240 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s23_bf16_sequence.json"
+  step bench_train_large 240 large_b512 train_gem-large_b512_s23_bf16_sequence
 }
 chain_s23c() {  # the traced FP8 linears' GPU tests (both compile paths) and the layer against compiled BF16 (issue 10);
   # issue 4: GDPA (a) L256 / L512 at s0.5 with JFA and the compiled padded peer after the host-time cut (writes
@@ -517,8 +517,7 @@ chain_s24b() {  # session 22, call 5: the traced FP8 linear's bias gradient as a
   step bench_train_large_fp8_inductor 240 env OPENGEM_FP8_COMPILE=inductor python -m opengem.cli.main bench train \
     --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
     --set low_precision_mlp=fp8_rowwise --out "$out/results/train_gem-large_b512_s24_fp8_inductor_gemv_bias.json"
-  step bench_train_large 160 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s24_bf16.json"
+  step bench_train_large 160 large_b512 train_gem-large_b512_s24_bf16
   step low_precision_gpu_tests 80 tests tests/gpu/test_low_precision_gpu.py  # last: the device time left is short
 }
 chain_s25a() {  # session 23: issue 4's short-sample bars (1.1x JFA's forward, (b)'s 400 TFLOP/s) with extra tiles
@@ -584,8 +583,7 @@ chain_s28a() {  # after session 24: issue 4 in full after the smoothstep and the
   clock_log stop
 }
 chain_s28c() {  # issue 10: gem-large b512 BF16 after JFA's 32-key forward tiles and GDPA's smoothstep fast_gelu
-  step bench_train_large 300 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s28_bf16.json"
+  step bench_train_large 300 large_b512 train_gem-large_b512_s28_bf16
 }
 chain_s29a() {  # after session 25: JFA's backward on GDPA's narrower inner tiles (no spills at sm_90 on the CPU compile,
   # against 16-176 B for the 64 x 128 dK/dV the tuner has); the GPU tests first (they force the new tiles too)
@@ -597,8 +595,7 @@ chain_s29a() {  # after session 25: JFA's backward on GDPA's narrower inner tile
 chain_s29b() {  # after s29a: dK/dV's 32-query-row tiles on the GEM-like batch (64 targets), then gem-large with them tuned
   step jfa_dkdv_gem_batch 200 python -m benchmarks.diag.jfa_configs --sweep dkdv --workloads c_1024_hist_64_targets \
     --extra-tiles 32x64x4x3,32x64x4x2,32x128x8x3
-  step bench_train_large 300 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s29_bf16.json"
+  step bench_train_large 300 large_b512 train_gem-large_b512_s29_bf16
 }
 chain_s29c() {  # issue 12: the FP8 JFA forward with P's scale and the logit scale folded into its exponent (-20% SASS in the loop)
   step fp8_jfa_gpu_tests 170 tests tests/gpu/test_fp8_attention_gpu.py -k "not gdpa and not block_attention"
@@ -623,8 +620,7 @@ chain_s30c() {  # session 27: how often each tuner misses the hot-fastest tile; 
 }
 chain_s30d() {  # session 27: the JFA GPU tests (tuned through the interleaved rounds), then gem-large with them
   step jfa_gpu_tests 220 tests tests/gpu/test_jagged_attention_gpu.py
-  step bench_train_large 330 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s30_bf16.json"
+  step bench_train_large 330 large_b512 train_gem-large_b512_s30_bf16
 }
 chain_s30e() {  # session 27: FP8 attention GPU tests, then issue 12's ratios against the strongest bf16 forward tile
   step fp8_attention_gpu_tests 170 tests tests/gpu/test_fp8_attention_gpu.py -k "not gdpa and not block_attention"
@@ -641,8 +637,7 @@ chain_s31b() {  # session 28: issue 12's ratios with the register-capped FP8 til
   step jfa_gpu_tests 220 tests tests/gpu/test_jagged_attention_gpu.py
 }
 chain_s31c() {  # session 28: gem-large b512 BF16, every kernel tuned by the confirming autotuner (issue 10)
-  step bench_train_large 560 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s31_bf16.json"
+  step bench_train_large 560 large_b512 train_gem-large_b512_s31_bf16
 }
 chain_s31d() {  # session 28: how fast the quantize pass can go; FP8 GDPA (issue 12's (a) and (b)) with the new tiles
   step fp8_quantize_pass 150 python -m benchmarks.diag.fp8_quantize_pass --workloads a_,c_
@@ -665,12 +660,10 @@ chain_s32d() {  # session 29: the quantize pass's new default on the GPU (tests)
 }
 chain_s32e() {  # session 29
   step fp8_gdpa_block_gpu_tests 100 tests tests/gpu/test_fp8_attention_gpu.py -k "gdpa or block_attention"
-  step bench_train_large 240 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s32_bf16.json"
+  step bench_train_large 240 large_b512 train_gem-large_b512_s32_bf16
 }
 chain_s33a() {  # after session 29: issue 10's figure at this HEAD
-  step bench_train_large 560 train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 \
-    --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s33_bf16.json"
+  step bench_train_large 560 large_b512 train_gem-large_b512_s33_bf16
 }
 chain_6a() { step gdpa_full 580 python -m benchmarks.gdpa; }  # issue 4: every workload, compiled padded peers
 chain_6b() { step block_attention_full 580 python -m benchmarks.block_attention; }  # issue 5: the power-law workload too
@@ -783,7 +776,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single curves_single predict
+export -f tests train small_train small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
