@@ -428,12 +428,9 @@ def _compare(rows: list[dict]) -> None:
 
 
 def config_label(config) -> str:
-    """A JFA tile config as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``, ``_r{maxnreg}`` under a register cap,
-    ``_ptr`` for dK/dV's pointer loads."""
-    capped = f"_r{config.maxnreg}" if config.maxnreg else ""
+    """A JFA tile config as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``, ``_ptr`` for dK/dV's pointer loads."""
     pointer = "_ptr" if config.kwargs.get("POINTER_LOADS") else ""
-    tile = f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}"
-    return tile + capped + pointer
+    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}{pointer}"
 
 
 def tuned_configs() -> dict[str, str]:

@@ -47,9 +47,9 @@ _SMALL, _LARGE = _TILES
 # (64, 32, 4, 3) / (64, 32, 4, 4): 32-key tiles, outside the {64, 128}^2 product, after they won GDPA's forward: on
 # JFA's forward at B 1152, max length 512, sparsity 0.5, non-causal 0.659 / 0.682 ms against 0.768 for the best of
 # the product (64 x 64 x 3); at sparsity 1.0 and at L1024 within 2% of the best (H200, session 24).
-# A fifth number would cap registers (maxnreg). (64, 64, 4, 2, 168) (183 registers uncapped, two programs an SM;
-# capped, a third, as for the FP8 forward's winning tile) ran 2.080 ms hot on (a) against 1.812 for 128 x 128 x 8 x 3,
-# and 0.777 against 0.699 on (c) (H200, session 29): dropped.
+# (64, 64, 4, 2) capped at 168 registers (183 uncapped, two programs an SM; capped, a third, as for the FP8 forward's
+# winning tile) ran 2.080 ms hot on (a) against 1.812 for 128 x 128 x 8 x 3, and 0.777 against 0.699 on (c) (H200,
+# session 29): not a candidate.
 _FWD = [
     (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 4), (64, 64, 4, 3), (128, 128, 8, 2),
     (64, 64, 4, 2), (64, 32, 4, 3), (64, 32, 4, 4),
@@ -96,13 +96,12 @@ def _tma_block_shapes(name: str):
 
 
 def tile_config(
-    name: str, block_m: int, block_n: int, num_warps: int, num_stages: int, maxnreg: int | None = None,
-    pointer_loads: bool = False,
+    name: str, block_m: int, block_n: int, num_warps: int, num_stages: int, pointer_loads: bool = False
 ) -> triton.Config:
-    """A config of kernel ``name`` (fwd, dkdv, dq), with the pre-hook that sizes its TMA boxes; ``maxnreg``: ptxas's
-    register cap; ``pointer_loads`` (dK/dV only): masked pointer loads even where TMA descriptors were passed."""
+    """A config of kernel ``name`` (fwd, dkdv, dq), with the pre-hook that sizes its TMA boxes;
+    ``pointer_loads`` (dK/dV only): masked pointer loads even where TMA descriptors were passed."""
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n} | ({"POINTER_LOADS": True} if pointer_loads else {}),
-                         num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg, pre_hook=_tma_block_shapes(name))
+                         num_warps=num_warps, num_stages=num_stages, pre_hook=_tma_block_shapes(name))
 
 
 # dK/dV is tuned over both load paths: with k and v through TMA too, it ran 12% slower on workload (a) (3.94
@@ -113,7 +112,7 @@ def tile_config(
 _BOTH_LOAD_PATHS = {"dkdv"}
 
 
-def _configs(name: str, curated: list[tuple[int, ...]]) -> list[triton.Config]:
+def _configs(name: str, curated: list[tuple[int, int, int, int]]) -> list[triton.Config]:
     if _INTERPRET:
         return [tile_config(name, *_INTERPRETER_TILES[name], 1, 1)]
     full = os.environ.get("OPENGEM_JFA_AUTOTUNE") == "full"
