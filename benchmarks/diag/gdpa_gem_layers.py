@@ -1,0 +1,110 @@
+"""Diagnostic (issue 10): GEM's two GDPA layers at gem-large's shapes, on its power-law batch and on a balanced one.
+
+gem-large b512 spends ~21 ms a step in GDPA (session 28's profile): the PFFN's cross-attention (every sequence
+token against its sample's ``m`` summary tokens) and the seed pooling (``num_seeds`` broadcast queries over each
+sample's tokens), forward and backward, 12 layers. Their bytes at the copy's rate come to about half of that. A
+program of the per-sample passes (PFFN dK/dV, pooling forward, broadcast dQ chunks) walks one sample's tokens,
+and the longest sample of a gem-large batch holds ~5% of them: if those passes wait on their longest programs, the
+same token count in equal-length samples runs them much faster. Per layer and batch: the op's forward and backward
+milliseconds and each kernel's device time.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from benchmarks.common import bench_ms, environment, kernel_ms, offsets_of
+from opengem.models.presets import GEM_PRESETS
+from opengem.ops.gdpa import gdpa, gdpa_packed_kv
+from opengem.train.bench.step import TrainBenchOptions, bench_config
+from opengem.train.data_stream import train_batches
+
+PRESET = "gem-large"
+
+
+def gem_large_lengths(batches: int) -> list[torch.Tensor]:
+    """Sequence lengths (CLS tokens + history) of the first batches bench train runs on gem-large b512."""
+    config, _, _ = bench_config(TrainBenchOptions(preset=PRESET, batch_size=512, device="cpu", num_workers=0))
+    stream = train_batches(config, start_step=0)
+    num_cls = GEM_PRESETS[PRESET].model.num_cls
+    return [torch.as_tensor(next(stream).history_age.lengths_host()).long() + num_cls for _ in range(batches)]
+
+
+def balanced(lengths: torch.Tensor) -> torch.Tensor:
+    """The same token count over the same number of samples, lengths differing by at most one."""
+    batch, tokens = lengths.numel(), int(lengths.sum())
+    return torch.full((batch,), tokens // batch, dtype=torch.long) + (torch.arange(batch) < tokens % batch).long()
+
+
+def layer_inputs(layer: str, lengths: torch.Tensor, device: str) -> tuple[Any, list[torch.Tensor]]:
+    """``(call, leaves)``: the GDPA call of ``layer`` as gem-large's model makes it, on random bf16 inputs."""
+    model = GEM_PRESETS[PRESET].model
+    heads, head_dim = model.num_heads, model.d_model // model.num_heads
+    batch, tokens, max_len = lengths.numel(), int(lengths.sum()), int(lengths.max())
+    offsets = offsets_of(lengths, device)
+    scale = head_dim**-0.5
+
+    def leaf(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_()
+
+    if layer == "pffn":
+        m = model.num_summary_tokens
+        q, k, v = leaf(tokens, heads, head_dim), leaf(batch * m, heads, head_dim), leaf(batch * m, heads, head_dim)
+        k_offsets = offsets_of(torch.full((batch,), m), device)
+        return (lambda: gdpa(q, k, v, offsets, k_offsets, max_len, m, activation=model.attention_activation,
+                             pre_scale=scale, post_scale=1.0 / m)), [q, k, v]  # fmt: skip
+    seeds, kv = leaf(model.num_seeds, heads, head_dim), leaf(tokens, 2, heads, head_dim)
+    return (lambda: gdpa_packed_kv(seeds, kv, None, offsets, model.num_seeds, max_len,
+                                   activation=model.attention_activation, pre_scale=scale, broadcast_q=True)), [seeds, kv]
+
+
+def measure(layer: str, lengths: torch.Tensor, device: str) -> dict[str, Any]:
+    call, leaves = layer_inputs(layer, lengths, device)
+    out = call()
+    grad = torch.randn_like(out)
+
+    def backward() -> None:
+        for t in leaves:
+            t.grad = None
+        torch.autograd.backward(out, grad, retain_graph=True)
+
+    def both() -> None:
+        torch.autograd.backward(call(), grad)
+
+    backward()  # tunes the backward's keys
+    return {"tokens": int(lengths.sum()), "max_len": int(lengths.max()),
+            "forward_ms": bench_ms(call), "backward_ms": bench_ms(backward),
+            "kernels_ms": {name: round(ms, 4) for name, ms in kernel_ms(both).items()}}  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=2, help="gem-large batches measured (each also balanced)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("gdpa_gem_layers times the Triton GDPA kernels: it needs a CUDA device")
+    rows = []
+    for index, lengths in enumerate(gem_large_lengths(args.batches)):
+        for shape, batch_lengths in (("power_law", lengths), ("balanced", balanced(lengths))):
+            for layer in ("pffn", "pooling"):
+                row = {"batch": index, "lengths": shape, "layer": layer, **measure(layer, batch_lengths, "cuda")}
+                rows.append(row)
+                top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:4])
+                print(f"batch {index} {shape:9s} {layer:7s} T {row['tokens']} max {row['max_len']}: forward "
+                      f"{row['forward_ms']:.3f} ms, backward {row['backward_ms']:.3f} ms | {top}", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "gdpa_gem_layers.json"
+    path.write_text(json.dumps({"benchmark": "gdpa_gem_layers", "environment": environment(), "rows": rows}, indent=1))
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
