@@ -15,7 +15,7 @@ from opengem.ops.triton import gdpa as host
 from opengem.ops.triton import gdpa_kernels as kernels
 
 D = 128
-INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T"}
+INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T", "CHUNK_B"}
 UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=False, HAS_WINDOW=False,
                 HAS_CONTEXT=False, PRECISION="tf32", FAST_ACT=True)
 

@@ -17,7 +17,7 @@ from opengem.jagged import Jagged, KeyedJagged
 from opengem.models.gem import GEM, GEMConfig, prepend_reversed
 from opengem.models.presets import GEM_PRESETS, describe, gem_flops
 from opengem.models.sequence_ctr import SequenceCTRModel
-from opengem.nn.gem_layers import PersonalizedFFN, SeedPooling
+from opengem.nn.gem_layers import PersonalizedFFN, SeedPooling, SequenceSummary
 from opengem.nn.wukong import DenseExperts
 from opengem.train.bench.elementwise import ElementwiseBytes
 from opengem.train.config import config_from_dict, load_config
@@ -111,6 +111,41 @@ def test_zero_length_histories(batch, self_attention):
         logits.sum().backward()
         assert all(torch.isfinite(p.grad).all() for p in model.parameters())
         model.zero_grad()
+
+
+@pytest.mark.parametrize("num_seeds", [0, 2])
+def test_sequence_summary_takes_cls_pooled_and_recent_rows(num_seeds):
+    """``[CLS rows | seed-pooled | recent rows, zero past the history]`` per sample; the gradient reaches exactly
+    the rows taken (histories shorter than, equal to and longer than the recent slots; the last sample short,
+    so its missing slots fall past the end of the values)."""
+    num_cls, num_recent, dim = 2, 3, 8
+    torch.manual_seed(0)
+    summary = SequenceSummary(dim, 2, num_cls, num_seeds, num_recent)
+    lengths = torch.tensor([num_cls + 5, num_cls + 3, num_cls, num_cls + 1])
+    values = torch.randn(int(lengths.sum()), dim, requires_grad=True)
+    sequence = Jagged.from_lengths(values, lengths)
+    out = summary(sequence)
+
+    starts = torch.cumsum(lengths, 0) - lengths
+    expected_rows = []
+    for start, length in zip(starts.tolist(), lengths.tolist()):
+        recent = [values[start + num_cls + j] if num_cls + j < length else torch.zeros(dim) for j in range(num_recent)]
+        expected_rows.append(torch.stack([values[start + j] for j in range(num_cls)] + recent))
+    expected = torch.stack(expected_rows)
+    if num_seeds:
+        pooled = summary.pooling(sequence)
+        expected = torch.cat([expected[:, :num_cls], pooled, expected[:, num_cls:]], dim=1)
+    torch.testing.assert_close(out, summary.gate(expected), rtol=0, atol=0)
+
+    grad = torch.randn_like(out)
+    (taken,) = torch.autograd.grad(out, values, grad, retain_graph=True)
+    (reference,) = torch.autograd.grad(summary.gate(expected), values, grad)
+    torch.testing.assert_close(taken, reference, rtol=0, atol=0)
+    if not num_seeds:  # only the CLS rows and the history rows inside the recent slots get a gradient
+        touched = [s + j for s, n in zip(starts.tolist(), lengths.tolist()) for j in range(min(n, num_cls + num_recent))]
+        untouched = torch.ones(values.shape[0], dtype=torch.bool)
+        untouched[touched] = False
+        assert taken[untouched].abs().sum() == 0 and (taken[touched].abs().sum(1) > 0).all()
 
 
 def test_prepend_reversed_layout():

@@ -22,7 +22,7 @@ from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention  # noqa: E402
 from opengem.ops.reference import gdpa as reference  # noqa: E402
 from opengem.ops.reference.masks import attention_mask  # noqa: E402
 from opengem.ops.triton.activations import activation_value_and_grad  # noqa: E402
-from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward  # noqa: E402
+from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward, key_chunks  # noqa: E402
 
 
 
@@ -210,9 +210,9 @@ def test_triton_cross_attention_with_kv_lengths_zero_and_one(max_len_k):
     assert (out[19:26] == 0).all()  # the sample with no keys outputs exact zeros
 
 
-@pytest.mark.parametrize("max_len_k", [20, 300])
-def test_triton_broadcast_q_and_deterministic_dq(max_len_k):
-    k_lengths = [20, 0, 1, 13, 7]
+@pytest.mark.parametrize("max_len_k, k_lengths", [(20, [20, 0, 1, 13, 7]), (300, [20, 0, 1, 13, 7]),
+                                                  (40, [40, 3, 0, 25])])  # the last: sample 0 spans two dQ chunks
+def test_triton_broadcast_q_and_deterministic_dq(max_len_k, k_lengths):
     q, k, v = _inputs([], k_lengths, heads=2, kv_heads=1, seeds=18)
     k_offsets = _offsets(k_lengths)
     _, grads = _run_triton_and_reference(q, k, v, k_offsets, k_offsets, 18, max_len_k, ["relu2", "leaky_relu"],
@@ -220,6 +220,14 @@ def test_triton_broadcast_q_and_deterministic_dq(max_len_k):
     _, again = _run_triton_and_reference(q, k, v, k_offsets, k_offsets, 18, max_len_k, ["relu2", "leaky_relu"],
                                          broadcast=True)
     assert torch.equal(grads[0], again[0])
+
+
+def test_broadcast_dq_key_chunks_cover_each_sample_overlapping_them():
+    # offsets 5, 45, 48, 48, 73: chunks of 30 rows from 5 -> [5, 35), [35, 65), [65, 95)
+    chunks = key_chunks(np.array([40, 3, 0, 25], dtype=np.int64).tobytes(), 5, 30, 3, "cpu")
+    assert chunks.dtype == torch.int32 and chunks.view(3, 2).tolist() == [[0, 1], [0, 4], [3, 4]]
+    # one chunk over every sample, an empty one between them included
+    assert key_chunks(np.array([2, 0, 5], dtype=np.int64).tobytes(), 0, 16, 1, "cpu").tolist() == [0, 3]
 
 
 def test_triton_gqa_per_head_activations_fp16_head_dim_32():

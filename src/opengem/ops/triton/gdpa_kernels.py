@@ -341,15 +341,17 @@ def gdpa_bwd_dq_kernel(
 
 @triton.jit
 def gdpa_bwd_dq_broadcast_kernel(
-    Q, K, V, DO, DQ_PARTIAL, K_OFF, HEAD_ACT,
+    Q, K, V, DO, DQ_PARTIAL, K_OFF, HEAD_ACT, CHUNK_B,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_pc, stride_pt, stride_ph,
-    num_heads, num_q_tiles, batch, samples_per_chunk, bcast_len, pre_scale, dq_scale,
+    num_heads, num_q_tiles, keys_first, keys_per_chunk, bcast_len, pre_scale, dq_scale,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
 ):
-    """Broadcast-Q dQ: one program per (chunk of samples, query tile, head) sums its chunk in a fixed
-    order into ``DQ_PARTIAL[chunk]``; the host then sums the chunks (a deterministic reduction)."""
+    """Broadcast-Q dQ: one program per (chunk of keys, query tile, head) sums, in a fixed order, the key rows
+    ``[keys_first + chunk * keys_per_chunk, + keys_per_chunk)`` of the samples ``CHUNK_B[2 chunk : 2 chunk + 2]``
+    that hold them into ``DQ_PARTIAL[chunk]``; the host then sums the chunks (a deterministic reduction). Equal key
+    ranges, not equal sample counts: a long sample spans several chunks, so no program walks a whole one."""
     pid = tl.program_id(0)
     h = pid % num_heads
     tile = (pid // num_heads) % num_q_tiles
@@ -360,10 +362,11 @@ def gdpa_bwd_dq_broadcast_kernel(
         act = tl.load(HEAD_ACT + h)
     m_start = tile * BLOCK_M
     dq = tl.zeros([BLOCK_M, D], dtype=tl.float32)
-    b_stop = tl.minimum((chunk + 1) * samples_per_chunk, batch)
-    for b in range(chunk * samples_per_chunk, b_stop):
-        k_start = tl.load(K_OFF + b).to(tl.int32)
-        k_len = tl.load(K_OFF + b + 1).to(tl.int32) - k_start
+    chunk_start = keys_first + chunk * keys_per_chunk
+    chunk_end = chunk_start + keys_per_chunk
+    for b in range(tl.load(CHUNK_B + 2 * chunk), tl.load(CHUNK_B + 2 * chunk + 1)):
+        k_start = tl.maximum(tl.load(K_OFF + b).to(tl.int32), chunk_start)
+        k_len = tl.minimum(tl.load(K_OFF + b + 1).to(tl.int32), chunk_end) - k_start
         # pointer loads: the broadcast Q is not jagged, and K/V change sample by sample within the program
         dq += _dq_tile(Q, K, V, DO, Q, K, V, DO, h, h // GROUP, m_start, 0, bcast_len, b * bcast_len, k_start,
                        k_len, k_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
