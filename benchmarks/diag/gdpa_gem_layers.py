@@ -23,6 +23,7 @@ import torch
 from benchmarks.common import bench_ms, environment, kernel_ms, offsets_of
 from opengem.models.presets import GEM_PRESETS
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
+from opengem.ops.triton import gdpa as triton_gdpa
 from opengem.train.bench.step import TrainBenchOptions, bench_config
 from opengem.train.data_stream import train_batches
 
@@ -102,7 +103,13 @@ def main() -> None:
                       f"{row['forward_ms']:.3f} ms, backward {row['backward_ms']:.3f} ms | {top}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "gdpa_gem_layers.json"
-    path.write_text(json.dumps({"benchmark": "gdpa_gem_layers", "environment": environment(), "rows": rows}, indent=1))
+    tuning = triton_gdpa.tuning_report()  # every candidate's time on these shapes, in this run
+    for entry in tuning:
+        if entry["pass"] == "dq" and not entry["broadcast_q"]:
+            timed = ", ".join(f"{label} {ms:.3f}" for label, ms in entry["candidates"].items() if ms is not None)
+            print(f"dq candidates (bucket_q {entry['bucket_q']}, fill {entry['fill']}): pick {entry['pick']} | {timed}")
+    payload = {"benchmark": "gdpa_gem_layers", "environment": environment(), "rows": rows, "tuning": tuning}
+    path.write_text(json.dumps(payload, indent=1))
     print(f"wrote {path}")
 
 

@@ -44,6 +44,11 @@ for tma in (True, False):  # both load paths of every jagged pass
                                          BROADCAST_Q=False, KV_RESIDENT=False, USE_TMA=tma, FAST_ACT=False), 8, 3)
     compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, BROADCAST_Q=False, USE_TMA=tma), 8, 2)
     compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, USE_TMA=tma), 8, 2)
+    # resident K/V: GEM's PFFN (32 keys, masked here for the mask path) and K/V 256 unmasked
+    compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=32, USE_TMA=tma, KV_RESIDENT=True, TILES=8),
+                 4, 3)
+    compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, MASKED=False, BLOCK_M=64, BLOCK_N=256, USE_TMA=tma,
+                                            KV_RESIDENT=True, TILES=16), 4, 2)
 for resident in (False, True):  # P quantized to MX-E4M3 (precision="mxfp8"): the hardware's E4M3 conversion
     ptx = compile_sm90(g.gdpa_fwd_kernel, dict(masks, MASKED=not resident, BLOCK_M=128, BLOCK_N=128 if resident else 64,
                                                TILES=2 if resident else 1, BROADCAST_Q=False, KV_RESIDENT=resident,

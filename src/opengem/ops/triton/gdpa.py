@@ -107,6 +107,10 @@ _FWD_RESIDENT = (Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4), Config(128, 0,
 # picked on every dK/dV key and 3 of 5 dQ keys of (a) L256 / L512 and (b) K/V 256 (session 23, 1-5% faster)
 _DKDV = (Config(64, 128, 8, 2), Config(64, 64, 4, 2), Config(32, 128, 8, 2), Config(32, 64, 4, 3))
 _DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2), Config(64, 32, 4, 3))
+# dQ with resident K/V (short K/V), query tiles pipelined as in the forward's resident candidates. sm_90, Triton 3.6:
+# at 32 keys (GEM's PFFN) 64 x 4 x 3 takes 135 registers, no spills, 90 KB of shared memory; at K/V 256 the 64-row
+# tile spills 600 B and the 128-row one exceeds shared memory (skipped by the tuner), so the key loop wins there
+_DQ_RESIDENT = (Config(64, 0, 4, 3, 8), Config(64, 0, 4, 2, 16), Config(128, 0, 8, 2, 4))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
 _INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
@@ -383,9 +387,7 @@ def gdpa_forward(
     lengths = _batch_lengths(q_offsets, k_offsets, args)
     masked = common["constexprs"]["MASKED"]
     interpret = interpreting()
-    kv_block = max(MX_BLOCK_KEYS if p_mx else 16, triton.next_power_of_2(max(args.max_len_k, 1)))
-    # resident K/V must leave shared memory for the pipelined Q tiles: at most 128 KiB for K plus V
-    resident_fits = args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * q.element_size() <= RESIDENT_KV_BYTES
+    kv_block, resident_fits = _resident_kv(args, head_dim, q.element_size(), MX_BLOCK_KEYS if p_mx else 16)
     kind = "causal_q" if masked and args.causal else "full"
     tma = _tma_possible("fwd", q, k, v)
 
@@ -417,6 +419,13 @@ def gdpa_forward(
         config = _tuned(_tune_key("fwd", q, k, args, common, lengths) + (resident_fits, p_mx), candidates, launch)
     launch(config)
     return out
+
+
+def _resident_kv(args: GdpaArgs, head_dim: int, element_size: int, min_block: int = 16) -> tuple[int, bool]:
+    """``(kv_block, fits)``: the key tile that holds a whole sample's K/V, and whether K plus V may stay resident in
+    shared memory (short K/V, at most 128 KiB for both, leaving room for the pipelined query tiles)."""
+    kv_block = max(min_block, triton.next_power_of_2(max(args.max_len_k, 1)))
+    return kv_block, args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * element_size <= RESIDENT_KV_BYTES
 
 
 def gdpa_backward(
@@ -459,34 +468,40 @@ def gdpa_backward(
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
         )
 
+    kv_block, resident_fits = _resident_kv(args, head_dim, q.element_size())
+    resident_fits = resident_fits and not args.broadcast_q  # the broadcast dQ has its own kernel
+
     def launch_dq(config: Config) -> None:
         if args.broadcast_q:
             _launch_dq_broadcast(config, grad_out, q, k, v, k_offsets, dq, args, common)
             return
-        work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, 1,
-                                    "causal_q" if masked and args.causal else "full", args.window or 0, str(q.device))
+        resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
+        block_m, block_n = config.block_m, kv_block if resident else config.block_n
+        tiles = config.tiles if resident else 1
+        kind = "causal_q" if masked and args.causal else "full"
+        work_b, work_t = _work_list(lengths.q, lengths.k, block_m, tiles, kind, args.window or 0, str(q.device))
         if work_b.numel() == 0:
             return
-        block_m, block_n = config.block_m, config.block_n
         descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
         gdpa_bwd_dq_kernel[(work_b.numel() * heads,)](
             q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
             *grad_out.stride()[:2], *dq.stride()[:2],
             heads, args.pre_scale, args.out_scale * args.pre_scale, *scalars,
-            GROUP=group, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma,
-            num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+            GROUP=group, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, KV_RESIDENT=resident,
+            TILES=tiles, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
         )
 
     if interpreting():
         launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv)[0])
-        launch_dq(_load_paths((_INTERPRET,), tma_dq, head_dim, masked)[0])
+        dq_config = _INTERPRET_RESIDENT if resident_fits else _INTERPRET
+        launch_dq(_load_paths((dq_config,), tma_dq, head_dim, masked, kv_block)[0])
     else:
         # dK/dV loads its key tile through pointers, so every tile of it stays right on TMA (tma_tile_safe)
         dkdv_key = _tune_key("dkdv", q, k, args, common, lengths)
         launch_dkdv(_tuned(dkdv_key, _load_paths(_DKDV, tma_dkdv), launch_dkdv))
-        dq_candidates = _load_paths(_DQ, tma_dq, head_dim, masked)
-        launch_dq(_tuned(_tune_key("dq", q, k, args, common, lengths), dq_candidates, launch_dq))
+        dq_candidates = _load_paths((*_DQ_RESIDENT, *_DQ) if resident_fits else _DQ, tma_dq, head_dim, masked, kv_block)
+        launch_dq(_tuned(_tune_key("dq", q, k, args, common, lengths) + (resident_fits,), dq_candidates, launch_dq))
     return dq, dk, dv
 
 
