@@ -170,6 +170,20 @@ def test_every_tuning_candidate(monkeypatch, max_len, forward, head_dim, loads):
         monkeypatch.undo()
 
 
+@pytest.mark.parametrize("loads", ["fwd,dkdv,dq", "none"])
+@pytest.mark.parametrize("index", range(len(triton_gdpa._DQ_RESIDENT)))
+def test_every_resident_kv_dq_candidate(monkeypatch, index, loads):
+    """Each resident-K/V dQ candidate alone on each load path, on short-K/V cross-attention (GEM's PFFN shape: long
+    jagged Q, 32 keys a sample, a sample without keys) and masked self-attention over K/V of up to 64."""
+    monkeypatch.setattr(triton_gdpa, "TMA_PASSES", triton_gdpa._tma_passes(loads))
+    monkeypatch.setattr(triton_gdpa, "_DQ_RESIDENT", (triton_gdpa._DQ_RESIDENT[index],))
+    monkeypatch.setattr(triton_gdpa, "_DQ", ())  # no key-loop fallback: the resident candidate must run
+    _check([700, 1, 50, 129, 2100], [32, 32, 0, 32, 32], activation="silu", pre_scale=0.09, seed=index)
+    lengths = [64, 1, 0, 57, 40]  # key tiles of 64: masked TMA tiles are right where BLOCK_N != D
+    targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
+    _check(lengths, lengths, activation="fast_gelu", mask={"causal": True, "num_targets": targets}, seed=index)
+
+
 @pytest.mark.parametrize("seeds", [None, 16])
 def test_packed_kv_gradient_equals_the_stacked_one(seeds):
     """Seed pooling and self-attention over one [Tk, 2, H, D] K/V projection: the kernels write dK and dV into one

@@ -108,9 +108,11 @@ _FWD_RESIDENT = (Config(128, 0, 8, 2, 2), Config(64, 0, 4, 3, 4), Config(128, 0,
 _DKDV = (Config(64, 128, 8, 2), Config(64, 64, 4, 2), Config(32, 128, 8, 2), Config(32, 64, 4, 3))
 _DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2), Config(64, 32, 4, 3))
 # dQ with resident K/V (short K/V), query tiles pipelined as in the forward's resident candidates. sm_90, Triton 3.6:
-# at 32 keys (GEM's PFFN) 64 x 4 x 3 takes 135 registers, no spills, 90 KB of shared memory; at K/V 256 the 64-row
-# tile spills 600 B and the 128-row one exceeds shared memory (skipped by the tuner), so the key loop wins there
-_DQ_RESIDENT = (Config(64, 0, 4, 3, 8), Config(64, 0, 4, 2, 16), Config(128, 0, 8, 2, 4))
+# at 32 keys (GEM's PFFN) 64 x 4 x 3 takes 135 registers, no spills, 90 KB of shared memory. H200, session 30, same
+# run: 0.19-0.22 ms against 0.30-0.35 for the best key loop on gem-large's PFFN dQ, 1.197 against 1.838 ms on (b)
+# K/V 128; at K/V 256 the 64-row tile spills ~600 B and the key loop wins (2.62 ms against 4.21). A 128-row resident
+# tile (8 warps, 4 tiles) lost everywhere (0.25-0.33, 1.556, 3.538 ms) and is not a candidate.
+_DQ_RESIDENT = (Config(64, 0, 4, 3, 8), Config(64, 0, 4, 2, 16))
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
 _INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
