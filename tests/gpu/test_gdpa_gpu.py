@@ -180,8 +180,20 @@ def test_every_resident_kv_dq_candidate(monkeypatch, index, loads):
     monkeypatch.setattr(triton_gdpa, "_DQ", ())  # no key-loop fallback: the resident candidate must run
     _check([700, 1, 50, 129, 2100], [32, 32, 0, 32, 32], activation="silu", pre_scale=0.09, seed=index)
     lengths = [64, 1, 0, 57, 40]  # key tiles of 64: masked TMA tiles are right where BLOCK_N != D
-    targets = torch.tensor([7, 0, 0, 64, 3], device=DEVICE)
+    targets = torch.tensor([7, 0, 0, 30, 3], device=DEVICE)
     _check(lengths, lengths, activation="fast_gelu", mask={"causal": True, "num_targets": targets}, seed=index)
+
+
+@pytest.mark.parametrize("index", range(len(triton_gdpa._DKDV_SHORT_Q)))
+def test_every_short_query_dkdv_candidate(monkeypatch, index):
+    """Each broadcast-Q dK/dV candidate for short query sides alone (seed pooling: 16 and 64 seeds over jagged K/V,
+    an empty sample and one longer than a program's key tiles), GQA and per-head activations."""
+    monkeypatch.setattr(triton_gdpa, "_DKDV_SHORT_Q", (triton_gdpa._DKDV_SHORT_Q[index],))
+    monkeypatch.setattr(triton_gdpa, "_DKDV", ())  # no fallback: the short-query candidate must run
+    k_lengths = [4096, 0, 1, 700, 129]
+    _check([], k_lengths, seeds=16, activation="silu", seed=index)
+    _check([], k_lengths, seeds=64, heads=4, kv_heads=2, head_activations=["silu", "fast_gelu", "gelu", "relu2"],
+           seed=index)
 
 
 @pytest.mark.parametrize("seeds", [None, 16])

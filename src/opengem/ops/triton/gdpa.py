@@ -41,6 +41,7 @@ import triton.testing
 from opengem.jagged.host import offsets_summary, to_device
 from opengem.ops.triton.gdpa_kernels import (
     gdpa_bwd_dkdv_kernel,
+    gdpa_bwd_dkdv_short_q_kernel,
     gdpa_bwd_dq_broadcast_kernel,
     gdpa_bwd_dq_kernel,
     gdpa_fwd_kernel,
@@ -113,9 +114,15 @@ _DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2), Conf
 # K/V 128; at K/V 256 the 64-row tile spills ~600 B and the key loop wins (2.62 ms against 4.21). A 128-row resident
 # tile (8 warps, 4 tiles) lost everywhere (0.25-0.33, 1.556, 3.538 ms) and is not a candidate.
 _DQ_RESIDENT = (Config(64, 0, 4, 3, 8), Config(64, 0, 4, 2, 16))
+# broadcast-Q dK/dV when the shared queries fit one tile (block_m 0: the queries' own tile of up to SHORT_Q_MAX rows;
+# seed pooling's 16 seeds), pointer loads, ``tiles`` key tiles a program
+_DKDV_SHORT_Q = (Config(0, 64, 4, 3, 8, pointer_loads=True), Config(0, 128, 8, 2, 4, pointer_loads=True),
+                 Config(0, 64, 4, 2, 16, pointer_loads=True))
+SHORT_Q_MAX = 64
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
 _INTERPRET_RESIDENT = Config(16, 0, 1, 1, 2)
+_INTERPRET_SHORT_Q = Config(0, 16, 1, 1, 2, pointer_loads=True)
 _INTERPRET_MX = Config(16, 32, 1, 1, 2)  # P's MX blocks of 32 keys need key tiles of 32 or more
 MX_BLOCK_KEYS = 32
 
@@ -216,9 +223,10 @@ def _register_cap(config: Config) -> dict:
 
 def _label(config: Config) -> str:
     block_n = "resident" if config.block_n == 0 else config.block_n
+    block_m = "shortq" if config.block_m == 0 else config.block_m
     loads = "ptr" if config.pointer_loads else "tma"
     cap = f"_r{config.max_registers}" if config.max_registers else ""
-    return f"m{config.block_m}_n{block_n}_w{config.num_warps}_s{config.num_stages}_t{config.tiles}{cap}_{loads}"
+    return f"m{block_m}_n{block_n}_w{config.num_warps}_s{config.num_stages}_t{config.tiles}{cap}_{loads}"
 
 
 def fast_activations() -> bool:
@@ -454,7 +462,13 @@ def gdpa_backward(
     tma_dkdv = _tma_possible("dkdv", q, grad_out)
     tma_dq = not args.broadcast_q and _tma_possible("dq", q, k, v, grad_out)  # broadcast-Q dQ: pointer loads
 
+    q_block = max(16, triton.next_power_of_2(max(args.max_len_q, 1)))
+    short_q = args.broadcast_q and q_block <= SHORT_Q_MAX  # seed pooling: every sample's queries one tile
+
     def launch_dkdv(config: Config) -> None:
+        if config.block_m == 0:  # the short-query candidates: key tiles pipelined against one query tile
+            launch_dkdv_short_q(config)
+            return
         work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, 1,
                                     "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
         if work_b.numel() == 0:
@@ -468,6 +482,20 @@ def gdpa_backward(
             kv_heads, args.pre_scale, args.out_scale, *scalars, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+        )
+
+    def launch_dkdv_short_q(config: Config) -> None:
+        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device))
+        if work_b.numel() == 0:
+            return
+        gdpa_bwd_dkdv_short_q_kernel[(work_b.numel() * kv_heads,)](
+            q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["head_act"], work_b, work_t,
+            *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
+            *grad_out.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
+            kv_heads, args.pre_scale, args.out_scale, _broadcast_len(q, args),
+            GROUP=group, D=head_dim, BLOCK_M=q_block, BLOCK_N=config.block_n, TILES=config.tiles,
+            ACT=common["constexprs"]["ACT"], BROADCAST_Q=args.broadcast_q, PRECISION=common["constexprs"]["PRECISION"],
+            FAST_ACT=common["constexprs"]["FAST_ACT"], num_warps=config.num_warps, num_stages=config.num_stages,
         )
 
     kv_block, resident_fits = _resident_kv(args, head_dim, q.element_size())
@@ -495,13 +523,14 @@ def gdpa_backward(
         )
 
     if interpreting():
-        launch_dkdv(_load_paths((_INTERPRET,), tma_dkdv)[0])
+        launch_dkdv(_INTERPRET_SHORT_Q if short_q else _load_paths((_INTERPRET,), tma_dkdv)[0])
         dq_config = _INTERPRET_RESIDENT if resident_fits else _INTERPRET
         launch_dq(_load_paths((dq_config,), tma_dq, head_dim, masked, kv_block)[0])
     else:
         # dK/dV loads its key tile through pointers, so every tile of it stays right on TMA (tma_tile_safe)
-        dkdv_key = _tune_key("dkdv", q, k, args, common, lengths)
-        launch_dkdv(_tuned(dkdv_key, _load_paths(_DKDV, tma_dkdv), launch_dkdv))
+        dkdv_key = _tune_key("dkdv", q, k, args, common, lengths) + (short_q,)
+        dkdv_candidates = (*_DKDV_SHORT_Q, *_load_paths(_DKDV, tma_dkdv)) if short_q else _load_paths(_DKDV, tma_dkdv)
+        launch_dkdv(_tuned(dkdv_key, dkdv_candidates, launch_dkdv))
         dq_candidates = _load_paths((*_DQ_RESIDENT, *_DQ) if resident_fits else _DQ, tma_dq, head_dim, masked, kv_block)
         launch_dq(_tuned(_tune_key("dq", q, k, args, common, lengths) + (resident_fits,), dq_candidates, launch_dq))
     return dq, dk, dv

@@ -259,6 +259,59 @@ def gdpa_bwd_dkdv_kernel(
 
 
 @triton.jit
+def gdpa_bwd_dkdv_short_q_kernel(
+    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, HEAD_ACT, WORK_B, WORK_T,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
+    stride_dkt, stride_dkh, stride_dvt, stride_dvh,
+    num_kv_heads, pre_scale, out_scale, bcast_len,
+    GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
+    ACT: tl.constexpr, BROADCAST_Q: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
+):
+    """dK/dV where every sample's queries fit one tile of ``BLOCK_M`` rows (seed pooling's broadcast queries), no
+    mask: one program per (sample, ``TILES`` key tiles, K/V head), each key tile finished in one step, so the loop
+    over key tiles has no inner loop and Triton pipelines its K/V loads (one key tile a program, as
+    ``gdpa_bwd_dkdv_kernel`` runs it, left gem-large's pooling dK/dV at ~55% of the copy bandwidth, session 30)."""
+    pid = tl.program_id(0)
+    hk = pid % num_kv_heads
+    item = pid // num_kv_heads
+    b = tl.load(WORK_B + item)
+    first_tile = tl.load(WORK_T + item)
+    q_start, q_len, o_start, k_start, k_len, hist_len = _sample_bounds(Q_OFF, K_OFF, K_OFF, b, bcast_len, False,
+                                                                       BROADCAST_Q)
+    offs_d = tl.arange(0, D)
+    offs_m = tl.arange(0, BLOCK_M)
+    n_stop = tl.minimum((first_tile + TILES) * BLOCK_N, k_len)
+    for n_start in range(first_tile * BLOCK_N, n_stop, BLOCK_N):
+        offs_n = n_start + tl.arange(0, BLOCK_N)
+        row_ok = offs_n[:, None] < k_len
+        rows = (k_start + offs_n[:, None]).to(tl.int64)
+        k = tl.load(K + rows * stride_kt + hk * stride_kh + offs_d[None, :], mask=row_ok, other=0.0)
+        v = tl.load(V + rows * stride_vt + hk * stride_vh + offs_d[None, :], mask=row_ok, other=0.0)
+        dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+        dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+        for g in tl.static_range(GROUP):
+            h = hk * GROUP + g
+            if ACT >= 0:  # one activation for all heads: folded at compile time
+                act = ACT
+            else:
+                act = tl.load(HEAD_ACT + h)
+            # the sample's queries and output gradients: one tile, read from L2 by every key tile
+            qt = tl.load(Q + (q_start + offs_m[None, :]).to(tl.int64) * stride_qt + h * stride_qh + offs_d[:, None],
+                         mask=offs_m[None, :] < q_len, other=0.0)
+            do = tl.load(DO + (o_start + offs_m[:, None]).to(tl.int64) * stride_dot + h * stride_doh + offs_d[None, :],
+                         mask=offs_m[:, None] < q_len, other=0.0)
+            xt = tl.dot(k, qt, input_precision=PRECISION) * pre_scale  # [BLOCK_N, BLOCK_M]
+            pt, dphit = activation_value_and_grad(xt, act, FAST_ACT)
+            dxt = tl.dot(v, tl.trans(do), input_precision=PRECISION) * dphit
+            dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
+            dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
+        tl.store(DK + rows * stride_dkt + hk * stride_dkh + offs_d[None, :],
+                 (dk * (out_scale * pre_scale)).to(DK.dtype.element_ty), mask=row_ok)
+        tl.store(DV + rows * stride_dvt + hk * stride_dvh + offs_d[None, :],
+                 (dv * out_scale).to(DV.dtype.element_ty), mask=row_ok)
+
+
+@triton.jit
 def _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, hk, m_start, q_start, q_len, o_start, k_start,
              k_len, hist_len, act, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot,
              stride_doh, pre_scale, contextual_len, window,
