@@ -222,6 +222,32 @@ def test_triton_broadcast_q_and_deterministic_dq(max_len_k, k_lengths):
     assert torch.equal(grads[0], again[0])
 
 
+@pytest.mark.parametrize("seeds", [18, 70])  # the short-query dK/dV kernel (<= 64 seeds), then the generic one
+def test_triton_broadcast_q_dkdv_kernels(monkeypatch, seeds):
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    launched = []
+    for name in ("gdpa_bwd_dkdv_kernel", "gdpa_bwd_dkdv_short_q_kernel"):
+        kernel = getattr(triton_gdpa, name)
+        monkeypatch.setattr(triton_gdpa, name, _Recorded(kernel, name, launched))
+    k_lengths = [40, 0, 1, 25]
+    q, k, v = _inputs([], k_lengths, heads=2, kv_heads=1, seeds=seeds)
+    k_offsets = _offsets(k_lengths)
+    _run_triton_and_reference(q, k, v, k_offsets, k_offsets, seeds, 40, ["silu", "gelu"], broadcast=True)
+    assert launched == ["gdpa_bwd_dkdv_short_q_kernel" if seeds <= 64 else "gdpa_bwd_dkdv_kernel"]
+
+
+class _Recorded:
+    """A Triton kernel whose launches (``kernel[grid](...)``) are recorded by name."""
+
+    def __init__(self, kernel, name: str, launched: list) -> None:
+        self.kernel, self.name, self.launched = kernel, name, launched
+
+    def __getitem__(self, grid):
+        self.launched.append(self.name)
+        return self.kernel[grid]
+
+
 def test_broadcast_dq_key_chunks_cover_each_sample_overlapping_them():
     # offsets 5, 45, 48, 48, 73: chunks of 30 rows from 5 -> [5, 35), [35, 65), [65, 95)
     chunks = key_chunks(np.array([40, 3, 0, 25], dtype=np.int64).tobytes(), 5, 30, 3, "cpu")

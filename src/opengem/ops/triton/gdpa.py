@@ -115,9 +115,11 @@ _DQ = (Config(128, 64, 8, 2), Config(64, 64, 4, 2), Config(128, 128, 8, 2), Conf
 # tile (8 warps, 4 tiles) lost everywhere (0.25-0.33, 1.556, 3.538 ms) and is not a candidate.
 _DQ_RESIDENT = (Config(64, 0, 4, 3, 8), Config(64, 0, 4, 2, 16))
 # broadcast-Q dK/dV when the shared queries fit one tile (block_m 0: the queries' own tile of up to SHORT_Q_MAX rows;
-# seed pooling's 16 seeds), pointer loads, ``tiles`` key tiles a program
-_DKDV_SHORT_Q = (Config(0, 64, 4, 3, 8, pointer_loads=True), Config(0, 128, 8, 2, 4, pointer_loads=True),
-                 Config(0, 64, 4, 2, 16, pointer_loads=True))
+# seed pooling's 16 seeds), pointer loads, ``tiles`` key tiles a program. H200, session 30, gem-large's pooling (16
+# seeds), same run: 0.254-0.292 ms against 0.368-0.438 for the best generic dK/dV (1.45-1.50x). 64 x 4 x 3 x 8 tiles
+# (255 registers, spills) and 128 x 8 x 2 x 4 (180-230 KB of shared memory, over the limit at 64 seeds) were slower
+# on every key and are not candidates; this one fits at up to 64 seeds (<= 205 KB, sm_90 static count).
+_DKDV_SHORT_Q = (Config(0, 64, 4, 2, 16, pointer_loads=True),)
 SHORT_Q_MAX = 64
 # the interpreter runs on CPU: one small config that still exercises multi-tile loops (block_n 0: resident K/V)
 _INTERPRET = Config(16, 16, 1, 1, 2)
