@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from benchmarks.sass import COUNTED, cost_columns, launch_signature, sass_cost, with_constexpr_defaults
+from benchmarks.sass import COUNTED, cost_columns, jit_function, launch_signature, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import gdpa as host
 from opengem.ops.triton import gdpa_kernels as kernels
 
@@ -43,6 +43,13 @@ def _variants():
         for config in configs:
             yield name, f"{config.block_m}x{config.block_n}", kernel, dict(
                 UNMASKED, BLOCK_M=config.block_m, BLOCK_N=config.block_n, **extra), config
+    for config in host._DQ_RESIDENT:  # GEM's PFFN: 32 keys a sample, resident
+        yield "dq", f"{config.block_m}x32 resident tiles {config.tiles}", kernels.gdpa_bwd_dq_kernel, dict(
+            UNMASKED, BLOCK_M=config.block_m, BLOCK_N=32, KV_RESIDENT=True, TILES=config.tiles), config
+    for config in host._DKDV_SHORT_Q:  # seed pooling: 16 broadcast seeds, one query tile (pointer loads only)
+        yield "dkdv", f"16 seeds x{config.block_n} tiles {config.tiles}", kernels.gdpa_bwd_dkdv_short_q_kernel, dict(
+            GROUP=1, D=D, ACT=3, PRECISION="tf32", FAST_ACT=True, BLOCK_M=16, BLOCK_N=config.block_n,
+            TILES=config.tiles, BROADCAST_Q=True), config
 
 
 def main() -> None:
@@ -52,8 +59,9 @@ def main() -> None:
           "replicated dots | SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
     for name, label, kernel, constants, config in _variants():
         base = None
-        for tma in (False, True):
-            consts = with_constexpr_defaults(kernel, dict(constants, USE_TMA=tma))
+        has_tma = "USE_TMA" in jit_function(kernel).arg_names
+        for tma in (False, True) if has_tma else (False,):
+            consts = with_constexpr_defaults(kernel, dict(constants, USE_TMA=tma) if has_tma else constants)
             cost = sass_cost(kernel, signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)
             base = base or cost["instructions"]
             counts = " | ".join(str(cost[op]) for op in COUNTED)
