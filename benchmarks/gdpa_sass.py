@@ -28,6 +28,11 @@ def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
                             {"pre_scale", "out_scale", "dq_scale"})
 
 
+def has_tma_path(kernel) -> bool:
+    """Whether the kernel loads through TMA descriptors under ``USE_TMA`` (the short-query dK/dV has pointers only)."""
+    return "USE_TMA" in jit_function(kernel).arg_names
+
+
 def _variants():
     """(pass, label, kernel, constants, config) of every GPU tuning candidate."""
     for config in host._FWD_RESIDENT + host._FWD:
@@ -59,7 +64,7 @@ def main() -> None:
           "replicated dots | SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
     for name, label, kernel, constants, config in _variants():
         base = None
-        has_tma = "USE_TMA" in jit_function(kernel).arg_names
+        has_tma = has_tma_path(kernel)
         for tma in (False, True) if has_tma else (False,):
             consts = with_constexpr_defaults(kernel, dict(constants, USE_TMA=tma) if has_tma else constants)
             cost = sass_cost(kernel, signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)

@@ -88,7 +88,7 @@ def test_compiles_with_a_symbolic_head_count():
 _NO_REPLICATION_SCRIPT = r"""
 import triton
 from triton.compiler import ASTSource
-from benchmarks.gdpa_sass import UNMASKED, _variants, signature
+from benchmarks.gdpa_sass import UNMASKED, _variants, has_tma_path, signature
 from benchmarks.sass import TARGET, jit_function, replicated_dots, with_constexpr_defaults
 from opengem.ops.triton import gdpa_kernels as g
 
@@ -103,7 +103,7 @@ def ttgir(kernel, constants, num_warps, num_stages):
 control = dict(UNMASKED, BLOCK_M=64, BLOCK_N=256, TILES=4, BROADCAST_Q=False, KV_RESIDENT=True, USE_TMA=True)
 assert replicated_dots(ttgir(g.gdpa_fwd_kernel, control, 8, 3)), "the control did not replicate"
 for name, label, kernel, constants, config in _variants():
-    if "USE_TMA" in jit_function(kernel).arg_names:  # the short-query dK/dV loads through pointers only
+    if has_tma_path(kernel):
         constants = dict(constants, USE_TMA=True)
     found = replicated_dots(ttgir(kernel, constants, config.num_warps, config.num_stages))
     assert not found, (name, label, config, found)

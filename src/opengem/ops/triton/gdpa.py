@@ -433,10 +433,15 @@ def gdpa_forward(
     return out
 
 
+def _whole_sample_tile(max_len: int, min_block: int = 16) -> int:
+    """Rows of a tile that holds a whole sample's ``max_len`` rows (a power of two, at least ``min_block``)."""
+    return max(min_block, triton.next_power_of_2(max(max_len, 1)))
+
+
 def _resident_kv(args: GdpaArgs, head_dim: int, element_size: int, min_block: int = 16) -> tuple[int, bool]:
     """``(kv_block, fits)``: the key tile that holds a whole sample's K/V, and whether K plus V may stay resident in
     shared memory (short K/V, at most 128 KiB for both, leaving room for the pipelined query tiles)."""
-    kv_block = max(min_block, triton.next_power_of_2(max(args.max_len_k, 1)))
+    kv_block = _whole_sample_tile(args.max_len_k, min_block)
     return kv_block, args.max_len_k <= SHORT_KV_MAX and 2 * kv_block * head_dim * element_size <= RESIDENT_KV_BYTES
 
 
@@ -464,7 +469,7 @@ def gdpa_backward(
     tma_dkdv = _tma_possible("dkdv", q, grad_out)
     tma_dq = not args.broadcast_q and _tma_possible("dq", q, k, v, grad_out)  # broadcast-Q dQ: pointer loads
 
-    q_block = max(16, triton.next_power_of_2(max(args.max_len_q, 1)))
+    q_block = _whole_sample_tile(args.max_len_q)
     short_q = args.broadcast_q and q_block <= SHORT_Q_MAX  # seed pooling: every sample's queries one tile
 
     def launch_dkdv(config: Config) -> None:
@@ -505,7 +510,7 @@ def gdpa_backward(
 
     def launch_dq(config: Config) -> None:
         if args.broadcast_q:
-            _launch_dq_broadcast(config, grad_out, q, k, v, k_offsets, dq, args, common)
+            _launch_dq_broadcast(config, grad_out, q, k, v, k_offsets, lengths.k, dq, args, common)
             return
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_m, block_n = config.block_m, kv_block if resident else config.block_n
@@ -551,11 +556,12 @@ def _launch_dq_broadcast(
     k: torch.Tensor,
     v: torch.Tensor,
     k_offsets: torch.Tensor,
+    k_lengths: bytes,
     dq: torch.Tensor,
     args: GdpaArgs,
     common: dict,
 ) -> None:
-    """Broadcast-Q dQ: per-chunk fp32 partial sums over equal ranges of the flat key rows, then one ``torch.sum``
+    """``k_lengths``: the samples' key lengths as int64 bytes (``BatchLengths.k``). Broadcast-Q dQ: per-chunk fp32 partial sums over equal ranges of the flat key rows, then one ``torch.sum``
     over the chunks. The chunking depends only on shapes, the config and the device, and neither step uses
     atomics, so dQ is bitwise reproducible. (Chunks of equal sample counts left gem-large's pooling dQ waiting on
     the chunk holding its longest sample: 0.27-0.30 ms against 0.13-0.15 for the same tokens in equal-length
@@ -570,7 +576,7 @@ def _launch_dq_broadcast(
     target = max(1, triton.cdiv(4 * _num_sms(q.device), num_q_tiles * heads))
     keys_per_chunk = max(config.block_n, triton.cdiv(tokens, target))
     chunks = triton.cdiv(tokens, keys_per_chunk)
-    chunk_samples = key_chunks(summary.lengths.tobytes(), summary.first, keys_per_chunk, chunks, str(q.device))
+    chunk_samples = key_chunks(k_lengths, summary.first, keys_per_chunk, chunks, str(q.device))
     partial = torch.empty((chunks, seeds, heads, head_dim), dtype=torch.float32, device=q.device)
     gdpa_bwd_dq_broadcast_kernel[(chunks * num_q_tiles * heads,)](
         q, k, v, grad_out, partial, k_offsets, common["head_act"], chunk_samples,
