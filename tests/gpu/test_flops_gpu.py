@@ -49,6 +49,13 @@ def test_bench_train_on_the_gpu(tmp_path):
     device_ms = sum(v for k, v in phases.items() if k not in ("data", "idle"))
     assert device_ms <= 1.05 * results["profiled_step_ms"]
     assert phases["unattributed"] <= 0.1 * device_ms  # Triton launches are linked to their ops too
+    # the replayed batches' kernel time fits inside their timed laps (idle >= 0, up to the profiler's own timing)
+    kernel_ms = sum(payload["kernel_families_ms"].values())
+    assert results["gpu_idle_ms_timed"] == pytest.approx(results["timed_ms_of_profiled_batches"] - kernel_ms)
+    assert results["gpu_idle_ms_timed"] > -0.05 * results["timed_ms_of_profiled_batches"]
+    gaps = payload["idle_gaps"]
+    assert 0 <= gaps["spacing_ms_per_step"] <= gaps["idle_ms_per_step"] < results["profiled_step_ms"]
+    assert all(g["ms_per_step"] > 0 and g["after"] and g["before"] for g in gaps["gaps"])
 
 
 def test_bench_layers_on_the_gpu(tmp_path):

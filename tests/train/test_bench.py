@@ -64,6 +64,9 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["steps_that_tuned"] == 0  # nothing tunes on the CPU: every lap counts as untuned
     assert results["step_ms_untuned"] == pytest.approx(sum(each) / 3)
     assert results["mfu_untuned"] == pytest.approx(results["mfu"] * results["step_ms"] / results["step_ms_untuned"])
+    # the profiled steps replay the window's first 2 batches; their timed laps are what the kernel time is set against
+    assert results["timed_ms_of_profiled_batches"] == pytest.approx(sum(each[:2]) / 2)
+    assert results["gpu_idle_ms_timed"] is None and payload["idle_gaps"] == {}  # CPU: no kernels
 
 
 def test_window_timer_laps_split_the_window(monkeypatch):
@@ -117,8 +120,9 @@ def test_timed_steps_replay_batches_the_warm_up_ran(monkeypatch, tmp_path):
     assert main(argv) == 0
     # warm-up (CPU: no extra tuning steps), the restarted loader's lead step, window, profiled step
     assert len(seen) == (2 + 1 + 3) + 1 + 3 + 1
-    warm, lead, timed = seen[:6], seen[6], seen[7:10]
+    warm, lead, timed, profiled = seen[:6], seen[6], seen[7:10], seen[10]
     assert lead == warm[0] and timed == warm[1:4] and len(set(timed)) == 3
+    assert profiled == timed[0]  # the profiled step replays the window's first batch: its kernel time is that one's
 
 
 def test_bench_train_reports_the_scaling_ratio(train_result):
@@ -382,6 +386,38 @@ def test_gpu_time_by_kernel_family():
     ranked = top_kernels(events + [kernel("_dq_kernel", 50, 55)], steps=2, count=2)
     assert ranked == [{"name": "nvjet_sm90_x", "family": "gemm", "ms_per_step": 0.015, "calls_per_step": 0.5},
                       {"name": "_dq_kernel", "family": "attention", "ms_per_step": 0.0075, "calls_per_step": 1.0}]
+
+
+def test_idle_gaps_name_the_kernels_the_gpu_waited_between():
+    """Gaps between device work, per step: short ones are launch spacing, longer ones are ranked by the (previous,
+    next) kernel pair; work that overlaps (another stream) leaves no gap, and a kernel listed twice counts once."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    from opengem.train.bench.kernels import idle_gaps
+
+    def kernel(name, start, end):
+        return FunctionEvent(0, name, 7, start, end, device_type=DeviceType.CUDA)
+
+    events = [kernel("a", 0, 100), kernel("b", 102, 200), kernel("b", 102, 200),  # 2 us: spacing
+              kernel("c", 150, 300),  # overlaps b: no gap, and it ends last
+              kernel("d", 340, 400),  # 40 us after c
+              kernel("e", 405, 500),  # 5 us: spacing
+              kernel("d", 600, 700),  # 100 us after e
+              kernel("c", 720, 800), kernel("d", 840, 900)]  # 20 us after d, then 40 us after c
+    gaps = idle_gaps(events, steps=2, min_gap_us=10, count=2)
+    assert gaps["idle_ms_per_step"] == pytest.approx((2 + 40 + 5 + 100 + 20 + 40) / 1e3 / 2)
+    assert gaps["spacing_ms_per_step"] == pytest.approx(7 / 1e3 / 2)
+    assert gaps["gaps"] == [
+        {"after": "e", "before": "d", "ms_per_step": pytest.approx(0.05), "gaps_per_step": 0.5},
+        {"after": "c", "before": "d", "ms_per_step": pytest.approx(0.04), "gaps_per_step": 1.0},
+    ]  # (d -> c, 20 us) is third: left out by count
+    assert idle_gaps([], steps=1)["gaps"] == []
+
+
+def test_profiled_steps_cannot_outnumber_the_window():
+    with pytest.raises(ValueError, match="profile_steps"):
+        TrainBenchOptions(preset="gem-tiny", steps=2, profile_steps=3)
 
 
 def test_bench_train_records_the_recipe_an_override_sets(tmp_path):

@@ -98,3 +98,40 @@ def top_kernels(events: Iterable[FunctionEvent], steps: int, count: int = 25) ->
     ranked = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:count]
     return [{"name": name, "family": kernel_family(name), "ms_per_step": us / 1e3 / steps, "calls_per_step": calls / steps}
             for name, (us, calls) in ranked]
+
+
+def idle_gaps(
+    events: Iterable[FunctionEvent], steps: int, min_gap_us: float = 10.0, count: int = 10
+) -> dict[str, object]:
+    """Where the GPU waits between the first and the last device work of the profiled steps, per step.
+
+    ``idle_ms_per_step``: every gap; ``spacing_ms_per_step``: the part in gaps shorter than ``min_gap_us`` (the
+    launch-to-launch spacing of a queue the host keeps full, ~1 us a kernel); ``gaps``: the ``count`` costliest
+    (previous kernel, next kernel) pairs among the longer gaps, where the host or a synchronization held the next
+    kernel back. The profiler slows the host, so these overstate the timed steps' gaps; they say where, not how much.
+    """
+    work = sorted(device_work(events), key=lambda item: (item[1], item[2]))
+    idle = spacing = 0.0
+    pairs: dict[tuple[str, str], list[float]] = {}
+    if work:
+        previous, busy_until = work[0][0], work[0][2]
+        for name, start, end in work[1:]:
+            gap = start - busy_until
+            if gap > 0:
+                idle += gap
+                if gap < min_gap_us:
+                    spacing += gap
+                else:
+                    entry = pairs.setdefault((previous, name), [0.0, 0])
+                    entry[0] += gap
+                    entry[1] += 1
+            if end >= busy_until:
+                previous, busy_until = name, end
+    ranked = sorted(pairs.items(), key=lambda item: item[1][0], reverse=True)[:count]
+    return {
+        "idle_ms_per_step": idle / 1e3 / steps,
+        "spacing_ms_per_step": spacing / 1e3 / steps,
+        "min_gap_us": min_gap_us,
+        "gaps": [{"after": after, "before": before, "ms_per_step": us / 1e3 / steps, "gaps_per_step": n / steps}
+                 for (after, before), (us, n) in ranked],
+    }

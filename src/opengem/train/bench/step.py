@@ -4,18 +4,21 @@ The learner is built exactly as the trainer builds it (``build_learner``, the GE
 preset) and fed by the trainer's data stream. After ``warmup`` steps and one run of the window's own
 batches (so that no batch shape in the window is met for the first time), ``steps`` steps run between two
 timing points (CUDA events; the only synchronization of the window is at its end). FLOPs are the
-analytic count of the batches actually drawn (`opengem.train.flops`). Then a few more steps run under
-the profiler for the phase split (`opengem.train.bench.phases`), and the data stream runs alone to
+analytic count of the batches actually drawn (`opengem.train.flops`). Then the window's first few batches
+run again under the profiler for the phase split (`opengem.train.bench.phases`), their kernel time and
+where the GPU waited (`opengem.train.bench.kernels`), and the data stream runs alone to
 check that the loader outpaces the step (GEM issue 10: >= 2x).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import statistics
 import sys
 import time
 from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +29,7 @@ from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_traced import compile_path
-from opengem.train.bench.kernels import family_split_us, top_kernels
+from opengem.train.bench.kernels import family_split_us, idle_gaps, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import allocator_counts, events_report, host_events
@@ -66,6 +69,8 @@ class TrainBenchOptions:
         for name in ("warmup", "lead_steps", "max_tuning_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.profile_steps > self.steps:  # the profiled steps replay the window's first batches
+            raise ValueError(f"profile_steps ({self.profile_steps}) must be <= steps ({self.steps})")
         if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.low_precision_mlp not in LOW_PRECISION_MLPS:
@@ -146,9 +151,14 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     step_ms = 1e3 * elapsed / options.steps
     _progress(f"timed {options.steps} steps: {step_ms:.2f} ms each")
 
-    phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, stream, device, options.profile_steps,
-                                                                        options.trace)  # fmt: skip
-    stream = None  # stops its loader workers before the loader runs alone
+    stream = None  # stops its loader workers
+    # The profiled steps replay the window's first batches: the kernel time of the very batches timed there. The
+    # window's steps range 235-325 ms on gem-large (their token counts differ), so the kernel time of other
+    # batches set against the window's mean says little about the GPU's idle time.
+    replay = _started(train_batches(config, start_step=options.lead_steps))
+    phases_ms, families_ms, kernels, gaps, profiled_step_ms = _profile_phases(learner, replay, device,
+                                                                              options.profile_steps, options.trace)
+    replay = None
     _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
 
@@ -185,8 +195,11 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "loader_samples_per_s": loader_samples_per_s,
         "loader_over_step_rate": loader_samples_per_s * elapsed / samples,
         "profiled_step_ms": profiled_step_ms,
-        # the profiler slows the host, so its "idle" overstates the timed steps' idle: this is the timed one
-        "gpu_idle_ms_timed": step_ms - sum(families_ms.values()) if families_ms else None,
+        # the profiler slows the host, so its "idle" overstates the timed steps' idle: this is the timed one, the
+        # laps of the profiled (replayed) batches less their kernel time
+        "timed_ms_of_profiled_batches": statistics.fmean(laps_ms[:options.profile_steps]),
+        "gpu_idle_ms_timed": (statistics.fmean(laps_ms[:options.profile_steps]) - sum(families_ms.values())
+                              if families_ms else None),
         "last_loss": float(loss),
     }
     settings = {
@@ -215,6 +228,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "phases_ms": phases_ms,
         "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
         "top_kernels": kernels,  # the kernels with the most GPU time per step (empty on a CPU run)
+        "idle_gaps": gaps,  # where the GPU waited in the profiled steps (``kernels.idle_gaps``; empty on a CPU run)
     }
 
 
@@ -223,13 +237,19 @@ def _progress(message: str) -> None:
     print(f"bench train: {message}", file=sys.stderr, flush=True)
 
 
+def _started(stream: Iterator[Batch]) -> Iterator[Batch]:
+    """``stream`` with its first batch already fetched: a restarted loader's worker start-up is not profiled."""
+    first = next(stream)
+    return itertools.chain([first], stream)
+
+
 def _profile_phases(
-    learner: Learner, stream: Any, device: torch.device, steps: int, trace: Path | None = None
-) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], float]:
+    learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int, trace: Path | None = None
+) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], dict[str, object], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
-    per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (both CUDA only); and
-    the step time. ``trace``: where to write the profiled steps' timeline, to see what the GPU waits for."""
+    per step by kernel family (``opengem.train.bench.kernels``), its top kernels and its idle gaps (all
+    three CUDA only); and the step time. ``trace``: where to write the profiled steps' timeline."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
     learner.model = ForwardRange(model)
@@ -253,9 +273,9 @@ def _profile_phases(
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
     if device.type != "cuda":
-        return phases, {}, [], step_ms
+        return phases, {}, [], {}, step_ms
     families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()}
-    return phases, families, top_kernels(events, steps), step_ms
+    return phases, families, top_kernels(events, steps), idle_gaps(events, steps), step_ms
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
@@ -293,6 +313,23 @@ def format_scaling(results: dict[str, Any]) -> str:
             f"{results['scaling_ratio']:.2f}")
 
 
+def _format_idle(payload: dict[str, Any]) -> list[str]:
+    r, gaps = payload["results"], payload.get("idle_gaps")
+    if r.get("gpu_idle_ms_timed") is None:
+        return []
+    if "timed_ms_of_profiled_batches" not in r:  # before session 31: the window's mean less other batches' kernels
+        return [f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (timed step - kernel time)"]
+    lines = [f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (the profiled batches' timed laps, "
+             f"{r['timed_ms_of_profiled_batches']:.2f} ms, less their kernel time)"]
+    if gaps:
+        lines.append(f"  idle gaps in the profiled steps {gaps['idle_ms_per_step']:.2f} ms / step, "
+                     f"{gaps['spacing_ms_per_step']:.2f} of it in gaps under {gaps['min_gap_us']:g} us; the longer "
+                     "ones (ms / step, gaps / step, after -> before):")
+        lines += [f"    {g['ms_per_step']:>8.3f} {g['gaps_per_step']:>6.1f}  {g['after'][:50]} -> {g['before'][:50]}"
+                  for g in gaps["gaps"]]
+    return lines
+
+
 def format_report(payload: dict[str, Any]) -> str:
     r, s = payload["results"], payload["settings"]
 
@@ -328,8 +365,7 @@ def format_report(payload: dict[str, Any]) -> str:
         *(f"    {name:<16}{ms:>10.3f}" for name, ms in payload["phases_ms"].items()),
         *(["  GPU ms per step by kernel family:"] if payload.get("kernel_families_ms") else []),
         *(f"    {name:<18}{ms:>8.3f}" for name, ms in payload.get("kernel_families_ms", {}).items()),
-        *([f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (timed step - kernel time)"]
-          if r.get("gpu_idle_ms_timed") is not None else []),
+        *_format_idle(payload),
         *(["  top kernels (ms / step, calls / step):"] if payload.get("top_kernels") else []),
         *(f"    {k['ms_per_step']:>8.3f} {k['calls_per_step']:>6.1f}  {k['family']:<17} {k['name'][:90]}"
           for k in payload.get("top_kernels", [])),
