@@ -204,3 +204,30 @@ def test_curated_tile_shapes_the_autotuner_may_pick(poisoned_outputs, monkeypatc
         monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, *tiles)])
     lengths = [4100, 2, 1500, 129, 64, 63, 3001]
     _check_samples(lengths, range(len(lengths)), 1.5e-2, causal=True)
+
+
+@pytest.mark.parametrize("tiles", [((128, 64, 8, 3), (64, 128, 8, 3)), ((64, 64, 4, 3), (64, 64, 4, 2))])
+@pytest.mark.parametrize("mask", ["full_window", "all_options"])
+def test_backward_column_sums_on_both_schedule_tiles(poisoned_outputs, monkeypatch, tiles, mask):
+    """``backward_with_column_sums`` (a QKV bias's gradient from the kernels' fp32 tiles, the TMA path): the same
+    dq, dk, dv as ``backward`` and their column sums, on 128-row dQ / 128-key dK/dV tiles (each zeroing the second
+    64-row row of the sums buffer it covers) and on 64-row ones; the buffer starts as NaN. Twice: bitwise equal."""
+    from opengem.ops.triton import jagged_attention as kernels
+
+    (dq_tile, dkdv_tile) = tiles
+    monkeypatch.setattr(kernels._dq_kernel, "configs", [kernels.tile_config("dq", *dq_tile)])
+    monkeypatch.setattr(kernels._dkdv_kernel, "configs", [kernels.tile_config("dkdv", *dkdv_tile)])
+    lengths = [300, 0, 1, 129, 511, 64, 65]
+    q, k, v, dout, offsets = _batch(lengths, 4, 4, 128, torch.bfloat16, seed=7)
+    kwargs = _mask_kwargs(MASKS[mask], lengths)
+    opts = kernels.MaskOptions(kwargs["causal"], kwargs.get("contextual_len", 0), kwargs.get("window"))
+    pb = kernels.problem(offsets, kwargs.get("num_targets"), opts, 511, 128**-0.5, q.device)
+    out, lse = kernels.forward(q, k, v, pb)
+    got = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb)
+    again = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb)
+    want = kernels.backward(dout, q, k, v, out, lse, pb)
+    for g, a, w in zip(got[:3], again[:3], want):
+        assert torch.equal(g, w) and torch.equal(a, w)
+    assert torch.equal(got[3], again[3])
+    summed = torch.stack([g.float().sum(0) for g in want])  # the bf16-rounded gradients, summed in fp32
+    assert got[3].shape == (3, 4, 128) and _rel(got[3], summed) < 1e-2

@@ -371,6 +371,32 @@ def test_packed_qkv_equals_the_unbound_views(poisoned, backend, mask):
     torch.testing.assert_close(dqkv, torch.stack(want_grads, 1), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("tiles", ["tuned", "small"])
+@pytest.mark.parametrize("mask", ["full", "causal_window", "full_all_options"])
+def test_backward_column_sums_are_the_gradients_summed_over_tokens(poisoned, monkeypatch, tiles, mask):
+    """``backward_with_column_sums``: the same dq, dk, dv as ``backward``, and their sums over the tokens (a QKV
+    bias's gradient) from the kernels' tiles. The interpreter's tuned tiles span two 16-row schedule tiles (the
+    second's row of the sums buffer gets zeros); "small" forces 16-row tiles. The buffer starts as NaN: a row no
+    program writes would show."""
+    if tiles == "small":
+        for name, kernel in (("dq", kernels._dq_kernel), ("dkdv", kernels._dkdv_kernel)):
+            monkeypatch.setattr(kernel, "configs", [kernels.tile_config(name, 16, 16, 1, 1)])
+    kwargs = _mask_kwargs(MASKS[mask])
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=2, seed=4)
+    offsets = _offsets(LENGTHS)
+    opts = kernels.MaskOptions(kwargs.get("causal", True), kwargs.get("contextual_len", 0), kwargs.get("window"))
+    pb = kernels.problem(offsets, kwargs.get("num_targets"), opts, max(LENGTHS), 0.25, q.device)
+    out, lse = kernels.forward(q, k, v, pb)
+    dq, dk, dv, sums = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb)
+    want = kernels.backward(dout, q, k, v, out, lse, pb)
+    for got, expected in zip((dq, dk, dv), want):
+        torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert sums.shape == (3, 2, 16) and sums.dtype == torch.float32
+    torch.testing.assert_close(sums, torch.stack([g.sum(0) for g in want]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="column sums need as many k / v heads as q heads, got 2 and 1"):
+        kernels.backward_with_column_sums(dout, q, k[:, :1], v[:, :1], out, lse, pb)
+
+
 def test_packed_qkv_flops_compile_and_bad_shapes():
     lengths = [9, 0, 14]
     offsets = _offsets(lengths)

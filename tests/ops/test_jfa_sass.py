@@ -15,7 +15,7 @@ from benchmarks.sass import sass_cost, with_constexpr_defaults
 from opengem.ops.triton import jagged_attention as kernels
 
 gem_masks = dict(HEAD_DIM=128, GROUP=1, CAUSAL=True, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=True,
-                 SMALL=False, PRECISION="tf32", USE_TMA=True)
+                 SMALL=False, PRECISION="tf32", USE_TMA=True, COLUMN_SUMS=False)
 for name, (m, n, warps, stages) in (("dkdv", (32, 128, 8, 2)), ("dq", (64, 32, 4, 3))):
     kernel = kernels.KERNELS[name]
     constants = with_constexpr_defaults(kernel, dict(gem_masks, BLOCK_M=m, BLOCK_N=n))

@@ -83,6 +83,42 @@ def test_bf16_path_is_linear_then_packed_attention():
         torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+def test_bias_gradient_comes_from_the_attention_backward(monkeypatch, backend):
+    """The projection adds the bias without a gradient of its own; the packed op returns it (dqkv's column sums):
+    on the bf16 Triton path from the backward kernels' tiles (``backward_with_column_sums`` runs), elsewhere from
+    dqkv. x's and W's gradients are the unfused path's bit for bit, the bias's to fp32 summation order. Also
+    under ``torch.compile(fullgraph=True)``, and without a bias gradient when the bias needs none."""
+    from opengem.ops.triton import jagged_attention as kernels
+
+    calls = []
+    original = kernels.backward_with_column_sums
+    monkeypatch.setattr(kernels, "backward_with_column_sums", lambda *a, **k: (calls.append(1), original(*a, **k))[1])
+    x, weight, b, dout = _layer(seed=6)
+    offsets, kwargs = _offsets(LENGTHS), _mask_kwargs(MASKS["full_all_options"])
+
+    def fused(x, w, b):
+        return qkv_attention(x, w, b, offsets, 37, num_heads=HEADS, backend=backend, **kwargs)
+
+    def unfused(x, w, b):
+        qkv = torch.nn.functional.linear(x, w, b).view(-1, 3, HEADS, HEAD_DIM)
+        return jagged_attention_packed(qkv, offsets, 37, backend=backend, **kwargs)
+
+    want_out, (want_dx, want_dw, want_db) = _grads(unfused, x, weight, b, dout)
+    for fn in (fused, torch.compile(fused, fullgraph=True, backend="aot_eager")):
+        out, (dx, dw, db) = _grads(fn, x, weight, b, dout)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+        torch.testing.assert_close(dw, want_dw, rtol=0, atol=0)
+        torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5)
+    assert len(calls) == (2 if backend == "triton" else 0)
+
+    leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_()]
+    (dx,) = torch.autograd.grad(fused(leaves[0], leaves[1], b), leaves[0], dout)  # b needs no gradient
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    assert len(calls) == (2 if backend == "triton" else 0)
+
+
 def test_fused_flops_count_the_projection_and_the_attention():
     x, weight, b, dout = _layer(seed=3)
     offsets = _offsets(LENGTHS)

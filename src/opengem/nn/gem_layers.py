@@ -19,6 +19,7 @@ from opengem.nn.layers import MLP
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
 from opengem.ops.jagged_attention import jagged_attention_packed
+from opengem.ops.qkv_attention import qkv_attention
 
 
 class SelfGate(nn.Module):
@@ -175,9 +176,13 @@ class SequenceSelfAttention(nn.Module):
         else:
             options = {"causal": False, "contextual_len": self.contextual_len, "window": self.window,
                        "backend": None if self.backend == "auto" else self.backend, "precision": self.precision}
-            qkv = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim)
-            # the gradient comes back packed: no stack copy in the backward
-            attended = jagged_attention_packed(qkv, sequence.offsets, sequence.max_len, **options)
+            if type(self.qkv) is nn.Linear:  # the bias's gradient from the attention's backward kernels
+                attended = qkv_attention(x, self.qkv.weight, self.qkv.bias, sequence.offsets, sequence.max_len,
+                                         num_heads=self.num_heads, **options)  # fmt: skip
+            else:  # a low-precision projection (opengem.nn.low_precision) runs as its own module
+                qkv = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim)
+                # the gradient comes back packed: no stack copy in the backward
+                attended = jagged_attention_packed(qkv, sequence.offsets, sequence.max_len, **options)
             attended = attended.reshape(h.shape[0], -1)
         h = h + self.out(attended)
         if self.ffn is not None:

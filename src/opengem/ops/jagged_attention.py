@@ -265,8 +265,12 @@ def _jagged_attention_packed_fwd(
     scale: float,
     use_triton: bool,
     precision: str = "bf16",
+    projection_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """As ``opengem::jagged_attention_fwd`` on ``qkv.unbind(1)``; ``out`` is a new contiguous ``[T, H, D]``."""
+    """As ``opengem::jagged_attention_fwd`` on ``qkv.unbind(1)``; ``out`` is a new contiguous ``[T, H, D]``.
+
+    ``projection_bias [3 H D]``: the bias the QKV projection already added into ``qkv`` (without a gradient there);
+    unused here, its gradient (dqkv's column sums) comes from the backward kernels (``opengem.ops.qkv_attention``)."""
     q, k, v = qkv.unbind(1)
     out, lse = _forward(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton,
                         precision)  # fmt: skip
@@ -274,7 +278,8 @@ def _jagged_attention_packed_fwd(
 
 
 @_jagged_attention_packed_fwd.register_fake
-def _(qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16"):
+def _(qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16",
+      projection_bias=None):  # fmt: skip
     q = qkv[:, 0]
     lse_len = q.shape[0] if use_triton else 0
     return torch.empty(q.shape, dtype=q.dtype, device=q.device), q.new_empty((q.shape[1], lse_len), dtype=torch.float32)
@@ -295,47 +300,61 @@ def _jagged_attention_packed_bwd(
     scale: float,
     use_triton: bool,
     precision: str = "bf16",
-) -> torch.Tensor:
-    """``dqkv [T, 3, H, D]``: the kernels write dq, dk and dv into its three views."""
+    column_sums: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dqkv [T, 3, H, D]`` (the kernels write dq, dk and dv into its three views) and, with ``column_sums``, its
+    sum over tokens ``[3, H, D]`` fp32 (else ``[0]``): from the bf16 kernels' fp32 tiles, elsewhere from ``dqkv``."""
     q, k, v = qkv.unbind(1)
     if use_triton:
         dqkv = torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
         _, pb = _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale)
+        if column_sums and precision == "bf16":
+            from opengem.ops.triton.jagged_attention import backward_with_column_sums
+
+            *_, sums = backward_with_column_sums(dout, q, k, v, out, lse, pb, grads=dqkv.unbind(1))
+            return dqkv, sums
         _triton_backward(dout, q, k, v, out, lse, pb, precision, grads=dqkv.unbind(1))
-        return dqkv
-    grads = _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale, precision)
-    return torch.stack(grads, 1)
+    else:
+        grads = _reference_backward(dout, q, k, v, offsets, num_targets, causal, contextual_len, window, scale,
+                                    precision)  # fmt: skip
+        dqkv = torch.stack(grads, 1)
+    sums = dqkv.sum(0, dtype=torch.float32) if column_sums else dqkv.new_empty((0,), dtype=torch.float32)
+    return dqkv, sums
 
 
 @_jagged_attention_packed_bwd.register_fake
 def _(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton,
-      precision="bf16"):  # fmt: skip
-    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device)
+      precision="bf16", column_sums=False):  # fmt: skip
+    sums_shape = qkv.shape[1:] if column_sums else (0,)
+    return torch.empty(qkv.shape, dtype=qkv.dtype, device=qkv.device), qkv.new_empty(sums_shape, dtype=torch.float32)
 
 
 def _setup_packed_context(ctx, inputs, output):
-    qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision = inputs
+    qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision, bias = inputs
     out, lse = output
     ctx.save_for_backward(qkv, out, lse, offsets, num_targets)
     ctx.options = (max_len, causal, contextual_len, window, scale, use_triton, precision)
+    ctx.bias = None if bias is None else (bias.shape, bias.dtype)
 
 
 def _packed_backward(ctx, dout, dlse):
     qkv, out, lse, offsets, num_targets = ctx.saved_tensors
-    dqkv = _jagged_attention_packed_bwd(dout, qkv, out, lse, offsets, num_targets, *ctx.options)
-    return dqkv, None, None, None, None, None, None, None, None, None
+    column_sums = ctx.bias is not None and ctx.needs_input_grad[10]
+    dqkv, sums = _jagged_attention_packed_bwd(dout, qkv, out, lse, offsets, num_targets, *ctx.options, column_sums)
+    dbias = sums.reshape(ctx.bias[0]).to(ctx.bias[1]) if column_sums else None
+    return dqkv, None, None, None, None, None, None, None, None, None, dbias
 
 
 _jagged_attention_packed_fwd.register_autograd(_packed_backward, setup_context=_setup_packed_context)
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_packed_fwd, get_raw=True)
-def _packed_fwd_flops(qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
+def _packed_fwd_flops(qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", projection_bias=None, out_val=None):  # fmt: skip
     return forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window)
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_packed_bwd, get_raw=True)
-def _packed_bwd_flops(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
+def _packed_bwd_flops(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", column_sums=False, out_val=None):  # fmt: skip
     return 5 * forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window) // 2
 
 

@@ -410,17 +410,38 @@ def _dkdv_tiles(
     return dk, dv
 
 
+@triton.jit
+def _store_column_sums(
+    Sums, tile_starts, b, row_start, seq_len, part, h, heads, grad, rows_ok, offs_d,
+    BLOCK: tl.constexpr, SMALL: tl.constexpr, HEAD_DIM: tl.constexpr,
+):  # fmt: skip
+    """The column sum of one tile's gradient ``grad [BLOCK, D]`` (fp32, rows past the sample excluded) into
+    ``Sums [small tiles, 3, heads, D]`` at (this tile's first SMALL-row tile, ``part``, ``h``). A tile of
+    ``BLOCK > SMALL`` rows covers ``BLOCK / SMALL`` small tiles: the others that hold rows get zeros, so every row of
+    ``Sums`` is written whichever tile size the autotuner ran (its candidates' runs leave nothing stale behind)."""
+    tile = tl.load(tile_starts + b).to(tl.int64) + row_start // SMALL
+    column_sum = tl.sum(tl.where(rows_ok, grad, 0.0), 0)
+    tl.store(Sums + ((tile * 3 + part) * heads + h) * HEAD_DIM + offs_d, column_sum)
+    for j in tl.static_range(1, BLOCK // SMALL):
+        holds_rows = offs_d * 0 + row_start + j * SMALL < seq_len  # (a vector: the interpreter takes no scalar mask)
+        tl.store(Sums + (((tile + j) * 3 + part) * heads + h) * HEAD_DIM + offs_d, tl.zeros_like(column_sum),
+                 mask=holds_rows)
+
+
 @autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, DO_desc,
+    Sums, tile_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, POINTER_LOADS: tl.constexpr = False,
+    USE_TMA: tl.constexpr, COLUMN_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    POINTER_LOADS: tl.constexpr = False,
 ):  # fmt: skip
+    """dK, dV of one key tile; with ``COLUMN_SUMS``, also their column sums (parts 1 and 2 of ``Sums``)."""
     TMA: tl.constexpr = USE_TMA and not POINTER_LOADS  # POINTER_LOADS: the tuner's other path (a config kwarg)
     b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
@@ -453,8 +474,12 @@ def _dkdv_kernel(
         dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_hi,
                              hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
                              HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
-    tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], (dk * scale).to(DK.dtype.element_ty), mask=key_ok)
+    dk = dk * scale
+    tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + (start + offs_n[:, None]) * stride_dvt + h_kv * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
+    if COLUMN_SUMS:
+        _store_column_sums(Sums, tile_starts, b, n_start, seq_len, 1, h_kv, heads, dk, key_ok, offs_d, BLOCK_N, SMALL, HEAD_DIM)
+        _store_column_sums(Sums, tile_starts, b, n_start, seq_len, 2, h_kv, heads, dv, key_ok, offs_d, BLOCK_N, SMALL, HEAD_DIM)  # fmt: skip
 
 
 @triton.jit
@@ -487,17 +512,18 @@ def _dq_tiles(
 @triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dq_kernel(
     Q, K, V, O, DO, LSE, Delta, DQ, offsets, num_targets, sched_small, sched_large,
-    Q_desc, K_desc, V_desc, O_desc, DO_desc,
+    Q_desc, K_desc, V_desc, O_desc, DO_desc, Sums, tile_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_dot, stride_doh,
     stride_dqt, stride_dqh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr, COLUMN_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query tile; runs before the dK/dV pass and writes the tile's softmax-gradient term
     ``delta = rowsum(dO * O)`` ``[H, T]`` fp32 for it (each (row, head) belongs to exactly one item), so the
-    backward reads dO once less than with a separate delta kernel."""
+    backward reads dO once less than with a separate delta kernel. With ``COLUMN_SUMS``, also dQ's column sum
+    (part 0 of ``Sums``)."""
     b, m_start, h = _item(sched_small, sched_large, heads, BLOCK_M, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
     offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -528,7 +554,10 @@ def _dq_kernel(
     dq = _dq_tiles(dq, q, do, lse, delta, K, V, K_desc, V_desc, start, h_kv, stride_kt, stride_vt, f_hi, hi,
                    offs_m, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_N, HEAD_DIM, True,
                    CAUSAL, HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION)
-    tl.store(DQ + (start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :], (dq * scale).to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    dq = dq * scale
+    tl.store(DQ + (start + offs_m[:, None]) * stride_dqt + h * stride_dqh + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])  # fmt: skip
+    if COLUMN_SUMS:
+        _store_column_sums(Sums, tile_starts, b, m_start, seq_len, 0, h, heads, dq, row_ok[:, None], offs_d, BLOCK_M, SMALL, HEAD_DIM)  # fmt: skip
 
 
 # The autotuned kernel of each pass, by the names ``tile_config`` and ``OPENGEM_JFA_TMA`` use.
@@ -547,10 +576,13 @@ class MaskOptions:
 
 @dataclass(frozen=True)
 class Schedule:
-    """Work items ``[num_items, 2]`` int32 (sample, first row), longest work first, per tile size."""
+    """Work items ``[num_items, 2]`` int32 (sample, first row), longest work first, per tile size; and per sample
+    the index of its first ``_SMALL``-row tile among all samples' (``[B]`` int32, for the backward's column sums)."""
 
     query_tiles: dict[int, torch.Tensor]
     key_tiles: dict[int, torch.Tensor]
+    small_tile_starts: torch.Tensor
+    num_small_tiles: int
 
 
 _SCHEDULES: OrderedDict[tuple, Schedule] = OrderedDict()
@@ -627,7 +659,9 @@ def schedule(host_offsets: torch.Tensor, host_targets: torch.Tensor | None, opts
     for block in _TILES:
         query_tiles[block] = _order(*_query_tile_work(lengths, hist, block, opts), device)
         key_tiles[block] = _order(*_key_tile_work(lengths, hist, block, opts), device)
-    result = Schedule(query_tiles, key_tiles)
+    small_tiles = (lengths + _SMALL - 1) // _SMALL
+    starts = to_device((torch.cumsum(small_tiles, 0) - small_tiles).to(torch.int32), device)
+    result = Schedule(query_tiles, key_tiles, starts, int(small_tiles.sum()))
     _SCHEDULES[key] = result
     if len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
         _SCHEDULES.popitem(last=False)
@@ -749,11 +783,33 @@ def backward(
     Two passes: dQ (which also writes ``delta``), then dK/dV, seven matrix products a tile pair. A fused pass (five:
     the dK/dV programs adding ``dS K`` into an fp32 dQ by atomic or TMA reductions, FlashAttention-2/3's way) ran
     0.80-0.93x this on an H200: 255 registers, spills and one program an SM (session 29; code at commit c127629)."""
+    dq, dk, dv, _ = _backward(dout, q, k, v, out, lse, pb, grads, column_sums=False)
+    return dq, dk, dv
+
+
+def backward_with_column_sums(
+    dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+    pb: Problem, grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`backward`, plus the column sums of dq, dk and dv over all tokens, ``[3, H, D]`` fp32: the gradient of
+    a bias the QKV projection added, taken from the kernels' fp32 tiles instead of a pass over the written
+    gradients (on gem-large that pass read 0.8 GB a layer). Each tile's sums go to its own row of a buffer, summed
+    once after (deterministic, no atomics). Needs as many K/V heads as query heads (a packed QKV projection)."""
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"column sums need as many k / v heads as q heads, got {q.shape[1]} and {k.shape[1]}")
+    return _backward(dout, q, k, v, out, lse, pb, grads, column_sums=True)
+
+
+def _backward(dout, q, k, v, out, lse, pb: Problem, grads, column_sums: bool):
     q, k, v = (last_dim_contiguous(t) for t in (q, k, v))
-    total, heads, _ = q.shape
+    total, heads, head_dim = q.shape
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
-        return dq, dk, dv
+        return dq, dk, dv, q.new_zeros((3, heads, head_dim), dtype=torch.float32)
+    # [small tiles, 3, H, D]: every row written by the kernels (see _store_column_sums); a dummy when unused
+    sums = (torch.empty((pb.sched.num_small_tiles, 3, heads, head_dim), device=q.device, dtype=torch.float32)
+            if column_sums else lse)  # fmt: skip
+    sum_args = (sums, pb.sched.small_tile_starts)
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
     delta = torch.empty_like(lse)  # written by the dQ pass, read by the dK/dV pass
     common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
@@ -762,15 +818,16 @@ def backward(
     descs, use_tma = _descriptors("dq", q, k, v, out, dout)
     _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
         q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE],
-        *descs,
+        *descs, *sum_args,
         *strides, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-        heads=heads, **common, USE_TMA=use_tma,
+        heads=heads, **common, USE_TMA=use_tma, COLUMN_SUMS=column_sums,
     )  # fmt: skip
     key_items = pb.sched.key_tiles
     descs, use_tma = _descriptors("dkdv", q, dout)
     _dkdv_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
         q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE], *descs,
+        *sum_args,
         *strides, dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        heads=k.shape[1], **common, USE_TMA=use_tma,
+        heads=k.shape[1], **common, USE_TMA=use_tma, COLUMN_SUMS=column_sums,
     )  # fmt: skip
-    return dq, dk, dv
+    return dq, dk, dv, sums.sum(0) if column_sums else None

@@ -5,8 +5,8 @@ preset) and fed by the trainer's data stream. After ``warmup`` steps and one run
 batches (so that no batch shape in the window is met for the first time), ``steps`` steps run between two
 timing points (CUDA events; the only synchronization of the window is at its end). FLOPs are the
 analytic count of the batches actually drawn (`opengem.train.flops`). Then the window's first few batches
-run again under the profiler for the phase split (`opengem.train.bench.phases`), their kernel time and
-where the GPU waited (`opengem.train.bench.kernels`), and the data stream runs alone to
+run again under the profiler for the phase split (`opengem.train.bench.phases`) and their kernel time, then again
+under a kernels-only profile for where the GPU waited (`opengem.train.bench.kernels`), and the data stream runs alone to
 check that the loader outpaces the step (GEM issue 10: >= 2x).
 """
 
@@ -156,8 +156,10 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     # window's steps range 235-325 ms on gem-large (their token counts differ), so the kernel time of other
     # batches set against the window's mean says little about the GPU's idle time.
     replay = _started(train_batches(config, start_step=options.lead_steps))
-    phases_ms, families_ms, kernels, gaps, profiled_step_ms = _profile_phases(learner, replay, device,
-                                                                              options.profile_steps, options.trace)
+    phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, replay, device, options.profile_steps,
+                                                                        options.trace)  # fmt: skip
+    replay = _started(train_batches(config, start_step=options.lead_steps))
+    gaps = _device_gaps(learner, replay, device, options.profile_steps)
     replay = None
     _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
@@ -228,7 +230,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "phases_ms": phases_ms,
         "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
         "top_kernels": kernels,  # the kernels with the most GPU time per step (empty on a CPU run)
-        "idle_gaps": gaps,  # where the GPU waited in the profiled steps (``kernels.idle_gaps``; empty on a CPU run)
+        "idle_gaps": gaps,  # where the GPU waited in those batches (``_device_gaps``; empty on a CPU run)
     }
 
 
@@ -243,13 +245,26 @@ def _started(stream: Iterator[Batch]) -> Iterator[Batch]:
     return itertools.chain([first], stream)
 
 
+def _device_gaps(learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int) -> dict[str, object]:
+    """:func:`~opengem.train.bench.kernels.idle_gaps` of ``steps`` steps profiled for their kernels only: without
+    CPU op events the host runs near its timed pace (the profile with them had 52-76 ms of gaps a gem-large step
+    where the timed steps idled 15-19, session 31). Empty on a CPU run."""
+    if device.type != "cuda":
+        return {}
+    with profile(activities=[ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            learner.step(next(stream).to(device, non_blocking=True))
+        synchronize(device)
+    return idle_gaps(profiler.events(), steps)
+
+
 def _profile_phases(
     learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int, trace: Path | None = None
-) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], dict[str, object], float]:
+) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
-    per step by kernel family (``opengem.train.bench.kernels``), its top kernels and its idle gaps (all
-    three CUDA only); and the step time. ``trace``: where to write the profiled steps' timeline."""
+    per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (both CUDA only); and
+    the step time. ``trace``: where to write the profiled steps' timeline, to see what the GPU waits for."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
     learner.model = ForwardRange(model)
@@ -273,9 +288,9 @@ def _profile_phases(
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
     if device.type != "cuda":
-        return phases, {}, [], {}, step_ms
+        return phases, {}, [], step_ms
     families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()}
-    return phases, families, top_kernels(events, steps), idle_gaps(events, steps), step_ms
+    return phases, families, top_kernels(events, steps), step_ms
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
@@ -322,9 +337,9 @@ def _format_idle(payload: dict[str, Any]) -> list[str]:
     lines = [f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (the profiled batches' timed laps, "
              f"{r['timed_ms_of_profiled_batches']:.2f} ms, less their kernel time)"]
     if gaps:
-        lines.append(f"  idle gaps in the profiled steps {gaps['idle_ms_per_step']:.2f} ms / step, "
-                     f"{gaps['spacing_ms_per_step']:.2f} of it in gaps under {gaps['min_gap_us']:g} us; the longer "
-                     "ones (ms / step, gaps / step, after -> before):")
+        lines.append(f"  idle gaps (the same batches, kernels-only profile) {gaps['idle_ms_per_step']:.2f} ms / "
+                     f"step, {gaps['spacing_ms_per_step']:.2f} of it in gaps under {gaps['min_gap_us']:g} us; the "
+                     "longer ones (ms / step, gaps / step, after -> before):")
         lines += [f"    {g['ms_per_step']:>8.3f} {g['gaps_per_step']:>6.1f}  {g['after'][:50]} -> {g['before'][:50]}"
                   for g in gaps["gaps"]]
     return lines
