@@ -195,7 +195,7 @@
 # s34a (one GPU, session 31): gem-large b512 BF16 twice in one call (the idle of the very batches profiled, the gaps
 #   it waits in), then the bench train GPU test
 # s34b (one GPU, session 31): JFA's GPU tests of the column sums (the QKV bias gradient), gem-large b512 with them
-# s34c (one GPU, session 31): gem-large b512 with Inductor's defaults, then with combo kernels and no size asserts
+# s34c (one GPU, session 31): gem-large b512 with combo kernels and no size asserts (a cold compile: alone in its call)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -706,9 +706,8 @@ chain_s34b() {  # session 31: the QKV bias gradient from JFA's backward kernels;
   step jfa_gpu_tests 150 tests tests/gpu/test_jagged_attention_gpu.py -k "column_sums or packed or deterministic or curated"
   step bench_train_large 280 large_b512 train_gem-large_b512_s34b_bf16
 }
-chain_s34c() {  # session 31: Inductor's combo kernels (the per-weight casts in fewer launches) against the default
-  step bench_train_large 200 large_b512 train_gem-large_b512_s34c_default_bf16
-  step bench_train_large_combo 380 python -m benchmarks.diag.with_inductor_config combo_kernels=True size_asserts=False \
+chain_s34c() {  # session 31: Inductor's combo kernels (the per-weight casts in fewer launches), no size asserts
+  step bench_train_large_combo 520 python -m benchmarks.diag.with_inductor_config combo_kernels=True size_asserts=False \
     -- bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 \
     --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s34c_combo_bf16.json"
 }

@@ -127,9 +127,9 @@ def ptx(name, kernel, block_m, block_n, num_warps, tma, **extra):
         if arg.endswith("_desc"):
             block = block_m if arg[:-5] in rows_m else block_n
             return f"tensordesc<bf16[1,1,{block},1,128]>" if tma else "*bf16"
-        if arg in ("LSE", "Delta"):
+        if arg in ("LSE", "Delta", "Sums"):
             return "*fp32"
-        if arg in ("offsets", "num_targets", "sched_small", "sched_large"):
+        if arg in ("offsets", "num_targets", "sched_small", "sched_large", "tile_starts"):
             return "*i32"
         if arg[0].isupper():
             return "*bf16"
@@ -158,9 +158,11 @@ for dtype, rotation, rotate, along_sequence, rows, warps in (  # MXFP8's operand
     source = ASTSource(kernel, signature, constexprs)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps, num_stages=1))
     assert "e4m3x2" in compiled.asm["ptx"]  # elements rounded by the hardware's E4M3 conversion
-assert TMA_LOAD in ptx("dq", j._dq_kernel, 128, 64, 8, True)
-assert TMA_LOAD in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=False)
-assert TMA_LOAD not in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=True)  # the tuner's other path
+for sums in (False, True):  # COLUMN_SUMS: the backward also writes the gradients' column sums (a QKV bias's gradient)
+    assert TMA_LOAD in ptx("dq", j._dq_kernel, 128, 64, 8, True, COLUMN_SUMS=sums)
+    assert TMA_LOAD in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=False, COLUMN_SUMS=sums)
+    assert TMA_LOAD not in ptx("dkdv", j._dkdv_kernel, 64, 128, 8, True, POINTER_LOADS=True, COLUMN_SUMS=sums)
+    ptx("dq", j._dq_kernel, 64, 64, 4, False, COLUMN_SUMS=sums)  # 64-row tiles: no second small tile to zero
 print("compiled")
 """
 
