@@ -231,3 +231,30 @@ def test_backward_column_sums_on_both_schedule_tiles(poisoned_outputs, monkeypat
     assert torch.equal(got[3], again[3])
     summed = torch.stack([g.float().sum(0) for g in want])  # the bf16-rounded gradients, summed in fp32
     assert got[3].shape == (3, 4, 128) and _rel(got[3], summed) < 1e-2
+
+
+def test_qkv_attention_bias_gradient_from_the_kernels():
+    """``qkv_attention`` in bf16: the bias's gradient from JFA's backward kernels (the projection adds it without
+    one) against autograd's column sum on the unfused path; x's and W's gradients bitwise the unfused path's."""
+    from opengem.ops.qkv_attention import qkv_attention
+
+    lengths, heads, dim = [300, 0, 1, 129, 511], 4, 512
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    x = torch.randn(sum(lengths), dim, generator=gen, device="cuda").to(torch.bfloat16)
+    weight = (torch.randn(3 * dim, dim, generator=gen, device="cuda") / dim**0.5).to(torch.bfloat16)
+    bias = torch.randn(3 * dim, generator=gen, device="cuda").to(torch.bfloat16)
+    dout = torch.randn(sum(lengths), heads, dim // heads, generator=gen, device="cuda").to(torch.bfloat16)
+    offsets = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+
+    def grads(fused: bool):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        if fused:
+            out = qkv_attention(*leaves, offsets, 511, num_heads=heads, causal=False, window=64, contextual_len=8)
+        else:
+            qkv = torch.nn.functional.linear(*leaves).view(-1, 3, heads, dim // heads)
+            out = jagged_attention_packed(qkv, offsets, 511, causal=False, window=64, contextual_len=8)
+        return out, torch.autograd.grad(out, leaves, dout)
+
+    (out, (dx, dw, db)), (want_out, (want_dx, want_dw, want_db)) = grads(True), grads(False)
+    assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    assert db.dtype == torch.bfloat16 and _rel(db, want_db) < 1e-2

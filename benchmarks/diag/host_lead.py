@@ -1,0 +1,158 @@
+"""Diagnostic (issue 10): where in a training step the GPU waits for the host, without a profiler.
+
+gem-large b512's timed steps idle the GPU 12-19 ms a step (session 31, ``bench train``), but any profiler slows the
+host enough to move the gaps (a kernels-only profile showed 40-62 ms of them). This marks points of the step on the
+host: each GEM layer's forward call and its return, the moment autograd reaches the layer's output gradient (its
+backward starts), the model's forward, the optimizer step. At each mark it records a CUDA event and the host clock.
+One synchronization before the steps aligns the two clocks; after them, each mark's *lead* is how long after the host
+reached it the GPU did: a lead near 0 means the GPU had drained its queue and waited for the host there. Between two
+marks, the GPU span minus the host span says who was slower.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.host_lead [--preset gem-large] [--batch-size 512] [--steps 6]
+        [--out benchmarks/results/host_lead_gem-large_b512.json]
+
+Compiled and warmed exactly as ``opengem bench train --compile`` (the same batches, replayed after the warm-up).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from benchmarks.common import environment
+from opengem.nn.embedding import trust_ids
+from opengem.train.bench.step import TrainBenchOptions, bench_config
+from opengem.train.bench.timing import warm_until_settled
+from opengem.train.compile import compile_regions
+from opengem.train.data_stream import train_batches
+from opengem.train.trainer import build_learner
+
+
+@dataclass
+class Marks:
+    """(name, host seconds, event) per mark, in the order the host reached them; ``recording`` gates them."""
+
+    taken: list[tuple[str, float, Any]] = field(default_factory=list)
+    recording: bool = False
+
+    def mark(self, name: str) -> None:
+        if not self.recording:
+            return
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.taken.append((name, time.perf_counter(), event))
+
+
+class Marked(nn.Module):
+    """A module whose calls mark their start and end, and, through a hook on the first output tensor that needs a
+    gradient, the moment autograd reaches that gradient (the module's backward starts after it)."""
+
+    def __init__(self, inner: nn.Module, name: str, marks: Marks) -> None:
+        super().__init__()
+        self.inner, self.name, self.marks = inner, name, marks
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.marks.mark(f"{self.name} forward")
+        out = self.inner(*args, **kwargs)
+        self.marks.mark(f"{self.name} forward end")
+        first = next((t for t in (out if isinstance(out, tuple) else (out,))
+                      if isinstance(t, torch.Tensor) and t.requires_grad), None)  # fmt: skip
+        if first is not None:
+            first.register_hook(lambda grad: self.marks.mark(f"{self.name} backward"))
+        return out
+
+
+def instrument(learner: Any, marks: Marks) -> None:
+    """Marks on the model's forward, each GEM layer (forward, end, backward) and the optimizer step."""
+    model = learner.model
+    for i, layer in enumerate(model.layers):
+        model.layers[i] = Marked(layer, f"layer {i}", marks)
+    learner.model = Marked(model, "model", marks)
+    learner.optimizer.register_step_pre_hook(lambda *_: marks.mark("optimizer"))
+    learner.optimizer.register_step_post_hook(lambda *_: marks.mark("optimizer end"))
+
+
+def leads(marks: Marks, steps: int, reference: torch.cuda.Event, host_zero: float) -> list[dict[str, float | str]]:
+    """Per mark (in step order, over every step but the first, whose queue starts empty after the alignment):
+    mean and minimum lead (GPU time of the mark less host time of it, ms), mean host and GPU ms since the previous
+    mark."""
+    per_step = len(marks.taken) // steps
+    if per_step * steps != len(marks.taken):
+        raise ValueError(f"{len(marks.taken)} marks over {steps} steps: the steps marked different points")
+    rows: dict[int, dict[str, list[float]]] = {}
+    previous: tuple[float, float] | None = None
+    for index, (name, host_s, event) in enumerate(marks.taken):
+        host_ms, gpu_ms = 1e3 * (host_s - host_zero), reference.elapsed_time(event)
+        step, slot = divmod(index, per_step)
+        if step > 0 and previous is not None:
+            row = rows.setdefault(slot, {"lead": [], "host": [], "gpu": []})
+            row["lead"].append(gpu_ms - host_ms)
+            row["host"].append(host_ms - previous[0])
+            row["gpu"].append(gpu_ms - previous[1])
+        previous = (host_ms, gpu_ms)
+    names = [name for name, _, _ in marks.taken[:per_step]]
+    return [{"mark": names[slot], "lead_ms": statistics.fmean(r["lead"]), "min_lead_ms": min(r["lead"]),
+             "host_ms_since_previous": statistics.fmean(r["host"]), "gpu_ms_since_previous": statistics.fmean(r["gpu"])}
+            for slot, r in sorted(rows.items())]  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gem-large")
+    parser.add_argument("--batch-size", type=int, default=512)
+    parser.add_argument("--steps", type=int, default=6, help="marked steps (the first only sets the queue going)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/host_lead_gem-large_b512.json"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("host_lead sets CUDA events against the host clock: it needs a CUDA device")
+    if args.steps < 2:
+        raise SystemExit(f"--steps must be >= 2 (the first marked step is not reported), got {args.steps}")
+    options = TrainBenchOptions(preset=args.preset, compile=True, batch_size=args.batch_size,
+                                overrides=("gem.sequence_dtype=compute",))  # as bench train's large_b512 runs
+    config, device, _ = bench_config(options)
+    torch.manual_seed(config.seed)
+    learner = build_learner(config, config.model.history, device)
+    trust_ids(learner.model)
+    compile_regions(learner.model, mode=config.compile_mode)
+    marks = Marks()
+    instrument(learner, marks)
+    stream = train_batches(config, start_step=0)
+    warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup + args.steps,
+                       options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
+    stream = train_batches(config, start_step=0)  # the marked steps replay batches the warm-up ran
+    batches = [next(stream) for _ in range(args.steps)]
+    torch.cuda.synchronize()
+    reference = torch.cuda.Event(enable_timing=True)
+    reference.record()
+    reference.synchronize()
+    host_zero = time.perf_counter()  # the GPU ran ``reference`` just before: the clocks agree to ~10 us
+    marks.recording = True
+    for batch in batches:
+        marks.mark("step")
+        learner.step(batch.to(device, non_blocking=True))
+    marks.recording = False
+    torch.cuda.synchronize()
+    rows = leads(marks, args.steps, reference, host_zero)
+    step_ms = reference.elapsed_time(marks.taken[-1][2]) / args.steps
+    print(f"{args.steps} marked steps, {step_ms:.2f} ms each (GPU); per mark: lead (mean, min), host / GPU ms since "
+          "the previous mark")
+    for r in rows:
+        print(f"{r['lead_ms']:9.2f} {r['min_lead_ms']:9.2f}  {r['host_ms_since_previous']:8.2f} "
+              f"{r['gpu_ms_since_previous']:8.2f}  {r['mark']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"benchmark": "host_lead", "preset": args.preset, "batch_size": args.batch_size,
+                                    "steps": args.steps, "environment": environment(device), "marks": rows},
+                                   indent=1))  # fmt: skip
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
