@@ -28,12 +28,9 @@ import torch
 from torch import nn
 
 from benchmarks.common import environment
-from opengem.nn.embedding import trust_ids
-from opengem.train.bench.step import TrainBenchOptions, bench_config
+from benchmarks.diag.compiled_learner import compiled_learner
 from opengem.train.bench.timing import warm_until_settled
-from opengem.train.compile import compile_regions
 from opengem.train.data_stream import train_batches
-from opengem.train.trainer import build_learner
 
 
 @dataclass
@@ -115,13 +112,7 @@ def main() -> None:
         raise SystemExit("host_lead sets CUDA events against the host clock: it needs a CUDA device")
     if args.steps < 2:
         raise SystemExit(f"--steps must be >= 2 (the first marked step is not reported), got {args.steps}")
-    options = TrainBenchOptions(preset=args.preset, compile=True, batch_size=args.batch_size,
-                                overrides=("gem.sequence_dtype=compute",))  # as bench train's large_b512 runs
-    config, device, _ = bench_config(options)
-    torch.manual_seed(config.seed)
-    learner = build_learner(config, config.model.history, device)
-    trust_ids(learner.model)
-    compile_regions(learner.model, mode=config.compile_mode)
+    options, config, device, learner = compiled_learner(args.preset, args.batch_size)
     marks = Marks()
     instrument(learner, marks)
     stream = train_batches(config, start_step=0)

@@ -30,11 +30,8 @@ from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
 from benchmarks.block_attention import copy_bandwidth_gbps
 from benchmarks.common import environment
-from opengem.nn.embedding import trust_ids
-from opengem.train.bench.step import TrainBenchOptions, bench_config
-from opengem.train.compile import compile_regions
+from benchmarks.diag.compiled_learner import compiled_learner
 from opengem.train.data_stream import train_batches
-from opengem.train.trainer import build_learner
 
 
 @dataclass
@@ -114,13 +111,7 @@ def main() -> None:
         raise SystemExit("inductor_kernel_bytes times Inductor's Triton kernels: it needs a CUDA device")
     if args.warm_steps < 1 or args.steps < 1:
         raise SystemExit(f"--warm-steps and --steps must be >= 1, got {args.warm_steps} and {args.steps}")
-    options = TrainBenchOptions(preset=args.preset, compile=True, batch_size=args.batch_size,
-                                overrides=("gem.sequence_dtype=compute",))  # as bench train's large_b512 runs
-    config, device, _ = bench_config(options)
-    torch.manual_seed(config.seed)
-    learner = build_learner(config, config.model.history, device)
-    trust_ids(learner.model)
-    compile_regions(learner.model, mode=config.compile_mode)
+    _, config, device, learner = compiled_learner(args.preset, args.batch_size)
     stream = train_batches(config, start_step=0)
     launches = Launches()
     with timed_launches(launches):
