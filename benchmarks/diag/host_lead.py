@@ -17,9 +17,12 @@ Compiled and warmed exactly as ``opengem bench train --compile`` (the same batch
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -77,10 +80,10 @@ def instrument(learner: Any, marks: Marks) -> None:
     learner.optimizer.register_step_post_hook(lambda *_: marks.mark("optimizer end"))
 
 
-def leads(marks: Marks, steps: int, reference: torch.cuda.Event, host_zero: float) -> list[dict[str, float | str]]:
+def leads(marks: Marks, steps: int, reference: torch.cuda.Event, host_zero: float) -> list[dict[str, Any]]:
     """Per mark (in step order, over every step but the first, whose queue starts empty after the alignment):
-    mean and minimum lead (GPU time of the mark less host time of it, ms), mean host and GPU ms since the previous
-    mark."""
+    its lead in each step (GPU time of the mark less host time of it, ms), their mean and minimum, and the mean host
+    and GPU ms since the previous mark."""
     per_step = len(marks.taken) // steps
     if per_step * steps != len(marks.taken):
         raise ValueError(f"{len(marks.taken)} marks over {steps} steps: the steps marked different points")
@@ -96,9 +99,36 @@ def leads(marks: Marks, steps: int, reference: torch.cuda.Event, host_zero: floa
             row["gpu"].append(gpu_ms - previous[1])
         previous = (host_ms, gpu_ms)
     names = [name for name, _, _ in marks.taken[:per_step]]
-    return [{"mark": names[slot], "lead_ms": statistics.fmean(r["lead"]), "min_lead_ms": min(r["lead"]),
-             "host_ms_since_previous": statistics.fmean(r["host"]), "gpu_ms_since_previous": statistics.fmean(r["gpu"])}
+    return [{"mark": names[slot], "lead_ms_each_step": r["lead"], "lead_ms": statistics.fmean(r["lead"]),
+             "min_lead_ms": min(r["lead"]), "host_ms_since_previous": statistics.fmean(r["host"]),
+             "gpu_ms_since_previous": statistics.fmean(r["gpu"])}
             for slot, r in sorted(rows.items())]  # fmt: skip
+
+
+def step_spans(marks: Marks, steps: int, reference: torch.cuda.Event) -> list[dict[str, float]]:
+    """Host and GPU ms from each step's first mark to the next step's (every step but the last)."""
+    per_step = len(marks.taken) // steps
+    firsts = marks.taken[::per_step]
+    return [{"host_ms": 1e3 * (b[1] - a[1]), "gpu_ms": reference.elapsed_time(b[2]) - reference.elapsed_time(a[2])}
+            for a, b in zip(firsts, firsts[1:])]  # fmt: skip
+
+
+@contextmanager
+def collector_time(totals: list[float]) -> Iterator[None]:
+    """Appends the seconds of each garbage collection run inside the block to ``totals``."""
+    started: list[float] = []
+
+    def callback(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            totals.append(time.perf_counter() - started.pop())
+
+    gc.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        gc.callbacks.remove(callback)
 
 
 def main() -> None:
@@ -125,23 +155,27 @@ def main() -> None:
     reference.record()
     reference.synchronize()
     host_zero = time.perf_counter()  # the GPU ran ``reference`` just before: the clocks agree to ~10 us
+    collections: list[float] = []
     marks.recording = True
-    for batch in batches:
-        marks.mark("step")
-        learner.step(batch.to(device, non_blocking=True))
+    with collector_time(collections):
+        for batch in batches:
+            marks.mark("step")
+            learner.step(batch.to(device, non_blocking=True))
     marks.recording = False
     torch.cuda.synchronize()
-    rows = leads(marks, args.steps, reference, host_zero)
-    step_ms = reference.elapsed_time(marks.taken[-1][2]) / args.steps
-    print(f"{args.steps} marked steps, {step_ms:.2f} ms each (GPU); per mark: lead (mean, min), host / GPU ms since "
-          "the previous mark")
+    rows, spans = leads(marks, args.steps, reference, host_zero), step_spans(marks, args.steps, reference)
+    print(f"{args.steps} marked steps; host / GPU ms of each step (first mark to the next step's): "
+          + ", ".join(f"{s['host_ms']:.1f} / {s['gpu_ms']:.1f}" for s in spans)
+          + f"; {len(collections)} garbage collections, {1e3 * sum(collections):.1f} ms")
+    print("per mark: lead in each step after the first (ms), mean host / GPU ms since the previous mark")
     for r in rows:
-        print(f"{r['lead_ms']:9.2f} {r['min_lead_ms']:9.2f}  {r['host_ms_since_previous']:8.2f} "
-              f"{r['gpu_ms_since_previous']:8.2f}  {r['mark']}")
+        print(" ".join(f"{lead:7.2f}" for lead in r["lead_ms_each_step"])
+              + f"   {r['host_ms_since_previous']:7.2f} {r['gpu_ms_since_previous']:7.2f}  {r['mark']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"benchmark": "host_lead", "preset": args.preset, "batch_size": args.batch_size,
-                                    "steps": args.steps, "environment": environment(device), "marks": rows},
-                                   indent=1))  # fmt: skip
+    payload = {"benchmark": "host_lead", "preset": args.preset, "batch_size": args.batch_size, "steps": args.steps,
+               "environment": environment(), "step_spans": spans, "collections_ms": [1e3 * c for c in collections],
+               "marks": rows}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
 
 

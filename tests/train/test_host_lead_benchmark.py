@@ -1,11 +1,13 @@
 """benchmarks.diag.host_lead on the CPU: marks in call order (forward, end, backward through the output's gradient
-hook) and the lead arithmetic on made-up clocks."""
+hook), the lead arithmetic on made-up clocks, the collector's time."""
+
+import gc
 
 import pytest
 import torch
 from torch import nn
 
-from benchmarks.diag.host_lead import Marked, Marks, leads
+from benchmarks.diag.host_lead import Marked, Marks, collector_time, leads, step_spans
 
 
 class NamesOnly(Marks):
@@ -46,5 +48,16 @@ def test_lead_is_how_long_after_the_host_the_gpu_reached_each_mark():
     assert rows[0]["lead_ms"] == pytest.approx(7.0) and rows[1]["lead_ms"] == pytest.approx(0.5)
     assert rows[0]["host_ms_since_previous"] == pytest.approx(1.0) and rows[0]["gpu_ms_since_previous"] == 4.0
     assert rows[1]["host_ms_since_previous"] == pytest.approx(8.0) and rows[1]["gpu_ms_since_previous"] == 1.5
+    assert rows[1]["lead_ms_each_step"] == [pytest.approx(0.5)] and rows[1]["min_lead_ms"] == pytest.approx(0.5)
+    assert step_spans(marks, 2, Reference()) == [{"host_ms": pytest.approx(2.0), "gpu_ms": 9.0}]
     with pytest.raises(ValueError, match="3 marks over 2 steps"):
         leads(Marks(taken=marks.taken[:3]), steps=2, reference=Reference(), host_zero=0.0)
+
+
+def test_collector_time_counts_each_collection_inside_the_block():
+    totals: list[float] = []
+    with collector_time(totals):
+        gc.collect()
+        gc.collect()
+    gc.collect()  # outside: not counted
+    assert len(totals) == 2 and all(t >= 0 for t in totals)
