@@ -3,10 +3,10 @@ count become with, e.g., combo kernels (small independent kernels, such as the p
 
 ``python -m benchmarks.diag.with_inductor_config combo_kernels=True size_asserts=False -- bench train --preset ...``
 
-Each ``NAME=VALUE`` sets ``torch._inductor.config.NAME`` (dotted names reach sub-configs, e.g. ``triton.unique_kernel_names``)
-to the Python literal VALUE before anything compiles; an unknown name, or a value of another type than the setting's
-default, is an error rather than a silently ignored setting. The settings enter Inductor's cache key, so the run
-compiles afresh.
+Each ``NAME=VALUE`` sets ``torch._inductor.config.NAME`` (dotted names reach sub-configs, e.g.
+``triton.unique_kernel_names``) to the Python literal VALUE before anything compiles; an unknown name, or a value of
+another type than the setting's, is an error rather than a silently ignored setting. The settings enter Inductor's
+cache key, so the run compiles afresh.
 """
 
 from __future__ import annotations

@@ -805,7 +805,7 @@ def _backward(dout, q, k, v, out, lse, pb: Problem, grads, column_sums: bool):
     total, heads, head_dim = q.shape
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
     if total == 0 or pb.sched.query_tiles[_SMALL].shape[0] == 0:
-        return dq, dk, dv, q.new_zeros((3, heads, head_dim), dtype=torch.float32)
+        return dq, dk, dv, q.new_zeros((3, heads, head_dim), dtype=torch.float32) if column_sums else None
     # [small tiles, 3, H, D]: every row written by the kernels (see _store_column_sums); a dummy when unused
     sums = (torch.empty((pb.sched.num_small_tiles, 3, heads, head_dim), device=q.device, dtype=torch.float32)
             if column_sums else lse)  # fmt: skip

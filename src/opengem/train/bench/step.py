@@ -5,9 +5,9 @@ preset) and fed by the trainer's data stream. After ``warmup`` steps and one run
 batches (so that no batch shape in the window is met for the first time), ``steps`` steps run between two
 timing points (CUDA events; the only synchronization of the window is at its end). FLOPs are the
 analytic count of the batches actually drawn (`opengem.train.flops`). Then the window's first few batches
-run again under the profiler for the phase split (`opengem.train.bench.phases`) and their kernel time, then again
-under a kernels-only profile for where the GPU waited (`opengem.train.bench.kernels`), and the data stream runs alone to
-check that the loader outpaces the step (GEM issue 10: >= 2x).
+run again under the profiler for the phase split (`opengem.train.bench.phases`) and their kernel time, then
+again under a kernels-only profile for where the GPU waited (`opengem.train.bench.kernels`), and the data
+stream runs alone to check that the loader outpaces the step (GEM issue 10: >= 2x).
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import itertools
 import statistics
 import sys
 import time
-from dataclasses import dataclass
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -246,9 +246,10 @@ def _started(stream: Iterator[Batch]) -> Iterator[Batch]:
 
 
 def _device_gaps(learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int) -> dict[str, object]:
-    """:func:`~opengem.train.bench.kernels.idle_gaps` of ``steps`` steps profiled for their kernels only: without
-    CPU op events the host runs near its timed pace (the profile with them had 52-76 ms of gaps a gem-large step
-    where the timed steps idled 15-19, session 31). Empty on a CPU run."""
+    """:func:`~opengem.train.bench.kernels.idle_gaps` of ``steps`` steps profiled for their kernels only, a lighter
+    profile than the phase split's; CUPTI's cost per launch still slows the host (gem-large: 40-62 ms of gaps a step
+    where the timed steps idled 12-19, session 31), so the gaps say where the GPU waits, not how long it does in
+    the timed steps (``benchmarks.diag.host_lead`` measures that without a profiler). Empty on a CPU run."""
     if device.type != "cuda":
         return {}
     with profile(activities=[ProfilerActivity.CUDA]) as profiler:
