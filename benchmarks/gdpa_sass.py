@@ -3,7 +3,8 @@ without a GPU: registers, spills, shared memory, programs per SM and SASS instru
 tuning candidate (:func:`benchmarks.sass.sass_cost`), bf16, D 128, fast_gelu, no mask (issue 4's workloads
 (a) and (b)); resident-K/V candidates at K/V 256.
 
-``PYTHONPATH=src:. python -m benchmarks.gdpa_sass`` (CPU is enough; not under ``TRITON_INTERPRET=1``).
+``PYTHONPATH=src:. python -m benchmarks.gdpa_sass`` (CPU is enough; not under ``TRITON_INTERPRET=1``;
+``GDPA_SASS_COLUMN_SUMS=1``: the backward variants that also write their column sums).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=Fal
 def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
     """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments);
     ``constants`` with the defaults of the constexprs a launch leaves out (``sass.with_constexpr_defaults``)."""
-    pointers = {**dict.fromkeys(INT_POINTERS, "*i32"), "DQ_PARTIAL": "*fp32"}
+    pointers = {**dict.fromkeys(INT_POINTERS, "*i32"), "DQ_PARTIAL": "*fp32", "SUMS": "*fp32"}
     return launch_signature(kernel, constants, tma, constants["D"], {"Q_desc", "DO_desc"}, pointers,
                             {"pre_scale", "out_scale", "dq_scale"})
 
@@ -62,9 +63,13 @@ def main() -> None:
         raise SystemExit("unset TRITON_INTERPRET: this compiles the GPU kernels")
     print("pass | tiles | warps | stages | loads | regs | spill stack B | shared KB | programs / SM | "
           "replicated dots | SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
+    # GDPA_SASS_COLUMN_SUMS=1: the dQ and dK/dV variants that also write their column sums (a projection bias's grad)
+    sums = os.environ.get("GDPA_SASS_COLUMN_SUMS") == "1"
     for name, label, kernel, constants, config in _variants():
         base = None
         has_tma = has_tma_path(kernel)
+        if sums and name != "fwd":
+            constants = dict(constants, COLUMN_SUMS=True)
         for tma in (False, True) if has_tma else (False,):
             consts = with_constexpr_defaults(kernel, dict(constants, USE_TMA=tma) if has_tma else constants)
             cost = sass_cost(kernel, signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)

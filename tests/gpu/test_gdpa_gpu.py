@@ -257,3 +257,56 @@ def test_compiles_fullgraph_on_cuda():
     out = torch.compile(f, backend="aot_eager", fullgraph=True)(q, k, v)
     out.float().sum().backward()
     assert _rel(out, f(q, k, v)) == 0.0
+
+
+@pytest.mark.parametrize("tuned", [False, True])
+@pytest.mark.parametrize("layer", ["pffn_q", "self_q", "pooling_kv", "cross_kv"])
+def test_projection_bias_gradient_from_the_backward_kernels(monkeypatch, layer, tuned):
+    """``projection_bias`` in bf16: the bias gradient from the dQ (GEM's PFFN: resident K/V; masked self-attention:
+    the key loop) or dK/dV programs (seed pooling: the short-query kernel; cross-attention: the generic one) against
+    autograd's column sum on the unfused path, x's and W's gradients bitwise the unfused path's; with tuning on, every
+    candidate of the column-sum variants is timed and the pick runs."""
+    if tuned:
+        monkeypatch.setenv("OPENGEM_GDPA_TUNE", "1")
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    heads, head_dim, width = 4, 128, 512
+    q_lengths, k_lengths = {"pffn_q": ([700, 1, 0, 129, 2100], [32, 32, 0, 32, 32]),
+                            "self_q": ([300, 1, 0, 511], [300, 1, 0, 511]),
+                            "pooling_kv": ([], [4096, 0, 1, 700, 129]),
+                            "cross_kv": ([700, 1, 0, 129, 2100], [200, 3, 0, 1, 256])}[layer]  # fmt: skip
+    projected_rows = sum(q_lengths) if layer.endswith("q") else sum(k_lengths)
+    out_width = heads * head_dim * (1 if layer.endswith("q") else 2)
+    x = torch.randn(projected_rows, width, generator=gen, device=DEVICE).bfloat16()
+    weight = (torch.randn(out_width, width, generator=gen, device=DEVICE) / width**0.5).bfloat16()
+    bias = torch.randn(out_width, generator=gen, device=DEVICE).bfloat16()
+    # the other side: keys and values for a projected q; the seeds, or the jagged queries, for a projected kv
+    other_rows = {"pffn_q": sum(k_lengths), "self_q": sum(k_lengths), "pooling_kv": 16, "cross_kv": sum(q_lengths)}
+    other = torch.randn(other_rows[layer], heads, head_dim, generator=gen, device=DEVICE).bfloat16()
+    q_offsets, k_offsets = (_offsets(q_lengths) if q_lengths else None), _offsets(k_lengths)
+    mask = {"causal": True, "window": 64} if layer == "self_q" else {}
+    options = dict(activation="silu", pre_scale=0.09, **mask)
+
+    def attend(x, w, b, fused):
+        projected = torch.nn.functional.linear(x, w, b.detach() if fused else b)
+        extra = {"projection_bias": b} if fused else {}
+        if layer.endswith("q"):
+            return gdpa(projected.view(-1, heads, head_dim), other, other, q_offsets, k_offsets, max(q_lengths),
+                        max(k_lengths), **options, **extra)  # fmt: skip
+        kv = projected.view(-1, 2, heads, head_dim)
+        if layer == "pooling_kv":
+            return gdpa_packed_kv(other, kv, None, k_offsets, 16, max(k_lengths), broadcast_q=True, **options, **extra)
+        return gdpa_packed_kv(other, kv, q_offsets, k_offsets, max(q_lengths), max(k_lengths), **options, **extra)
+
+    grad_out = None
+
+    def grads(fused):
+        nonlocal grad_out
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        out = attend(*leaves, fused)
+        if grad_out is None:
+            grad_out = torch.randn(out.shape, generator=gen, device=DEVICE).bfloat16()
+        return out, torch.autograd.grad(out, leaves, grad_out)
+
+    (out, (dx, dw, db)), (want_out, (want_dx, want_dw, want_db)) = grads(True), grads(False)
+    assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    assert db.dtype == torch.bfloat16 and _rel(db, want_db) < 1e-2

@@ -237,6 +237,60 @@ def test_triton_broadcast_q_dkdv_kernels(monkeypatch, seeds):
     assert launched == ["gdpa_bwd_dkdv_short_q_kernel" if seeds <= 64 else "gdpa_bwd_dkdv_kernel"]
 
 
+@pytest.mark.parametrize(
+    "case",
+    ["self_resident_q", "self_key_loop_q", "cross_resident_q", "cross_kv", "pooling_short_q_kv", "pooling_kv"],
+)
+def test_backward_column_sums_are_the_gradients_summed_over_tokens(case):
+    """``gdpa_backward_with_column_sums``: the same dq, dk, dv as ``gdpa_backward``, and the column sums of dq
+    (``"q"``: a Q projection's bias gradient; resident K/V with several query tiles a program, and the key loop) or
+    of dk and dv (``"kv"``: the short-query dK/dV over several key tiles a program for <= 64 broadcast seeds, and
+    the generic one), from the programs' tiles; samples without keys or queries included."""
+    from opengem.ops.triton.gdpa import gdpa_backward_with_column_sums
+
+    acts, broadcast, which = ["silu", "gelu_tanh"], case.startswith("pooling"), case.rsplit("_", 1)[1]
+    if case.startswith("self"):
+        q_lengths = k_lengths = [40, 1, 0, 23]
+        max_len_k, mask = (40 if case == "self_resident_q" else 300), {"causal": True, "window": 9}
+    elif case.startswith("cross"):
+        q_lengths, k_lengths, max_len_k, mask = [19, 7, 0, 33], [5, 0, 1, 3], 5, {}
+    else:
+        q_lengths, k_lengths, mask = [], [40, 0, 1, 25], {}
+        max_len_k = 40
+    seeds = (18 if case == "pooling_short_q_kv" else 70) if broadcast else None
+    q, k, v = _inputs(q_lengths, k_lengths, heads=2, kv_heads=2, seeds=seeds, seed=3)
+    k_offsets = _offsets(k_lengths)
+    q_offsets = k_offsets if broadcast else _offsets(q_lengths)
+    max_len_q = seeds if broadcast else max(q_lengths)
+    mask = _mask_kwargs(mask)
+    args = GdpaArgs(head_activations=tuple(ACTIVATIONS.index(a) for a in acts), pre_scale=0.35, out_scale=0.6,
+                    causal=mask.get("causal", False), contextual_len=0, window=mask.get("window"),
+                    broadcast_q=broadcast, max_len_q=max_len_q, max_len_k=max_len_k)  # fmt: skip
+    rows = seeds * len(k_lengths) if broadcast else q.shape[0]
+    grad_out = torch.randn(rows, 2, 16, generator=torch.Generator().manual_seed(4))
+    want = gdpa_backward(grad_out, q, k, v, q_offsets, k_offsets, None, args)
+    *got, sums = gdpa_backward_with_column_sums(grad_out, q, k, v, q_offsets, k_offsets, None, args, which)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=0, atol=0)
+    expected = want[0].sum(0) if which == "q" else torch.stack([want[1].sum(0), want[2].sum(0)])
+    assert sums.dtype == torch.float32 and sums.shape == expected.shape
+    torch.testing.assert_close(sums, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backward_column_sums_refuse_what_they_cannot_give():
+    from opengem.ops.triton.gdpa import gdpa_backward_with_column_sums
+
+    q, k, v = _inputs([], [3], seeds=4)
+    offsets = _offsets([3])
+    args = GdpaArgs(head_activations=(0,), pre_scale=1.0, out_scale=1.0, causal=False, contextual_len=0, window=None,
+                    broadcast_q=True, max_len_q=4, max_len_k=3)  # fmt: skip
+    grad_out = torch.zeros(4, 2, 16)
+    with pytest.raises(ValueError, match="broadcast queries are shared by every sample"):
+        gdpa_backward_with_column_sums(grad_out, q, k, v, offsets, offsets, None, args, "q")
+    with pytest.raises(ValueError, match="which must be 'q' or 'kv', got 'v'"):
+        gdpa_backward_with_column_sums(grad_out, q, k, v, offsets, offsets, None, args, "v")
+
+
 class _Recorded:
     """A Triton kernel whose launches (``kernel[grid](...)``) are recorded by name."""
 
@@ -355,6 +409,81 @@ def test_packed_kv_compiles_and_rejects_bad_shapes():
         gdpa_packed_kv(q, torch.randn(10, 3, 1, 16), offsets, offsets, 7, 7)
     with pytest.raises(ValueError, match="q_offsets is required unless broadcast_q=True"):
         gdpa_packed_kv(q, kv, None, offsets, 7, 7)
+
+
+@pytest.mark.parametrize("backend", ["triton", "reference"])
+@pytest.mark.parametrize("layer", ["pffn_q", "pooling_kv"])
+def test_projection_bias_gradient_comes_from_the_backward(monkeypatch, backend, layer):
+    """``projection_bias``: the projection adds the bias without a gradient of its own and the op returns it, dq's
+    (GEM's PFFN queries) or dkv's (seed pooling's keys and values) column sums, from the Triton backward's programs
+    (``gdpa_backward_with_column_sums`` runs) or from the gradients on the reference path. x's and W's gradients are
+    the unfused path's bit for bit, the bias's to fp32 summation order; also under ``torch.compile(fullgraph=True)``,
+    and no bias gradient is made when the bias needs none."""
+    import sys
+
+    op_module = sys.modules["opengem.ops.gdpa"]  # (the package's ``gdpa`` attribute is the function)
+    calls = []
+    original = op_module.gdpa_backward_with_column_sums
+    monkeypatch.setattr(op_module, "gdpa_backward_with_column_sums",
+                        lambda *a, **k: (calls.append(a[-1]), original(*a, **k))[1])  # fmt: skip
+    gen = torch.Generator().manual_seed(11)
+    heads, head_dim, width = 2, 16, 24
+    q_lengths, k_lengths = [19, 7, 0, 33], [5, 0, 1, 3]
+    q_offsets, k_offsets = _offsets(q_lengths), _offsets(k_lengths)
+    if layer == "pffn_q":
+        x = torch.randn(sum(q_lengths), width, generator=gen)
+        weight = torch.randn(heads * head_dim, width, generator=gen) / width**0.5
+        k, v = (torch.randn(sum(k_lengths), heads, head_dim, generator=gen) for _ in range(2))
+        rows = sum(q_lengths)
+    else:
+        x = torch.randn(sum(k_lengths), width, generator=gen)
+        weight = torch.randn(2 * heads * head_dim, width, generator=gen) / width**0.5
+        seeds = torch.randn(4, heads, head_dim, generator=gen)
+        rows = 4 * len(k_lengths)
+    bias = torch.randn(weight.shape[0], generator=gen)
+    dout = torch.randn(rows, heads, head_dim, generator=gen)
+    options = dict(activation="silu", pre_scale=0.3, backend=backend)
+
+    def attend(x, w, b, fused):
+        projected = torch.nn.functional.linear(x, w, b.detach() if fused else b)
+        extra = {"projection_bias": b} if fused else {}
+        if layer == "pffn_q":
+            return gdpa(projected.view(-1, heads, head_dim), k, v, q_offsets, k_offsets, 33, 5, **options, **extra)
+        return gdpa_packed_kv(seeds, projected.view(-1, 2, heads, head_dim), None, k_offsets, 4, 5, broadcast_q=True,
+                              **options, **extra)  # fmt: skip
+
+    def grads(fn, needs_bias=True):
+        leaves = [x.clone().requires_grad_(), weight.clone().requires_grad_(), bias.clone().requires_grad_(needs_bias)]
+        out = fn(*leaves)
+        return out.detach(), torch.autograd.grad(out, leaves[:3] if needs_bias else leaves[:2], dout)
+
+    want_out, (want_dx, want_dw, want_db) = grads(lambda x, w, b: attend(x, w, b, False))
+    fused = lambda x, w, b: attend(x, w, b, True)  # noqa: E731
+    for fn in (fused, torch.compile(fused, fullgraph=True, backend="aot_eager")):
+        out, (dx, dw, db) = grads(fn)
+        torch.testing.assert_close(out, want_out, rtol=0, atol=0)
+        torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+        torch.testing.assert_close(dw, want_dw, rtol=0, atol=0)
+        torch.testing.assert_close(db, want_db, rtol=1e-5, atol=1e-5)
+    which = "q" if layer == "pffn_q" else "kv"
+    assert calls == ([which, which] if backend == "triton" else [])
+    _, (dx, _) = grads(fused, needs_bias=False)
+    torch.testing.assert_close(dx, want_dx, rtol=0, atol=0)
+    assert len(calls) == (2 if backend == "triton" else 0)
+
+
+def test_projection_bias_is_checked():
+    q, k, v = _inputs([5], [3], heads=2, kv_heads=2)
+    offsets_q, offsets_k = _offsets([5]), _offsets([3])
+    with pytest.raises(ValueError, match=_escape("projection_bias must have shape [32] (q's heads * head_dim), got [31]")):
+        gdpa(q, k, v, offsets_q, offsets_k, 5, 3, projection_bias=torch.zeros(31))
+    with pytest.raises(ValueError, match="projection_bias must be a floating tensor on cpu, got torch.int64"):
+        gdpa(q, k, v, offsets_q, offsets_k, 5, 3, projection_bias=torch.zeros(32, dtype=torch.long))
+    with pytest.raises(ValueError, match="broadcast_q's q has none here"):
+        gdpa(q[:4, :, :], k, v, None, offsets_k, 4, 3, broadcast_q=True, projection_bias=torch.zeros(32))
+    kv = torch.stack([k, v], 1)
+    with pytest.raises(ValueError, match=_escape("must have shape [64] (2 * kv heads * head_dim), got [32]")):
+        gdpa_packed_kv(q, kv, offsets_q, offsets_k, 5, 3, projection_bias=torch.zeros(32))
 
 
 def test_hstu_attention_is_silu_over_max_len_with_the_mask():

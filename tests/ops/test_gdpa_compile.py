@@ -55,8 +55,16 @@ for resident in (False, True):  # P quantized to MX-E4M3 (precision="mxfp8"): th
                                                USE_TMA=True, P_MX=True, EXACT=False), 8, 2)
     assert "e4m3x2" in ptx
 for block_n, warps in ((64, 4), (128, 8)):  # broadcast-Q dK/dV over short query sides (seed pooling)
-    compile_sm90(g.gdpa_bwd_dkdv_short_q_kernel, dict(GROUP=2, D=128, ACT=-1, PRECISION="tf32", FAST_ACT=True,
-                                                      BLOCK_M=32, BLOCK_N=block_n, TILES=8, BROADCAST_Q=True), warps, 3)
+    for sums in (False, True):  # COLUMN_SUMS: the K/V projection bias's gradient too
+        compile_sm90(g.gdpa_bwd_dkdv_short_q_kernel, dict(GROUP=2, D=128, ACT=-1, PRECISION="tf32", FAST_ACT=True,
+                                                          BLOCK_M=32, BLOCK_N=block_n, TILES=8, BROADCAST_Q=True,
+                                                          COLUMN_SUMS=sums), warps, 3)
+for tma in (True, False):  # the column-sum variants of the jagged backward passes (a projection bias's gradient)
+    compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, BROADCAST_Q=False, USE_TMA=tma,
+                                              COLUMN_SUMS=True), 8, 2)
+    compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=64, USE_TMA=tma, COLUMN_SUMS=True), 8, 2)
+    compile_sm90(g.gdpa_bwd_dq_kernel, dict(masks, BLOCK_M=64, BLOCK_N=32, USE_TMA=tma, KV_RESIDENT=True, TILES=8,
+                                            COLUMN_SUMS=True), 4, 3)
 compile_sm90(g.gdpa_bwd_dq_broadcast_kernel, dict(GROUP=1, D=128, ACT=7, PRECISION="tf32", BLOCK_M=64,
                                                   BLOCK_N=64, FAST_ACT=True), 4, 2)
 print("compiled")

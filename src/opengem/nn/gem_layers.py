@@ -12,6 +12,7 @@ import math
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opengem.jagged import Jagged, uniform_offsets
@@ -19,7 +20,16 @@ from opengem.nn.layers import MLP
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
 from opengem.ops.jagged_attention import jagged_attention_packed
-from opengem.ops.qkv_attention import qkv_attention
+
+
+def projected(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``linear(x)`` and the bias an attention op should return the gradient of (its ``projection_bias``): a plain
+    ``nn.Linear`` adds its bias without a gradient, and the op's backward kernels give it from their tiles, a pass
+    over the projection's output gradient less (gem-large: 0.27-0.8 GB a layer per bias). Any other module (a
+    low-precision projection, ``opengem.nn.low_precision``) runs as itself, its bias gradient its own."""
+    if type(linear) is nn.Linear and linear.bias is not None:
+        return F.linear(x, linear.weight, linear.bias.detach()), linear.bias
+    return linear(x), None
 
 
 class SelfGate(nn.Module):
@@ -67,12 +77,13 @@ class PersonalizedFFN(nn.Module):
         it has no host mirror, and the kernel would read it back with a device sync)."""
         h = sequence.values
         batch, m, _ = context.shape
-        q = self.q(self.norm(h)).view(h.shape[0], self.num_heads, self.head_dim)
+        q, q_bias = projected(self.q, self.norm(h))
         k, v = self.kv(self.context_norm(context)).view(batch * m, 2, self.num_heads, self.head_dim).unbind(1)
         k_offsets = uniform_offsets(batch, m, h.device, sequence.offsets.dtype) if context_offsets is None else context_offsets
         attended = gdpa(
-            q, k.contiguous(), v.contiguous(), sequence.offsets, k_offsets, sequence.max_len, m,
-            activation=self.activation, pre_scale=self.head_dim**-0.5, post_scale=1.0 / m, backend=self.backend,
+            q.view(h.shape[0], self.num_heads, self.head_dim), k.contiguous(), v.contiguous(), sequence.offsets,
+            k_offsets, sequence.max_len, m, activation=self.activation, pre_scale=self.head_dim**-0.5,
+            post_scale=1.0 / m, backend=self.backend, projection_bias=q_bias,
         )  # fmt: skip
         return sequence.with_values(h + self.out(attended.reshape(h.shape[0], -1)))
 
@@ -102,11 +113,12 @@ class SeedPooling(nn.Module):
         h = sequence.values
         # k and v stay strided views of the projection (GDPA takes token / head strides), and their gradient comes
         # back packed: contiguous copies, or unbind's stack in the backward, would move 2 x [T, d] more per layer
-        kv = self.kv(self.norm(h)).view(h.shape[0], 2, self.num_heads, self.head_dim)
+        kv, kv_bias = projected(self.kv, self.norm(h))
+        kv = kv.view(h.shape[0], 2, self.num_heads, self.head_dim)
         pooled = gdpa_packed_kv(
             self.seeds.to(kv.dtype), kv, None, sequence.offsets, self.num_seeds,
             sequence.max_len, activation=self.activation, pre_scale=self.head_dim**-0.5, broadcast_q=True,
-            backend=self.backend,
+            backend=self.backend, projection_bias=kv_bias,
         )  # fmt: skip
         pooled = pooled.reshape(sequence.batch_size, self.num_seeds, -1)
         return self.out(self.out_norm(pooled))
@@ -176,13 +188,11 @@ class SequenceSelfAttention(nn.Module):
         else:
             options = {"causal": False, "contextual_len": self.contextual_len, "window": self.window,
                        "backend": None if self.backend == "auto" else self.backend, "precision": self.precision}
-            if type(self.qkv) is nn.Linear:  # the bias's gradient from the attention's backward kernels
-                attended = qkv_attention(x, self.qkv.weight, self.qkv.bias, sequence.offsets, sequence.max_len,
-                                         num_heads=self.num_heads, **options)  # fmt: skip
-            else:  # a low-precision projection (opengem.nn.low_precision) runs as its own module
-                qkv = self.qkv(x).view(h.shape[0], 3, self.num_heads, self.head_dim)
-                # the gradient comes back packed: no stack copy in the backward
-                attended = jagged_attention_packed(qkv, sequence.offsets, sequence.max_len, **options)
+            qkv, qkv_bias = projected(self.qkv, x)
+            # the gradient comes back packed: no stack copy in the backward
+            attended = jagged_attention_packed(qkv.view(h.shape[0], 3, self.num_heads, self.head_dim),
+                                               sequence.offsets, sequence.max_len, projection_bias=qkv_bias,
+                                               **options)  # fmt: skip
             attended = attended.reshape(h.shape[0], -1)
         h = h + self.out(attended)
         if self.ffn is not None:

@@ -26,7 +26,13 @@ from opengem.ops.reference.gdpa_fp8 import gdpa_fp8_backward as gdpa_fp8_referen
 from opengem.ops.reference.gdpa_mxfp8 import gdpa_mxfp8 as gdpa_mxfp8_reference
 from opengem.ops.reference.gdpa_mxfp8 import gdpa_mxfp8_backward as gdpa_mxfp8_reference_backward
 from opengem.ops.triton import gdpa_fp8, gdpa_mxfp8
-from opengem.ops.triton.gdpa import GdpaArgs, check_triton_head_dim, gdpa_backward, gdpa_forward
+from opengem.ops.triton.gdpa import (
+    GdpaArgs,
+    check_triton_head_dim,
+    gdpa_backward,
+    gdpa_backward_with_column_sums,
+    gdpa_forward,
+)
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK as FP8_BLOCK
 from opengem.ops.triton.jagged_attention_fp8 import FP8_HEAD_DIMS
 
@@ -55,6 +61,7 @@ def gdpa(
     broadcast_q: bool = False,
     backend: str = "auto",
     precision: str = "bf16",
+    projection_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``O_i = post_scale / norm * sum_j phi_h(pre_scale * q_i . k_j) * v_j`` over the sample's visible keys.
 
@@ -91,13 +98,22 @@ def gdpa(
       (:mod:`opengem.ops.reference.gdpa_mxfp8`); the kernels multiply the MX values on the 16-bit tensor cores
       (Hopper has no MX ones): MXFP8's numerics with more work than bf16 (``docs/fp8_attention.md`` has the
       times); backward straight through.
+    * ``projection_bias``: ``[H * D]``, the bias q's projection already added into ``q``, there without a gradient
+      (``q = F.linear(x, W, b.detach())``, then ``projection_bias=b``). Unused in the forward; the op returns b's
+      gradient, dq's column sums, from the Triton backward's dQ programs (bf16; elsewhere from dq), which saves a pass
+      over dq. Not with ``broadcast_q``. Given while the projection keeps its own bias gradient, b's gradient counts
+      twice.
     """
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
                           post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
                           precision)  # fmt: skip
+    if projection_bias is not None:
+        if broadcast_q:
+            raise ValueError("projection_bias is a jagged q's projection bias: broadcast_q's q has none here")
+        _check_projection_bias(projection_bias, q, q.shape[1] * q.shape[2], "q's heads * head_dim")
     with autocast_off:
-        return torch.ops.opengem.gdpa_fwd(q, k, v, *options)
+        return torch.ops.opengem.gdpa_fwd(q, k, v, *options, projection_bias)
 
 
 def gdpa_packed_kv(
@@ -120,11 +136,14 @@ def gdpa_packed_kv(
     broadcast_q: bool = False,
     backend: str = "auto",
     precision: str = "bf16",
+    projection_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`gdpa` with ``k, v = kv.unbind(1)`` of one ``[Tk, 2, H_kv, D]`` tensor (a fused K/V projection's
     output viewed per head; the other arguments as :func:`gdpa`'s). The same output; the kernels write dK and dV
     into one packed ``[Tk, 2, H_kv, D]`` gradient, which the projection's backward takes as is (through
-    ``unbind``, autograd would stack two gradients with a copy of 2 x ``[Tk, H_kv, D]``)."""
+    ``unbind``, autograd would stack two gradients with a copy of 2 x ``[Tk, H_kv, D]``). ``projection_bias``
+    ``[2 * H_kv * D]``: the K/V projection's bias, as :func:`gdpa`'s for q (its gradient, dkv's column sums, from the
+    dK/dV programs)."""
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise ValueError(f"kv must have shape [Tk, 2, H_kv, D], got {list(kv.shape)}")
     (q, kv), autocast_off = cast_inputs(q, kv)
@@ -132,8 +151,18 @@ def gdpa_packed_kv(
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
                           post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
                           precision)  # fmt: skip
+    if projection_bias is not None:
+        _check_projection_bias(projection_bias, kv, 2 * kv.shape[2] * kv.shape[3], "2 * kv heads * head_dim")
     with autocast_off:
-        return torch.ops.opengem.gdpa_kv_fwd(q, kv, *options)
+        return torch.ops.opengem.gdpa_kv_fwd(q, kv, *options, projection_bias)
+
+
+def _check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, what: str) -> None:
+    if bias.shape != (size,):
+        raise ValueError(f"projection_bias must have shape [{size}] ({what}), got {list(bias.shape)}")
+    if bias.device != like.device or not bias.is_floating_point():
+        raise ValueError(f"projection_bias must be a floating tensor on {like.device}, got {bias.dtype} on "
+                         f"{bias.device}")  # fmt: skip
 
 
 def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
@@ -288,9 +317,10 @@ def gdpa_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
-    precision: str = "bf16",
+    precision: str = "bf16", projection_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """GDPA forward (``window = -1``: none; ``head_acts``: one id per head, or one for all). See :func:`gdpa`."""
+    """GDPA forward (``window = -1``: none; ``head_acts``: one id per head, or one for all; ``projection_bias``
+    unused here, for its gradient). See :func:`gdpa`."""
     return _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
                     out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
 
@@ -315,7 +345,7 @@ def _forward(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, h
 
 @gdpa_fwd.register_fake
 def _(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
-      contextual_len, window, broadcast_q, use_triton, precision="bf16"):
+      contextual_len, window, broadcast_q, use_triton, precision="bf16", projection_bias=None):  # fmt: skip
     rows = (k_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, q.shape[1], q.shape[2]))
 
@@ -325,12 +355,34 @@ def gdpa_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_offsets: torch.Tensor,
     k_offsets: torch.Tensor, num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int],
     pre_scale: float, out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool,
-    use_triton: bool, precision: str = "bf16",
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """GDPA backward: ``(dq, dk, dv)`` (Triton passes, or the reference's closed form)."""
-    return _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
-                          pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton,
-                          precision)  # fmt: skip
+    use_triton: bool, precision: str = "bf16", column_sums: str = "",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """GDPA backward: ``(dq, dk, dv, sums)`` (Triton passes, or the reference's closed form); ``sums``: with
+    ``column_sums="q"`` dq's column sums ``[H D]``, with ``"kv"`` dk's then dv's ``[2 H_kv D]`` (fp32), else ``[0]``."""
+    return _backward_with_sums(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
+                               pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision,
+                               column_sums)  # fmt: skip
+
+
+def _backward_with_sums(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
+                        pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision,
+                        column_sums, grads=None):  # fmt: skip
+    """:func:`_backward_impl` and the column sums ``gdpa_bwd`` describes: from the bf16 Triton passes' programs, else
+    from the gradients."""
+    options = (q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
+               contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
+    if column_sums and use_triton and precision == "bf16":
+        args = _args(_per_head(head_acts, q.shape[1]), pre_scale, out_scale, causal, contextual_len, window,
+                     broadcast_q, max_len_q, max_len_k)  # fmt: skip
+        dq, dk, dv, sums = gdpa_backward_with_column_sums(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args,
+                                                          column_sums, grads=grads)  # fmt: skip
+        return dq, dk, dv, sums.flatten()
+    dq, dk, dv = _backward_impl(grad_out, q, k, v, *options, grads=grads)
+    if column_sums == "q":
+        return dq, dk, dv, dq.sum(0, dtype=torch.float32).flatten()
+    if column_sums == "kv":
+        return dq, dk, dv, torch.stack([dk.sum(0, dtype=torch.float32), dv.sum(0, dtype=torch.float32)]).flatten()
+    return dq, dk, dv, q.new_empty((0,), dtype=torch.float32)
 
 
 def _backward_impl(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
@@ -379,21 +431,30 @@ def _per_head(head_acts: list[int], heads: int) -> list[int]:
     return head_acts * heads if len(head_acts) == 1 else head_acts
 
 
+def _sums_size(column_sums: str, q: torch.Tensor, k: torch.Tensor) -> int:
+    return {"q": q.shape[1] * q.shape[2], "kv": 2 * k.shape[1] * k.shape[2]}.get(column_sums, 0)
+
+
 @gdpa_bwd.register_fake
-def _(grad_out, q, k, v, *rest):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+def _(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale,
+      causal, contextual_len, window, broadcast_q, use_triton, precision="bf16", column_sums=""):  # fmt: skip
+    sums = q.new_empty((_sums_size(column_sums, q, k),), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), sums
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, q_offsets, k_offsets, num_targets, *options = inputs
+    q, k, v, q_offsets, k_offsets, num_targets, *options, bias = inputs
     ctx.save_for_backward(q, k, v, q_offsets, k_offsets, num_targets)
     ctx.options = options
+    ctx.bias = None if bias is None else bias.dtype
 
 
 def _backward(ctx, grad_out):
     q, k, v, q_offsets, k_offsets, num_targets = ctx.saved_tensors
-    dq, dk, dv = torch.ops.opengem.gdpa_bwd(grad_out, q, k, v, q_offsets, k_offsets, num_targets, *ctx.options)
-    return (dq, dk, dv) + (None,) * (3 + len(ctx.options))
+    column_sums = "q" if ctx.bias is not None and ctx.needs_input_grad[-1] else ""
+    dq, dk, dv, sums = torch.ops.opengem.gdpa_bwd(grad_out, q, k, v, q_offsets, k_offsets, num_targets, *ctx.options,
+                                                  column_sums)  # fmt: skip
+    return (dq, dk, dv) + (None,) * (3 + len(ctx.options)) + (sums.to(ctx.bias) if column_sums else None,)
 
 
 gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -414,16 +475,16 @@ def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextua
 
 @register_flop_formula(torch.ops.opengem.gdpa_fwd, get_raw=True)
 def _gdpa_fwd_flops(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
-                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16", *,
-                    out_val=None, **kwargs) -> int:
+                    out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16",
+                    projection_bias=None, *, out_val=None, **kwargs) -> int:
     pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
     return attention_flops(pairs, q.shape[1], q.shape[2])[0]
 
 
 @register_flop_formula(torch.ops.opengem.gdpa_bwd, get_raw=True)
 def _gdpa_bwd_flops(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
-                    pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16", *,
-                    out_val=None, **kwargs) -> int:
+                    pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16",
+                    column_sums="", *, out_val=None, **kwargs) -> int:
     pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
     return attention_flops(pairs, q.shape[1], q.shape[2])[1]
 
@@ -437,16 +498,16 @@ def gdpa_kv_fwd(
     q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
-    precision: str = "bf16",
+    precision: str = "bf16", projection_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """As ``opengem::gdpa_fwd`` on ``kv.unbind(1)``."""
+    """As ``opengem::gdpa_fwd`` on ``kv.unbind(1)`` (``projection_bias``: the K/V projection's, for its gradient)."""
     return _forward(q, *kv.unbind(1), q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
                     out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
 
 
 @gdpa_kv_fwd.register_fake
 def _(q, kv, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
-      contextual_len, window, broadcast_q, use_triton, precision="bf16"):  # fmt: skip
+      contextual_len, window, broadcast_q, use_triton, precision="bf16", projection_bias=None):  # fmt: skip
     rows = (k_offsets.shape[0] - 1) * q.shape[0] if broadcast_q else q.shape[0]
     return q.new_empty((rows, q.shape[1], q.shape[2]))
 
@@ -456,34 +517,40 @@ def gdpa_kv_bwd(
     grad_out: torch.Tensor, q: torch.Tensor, kv: torch.Tensor, q_offsets: torch.Tensor, k_offsets: torch.Tensor,
     num_targets: torch.Tensor | None, max_len_q: int, max_len_k: int, head_acts: list[int], pre_scale: float,
     out_scale: float, causal: bool, contextual_len: int, window: int, broadcast_q: bool, use_triton: bool,
-    precision: str = "bf16",
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """``(dq, dkv)``: the Triton passes write dK and dV into ``dkv``'s two views."""
+    precision: str = "bf16", column_sums: str = "",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """``(dq, dkv, sums)``: the Triton passes write dK and dV into ``dkv``'s two views; ``sums`` as
+    ``opengem::gdpa_bwd``'s."""
     options = (q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale, causal,
-               contextual_len, window, broadcast_q, use_triton, precision)  # fmt: skip
+               contextual_len, window, broadcast_q, use_triton, precision, column_sums)  # fmt: skip
     if use_triton:
         dq, dkv = torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
-        _backward_impl(grad_out, q, *kv.unbind(1), *options, grads=(dq, *dkv.unbind(1)))
-        return dq, dkv
-    dq, dk, dv = _backward_impl(grad_out, q, *kv.unbind(1), *options)
-    return dq, torch.stack([dk, dv], 1)
+        *_, sums = _backward_with_sums(grad_out, q, *kv.unbind(1), *options, grads=(dq, *dkv.unbind(1)))
+        return dq, dkv, sums
+    dq, dk, dv, sums = _backward_with_sums(grad_out, q, *kv.unbind(1), *options)
+    return dq, torch.stack([dk, dv], 1), sums
 
 
 @gdpa_kv_bwd.register_fake
-def _(grad_out, q, kv, *rest):
-    return torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device)
+def _(grad_out, q, kv, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale, out_scale,
+      causal, contextual_len, window, broadcast_q, use_triton, precision="bf16", column_sums=""):  # fmt: skip
+    sums = q.new_empty((_sums_size(column_sums, q, kv[:, 0]),), dtype=torch.float32)
+    return torch.empty_like(q), torch.empty(kv.shape, dtype=kv.dtype, device=kv.device), sums
 
 
 def _setup_kv_context(ctx, inputs, output) -> None:
-    q, kv, q_offsets, k_offsets, num_targets, *options = inputs
+    q, kv, q_offsets, k_offsets, num_targets, *options, bias = inputs
     ctx.save_for_backward(q, kv, q_offsets, k_offsets, num_targets)
     ctx.options = options
+    ctx.bias = None if bias is None else bias.dtype
 
 
 def _kv_backward(ctx, grad_out):
     q, kv, q_offsets, k_offsets, num_targets = ctx.saved_tensors
-    dq, dkv = torch.ops.opengem.gdpa_kv_bwd(grad_out, q, kv, q_offsets, k_offsets, num_targets, *ctx.options)
-    return (dq, dkv) + (None,) * (3 + len(ctx.options))
+    column_sums = "kv" if ctx.bias is not None and ctx.needs_input_grad[-1] else ""
+    dq, dkv, sums = torch.ops.opengem.gdpa_kv_bwd(grad_out, q, kv, q_offsets, k_offsets, num_targets, *ctx.options,
+                                                  column_sums)  # fmt: skip
+    return (dq, dkv) + (None,) * (3 + len(ctx.options)) + (sums.to(ctx.bias) if column_sums else None,)
 
 
 gdpa_kv_fwd.register_autograd(_kv_backward, setup_context=_setup_kv_context)

@@ -440,18 +440,29 @@ def jagged_attention_packed(
     backend: str | None = None,
     precision: str = "bf16",
     backward_precision: str = "bf16",
+    projection_bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """:func:`jagged_attention` of ``q, k, v = qkv.unbind(1)``, for a fused QKV projection's output viewed
     ``[T, 3, H, D]`` (same arguments otherwise). The same output; the gradient comes back as one ``[T, 3, H, D]``
-    tensor the kernels write directly, instead of three that ``unbind``'s backward stacks with a copy."""
+    tensor the kernels write directly, instead of three that ``unbind``'s backward stacks with a copy.
+
+    ``projection_bias``: ``[3 H D]``, the bias the projection already added into ``qkv``, there without a gradient
+    (``qkv = F.linear(x, W, b.detach())``, then ``projection_bias=b``; :func:`opengem.ops.qkv_attention` does both).
+    Unused in the forward; the op returns b's gradient, dqkv's column sums, from the bf16 backward kernels' tiles
+    (elsewhere from dqkv), which saves a pass over dqkv. Given while the projection keeps its own bias gradient, b's
+    gradient counts twice."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape [T, 3, H, D], got {list(qkv.shape)}")
+    size = 3 * qkv.shape[2] * qkv.shape[3]
+    if projection_bias is not None and (projection_bias.shape != (size,) or projection_bias.device != qkv.device):
+        raise ValueError(f"projection_bias must have shape [{size}] on {qkv.device}, got {list(projection_bias.shape)} "
+                         f"on {projection_bias.device}")  # fmt: skip
     (qkv,), autocast_off = cast_inputs(qkv)
     q, k, v = qkv.unbind(1)
     options = _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale,
                           normalize_by_max_len, backend, precision, backward_precision)  # fmt: skip
     with autocast_off:
-        out, _ = _jagged_attention_packed_fwd(qkv, *options)
+        out, _ = _jagged_attention_packed_fwd(qkv, *options, projection_bias)
     return out
 
 

@@ -32,6 +32,7 @@ import math
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields, replace
+from typing import Literal
 
 import numpy as np
 import torch
@@ -457,6 +458,34 @@ def gdpa_backward(
     grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)``; ``grads`` (optional preallocated outputs) are fully overwritten."""
+    dq, dk, dv, _ = _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads, None)
+    return dq, dk, dv
+
+
+def gdpa_backward_with_column_sums(
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_offsets: torch.Tensor,
+    k_offsets: torch.Tensor,
+    num_targets: torch.Tensor | None,
+    args: GdpaArgs,
+    which: Literal["q", "kv"],
+    grads: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`gdpa_backward`, plus fp32 column sums over the tokens, the gradient of a bias their projection added:
+    of dq (``which="q"``, ``[H, D]``; not for broadcast queries) or of dk and dv (``"kv"``, ``[2, H_kv, D]``). The dQ
+    or dK/dV programs write their tiles' sums to a row each of a buffer sized by the final launch's work list, summed
+    once after: deterministic, and no pass over the written gradients (a ``[T, H D]`` read per bias)."""
+    if which not in ("q", "kv"):
+        raise ValueError(f"which must be 'q' or 'kv', got {which!r}")
+    if which == "q" and args.broadcast_q:
+        raise ValueError("broadcast queries are shared by every sample: their column sums are not taken")
+    return _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args, grads, which)
+
+
+def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaArgs, grads, which: str | None):
     check_triton_head_dim(q.shape[2])
     q, k, v, grad_out = (last_dim_contiguous(t) for t in (q, k, v, grad_out))
     dq, dk, dv = grads if grads is not None else (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
@@ -471,6 +500,15 @@ def gdpa_backward(
 
     q_block = _whole_sample_tile(args.max_len_q)
     short_q = args.broadcast_q and q_block <= SHORT_Q_MAX  # seed pooling: every sample's queries one tile
+    sums: dict[str, torch.Tensor] = {}  # the last launch's per-program column sums (the tuner's launches come first)
+
+    def sums_buffer(name: str, programs: int, rows: tuple[int, ...]) -> torch.Tensor:
+        """``[programs, *rows]`` fp32 for the launch's programs to fill when ``which`` is ``name``, else a dummy."""
+        if which != name:
+            return grad_out
+        buffer = torch.empty((programs, *rows), dtype=torch.float32, device=q.device)
+        sums[name] = buffer
+        return buffer
 
     def launch_dkdv(config: Config) -> None:
         if config.block_m == 0:  # the short-query candidates: key tiles pipelined against one query tile
@@ -481,28 +519,33 @@ def gdpa_backward(
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (grad_out, config.block_m)))
-        gdpa_bwd_dkdv_kernel[(work_b.numel() * kv_heads,)](
+        programs = work_b.numel() * kv_heads
+        gdpa_bwd_dkdv_kernel[(programs,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
-            *descs,
+            *descs, sums_buffer("kv", programs, (2, head_dim)),
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
             *grad_out.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
             kv_heads, args.pre_scale, args.out_scale, *scalars, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
-            USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+            USE_TMA=use_tma, COLUMN_SUMS=which == "kv", num_warps=config.num_warps, num_stages=config.num_stages,
+            **common["constexprs"],
         )
 
     def launch_dkdv_short_q(config: Config) -> None:
         work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device))
         if work_b.numel() == 0:
             return
-        gdpa_bwd_dkdv_short_q_kernel[(work_b.numel() * kv_heads,)](
+        programs = work_b.numel() * kv_heads
+        gdpa_bwd_dkdv_short_q_kernel[(programs,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["head_act"], work_b, work_t,
+            sums_buffer("kv", programs, (2, head_dim)),
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
             *grad_out.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
             kv_heads, args.pre_scale, args.out_scale, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=q_block, BLOCK_N=config.block_n, TILES=config.tiles,
             ACT=common["constexprs"]["ACT"], BROADCAST_Q=args.broadcast_q, PRECISION=common["constexprs"]["PRECISION"],
-            FAST_ACT=common["constexprs"]["FAST_ACT"], num_warps=config.num_warps, num_stages=config.num_stages,
+            FAST_ACT=common["constexprs"]["FAST_ACT"], COLUMN_SUMS=which == "kv", num_warps=config.num_warps,
+            num_stages=config.num_stages,
         )
 
     kv_block, resident_fits = _resident_kv(args, head_dim, q.element_size())
@@ -520,13 +563,16 @@ def gdpa_backward(
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
-        gdpa_bwd_dq_kernel[(work_b.numel() * heads,)](
+        programs = work_b.numel() * heads
+        gdpa_bwd_dq_kernel[(programs,)](
             q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
+            sums_buffer("q", programs, (head_dim,)),
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
             *grad_out.stride()[:2], *dq.stride()[:2],
             heads, args.pre_scale, args.out_scale * args.pre_scale, *scalars,
             GROUP=group, D=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, KV_RESIDENT=resident,
-            TILES=tiles, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
+            TILES=tiles, COLUMN_SUMS=which == "q", num_warps=config.num_warps, num_stages=config.num_stages,
+            **common["constexprs"],
         )
 
     if interpreting():
@@ -535,12 +581,18 @@ def gdpa_backward(
         launch_dq(_load_paths((dq_config,), tma_dq, head_dim, masked, kv_block)[0])
     else:
         # dK/dV loads its key tile through pointers, so every tile of it stays right on TMA (tma_tile_safe)
-        dkdv_key = _tune_key("dkdv", q, k, args, common, lengths) + (short_q,)
+        # the column-sum variants are tuned apart: their epilogue may not fit where the plain one does
+        dkdv_key = _tune_key("dkdv", q, k, args, common, lengths) + (short_q, which == "kv")
         dkdv_candidates = (*_DKDV_SHORT_Q, *_load_paths(_DKDV, tma_dkdv)) if short_q else _load_paths(_DKDV, tma_dkdv)
         launch_dkdv(_tuned(dkdv_key, dkdv_candidates, launch_dkdv))
         dq_candidates = _load_paths((*_DQ_RESIDENT, *_DQ) if resident_fits else _DQ, tma_dq, head_dim, masked, kv_block)
-        launch_dq(_tuned(_tune_key("dq", q, k, args, common, lengths) + (resident_fits,), dq_candidates, launch_dq))
-    return dq, dk, dv
+        dq_key = _tune_key("dq", q, k, args, common, lengths) + (resident_fits, which == "q")
+        launch_dq(_tuned(dq_key, dq_candidates, launch_dq))
+    if which is None:
+        return dq, dk, dv, None
+    shape = (heads, head_dim) if which == "q" else (kv_heads, 2, head_dim)
+    total = sums[which].view(-1, *shape).sum(0) if which in sums else q.new_zeros(shape, dtype=torch.float32)
+    return dq, dk, dv, total if which == "q" else total.transpose(0, 1)
 
 
 def _num_sms(device: torch.device) -> int:

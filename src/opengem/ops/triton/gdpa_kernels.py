@@ -206,27 +206,44 @@ def _key_tile(K, V, k_start, k_len, n_start, hk, stride_kt, stride_kh, stride_vt
 
 @triton.jit
 def _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                          pre_scale, out_scale, D: tl.constexpr):
-    """dK and dV of a key tile, scaled (``dK = c pre_scale dX^T Q``, ``dV = c P^T dO``), in the gradients' dtype."""
+                          pre_scale, out_scale, D: tl.constexpr, COLUMN_SUMS: tl.constexpr):
+    """dK and dV of a key tile, scaled (``dK = c pre_scale dX^T Q``, ``dV = c P^T dO``), in the gradients' dtype;
+    with ``COLUMN_SUMS`` returns their fp32 column sums over the tile's rows in the sample (``[D]`` each: a K/V
+    bias's gradient), else zeros."""
     offs_d = tl.arange(0, D)
-    tl.store(DK + rows * stride_dkt + hk * stride_dkh + offs_d[None, :],
-             (dk * (out_scale * pre_scale)).to(DK.dtype.element_ty), mask=row_ok)
-    tl.store(DV + rows * stride_dvt + hk * stride_dvh + offs_d[None, :],
-             (dv * out_scale).to(DV.dtype.element_ty), mask=row_ok)
+    dk = dk * (out_scale * pre_scale)
+    dv = dv * out_scale
+    tl.store(DK + rows * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=row_ok)
+    tl.store(DV + rows * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=row_ok)
+    dk_sum = tl.zeros([D], dtype=tl.float32)
+    dv_sum = tl.zeros([D], dtype=tl.float32)
+    if COLUMN_SUMS:
+        dk_sum = tl.sum(tl.where(row_ok, dk, 0.0), 0)
+        dv_sum = tl.sum(tl.where(row_ok, dv, 0.0), 0)
+    return dk_sum, dv_sum
+
+
+@triton.jit
+def _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D: tl.constexpr):
+    """A dK/dV program's column sums into its row of ``SUMS [programs, 2, D]`` fp32 (the host sums the rows)."""
+    offs_d = tl.arange(0, D)
+    tl.store(SUMS + (pid.to(tl.int64) * 2) * D + offs_d, dk_sum)
+    tl.store(SUMS + (pid.to(tl.int64) * 2 + 1) * D + offs_d, dv_sum)
 
 
 @triton.jit
 def gdpa_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, DO_desc,
+    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, DO_desc, SUMS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     num_kv_heads, pre_scale, out_scale, contextual_len, window, bcast_len,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr, USE_TMA: tl.constexpr,
-    PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
+    PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, COLUMN_SUMS: tl.constexpr = False,
 ):
-    """One program per (sample, key tile, K/V head): loops over the group's Q heads and the Q tiles."""
+    """One program per (sample, key tile, K/V head): loops over the group's Q heads and the Q tiles. ``COLUMN_SUMS``:
+    also its dK and dV column sums into ``SUMS[program]`` (``_store_kv_sums``)."""
     pid = tl.program_id(0)
     hk = pid % num_kv_heads
     item = pid // num_kv_heads
@@ -276,18 +293,21 @@ def gdpa_bwd_dkdv_kernel(
                     dxt = tl.where(visible, dxt, 0.0)
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
-    _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                          pre_scale, out_scale, D)
+    dk_sum, dv_sum = _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt,
+                                           stride_dvh, pre_scale, out_scale, D, COLUMN_SUMS)
+    if COLUMN_SUMS:
+        _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D)
 
 
 @triton.jit
 def gdpa_bwd_dkdv_short_q_kernel(
-    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, HEAD_ACT, WORK_B, WORK_T,
+    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, HEAD_ACT, WORK_B, WORK_T, SUMS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     num_kv_heads, pre_scale, out_scale, bcast_len,
     GROUP: tl.constexpr, D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, TILES: tl.constexpr,
     ACT: tl.constexpr, BROADCAST_Q: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
+    COLUMN_SUMS: tl.constexpr = False,
 ):
     """dK/dV where every sample's queries fit one tile of ``BLOCK_M`` rows (seed pooling's broadcast queries), no
     mask: one program per (sample, ``TILES`` key tiles, K/V head), each key tile finished in one step, so the loop
@@ -302,6 +322,8 @@ def gdpa_bwd_dkdv_short_q_kernel(
                                                                        BROADCAST_Q)
     offs_d = tl.arange(0, D)
     offs_m = tl.arange(0, BLOCK_M)
+    dk_sum = tl.zeros([D], dtype=tl.float32)
+    dv_sum = tl.zeros([D], dtype=tl.float32)
     n_stop = tl.minimum((first_tile + TILES) * BLOCK_N, k_len)
     for n_start in range(first_tile * BLOCK_N, n_stop, BLOCK_N):
         k, v, rows, row_ok = _key_tile(K, V, k_start, k_len, n_start, hk, stride_kt, stride_kh, stride_vt, stride_vh,
@@ -324,8 +346,13 @@ def gdpa_bwd_dkdv_short_q_kernel(
             dxt = tl.dot(v, tl.trans(do), input_precision=PRECISION) * dphit
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
-        _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
-                              pre_scale, out_scale, D)
+        tile_dk_sum, tile_dv_sum = _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh,
+                                                         stride_dvt, stride_dvh, pre_scale, out_scale, D, COLUMN_SUMS)
+        if COLUMN_SUMS:
+            dk_sum += tile_dk_sum
+            dv_sum += tile_dv_sum
+    if COLUMN_SUMS:
+        _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D)
 
 
 @triton.jit
@@ -378,7 +405,7 @@ def _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, hk, m_start, q_sta
 
 @triton.jit
 def gdpa_bwd_dq_kernel(
-    Q, K, V, DO, DQ, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, K_desc, V_desc, DO_desc,
+    Q, K, V, DO, DQ, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, K_desc, V_desc, DO_desc, SUMS,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dqt, stride_dqh,
     num_heads, pre_scale, dq_scale, contextual_len, window,
@@ -386,11 +413,13 @@ def gdpa_bwd_dq_kernel(
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
     FAST_ACT: tl.constexpr, KV_RESIDENT: tl.constexpr = False, TILES: tl.constexpr = 1,
+    COLUMN_SUMS: tl.constexpr = False,
 ):
     """One program per (sample, query tile, head): dQ without atomics. ``KV_RESIDENT``: short K/V (the whole
     sample's keys one tile of ``BLOCK_N``) loaded once, then ``TILES`` query tiles in a pipelined loop, as the
     forward's resident path: a program per tile reads its q and dO with nothing in flight behind them (GEM's PFFN dQ,
-    32 keys a sample: the resident path ran it 1.52-1.67x faster, H200, session 30, same run)."""
+    32 keys a sample: the resident path ran it 1.52-1.67x faster, H200, session 30, same run). ``COLUMN_SUMS``: also
+    the program's dQ column sum (fp32, ``[D]``: a Q bias's gradient) into ``SUMS[program]``, which the host sums."""
     pid = tl.program_id(0)
     h = pid % num_heads
     item = pid // num_heads
@@ -404,6 +433,7 @@ def gdpa_bwd_dq_kernel(
         act = tl.load(HEAD_ACT + h)
     hk = h // GROUP
     offs_d = tl.arange(0, D)
+    dq_sum = tl.zeros([D], dtype=tl.float32)
     if KV_RESIDENT:
         offs_n = tl.arange(0, BLOCK_N)
         if USE_TMA:
@@ -417,6 +447,9 @@ def gdpa_bwd_dq_kernel(
                          mask=col_ok, other=0.0)
         q_base = Q + q_start.to(tl.int64) * stride_qt + h * stride_qh
         do_base = DO + o_start.to(tl.int64) * stride_dot + h * stride_doh
+        # with COLUMN_SUMS: sum_rows dQ = (sum_rows dX) K over the program's tiles, K resident, so the loop only adds
+        # dX tiles ([BLOCK_M, BLOCK_N], 16 registers at 64 x 32) and the one reduction waits for the end
+        dx_total = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         m_stop = tl.minimum((first_tile + TILES) * BLOCK_M, q_len)
         for m_start in range(first_tile * BLOCK_M, m_stop, BLOCK_M):
             offs_m = m_start + tl.arange(0, BLOCK_M)
@@ -433,9 +466,14 @@ def gdpa_bwd_dq_kernel(
             if MASKED:
                 dx = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                         CAUSAL, HAS_WINDOW, HAS_CONTEXT), dx, 0.0)
-            dq = tl.dot(dx.to(kt.dtype), tl.trans(kt), input_precision=PRECISION)
+            dx = dx.to(kt.dtype)
+            dq = tl.dot(dx, tl.trans(kt), input_precision=PRECISION) * dq_scale
             tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
-                     (dq * dq_scale).to(DQ.dtype.element_ty), mask=row_ok)
+                     dq.to(DQ.dtype.element_ty), mask=row_ok)
+            if COLUMN_SUMS:
+                dx_total += tl.where(row_ok, dx.to(tl.float32), 0.0)
+        if COLUMN_SUMS:
+            dq_sum = tl.sum(kt.to(tl.float32) * tl.sum(dx_total, 0)[None, :], 1) * dq_scale
     else:
         m_start = first_tile * BLOCK_M
         dq = _dq_tile(Q, K, V, DO, Q_desc, K_desc, V_desc, DO_desc, h, hk, m_start, q_start, q_len, o_start,
@@ -443,8 +481,14 @@ def gdpa_bwd_dq_kernel(
                       stride_dot, stride_doh, pre_scale, contextual_len, window, D, BLOCK_M, BLOCK_N, MASKED, CAUSAL,
                       HAS_WINDOW, HAS_CONTEXT, USE_TMA, PRECISION, FAST_ACT)
         offs_m = m_start + tl.arange(0, BLOCK_M)
+        row_ok = offs_m[:, None] < q_len
+        dq = dq * dq_scale
         tl.store(DQ + (q_start + offs_m[:, None]).to(tl.int64) * stride_dqt + h * stride_dqh + offs_d[None, :],
-                 (dq * dq_scale).to(DQ.dtype.element_ty), mask=offs_m[:, None] < q_len)
+                 dq.to(DQ.dtype.element_ty), mask=row_ok)
+        if COLUMN_SUMS:
+            dq_sum = tl.sum(tl.where(row_ok, dq, 0.0), 0)
+    if COLUMN_SUMS:
+        tl.store(SUMS + pid.to(tl.int64) * D + offs_d, dq_sum)
 
 
 @triton.jit
