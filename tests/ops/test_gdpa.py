@@ -239,13 +239,15 @@ def test_triton_broadcast_q_dkdv_kernels(monkeypatch, seeds):
 
 @pytest.mark.parametrize(
     "case",
-    ["self_resident_q", "self_key_loop_q", "cross_resident_q", "cross_kv", "pooling_short_q_kv", "pooling_kv"],
+    ["self_resident_q", "self_key_loop_q", "cross_resident_q", "cross_kv", "pooling_short_q_kv",
+     "pooling_short_q_gqa_kv", "pooling_kv"],
 )
 def test_backward_column_sums_are_the_gradients_summed_over_tokens(case):
     """``gdpa_backward_with_column_sums``: the same dq, dk, dv as ``gdpa_backward``, and the column sums of dq
     (``"q"``: a Q projection's bias gradient; resident K/V with several query tiles a program, and the key loop) or
-    of dk and dv (``"kv"``: the short-query dK/dV over several key tiles a program for <= 64 broadcast seeds, and
-    the generic one), from the programs' tiles; samples without keys or queries included."""
+    of dk and dv (``"kv"``: the short-query dK/dV over several key tiles a program for <= 64 broadcast seeds, one Q
+    head a K/V head and GQA, and the generic one), from the programs' tiles; samples without keys or queries
+    included."""
     from opengem.ops.triton.gdpa import gdpa_backward_with_column_sums
 
     acts, broadcast, which = ["silu", "gelu_tanh"], case.startswith("pooling"), case.rsplit("_", 1)[1]
@@ -257,8 +259,9 @@ def test_backward_column_sums_are_the_gradients_summed_over_tokens(case):
     else:
         q_lengths, k_lengths, mask = [], [40, 0, 1, 25], {}
         max_len_k = 40
-    seeds = (18 if case == "pooling_short_q_kv" else 70) if broadcast else None
-    q, k, v = _inputs(q_lengths, k_lengths, heads=2, kv_heads=2, seeds=seeds, seed=3)
+    seeds = (70 if case == "pooling_kv" else 18) if broadcast else None
+    kv_heads = 1 if "gqa" in case else 2
+    q, k, v = _inputs(q_lengths, k_lengths, heads=2, kv_heads=kv_heads, seeds=seeds, seed=3)
     k_offsets = _offsets(k_lengths)
     q_offsets = k_offsets if broadcast else _offsets(q_lengths)
     max_len_q = seeds if broadcast else max(q_lengths)
