@@ -25,7 +25,7 @@ def _sequence(gen: torch.Generator) -> Jagged:
     return Jagged(torch.randn(sum(LENGTHS), DIM, generator=gen), offsets, offsets.clone(), max(LENGTHS))
 
 
-def _layer_and_call(kind: str, backend: str, gen: torch.Generator):
+def _layer_and_call(kind: str, backend: str, gen: torch.Generator, precision: str = "bf16"):
     sequence = _sequence(gen)
     if kind == "pffn":
         layer = PersonalizedFFN(DIM, HEADS, backend=backend)
@@ -34,16 +34,18 @@ def _layer_and_call(kind: str, backend: str, gen: torch.Generator):
     if kind == "pooling":
         return SeedPooling(DIM, HEADS, num_seeds=3, backend=backend), lambda m: m(sequence)
     layer = SequenceSelfAttention(DIM, HEADS, "jfa", window=8, block_size=16, contextual_len=2, ffn_mult=0,
-                                  time_scale=1.0, backend=backend)  # fmt: skip
+                                  time_scale=1.0, backend=backend, precision=precision)  # fmt: skip
     return layer, lambda m: m(sequence, torch.zeros(sum(LENGTHS))).values
 
 
 @pytest.mark.parametrize("backend", ["triton", "reference"])
-@pytest.mark.parametrize("kind", ["pffn", "pooling", "self_attention"])
+@pytest.mark.parametrize("kind", ["pffn", "pooling", "self_attention", "self_attention_fp8"])
 def test_bias_gradients_from_the_attention_ops_equal_linears(monkeypatch, kind, backend):
+    """(FP8 self-attention: the op's backward sums dqkv itself, the kernels' sums being the bf16 path's.)"""
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(1)
-    layer, call = _layer_and_call(kind, backend, gen)
+    fp8 = kind.endswith("fp8")
+    layer, call = _layer_and_call(kind.removesuffix("_fp8"), backend, gen, "fp8" if fp8 else "bf16")
     plain = copy.deepcopy(layer)
     handed = []
     original = gem_layers.projected
