@@ -6,7 +6,8 @@ host: each GEM layer's forward call and its return, the moment autograd reaches 
 backward starts), the model's forward, the optimizer step. At each mark it records a CUDA event and the host clock.
 One synchronization before the steps aligns the two clocks; after them, each mark's *lead* is how long after the host
 reached it the GPU did: a lead near 0 means the GPU had drained its queue and waited for the host there. Between two
-marks, the GPU span minus the host span says who was slower.
+marks, the GPU span minus the host span says who was slower. Each step's garbage collections and the caching
+allocator's trips to the driver are counted beside (host-side counters), the host stalls a step may hide.
 
     PYTHONPATH=src:. python -m benchmarks.diag.host_lead [--preset gem-large] [--batch-size 512] [--steps 6]
         [--out benchmarks/results/host_lead_gem-large_b512.json]
@@ -33,6 +34,7 @@ from torch import nn
 from benchmarks.common import environment
 from benchmarks.diag.compiled_learner import compiled_learner
 from opengem.train.bench.timing import warm_until_settled
+from opengem.train.bench.watch import allocator_counts
 from opengem.train.data_stream import train_batches
 
 
@@ -156,17 +158,21 @@ def main() -> None:
     reference.synchronize()
     host_zero = time.perf_counter()  # the GPU ran ``reference`` just before: the clocks agree to ~10 us
     collections: list[float] = []
+    allocator = [allocator_counts()]  # per step: the caching allocator's trips to the driver (cudaMalloc) and retries
     marks.recording = True
     with collector_time(collections):
         for batch in batches:
             marks.mark("step")
             learner.step(batch.to(device, non_blocking=True))
+            allocator.append(allocator_counts())
     marks.recording = False
+    mallocs = [{name: b[name] - a[name] for name in a} for a, b in zip(allocator, allocator[1:])]
     torch.cuda.synchronize()
     rows, spans = leads(marks, args.steps, reference, host_zero), step_spans(marks, args.steps, reference)
     print(f"{args.steps} marked steps; host / GPU ms of each step (first mark to the next step's): "
           + ", ".join(f"{s['host_ms']:.1f} / {s['gpu_ms']:.1f}" for s in spans)
-          + f"; {len(collections)} garbage collections, {1e3 * sum(collections):.1f} ms")
+          + f"; {len(collections)} garbage collections, {1e3 * sum(collections):.1f} ms; device mallocs / retries "
+          + "each step: " + ", ".join(f"{m['device_mallocs']} / {m['alloc_retries']}" for m in mallocs))
     print("per mark: lead in each step after the first (ms), mean host / GPU ms since the previous mark")
     for r in rows:
         print(" ".join(f"{lead:7.2f}" for lead in r["lead_ms_each_step"])
@@ -174,7 +180,7 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "host_lead", "preset": args.preset, "batch_size": args.batch_size, "steps": args.steps,
                "environment": environment(), "step_spans": spans, "collections_ms": [1e3 * c for c in collections],
-               "marks": rows}  # fmt: skip
+               "allocator_each_step": mallocs, "marks": rows}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
 
