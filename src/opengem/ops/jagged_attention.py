@@ -339,7 +339,7 @@ def _setup_packed_context(ctx, inputs, output):
 
 def _packed_backward(ctx, dout, dlse):
     qkv, out, lse, offsets, num_targets = ctx.saved_tensors
-    column_sums = ctx.bias is not None and ctx.needs_input_grad[10]
+    column_sums = ctx.bias is not None and ctx.needs_input_grad[-1]  # projection_bias: the last input
     dqkv, sums = _jagged_attention_packed_bwd(dout, qkv, out, lse, offsets, num_targets, *ctx.options, column_sums)
     dbias = sums.reshape(ctx.bias[0]).to(ctx.bias[1]) if column_sums else None
     return dqkv, None, None, None, None, None, None, None, None, None, dbias

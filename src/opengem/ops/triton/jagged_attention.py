@@ -594,11 +594,16 @@ def _tiles(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tenso
 
     These are exactly the non-empty tiles: every token sees itself, so no tile with tokens is fully
     masked; what the masks empty is the key (query) range a tile visits, which the kernels bound."""
-    counts = (lengths + block - 1) // block
+    counts, first_tile = _tile_counts(lengths, block)
     sample = torch.repeat_interleave(torch.arange(lengths.numel()), counts)
-    first_tile = torch.cumsum(counts, 0) - counts
     row = (torch.arange(int(counts.sum())) - first_tile[sample]) * block
     return sample, row
+
+
+def _tile_counts(lengths: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per sample, its number of ``block``-row tiles and the index of its first among all samples' tiles."""
+    counts = (lengths + block - 1) // block
+    return counts, torch.cumsum(counts, 0) - counts
 
 
 def _order(sample: torch.Tensor, row: torch.Tensor, work: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -659,9 +664,8 @@ def schedule(host_offsets: torch.Tensor, host_targets: torch.Tensor | None, opts
     for block in _TILES:
         query_tiles[block] = _order(*_query_tile_work(lengths, hist, block, opts), device)
         key_tiles[block] = _order(*_key_tile_work(lengths, hist, block, opts), device)
-    small_tiles = (lengths + _SMALL - 1) // _SMALL
-    starts = to_device((torch.cumsum(small_tiles, 0) - small_tiles).to(torch.int32), device)
-    result = Schedule(query_tiles, key_tiles, starts, int(small_tiles.sum()))
+    small_tiles, small_starts = _tile_counts(lengths, _SMALL)
+    result = Schedule(query_tiles, key_tiles, to_device(small_starts.to(torch.int32), device), int(small_tiles.sum()))
     _SCHEDULES[key] = result
     if len(_SCHEDULES) > _SCHEDULE_CACHE_SIZE:
         _SCHEDULES.popitem(last=False)
