@@ -105,10 +105,11 @@ def idle_gaps(
 ) -> dict[str, object]:
     """Where the GPU waits between the first and the last device work of the profiled steps, per step.
 
-    ``idle_ms_per_step``: every gap; ``spacing_ms_per_step``: the part in gaps shorter than ``min_gap_us`` (the
-    launch-to-launch spacing of a queue the host keeps full, ~1 us a kernel); ``gaps``: the ``count`` costliest
-    (previous kernel, next kernel) pairs among the longer gaps, where the host or a synchronization held the next
-    kernel back. The profiler slows the host, so these overstate the timed steps' gaps; they say where, not how much.
+    ``idle_ms_per_step``: every gap; ``spacing_ms_per_step``: the part in gaps shorter than ``min_gap_us`` (kernels
+    that follow each other from a full queue); ``gaps``: the ``count`` costliest (previous kernel, next kernel) pairs
+    among the longer gaps, where the next kernel started late (under a profiler, mostly because the profiled host
+    launched it late). The profiler slows the host, so these overstate the timed steps' gaps; they say where, not how
+    much (``benchmarks.diag.host_lead`` found gem-large's timed host 23-81 ms ahead of the GPU, session 31).
     """
     work = sorted(device_work(events), key=lambda item: (item[1], item[2]))
     idle = spacing = 0.0

@@ -155,12 +155,12 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     # The profiled steps replay the window's first batches: the kernel time of the very batches timed there. The
     # window's steps range 235-325 ms on gem-large (their token counts differ), so the kernel time of other
     # batches set against the window's mean says little about the GPU's idle time.
-    replay = _started(train_batches(config, start_step=options.lead_steps))
+    replayed: list[Batch] = []  # kept for the kernels-only profile, which replays them once more
+    replay = _recorded(_started(train_batches(config, start_step=options.lead_steps)), replayed)
     phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, replay, device, options.profile_steps,
                                                                         options.trace)  # fmt: skip
-    replay = _started(train_batches(config, start_step=options.lead_steps))
-    gaps = _device_gaps(learner, replay, device, options.profile_steps)
-    replay = None
+    replay = None  # stops its loader workers
+    gaps = _device_gaps(learner, iter(replayed), device, options.profile_steps)
     _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
     loader_samples_per_s = _loader_rate(config, options.loader_batches)
 
@@ -243,6 +243,13 @@ def _started(stream: Iterator[Batch]) -> Iterator[Batch]:
     """``stream`` with its first batch already fetched: a restarted loader's worker start-up is not profiled."""
     first = next(stream)
     return itertools.chain([first], stream)
+
+
+def _recorded(stream: Iterator[Batch], into: list[Batch]) -> Iterator[Batch]:
+    """``stream``, each batch also appended to ``into`` as it is taken."""
+    for batch in stream:
+        into.append(batch)
+        yield batch
 
 
 def _device_gaps(learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int) -> dict[str, object]:
