@@ -8,7 +8,12 @@ and the longest sample of a gem-large batch holds ~5% of them: if those passes w
 same token count in equal-length samples runs them much faster. Per layer and batch: the op's forward and backward
 milliseconds and each kernel's device time.
 
-    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--out benchmarks/results]
+``--bias``: instead, on the power-law batches only, each layer's backward with its projection bias's gradient taken
+two ways in one run: ``sum``, a column sum of the projected input's gradient after the op's backward (what autograd
+of a plain ``nn.Linear`` adds: one fp32 reduction over ``[T, H * D]`` or ``[T, 2 * H * D]``), and ``kernels``, from
+the op's own backward kernels (``projection_bias``, what GEM's layers do since session 31).
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--bias] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -44,8 +49,10 @@ def balanced(lengths: torch.Tensor) -> torch.Tensor:
     return torch.full((batch,), tokens // batch, dtype=torch.long) + (torch.arange(batch) < tokens % batch).long()
 
 
-def layer_inputs(layer: str, lengths: torch.Tensor, device: str) -> tuple[Any, list[torch.Tensor]]:
-    """``(call, leaves)``: the GDPA call of ``layer`` as gem-large's model makes it, on random bf16 inputs."""
+def layer_inputs(layer: str, lengths: torch.Tensor, device: str, bias: str = "none") -> tuple[Any, list[torch.Tensor]]:
+    """``(call, leaves)``: the GDPA call of ``layer`` as gem-large's model makes it, on random bf16 inputs; the
+    projected input (q for the PFFN, kv for the pooling) is ``leaves[0]``, and with ``bias="kernels"`` the op also
+    takes a ``projection_bias`` leaf (the last)."""
     model = GEM_PRESETS[PRESET].model
     heads, head_dim = model.num_heads, model.d_model // model.num_heads
     batch, tokens, max_len = lengths.numel(), int(lengths.sum()), int(lengths.max())
@@ -59,15 +66,27 @@ def layer_inputs(layer: str, lengths: torch.Tensor, device: str) -> tuple[Any, l
         m = model.num_summary_tokens
         q, k, v = leaf(tokens, heads, head_dim), leaf(batch * m, heads, head_dim), leaf(batch * m, heads, head_dim)
         k_offsets = offsets_of(torch.full((batch,), m), device)
+        q_bias = leaf(heads * head_dim) if bias == "kernels" else None
         return (lambda: gdpa(q, k, v, offsets, k_offsets, max_len, m, activation=model.attention_activation,
-                             pre_scale=scale, post_scale=1.0 / m)), [q, k, v]  # fmt: skip
+                             pre_scale=scale, post_scale=1.0 / m, projection_bias=q_bias)), \
+            [q, k, v] + ([q_bias] if q_bias is not None else [])  # fmt: skip
     seeds, kv = leaf(model.num_seeds, heads, head_dim), leaf(tokens, 2, heads, head_dim)
+    kv_bias = leaf(2 * heads * head_dim) if bias == "kernels" else None
     return (lambda: gdpa_packed_kv(seeds, kv, None, offsets, model.num_seeds, max_len, broadcast_q=True,
-                                   activation=model.attention_activation, pre_scale=scale)), [seeds, kv]
+                                   activation=model.attention_activation, pre_scale=scale,
+                                   projection_bias=kv_bias)), \
+        [kv, seeds] + ([kv_bias] if kv_bias is not None else [])  # fmt: skip
 
 
-def measure(layer: str, lengths: torch.Tensor, device: str) -> dict[str, Any]:
-    call, leaves = layer_inputs(layer, lengths, device)
+def measure(layer: str, lengths: torch.Tensor, device: str, bias: str = "none") -> dict[str, Any]:
+    """Forward and backward milliseconds and the kernels' device time; ``bias="sum"`` adds a plain Linear's bias
+    gradient (the projected input's gradient summed by column in fp32) to the backward."""
+    call, leaves = layer_inputs(layer, lengths, device, "kernels" if bias == "kernels" else "none")
+    projected = leaves[0]
+
+    def bias_sum() -> None:
+        if bias == "sum":
+            projected.grad.reshape(projected.shape[0], -1).sum(0, dtype=torch.float32)
     out = call()
     grad = torch.randn_like(out)
 
@@ -80,10 +99,12 @@ def measure(layer: str, lengths: torch.Tensor, device: str) -> dict[str, Any]:
     def backward() -> None:
         clear_grads()
         torch.autograd.backward(out, grad, retain_graph=True)
+        bias_sum()
 
     def both() -> None:
         clear_grads()
         torch.autograd.backward(call(), grad)
+        bias_sum()
 
     backward()  # tunes the backward's keys
     return {"tokens": int(lengths.sum()), "max_len": int(lengths.max()),
@@ -94,21 +115,26 @@ def measure(layer: str, lengths: torch.Tensor, device: str) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2, help="gem-large batches measured (each also balanced)")
+    parser.add_argument("--bias", action="store_true", help="the projection bias's gradient two ways (module doc)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gdpa_gem_layers times the Triton GDPA kernels: it needs a CUDA device")
     rows = []
     for index, lengths in enumerate(gem_large_lengths(args.batches)):
-        for shape, batch_lengths in (("power_law", lengths), ("balanced", balanced(lengths))):
+        shapes = [("power_law", lengths)] if args.bias else [("power_law", lengths), ("balanced", balanced(lengths))]
+        for shape, batch_lengths in shapes:
             for layer in ("pffn", "pooling"):
-                row = {"batch": index, "lengths": shape, "layer": layer, **measure(layer, batch_lengths, "cuda")}
-                rows.append(row)
-                top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:4])
-                print(f"batch {index} {shape:9s} {layer:7s} T {row['tokens']} max {row['max_len']}: forward "
-                      f"{row['forward_ms']:.3f} ms, backward {row['backward_ms']:.3f} ms | {top}", flush=True)
+                for bias in ("sum", "kernels") if args.bias else ("none",):
+                    row = {"batch": index, "lengths": shape, "layer": layer, "bias_gradient": bias,
+                           **measure(layer, batch_lengths, "cuda", bias)}  # fmt: skip
+                    rows.append(row)
+                    top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:5])
+                    print(f"batch {index} {shape:9s} {layer:7s} bias {bias:7s} T {row['tokens']} max "
+                          f"{row['max_len']}: forward {row['forward_ms']:.3f} ms, backward {row['backward_ms']:.3f} "
+                          f"ms, kernels {sum(row['kernels_ms'].values()):.3f} ms | {top}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "gdpa_gem_layers.json"
+    path = args.out / ("gdpa_gem_layers_bias.json" if args.bias else "gdpa_gem_layers.json")
     tuning = triton_gdpa.tuning_report()  # every candidate's time on these shapes, in this run
     for entry in tuning:
         if entry["pass"] == "dq" and not entry["broadcast_q"]:
