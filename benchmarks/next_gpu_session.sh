@@ -205,7 +205,8 @@
 # s35c (one GPU, next session): host_lead over 10 steps (each step's leads, collections and device mallocs)
 # s36a (one GPU, session 32): GDPA's projection-bias gradient from its kernels against a column sum
 #   (benchmarks.diag.gdpa_gem_layers --bias), then gem-large b512
-# s36b (one GPU, session 32): gem-large b512 with triton.enable_pdl=True, then host_lead over 10 steps
+# s36b (one GPU, session 32): gem-large b512 with Inductor's defaults, then with triton.enable_pdl=True
+# s36c (one GPU, session 32): host_lead over 10 steps
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after
@@ -742,12 +743,13 @@ chain_s36a() {  # session 32: GDPA's projection-bias gradient from its kernels a
   step gdpa_bias 150 python -m benchmarks.diag.gdpa_gem_layers --bias --out "$out/results"
   step bench_train_large 260 large_b512 train_gem-large_b512_s36a_bf16
 }
-chain_s36b() {  # session 32: Hopper's programmatic dependent launch for Inductor's kernels; host_lead over 10 steps
-  step bench_train_large_pdl 300 python -m benchmarks.diag.with_inductor_config triton.enable_pdl=True \
+chain_s36b() {  # session 32: Hopper's programmatic dependent launch for Inductor's kernels against the default, same call
+  step bench_train_large 150 large_b512 train_gem-large_b512_s36b_default_bf16
+  step bench_train_large_pdl 330 python -m benchmarks.diag.with_inductor_config triton.enable_pdl=True \
     -- bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 \
     --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b512_s36b_pdl_bf16.json"
-  step host_lead 270 python -m benchmarks.diag.host_lead --steps 10 --out "$out/results/host_lead_gem-large_b512.json"
 }
+chain_s36c() { step host_lead 300 python -m benchmarks.diag.host_lead --steps 10 --out "$out/results/host_lead_gem-large_b512.json"; }
 chain_s34a() {  # session 31: gem-large twice in one call; idle now from the timed laps of the profiled batches
   step bench_train_large 250 large_b512 train_gem-large_b512_s34a1_bf16
   step bench_train_large_again 200 large_b512 train_gem-large_b512_s34a2_bf16
@@ -870,7 +872,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"
