@@ -4,7 +4,8 @@ tuning candidate (:func:`benchmarks.sass.sass_cost`), bf16, D 128, fast_gelu, no
 (a) and (b)); resident-K/V candidates at K/V 256.
 
 ``PYTHONPATH=src:. python -m benchmarks.gdpa_sass`` (CPU is enough; not under ``TRITON_INTERPRET=1``;
-``GDPA_SASS_COLUMN_SUMS=1``: the backward variants that also write their column sums).
+``GDPA_SASS_COLUMN_SUMS=1``: the backward variants that also write their column sums; ``GDPA_SASS_QUERY_CHUNKS=1``:
+the dK/dV variants that may take one chunk of a long sample's query rows).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from opengem.ops.triton import gdpa as host
 from opengem.ops.triton import gdpa_kernels as kernels
 
 D = 128
-INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T", "CHUNK_B"}
+INT_POINTERS = {"Q_OFF", "K_OFF", "TARGETS", "HEAD_ACT", "WORK_B", "WORK_T", "CHUNK_B", "WORK_CHUNK", "GROUPS"}
 UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=False, HAS_WINDOW=False,
                 HAS_CONTEXT=False, PRECISION="tf32", FAST_ACT=True)
 
@@ -24,7 +25,7 @@ UNMASKED = dict(GROUP=1, D=D, ACT=3, MASKED=False, CAUSAL=False, HAS_TARGETS=Fal
 def signature(kernel, constants: dict, tma: bool) -> dict[str, str]:
     """Argument types of a GDPA kernel as the launcher specializes a bf16 call (``tma``: descriptor arguments);
     ``constants`` with the defaults of the constexprs a launch leaves out (``sass.with_constexpr_defaults``)."""
-    pointers = {**dict.fromkeys(INT_POINTERS, "*i32"), "DQ_PARTIAL": "*fp32", "SUMS": "*fp32"}
+    pointers = {**dict.fromkeys(INT_POINTERS, "*i32"), "DQ_PARTIAL": "*fp32", "SUMS": "*fp32", "PARTIAL": "*fp32"}
     return launch_signature(kernel, constants, tma, constants["D"], {"Q_desc", "DO_desc"}, pointers,
                             {"pre_scale", "out_scale", "dq_scale"})
 
@@ -65,11 +66,14 @@ def main() -> None:
           "replicated dots | SASS instr/thread (vs pointer) | " + " | ".join(COUNTED))
     # GDPA_SASS_COLUMN_SUMS=1: the dQ and dK/dV variants that also write their column sums (a projection bias's grad)
     sums = os.environ.get("GDPA_SASS_COLUMN_SUMS") == "1"
+    query_chunks = os.environ.get("GDPA_SASS_QUERY_CHUNKS") == "1"
     for name, label, kernel, constants, config in _variants():
         base = None
         has_tma = has_tma_path(kernel)
         if sums and name != "fwd":
             constants = dict(constants, COLUMN_SUMS=True)
+        if query_chunks and kernel is kernels.gdpa_bwd_dkdv_kernel:
+            constants = dict(constants, QUERY_CHUNKS=True)
         for tma in (False, True) if has_tma else (False,):
             consts = with_constexpr_defaults(kernel, dict(constants, USE_TMA=tma) if has_tma else constants)
             cost = sass_cost(kernel, signature(kernel, consts, tma), consts, config.num_warps, config.num_stages)

@@ -13,13 +13,17 @@ two ways in one run: ``sum``, a column sum of the projected input's gradient aft
 of a plain ``nn.Linear`` adds: one fp32 reduction over ``[T, H * D]`` or ``[T, 2 * H * D]``), and ``kernels``, from
 the op's own backward kernels (``projection_bias``, what GEM's layers do since session 31).
 
-    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--bias] [--out benchmarks/results]
+``--query-chunks``: instead, on the power-law batches only, the PFFN with its dK/dV pass's long samples split into
+chunks of query rows (``OPENGEM_GDPA_QUERY_CHUNKS=1``, the default) and without (``=0``), in one run.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--bias | --query-chunks] [--out DIR]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -115,26 +119,33 @@ def measure(layer: str, lengths: torch.Tensor, device: str, bias: str = "none") 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2, help="gem-large batches measured (each also balanced)")
-    parser.add_argument("--bias", action="store_true", help="the projection bias's gradient two ways (module doc)")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--bias", action="store_true", help="the projection bias's gradient two ways (module doc)")
+    mode.add_argument("--query-chunks", action="store_true", help="PFFN dK/dV with and without query chunks")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gdpa_gem_layers times the Triton GDPA kernels: it needs a CUDA device")
     rows = []
     for index, lengths in enumerate(gem_large_lengths(args.batches)):
-        shapes = [("power_law", lengths)] if args.bias else [("power_law", lengths), ("balanced", balanced(lengths))]
+        one_shape = args.bias or args.query_chunks
+        shapes = [("power_law", lengths)] if one_shape else [("power_law", lengths), ("balanced", balanced(lengths))]
         for shape, batch_lengths in shapes:
-            for layer in ("pffn", "pooling"):
+            for layer in ("pffn",) if args.query_chunks else ("pffn", "pooling"):
                 for bias in ("sum", "kernels") if args.bias else ("none",):
-                    row = {"batch": index, "lengths": shape, "layer": layer, "bias_gradient": bias,
-                           **measure(layer, batch_lengths, "cuda", bias)}  # fmt: skip
-                    rows.append(row)
-                    top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:5])
-                    print(f"batch {index} {shape:9s} {layer:7s} bias {bias:7s} T {row['tokens']} max "
-                          f"{row['max_len']}: forward {row['forward_ms']:.3f} ms, backward {row['backward_ms']:.3f} "
-                          f"ms, kernels {sum(row['kernels_ms'].values()):.3f} ms | {top}", flush=True)
+                    for chunks in ("0", "1") if args.query_chunks else ("1",):
+                        os.environ["OPENGEM_GDPA_QUERY_CHUNKS"] = chunks
+                        row = {"batch": index, "lengths": shape, "layer": layer, "bias_gradient": bias,
+                               "query_chunks": chunks == "1", **measure(layer, batch_lengths, "cuda", bias)}
+                        rows.append(row)
+                        top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:5])
+                        print(f"batch {index} {shape:9s} {layer:7s} bias {bias:7s} chunks {chunks} T {row['tokens']} "
+                              f"max {row['max_len']}: forward {row['forward_ms']:.3f} ms, backward "
+                              f"{row['backward_ms']:.3f} ms, kernels {sum(row['kernels_ms'].values()):.3f} ms | {top}",
+                              flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / ("gdpa_gem_layers_bias.json" if args.bias else "gdpa_gem_layers.json")
+    name = "bias" if args.bias else "query_chunks" if args.query_chunks else None
+    path = args.out / (f"gdpa_gem_layers_{name}.json" if name else "gdpa_gem_layers.json")
     tuning = triton_gdpa.tuning_report()  # every candidate's time on these shapes, in this run
     for entry in tuning:
         if entry["pass"] == "dq" and not entry["broadcast_q"]:

@@ -310,3 +310,41 @@ def test_projection_bias_gradient_from_the_backward_kernels(monkeypatch, layer, 
     (out, (dx, dw, db)), (want_out, (want_dx, want_dw, want_db)) = grads(True), grads(False)
     assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
     assert db.dtype == torch.bfloat16 and _rel(db, want_db) < 1e-2
+
+
+@pytest.mark.parametrize("index", range(len(triton_gdpa._DKDV)))
+def test_dkdv_query_chunks_with_every_candidate(monkeypatch, index):
+    """A power-law PFFN-like batch (one sample of 20,000 queries among a hundred of 97; 32 keys a sample) makes the
+    dK/dV pass split the long sample's query rows into chunks on the device's own SM count (``query_chunk_rows``):
+    each dK/dV candidate alone, gradients against the fp32 reference, bitwise repeatable, and the K/V column sums (a
+    projection bias's gradient) equal to the gradients' sums."""
+    monkeypatch.setattr(triton_gdpa, "_DKDV", (triton_gdpa._DKDV[index],))
+    q_lengths, k_lengths = [20000, 0, 1] + [97] * 100, [32, 32, 0] + [32] * 100
+    config = triton_gdpa._DKDV[index]
+    chunk_rows = triton_gdpa.query_chunk_rows(
+        torch.tensor(q_lengths).numpy().tobytes(), torch.tensor(k_lengths).numpy().tobytes(), config.block_m,
+        config.block_n, 4, triton_gdpa._num_sms(torch.device(DEVICE)))
+    assert chunk_rows < 20000  # the long sample is split
+    launched = []
+    kernel = triton_gdpa.gdpa_bwd_dkdv_chunk_sum_kernel
+
+    class Recorded:
+        def __getitem__(self, grid):
+            launched.append(grid)
+            return kernel[grid]
+
+    monkeypatch.setattr(triton_gdpa, "gdpa_bwd_dkdv_chunk_sum_kernel", Recorded())
+    _, _, _, grads = _check(q_lengths, k_lengths, activation="silu", pre_scale=0.09, seed=index)
+    assert launched
+    _, _, _, again = _check(q_lengths, k_lengths, activation="silu", pre_scale=0.09, seed=index)
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    gen = torch.Generator(device=DEVICE).manual_seed(index)
+    q, k, v = (torch.randn(rows, 4, 128, generator=gen, device=DEVICE).bfloat16()
+               for rows in (sum(q_lengths), sum(k_lengths), sum(k_lengths)))
+    args = GdpaArgs(head_activations=(ACTIVATIONS.index("silu"),) * 4, pre_scale=0.09, out_scale=1 / 32, causal=False,
+                    contextual_len=0, window=None, broadcast_q=False, max_len_q=20000, max_len_k=32)  # fmt: skip
+    grad_out = torch.randn(q.shape, generator=gen, device=DEVICE).bfloat16()
+    _, dk, dv, sums = triton_gdpa.gdpa_backward_with_column_sums(
+        grad_out, q, k, v, _offsets(q_lengths), _offsets(k_lengths), None, args, "kv")
+    want = torch.stack([dk.float().sum(0), dv.float().sum(0)])
+    assert _rel(sums, want) < 1e-2, _rel(sums, want)

@@ -294,6 +294,59 @@ def test_backward_column_sums_refuse_what_they_cannot_give():
         gdpa_backward_with_column_sums(grad_out, q, k, v, offsets, offsets, None, args, "v")
 
 
+@pytest.mark.parametrize("kv_heads", [1, 2])
+def test_dkdv_splits_long_samples_into_query_chunks(monkeypatch, kv_heads):
+    """A sample whose query rows exceed a dK/dV program's share (``query_chunk_rows``) is split into chunks whose fp32
+    partial dK/dV are summed in chunk order by ``gdpa_bwd_dkdv_chunk_sum_kernel``: gradients as the reference's, the
+    K/V column sums as the gradients' sums, and bitwise repeatable. Short K/V (one and two key tiles, one empty),
+    GQA and one K/V head a Q head; the poisoned gradients prove every row is written."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+    from opengem.ops.triton.gdpa import gdpa_backward_with_column_sums
+
+    monkeypatch.setattr(triton_gdpa, "_num_sms", lambda device: 16)  # 128-row chunks at these lengths
+    launched = []
+    for name in ("gdpa_bwd_dkdv_kernel", "gdpa_bwd_dkdv_chunk_sum_kernel"):
+        monkeypatch.setattr(triton_gdpa, name, _Recorded(getattr(triton_gdpa, name), name, launched))
+    q_lengths, k_lengths = [300, 10, 0, 40, 200], [5, 3, 2, 0, 20]
+    q, k, v = _inputs(q_lengths, k_lengths, heads=2, kv_heads=kv_heads, seed=5)
+    q_offsets, k_offsets = _offsets(q_lengths), _offsets(k_lengths)
+    _, grads = _run_triton_and_reference(q, k, v, q_offsets, k_offsets, 300, 20, ["silu", "fast_gelu"])
+    assert launched[:2] == ["gdpa_bwd_dkdv_kernel", "gdpa_bwd_dkdv_chunk_sum_kernel"]
+    _, again = _run_triton_and_reference(q, k, v, q_offsets, k_offsets, 300, 20, ["silu", "fast_gelu"])
+    assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    args = GdpaArgs(head_activations=(ACTIVATIONS.index("silu"), ACTIVATIONS.index("fast_gelu")), pre_scale=0.35,
+                    out_scale=0.6, causal=False, contextual_len=0, window=None, broadcast_q=False, max_len_q=300,
+                    max_len_k=20)  # fmt: skip
+    grad_out = torch.randn(q.shape, generator=torch.Generator().manual_seed(1))
+    *got, sums = gdpa_backward_with_column_sums(grad_out, q, k, v, q_offsets, k_offsets, None, args, "kv")
+    torch.testing.assert_close(sums, torch.stack([got[1].sum(0), got[2].sum(0)]), rtol=1e-5, atol=1e-5)
+
+
+def test_query_chunked_work_covers_every_key_tile_and_query_row_once():
+    from opengem.ops.triton.gdpa import _query_chunked_work, query_chunk_rows
+
+    q_len = np.array([300, 10, 0, 40, 200], dtype=np.int64)
+    k_len = np.array([5, 3, 2, 0, 20], dtype=np.int64)
+    # work: (300 + 10 + 0 + 0 + 2 x 200) query rows x key tiles x 2 K/V heads = 1,420, over 2 programs on each of 16
+    # SMs: 44 rows -> 3 tiles of 16, raised to 8 tiles; on one SM 710 rows -> 45 tiles
+    assert query_chunk_rows(q_len.tobytes(), k_len.tobytes(), 16, 16, 2, 16) == 128
+    assert query_chunk_rows(q_len.tobytes(), k_len.tobytes(), 16, 16, 2, 1) == 720
+    assert _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 0, 16, 720, "cpu") is None  # no sample that long
+    chunks = _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 7, 16, 128, "cpu")
+    items = list(zip(chunks.work_b.tolist(), chunks.work_t.tolist(), map(tuple, chunks.bounds.tolist())))
+    big = np.iinfo(np.int32).max
+    # sample 0: 3 chunks (slots 0-2); sample 4's two key tiles: 2 chunks each (slots 3-4, 5-6); the rest whole
+    assert sorted(items) == [
+        (0, 0, (0, 128, 0)), (0, 0, (128, 256, 1)), (0, 0, (256, 384, 2)), (1, 0, (0, big, -1)), (2, 0, (0, big, -1)),
+        (4, 0, (0, 128, 3)), (4, 0, (128, 256, 4)), (4, 1, (0, 128, 5)), (4, 1, (128, 256, 6)),
+    ]
+    assert chunks.slots == 7 and chunks.bounds.dtype == torch.int32
+    # groups: (first dK row, key rows, first slot, chunks), rows counted from the offsets' first entry (7)
+    assert chunks.groups.tolist() == [[7, 5, 0, 3], [17, 16, 3, 2], [33, 4, 5, 2]]
+    # longest first by key rows x query rows: sample 4's first key tile's full 128-row chunks lead
+    assert items[0][:2] == (4, 0) and items[-1][0] == 2
+
+
 class _Recorded:
     """A Triton kernel whose launches (``kernel[grid](...)``) are recorded by name."""
 

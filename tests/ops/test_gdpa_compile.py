@@ -67,6 +67,17 @@ for tma in (True, False):  # the column-sum variants of the jagged backward pass
                                             COLUMN_SUMS=True), 4, 3)
 compile_sm90(g.gdpa_bwd_dq_broadcast_kernel, dict(GROUP=1, D=128, ACT=7, PRECISION="tf32", BLOCK_M=64,
                                                   BLOCK_N=64, FAST_ACT=True), 4, 2)
+for tma in (True, False):  # dK/dV over chunks of a long sample's query rows (unmasked: GEM's PFFN), its chunks' sum
+    for sums in (False, True):
+        compile_sm90(g.gdpa_bwd_dkdv_kernel, dict(masks, MASKED=False, CAUSAL=False, HAS_TARGETS=False,
+                                                  HAS_WINDOW=False, HAS_CONTEXT=False, BLOCK_M=64, BLOCK_N=64,
+                                                  BROADCAST_Q=False, USE_TMA=tma, COLUMN_SUMS=sums,
+                                                  QUERY_CHUNKS=True), 8, 2)
+chunk_sum = dict(BLOCK_N=64, D=128)
+ptx = triton.compile(ASTSource(g.gdpa_bwd_dkdv_chunk_sum_kernel, gdpa_signature(g.gdpa_bwd_dkdv_chunk_sum_kernel,
+                                                                                chunk_sum, False), chunk_sum),
+                     target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4)).asm["ptx"]
+assert "st.global" in ptx
 print("compiled")
 """
 

@@ -41,6 +41,7 @@ import triton.testing
 
 from opengem.jagged.host import offsets_summary, to_device
 from opengem.ops.triton.gdpa_kernels import (
+    gdpa_bwd_dkdv_chunk_sum_kernel,
     gdpa_bwd_dkdv_kernel,
     gdpa_bwd_dkdv_short_q_kernel,
     gdpa_bwd_dq_broadcast_kernel,
@@ -238,6 +239,11 @@ def fast_activations() -> bool:
     return os.environ.get("OPENGEM_GDPA_FAST_ACT", "1") != "0" and not interpreting()
 
 
+def query_chunks_enabled() -> bool:
+    """``OPENGEM_GDPA_QUERY_CHUNKS=0`` keeps one dK/dV program a key tile however long its sample (an A/B switch)."""
+    return os.environ.get("OPENGEM_GDPA_QUERY_CHUNKS", "1") != "0"
+
+
 def tuning_enabled() -> bool:
     """``OPENGEM_GDPA_TUNE=0`` uses each pass's first fitting candidate (no timing, 1 compile per variant)."""
     return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0"
@@ -304,6 +310,73 @@ def _work_list(
     work_b = to_device(torch.from_numpy(sample[order].astype(np.int32)), device)
     work_t = to_device(torch.from_numpy((first[order] * tiles).astype(np.int32)), device)
     return work_b, work_t
+
+
+# A dK/dV program takes at most this many query tiles' worth of rows less than the SM's share: chunks shorter than
+# this would cost more in their partial tiles' fp32 round trip (2 x BLOCK_N x D x 4 bytes each) than they balance.
+QUERY_CHUNK_MIN_TILES = 8
+
+
+@functools.lru_cache(maxsize=256)
+def query_chunk_rows(q_lengths: bytes, k_lengths: bytes, block_m: int, block_n: int, kv_heads: int, sms: int) -> int:
+    """The most query rows one dK/dV program walks: the pass's work (query rows x key tiles x K/V heads) over two
+    programs an SM, in whole query tiles. A longer sample's key tiles are split into chunks of query rows, so no
+    program outlasts the SMs' average share (gem-large's PFFN: its longest sample, ~5% of the tokens, held the pass at
+    1.7x the time of the same tokens in equal-length samples; H200, session 30)."""
+    q_len = np.frombuffer(q_lengths, dtype=np.int64)
+    key_tiles = (np.frombuffer(k_lengths, dtype=np.int64) + block_n - 1) // block_n
+    share = int((q_len * key_tiles).sum()) * kv_heads // max(1, 2 * sms)
+    return max(QUERY_CHUNK_MIN_TILES, triton.cdiv(share, block_m)) * block_m
+
+
+@dataclass(frozen=True)
+class QueryChunks:
+    """dK/dV work with long samples' query rows in chunks (``gdpa_bwd_dkdv_kernel``'s ``QUERY_CHUNKS``): per item
+    ``(sample, key tile)`` and ``bounds = (lo, hi, slot)`` (int32 ``[items, 3]``; slot -1: the whole sample, stored
+    directly), and per chunked key tile ``groups = (first dK row, rows, first slot, chunks)`` (int32 ``[groups, 4]``)
+    for ``gdpa_bwd_dkdv_chunk_sum_kernel``."""
+
+    work_b: torch.Tensor
+    work_t: torch.Tensor
+    bounds: torch.Tensor
+    groups: torch.Tensor
+    slots: int
+
+
+@functools.lru_cache(maxsize=256)
+def _query_chunked_work(
+    k_lengths: bytes, q_lengths: bytes, k_first: int, block_n: int, chunk_rows: int, device: str
+) -> QueryChunks | None:
+    """The dK/dV items over key tiles as :func:`_work_list` (``"full"``) makes them, with each sample of more than
+    ``chunk_rows`` query rows split into chunks of them, longest first; None when no sample is that long."""
+    k_len = np.frombuffer(k_lengths, dtype=np.int64)
+    q_len = np.frombuffer(q_lengths, dtype=np.int64)
+    tiles = (k_len + block_n - 1) // block_n
+    sample = np.repeat(np.arange(k_len.size, dtype=np.int64), tiles)  # per (sample, key tile) pair
+    tile = np.arange(sample.size, dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    chunks = np.maximum(1, -(-q_len[sample] // chunk_rows))
+    if chunks.size == 0 or chunks.max() <= 1:
+        return None
+    chunked = chunks > 1
+    slot_counts = np.where(chunked, chunks, 0)
+    first_slot = np.cumsum(slot_counts) - slot_counts
+    pair = np.repeat(np.arange(sample.size, dtype=np.int64), chunks)  # per item
+    chunk = np.arange(pair.size, dtype=np.int64) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    in_chunks = chunked[pair]
+    lo = chunk * chunk_rows
+    hi = np.where(in_chunks, lo + chunk_rows, np.iinfo(np.int32).max)
+    slot = np.where(in_chunks, first_slot[pair] + chunk, -1)
+    key_rows = np.minimum(k_len[sample] - tile * block_n, block_n)
+    query_rows = np.minimum(q_len[sample][pair] - lo, np.where(in_chunks, chunk_rows, q_len[sample][pair]))
+    order = np.argsort(-(key_rows[pair] * np.maximum(query_rows, 1)), kind="stable")
+    row_starts = k_first + np.concatenate(([0], np.cumsum(k_len)))[sample] + tile * block_n
+    groups = np.stack([row_starts, key_rows, first_slot, chunks], axis=1)[chunked]
+
+    def int32(array: np.ndarray) -> torch.Tensor:
+        return to_device(torch.from_numpy(np.ascontiguousarray(array).astype(np.int32)), device)
+
+    return QueryChunks(int32(sample[pair][order]), int32(tile[pair][order]),
+                       int32(np.stack([lo, hi, slot], axis=1)[order]), int32(groups), int(slot_counts.sum()))
 
 
 @functools.lru_cache(maxsize=32)
@@ -514,22 +587,40 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
         if config.block_m == 0:  # the short-query candidates: key tiles pipelined against one query tile
             launch_dkdv_short_q(config)
             return
-        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, 1,
-                                    "causal_k" if masked and args.causal else "full", args.window or 0, str(q.device))
+        chunks = None
+        if not masked and query_chunks_enabled():  # (masked passes keep one program a key tile: the mask's work)
+            chunk_rows = query_chunk_rows(lengths.q, lengths.k, config.block_m, config.block_n, kv_heads,
+                                          _num_sms(q.device))
+            chunks = _query_chunked_work(lengths.k, lengths.q, offsets_summary(k_offsets).first, config.block_n,
+                                         chunk_rows, str(q.device))
+        if chunks is not None:
+            work_b, work_t = chunks.work_b, chunks.work_t
+            partial = torch.empty((chunks.slots, 2, config.block_n, kv_heads, head_dim), dtype=torch.float32,
+                                  device=q.device)
+        else:
+            work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, 1,
+                                        "causal_k" if masked and args.causal else "full", args.window or 0,
+                                        str(q.device))
+            partial = grad_out
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (grad_out, config.block_m)))
         programs = work_b.numel() * kv_heads
         gdpa_bwd_dkdv_kernel[(programs,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
-            *descs, sums_buffer("kv", programs, (2, head_dim)),
+            *descs, sums_buffer("kv", programs, (2, head_dim)), work_b if chunks is None else chunks.bounds, partial,
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
             *grad_out.stride()[:2], *dk.stride()[:2], *dv.stride()[:2],
             kv_heads, args.pre_scale, args.out_scale, *scalars, _broadcast_len(q, args),
             GROUP=group, D=head_dim, BLOCK_M=config.block_m, BLOCK_N=config.block_n, BROADCAST_Q=args.broadcast_q,
-            USE_TMA=use_tma, COLUMN_SUMS=which == "kv", num_warps=config.num_warps, num_stages=config.num_stages,
-            **common["constexprs"],
+            USE_TMA=use_tma, COLUMN_SUMS=which == "kv", QUERY_CHUNKS=chunks is not None, num_warps=config.num_warps,
+            num_stages=config.num_stages, **common["constexprs"],
         )
+        if chunks is not None:
+            gdpa_bwd_dkdv_chunk_sum_kernel[(chunks.groups.shape[0] * kv_heads,)](
+                partial, dk, dv, chunks.groups, *dk.stride()[:2], *dv.stride()[:2], kv_heads,
+                BLOCK_N=config.block_n, D=head_dim, num_warps=4,
+            )
 
     def launch_dkdv_short_q(config: Config) -> None:
         work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device))

@@ -233,7 +233,7 @@ def _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D: tl.constexpr):
 
 @triton.jit
 def gdpa_bwd_dkdv_kernel(
-    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, DO_desc, SUMS,
+    Q, K, V, DO, DK, DV, Q_OFF, K_OFF, TARGETS, HEAD_ACT, WORK_B, WORK_T, Q_desc, DO_desc, SUMS, WORK_CHUNK, PARTIAL,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     num_kv_heads, pre_scale, out_scale, contextual_len, window, bcast_len,
@@ -241,9 +241,15 @@ def gdpa_bwd_dkdv_kernel(
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr, USE_TMA: tl.constexpr,
     PRECISION: tl.constexpr, FAST_ACT: tl.constexpr, COLUMN_SUMS: tl.constexpr = False,
+    QUERY_CHUNKS: tl.constexpr = False,
 ):
     """One program per (sample, key tile, K/V head): loops over the group's Q heads and the Q tiles. ``COLUMN_SUMS``:
-    also its dK and dV column sums into ``SUMS[program]`` (``_store_kv_sums``)."""
+    also its dK and dV column sums into ``SUMS[program]`` (``_store_kv_sums``).
+
+    ``QUERY_CHUNKS``: an item may be one chunk of its sample's query rows, ``WORK_CHUNK[item] = (lo, hi, slot)``
+    (``slot < 0``: the whole sample, stored as above). A chunk stores its scaled fp32 dK and dV to ``PARTIAL[slot]``
+    (``[slots, 2, BLOCK_N, H_kv, D]``), which ``gdpa_bwd_dkdv_chunk_sum_kernel`` sums in chunk order: a long
+    sample's key tile is then spread over several programs instead of holding the pass for its whole length."""
     pid = tl.program_id(0)
     hk = pid % num_kv_heads
     item = pid // num_kv_heads
@@ -263,6 +269,11 @@ def gdpa_bwd_dkdv_kernel(
     else:
         lo = q_len * 0
         hi = q_len
+    slot = -1
+    if QUERY_CHUNKS:  # chunk bounds are multiples of BLOCK_M, as lo is
+        lo = tl.maximum(lo, tl.load(WORK_CHUNK + 3 * item))
+        hi = tl.minimum(hi, tl.load(WORK_CHUNK + 3 * item + 1))
+        slot = tl.load(WORK_CHUNK + 3 * item + 2)
     for g in range(GROUP):
         h = hk * GROUP + g
         if ACT >= 0:  # one activation for all heads: folded at compile time
@@ -293,10 +304,49 @@ def gdpa_bwd_dkdv_kernel(
                     dxt = tl.where(visible, dxt, 0.0)
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
-    dk_sum, dv_sum = _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt,
-                                           stride_dvh, pre_scale, out_scale, D, COLUMN_SUMS)
-    if COLUMN_SUMS:
-        _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D)
+    if slot >= 0:
+        dk = dk * (out_scale * pre_scale)
+        dv = dv * out_scale
+        tile = PARTIAL + slot.to(tl.int64) * (2 * BLOCK_N * num_kv_heads * D) + hk * D
+        offs_row = tl.arange(0, BLOCK_N)[:, None] * (num_kv_heads * D) + offs_d[None, :]
+        tl.store(tile + offs_row, dk)
+        tl.store(tile + BLOCK_N * num_kv_heads * D + offs_row, dv)
+        if COLUMN_SUMS:
+            _store_kv_sums(SUMS, pid, tl.sum(tl.where(row_ok, dk, 0.0), 0), tl.sum(tl.where(row_ok, dv, 0.0), 0), D)
+    else:
+        dk_sum, dv_sum = _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt,
+                                               stride_dvh, pre_scale, out_scale, D, COLUMN_SUMS)
+        if COLUMN_SUMS:
+            _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D)
+
+
+@triton.jit
+def gdpa_bwd_dkdv_chunk_sum_kernel(
+    PARTIAL, DK, DV, GROUPS, stride_dkt, stride_dkh, stride_dvt, stride_dvh, num_kv_heads,
+    BLOCK_N: tl.constexpr, D: tl.constexpr,
+):
+    """One program per (chunked key tile, K/V head): ``GROUPS[g] = (first row, rows, first slot, chunks)``; sums the
+    tile's chunks' ``PARTIAL`` slots in order (deterministic, no atomics) into dK and dV's rows."""
+    pid = tl.program_id(0)
+    hk = pid % num_kv_heads
+    g = pid // num_kv_heads
+    first_row = tl.load(GROUPS + 4 * g)
+    rows = tl.load(GROUPS + 4 * g + 1)
+    first_slot = tl.load(GROUPS + 4 * g + 2)
+    chunks = tl.load(GROUPS + 4 * g + 3)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, D)
+    offs_row = offs_n[:, None] * (num_kv_heads * D) + hk * D + offs_d[None, :]
+    dk = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, D], dtype=tl.float32)
+    for c in range(chunks):
+        tile = PARTIAL + (first_slot + c).to(tl.int64) * (2 * BLOCK_N * num_kv_heads * D)
+        dk += tl.load(tile + offs_row)
+        dv += tl.load(tile + BLOCK_N * num_kv_heads * D + offs_row)
+    out_rows = (first_row + offs_n[:, None]).to(tl.int64)
+    row_ok = offs_n[:, None] < rows
+    tl.store(DK + out_rows * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=row_ok)
+    tl.store(DV + out_rows * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=row_ok)
 
 
 @triton.jit
