@@ -263,9 +263,11 @@ def test_compiles_fullgraph_on_cuda():
 @pytest.mark.parametrize("layer", ["pffn_q", "self_q", "pooling_kv", "cross_kv"])
 def test_projection_bias_gradient_from_the_backward_kernels(monkeypatch, layer, tuned):
     """``projection_bias`` in bf16: the bias gradient from the dQ (GEM's PFFN: resident K/V; masked self-attention:
-    the key loop) or dK/dV programs (seed pooling: the short-query kernel; cross-attention: the generic one) against
-    autograd's column sum on the unfused path, x's and W's gradients bitwise the unfused path's; with tuning on, every
-    candidate of the column-sum variants is timed and the pick runs."""
+    the key loop) or dK/dV programs (seed pooling: the short-query kernel; cross-attention: the generic one, its long
+    samples in query chunks) against autograd's column sum on the unfused path, x's and W's gradients bitwise the
+    unfused path's on the same tile; with tuning on, every candidate of the column-sum variants is timed and the pick
+    runs. (The column-sum variants tune apart, so tuned picks may differ from the unfused path's, and another tile sums
+    in another order: those gradients are compared to a tolerance.)"""
     if tuned:
         monkeypatch.setenv("OPENGEM_GDPA_TUNE", "1")
     gen = torch.Generator(device=DEVICE).manual_seed(5)
@@ -308,7 +310,12 @@ def test_projection_bias_gradient_from_the_backward_kernels(monkeypatch, layer, 
         return out, torch.autograd.grad(out, leaves, grad_out)
 
     (out, (dx, dw, db)), (want_out, (want_dx, want_dw, want_db)) = grads(True), grads(False)
-    assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
+    assert torch.equal(out, want_out)
+    picks = {(entry["pass"], entry["pick"]) for entry in triton_gdpa.tuning_report()}
+    if tuned:
+        assert _rel(dx, want_dx) < 1e-2 and _rel(dw, want_dw) < 1e-2, (_rel(dx, want_dx), _rel(dw, want_dw), picks)
+    else:
+        assert torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
     assert db.dtype == torch.bfloat16 and _rel(db, want_db) < 1e-2
 
 
@@ -318,9 +325,9 @@ def test_dkdv_query_chunks_with_every_candidate(monkeypatch, index):
     dK/dV pass split the long sample's query rows into chunks on the device's own SM count (``query_chunk_rows``):
     each dK/dV candidate alone, gradients against the fp32 reference, bitwise repeatable, and the K/V column sums (a
     projection bias's gradient) equal to the gradients' sums."""
-    monkeypatch.setattr(triton_gdpa, "_DKDV", (triton_gdpa._DKDV[index],))
-    q_lengths, k_lengths = [20000, 0, 1] + [97] * 100, [32, 32, 0] + [32] * 100
     config = triton_gdpa._DKDV[index]
+    monkeypatch.setattr(triton_gdpa, "_DKDV", (config,))
+    q_lengths, k_lengths = [20000, 0, 1] + [97] * 100, [32, 32, 0] + [32] * 100
     chunk_rows = triton_gdpa.query_chunk_rows(
         torch.tensor(q_lengths).numpy().tobytes(), torch.tensor(k_lengths).numpy().tobytes(), config.block_m,
         config.block_n, 4, triton_gdpa._num_sms(torch.device(DEVICE)))
