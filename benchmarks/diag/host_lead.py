@@ -9,8 +9,14 @@ reached it the GPU did: a lead near 0 means the GPU had drained its queue and wa
 marks, the GPU span minus the host span says who was slower. Each step's garbage collections and the caching
 allocator's trips to the driver are counted beside (host-side counters), the host stalls a step may hide.
 
+Once the launch queue is full the host runs at the GPU's pace, so the host time between marks then says nothing of
+its own. ``--drain-before-step`` synchronizes before each marked step: the forward then starts on an empty queue and
+its host ms between marks are the host's own pace (session 32: the lead shrank through every forward).
+``--profile-forward`` runs cProfile over the model's forward in the marked steps and keeps the functions with the
+most own time (cProfile slows Python code, so read their shares, not their milliseconds).
+
     PYTHONPATH=src:. python -m benchmarks.diag.host_lead [--preset gem-large] [--batch-size 512] [--steps 6]
-        [--out benchmarks/results/host_lead_gem-large_b512.json]
+        [--drain-before-step] [--profile-forward] [--out benchmarks/results/host_lead_gem-large_b512.json]
 
 Compiled and warmed exactly as ``opengem bench train --compile`` (the same batches, replayed after the warm-up).
 """
@@ -18,7 +24,10 @@ Compiled and warmed exactly as ``opengem bench train --compile`` (the same batch
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gc
+import io
+import pstats
 import json
 import statistics
 import time
@@ -72,12 +81,30 @@ class Marked(nn.Module):
         return out
 
 
-def instrument(learner: Any, marks: Marks) -> None:
-    """Marks on the model's forward, each GEM layer (forward, end, backward) and the optimizer step."""
+class Profiled(nn.Module):
+    """A module whose calls run under ``profiler`` while ``marks.recording``."""
+
+    def __init__(self, inner: nn.Module, marks: Marks, profiler: cProfile.Profile) -> None:
+        super().__init__()
+        self.inner, self.marks, self.profiler = inner, marks, profiler
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if not self.marks.recording:
+            return self.inner(*args, **kwargs)
+        self.profiler.enable()
+        try:
+            return self.inner(*args, **kwargs)
+        finally:
+            self.profiler.disable()
+
+
+def instrument(learner: Any, marks: Marks, profiler: cProfile.Profile | None = None) -> None:
+    """Marks on the model's forward, each GEM layer (forward, end, backward) and the optimizer step; with
+    ``profiler``, the model's forward (the layers' marks included) runs under it."""
     model = learner.model
     for i, layer in enumerate(model.layers):
         model.layers[i] = Marked(layer, f"layer {i}", marks)
-    learner.model = Marked(model, "model", marks)
+    learner.model = Marked(model if profiler is None else Profiled(model, marks, profiler), "model", marks)
     learner.optimizer.register_step_pre_hook(lambda *_: marks.mark("optimizer"))
     learner.optimizer.register_step_post_hook(lambda *_: marks.mark("optimizer end"))
 
@@ -133,11 +160,23 @@ def collector_time(totals: list[float]) -> Iterator[None]:
         gc.callbacks.remove(callback)
 
 
+def top_functions(profiler: cProfile.Profile, count: int = 40) -> str:
+    """The ``count`` functions with the most own time (cProfile's table; a line saying so when nothing ran)."""
+    if not profiler.getstats():
+        return "nothing ran under the profiler"
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(count)
+    return text.getvalue()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gem-large")
     parser.add_argument("--batch-size", type=int, default=512)
     parser.add_argument("--steps", type=int, default=6, help="marked steps (the first only sets the queue going)")
+    parser.add_argument("--drain-before-step", action="store_true",
+                        help="synchronize before each marked step: the forward runs at the host's own pace")
+    parser.add_argument("--profile-forward", action="store_true", help="cProfile of the model's forward (module doc)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/host_lead_gem-large_b512.json"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -146,7 +185,8 @@ def main() -> None:
         raise SystemExit(f"--steps must be >= 2 (the first marked step is not reported), got {args.steps}")
     options, config, device, learner = compiled_learner(args.preset, args.batch_size)
     marks = Marks()
-    instrument(learner, marks)
+    profiler = cProfile.Profile() if args.profile_forward else None
+    instrument(learner, marks, profiler)
     stream = train_batches(config, start_step=0)
     warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup + args.steps,
                        options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
@@ -162,6 +202,8 @@ def main() -> None:
     marks.recording = True
     with collector_time(collections):
         for batch in batches:
+            if args.drain_before_step:
+                torch.cuda.synchronize()
             marks.mark("step")
             learner.step(batch.to(device, non_blocking=True))
             allocator.append(allocator_counts())
@@ -177,10 +219,14 @@ def main() -> None:
     for r in rows:
         print(" ".join(f"{lead:7.2f}" for lead in r["lead_ms_each_step"])
               + f"   {r['host_ms_since_previous']:7.2f} {r['gpu_ms_since_previous']:7.2f}  {r['mark']}")
+    forward_profile = top_functions(profiler) if profiler is not None else None
+    if forward_profile is not None:
+        print(forward_profile)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "host_lead", "preset": args.preset, "batch_size": args.batch_size, "steps": args.steps,
-               "environment": environment(), "step_spans": spans, "collections_ms": [1e3 * c for c in collections],
-               "allocator_each_step": mallocs, "marks": rows}  # fmt: skip
+               "drain_before_step": args.drain_before_step, "environment": environment(), "step_spans": spans,
+               "collections_ms": [1e3 * c for c in collections], "allocator_each_step": mallocs, "marks": rows,
+               "forward_profile": forward_profile}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
 

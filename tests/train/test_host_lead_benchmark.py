@@ -1,13 +1,14 @@
 """benchmarks.diag.host_lead on the CPU: marks in call order (forward, end, backward through the output's gradient
-hook), the lead arithmetic on made-up clocks, the collector's time."""
+hook), the lead arithmetic on made-up clocks, the collector's time, the forward's cProfile only while recording."""
 
+import cProfile
 import gc
 
 import pytest
 import torch
 from torch import nn
 
-from benchmarks.diag.host_lead import Marked, Marks, collector_time, leads, step_spans
+from benchmarks.diag.host_lead import Marked, Marks, Profiled, collector_time, leads, step_spans, top_functions
 
 
 class NamesOnly(Marks):
@@ -61,3 +62,23 @@ def test_collector_time_counts_each_collection_inside_the_block():
         gc.collect()
     gc.collect()  # outside: not counted
     assert len(totals) == 2 and all(t >= 0 for t in totals)
+
+
+def test_profiled_module_runs_under_the_profiler_only_while_recording():
+    marks, profiler = NamesOnly(recording=False), cProfile.Profile()
+
+    class Inner(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return forward_body_of_the_inner_module(x)
+
+    profiled = Profiled(Inner(), marks, profiler)
+    profiled(torch.randn(2))  # not recording: nothing profiled
+    assert top_functions(profiler) == "nothing ran under the profiler"
+    marks.recording = True
+    profiled(torch.randn(2))
+    table = top_functions(profiler)
+    assert "forward_body_of_the_inner_module" in table and "Ordered by: internal time" in table
+
+
+def forward_body_of_the_inner_module(x: torch.Tensor) -> torch.Tensor:
+    return x * 2

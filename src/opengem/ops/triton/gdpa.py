@@ -312,8 +312,8 @@ def _work_list(
     return work_b, work_t
 
 
-# A dK/dV program takes at most this many query tiles' worth of rows less than the SM's share: chunks shorter than
-# this would cost more in their partial tiles' fp32 round trip (2 x BLOCK_N x D x 4 bytes each) than they balance.
+# The shortest query chunk, in query tiles: shorter chunks would cost more in their partial tiles' fp32 round trip
+# (2 x BLOCK_N x D x 4 bytes a program, written then read by the chunk sum) than they balance.
 QUERY_CHUNK_MIN_TILES = 8
 
 
