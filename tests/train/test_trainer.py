@@ -1,3 +1,5 @@
+import contextlib
+import dataclasses
 import json
 import math
 
@@ -376,3 +378,80 @@ def test_checkpoint_blocks_wraps_every_gem_layer():
     assert all(isinstance(layer, CheckpointWrapper) for layer in model.layers)
     learner = build_learner(apply_overrides(config, ["activation_checkpointing=true"]), "attention", torch.device("cpu"))
     assert all(isinstance(layer, CheckpointWrapper) for layer in learner.model.layers)  # the trainer's path
+
+
+def test_weight_shadows_train_bit_for_bit_like_autocast(tmp_path):
+    """``weight_shadows=true`` (bf16 copies of the Linear weights cast once a step) trains the GEM model and its
+    baseline to the same losses and final weights as autocast's per-use casts."""
+    runs = {}
+    for shadows in ("false", "true"):
+        config = _config(tmp_path, "steps=3", "eval_every=3", "eval_samples=500", "architecture=gem",
+                         "precision=bf16", f"weight_shadows={shadows}", f"name=shadows_{shadows}")
+        train(config, progress=False)
+        runs[shadows] = (_losses(tmp_path / f"shadows_{shadows}"), _final_weights(tmp_path / f"shadows_{shadows}"))
+    (want_losses, want_weights), (got_losses, got_weights) = runs["false"], runs["true"]
+    assert got_losses == want_losses and len(got_losses) == 3
+    assert got_weights.keys() == want_weights.keys()
+    for name, weight in want_weights.items():
+        assert torch.equal(got_weights[name], weight), name
+
+
+@pytest.mark.parametrize("architecture", ["gem", "sequence_ctr"])
+def test_compiled_regions_read_weight_shadows_whole(architecture):
+    """With weight shadows in use the dense blocks still compile without a graph break (fullgraph) and compute what
+    the eager model with autocast's casts computes, gradients included."""
+    from opengem.nn.weight_shadows import shadow_linear_weights, shadows_in_use
+    from opengem.train.compile import compile_regions
+    from opengem.train.data_stream import train_batches
+    from opengem.train.trainer import build_model
+
+    config = load_config("gem-tiny", None, [*SMALL, f"architecture={architecture}", "gem.num_layers=2"])
+    torch.manual_seed(0)
+    eager = build_model(config, config.model.history, torch.device("cpu"))
+    compiled = build_model(config, config.model.history, torch.device("cpu"))
+    compiled.load_state_dict(eager.state_dict())
+    assert shadow_linear_weights(compiled)
+    compile_regions(compiled, backend="aot_eager")
+    batch = next(train_batches(config, 0))
+    outputs = []
+    for model, use in ((eager, False), (compiled, True)):
+        with torch.autocast("cpu", dtype=torch.bfloat16), (shadows_in_use() if use else contextlib.nullcontext()):
+            out = model(batch)
+        out.float().sum().backward()
+        outputs.append((out, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (want, want_grads), (got, got_grads) = outputs
+    torch.testing.assert_close(got, want)
+    assert got_grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(got_grads[name], grad, msg=name)
+
+
+def test_learner_computes_from_its_weight_shadows():
+    """The learner's steps read the shadows, refreshed at each step's start: its losses are the plain learner's; with
+    the shadows zeroed its forward changes, and entering a step refreshes them from the parameters."""
+    from opengem.nn.weight_shadows import ShadowedLinear, shadows_in_use
+    from opengem.train.data_stream import train_batches
+    from opengem.train.trainer import build_learner
+
+    config = load_config("gem-tiny", None, [*SMALL, "architecture=gem", "gem.num_layers=1", "precision=bf16"])
+    stream = train_batches(config, 0)
+    batches = [next(stream) for _ in range(2)]
+    losses = {}
+    for name, settings in (("plain", {}), ("shadows", {"weight_shadows": True})):
+        torch.manual_seed(0)
+        learner = build_learner(dataclasses.replace(config, **settings), config.model.history, torch.device("cpu"))
+        losses[name] = [float(learner.step(batch)) for batch in batches]
+    assert losses["shadows"] == losses["plain"]
+    assert learner.weight_shadows and any(isinstance(m, ShadowedLinear) for m in learner.model.modules())
+    learner.model.eval()
+    with torch.no_grad():
+        plain_out = learner.forward(batches[0])
+        for _, shadow in learner.weight_shadows:
+            shadow.zero_()
+        with shadows_in_use():
+            zeroed_out = learner.forward(batches[0])
+        assert not torch.equal(zeroed_out, plain_out)  # in use, the forward reads the (zeroed) shadows
+        with learner._shadows():  # a step's context: refreshed from the parameters first
+            pairs = learner.weight_shadows
+            assert all(torch.equal(shadow, parameter.to(torch.bfloat16)) for parameter, shadow in pairs)
+            assert torch.equal(learner.forward(batches[0]), plain_out)

@@ -19,16 +19,19 @@ from opengem.jagged import Jagged, uniform_offsets
 from opengem.nn.layers import MLP
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
+from opengem.nn.weight_shadows import ShadowedLinear, compute_parameters
 from opengem.ops.jagged_attention import jagged_attention_packed
 
 
 def projected(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``linear(x)`` and the bias an attention op should return the gradient of (its ``projection_bias``): a plain
-    ``nn.Linear`` adds its bias without a gradient, and the op's backward kernels give it from their tiles, a pass
-    over the projection's output gradient less (gem-large: 0.27-0.8 GB a layer per bias). Any other module (a
-    low-precision projection, ``opengem.nn.low_precision``) runs as itself, its bias gradient its own."""
-    if type(linear) is nn.Linear and linear.bias is not None:
-        return F.linear(x, linear.weight, linear.bias.detach()), linear.bias
+    ``nn.Linear`` (or one with bf16 weight shadows, ``opengem.nn.weight_shadows``) adds its bias without a gradient,
+    and the op's backward kernels give it from their tiles, a pass over the projection's output gradient less
+    (gem-large: 0.27-0.8 GB a layer per bias). Any other module (a low-precision projection,
+    ``opengem.nn.low_precision``) runs as itself, its bias gradient its own."""
+    if type(linear) in (nn.Linear, ShadowedLinear) and linear.bias is not None:
+        weight, bias = compute_parameters(linear)
+        return F.linear(x, weight, bias.detach()), linear.bias
     return linear(x), None
 
 

@@ -7,6 +7,7 @@ checkpoint at the end (and every ``eval_every`` steps) lets ``--resume`` continu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import json
@@ -33,6 +34,7 @@ from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer
 from opengem.nn.low_precision import convert_to_low_precision, default_filter
 from opengem.nn.numerics import NumericsMonitor, convert_with_precision
+from opengem.nn.weight_shadows import refresh_shadows, shadow_linear_weights, shadows_in_use
 from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
@@ -55,6 +57,8 @@ class Learner:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     compute_dtype: torch.dtype | None = None  # autocast dtype of the forward (None: the parameters' fp32)
     skip_on_device: bool = False  # see step(): set by make_learner when the optimizer is a fused AdamW
+    # (parameter, bf16 shadow) pairs of opengem.nn.weight_shadows, refreshed at each step's start; None: autocast casts
+    weight_shadows: list[tuple[torch.Tensor, ...]] | None = None
     _skip_gates: list[torch.Tensor] | None = dataclasses.field(default=None, init=False, repr=False)
     _frozen: bool = dataclasses.field(default=False, init=False, repr=False)
 
@@ -80,6 +84,18 @@ class Learner:
         the loss is read on the host first and the backward is not run.
         """
         self.model.train()
+        with self._shadows():
+            return self._step(batch)
+
+    def _shadows(self) -> contextlib.AbstractContextManager:
+        """With weight shadows: refreshed from the parameters (the last optimizer step or a loaded checkpoint), then
+        in use for the block (the backward's recomputed activations included)."""
+        if self.weight_shadows is None:
+            return contextlib.nullcontext()
+        refresh_shadows(self.weight_shadows)
+        return shadows_in_use()
+
+    def _step(self, batch: Batch) -> torch.Tensor:
         loss, value = self.loss(batch)
         self.optimizer.zero_grad(set_to_none=True)
         if self.skip_on_device:
@@ -112,7 +128,8 @@ class Learner:
     @torch.no_grad()
     def predict(self, batches: list[Batch]) -> torch.Tensor:
         self.model.eval()
-        return torch.cat([torch.sigmoid(self.forward(b)).cpu() for b in batches])
+        with self._shadows():
+            return torch.cat([torch.sigmoid(self.forward(b)).cpu() for b in batches])
 
 
 def resolve_device(name: str) -> torch.device:
@@ -183,6 +200,12 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     sharded = _is_sharded(model)
     if config.activation_checkpointing and not sharded:
         checkpoint_blocks(model)
+    shadows = None
+    if config.weight_shadows:  # before compiling: the compiled blocks read the shadows
+        if sharded or kind is not Learner:
+            raise ValueError("weight_shadows is for the single-process trainer: sharded parameters are cast by FSDP's "
+                             "mixed precision instead")
+        shadows = shadow_linear_weights(model)
     if config.compile:
         compile_regions(model, mode=config.compile_mode)
     parameters = list(model.parameters())
@@ -192,7 +215,8 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     fused = fused and parameters[0].device.type in ("cuda", "cpu")
     optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
-    return kind(model, optimizer, scheduler, COMPUTE_DTYPES[config.precision], skip_on_device=fused)
+    return kind(model, optimizer, scheduler, COMPUTE_DTYPES[config.precision], skip_on_device=fused,
+                weight_shadows=shadows)
 
 
 def _is_sharded(model: nn.Module) -> bool:
