@@ -282,6 +282,13 @@ def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
     return _TUNED[key]
 
 
+def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(owner, index)`` of ``counts.sum()`` entries: entry ``i`` is number ``index[i]`` of ``owner[i]``'s
+    ``counts[owner[i]]`` (tiles of a sample, chunks of a tile)."""
+    owner = np.repeat(np.arange(counts.size, dtype=np.int64), counts)
+    return owner, np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
 @functools.lru_cache(maxsize=256)
 def _work_list(
     rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str
@@ -294,9 +301,7 @@ def _work_list(
     rows = np.frombuffer(rows_bytes, dtype=np.int64)
     cols = np.frombuffer(cols_bytes, dtype=np.int64)
     step = block * tiles
-    count = (rows + step - 1) // step
-    sample = np.repeat(np.arange(rows.size, dtype=np.int64), count)
-    first = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    sample, first = _expand((rows + step - 1) // step)
     start = first * step
     span = np.minimum(rows[sample] - start, step)
     other = cols[sample]
@@ -351,17 +356,14 @@ def _query_chunked_work(
     ``chunk_rows`` query rows split into chunks of them, longest first; None when no sample is that long."""
     k_len = np.frombuffer(k_lengths, dtype=np.int64)
     q_len = np.frombuffer(q_lengths, dtype=np.int64)
-    tiles = (k_len + block_n - 1) // block_n
-    sample = np.repeat(np.arange(k_len.size, dtype=np.int64), tiles)  # per (sample, key tile) pair
-    tile = np.arange(sample.size, dtype=np.int64) - np.repeat(np.cumsum(tiles) - tiles, tiles)
+    sample, tile = _expand((k_len + block_n - 1) // block_n)  # per (sample, key tile) pair
     chunks = np.maximum(1, -(-q_len[sample] // chunk_rows))
     if chunks.size == 0 or chunks.max() <= 1:
         return None
     chunked = chunks > 1
     slot_counts = np.where(chunked, chunks, 0)
     first_slot = np.cumsum(slot_counts) - slot_counts
-    pair = np.repeat(np.arange(sample.size, dtype=np.int64), chunks)  # per item
-    chunk = np.arange(pair.size, dtype=np.int64) - np.repeat(np.cumsum(chunks) - chunks, chunks)
+    pair, chunk = _expand(chunks)  # per item
     in_chunks = chunked[pair]
     lo = chunk * chunk_rows
     hi = np.where(in_chunks, lo + chunk_rows, np.iinfo(np.int32).max)
