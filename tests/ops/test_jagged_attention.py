@@ -5,6 +5,7 @@ import os
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math
+import re
 
 import pytest
 import torch
@@ -420,3 +421,8 @@ def test_packed_qkv_flops_compile_and_bad_shapes():
         jagged_attention_packed(qkv[:, :2], offsets, 14)
     with pytest.raises(ValueError, match="max_len_q = 5 is shorter"):
         jagged_attention_packed(qkv, offsets, 5)
+    wrong_size = re.escape("projection_bias must have shape [96] (3 * heads * head_dim), got [95]")
+    with pytest.raises(ValueError, match=wrong_size):
+        jagged_attention_packed(qkv, offsets, 14, projection_bias=torch.zeros(95))
+    with pytest.raises(ValueError, match="projection_bias must be a floating tensor on cpu, got torch.int64"):
+        jagged_attention_packed(qkv, offsets, 14, projection_bias=torch.zeros(96, dtype=torch.int64))

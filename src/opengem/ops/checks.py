@@ -50,6 +50,15 @@ def check_attention_inputs(
     check_max_len(k_offsets, max_len_k, "max_len_k")
 
 
+def check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, what: str) -> None:
+    """An op's ``projection_bias``: ``[size]`` (``what`` says what that size is), floating, on ``like``'s device."""
+    if bias.shape != (size,):
+        raise ValueError(f"projection_bias must have shape [{size}] ({what}), got {list(bias.shape)}")
+    if bias.device != like.device or not bias.is_floating_point():
+        raise ValueError(f"projection_bias must be a floating tensor on {like.device}, got {bias.dtype} on "
+                         f"{bias.device}")  # fmt: skip
+
+
 def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
     if not isinstance(max_len, int) or max_len < 0:
         raise ValueError(f"{name} must be a non-negative host int, got {max_len!r}")

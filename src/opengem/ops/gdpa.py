@@ -18,7 +18,7 @@ from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 from opengem.ops.autocast import cast_inputs
-from opengem.ops.checks import check_attention_inputs, check_mask_options
+from opengem.ops.checks import check_attention_inputs, check_mask_options, check_projection_bias
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as gdpa_fp8_reference
@@ -111,7 +111,7 @@ def gdpa(
     if projection_bias is not None:
         if broadcast_q:
             raise ValueError("projection_bias is a jagged q's projection bias: broadcast_q's q has none here")
-        _check_projection_bias(projection_bias, q, q.shape[1] * q.shape[2], "q's heads * head_dim")
+        check_projection_bias(projection_bias, q, q.shape[1] * q.shape[2], "q's heads * head_dim")
     with autocast_off:
         return torch.ops.opengem.gdpa_fwd(q, k, v, *options, projection_bias)
 
@@ -152,17 +152,9 @@ def gdpa_packed_kv(
                           post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
                           precision)  # fmt: skip
     if projection_bias is not None:
-        _check_projection_bias(projection_bias, kv, 2 * kv.shape[2] * kv.shape[3], "2 * kv heads * head_dim")
+        check_projection_bias(projection_bias, kv, 2 * kv.shape[2] * kv.shape[3], "2 * kv heads * head_dim")
     with autocast_off:
         return torch.ops.opengem.gdpa_kv_fwd(q, kv, *options, projection_bias)
-
-
-def _check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, what: str) -> None:
-    if bias.shape != (size,):
-        raise ValueError(f"projection_bias must have shape [{size}] ({what}), got {list(bias.shape)}")
-    if bias.device != like.device or not bias.is_floating_point():
-        raise ValueError(f"projection_bias must be a floating tensor on {like.device}, got {bias.dtype} on "
-                         f"{bias.device}")  # fmt: skip
 
 
 def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
@@ -446,15 +438,15 @@ def _setup_context(ctx, inputs, output) -> None:
     q, k, v, q_offsets, k_offsets, num_targets, *options, bias = inputs
     ctx.save_for_backward(q, k, v, q_offsets, k_offsets, num_targets)
     ctx.options = options
-    ctx.bias = None if bias is None else bias.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _backward(ctx, grad_out):
     q, k, v, q_offsets, k_offsets, num_targets = ctx.saved_tensors
-    column_sums = "q" if ctx.bias is not None and ctx.needs_input_grad[-1] else ""
+    column_sums = "q" if ctx.bias_dtype is not None and ctx.needs_input_grad[-1] else ""
     dq, dk, dv, sums = torch.ops.opengem.gdpa_bwd(grad_out, q, k, v, q_offsets, k_offsets, num_targets, *ctx.options,
                                                   column_sums)  # fmt: skip
-    return (dq, dk, dv) + (None,) * (3 + len(ctx.options)) + (sums.to(ctx.bias) if column_sums else None,)
+    return (dq, dk, dv) + (None,) * (3 + len(ctx.options)) + (sums.to(ctx.bias_dtype) if column_sums else None,)
 
 
 gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -542,15 +534,15 @@ def _setup_kv_context(ctx, inputs, output) -> None:
     q, kv, q_offsets, k_offsets, num_targets, *options, bias = inputs
     ctx.save_for_backward(q, kv, q_offsets, k_offsets, num_targets)
     ctx.options = options
-    ctx.bias = None if bias is None else bias.dtype
+    ctx.bias_dtype = None if bias is None else bias.dtype
 
 
 def _kv_backward(ctx, grad_out):
     q, kv, q_offsets, k_offsets, num_targets = ctx.saved_tensors
-    column_sums = "kv" if ctx.bias is not None and ctx.needs_input_grad[-1] else ""
+    column_sums = "kv" if ctx.bias_dtype is not None and ctx.needs_input_grad[-1] else ""
     dq, dkv, sums = torch.ops.opengem.gdpa_kv_bwd(grad_out, q, kv, q_offsets, k_offsets, num_targets, *ctx.options,
                                                   column_sums)  # fmt: skip
-    return (dq, dkv) + (None,) * (3 + len(ctx.options)) + (sums.to(ctx.bias) if column_sums else None,)
+    return (dq, dkv) + (None,) * (3 + len(ctx.options)) + (sums.to(ctx.bias_dtype) if column_sums else None,)
 
 
 gdpa_kv_fwd.register_autograd(_kv_backward, setup_context=_setup_kv_context)

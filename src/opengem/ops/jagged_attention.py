@@ -18,7 +18,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import host_copy
 from opengem.ops.autocast import cast_inputs
-from opengem.ops.checks import check_attention_inputs, check_mask_options
+from opengem.ops.checks import check_attention_inputs, check_mask_options, check_projection_bias
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as reference_jagged_attention_fp8
@@ -453,10 +453,8 @@ def jagged_attention_packed(
     gradient counts twice."""
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise ValueError(f"qkv must have shape [T, 3, H, D], got {list(qkv.shape)}")
-    size = 3 * qkv.shape[2] * qkv.shape[3]
-    if projection_bias is not None and (projection_bias.shape != (size,) or projection_bias.device != qkv.device):
-        raise ValueError(f"projection_bias must have shape [{size}] on {qkv.device}, got {list(projection_bias.shape)} "
-                         f"on {projection_bias.device}")  # fmt: skip
+    if projection_bias is not None:
+        check_projection_bias(projection_bias, qkv, 3 * qkv.shape[2] * qkv.shape[3], "3 * heads * head_dim")
     (qkv,), autocast_off = cast_inputs(qkv)
     q, k, v = qkv.unbind(1)
     options = _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale,
