@@ -116,6 +116,19 @@ def measure(layer: str, lengths: torch.Tensor, device: str, bias: str = "none") 
             "kernels_ms": {name: round(ms, 4) for name, ms in kernel_ms(both).items()}}  # fmt: skip
 
 
+def _cases(args: argparse.Namespace, lengths: torch.Tensor) -> list[tuple[str, torch.Tensor, str, str, str | None]]:
+    """One batch's rows by mode: (lengths' shape, lengths, layer, bias gradient, ``OPENGEM_GDPA_QUERY_CHUNKS`` or None
+    for the caller's setting)."""
+    if args.bias:
+        return [("power_law", lengths, layer, bias, None)
+                for layer in ("pffn", "pooling") for bias in ("sum", "kernels")]  # fmt: skip
+    if args.query_chunks:
+        return [("power_law", lengths, "pffn", "none", chunks) for chunks in ("0", "1")]
+    return [(shape, batch_lengths, layer, "none", None)
+            for shape, batch_lengths in (("power_law", lengths), ("balanced", balanced(lengths)))
+            for layer in ("pffn", "pooling")]  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=2, help="gem-large batches measured (each also balanced)")
@@ -128,21 +141,16 @@ def main() -> None:
         raise SystemExit("gdpa_gem_layers times the Triton GDPA kernels: it needs a CUDA device")
     rows = []
     for index, lengths in enumerate(gem_large_lengths(args.batches)):
-        one_shape = args.bias or args.query_chunks
-        shapes = [("power_law", lengths)] if one_shape else [("power_law", lengths), ("balanced", balanced(lengths))]
-        for shape, batch_lengths in shapes:
-            for layer in ("pffn",) if args.query_chunks else ("pffn", "pooling"):
-                for bias in ("sum", "kernels") if args.bias else ("none",):
-                    for chunks in ("0", "1") if args.query_chunks else ("1",):
-                        os.environ["OPENGEM_GDPA_QUERY_CHUNKS"] = chunks
-                        row = {"batch": index, "lengths": shape, "layer": layer, "bias_gradient": bias,
-                               "query_chunks": chunks == "1", **measure(layer, batch_lengths, "cuda", bias)}
-                        rows.append(row)
-                        top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:5])
-                        print(f"batch {index} {shape:9s} {layer:7s} bias {bias:7s} chunks {chunks} T {row['tokens']} "
-                              f"max {row['max_len']}: forward {row['forward_ms']:.3f} ms, backward "
-                              f"{row['backward_ms']:.3f} ms, kernels {sum(row['kernels_ms'].values()):.3f} ms | {top}",
-                              flush=True)
+        for shape, batch_lengths, layer, bias, chunks in _cases(args, lengths):
+            if chunks is not None:  # else the caller's setting (the default: on)
+                os.environ["OPENGEM_GDPA_QUERY_CHUNKS"] = chunks
+            row = {"batch": index, "lengths": shape, "layer": layer, "bias_gradient": bias,
+                   "query_chunks": triton_gdpa.query_chunks_enabled(), **measure(layer, batch_lengths, "cuda", bias)}
+            rows.append(row)
+            top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:5])
+            print(f"batch {index} {shape:9s} {layer:7s} bias {bias:7s} chunks {row['query_chunks']:d} "
+                  f"T {row['tokens']} max {row['max_len']}: forward {row['forward_ms']:.3f} ms, backward "
+                  f"{row['backward_ms']:.3f} ms, kernels {sum(row['kernels_ms'].values()):.3f} ms | {top}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     name = "bias" if args.bias else "query_chunks" if args.query_chunks else None
     path = args.out / (f"gdpa_gem_layers_{name}.json" if name else "gdpa_gem_layers.json")

@@ -17,9 +17,9 @@ from torch import nn
 
 from opengem.jagged import Jagged, uniform_offsets
 from opengem.nn.layers import MLP
+from opengem.nn.weight_shadows import ShadowedLinear, compute_parameters
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
-from opengem.nn.weight_shadows import ShadowedLinear, compute_parameters
 from opengem.ops.jagged_attention import jagged_attention_packed
 
 

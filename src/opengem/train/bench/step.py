@@ -149,6 +149,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     calm_laps = [ms for ms, compiled in zip(laps_ms, compiled_in_step) if not compiled]
     untuned_ms = statistics.fmean(calm_laps) if calm_laps else None
     step_ms = 1e3 * elapsed / options.steps
+    profiled_laps_ms = statistics.fmean(laps_ms[:options.profile_steps])  # the batches profiled below
     _progress(f"timed {options.steps} steps: {step_ms:.2f} ms each")
 
     stream = None  # stops its loader workers
@@ -199,9 +200,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "profiled_step_ms": profiled_step_ms,
         # the profiler slows the host, so its "idle" overstates the timed steps' idle: this is the timed one, the
         # laps of the profiled (replayed) batches less their kernel time
-        "timed_ms_of_profiled_batches": statistics.fmean(laps_ms[:options.profile_steps]),
-        "gpu_idle_ms_timed": (statistics.fmean(laps_ms[:options.profile_steps]) - sum(families_ms.values())
-                              if families_ms else None),
+        "timed_ms_of_profiled_batches": profiled_laps_ms,
+        "gpu_idle_ms_timed": profiled_laps_ms - sum(families_ms.values()) if families_ms else None,
         "last_loss": float(loss),
     }
     settings = {
