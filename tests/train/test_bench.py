@@ -176,6 +176,13 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
     assert (config.architecture, config.batch_size, device.type, precision) == ("gem", 64, "cpu", "fp32")
     assert config.gem == GEM_PRESETS["gem-small"].model
     assert bench_config(TrainBenchOptions("gem-tiny", device="cpu", precision="bf16"))[0].precision == "bf16"
+    # a setting that needs bf16 is checked against the benchmark's precision, not the preset's (gem-tiny: fp32)
+    shadows = bench_config(TrainBenchOptions("gem-tiny", device="cpu", precision="bf16",
+                                             overrides=("weight_shadows=true",)))[0]
+    assert (shadows.precision, shadows.weight_shadows) == ("bf16", True)
+    assert bench_config(TrainBenchOptions("gem-tiny", device="cpu", overrides=("precision=bf16",)))[2] == "bf16"
+    with pytest.raises(ValueError, match="weight_shadows holds bf16 copies"):
+        bench_config(TrainBenchOptions("gem-tiny", device="cpu", overrides=("weight_shadows=true",)))
     large = load_config("gem-large")
     assert (large.architecture, large.data_preset, large.gem) == ("gem", "gem-large", GEM_PRESETS["gem-large"].model)
     with pytest.raises(ValueError, match="low_precision_mlp must be one of"):

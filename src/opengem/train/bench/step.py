@@ -34,7 +34,7 @@ from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, Forward
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import allocator_counts, events_report, host_events
 from opengem.train.compile import compile_regions
-from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, apply_overrides, load_config
+from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
 from opengem.train.trainer import Learner, build_learner, resolve_device
@@ -89,10 +89,13 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
     steps = (options.warmup + options.max_tuning_steps + 2 * (options.lead_steps + options.steps)
              + options.profile_steps)
     overrides.append(f"steps={steps}")  # the LR schedule's length
-    config = load_config(options.preset, overrides=[*overrides, *options.overrides])
-    device = resolve_device(config.device)
-    precision = options.precision or ("bf16" if device.type == "cuda" else "fp32")
-    config = apply_overrides(config, [f"precision={precision}"])
+    # The precision joins the overrides before the config is checked: a setting that needs bf16 (weight_shadows=true)
+    # must see the benchmark's precision, not the preset's. --precision, else an explicit --set, else by device.
+    settings = dict(item.partition("=")[::2] for item in options.overrides)
+    device = resolve_device(settings.get("device", options.device).strip())
+    precision = options.precision or settings.get("precision", "").strip() or (
+        "bf16" if device.type == "cuda" else "fp32")
+    config = load_config(options.preset, overrides=[*overrides, *options.overrides, f"precision={precision}"])
     return config, device, precision
 
 
