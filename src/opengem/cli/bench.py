@@ -19,7 +19,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
                             ("layers", "each layer type of the model run alone: local MFU")):
         sub = kinds.add_parser(name, help=help_text)
         sub.add_argument("--preset", choices=sorted(PRESETS), default="gem-small")
-        sub.add_argument("--precision", choices=PRECISIONS, help="default: bf16 on CUDA, fp32 on CPU")
+        sub.add_argument("--precision", choices=PRECISIONS,
+                         help="default: a --set precision=..., else bf16 on CUDA and fp32 on CPU")
         sub.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
         sub.add_argument("--batch-size", type=int, help="default: the preset's")
         sub.add_argument("--peak-tflops", type=float, help="dense BF16 peak of a device not in the table")
@@ -32,8 +33,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     train.add_argument("--lead-steps", type=int, default=3,
                        help="untimed steps after the loader restarts for the timed window (its workers' start)")
     train.add_argument("--max-tuning-steps", type=int, default=20,
-                       help="after the warm-up, up to this many more steps while the autotuners meet new keys or a step "
-                            "compiles (1.5x slower than the fastest)")
+                       help="after the warm-up, up to this many more steps while the autotuners meet new keys or a "
+                            "step compiles (1.5x slower than the fastest)")
     train.add_argument("--low-precision-mlp", choices=LOW_PRECISION_MLPS, default="none",
                        help="FP8 recipe for the large Linear layers (opengem.nn.low_precision)")
     train.add_argument("--compile", action="store_true", help="torch.compile the model")
@@ -53,7 +54,8 @@ def add_bench_parser(commands: argparse._SubParsersAction) -> None:
     calibrate = kinds.add_parser("calibrate", help="measure the planner's calibration table on this GPU")
     calibrate.add_argument("--out", type=Path, default=Path("benchmarks/results/calibration.json"),
                            help="calibration JSON, for `opengem plan --calibration` (default: %(default)s)")
-    calibrate.add_argument("--quick", action="store_true", help="fewer shapes, no kernel autotuning (< 45 s before the host probe)")
+    calibrate.add_argument("--quick", action="store_true",
+                           help="fewer shapes, no kernel autotuning (< 45 s before the host probe)")
     calibrate.add_argument("--base", default="h200", help="table of the step-fitted entries (shipped name or file)")
     calibrate.add_argument("--peak-tflops", type=float, help="dense BF16 peak of a device not in the table")
     calibrate.add_argument("--hbm-gbps", type=float, help="nominal HBM bandwidth of a device not in the table")
@@ -80,7 +82,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(f"wrote {path}")
         return 0
     options = step.TrainBenchOptions(
-        **common, steps=args.steps, warmup=args.warmup, lead_steps=args.lead_steps, max_tuning_steps=args.max_tuning_steps, low_precision_mlp=args.low_precision_mlp,
+        **common, steps=args.steps, warmup=args.warmup, lead_steps=args.lead_steps,
+        max_tuning_steps=args.max_tuning_steps, low_precision_mlp=args.low_precision_mlp,
         compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps, trace=args.trace,
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip

@@ -49,7 +49,7 @@ class TrainBenchOptions:
     # work (gem-small's first two timed steps took 290 and 213 ms against a 140.5 ms median, session 18)
     lead_steps: int = 3
     max_tuning_steps: int = 20  # after ``warmup``: more steps until it settles (``warm_until_settled``)
-    precision: str | None = None  # TrainConfig.precision; None: bf16 on CUDA, fp32 on CPU
+    precision: str | None = None  # TrainConfig.precision; None: an overrides precision=, else bf16 on CUDA, fp32 on CPU
     low_precision_mlp: str = "none"  # a recipe of opengem.nn.low_precision for the large Linear layers
     compile: bool = False
     device: str = "auto"
@@ -177,7 +177,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     if device.type == "cuda" or options.peak_tflops is not None:
         device_peak = device_peak_flops(device_name, "bf16", options.peak_tflops)
     matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    ceiling = measured_matmul_peak(device, matmul_dtype, options.matmul_size or (8192 if device.type == "cuda" else 512))
+    matmul_size = options.matmul_size or (8192 if device.type == "cuda" else 512)
+    ceiling = measured_matmul_peak(device, matmul_dtype, matmul_size)
     results = {
         "step_ms": step_ms,
         "step_ms_each": laps_ms,  # each timed step's share of the window (a stall shows as an outlier)
@@ -373,7 +374,8 @@ def format_report(payload: dict[str, Any]) -> str:
          f"and {s.get('lead_steps', 0)} on the restarted loader)"),
         (f"  timed steps       {r['step_ms_median']:>12.2f} ms median, {min(r['step_ms_each']):.2f} min, "
          f"{max(r['step_ms_each']):.2f} max"),
-        "  while timed       " + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
+        "  while timed       "
+        + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
         _format_untuned(r),
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
