@@ -126,7 +126,8 @@ def format_runs(runs: list[dict[str, Any]]) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gem-small")
-    parser.add_argument("--batch-size", type=int, default=8, help="small is enough: a graph's ops do not grow with the batch")
+    parser.add_argument("--batch-size", type=int, default=8,
+                        help="small is enough: a graph's ops do not grow with the batch")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a setting for every run")
     parser.add_argument("--compare", nargs="+", default=[], metavar="KEY=VALUE", help="a second run with these")
