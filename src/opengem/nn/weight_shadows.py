@@ -2,9 +2,11 @@
 
 Under bf16 autocast a plain ``nn.Linear`` casts its fp32 weight and bias to bf16 every time it runs. In a compiled GEM
 block a cast can be a small kernel of its own: gem-large b512 launched 548 plain ``_to_copy`` kernels a step, most of
-them the size of a weight (H200, session 30's ``benchmarks.diag.inductor_kernel_bytes``; how many run in the forward,
-which the host paces, was not recorded). :func:`shadow_linear_weights` gives each plain Linear persistent bf16 *shadows*
-of its parameters, :func:`refresh_shadows` fills them all in one multi-tensor copy, and while :func:`shadows_in_use` is
+them the size of a weight (H200, session 30's ``benchmarks.diag.inductor_kernel_bytes``), and each kernel also costs a
+few microseconds of gap on the GPU. Before Inductor (``benchmarks.diag.step_graph_ops``, CPU), gem-small's forward casts
+parameters into GEMMs 230 times a step, and the shadows remove all of those; the backward's casts of the weight
+gradients to fp32 stay. :func:`shadow_linear_weights` gives each plain Linear persistent bf16 *shadows* of its
+parameters, :func:`refresh_shadows` fills them all in one multi-tensor copy, and while :func:`shadows_in_use` is
 active a shadowed layer computes from them.
 
 The shadow is the cast autocast would make (round to nearest even), and the weight's gradient comes back through the
