@@ -4,7 +4,7 @@ shadows remove (autocast's casts of the parameters that feed a GEMM, in the forw
 from benchmarks.diag.step_graph_ops import count_step, format_runs
 
 
-def test_weight_shadows_remove_the_forward_parameter_casts_and_nothing_else():
+def test_weight_shadows_remove_the_forward_parameter_casts_and_leave_the_backward_as_it_was():
     plain = count_step("gem-tiny", 4, "cpu", [])
     shadowed = count_step("gem-tiny", 4, "cpu", ["weight_shadows=true"])
     cast = "_to_copy[input->bfloat16, to GEMM]"

@@ -91,10 +91,9 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
     overrides.append(f"steps={steps}")  # the LR schedule's length
     # The precision joins the overrides before the config is checked: a setting that needs bf16 (weight_shadows=true)
     # must see the benchmark's precision, not the preset's. --precision, else an explicit --set, else by device.
-    settings = dict(item.partition("=")[::2] for item in options.overrides)
-    device = resolve_device(settings.get("device", options.device).strip())
-    precision = options.precision or settings.get("precision", "").strip() or (
-        "bf16" if device.type == "cuda" else "fp32")
+    settings = {key.strip(): value.strip() for key, _, value in (item.partition("=") for item in options.overrides)}
+    device = resolve_device(settings.get("device", options.device))
+    precision = options.precision or settings.get("precision") or ("bf16" if device.type == "cuda" else "fp32")
     config = load_config(options.preset, overrides=[*overrides, *options.overrides, f"precision={precision}"])
     return config, device, precision
 
