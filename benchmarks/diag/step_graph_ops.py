@@ -35,7 +35,7 @@ from opengem.train.compile import compile_regions
 from opengem.train.data_stream import train_batches
 from opengem.train.trainer import build_learner
 
-# aliases of their input: no kernel after Inductor
+# views of their input and size queries: no kernel after Inductor
 VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.permute.default",
                    "aten.transpose.int", "aten.slice.Tensor", "aten.unsqueeze.default", "aten.squeeze.dim",
                    "aten.detach.default", "aten.unbind.int", "aten.sym_size.int", "aten.expand.default",
