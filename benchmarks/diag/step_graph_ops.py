@@ -111,6 +111,7 @@ def count_step(preset: str, batch_size: int, device: str, overrides: Sequence[st
 
 
 def format_runs(runs: list[dict[str, Any]]) -> str:
+    """Each graph kind's total a run, then every op's count a run side by side, the ops whose count differs marked."""
     lines = []
     for kind in ("forward", "backward"):
         header = " / ".join(f"{run[kind]['ops']} ({', '.join(run['overrides']) or 'as set'})" for run in runs)
