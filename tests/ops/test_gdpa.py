@@ -531,7 +531,8 @@ def test_projection_bias_gradient_comes_from_the_backward(monkeypatch, backend, 
 def test_projection_bias_is_checked():
     q, k, v = _inputs([5], [3], heads=2, kv_heads=2)
     offsets_q, offsets_k = _offsets([5]), _offsets([3])
-    with pytest.raises(ValueError, match=_escape("projection_bias must have shape [32] (q's heads * head_dim), got [31]")):
+    shape_error = _escape("projection_bias must have shape [32] (q's heads * head_dim), got [31]")
+    with pytest.raises(ValueError, match=shape_error):
         gdpa(q, k, v, offsets_q, offsets_k, 5, 3, projection_bias=torch.zeros(31))
     with pytest.raises(ValueError, match="projection_bias must be a floating tensor on cpu, got torch.int64"):
         gdpa(q, k, v, offsets_q, offsets_k, 5, 3, projection_bias=torch.zeros(32, dtype=torch.long))

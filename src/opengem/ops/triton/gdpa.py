@@ -708,9 +708,10 @@ def _launch_dq_broadcast(
 ) -> None:
     """Broadcast-Q dQ: per-chunk fp32 partial sums over equal ranges of the flat key rows, then one ``torch.sum``
     over the chunks (``k_lengths``: the samples' key lengths as int64 bytes, ``BatchLengths.k``). The chunking depends
-    only on shapes, the config and the device, and neither step uses atomics, so dQ is bitwise reproducible. (Chunks of equal sample counts left gem-large's pooling dQ waiting on
-    the chunk holding its longest sample: 0.27-0.30 ms against 0.13-0.15 for the same tokens in equal-length
-    samples, H200, session 30, ``benchmarks.diag.gdpa_gem_layers``.)"""
+    only on shapes, the config and the device, and neither step uses atomics, so dQ is bitwise reproducible. (Chunks
+    of equal sample counts left gem-large's pooling dQ waiting on the chunk holding its longest sample: 0.27-0.30 ms
+    against 0.13-0.15 for the same tokens in equal-length samples, H200, session 30,
+    ``benchmarks.diag.gdpa_gem_layers``.)"""
     summary = offsets_summary(k_offsets)
     tokens = summary.last - summary.first
     seeds, heads, head_dim = q.shape
