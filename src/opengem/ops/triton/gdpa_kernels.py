@@ -205,21 +205,31 @@ def _key_tile(K, V, k_start, k_len, n_start, hk, stride_kt, stride_kh, stride_vt
 
 
 @triton.jit
+def _scaled_key_tile_grads(dk, dv, pre_scale, out_scale):
+    """A key tile's accumulated products scaled into its gradients: ``dK = c pre_scale dX^T Q``, ``dV = c P^T dO``."""
+    return dk * (out_scale * pre_scale), dv * out_scale
+
+
+@triton.jit
+def _tile_column_sums(dk, dv, row_ok):
+    """fp32 column sums of a key tile's dK and dV over its rows in the sample (``[D]`` each: a K/V bias's
+    gradient)."""
+    return tl.sum(tl.where(row_ok, dk, 0.0), 0), tl.sum(tl.where(row_ok, dv, 0.0), 0)
+
+
+@triton.jit
 def _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt, stride_dvh,
                           pre_scale, out_scale, D: tl.constexpr, COLUMN_SUMS: tl.constexpr):
-    """dK and dV of a key tile, scaled (``dK = c pre_scale dX^T Q``, ``dV = c P^T dO``), in the gradients' dtype;
-    with ``COLUMN_SUMS`` returns their fp32 column sums over the tile's rows in the sample (``[D]`` each: a K/V
-    bias's gradient), else zeros."""
+    """dK and dV of a key tile (:func:`_scaled_key_tile_grads`) in the gradients' dtype; with ``COLUMN_SUMS``
+    returns their :func:`_tile_column_sums`, else zeros."""
     offs_d = tl.arange(0, D)
-    dk = dk * (out_scale * pre_scale)
-    dv = dv * out_scale
+    dk, dv = _scaled_key_tile_grads(dk, dv, pre_scale, out_scale)
     tl.store(DK + rows * stride_dkt + hk * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=row_ok)
     tl.store(DV + rows * stride_dvt + hk * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=row_ok)
     dk_sum = tl.zeros([D], dtype=tl.float32)
     dv_sum = tl.zeros([D], dtype=tl.float32)
     if COLUMN_SUMS:
-        dk_sum = tl.sum(tl.where(row_ok, dk, 0.0), 0)
-        dv_sum = tl.sum(tl.where(row_ok, dv, 0.0), 0)
+        dk_sum, dv_sum = _tile_column_sums(dk, dv, row_ok)
     return dk_sum, dv_sum
 
 
@@ -305,14 +315,14 @@ def gdpa_bwd_dkdv_kernel(
             dv += tl.dot(pt.to(do.dtype), do, input_precision=PRECISION)
             dk += tl.dot(dxt.to(qt.dtype), tl.trans(qt), input_precision=PRECISION)
     if slot >= 0:
-        dk = dk * (out_scale * pre_scale)
-        dv = dv * out_scale
+        dk, dv = _scaled_key_tile_grads(dk, dv, pre_scale, out_scale)
         tile = PARTIAL + slot.to(tl.int64) * (2 * BLOCK_N * num_kv_heads * D) + hk * D
         offs_row = tl.arange(0, BLOCK_N)[:, None] * (num_kv_heads * D) + offs_d[None, :]
         tl.store(tile + offs_row, dk)
         tl.store(tile + BLOCK_N * num_kv_heads * D + offs_row, dv)
         if COLUMN_SUMS:
-            _store_kv_sums(SUMS, pid, tl.sum(tl.where(row_ok, dk, 0.0), 0), tl.sum(tl.where(row_ok, dv, 0.0), 0), D)
+            dk_sum, dv_sum = _tile_column_sums(dk, dv, row_ok)
+            _store_kv_sums(SUMS, pid, dk_sum, dv_sum, D)
     else:
         dk_sum, dv_sum = _store_key_tile_grads(DK, DV, dk, dv, rows, row_ok, hk, stride_dkt, stride_dkh, stride_dvt,
                                                stride_dvh, pre_scale, out_scale, D, COLUMN_SUMS)
