@@ -213,7 +213,10 @@
 # s37a (one GPU, next session, carry .compile_cache.tgz): host_lead with a drained queue before each step, then with
 #   the forward under cProfile; then gem-large b512 with its profile (this session's kernels' step-level figures)
 # s37b (one GPU, next session): gem-large b512 with autocast's per-use weight casts, then with weight_shadows=true
-# s37c (one GPU, next session): the weight shadows' GPU test (bitwise losses, fewer kernels a step)
+# s37c (one GPU, next session): the weight shadows' GPU tests (bitwise losses, fewer kernels a step; fp32 weight
+#   gradients: fewer kernels again, the fp32-output GEMM eager and compiled)
+# s39a (one GPU, next session, after s37b): gem-large b512 with weight_shadows=true and fp32_weight_grads=true (the
+#   shadowed layers' weight gradients from fp32-output GEMMs: no dW / bias-gradient cast kernels)
 # s38a (one GPU, next session): gem-small b2048 at today's code (last measured in session 23), then with
 #   weight_shadows=true (issue 10's other preset)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -779,7 +782,11 @@ chain_s37b() {  # next session (after s37a's cache): gem-large with autocast's p
   step bench_train_large 140 large_b512 train_gem-large_b512_s37b_default_bf16
   step bench_train_large_shadows 330 large_b512 train_gem-large_b512_s37b_shadows_bf16 --set weight_shadows=true
 }
-chain_s37c() { step shadows_gpu_tests 200 tests tests/gpu/test_weight_shadows_gpu.py; }  # next session: the shadows' test
+chain_s37c() { step shadows_gpu_tests 320 tests tests/gpu/test_weight_shadows_gpu.py; }  # next session: the shadows' tests
+chain_s39a() {  # next session (after s37b, its cache): gem-large with the shadows and fp32-output weight gradients
+  step bench_train_large_fp32_grads 400 large_b512 train_gem-large_b512_s39a_fp32_grads_bf16 --set weight_shadows=true \
+    --set fp32_weight_grads=true
+}
 chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 ms, 15.4%), then with the weight shadows
   step bench_train_small 280 small_train --out "$out/results/train_gem-small_b2048_s38a_bf16.json"
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
@@ -907,7 +914,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

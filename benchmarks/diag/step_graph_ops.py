@@ -98,6 +98,9 @@ def count_step(preset: str, batch_size: int, device: str, overrides: Sequence[st
     options = TrainBenchOptions(preset=preset, compile=True, batch_size=batch_size, device=device,
                                 precision="bf16", overrides=("gem.sequence_dtype=compute", *overrides))  # fmt: skip
     config, torch_device, _ = bench_config(options)
+    # fresh compiles: a process that compiled other models of these classes before (a test run) would otherwise count
+    # against dynamo's recompile limit on the shared forward code
+    torch._dynamo.reset()
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, torch_device)
     trust_ids(learner.model)

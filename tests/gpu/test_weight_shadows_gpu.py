@@ -1,5 +1,6 @@
 """bf16 weight shadows (``weight_shadows=true``) on the GPU: a compiled GEM learner trains to the plain learner's
-losses bit for bit and launches fewer kernels a step (autocast's per-use weight casts gone)."""
+losses bit for bit and launches fewer kernels a step (autocast's per-use weight casts gone); with
+``fp32_weight_grads=true`` the weight gradients come from fp32-output GEMMs, fewer kernels again."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ from torch.autograd import DeviceType
 from opengem.data.parquet import batches_from_table
 from opengem.data.synthetic import generate
 from opengem.models.presets import GEM_PRESETS
+from opengem.nn.weight_shadows import fp32_product
 from opengem.train.config import load_config
 from opengem.train.trainer import build_learner
 
@@ -22,16 +24,34 @@ def test_compiled_learner_with_weight_shadows_matches_and_launches_fewer_kernels
     table = generate(GEM_PRESETS["gem-small"].data, 4 * 256, seed=5)
     batches = [b.to("cuda") for b in batches_from_table(table, 256)]
     results = {}
-    for shadows in (False, True):
+    for name, settings in (("plain", {}), ("shadows", {"weight_shadows": True}),
+                           ("fp32_grads", {"weight_shadows": True, "fp32_weight_grads": True})):
         torch.manual_seed(0)
-        learner = build_learner(dataclasses.replace(config, weight_shadows=shadows), config.model.history,
-                                torch.device("cuda"))
+        learner = build_learner(dataclasses.replace(config, **settings), config.model.history, torch.device("cuda"))
         losses = [float(learner.step(batch)) for batch in batches[:3]]
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
             learner.step(batches[3])
             torch.cuda.synchronize()
         kernels = sum(1 for event in profile.events() if event.device_type == DeviceType.CUDA)
-        results[shadows] = (losses, kernels)
-    (want_losses, plain_kernels), (got_losses, shadow_kernels) = results[False], results[True]
+        results[name] = (losses, kernels)
+    (want_losses, plain_kernels), (got_losses, shadow_kernels) = results["plain"], results["shadows"]
     assert got_losses == want_losses
     assert shadow_kernels < plain_kernels, (shadow_kernels, plain_kernels)
+    fp32_losses, fp32_kernels = results["fp32_grads"]
+    # the same forward, so the same first loss; then gradients without the bf16 rounding
+    assert fp32_losses[0] == want_losses[0] and fp32_losses[1:] == pytest.approx(want_losses[1:], rel=1e-2)
+    assert fp32_kernels < shadow_kernels, (fp32_kernels, shadow_kernels)
+
+
+def test_fp32_product_is_one_fp32_output_gemm_eager_and_compiled():
+    torch.manual_seed(0)
+    a = torch.randn(4096, 384, device="cuda").to(torch.bfloat16).t()  # a transposed operand, as dW's is
+    b = torch.randn(4096, 256, device="cuda").to(torch.bfloat16)
+    want = a.double() @ b.double()
+    eager = fp32_product(a, b)
+    compiled = torch.compile(fp32_product, fullgraph=True)(a, b)
+    for got in (eager, compiled):
+        assert got.dtype == torch.float32 and got.shape == (384, 256)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)  # fp32 sums, no bf16 rounding
+    rounded = (a @ b).double()  # autocast's bf16 output is off by its rounding
+    assert (rounded - want).abs().max() > 10 * (eager.double() - want).abs().max()

@@ -1,6 +1,7 @@
 """bf16 weight shadows (opengem.nn.weight_shadows): the same numbers as autocast's per-use casts, bit for bit."""
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -93,3 +94,73 @@ def test_config_refuses_shadows_without_bf16():
 
     with pytest.raises(ValueError, match="weight_shadows holds bf16 copies for precision=bf16, got precision='fp32'"):
         load_config("gem-tiny", None, ["weight_shadows=true", "precision=fp32"])
+
+
+def _fp32_grads_pair(seed: int = 3) -> tuple[nn.Module, nn.Module]:
+    plain, shadowed = _pair(seed)
+    shadow_linear_weights(shadowed, fp32_grads=True)
+    return plain, shadowed
+
+
+def test_fp32_grads_keep_the_output_and_input_gradient_and_drop_the_weight_gradients_rounding():
+    """The forward and the input's gradient are autocast's bit for bit; the weight and bias gradients are the fp32
+    product and sum of the same bf16 operands, where autocast rounds them to bf16 first."""
+    plain, shadowed = _fp32_grads_pair()
+    x = torch.randn(6, 5, 24, requires_grad=True)  # 3-d input: the GEMM runs on the flattened rows
+    x_plain = x.detach().clone().requires_grad_()
+    want, want_grads = _output_and_grads(plain, x_plain, use=False)
+    got, got_grads = _output_and_grads(shadowed, x, use=True)
+    assert torch.equal(got, want)
+    assert x.grad.dtype == torch.float32 and torch.equal(x.grad, x_plain.grad)
+    # the first layer's gradients from its own bf16 operands, in fp32 and unrounded
+    first = shadowed[0]
+    compute_x = x.detach().to(torch.bfloat16).reshape(-1, 24)
+    with torch.autocast("cpu", dtype=torch.bfloat16), shadows_in_use():
+        hidden = first(x.detach())
+        out = shadowed[1:](hidden)
+    grad_hidden = torch.autograd.grad(out.float().square().sum(), hidden)[0].reshape(-1, 32)
+    torch.testing.assert_close(got_grads[0], grad_hidden.float().t() @ compute_x.float(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got_grads[1], grad_hidden.float().sum(0), rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, rtol=2**-7, atol=1e-5)  # within autocast's bf16 rounding of them
+    assert not torch.equal(got_grads[0], want_grads[0])  # and not rounded as autocast's are
+
+
+def test_fp32_grads_leave_the_bias_to_the_op_in_projected():
+    torch.manual_seed(4)
+    plain = nn.Linear(16, 12)
+    shadowed = nn.Linear(16, 12)
+    shadowed.load_state_dict(plain.state_dict())
+    shadow_linear_weights(shadowed, fp32_grads=True)
+    x = torch.randn(7, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want, _ = projected(plain, x)
+        with shadows_in_use():
+            got, got_bias = projected(shadowed, x)
+    assert torch.equal(got, want) and got_bias is shadowed.bias
+    got.float().sum().backward()
+    assert shadowed.bias.grad is None and shadowed.weight.grad.dtype == torch.float32
+    ones = torch.ones(7, 12, dtype=torch.bfloat16)
+    torch.testing.assert_close(shadowed.weight.grad, ones.float().t() @ x.bfloat16().float(), rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_block_with_fp32_grads_matches_eager():
+    _, eager = _fp32_grads_pair(5)
+    compiled_model = copy.deepcopy(eager)
+    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
+    x = torch.randn(5, 24)
+    want, want_grads = _output_and_grads(eager, x, use=True)
+    got, got_grads = _output_and_grads(compiled, x, use=True)
+    assert torch.equal(got, want)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w)
+
+
+def test_config_refuses_fp32_grads_without_shadows():
+    from opengem.train.config import load_config
+
+    with pytest.raises(ValueError, match="fp32_weight_grads computes the weight-shadowed layers' gradients"):
+        load_config("gem-tiny", None, ["fp32_weight_grads=true", "precision=bf16"])
+    config = load_config("gem-tiny", None, ["weight_shadows=true", "fp32_weight_grads=true", "precision=bf16"])
+    assert config.fp32_weight_grads and config.weight_shadows

@@ -396,6 +396,32 @@ def test_weight_shadows_train_bit_for_bit_like_autocast(tmp_path):
         assert torch.equal(got_weights[name], weight), name
 
 
+def test_fp32_weight_grads_train_close_to_autocast_from_the_same_first_loss():
+    """``fp32_weight_grads=true``: the same forward (the first step's loss is autocast's bit for bit), weight gradients
+    without autocast's bf16 rounding, so the weights after the first update differ, by little."""
+    from opengem.train.data_stream import train_batches
+    from opengem.train.trainer import build_learner
+
+    config = load_config("gem-tiny", None, [*SMALL, "architecture=gem", "gem.num_layers=2", "precision=bf16"])
+    stream = train_batches(config, 0)
+    batches = [next(stream) for _ in range(3)]
+    runs = {}
+    for name, settings in (("plain", {}), ("fp32", {"weight_shadows": True, "fp32_weight_grads": True})):
+        torch.manual_seed(0)
+        learner = build_learner(dataclasses.replace(config, **settings), config.model.history, torch.device("cpu"))
+        losses = [float(learner.step(batch)) for batch in batches]
+        runs[name] = (losses, {n: p.detach().clone() for n, p in learner.model.named_parameters()})
+    (want_losses, want_weights), (got_losses, got_weights) = runs["plain"], runs["fp32"]
+    assert got_losses[0] == want_losses[0]
+    assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-3)
+    changed = [n for n, w in want_weights.items() if not torch.equal(got_weights[n], w)]
+    assert any(".kv." in n or ".q." in n or "fm_mlp" in n for n in changed), changed
+    # AdamW moves a weight by at most ~lr a step whatever its gradient (a near-zero one, such as the key bias's under
+    # softmax, can flip sign), so no weight may differ by more than the three steps allow
+    for name, weight in want_weights.items():
+        assert (got_weights[name] - weight).abs().max() <= 2 * 3 * config.lr, name
+
+
 @pytest.mark.parametrize("architecture", ["gem", "sequence_ctr"])
 def test_compiled_regions_read_weight_shadows_whole(architecture):
     """With weight shadows in use the dense blocks still compile without a graph break (fullgraph) and compute what

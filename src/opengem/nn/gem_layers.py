@@ -12,12 +12,11 @@ import math
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from opengem.jagged import Jagged, uniform_offsets
 from opengem.nn.layers import MLP
-from opengem.nn.weight_shadows import ShadowedLinear, compute_parameters
+from opengem.nn.weight_shadows import ShadowedLinear, linear_forward
 from opengem.ops.block_attention import Rotary, block_attention_from_hidden
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv
 from opengem.ops.jagged_attention import jagged_attention_packed
@@ -30,8 +29,7 @@ def projected(linear: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.T
     (gem-large: 0.27-0.8 GB a layer per bias). Any other module (a low-precision projection,
     ``opengem.nn.low_precision``) runs as itself, its bias gradient its own."""
     if type(linear) in (nn.Linear, ShadowedLinear) and linear.bias is not None:
-        weight, bias = compute_parameters(linear)
-        return F.linear(x, weight, bias.detach()), linear.bias
+        return linear_forward(linear, x, bias_gradient=False), linear.bias
     return linear(x), None
 
 

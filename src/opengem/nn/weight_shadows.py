@@ -13,6 +13,11 @@ The shadow is the cast autocast would make (round to nearest even), and the weig
 cast's own backward (bf16 -> fp32), so a training step is the same bit for bit: only where the cast runs moves. The
 shadows are non-persistent buffers (not in ``state_dict``); refresh them after the parameters change and before they
 are read (``opengem.train.trainer.Learner`` does at the start of each step).
+
+With ``fp32_grads`` the shadowed layers' weight gradient comes from a GEMM that writes fp32 (``torch.bmm(...,
+out_dtype=torch.float32)`` on CUDA: bf16 operands, fp32 sums, as cuBLAS accumulates anyway) and the bias gradient from
+an fp32 sum. That drops the bf16 rounding of both gradients and the cast kernel after each (one a weight and one a
+bias a layer, each step), so training is no longer bit for bit autocast's: its gradients are the more exact ones.
 """
 
 from __future__ import annotations
@@ -41,35 +46,84 @@ class _CastOnce(torch.autograd.Function):
         return grad.to(ctx.master_dtype), None
 
 
+class _LinearWithFp32Grads(torch.autograd.Function):
+    """``F.linear`` on the shadows; the fp32 ``weight`` and ``bias`` get their gradients from an fp32-output GEMM and
+    an fp32 sum. ``bias`` None: the output still adds ``bias_shadow``, without a bias gradient from here."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, weight_shadow: torch.Tensor, bias: torch.Tensor | None,
+        bias_shadow: torch.Tensor | None,
+    ) -> torch.Tensor:
+        compute = x.to(weight_shadow.dtype)  # what autocast's cast of x gives
+        ctx.save_for_backward(compute, weight_shadow)
+        ctx.input_dtype = x.dtype
+        return F.linear(compute, weight_shadow, bias_shadow)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        compute, weight_shadow = ctx.saved_tensors
+        rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_weight = grad_bias = None
+        # autocast off: a compiled region traces this backward inside the forward's autocast, which would round the
+        # fp32 product to bf16 (an eager backward runs outside it)
+        with torch.autocast(grad.device.type, enabled=False):
+            if ctx.needs_input_grad[0]:
+                grad_x = (grad @ weight_shadow).to(ctx.input_dtype)  # autocast's: a bf16 GEMM, cast to x's dtype
+            if ctx.needs_input_grad[1]:
+                grad_weight = fp32_product(rows.t(), compute.reshape(-1, compute.shape[-1]))
+            if ctx.needs_input_grad[3]:
+                grad_bias = rows.sum(0, dtype=torch.float32)
+        return grad_x, grad_weight, None, grad_bias, None
+
+
+def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two low-precision matrices with fp32 sums written as fp32. On CUDA one GEMM with an fp32 output
+    (bmm's ``out_dtype``: torch.compile traces it, where ``mm``'s was not traced in torch 2.8-2.9, pytorch#163275);
+    elsewhere the same products of the exactly widened operands (CPU kernels have no ``out_dtype``)."""
+    if a.is_cuda:
+        return torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32).squeeze(0)
+    return torch.mm(a.float(), b.float())
+
+
 class ShadowedLinear(nn.Linear):
-    """An ``nn.Linear`` with ``weight_shadow`` / ``bias_shadow`` buffers (made by :func:`shadow_linear_weights`)."""
+    """An ``nn.Linear`` with ``weight_shadow`` / ``bias_shadow`` buffers (made by :func:`shadow_linear_weights`);
+    ``fp32_grads``: its gradients in fp32 from the GEMM (the module docstring)."""
 
     weight_shadow: torch.Tensor
     bias_shadow: torch.Tensor | None
+    fp32_grads: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight, bias = compute_parameters(self)
-        return F.linear(x, weight, bias)
+        return linear_forward(self, x)
 
 
-def compute_parameters(linear: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(weight, bias)`` to compute with: a shadowed layer's shadows while :func:`shadows_in_use`, else its
-    parameters (which autocast casts at the use)."""
+def linear_forward(linear: nn.Linear, x: torch.Tensor, bias_gradient: bool = True) -> torch.Tensor:
+    """``linear(x)``: from a shadowed layer's shadows while :func:`shadows_in_use`, else from its parameters (which
+    autocast casts at the use). Without ``bias_gradient`` the bias is added but gets no gradient from here."""
+    bias = linear.bias if bias_gradient or linear.bias is None else linear.bias.detach()
     if not (_IN_USE and isinstance(linear, ShadowedLinear)):
-        return linear.weight, linear.bias
-    bias = None if linear.bias is None else _CastOnce.apply(linear.bias, linear.bias_shadow)
-    return _CastOnce.apply(linear.weight, linear.weight_shadow), bias
+        return F.linear(x, linear.weight, bias)
+    if linear.fp32_grads:
+        return _LinearWithFp32Grads.apply(x, linear.weight, linear.weight_shadow, bias, linear.bias_shadow)
+    if bias is not None:
+        bias = _CastOnce.apply(bias, linear.bias_shadow) if bias.requires_grad else linear.bias_shadow
+    return F.linear(x, _CastOnce.apply(linear.weight, linear.weight_shadow), bias)
 
 
-def shadow_linear_weights(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> list[tuple[torch.Tensor, ...]]:
+def shadow_linear_weights(
+    model: nn.Module, dtype: torch.dtype = torch.bfloat16, fp32_grads: bool = False
+) -> list[tuple[torch.Tensor, ...]]:
     """Makes every plain ``nn.Linear`` of ``model`` a :class:`ShadowedLinear` (in place: same parameters, same
-    ``state_dict``) with ``dtype`` shadows; returns the ``(parameter, shadow)`` pairs for :func:`refresh_shadows`,
-    already refreshed. Other Linear subclasses (the low-precision layers) keep their own weight handling."""
+    ``state_dict``) with ``dtype`` shadows (and ``fp32_grads``); returns the ``(parameter, shadow)`` pairs for
+    :func:`refresh_shadows`, already refreshed. Other Linear subclasses (the low-precision layers) keep their own
+    weight handling."""
     pairs: list[tuple[torch.Tensor, ...]] = []
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
         module.__class__ = ShadowedLinear
+        module.fp32_grads = fp32_grads
         for name in ("weight", "bias"):
             parameter = getattr(module, name)
             shadow = None if parameter is None else torch.empty_like(parameter, dtype=dtype)

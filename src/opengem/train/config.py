@@ -53,6 +53,9 @@ class TrainConfig:
     # bf16 copies of the plain Linear layers' weights, cast once a step (opengem.nn.weight_shadows) instead of at each
     # use under autocast: the same numbers, fewer small kernels; precision="bf16", one process
     weight_shadows: bool = False
+    # with weight_shadows: the shadowed layers' weight and bias gradients in fp32 straight from the GEMM and the sum
+    # (no bf16 rounding of them, no cast kernel after each); no longer bit for bit autocast's
+    fp32_weight_grads: bool = False
     # one of LOW_PRECISION_MLPS: the large Linear layers in that FP8 / MX recipe (opengem.nn.low_precision's
     # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16,
     # "auto" gives each the fastest recipe whose output error on one training batch is <= numerics_bound
@@ -88,6 +91,8 @@ class TrainConfig:
             raise ValueError(f"numerics_bound must be > 0, got {self.numerics_bound}")
         if self.weight_shadows and self.precision != "bf16":
             raise ValueError(f"weight_shadows holds bf16 copies for precision=bf16, got precision={self.precision!r}")
+        if self.fp32_weight_grads and not self.weight_shadows:
+            raise ValueError("fp32_weight_grads computes the weight-shadowed layers' gradients: set weight_shadows=true")
         low_precision_attention = self.architecture == "gem" and self.gem.attention_precision != "bf16"
         if self.numerics_every and self.low_precision_mlp == "none" and not low_precision_attention:
             raise ValueError("numerics_every monitors the low-precision layers: set low_precision_mlp or "

@@ -205,7 +205,7 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
         if sharded or kind is not Learner:
             raise ValueError("weight_shadows is for the single-process trainer: sharded parameters are cast by FSDP's "
                              "mixed precision instead")
-        shadows = shadow_linear_weights(model)
+        shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads)
     if config.compile:
         compile_regions(model, mode=config.compile_mode)
     parameters = list(model.parameters())
