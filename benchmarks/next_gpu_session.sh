@@ -215,8 +215,10 @@
 # s37b (one GPU, next session): gem-large b512 with autocast's per-use weight casts, then with weight_shadows=true
 # s37c (one GPU, next session): the weight shadows' GPU tests (bitwise losses, fewer kernels a step; fp32 weight
 #   gradients: fewer kernels again, the fp32-output GEMM eager and compiled)
-# s39a (one GPU, next session, after s37b): gem-large b512 with weight_shadows=true and fp32_weight_grads=true (the
-#   shadowed layers' weight gradients from fp32-output GEMMs: no dW / bias-gradient cast kernels)
+# s39a | s39b | s39c (one GPU each, next session; cold compiles): gem-large b512 as set | with weight_shadows=true |
+#   with weight_shadows=true and fp32_weight_grads=true (the shadowed layers' weight gradients from fp32-output GEMMs)
+# s39d (one GPU, after s39a-c, their cache): the three gem-large runs again, warm, in one call (same-run ratios)
+# s39e (one GPU): the shadows' GPU tests, then benchmarks.diag.wukong_gemms (token mixing old against new)
 # s38a (one GPU, next session): gem-small b2048 at today's code (last measured in session 23), then with
 #   weight_shadows=true (issue 10's other preset)
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
@@ -783,9 +785,26 @@ chain_s37b() {  # next session (after s37a's cache): gem-large with autocast's p
   step bench_train_large_shadows 330 large_b512 train_gem-large_b512_s37b_shadows_bf16 --set weight_shadows=true
 }
 chain_s37c() { step shadows_gpu_tests 320 tests tests/gpu/test_weight_shadows_gpu.py; }  # next session: the shadows' tests
-chain_s39a() {  # next session (after s37b, its cache): gem-large with the shadows and fp32-output weight gradients
-  step bench_train_large_fp32_grads 400 large_b512 train_gem-large_b512_s39a_fp32_grads_bf16 --set weight_shadows=true \
+# Session 34 changed the GEM layer's graph (Wukong's shared-operand token mixing), so the carried cache misses: each
+# gem-large variant compiles cold (~185 s) once, in parts s39a-s39c; s39d then runs all three warm in one call (the
+# same-run ratios), on the same machine or with the cache those calls return.
+chain_s39a() { step bench_train_large 420 large_b512 train_gem-large_b512_s39a_default_bf16; }
+chain_s39b() {
+  step bench_train_large_shadows 420 large_b512 train_gem-large_b512_s39b_shadows_bf16 --set weight_shadows=true
+}
+chain_s39c() {
+  step bench_train_large_fp32_grads 420 large_b512 train_gem-large_b512_s39c_fp32_grads_bf16 --set weight_shadows=true \
     --set fp32_weight_grads=true
+}
+chain_s39d() {  # warm: the three in one call
+  step bench_train_large 170 large_b512 train_gem-large_b512_s39d_default_bf16
+  step bench_train_large_shadows 170 large_b512 train_gem-large_b512_s39d_shadows_bf16 --set weight_shadows=true
+  step bench_train_large_fp32_grads 170 large_b512 train_gem-large_b512_s39d_fp32_grads_bf16 \
+    --set weight_shadows=true --set fp32_weight_grads=true
+}
+chain_s39e() {  # the shadows' GPU tests, then Wukong's token mixings alone (sessions 16-33's against session 34's)
+  step shadows_gpu_tests 320 tests tests/gpu/test_weight_shadows_gpu.py
+  step wukong_gemms 240 python -m benchmarks.diag.wukong_gemms --out "$out/results"
 }
 chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 ms, 15.4%), then with the weight shadows
   step bench_train_small 280 small_train --out "$out/results/train_gem-small_b2048_s38a_bf16.json"
@@ -914,7 +933,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -5,8 +5,10 @@ three, session 16): the token counts (39, 67) make rows of an odd number of bf16
 same layer and input in interleaved rounds, eager and compiled:
 
 * ``plain``: the formulation before session 16 (LCB and residual as two ``nn.Linear`` on ``x^T``);
-* ``merged``: LCB and residual as one product, tokens unpadded (``token_align`` 1);
-* ``aligned``: the same with tokens zero-padded to a multiple of 8 (the layer's default).
+* ``token_padded``: sessions 16-33: LCB and residual as one product, and ``Y^T X`` another, both on ``x`` zero-padded
+  to a multiple of 8 tokens (a transposed, padded copy of ``x`` each);
+* ``shared``: the layer as it is (session 34): all three token mixings as one batched GEMM with a batch-shared,
+  column-major left operand, ``x`` as it is.
 
 Per variant: milliseconds, its output's and input gradient's relative difference from ``plain`` (same bf16
 inputs), and the kernels with the most device time.
@@ -22,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from benchmarks.common import environment, interleaved_ms, kernel_ms, paired_speedup, relative_error
 from opengem.models.presets import GEM_PRESETS
@@ -53,9 +56,21 @@ def plain_forward(layer: WukongLayer, x: torch.Tensor) -> torch.Tensor:
     return layer.norm(torch.cat([fm, lc], dim=1) + residual)
 
 
-def variants(layer: WukongLayer) -> dict[str, tuple[int, Callable[[torch.Tensor], torch.Tensor]]]:
-    """Name -> (the layer's ``token_align`` while it runs, forward)."""
-    return {"plain": (1, lambda x: plain_forward(layer, x)), "merged": (1, layer), "aligned": (8, layer)}
+def token_padded_forward(layer: WukongLayer, x: torch.Tensor) -> torch.Tensor:
+    batch, tokens = x.shape[0], x.shape[1]
+    padding = -tokens % 8
+    mixing = F.pad(torch.cat([layer.lc.weight, layer.residual.weight]), (0, padding))  # [lc + out, n + padding]
+    aligned = F.pad(x, (0, 0, 0, padding))
+    compressed = torch.einsum("bnd,nk->bdk", aligned, F.pad(layer.fm_projection, (0, 0, 0, padding)))
+    fm = layer.fm_mlp(layer.fm_norm(torch.bmm(x, compressed).flatten(1))).view(batch, layer.fm_tokens, layer.dim)
+    mixed = torch.matmul(mixing, aligned)
+    lc_tokens = layer.lc.out_features
+    return layer.norm(torch.cat([fm, mixed[:, :lc_tokens]], dim=1) + mixed[:, lc_tokens:])
+
+
+def variants(layer: WukongLayer) -> dict[str, Callable[[torch.Tensor], torch.Tensor]]:
+    return {"plain": lambda x: plain_forward(layer, x), "token_padded": lambda x: token_padded_forward(layer, x),
+            "shared": layer}  # fmt: skip
 
 
 def measure(preset: str) -> dict:
@@ -68,11 +83,10 @@ def measure(preset: str) -> dict:
     rows = {"preset": preset, "batch": BATCHES[preset], "tokens": tokens, "dim": layer.dim, "modes": {}}
     for mode in ("eager", "compiled"):
         steps, outputs = {}, {}
-        for name, (align, forward) in variants(layer).items():
+        for name, forward in variants(layer).items():
             fn = torch.compile(forward, dynamic=False) if mode == "compiled" else forward
 
-            def step(fn=fn, align=align) -> tuple[torch.Tensor, torch.Tensor]:
-                layer.token_align = align  # outside the compiled code: Dynamo guards on it
+            def step(fn=fn) -> tuple[torch.Tensor, torch.Tensor]:
                 x.grad = None
                 out = fn(x)
                 out.backward(grad)
@@ -83,19 +97,22 @@ def measure(preset: str) -> dict:
         times = interleaved_ms(steps, rounds=5)
         result = {}
         for name, step in steps.items():
+            kernels = kernel_ms(step)
             result[name] = {
                 "ms": min(times[name]),
                 "speedup_vs_plain": paired_speedup(times["plain"], times[name]),
+                "speedup_vs_token_padded": paired_speedup(times["token_padded"], times[name]),
+                "kernel_ms": sum(kernels.values()),  # device time alone: the layer's launches may pace a call
+                "distinct_kernels": len(kernels),
                 "out_vs_plain": relative_error(outputs[name][0], outputs["plain"][0]),
                 "grad_x_vs_plain": relative_error(outputs[name][1], outputs["plain"][1]),
-                "kernels": dict(list(kernel_ms(step).items())[:8]),
+                "kernels": dict(list(kernels.items())[:8]),
             }
         rows["modes"][mode] = result
         print(json.dumps({mode: {n: {k: v for k, v in r.items() if k != "kernels"} for n, r in result.items()}}),
               flush=True)  # fmt: skip
         for name, r in result.items():
             print(f"  {preset} {mode} {name}: " + "; ".join(f"{k[:50]} {v:.3f}" for k, v in r["kernels"].items()))
-    layer.token_align = 8
     return rows
 
 

@@ -31,7 +31,8 @@ def test_dense_experts_sum_every_expert():
 
 @pytest.mark.parametrize("num_tokens, fm_tokens, lc_tokens", [(39, 6, 5), (16, 8, 8), (7, 3, 4)])
 def test_aligned_token_mixing_equals_the_plain_layer(num_tokens, fm_tokens, lc_tokens):
-    """The zero-padded, merged token mixing computes the plain formulation's output and gradients."""
+    """The token mixings as one batched GEMM (its left operand's rows zero-padded) compute the plain formulation's
+    output and gradients."""
     torch.manual_seed(0)
     layer = WukongLayer(num_tokens, dim=8, fm_tokens=fm_tokens, lc_tokens=lc_tokens, fm_rank=4, mlp_hidden=16).double()
     x = torch.randn(3, num_tokens, 8, dtype=torch.float64, requires_grad=True)
@@ -66,3 +67,37 @@ def test_unpadded_token_mixing_is_scoped_and_computes_the_same():
         unpadded = model(x)
     assert [layer.token_align for layer in model.experts] == [8, 8]
     torch.testing.assert_close(unpadded, padded, rtol=1e-5, atol=1e-5)
+
+
+def test_token_mixing_reads_the_tokens_as_they_are():
+    """No padded or transposed copy of ``x`` (or of its gradient) in the forward and backward under bf16 autocast:
+    every op whose output is ``x``'s size or more is a cast, a view, a GEMM or the sums that join the branches; and
+    no GEMM writes rows of an odd width (the token count is 67)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.large: set[str] = set()
+
+            self.gemm_rows: set[int] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if isinstance(out, torch.Tensor) and out.numel() >= x.numel():
+                self.large.add(func.__name__.split(".")[0])
+            if func is torch.ops.aten.bmm.default:
+                self.gemm_rows.add(out.shape[-1])
+            return out
+
+    torch.manual_seed(0)
+    layer = WukongLayer(67, dim=32, fm_tokens=6, lc_tokens=5, fm_rank=8, mlp_hidden=64)
+    x = torch.randn(4, 67, 32, requires_grad=True)
+    with Record() as record:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = layer(x)
+        out.float().sum().backward()
+    assert "bmm" in record.large
+    # every batched GEMM writes rows of a multiple of 8 elements (16 bytes of bf16: cuBLAS's aligned kernels)
+    assert record.gemm_rows and all(width % 8 == 0 for width in record.gemm_rows), record.gemm_rows
+    assert not record.large & {"constant_pad_nd", "clone", "copy_", "cat", "slice_backward", "index_put"}, record.large

@@ -8,16 +8,20 @@
   flattens, normalizes and maps it through an MLP to ``fm_tokens`` new tokens;
 * LCB, the linear compression block, mixes the n tokens linearly into ``lc_tokens`` tokens.
 
-Token counts are small and often odd (39 and 67 in the GEM presets). A GEM whose operand rows are not a
+Token counts are small and often odd (39 and 67 in the GEM presets). A GEMM whose operand rows are not a
 multiple of 16 bytes gets cuBLAS's unaligned kernels (``cutlass_75_..._align1``: ~10 ms of a 140 ms
-gem-small step on an H200, session 16), so the token-mixing products run on ``n`` padded with zero tokens to a
-multiple of ``TOKEN_ALIGN``, with the LCB and residual projections as one product: the same sums.
+gem-small step on an H200, session 16). So every token-mixing product (``Y^T X``, the LCB's and the residual's) runs
+as one batched GEMM ``L X`` whose left operand ``L = [Y | W_lc^T | W_res^T]^T`` is shared by the batch and stored
+column-major (``[n, M]`` in memory, its ``M`` rows padded with zero rows to a multiple of ``TOKEN_ALIGN``): its
+contiguous dimension is then aligned, and ``X [B, n, d]`` enters as it is, where a token-major product would need a
+transposed, zero-padded copy of it (forward and backward: ~2 ms a gem-large step in session 30's kernels).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,22 +49,56 @@ class WukongLayer(nn.Module):
         self.token_align = TOKEN_ALIGN  # 1: no padding (see ``unpadded_token_mixing``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, tokens = x.shape[0], x.shape[1]
+        batch = x.shape[0]
         identity = isinstance(self.residual, nn.Identity)
-        mixing = torch.cat([self.lc.weight] + ([] if identity else [self.residual.weight]))  # [lc (+ out), n]
-        aligned, fm_projection = x, self.fm_projection
-        padding = -tokens % self.token_align
-        if padding:  # zero tokens, and zero weights for them: they add nothing to any sum below
-            aligned = F.pad(x, (0, 0, 0, padding))
-            fm_projection = F.pad(fm_projection, (0, 0, 0, padding))
-            mixing = F.pad(mixing, (0, padding))
-        compressed = torch.einsum("bnd,nk->bdk", aligned, fm_projection)  # X^T Y
+        rank, lc_tokens = self.fm_projection.shape[1], self.lc.out_features
+        # [n, M]: column j of it is row j of the left operand L (the module docstring)
+        columns = [self.fm_projection, self.lc.weight.t()] + ([] if identity else [self.residual.weight.t()])
+        left = torch.cat(columns, dim=1)
+        padding = -left.shape[1] % self.token_align
+        if padding:  # zero rows of L: products nobody reads
+            left = F.pad(left, (0, padding))
+        mixed = _SharedLeftProduct.apply(left, x)  # [B, M, d]
+        compressed = mixed[:, :rank].transpose(1, 2)  # X^T Y, [B, d, k]
         interactions = torch.bmm(x, compressed).flatten(1)  # X (X^T Y), flattened
         fm = self.fm_mlp(self.fm_norm(interactions)).view(batch, self.fm_tokens, self.dim)
-        mixed = torch.matmul(mixing, aligned)  # [B, lc (+ out), d]
-        lc_tokens = self.lc.out_features
-        residual = x if identity else mixed[:, lc_tokens:]
-        return self.norm(torch.cat([fm, mixed[:, :lc_tokens]], dim=1) + residual)
+        lc = mixed[:, rank : rank + lc_tokens]
+        residual = x if identity else mixed[:, rank + lc_tokens : rank + lc_tokens + self.residual.out_features]
+        return self.norm(torch.cat([fm, lc], dim=1) + residual)
+
+
+class _SharedLeftProduct(torch.autograd.Function):
+    """``L @ x[b]`` for each sample of ``x [B, n, d]``, with ``L`` stored transposed as ``left [n, M]`` and shared by
+    the batch (an expanded view, never copied): ``[B, M, d]``.
+
+    Written out for the backward: autograd's own would give ``L``'s gradient as ``[B, M, n]`` products, n-contiguous
+    (n is odd: cuBLAS's unaligned kernels). Here it is ``x[b] @ grad[b]^T``, ``[B, n, M]``, M-contiguous, summed
+    over the batch into ``left``'s own layout. Under autocast both operands are cast as autocast would cast them for
+    ``bmm``, and the gradients cast back."""
+
+    @staticmethod
+    def forward(ctx: Any, left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        device = x.device.type
+        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        left_compute, x_compute = left.to(compute), x.to(compute)
+        ctx.save_for_backward(left_compute, x_compute)
+        ctx.dtypes = left.dtype, x.dtype
+        with torch.autocast(device, enabled=False):
+            return torch.bmm(left_compute.t().expand(x.shape[0], -1, -1), x_compute)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        left, x = ctx.saved_tensors
+        grad_left = grad_x = None
+        # autocast off: a compiled region traces this inside the forward's autocast
+        with torch.autocast(grad.device.type, enabled=False):
+            grad = grad.to(x.dtype)
+            if ctx.needs_input_grad[0]:
+                products = torch.bmm(x, grad.transpose(1, 2))  # [B, n, M]
+                grad_left = products.sum(0, dtype=torch.promote_types(x.dtype, torch.float32)).to(ctx.dtypes[0])
+            if ctx.needs_input_grad[1]:
+                grad_x = torch.bmm(left.expand(x.shape[0], -1, -1), grad).to(ctx.dtypes[1])
+        return grad_left, grad_x
 
 
 @contextlib.contextmanager
