@@ -124,7 +124,7 @@ def test_sequence_summary_takes_cls_pooled_and_recent_rows(num_seeds):
     lengths = torch.tensor([num_cls + 5, num_cls + 3, num_cls, num_cls + 1])
     values = torch.randn(int(lengths.sum()), dim, requires_grad=True)
     sequence = Jagged.from_lengths(values, lengths)
-    out = summary(sequence)
+    out = summary(sequence)[0]
 
     starts = torch.cumsum(lengths, 0) - lengths
     expected_rows = []
@@ -146,6 +146,47 @@ def test_sequence_summary_takes_cls_pooled_and_recent_rows(num_seeds):
         untouched = torch.ones(values.shape[0], dtype=torch.bool)
         untouched[touched] = False
         assert taken[untouched].abs().sum() == 0 and (taken[touched].abs().sum(1) > 0).all()
+
+
+@pytest.mark.parametrize("num_seeds", [0, 2])
+def test_sequence_summary_adds_the_rows_gradient_into_the_pass_through(num_seeds):
+    """The summary hands back the sequence to go on with: a use of it downstream gets the values' gradient summed
+    with the taken rows', bit for bit as a plain gather plus that use would, and no zero ``[T, d]`` gradient is made
+    for the rows (a plain gather's backward scatters into one)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class ZeroTensors(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.zeros.default, torch.ops.aten.new_zeros.default, torch.ops.aten.zero_.default):
+                self.sizes.append(out.numel())
+            return out
+
+    num_cls, num_recent, dim = 2, 3, 8
+    torch.manual_seed(1)
+    summary = SequenceSummary(dim, 2, num_cls, num_seeds, num_recent)
+    lengths = torch.tensor([num_cls + 5, num_cls + 1, num_cls + 3])
+    values = torch.randn(int(lengths.sum()), dim, requires_grad=True)
+    sequence = Jagged.from_lengths(values, lengths)
+    downstream, weights = torch.randn_like(values), torch.randn(3, summary.num_tokens, dim)
+    with ZeroTensors() as zeros:
+        out, passed = summary(sequence)
+        (got,) = torch.autograd.grad((out * weights).sum() + (passed.values * downstream).sum(), values)
+    assert torch.equal(passed.values, values) and torch.equal(passed.offsets, sequence.offsets)
+    assert all(size < values.numel() for size in zeros.sizes), zeros.sizes
+    # the same sums from a plain gather, the downstream use reading the values themselves
+    slots = torch.arange(num_cls + num_recent)
+    rows = (sequence.offsets[:-1].unsqueeze(1) + slots).clamp(max=values.shape[0] - 1)
+    gathered = values[rows] * (slots < lengths.unsqueeze(1)).unsqueeze(2).float()
+    parts = [gathered[:, :num_cls]] + ([summary.pooling(sequence)] if num_seeds else []) + [gathered[:, num_cls:]]
+    plain = summary.gate(torch.cat(parts, dim=1))
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    (want,) = torch.autograd.grad((plain * weights).sum() + (values * downstream).sum(), values)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def test_prepend_reversed_layout():

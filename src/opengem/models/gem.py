@@ -130,7 +130,7 @@ class GEMLayer(nn.Module):
                 sequence = self.pffn(sequence, self.x_summary(x), summary_offsets)
             sequence = self.self_attention(sequence, age)
             if self.s_summary is not None:
-                s_sum = self.s_summary(sequence)
+                s_sum, sequence = self.s_summary(sequence)  # the rows it takes pass through to the next layer
                 interaction_input = torch.cat([x, s_sum], dim=1)
         if self.interaction is not None:
             x = self.interaction(interaction_input)

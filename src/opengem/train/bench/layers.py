@@ -138,8 +138,11 @@ def layer_cases(model: GEM, batch: Batch) -> list[LayerCase]:
     per_layer = {"x_summary": "x_summary", "pffn": "pffn", "self_attention": "self_attention",
                  "sequence_summary": "s_summary", "interaction": "interaction"}
     for name, attribute in per_layer.items():
-        if modules[name] is not None:
-            cases.append(LayerCase(name, count(attribute), modules[name], recorded[name]))
+        module = modules[name]
+        if module is not None:
+            # the sequence summary's S_sum (the sequence it hands on is its input's values, passed through)
+            layer = (lambda s, summary=module: summary(s)[0]) if name == "sequence_summary" else module
+            cases.append(LayerCase(name, count(attribute), layer, recorded[name]))
     cases.append(LayerCase("final_summary", 1, model.final_summary, recorded["final_summary"]))
     cases.append(LayerCase("heads", 1, heads, recorded["heads"]))
     return cases
