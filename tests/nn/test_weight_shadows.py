@@ -164,3 +164,20 @@ def test_config_refuses_fp32_grads_without_shadows():
         load_config("gem-tiny", None, ["fp32_weight_grads=true", "precision=bf16"])
     config = load_config("gem-tiny", None, ["weight_shadows=true", "fp32_weight_grads=true", "precision=bf16"])
     assert config.fp32_weight_grads and config.weight_shadows
+
+
+def test_fp32_product_on_cuda_is_one_fp32_output_gemm_that_traces():
+    """The CUDA branch (no GPU needed: fake CUDA tensors): one ``aten.mm.dtype`` writing fp32, which fake tensors (so
+    torch.compile) can trace."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from opengem.nn.weight_shadows import fp32_product
+
+    with FakeTensorMode():
+        a = torch.empty(4096, 384, device="cuda", dtype=torch.bfloat16).t()  # transposed, as the weight gradient's
+        b = torch.empty(4096, 256, device="cuda", dtype=torch.bfloat16)
+        graph = make_fx(fp32_product)(a, b)
+        out = fp32_product(a, b)
+    assert [str(n.target) for n in graph.graph.nodes if n.op == "call_function"] == ["aten.mm.dtype"]
+    assert out.dtype == torch.float32 and out.shape == (384, 256) and out.is_cuda

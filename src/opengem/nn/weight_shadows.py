@@ -14,7 +14,7 @@ cast's own backward (bf16 -> fp32), so a training step is the same bit for bit: 
 shadows are non-persistent buffers (not in ``state_dict``); refresh them after the parameters change and before they
 are read (``opengem.train.trainer.Learner`` does at the start of each step).
 
-With ``fp32_grads`` the shadowed layers' weight gradient comes from a GEMM that writes fp32 (``torch.bmm(...,
+With ``fp32_grads`` the shadowed layers' weight gradient comes from a GEMM that writes fp32 (``torch.mm(...,
 out_dtype=torch.float32)`` on CUDA: bf16 operands, fp32 sums, as cuBLAS accumulates anyway) and the bias gradient from
 an fp32 sum. That drops the bf16 rounding of both gradients and the cast kernel after each (one a weight and one a
 bias a layer, each step), so training is no longer bit for bit autocast's: its gradients are the more exact ones.
@@ -79,10 +79,10 @@ class _LinearWithFp32Grads(torch.autograd.Function):
 
 def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``a @ b`` of two low-precision matrices with fp32 sums written as fp32. On CUDA one GEMM with an fp32 output
-    (bmm's ``out_dtype``: torch.compile traces it, where ``mm``'s was not traced in torch 2.8-2.9, pytorch#163275);
-    elsewhere the same products of the exactly widened operands (CPU kernels have no ``out_dtype``)."""
+    (``mm``'s ``out_dtype``, which torch 2.11's fake tensors and Inductor know); elsewhere the same products of the
+    exactly widened operands (CPU kernels have no ``out_dtype``)."""
     if a.is_cuda:
-        return torch.bmm(a.unsqueeze(0), b.unsqueeze(0), out_dtype=torch.float32).squeeze(0)
+        return torch.mm(a, b, out_dtype=torch.float32)
     return torch.mm(a.float(), b.float())
 
 
