@@ -67,6 +67,19 @@ def test_bench_train_reports_every_figure(train_result):
     # the profiled steps replay the window's first 2 batches; their timed laps are what the kernel time is set against
     assert results["timed_ms_of_profiled_batches"] == pytest.approx(sum(each[:2]) / 2)
     assert results["gpu_idle_ms_timed"] is None and payload["idle_gaps"] == {}  # CPU: no kernels
+    assert payload["kernel_families_ms"] == {} and payload["kernel_launches_per_step"] == {}
+
+
+def test_report_gives_each_kernel_familys_launches(train_result):
+    """A GPU run's report: each family's ms and its kernels launched per step, and the total launched."""
+    from opengem.train.bench.step import format_report
+
+    payload = {**train_result[0], "kernel_families_ms": {"gemm": 81.66, "copy": 5.7},
+               "kernel_launches_per_step": {"gemm": 412.0, "copy": 31.5, "total": 443.5}}  # fmt: skip
+    lines = format_report(payload).splitlines()
+    assert "  GPU ms per step by kernel family (kernels launched per step):" in lines
+    assert "    gemm                81.660 (412)" in lines and "    copy                 5.700 (32)" in lines
+    assert "    launches, total        444" in lines
 
 
 def test_window_timer_laps_split_the_window(monkeypatch):
@@ -365,7 +378,7 @@ def test_gpu_time_by_kernel_family():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    from opengem.train.bench.kernels import FAMILIES, family_split_us, kernel_family, top_kernels
+    from opengem.train.bench.kernels import FAMILIES, family_launches, family_split_us, kernel_family, top_kernels
 
     expected = {
         "_dkdv_kernel": "attention", "gdpa_fwd_kernel": "attention", "_block_attention_fwd": "attention",
@@ -390,6 +403,9 @@ def test_gpu_time_by_kernel_family():
     assert list(split) == list(FAMILIES) and sum(split.values()) == 45
     assert (split["attention"], split["gemm"], split["fused_elementwise"]) == (10, 30, 5)
     assert torch.cuda.is_available() or split["other"] == 0
+    launches = family_launches(events)  # the GEMM listed twice launched once; the annotation launched nothing
+    assert list(launches) == list(FAMILIES) and (launches["attention"], launches["gemm"]) == (1, 1)
+    assert launches["fused_elementwise"] == 1 and sum(launches.values()) == 3
     ranked = top_kernels(events + [kernel("_dq_kernel", 50, 55)], steps=2, count=2)
     assert ranked == [{"name": "nvjet_sm90_x", "family": "gemm", "ms_per_step": 0.015, "calls_per_step": 0.5},
                       {"name": "_dq_kernel", "family": "attention", "ms_per_step": 0.0075, "calls_per_step": 1.0}]

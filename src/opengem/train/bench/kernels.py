@@ -88,6 +88,15 @@ def family_split_us(events: Iterable[FunctionEvent]) -> dict[str, float]:
     return totals
 
 
+def family_launches(events: Iterable[FunctionEvent]) -> dict[str, int]:
+    """Kernels (and memcpys, memsets) launched per family, each once: fewer is the lever when the GPU's idle is the
+    few microseconds between consecutive kernels (session 33)."""
+    counts = dict.fromkeys(FAMILIES, 0)
+    for name, _, _ in device_work(events):
+        counts[kernel_family(name)] += 1
+    return counts
+
+
 def top_kernels(events: Iterable[FunctionEvent], steps: int, count: int = 25) -> list[dict[str, object]]:
     """The ``count`` kernels with the most GPU time, per step: what to attack first in a family's total."""
     totals: dict[str, list[float]] = {}

@@ -29,7 +29,7 @@ from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_traced import compile_path
-from opengem.train.bench.kernels import family_split_us, idle_gaps, top_kernels
+from opengem.train.bench.kernels import family_launches, family_split_us, idle_gaps, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import allocator_counts, events_report, host_events
@@ -160,8 +160,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     # batches set against the window's mean says little about the GPU's idle time.
     replayed: list[Batch] = []  # kept for the kernels-only profile, which replays them once more
     replay = _recorded(_started(train_batches(config, start_step=options.lead_steps)), replayed)
-    phases_ms, families_ms, kernels, profiled_step_ms = _profile_phases(learner, replay, device, options.profile_steps,
-                                                                        options.trace)  # fmt: skip
+    phases_ms, families_ms, launches, kernels, profiled_step_ms = _profile_phases(
+        learner, replay, device, options.profile_steps, options.trace)  # fmt: skip
     replay = None  # stops its loader workers
     gaps = _device_gaps(learner, iter(replayed), device, options.profile_steps)
     _progress(f"profiled {options.profile_steps} steps: {profiled_step_ms:.2f} ms each")
@@ -232,6 +232,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "results": results,
         "phases_ms": phases_ms,
         "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
+        "kernel_launches_per_step": launches,  # kernels launched per step by family, and "total" (empty on a CPU run)
         "top_kernels": kernels,  # the kernels with the most GPU time per step (empty on a CPU run)
         "idle_gaps": gaps,  # where the GPU waited in those batches (``_device_gaps``; empty on a CPU run)
     }
@@ -271,10 +272,10 @@ def _device_gaps(learner: Learner, stream: Iterator[Batch], device: torch.device
 
 def _profile_phases(
     learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int, trace: Path | None = None
-) -> tuple[dict[str, float], dict[str, float], list[dict[str, object]], float]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[dict[str, object]], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
-    per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (both CUDA only); and
+    and launches per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (CUDA only); and
     the step time. ``trace``: where to write the profiled steps' timeline, to see what the GPU waits for."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
@@ -299,9 +300,11 @@ def _profile_phases(
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
     if device.type != "cuda":
-        return phases, {}, [], step_ms
+        return phases, {}, {}, [], step_ms
     families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()}
-    return phases, families, top_kernels(events, steps), step_ms
+    launches = {name: count / steps for name, count in family_launches(events).items()}
+    launches["total"] = sum(launches.values())
+    return phases, families, launches, top_kernels(events, steps), step_ms
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
@@ -390,8 +393,12 @@ def format_report(payload: dict[str, Any]) -> str:
         f"step rate (data wait {r['data_wait_ms']:.2f} ms / step)"),
         f"  phase split (ms / step over profiled steps of {r['profiled_step_ms']:.2f} ms):",
         *(f"    {name:<16}{ms:>10.3f}" for name, ms in payload["phases_ms"].items()),
-        *(["  GPU ms per step by kernel family:"] if payload.get("kernel_families_ms") else []),
-        *(f"    {name:<18}{ms:>8.3f}" for name, ms in payload.get("kernel_families_ms", {}).items()),
+        *(["  GPU ms per step by kernel family (kernels launched per step):"] if payload.get("kernel_families_ms")
+          else []),
+        *(f"    {name:<18}{ms:>8.3f} ({payload.get('kernel_launches_per_step', {}).get(name, 0):,.0f})"
+          for name, ms in payload.get("kernel_families_ms", {}).items()),
+        *([f"    {'launches, total':<18}{payload['kernel_launches_per_step']['total']:>8,.0f}"]
+          if payload.get("kernel_launches_per_step") else []),
         *_format_idle(payload),
         *(["  top kernels (ms / step, calls / step):"] if payload.get("top_kernels") else []),
         *(f"    {k['ms_per_step']:>8.3f} {k['calls_per_step']:>6.1f}  {k['family']:<17} {k['name'][:90]}"
