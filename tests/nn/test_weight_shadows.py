@@ -77,12 +77,16 @@ def test_projected_hands_the_bias_to_the_op_with_shadows():
     assert torch.equal(shadowed.weight.grad, plain.weight.grad)
 
 
-def test_compiled_block_reads_the_shadows_without_a_graph_break():
+@pytest.mark.parametrize("fp32_grads", [False, True])
+def test_compiled_block_reads_the_shadows_without_a_graph_break(fp32_grads):
+    """Compiled whole (fullgraph) with the shadows in use, a block computes what eager does: the plain layers under
+    autocast bit for bit; with fp32 gradients, the same shadowed layers run eagerly."""
     plain, shadowed = _pair(2)
-    shadow_linear_weights(shadowed)
+    shadow_linear_weights(shadowed, fp32_grads=fp32_grads)
+    reference, use = (copy.deepcopy(shadowed), True) if fp32_grads else (plain, False)
     compiled = torch.compile(shadowed, backend="aot_eager", fullgraph=True)
     x = torch.randn(5, 24)
-    want, want_grads = _output_and_grads(plain, x, use=False)
+    want, want_grads = _output_and_grads(reference, x, use=use)
     got, got_grads = _output_and_grads(compiled, x, use=True)
     assert torch.equal(got, want)
     for g, w in zip(got_grads, want_grads):
@@ -143,18 +147,6 @@ def test_fp32_grads_leave_the_bias_to_the_op_in_projected():
     assert shadowed.bias.grad is None and shadowed.weight.grad.dtype == torch.float32
     ones = torch.ones(7, 12, dtype=torch.bfloat16)
     torch.testing.assert_close(shadowed.weight.grad, ones.float().t() @ x.bfloat16().float(), rtol=1e-6, atol=1e-6)
-
-
-def test_compiled_block_with_fp32_grads_matches_eager():
-    _, eager = _fp32_grads_pair(5)
-    compiled_model = copy.deepcopy(eager)
-    compiled = torch.compile(compiled_model, backend="aot_eager", fullgraph=True)
-    x = torch.randn(5, 24)
-    want, want_grads = _output_and_grads(eager, x, use=True)
-    got, got_grads = _output_and_grads(compiled, x, use=True)
-    assert torch.equal(got, want)
-    for g, w in zip(got_grads, want_grads):
-        torch.testing.assert_close(g, w)
 
 
 def test_config_refuses_fp32_grads_without_shadows():
