@@ -784,7 +784,7 @@ chain_s37b() {  # next session (after s37a's cache): gem-large with autocast's p
   step bench_train_large 140 large_b512 train_gem-large_b512_s37b_default_bf16
   step bench_train_large_shadows 330 large_b512 train_gem-large_b512_s37b_shadows_bf16 --set weight_shadows=true
 }
-chain_s37c() { step shadows_gpu_tests 320 tests tests/gpu/test_weight_shadows_gpu.py; }  # next session: the shadows' tests
+chain_s37c() { step shadows_gpu_tests 320 tests tests/gpu/test_weight_shadows_gpu.py; }  # the shadows' GPU tests
 # Session 34 changed the GEM layer's graph (Wukong's shared-operand token mixing), so the carried cache misses: each
 # gem-large variant compiles cold (~185 s) once, in parts s39a-s39c; s39d then runs all three warm in one call (the
 # same-run ratios), on the same machine or with the cache those calls return.

@@ -92,7 +92,8 @@ class TrainConfig:
         if self.weight_shadows and self.precision != "bf16":
             raise ValueError(f"weight_shadows holds bf16 copies for precision=bf16, got precision={self.precision!r}")
         if self.fp32_weight_grads and not self.weight_shadows:
-            raise ValueError("fp32_weight_grads computes the weight-shadowed layers' gradients: set weight_shadows=true")
+            raise ValueError("fp32_weight_grads computes the weight-shadowed layers' gradients: "
+                             "set weight_shadows=true")
         low_precision_attention = self.architecture == "gem" and self.gem.attention_precision != "bf16"
         if self.numerics_every and self.low_precision_mlp == "none" and not low_precision_attention:
             raise ValueError("numerics_every monitors the low-precision layers: set low_precision_mlp or "
