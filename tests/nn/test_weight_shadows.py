@@ -1,4 +1,5 @@
-"""bf16 weight shadows (opengem.nn.weight_shadows): the same numbers as autocast's per-use casts, bit for bit."""
+"""bf16 weight shadows (opengem.nn.weight_shadows): the same numbers as autocast's per-use casts, bit for bit; with
+fp32 weight gradients, the same forward and unrounded weight gradients."""
 
 import contextlib
 import copy
@@ -100,16 +101,11 @@ def test_config_refuses_shadows_without_bf16():
         load_config("gem-tiny", None, ["weight_shadows=true", "precision=fp32"])
 
 
-def _fp32_grads_pair(seed: int = 3) -> tuple[nn.Module, nn.Module]:
-    plain, shadowed = _pair(seed)
-    shadow_linear_weights(shadowed, fp32_grads=True)
-    return plain, shadowed
-
-
 def test_fp32_grads_keep_the_output_and_input_gradient_and_drop_the_weight_gradients_rounding():
     """The forward and the input's gradient are autocast's bit for bit; the weight and bias gradients are the fp32
     product and sum of the same bf16 operands, where autocast rounds them to bf16 first."""
-    plain, shadowed = _fp32_grads_pair()
+    plain, shadowed = _pair(3)
+    shadow_linear_weights(shadowed, fp32_grads=True)
     x = torch.randn(6, 5, 24, requires_grad=True)  # 3-d input: the GEMM runs on the flattened rows
     x_plain = x.detach().clone().requires_grad_()
     want, want_grads = _output_and_grads(plain, x_plain, use=False)

@@ -72,14 +72,13 @@ def test_unpadded_token_mixing_is_scoped_and_computes_the_same():
 def test_token_mixing_reads_the_tokens_as_they_are():
     """No padded or transposed copy of ``x`` (or of its gradient) in the forward and backward under bf16 autocast:
     every op whose output is ``x``'s size or more is a cast, a view, a GEMM or the sums that join the branches; and
-    no GEMM writes rows of an odd width (the token count is 67)."""
+    every GEMM writes rows of a multiple of 8 elements (the token count is 67)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Record(TorchDispatchMode):
         def __init__(self) -> None:
             super().__init__()
             self.large: set[str] = set()
-
             self.gemm_rows: set[int] = set()
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
