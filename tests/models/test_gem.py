@@ -198,6 +198,20 @@ def test_prepend_reversed_layout():
     assert ages.tolist() == [0, 0, 12, 11, 10, 0, 0, 0, 0, 14, 13]
 
 
+def test_prepend_reversed_gradients_reach_each_placed_row():
+    """Each history row's and prefix row's gradient is the gradient at the place it went to."""
+    tokens = torch.randn(5, 3, requires_grad=True)
+    prefix = torch.randn(3, 2, 3, requires_grad=True)
+    history = Jagged.from_lengths(tokens.detach(), torch.tensor([3, 0, 2]))
+    sequence, _ = prepend_reversed(history, tokens, prefix, torch.zeros(5))
+    grad = torch.randn_like(sequence.values)
+    grad_tokens, grad_prefix = torch.autograd.grad(sequence.values, (tokens, prefix), grad)
+    # the layout of test_prepend_reversed_layout: the first sample's tokens 0, 1, 2 at rows 4, 3, 2, the third's
+    # 3, 4 at 10, 9; the prefix rows at 0-1, 5-6 (the empty sample) and 7-8
+    torch.testing.assert_close(grad_tokens, grad[[4, 3, 2, 10, 9]], rtol=0, atol=0)
+    torch.testing.assert_close(grad_prefix, grad[[0, 1, 5, 6, 7, 8]].view(3, 2, 3), rtol=0, atol=0)
+
+
 def test_short_training_run_lowers_the_loss(batch):
     model = _model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

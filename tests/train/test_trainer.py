@@ -277,7 +277,8 @@ def test_compiled_regions_trace_whole_and_match_eager(architecture):
     eager = build_model(config, config.model.history, torch.device("cpu"))
     compiled = build_model(config, config.model.history, torch.device("cpu"))
     compiled.load_state_dict(eager.state_dict())
-    regions = {"gem": 4, "sequence_ctr": 1}[architecture]  # GEM: 2 layers + CLS and final token summaries
+    # GEM: 2 layers, the history's token rows, the CLS and final token summaries
+    regions = {"gem": 5, "sequence_ctr": 1}[architecture]
     assert compile_regions(compiled, backend="aot_eager") == regions
     stream = train_batches(config, 0)
     for _ in range(2):  # two batches of different jagged lengths: no recompile error with dynamic shapes
@@ -309,7 +310,7 @@ def test_compiled_regions_with_fp8_linears_train_like_eager(monkeypatch, path: s
         model.load_state_dict(exact.state_dict())
         converted.append(convert_to_low_precision(model, "fp8_rowwise", filter=every_aligned))
     assert converted[0] == converted[1] and len(converted[0]) >= 4
-    assert compile_regions(models[1], backend="aot_eager") == 4
+    assert compile_regions(models[1], backend="aot_eager") == 5  # 2 layers, the token rows, 2 token summaries
     batch = next(train_batches(config, 0))
     losses, grads = [], []
     for model in (exact, *models):
@@ -345,9 +346,9 @@ def test_compile_mode_reaches_every_region(monkeypatch):
     model = build_model(config, config.model.history, torch.device("cpu"))
     seen = []
     monkeypatch.setattr(nn.Module, "compile", lambda self, **kwargs: seen.append(kwargs["mode"]))
-    assert compile_regions(model, mode=config.compile_mode) == 4
-    assert compile_regions(model) == 4
-    assert seen == ["max-autotune-no-cudagraphs"] * 4 + [None] * 4
+    assert compile_regions(model, mode=config.compile_mode) == 5
+    assert compile_regions(model) == 5
+    assert seen == ["max-autotune-no-cudagraphs"] * 5 + [None] * 5
     with pytest.raises(ValueError, match="compile_mode must be one of"):
         load_config("gem-tiny", None, ["compile_mode=reduce-overhead"])
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -185,12 +185,8 @@ class GEM(nn.Module):
         num_tokens = num_features + 1
         if config.use_sequence:
             event_types = by_name[config.event_type_feature].num_embeddings
-            self.sequence_proj = nn.Linear(e * len(self.sequence_names), d)
-            self.event_scale = nn.Embedding(event_types, d)
-            self.event_shift = nn.Embedding(event_types, d)
-            nn.init.ones_(self.event_scale.weight)
-            nn.init.zeros_(self.event_shift.weight)
-            self.age_embedding = nn.Embedding(AGE_BUCKETS, d)
+            self.sequence_tokens = SequenceTokens(e * len(self.sequence_names), d, event_types,
+                                                  to_compute_dtype=config.sequence_dtype == "compute")
             self.cls_summary = TokenSummary(num_tokens, config.num_summary_tokens, d)
             self.cls_proj = nn.Linear(config.num_summary_tokens * d, config.num_cls * d)
             self.cls = nn.Parameter(torch.randn(config.num_cls, d) * 0.02)
@@ -234,16 +230,39 @@ class GEM(nn.Module):
     ) -> tuple[Jagged, torch.Tensor]:
         """The ``[CLS | newest-first history]`` sequence and each row's event age (0 on CLS rows)."""
         history: Jagged = embedded[self.sequence_names[0]]
-        event_type = batch.sequence[self.config.event_type_feature].values.long()
-        ages = batch.history_age.values.float()
-        tokens = self.sequence_proj(torch.cat([embedded[n].values for n in self.sequence_names], dim=1))
-        tokens = tokens * self.event_scale(event_type) + self.event_shift(event_type)
-        tokens = tokens + self.age_embedding(age_buckets(ages))
-        compute = autocast_dtype(tokens)
-        if self.config.sequence_dtype == "compute" and compute is not None:
-            tokens = tokens.to(compute)  # the CLS rows follow in prepend_reversed
+        ages = batch.history_age.values
+        tokens = self.sequence_tokens([embedded[n].values for n in self.sequence_names],
+                                      batch.sequence[self.config.event_type_feature].values, ages)
         cls = self.cls + self.cls_proj(self.cls_summary(x).flatten(1)).view(x.shape[0], self.config.num_cls, -1)
-        return prepend_reversed(history, tokens, cls, ages)
+        return prepend_reversed(history, tokens, cls, ages.float())  # the CLS rows take the tokens' dtype
+
+
+class SequenceTokens(nn.Module):
+    """The history's rows ``[T, d]``: its embeddings' projection, scaled and shifted by the event type's embeddings,
+    plus the embedding of the event's age (log2 buckets); in the autocast dtype with ``to_compute_dtype``.
+
+    A block of its own so that it compiles as one region (``opengem.train.compile``): run eagerly, each op is a pass
+    over a ``[T, d]`` tensor, most of them fp32 (the embeddings' gathers, the products, the sums, the cast), forward
+    and backward, where compiled the gathers, products and cast are one pass."""
+
+    def __init__(self, in_features: int, dim: int, event_types: int, to_compute_dtype: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(in_features, dim)
+        self.event_scale = nn.Embedding(event_types, dim)
+        self.event_shift = nn.Embedding(event_types, dim)
+        nn.init.ones_(self.event_scale.weight)
+        nn.init.zeros_(self.event_shift.weight)
+        self.age_embedding = nn.Embedding(AGE_BUCKETS, dim)
+        self.to_compute_dtype = to_compute_dtype
+
+    def forward(self, embeddings: list[torch.Tensor], event_type: torch.Tensor, ages: torch.Tensor) -> torch.Tensor:
+        """``embeddings``: each sequence feature's ``[T, e]`` rows; ``event_type``, ``ages``: ``[T]``."""
+        tokens = self.proj(torch.cat(embeddings, dim=1))
+        event_type = event_type.long()
+        tokens = tokens * self.event_scale(event_type) + self.event_shift(event_type)
+        tokens = tokens + self.age_embedding(age_buckets(ages.float()))
+        compute = autocast_dtype(tokens)
+        return tokens.to(compute) if self.to_compute_dtype and compute is not None else tokens
 
 
 def prepend_reversed(
@@ -265,9 +284,30 @@ def prepend_reversed(
     history_rows = new_offsets[sample] + c + (lengths[sample] - 1 - position)
     prefix_rows = (new_offsets[:-1].unsqueeze(1) + torch.arange(c, device=offsets.device)).flatten()
     total = history.num_values + batch * c
-    values = tokens.new_zeros((total, tokens.shape[1]))
-    values = values.index_copy(0, history_rows, tokens)
-    values = values.index_copy(0, prefix_rows, prefix.flatten(0, 1).to(tokens.dtype))
+    values = _PlaceRows.apply(tokens, history_rows, prefix.flatten(0, 1).to(tokens.dtype), prefix_rows)
     new_ages = ages.new_zeros(total).index_copy(0, history_rows, ages)
     host_offsets = history.offsets_host + torch.arange(batch + 1, dtype=history.offsets_host.dtype) * c
     return Jagged(values, new_offsets, host_offsets, history.max_len + c), new_ages
+
+
+class _PlaceRows(torch.autograd.Function):
+    """``out[rows] = values`` and ``out[prefix_rows] = prefix``, where the two sets of rows are all of ``out``'s, each
+    once: one write of ``out`` (a zero fill and out-of-place ``index_copy``s would add three passes over it), and
+    the backward two gathers."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, values: torch.Tensor, rows: torch.Tensor, prefix: torch.Tensor, prefix_rows: torch.Tensor
+    ) -> torch.Tensor:
+        ctx.save_for_backward(rows, prefix_rows)
+        out = values.new_empty((values.shape[0] + prefix.shape[0], values.shape[1]))
+        out[rows] = values
+        out[prefix_rows] = prefix
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:
+        rows, prefix_rows = ctx.saved_tensors
+        grad_values = grad[rows] if ctx.needs_input_grad[0] else None
+        grad_prefix = grad[prefix_rows] if ctx.needs_input_grad[2] else None
+        return grad_values, None, grad_prefix, None

@@ -1,10 +1,10 @@
 """Regional ``torch.compile`` of the dense blocks: fuses the norms, casts, activations and residual adds
 around the GEMMs, which at d_model 256-512 cost as much memory traffic as the GEMMs themselves.
 
-Regions are whole blocks (a GEM layer, a token summary, a transformer layer) rather than the model: the
-embedding lookup and the batch layout live on the host and would break the graph. Blocks of one type
-share their compiled code, so compile time does not grow with depth. Shapes are dynamic: the jagged
-token count changes every batch. The attention ops are custom ops, opaque to the compiler.
+Regions are whole blocks (a GEM layer, the history's token rows, a token summary, a transformer layer) rather than
+the model: the embedding lookup and the batch layout live on the host and would break the graph. Blocks of one type
+share their compiled code, so compile time does not grow with depth. Shapes are dynamic: the jagged token count
+changes every batch. The attention ops are custom ops, opaque to the compiler.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from opengem.models.gem import GEMLayer
+from opengem.models.gem import GEMLayer, SequenceTokens
 from opengem.nn.gem_layers import TokenSummary
 from opengem.nn.layers import JaggedTransformerLayer
 
-REGIONS: tuple[type[nn.Module], ...] = (GEMLayer, TokenSummary, JaggedTransformerLayer)
+REGIONS: tuple[type[nn.Module], ...] = (GEMLayer, SequenceTokens, TokenSummary, JaggedTransformerLayer)
 
 
 def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "default") -> int:
