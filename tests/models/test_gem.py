@@ -189,6 +189,38 @@ def test_sequence_summary_adds_the_rows_gradient_into_the_pass_through(num_seeds
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
+def test_few_row_lookup_gives_the_embeddings_gradient_by_one_gemm(grad_dtype):
+    """The event-type and age tables' lookup: the rows of an embedding, and its gradient (fp32 sums of the rows'
+    gradients by id) from one GEMM on the ids' one-hot matrix, with no scatter of atomic adds."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from opengem.models.gem import _FewRowLookup
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: set[str] = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(func.__name__.split(".")[0])
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    table = torch.randn(6, 16, requires_grad=True)
+    ids = torch.randint(0, 5, (300,))  # the last row is never looked up: a zero gradient
+    rows = _FewRowLookup.apply(table, ids)
+    torch.testing.assert_close(rows, table[ids], rtol=0, atol=0)
+    grad = torch.randn(300, 16).to(grad_dtype)
+    with Ops() as ops:
+        (got,) = torch.autograd.grad(rows.to(grad_dtype), table, grad)
+    want = torch.zeros(6, 16, dtype=torch.float64).index_add_(0, ids, grad.double())
+    assert got.dtype == torch.float32 and got[5].abs().sum() == 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert "mm" in ops.names
+    assert not ops.names & {"index_put", "index_put_", "index_add", "index_add_", "embedding_dense_backward"}, ops.names
+
+
 def test_prepend_reversed_layout():
     history = Jagged.from_lengths(torch.arange(5.0).unsqueeze(1), torch.tensor([3, 0, 2]))
     prefix = torch.full((3, 2, 1), -1.0)

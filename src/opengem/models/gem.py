@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from opengem.data.schema import TASKS, Batch, FeatureSpec
@@ -34,6 +35,7 @@ from opengem.models.sequence_ctr import AGE_BUCKETS, age_buckets
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.nn.gem_layers import PersonalizedFFN, SequenceSelfAttention, SequenceSummary, TokenSummary
 from opengem.nn.layers import MLP
+from opengem.nn.weight_shadows import fp32_product
 from opengem.nn.wukong import DenseExperts, WukongLayer
 from opengem.ops.autocast import autocast_dtype
 
@@ -259,10 +261,31 @@ class SequenceTokens(nn.Module):
         """``embeddings``: each sequence feature's ``[T, e]`` rows; ``event_type``, ``ages``: ``[T]``."""
         tokens = self.proj(torch.cat(embeddings, dim=1))
         event_type = event_type.long()
-        tokens = tokens * self.event_scale(event_type) + self.event_shift(event_type)
-        tokens = tokens + self.age_embedding(age_buckets(ages.float()))
+        scale = _FewRowLookup.apply(self.event_scale.weight, event_type)
+        tokens = tokens * scale + _FewRowLookup.apply(self.event_shift.weight, event_type)
+        tokens = tokens + _FewRowLookup.apply(self.age_embedding.weight, age_buckets(ages.float()))
         compute = autocast_dtype(tokens)
         return tokens.to(compute) if self.to_compute_dtype and compute is not None else tokens
+
+
+class _FewRowLookup(torch.autograd.Function):
+    """``table[ids]`` for a table of a few rows looked up by many ids (event types and age buckets: 4-32 rows, one
+    lookup a history token). The table's gradient is one GEMM, ``one_hot(ids)^T @ grad`` (exact products, fp32 sums),
+    where Inductor's decomposition of an embedding's backward scatters ``T x d`` atomic adds into those few rows."""
+
+    @staticmethod
+    def forward(ctx: Any, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.rows, ctx.table_dtype = table.shape[0], table.dtype
+        return table[ids]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (ids,) = ctx.saved_tensors
+        with torch.autocast(grad.device.type, enabled=False):  # traced inside the forward's autocast when compiled
+            one_hot = F.one_hot(ids, ctx.rows).to(grad.dtype).t()
+            grad_table = one_hot @ grad if grad.dtype == torch.float32 else fp32_product(one_hot, grad)
+        return grad_table.to(ctx.table_dtype), None
 
 
 def prepend_reversed(
