@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from opengem.data.schema import TASKS, Batch, FeatureSpec
@@ -35,9 +34,9 @@ from opengem.models.sequence_ctr import AGE_BUCKETS, age_buckets
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.nn.gem_layers import PersonalizedFFN, SequenceSelfAttention, SequenceSummary, TokenSummary
 from opengem.nn.layers import MLP
-from opengem.nn.weight_shadows import fp32_product
 from opengem.nn.wukong import DenseExperts, WukongLayer
 from opengem.ops.autocast import autocast_dtype
+from opengem.ops.embedding import few_row_grad
 
 
 @dataclass(frozen=True)
@@ -270,8 +269,9 @@ class SequenceTokens(nn.Module):
 
 class _FewRowLookup(torch.autograd.Function):
     """``table[ids]`` for a table of a few rows looked up by many ids (event types and age buckets: 4-32 rows, one
-    lookup a history token). The table's gradient is one GEMM, ``one_hot(ids)^T @ grad`` (exact products, fp32 sums),
-    where Inductor's decomposition of an embedding's backward scatters ``T x d`` atomic adds into those few rows."""
+    lookup a history token). The table's gradient is one GEMM, ``one_hot(ids)^T @ grad`` (``opengem.ops.embedding.
+    few_row_grad``), where Inductor's decomposition of an embedding's backward scatters ``T x d`` atomic adds into
+    those few rows."""
 
     @staticmethod
     def forward(ctx: Any, table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -282,10 +282,7 @@ class _FewRowLookup(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (ids,) = ctx.saved_tensors
-        with torch.autocast(grad.device.type, enabled=False):  # traced inside the forward's autocast when compiled
-            one_hot = F.one_hot(ids, ctx.rows).to(grad.dtype).t()
-            grad_table = one_hot @ grad if grad.dtype == torch.float32 else fp32_product(one_hot, grad)
-        return grad_table.to(ctx.table_dtype), None
+        return few_row_grad(ids, grad, ctx.rows).to(ctx.table_dtype), None
 
 
 def prepend_reversed(

@@ -453,3 +453,24 @@ __all__ = [
     "embedding_lookup",
     "raise_bad_ids",
 ]
+
+
+@torch.library.custom_op("opengem::few_row_grad", mutates_args=())
+def few_row_grad(ids: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tensor:
+    """The fp32 gradient ``[rows, d]`` of a table of a few rows looked up at ``ids`` (``grad [N, d]``: the looked-up
+    rows' gradients), summed by id as one GEMM on the ids' one-hot matrix (exact products, fp32 sums): no scatter of
+    ``N x d`` atomic adds into a few rows. A custom op, so FLOP counters skip it: an embedding's gradient counts zero
+    (GEM_SPEC section 8)."""
+    with torch.autocast(grad.device.type, enabled=False):
+        one_hot = torch.nn.functional.one_hot(ids.long(), rows).to(grad.dtype).t()
+        if grad.dtype == torch.float32:
+            return one_hot @ grad
+        if grad.is_cuda:  # bf16 operands, fp32 sums written as fp32
+            return torch.mm(one_hot, grad, out_dtype=torch.float32)
+        return one_hot.float() @ grad.float()
+
+
+@few_row_grad.register_fake
+def _(ids, grad, rows):
+    return grad.new_empty((rows, grad.shape[1]), dtype=torch.float32)
+
