@@ -301,3 +301,19 @@ def test_backend_environment_variable_overrides_the_device(monkeypatch, env, is_
         monkeypatch.setenv("OPENGEM_EMBEDDING_BACKEND", env)
     tensor = SimpleNamespace(is_cuda=is_cuda)  # the dispatch reads only .is_cuda; no GPU needed
     assert ops._use_triton(tensor) is expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_few_row_grad_sums_the_rows_gradients_by_id(dtype):
+    """The one-hot GEMM gives each row the fp32 sum of its ids' gradients (a row never looked up: zero); its fake
+    implementation and schema pass torch's op checks (compile traces it)."""
+    from opengem.ops.embedding import few_row_grad
+
+    torch.manual_seed(0)
+    ids = torch.randint(0, 6, (257,))
+    grad = torch.randn(257, 24).to(dtype)
+    got = few_row_grad(ids, grad, 7)
+    want = torch.zeros(7, 24, dtype=torch.float64).index_add_(0, ids, grad.double())
+    assert got.dtype == torch.float32 and got[6].abs().sum() == 0
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    torch.library.opcheck(few_row_grad, (ids, grad, 7))

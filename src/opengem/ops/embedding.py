@@ -444,17 +444,6 @@ def embedding_lookup(
     )  # fmt: skip
 
 
-__all__ = [
-    "FusedUpdate",
-    "IdCheck",
-    "LookupLayout",
-    "check_embedding_inputs",
-    "check_ids",
-    "embedding_lookup",
-    "raise_bad_ids",
-]
-
-
 @torch.library.custom_op("opengem::few_row_grad", mutates_args=())
 def few_row_grad(ids: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tensor:
     """The fp32 gradient ``[rows, d]`` of a table of a few rows looked up at ``ids`` (``grad [N, d]``: the looked-up
@@ -462,7 +451,9 @@ def few_row_grad(ids: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tens
     ``N x d`` atomic adds into a few rows. A custom op, so FLOP counters skip it: an embedding's gradient counts zero
     (GEM_SPEC section 8)."""
     with torch.autocast(grad.device.type, enabled=False):
-        one_hot = torch.nn.functional.one_hot(ids.long(), rows).to(grad.dtype).t()
+        # [rows, N] as the transpose of an [N, rows] matrix (its rows, not N, make the GEMM's leading dimension), built
+        # in grad's dtype with no int64 one-hot matrix first
+        one_hot = (ids.unsqueeze(1) == torch.arange(rows, device=ids.device)).to(grad.dtype).t()
         if grad.dtype == torch.float32:
             return one_hot @ grad
         if grad.is_cuda:  # bf16 operands, fp32 sums written as fp32
@@ -474,3 +465,14 @@ def few_row_grad(ids: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tens
 def _(ids, grad, rows):
     return grad.new_empty((rows, grad.shape[1]), dtype=torch.float32)
 
+
+__all__ = [
+    "FusedUpdate",
+    "IdCheck",
+    "LookupLayout",
+    "check_embedding_inputs",
+    "check_ids",
+    "embedding_lookup",
+    "few_row_grad",
+    "raise_bad_ids",
+]
