@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from opengem.nn.layers import MLP
+from opengem.ops.autocast import autocast_dtype
 
 TOKEN_ALIGN = 8  # 16 bytes of bf16: the row alignment of cuBLAS's vectorized (sm90) GEMM kernels
 
@@ -78,12 +79,11 @@ class _SharedLeftProduct(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, left: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        device = x.device.type
-        compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        compute = autocast_dtype(x) or x.dtype
         left_compute, x_compute = left.to(compute), x.to(compute)
         ctx.save_for_backward(left_compute, x_compute)
         ctx.dtypes = left.dtype, x.dtype
-        with torch.autocast(device, enabled=False):
+        with torch.autocast(x.device.type, enabled=False):
             return torch.bmm(left_compute.t().expand(x.shape[0], -1, -1), x_compute)
 
     @staticmethod
