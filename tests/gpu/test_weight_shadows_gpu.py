@@ -11,7 +11,7 @@ from torch.autograd import DeviceType
 from opengem.data.parquet import batches_from_table
 from opengem.data.synthetic import generate
 from opengem.models.presets import GEM_PRESETS
-from opengem.nn.weight_shadows import fp32_product
+from opengem.ops.fp32_gemm import fp32_product
 from opengem.train.config import load_config
 from opengem.train.trainer import build_learner
 

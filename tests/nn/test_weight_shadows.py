@@ -160,7 +160,7 @@ def test_fp32_product_on_cuda_is_one_fp32_output_gemm_that_traces():
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from opengem.nn.weight_shadows import fp32_product
+    from opengem.ops.fp32_gemm import fp32_product
 
     with FakeTensorMode():
         a = torch.empty(4096, 384, device="cuda", dtype=torch.bfloat16).t()  # transposed, as the weight gradient's

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opengem.ops.fp32_gemm import fp32_product
+
 _IN_USE = False  # read inside compiled blocks: Dynamo guards on it (one graph for each value)
 
 
@@ -75,15 +77,6 @@ class _LinearWithFp32Grads(torch.autograd.Function):
             if ctx.needs_input_grad[3]:
                 grad_bias = rows.sum(0, dtype=torch.float32)
         return grad_x, grad_weight, None, grad_bias, None
-
-
-def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` of two low-precision matrices with fp32 sums written as fp32. On CUDA one GEMM with an fp32 output
-    (``mm``'s ``out_dtype``, which torch 2.11's fake tensors and Inductor know); elsewhere the same products of the
-    exactly widened operands (CPU kernels have no ``out_dtype``)."""
-    if a.is_cuda:
-        return torch.mm(a, b, out_dtype=torch.float32)
-    return torch.mm(a.float(), b.float())
 
 
 class ShadowedLinear(nn.Linear):

@@ -50,6 +50,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import to_device
+from opengem.ops.fp32_gemm import fp32_product
 from opengem.ops.reference import embedding as reference
 from opengem.ops.reference.embedding import (
     DIM,
@@ -454,11 +455,7 @@ def few_row_grad(ids: torch.Tensor, grad: torch.Tensor, rows: int) -> torch.Tens
         # [rows, N] as the transpose of an [N, rows] matrix (its rows, not N, make the GEMM's leading dimension), built
         # in grad's dtype with no int64 one-hot matrix first
         one_hot = (ids.unsqueeze(1) == torch.arange(rows, device=ids.device)).to(grad.dtype).t()
-        if grad.dtype == torch.float32:
-            return one_hot @ grad
-        if grad.is_cuda:  # bf16 operands, fp32 sums written as fp32
-            return torch.mm(one_hot, grad, out_dtype=torch.float32)
-        return one_hot.float() @ grad.float()
+        return fp32_product(one_hot, grad)
 
 
 @few_row_grad.register_fake
