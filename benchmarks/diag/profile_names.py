@@ -32,8 +32,8 @@ def dump(events):
     return original(events)
 
 
-original = step.family_split_us
-step.family_split_us = dump
+original = step.family_split
+step.family_split = dump
 argv = [
     "bench",
     "train",

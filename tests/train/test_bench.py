@@ -378,7 +378,7 @@ def test_gpu_time_by_kernel_family():
     from torch.autograd import DeviceType
     from torch.autograd.profiler_util import FunctionEvent
 
-    from opengem.train.bench.kernels import FAMILIES, family_launches, family_split_us, kernel_family, top_kernels
+    from opengem.train.bench.kernels import FAMILIES, family_split, kernel_family, top_kernels
 
     expected = {
         "_dkdv_kernel": "attention", "gdpa_fwd_kernel": "attention", "_block_attention_fwd": "attention",
@@ -399,11 +399,11 @@ def test_gpu_time_by_kernel_family():
               kernel("nvjet_sm90_x", 10, 40), kernel("nvjet_sm90_x", 10, 40), kernel("triton_poi_fused_add_0", 40, 45),
               FunctionEvent(0, "opengem.bench/forward", 7, 0, 45, device_type=DeviceType.CUDA,
                             is_user_annotation=True)]  # a record_function range seen on the GPU: not work
-    split = family_split_us(events)
+    split, launches = family_split(events)
     assert list(split) == list(FAMILIES) and sum(split.values()) == 45
     assert (split["attention"], split["gemm"], split["fused_elementwise"]) == (10, 30, 5)
     assert torch.cuda.is_available() or split["other"] == 0
-    launches = family_launches(events)  # the GEMM listed twice launched once; the annotation launched nothing
+    # launches: the GEMM listed twice launched once; the annotation launched nothing
     assert list(launches) == list(FAMILIES) and (launches["attention"], launches["gemm"]) == (1, 1)
     assert launches["fused_elementwise"] == 1 and sum(launches.values()) == 3
     ranked = top_kernels(events + [kernel("_dq_kernel", 50, 55)], steps=2, count=2)

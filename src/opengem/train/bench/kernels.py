@@ -80,21 +80,15 @@ def kernel_family(name: str) -> str:
     return "other"
 
 
-def family_split_us(events: Iterable[FunctionEvent]) -> dict[str, float]:
-    """Device microseconds per family, each kernel once."""
-    totals = dict.fromkeys(FAMILIES, 0.0)
+def family_split(events: Iterable[FunctionEvent]) -> tuple[dict[str, float], dict[str, int]]:
+    """Device microseconds and launches (kernels, memcpys, memsets) per family, each kernel once. Launches matter
+    when the GPU's idle is the few microseconds between consecutive kernels (session 33)."""
+    us, launches = dict.fromkeys(FAMILIES, 0.0), dict.fromkeys(FAMILIES, 0)
     for name, start, end in device_work(events):
-        totals[kernel_family(name)] += end - start
-    return totals
-
-
-def family_launches(events: Iterable[FunctionEvent]) -> dict[str, int]:
-    """Kernels (and memcpys, memsets) launched per family, each once: fewer is the lever when the GPU's idle is the
-    few microseconds between consecutive kernels (session 33)."""
-    counts = dict.fromkeys(FAMILIES, 0)
-    for name, _, _ in device_work(events):
-        counts[kernel_family(name)] += 1
-    return counts
+        family = kernel_family(name)
+        us[family] += end - start
+        launches[family] += 1
+    return us, launches
 
 
 def top_kernels(events: Iterable[FunctionEvent], steps: int, count: int = 25) -> list[dict[str, object]]:

@@ -29,7 +29,7 @@ from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_traced import compile_path
-from opengem.train.bench.kernels import family_launches, family_split_us, idle_gaps, top_kernels
+from opengem.train.bench.kernels import family_split, idle_gaps, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import allocator_counts, events_report, host_events
@@ -301,8 +301,9 @@ def _profile_phases(
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
     if device.type != "cuda":
         return phases, {}, {}, [], step_ms
-    families = {name: us / 1e3 / steps for name, us in family_split_us(events).items()}
-    launches = {name: count / steps for name, count in family_launches(events).items()}
+    family_us, family_counts = family_split(events)
+    families = {name: us / 1e3 / steps for name, us in family_us.items()}
+    launches = {name: count / steps for name, count in family_counts.items()}
     launches["total"] = sum(launches.values())
     return phases, families, launches, top_kernels(events, steps), step_ms
 
