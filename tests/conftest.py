@@ -4,11 +4,13 @@ Set before anything imports triton: importing torch.utils.flop_counter (done by 
 a FLOP formula) loads triton.language, and the interpreter flag is read at that point.
 """
 
+import math
 import os
 from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
@@ -54,3 +56,32 @@ def check_quantizer_gelu():
 
     return check
 
+
+
+class OpLog(TorchDispatchMode):
+    """The aten and custom ops run while it is active (forward and backward alike): ``calls`` holds each op's name
+    without its overload and its output's shape (None for a non-tensor output)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple[int, ...] | None]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.calls.append((func.__name__.split(".")[0], tuple(out.shape) if isinstance(out, torch.Tensor) else None))
+        return out
+
+    def names(self, min_numel: int = 0) -> set[str]:
+        """The ops that ran, those with a tensor output of at least ``min_numel`` elements when it is given."""
+        return {name for name, shape in self.calls
+                if not min_numel or (shape is not None and math.prod(shape) >= min_numel)}
+
+    def shapes(self, *names: str) -> list[tuple[int, ...]]:
+        """The output shapes of the calls of those ops, in order."""
+        return [shape for name, shape in self.calls if name in names and shape is not None]
+
+
+@pytest.fixture
+def op_log() -> OpLog:
+    """An :class:`OpLog` to enter around the code whose ops a test checks."""
+    return OpLog()

@@ -3,6 +3,7 @@
 import argparse
 import dataclasses
 import json
+import math
 
 import pytest
 import torch
@@ -149,23 +150,10 @@ def test_sequence_summary_takes_cls_pooled_and_recent_rows(num_seeds):
 
 
 @pytest.mark.parametrize("num_seeds", [0, 2])
-def test_sequence_summary_adds_the_rows_gradient_into_the_pass_through(num_seeds):
+def test_sequence_summary_adds_the_rows_gradient_into_the_pass_through(num_seeds, op_log):
     """The summary hands back the sequence to go on with: a use of it downstream gets the values' gradient summed
     with the taken rows', bit for bit as a plain gather plus that use would, and no zero ``[T, d]`` gradient is made
     for the rows (a plain gather's backward scatters into one)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class ZeroTensors(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.sizes: list[int] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if func in (torch.ops.aten.zeros.default, torch.ops.aten.new_zeros.default, torch.ops.aten.zero_.default):
-                self.sizes.append(out.numel())
-            return out
-
     num_cls, num_recent, dim = 2, 3, 8
     torch.manual_seed(1)
     summary = SequenceSummary(dim, 2, num_cls, num_seeds, num_recent)
@@ -173,11 +161,12 @@ def test_sequence_summary_adds_the_rows_gradient_into_the_pass_through(num_seeds
     values = torch.randn(int(lengths.sum()), dim, requires_grad=True)
     sequence = Jagged.from_lengths(values, lengths)
     downstream, weights = torch.randn_like(values), torch.randn(3, summary.num_tokens, dim)
-    with ZeroTensors() as zeros:
+    with op_log:
         out, passed = summary(sequence)
         (got,) = torch.autograd.grad((out * weights).sum() + (passed.values * downstream).sum(), values)
     assert torch.equal(passed.values, values) and torch.equal(passed.offsets, sequence.offsets)
-    assert all(size < values.numel() for size in zeros.sizes), zeros.sizes
+    zero_sizes = [math.prod(shape) for shape in op_log.shapes("zeros", "new_zeros", "zero_")]
+    assert all(size < values.numel() for size in zero_sizes), zero_sizes
     # the same sums from a plain gather, the downstream use reading the values themselves
     slots = torch.arange(num_cls + num_recent)
     rows = (sequence.offsets[:-1].unsqueeze(1) + slots).clamp(max=values.shape[0] - 1)
@@ -190,21 +179,10 @@ def test_sequence_summary_adds_the_rows_gradient_into_the_pass_through(num_seeds
 
 
 @pytest.mark.parametrize("grad_dtype", [torch.float32, torch.bfloat16])
-def test_few_row_lookup_gives_the_embeddings_gradient_by_one_gemm(grad_dtype):
+def test_few_row_lookup_gives_the_embeddings_gradient_by_one_gemm(grad_dtype, op_log):
     """The event-type and age tables' lookup: the rows of an embedding, and its gradient (fp32 sums of the rows'
     gradients by id) from the one-hot GEMM op, with no scatter of atomic adds."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from opengem.models.gem import _FewRowLookup
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: set[str] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(func.__name__.split(".")[0])
-            return func(*args, **(kwargs or {}))
 
     torch.manual_seed(0)
     table = torch.randn(6, 16, requires_grad=True)
@@ -212,13 +190,14 @@ def test_few_row_lookup_gives_the_embeddings_gradient_by_one_gemm(grad_dtype):
     rows = _FewRowLookup.apply(table, ids)
     torch.testing.assert_close(rows, table[ids], rtol=0, atol=0)
     grad = torch.randn(300, 16).to(grad_dtype)
-    with Ops() as ops:
+    with op_log:
         (got,) = torch.autograd.grad(rows.to(grad_dtype), table, grad)
+    names = op_log.names()
     want = torch.zeros(6, 16, dtype=torch.float64).index_add_(0, ids, grad.double())
     assert got.dtype == torch.float32 and got[5].abs().sum() == 0
     torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
-    assert "few_row_grad" in ops.names  # the one-hot GEMM, a custom op (FLOP counters skip it)
-    assert not ops.names & {"index_put", "index_put_", "index_add", "index_add_", "embedding_dense_backward"}, ops.names
+    assert "few_row_grad" in names  # the one-hot GEMM, a custom op (FLOP counters skip it)
+    assert not names & {"index_put", "index_put_", "index_add", "index_add_", "embedding_dense_backward"}, names
 
 
 def test_prepend_reversed_layout():

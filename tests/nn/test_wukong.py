@@ -69,34 +69,20 @@ def test_unpadded_token_mixing_is_scoped_and_computes_the_same():
     torch.testing.assert_close(unpadded, padded, rtol=1e-5, atol=1e-5)
 
 
-def test_token_mixing_reads_the_tokens_as_they_are():
+def test_token_mixing_reads_the_tokens_as_they_are(op_log):
     """No padded or transposed copy of ``x`` (or of its gradient) in the forward and backward under bf16 autocast:
     every op whose output is ``x``'s size or more is a cast, a view, a GEMM or the sums that join the branches; and
     every GEMM writes rows of a multiple of 8 elements (the token count is 67)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Record(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.large: set[str] = set()
-            self.gemm_rows: set[int] = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            out = func(*args, **(kwargs or {}))
-            if isinstance(out, torch.Tensor) and out.numel() >= x.numel():
-                self.large.add(func.__name__.split(".")[0])
-            if func is torch.ops.aten.bmm.default:
-                self.gemm_rows.add(out.shape[-1])
-            return out
-
     torch.manual_seed(0)
     layer = WukongLayer(67, dim=32, fm_tokens=6, lc_tokens=5, fm_rank=8, mlp_hidden=64)
     x = torch.randn(4, 67, 32, requires_grad=True)
-    with Record() as record:
+    with op_log:
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = layer(x)
         out.float().sum().backward()
-    assert "bmm" in record.large
+    large = op_log.names(min_numel=x.numel())
+    gemm_rows = {shape[-1] for shape in op_log.shapes("bmm")}
+    assert "bmm" in large
     # every batched GEMM writes rows of a multiple of 8 elements (16 bytes of bf16: cuBLAS's aligned kernels)
-    assert record.gemm_rows and all(width % 8 == 0 for width in record.gemm_rows), record.gemm_rows
-    assert not record.large & {"constant_pad_nd", "clone", "copy_", "cat", "slice_backward", "index_put"}, record.large
+    assert gemm_rows and all(width % 8 == 0 for width in gemm_rows), gemm_rows
+    assert not large & {"constant_pad_nd", "clone", "copy_", "cat", "slice_backward", "index_put"}, large
