@@ -258,3 +258,40 @@ def test_qkv_attention_bias_gradient_from_the_kernels():
     (out, (dx, dw, db)), (want_out, (want_dx, want_dw, want_db)) = grads(True), grads(False)
     assert torch.equal(out, want_out) and torch.equal(dx, want_dx) and torch.equal(dw, want_dw)
     assert db.dtype == torch.bfloat16 and _rel(db, want_db) < 1e-2
+
+
+@pytest.mark.parametrize(
+    "tiles",
+    [((64, 128, 8, 3), (128, 64, 8, 4)), ((64, 64, 4, 3), (64, 64, 4, 4)), ((32, 64, 4, 3), (128, 128, 8, 3))],
+)
+@pytest.mark.parametrize("mask", ["full_window", "all_options", "causal"])
+def test_dq_from_stored_ds(poisoned_outputs, monkeypatch, tiles, mask):
+    """``OPENGEM_JFA_DQ=stored`` (the dK/dV pass stores dS in bf16, the dQ pass reads it back) on dK/dV and dQ
+    tiles of every schedule: dq, dk, dv and the column sums within bf16 rounding of the recompute's (dk and dv
+    differ only through delta's summation order), the buffers NaN-poisoned (the stored dS too); twice: bitwise
+    equal."""
+    import triton
+
+    from opengem.ops.triton import jagged_attention as kernels
+    from opengem.ops.triton import jagged_attention_stored_ds as stored
+
+    dkdv_tile, dq_tile = tiles
+    monkeypatch.setattr(kernels._dkdv_kernel, "configs", [kernels.tile_config("dkdv", *dkdv_tile)])
+    m, n, warps, stages = dq_tile
+    config = triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=warps, num_stages=stages)
+    monkeypatch.setattr(stored._dq_from_ds_kernel, "configs", [config])
+    lengths = [1100, 0, 1, 129, 511, 64, 65, 2049]
+    q, k, v, dout, offsets = _batch(lengths, 4, 4, 128, torch.bfloat16, seed=9)
+    kwargs = _mask_kwargs(MASKS[mask], lengths)
+    opts = kernels.MaskOptions(kwargs["causal"], kwargs.get("contextual_len", 0), kwargs.get("window"))
+    pb = kernels.problem(offsets, kwargs.get("num_targets"), opts, max(lengths), 128**-0.5, q.device)
+    out, lse = kernels.forward(q, k, v, pb)
+    want = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb)
+    monkeypatch.setattr(stored, "DQ_MODE", "stored")
+    assert stored.use_stored_ds(pb, q)
+    got = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb)
+    again = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb)
+    for g, a in zip(got, again):
+        assert torch.equal(g, a)
+    assert _rel(got[1], want[1]) < 2e-3 and _rel(got[2], want[2]) < 2e-3
+    assert _rel(got[0], want[0]) < 1e-2 and _rel(got[3], want[3]) < 1e-2

@@ -426,3 +426,108 @@ def test_packed_qkv_flops_compile_and_bad_shapes():
         jagged_attention_packed(qkv, offsets, 14, projection_bias=torch.zeros(95))
     with pytest.raises(ValueError, match="projection_bias must be a floating tensor on cpu, got torch.int64"):
         jagged_attention_packed(qkv, offsets, 14, projection_bias=torch.zeros(96, dtype=torch.int64))
+
+
+@pytest.fixture
+def stored_ds(monkeypatch):
+    """JFA's backward in ``OPENGEM_JFA_DQ=stored`` mode; the recompute's dQ kernel fails if launched."""
+    from opengem.ops.triton import jagged_attention_stored_ds as stored
+
+    monkeypatch.setattr(stored, "DQ_MODE", "stored")
+    return stored
+
+
+def _refuse_recompute_dq(monkeypatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("the recompute's dQ kernel ran")
+
+    monkeypatch.setattr(kernels, "_dq_kernel", type("Refuse", (), {"__getitem__": lambda self, grid: refuse})())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("mask", list(MASKS))
+def test_dq_from_stored_ds_equals_the_recompute(poisoned, monkeypatch, stored_ds, mask, dtype):
+    """dQ read back from the dS the dK/dV pass stored: the recompute's dq, dk, dv (GQA) and column sums. Every
+    buffer starts as NaN (the stored dS too), so an entry the dQ pass reads and the dK/dV pass never wrote shows."""
+    kwargs = _mask_kwargs(MASKS[mask])
+    offsets = _offsets(LENGTHS)
+    opts = kernels.MaskOptions(kwargs.get("causal", True), kwargs.get("contextual_len", 0), kwargs.get("window"))
+    pb = kernels.problem(offsets, kwargs.get("num_targets"), opts, max(LENGTHS), 0.25, torch.device("cpu"))
+    tol = dict(rtol=0, atol=0) if dtype == torch.float32 else dict(rtol=2e-3, atol=2e-3)
+    for heads, kv_heads in ((4, 2), (2, 2)):
+        q, k, v, dout = _inputs(LENGTHS, heads=heads, kv_heads=kv_heads, dtype=dtype, seed=5)
+        out, lse = kernels.forward(q, k, v, pb)
+        monkeypatch.setattr(stored_ds, "DQ_MODE", "recompute")
+        want = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb) if heads == kv_heads else (
+            *kernels.backward(dout, q, k, v, out, lse, pb), None)
+        monkeypatch.setattr(stored_ds, "DQ_MODE", "stored")
+        with monkeypatch.context() as patch:
+            _refuse_recompute_dq(patch)
+            got = kernels.backward_with_column_sums(dout, q, k, v, out, lse, pb) if heads == kv_heads else (
+                *kernels.backward(dout, q, k, v, out, lse, pb), None)
+        for name, g, w in zip(("dq", "dk", "dv", "sums"), got, want):
+            if w is not None:
+                torch.testing.assert_close(g, w, **tol, msg=f"{name}, {heads} heads")
+
+
+def test_stored_ds_over_the_budget_falls_back_to_the_recompute(monkeypatch, stored_ds):
+    q, k, v, dout = _inputs(LENGTHS, heads=2, kv_heads=1, seed=6)
+    pb = kernels.problem(_offsets(LENGTHS), None, kernels.MaskOptions(True, 0, 4), max(LENGTHS), 0.25, q.device)
+    out, lse = kernels.forward(q, k, v, pb)
+    size = stored_ds.stored_ds_bytes(pb, q)
+    # 2 heads x 16 rows x 4 bytes x the 7 small tiles' key ranges rounded to 16: the first tile of each sample sees
+    # keys [0, 16), the others from 4 keys before their first row ([16, 32) from 0, [32, 37) from 16)
+    assert size == 2 * 16 * 4 * (16 + 32 + 32 + 16 + 16 + 32 + 16)
+    with monkeypatch.context() as patch:
+        _refuse_recompute_dq(patch)
+        patch.setattr(stored_ds, "MAX_STORED_BYTES", size)
+        at_budget = kernels.backward(dout, q, k, v, out, lse, pb)
+    calls = []
+    monkeypatch.setattr(stored_ds, "dq_from_stored_ds", lambda *a, **kw: calls.append(1))
+    monkeypatch.setattr(stored_ds, "MAX_STORED_BYTES", size - 1)
+    over_budget = kernels.backward(dout, q, k, v, out, lse, pb)
+    assert calls == []
+    for got, want in zip(at_budget, over_budget):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_stored_ds_mode_from_the_environment(monkeypatch):
+    from opengem.ops.triton import jagged_attention_stored_ds as stored
+
+    monkeypatch.setenv("OPENGEM_JFA_DQ", "stored")
+    assert stored._mode_from_env() == "stored"
+    monkeypatch.setenv("OPENGEM_JFA_DQ", "store")
+    with pytest.raises(ValueError, match="OPENGEM_JFA_DQ must be one of recompute, stored, got 'store'"):
+        stored._mode_from_env()
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 70), min_size=1, max_size=4),
+    causal=st.booleans(),
+    window=st.one_of(st.none(), st.integers(0, 40)),
+    contextual_len=st.integers(0, 20),
+    target_fraction=st.floats(0.0, 1.0),
+)
+def test_stored_ds_layout_holds_every_visible_pair(lengths, causal, window, contextual_len, target_fraction):
+    """Each small query tile's stored key range covers every key its rows see (the reference mask), the tiles' rows
+    follow one another without gaps or overlap, and every stored row starts 16-key aligned."""
+    from opengem.ops.triton import jagged_attention_stored_ds as stored
+
+    targets = torch.tensor([int(n * target_fraction) for n in lengths])
+    opts = kernels.MaskOptions(causal, contextual_len, window)
+    pb = kernels.problem(_offsets(lengths), targets, opts, max(lengths), 1.0, torch.device("cpu"))
+    layout = stored.stored_ds_layout(pb)
+    small = kernels._SMALL
+    base, lo, width = layout.base.tolist(), layout.key_lo.tolist(), layout.width.tolist()
+    assert len(base) == sum(-(-n // small) for n in lengths)
+    assert all(b % 16 == 0 and x % 16 == 0 and w % 16 == 0 for b, x, w in zip(base, lo, width))
+    assert [0, *(b + small * w for b, w in zip(base, width))] == [*base, layout.per_head]
+    tile = 0
+    for n, t in zip(lengths, targets.tolist()):
+        visible = attention_mask(n, causal=causal, num_targets=t, contextual_len=contextual_len, window=window)
+        for row in range(n):
+            keys = visible[row].nonzero().flatten()
+            first, stop = lo[tile + row // small], lo[tile + row // small] + width[tile + row // small]
+            assert keys.numel() and first <= int(keys.min()) and int(keys.max()) < stop, (n, row)
+        tile += -(-n // small)
