@@ -145,31 +145,6 @@ def jfa_impl(wl: Workload, b: Batch) -> Impl:
     return Impl("jfa", fwd, lambda: backward(b.dout, b.q, b.k, b.v, *saved, b.offsets, b.targets, *options), fwd_bwd)
 
 
-def jfa_stored_ds_impl(wl: Workload, b: Batch) -> Impl:
-    """JFA with ``OPENGEM_JFA_DQ=stored`` (the dK/dV pass stores dS, the dQ pass reads it back) for its calls only;
-    where the stored dS passes its budget the op runs the recompute, and the row says so."""
-    from opengem.ops.triton import jagged_attention as kernels
-    from opengem.ops.triton import jagged_attention_stored_ds as stored
-
-    inner = jfa_impl(wl, b)
-
-    def in_stored_mode(fn: Callable[[], object]) -> Callable[[], object]:
-        def call():
-            mode, stored.DQ_MODE = stored.DQ_MODE, "stored"
-            try:
-                return fn()
-            finally:
-                stored.DQ_MODE = mode
-
-        return call
-
-    opts = kernels.MaskOptions(wl.causal, 0, wl.window)
-    pb = kernels.problem(b.offsets, b.targets, opts, wl.max_len, b.scale, b.q.device)
-    size = stored.stored_ds_bytes(pb, b.q)
-    setup = {"stored_ds_gb": size / 1e9, "stored_ds_used": size <= stored.MAX_STORED_BYTES}
-    return Impl("jfa_stored_ds", inner.fwd, in_stored_mode(inner.bwd), in_stored_mode(inner.fwd_bwd), setup)
-
-
 # PyTorch's flash backward (torch 2.11, H200, session 7) faulted with an illegal memory access at 4.72M
 # tokens x 4 heads x 128 = 2.4e9 elements and ran at 2.36M (presumably an int32 index into its fp32 dQ
 # accumulator, past 2^31). The fault poisons the CUDA context, so the peers that run it skip such sizes.
@@ -438,12 +413,7 @@ def _measure(name: str, make: Callable[[Workload, Batch], Impl], wl: Workload, b
 def _compare(rows: list[dict]) -> None:
     """JFA's speed against the best timed peer of its workload (>1: JFA faster), and against varlen flash."""
     for jfa in (r for r in rows if r["impl"] == "jfa" and "fwd_bwd_ms" in r):
-        peers = [r for r in rows if r["workload"] == jfa["workload"] and not r["impl"].startswith("jfa")
-                 and "fwd_bwd_ms" in r]  # fmt: skip
-        for stored in (r for r in rows if r["workload"] == jfa["workload"] and r["impl"] == "jfa_stored_ds"):
-            for metric in ("bwd", "fwd_bwd"):
-                if f"{metric}_ms" in stored:
-                    stored[f"{metric}_vs_jfa"] = jfa[f"{metric}_ms"] / stored[f"{metric}_ms"]
+        peers = [r for r in rows if r["workload"] == jfa["workload"] and r["impl"] != "jfa" and "fwd_bwd_ms" in r]
         for metric in ("fwd", "bwd", "fwd_bwd"):
             best = max((r[f"{metric}_tflops"] or 0.0 for r in peers), default=0.0)
             jfa[f"{metric}_vs_best_peer"] = (jfa[f"{metric}_tflops"] or 0.0) / best if best else None
@@ -520,16 +490,13 @@ EAGER_PEERS = ("torch_varlen_flash", "nested_sdpa", "padded_sdpa(incl. pad/unpad
 
 
 def run(
-    quick: bool, rec: Recorder, chosen: list[Workload], flex: list[Workload], peers: list[str] | None = None,
-    stored_ds: bool = False,
+    quick: bool, rec: Recorder, chosen: list[Workload], flex: list[Workload], peers: list[str] | None = None
 ) -> None:
-    """Our kernel first (``stored_ds``: then again with dQ from a stored dS), then the eager peers (``peers``: only
-    these), workload by workload; FlexAttention (compiled, the riskiest: its device fault would poison the
-    context) last of all, in a pass of its own."""
+    """Our kernel first, then the eager peers (``peers``: only these), workload by workload; FlexAttention
+    (compiled, the riskiest: its device fault would poison the context) last of all, in a pass of its own."""
     names = peers if peers is not None else [n for n in EAGER_PEERS if not (quick and n.startswith("padded"))]
     makers = dict(zip(EAGER_PEERS, (flash_impl, nested_impl, padded_impl)))  # looked up now: tests swap them
-    safe = {"jfa": jfa_impl, **({"jfa_stored_ds": jfa_stored_ds_impl} if stored_ds else {}),
-            **{name: makers[name] for name in names}}  # fmt: skip
+    safe = {"jfa": jfa_impl, **{name: makers[name] for name in names}}
     for wl in chosen:
         run_workload(wl, safe, rec)
     for wl in flex:
@@ -538,7 +505,7 @@ def run(
 
 COLUMNS = [
     "workload", "impl", "fwd_tflops", "bwd_tflops", "fwd_bwd_tflops", "fwd_vs_best_peer", "bwd_vs_best_peer",
-    "fwd_bwd_vs_best_peer", "fwd_vs_flash", "bwd_vs_flash", "bwd_vs_jfa", "peak_mem_gb", "max_rel_err", "note",
+    "fwd_bwd_vs_best_peer", "fwd_vs_flash", "bwd_vs_flash", "peak_mem_gb", "max_rel_err", "note",
 ]  # fmt: skip
 
 
@@ -585,10 +552,6 @@ def main() -> None:
         "--peers", type=lambda text: text.split(","), default=None,
         help=f"comma-separated eager peers to time beside JFA, of {list(EAGER_PEERS)} (default: all)",
     )
-    parser.add_argument(
-        "--stored-ds", action="store_true",
-        help="also time JFA with dQ from a stored dS (OPENGEM_JFA_DQ=stored) beside the default, same run",
-    )
     args = parser.parse_args()
     chosen = selected(args.quick, args.workloads)
     unknown = [p for p in args.peers or [] if p not in EAGER_PEERS]
@@ -601,13 +564,12 @@ def main() -> None:
     started = time.perf_counter()
     flex = [] if args.quick or args.no_flex else by_name_prefix(chosen, args.flex_workloads, "--flex-workloads")
     rec = Recorder({"quick": args.quick, "workloads": [wl.name for wl in chosen], "flex": [wl.name for wl in flex],
-                    "peers": args.peers, "stored_ds": args.stored_ds, "heads": HEADS, "head_dim": HEAD_DIM,
-                    "dtype": str(DTYPE),
+                    "peers": args.peers, "heads": HEADS, "head_dim": HEAD_DIM, "dtype": str(DTYPE),
                     "autotune": os.environ.get("OPENGEM_JFA_AUTOTUNE", "curated")})  # fmt: skip
     say(f"benchmarks.jfa: quick={args.quick}, autotune={rec.meta['autotune']}, {torch.cuda.get_device_name()}")
     lost = None
     try:
-        run(args.quick, rec, chosen, flex, args.peers, args.stored_ds)
+        run(args.quick, rec, chosen, flex, args.peers)
     except CudaContextLost as err:
         lost = str(err)
         rec.meta["aborted"] = f"CUDA context lost at {lost}"

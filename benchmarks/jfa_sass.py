@@ -4,8 +4,7 @@ narrower inner tiles (32 query rows per dK/dV step, 32 keys per dQ step: GDPA's 
 and pointer loads, non-causal and causal.
 
 ``PYTHONPATH=src:. python -m benchmarks.jfa_sass`` (CPU is enough; not under ``TRITON_INTERPRET=1``;
-``JFA_SASS_COLUMN_SUMS=1``: the variants that also write the gradients' column sums, a bias's gradient;
-``JFA_SASS_STORED_DS=1``: the dK/dV pass that stores dS and the dQ pass that reads it, ``OPENGEM_JFA_DQ=stored``). The
+``JFA_SASS_COLUMN_SUMS=1``: the variants that also write the gradients' column sums, a bias's gradient). The
 GPU image runs Triton 3.6: install it beside the venv's (``pip install --target /tmp/t36 triton==3.6.0 --no-deps``)
 and put it first on ``PYTHONPATH`` for its figures.
 """
@@ -18,12 +17,11 @@ from triton.runtime.errors import PTXASError
 
 from benchmarks.sass import cost_columns, launch_signature, sass_cost, with_constexpr_defaults
 from opengem.ops.triton import jagged_attention as kernels
-from opengem.ops.triton import jagged_attention_stored_ds as stored
 
 D = 128
 NARROWER = {"dkdv": [(32, 128, 8, 2), (32, 128, 8, 3), (32, 64, 4, 3), (32, 64, 4, 2)],
             "dq": [(64, 32, 4, 3), (64, 32, 4, 2), (128, 32, 8, 3)]}
-_POINTERS = {"LSE": "*fp32", "Delta": "*fp32", "Sums": "*fp32", "DsBase": "*i64", "DsLo": "*i32", "DsWidth": "*i32",
+_POINTERS = {"LSE": "*fp32", "Delta": "*fp32", "Sums": "*fp32",
              **dict.fromkeys(("offsets", "num_targets", "sched_small", "sched_large", "tile_starts"), "*i32")}
 
 
@@ -40,17 +38,13 @@ def main() -> None:
           "replicated dots | SASS instr/thread")
     fixed = dict(HEAD_DIM=D, GROUP=1, HAS_WINDOW=False, HAS_CONTEXT=False, HAS_TARGETS=False, SMALL=kernels._SMALL,
                  PRECISION="tf32", COLUMN_SUMS=os.environ.get("JFA_SASS_COLUMN_SUMS") == "1")
-    stored_ds = os.environ.get("JFA_SASS_STORED_DS") == "1"
-    passes = [("dkdv", kernels.KERNELS["dkdv"], kernels._DKDV, {"STORE_DS": stored_ds})]
-    passes += [("dq", stored._dq_from_ds_kernel, stored._DQ, {})] if stored_ds else [
-        ("dq", kernels.KERNELS["dq"], kernels._DQ, {})]
-    for name, kernel, curated, extra in passes:
+    for name, curated in (("dkdv", kernels._DKDV), ("dq", kernels._DQ)):
+        kernel = kernels.KERNELS[name]
         for causal in (False, True):
             for m, n, warps, stages in [*curated, *(t for t in NARROWER[name] if t not in curated)]:
-                has_tma = "USE_TMA" in kernel.arg_names  # (the stored dS's dQ pass reads by pointers only)
-                for tma in (True, False) if has_tma else (False,):
-                    tiles = dict(fixed, **extra, CAUSAL=causal, BLOCK_M=m, BLOCK_N=n) | ({"USE_TMA": tma} if has_tma else {})
-                    constants = with_constexpr_defaults(kernel, tiles)
+                for tma in (True, False):
+                    constants = with_constexpr_defaults(kernel, dict(fixed, CAUSAL=causal, USE_TMA=tma, BLOCK_M=m,
+                                                                     BLOCK_N=n))
                     try:
                         columns = cost_columns(sass_cost(kernel, signature(kernel, constants, tma), constants, warps,
                                                          stages), warps)

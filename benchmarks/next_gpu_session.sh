@@ -219,11 +219,7 @@
 #   with weight_shadows=true and fp32_weight_grads=true (the shadowed layers' weight gradients from fp32-output GEMMs)
 # s39d (one GPU, after s39a-c, their cache): the three gem-large runs again, warm, in one call (same-run ratios)
 # s39e (one GPU): the shadows' GPU tests, then benchmarks.diag.wukong_gemms (token mixing old against new)
-# s40a (one GPU, session 35's; after s39a-e): JFA's dQ from a stored dS (OPENGEM_JFA_DQ=stored): its GPU tests, then
-#   benchmarks.jfa with --stored-ds (the recompute and the stored dS in one run, on (a), (d), gem-large's shape (e)
-#   and two of (b)), against varlen flash
-# s40b (one GPU, after s39a's cache): gem-large b512 as set, then with OPENGEM_JFA_DQ=stored (same-run ratio)
-# s40c (one GPU): s39a (cold) then the stored-dS run of s40b, in one call
+# s40c (one GPU, session 35, ran; chain removed with the feature): s39a, then JFA's dQ from a stored dS
 # s40d (one GPU): s39b and s39c in one call
 # s38a (one GPU, next session): gem-small b2048 at today's code (last measured in session 23), then with
 #   weight_shadows=true (issue 10's other preset)
@@ -812,21 +808,7 @@ chain_s39e() {  # the shadows' GPU tests, then Wukong's token mixings alone (ses
   step shadows_gpu_tests 320 tests tests/gpu/test_weight_shadows_gpu.py
   step wukong_gemms 240 python -m benchmarks.diag.wukong_gemms --out "$out/results"
 }
-# Session 35: JFA's dQ pass reading the dS its dK/dV pass stored (five products a tile pair instead of seven)
-large_b512_stored_ds() { OPENGEM_JFA_DQ=stored large_b512 "$@"; }
-chain_s40a() {
-  step jfa_stored_ds_gpu_tests 300 tests tests/gpu/test_jagged_attention_gpu.py -k "stored or column_sums"
-  step jfa_stored_ds 300 python -m benchmarks.jfa --workloads a_,d_,e_,b_L1024_s0.5_full,b_L1024_s1.0_causal \
-    --stored-ds --no-flex --peers torch_varlen_flash
-}
-chain_s40b() {  # warm with s39a's cache: the default, then the stored dS (its two JFA kernels tune in the warm-up)
-  step bench_train_large 250 large_b512 train_gem-large_b512_s40b_default_bf16
-  step bench_train_large_stored_ds 300 large_b512_stored_ds train_gem-large_b512_s40b_stored_ds_bf16
-}
-chain_s40c() {  # s39a and s40b's second half in one call: cold default, then the stored dS on its warm cache
-  step bench_train_large 400 large_b512 train_gem-large_b512_s40c_default_bf16
-  step bench_train_large_stored_ds 190 large_b512_stored_ds train_gem-large_b512_s40c_stored_ds_bf16
-}
+# Session 35: s40c ran JFA's stored-dS backward (0.979x on gem-large), removed after it (code at ce0a453); s40a-b dropped
 chain_s40d() {  # s39b and s39c in one call (each compiles its graph once)
   step bench_train_large_shadows 285 large_b512 train_gem-large_b512_s40d_shadows_bf16 --set weight_shadows=true
   step bench_train_large_fp32_grads 285 large_b512 train_gem-large_b512_s40d_fp32_grads_bf16 \
@@ -953,13 +935,13 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 large_b512_stored_ds curves_single predict
+export -f tests train small_train small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e|s40a|s40b|s40c|s40d) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e|s40d) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -13,7 +13,6 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import numpy as np
 import pytest
 import torch
-import triton
 import triton.runtime.interpreter as interpreter
 
 from opengem.ops.jagged_attention import jagged_attention
@@ -100,27 +99,6 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("tile_set", list(TILE_SETS))
 def test_gpu_tile_sizes_match_reference_and_stay_in_bounds(monkeypatch, audit, tile_set, mask):
     _use_tiles(monkeypatch, TILE_SETS[tile_set])
-    _check_against_the_reference(audit, mask)
-
-
-@pytest.mark.parametrize("mask", list(MASKS))
-@pytest.mark.parametrize("tile_set", ["defaults", "large_square"])
-def test_dq_from_stored_ds_at_gpu_tile_sizes(monkeypatch, audit, tile_set, mask):
-    """``OPENGEM_JFA_DQ=stored``: the dK/dV pass stores dS and the dQ pass reads it back, at the GPU's tiles."""
-    from opengem.ops.triton import jagged_attention_stored_ds as stored
-
-    monkeypatch.setattr(stored, "DQ_MODE", "stored")
-    _use_tiles(monkeypatch, TILE_SETS[tile_set])
-    block_m, block_n = TILE_SETS[tile_set][2]
-    config = triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n}, num_warps=1, num_stages=1)
-    monkeypatch.setattr(stored._dq_from_ds_kernel, "configs", [config])
-    launched, dq_pass = [], stored.dq_from_stored_ds
-    monkeypatch.setattr(stored, "dq_from_stored_ds", lambda *args: launched.append(dq_pass(*args)))
-    _check_against_the_reference(audit, mask)
-    assert launched
-
-
-def _check_against_the_reference(audit, mask: str) -> None:
     gen = torch.Generator().manual_seed(7)
     total = sum(LENGTHS)
     q, dout = (torch.randn(total, 2, 16, generator=gen) for _ in range(2))

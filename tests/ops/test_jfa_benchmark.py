@@ -88,26 +88,3 @@ def test_lost_context_stops_the_run_and_keeps_rows(cpu_bench, monkeypatch):
     assert "fwd_bwd_ms" in saved["rows"][0]
     assert saved["rows"][1]["note"].startswith("error in setup: CUDA error: an illegal memory access")
     assert "aborted" in saved
-
-
-def test_stored_ds_rows_follow_jfa_and_compare_with_it(cpu_bench, monkeypatch):
-    """``--stored-ds``: a ``jfa_stored_ds`` row after each ``jfa`` row, checked against the reference, its stored
-    dS's size and use recorded, its backward set against JFA's; JFA's peers ratios leave it out."""
-    from opengem.ops.triton import jagged_attention_stored_ds as stored
-
-    ran = []
-    dq_pass = stored.dq_from_stored_ds
-    monkeypatch.setattr(stored, "dq_from_stored_ds", lambda *args: ran.append(dq_pass(*args)))
-    def bench_ms(fn):  # the stored mode's calls take 2 ms, the others 1 ms
-        fn()
-        return 2.0 if "jfa_stored_ds_impl" in fn.__qualname__ else 1.0
-
-    monkeypatch.setattr(jfa, "bench_ms", bench_ms)
-    monkeypatch.setattr(sys, "argv", ["jfa", "--quick", "--stored-ds", "--peers", "torch_varlen_flash"])
-    jfa.main()
-    rows = json.loads(cpu_bench.read_text())["rows"]
-    assert [r["impl"] for r in rows] == ["jfa", "jfa_stored_ds", "torch_varlen_flash"] * 2
-    for row in (r for r in rows if r["impl"] == "jfa_stored_ds"):
-        assert row["max_rel_err"] < 1e-5 and row["stored_ds_used"] and row["stored_ds_gb"] > 0
-        assert row["bwd_ms"] == 2.0 and row["bwd_vs_jfa"] == 0.5 and row["fwd_bwd_vs_jfa"] == 0.5
-    assert ran and stored.DQ_MODE == "recompute"  # the mode is the stored rows' only

@@ -162,7 +162,6 @@ def tuning_bucket(max_len: int) -> int:
 
 _KEY = ["LEN_BUCKET", "HEAD_DIM", "GROUP", "CAUSAL", "HAS_WINDOW", "HAS_CONTEXT", "HAS_TARGETS"]
 _TUNING = dict(key=[*_KEY, "USE_TMA"], prune_configs_by={"early_config_prune": _prune})
-_DKDV_TUNING = dict(key=[*_KEY, "USE_TMA", "STORE_DS"], prune_configs_by={"early_config_prune": _prune})
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -383,13 +382,11 @@ def _fwd_kernel(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v, Q, DO, Q_desc, DO_desc, start, h, LSE, Delta, stride_qt, stride_dot, m_lo, m_hi,
-    n_start, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, DS, DsBase, DsLo, DsWidth, tile0,
+    offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2,
     BLOCK_M: tl.constexpr, HEAD_DIM: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr,
-    STORE_DS: tl.constexpr, SMALL: tl.constexpr,
 ):  # fmt: skip
-    """Accumulate the dK, dV of one key tile over query tiles ``[m_lo, m_hi)`` of one head (transposed: [N, M]);
-    with ``STORE_DS``, also store each visible entry of dS into this head's stored dS ``DS`` (see ``ds_tile``)."""
+    """Accumulate the dK, dV of one key tile over query tiles ``[m_lo, m_hi)`` of one head (transposed: [N, M])."""
     for m_start in range(m_lo, m_hi, BLOCK_M):
         offs_m = m_start + tl.arange(0, BLOCK_M)
         row_ok = offs_m < seq_len
@@ -410,41 +407,7 @@ def _dkdv_tiles(
         dpT = tl.dot(v, tl.trans(do), input_precision=PRECISION)  # dP^T = V dO^T
         dsT = pT * (dpT - delta[None, :])  # dS = P * (dP - delta), gradient of the (scaled) logits
         dk = tl.dot(dsT.to(qT.dtype), tl.trans(qT), dk, input_precision=PRECISION)  # dK = dS^T Q (scaled later)
-        if STORE_DS:  # (masked entries are zeros; keys past the sample of its last tile are never read back)
-            ds_ptrs, ds_mask = ds_tile(DS, DsBase, DsLo, DsWidth, tile0, offs_m, row_ok, n_start, offs_n.shape[0],
-                                       SMALL, True)
-            tl.store(ds_ptrs, dsT.to(DS.dtype.element_ty), mask=ds_mask)
     return dk, dv
-
-
-@triton.jit
-def ds_tile(
-    DS, DsBase, DsLo, DsWidth, tile0, offs_m, row_ok, n_start,
-    BLOCK_N: tl.constexpr, SMALL: tl.constexpr, KEYS_DOWN: tl.constexpr,
-):  # fmt: skip
-    """Pointers and mask of one head's stored dS (``DS``) for query rows ``offs_m`` of one sample (whose first
-    ``SMALL``-row query tile is tile ``tile0`` of the batch) and keys ``n_start + [0, BLOCK_N)``: ``[BLOCK_N, M]``
-    with ``KEYS_DOWN`` (the dK/dV pass's dS^T), else ``[M, BLOCK_N]``.
-
-    Each small tile stores its rows' key range ``[DsLo, DsLo + DsWidth)`` row-major from element ``DsBase``
-    (:mod:`opengem.ops.triton.jagged_attention_stored_ds`). The mask is the range, not the attention mask: range
-    ends, ``DsBase`` and key tiles all fall on multiples of 16 keys, so the mask is constant over 16 keys and the
-    accesses are 16-byte vectors (an attention mask would make them 2-byte ones)."""
-    tile = tile0 + offs_m // SMALL
-    base = tl.load(DsBase + tile, mask=row_ok, other=0)
-    lo = tl.load(DsLo + tile, mask=row_ok, other=0)
-    width = tl.multiple_of(tl.load(DsWidth + tile, mask=row_ok, other=0), 16).to(tl.uint32)
-    first = tl.multiple_of(n_start - lo, 16)  # the tile's first key, from the row's first stored key
-    start = tl.multiple_of(base + (offs_m % SMALL) * width + first, 16)
-    keys = tl.arange(0, BLOCK_N)
-    # one unsigned comparison for both ends (a key before the range wraps around)
-    if KEYS_DOWN:
-        key = first[None, :] + keys[:, None]
-        ptrs, mask = DS + start[None, :] + keys[:, None], row_ok[None, :] & (key.to(tl.uint32) < width[None, :])
-    else:
-        key = first[:, None] + keys[None, :]
-        ptrs, mask = DS + start[:, None] + keys[None, :], row_ok[:, None] & (key.to(tl.uint32) < width[:, None])
-    return ptrs, mask
 
 
 @triton.jit
@@ -465,21 +428,20 @@ def _store_column_sums(
                  mask=holds_rows)
 
 
-@autotune(configs=_configs("dkdv", _DKDV), **_DKDV_TUNING)
-@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads", "ds_per_head"])
+@autotune(configs=_configs("dkdv", _DKDV), **_TUNING)
+@triton.jit(do_not_specialize=["contextual_len", "window", "total_tokens", "heads"])
 def _dkdv_kernel(
     Q, K, V, DO, LSE, Delta, DK, DV, offsets, num_targets, sched_small, sched_large, Q_desc, DO_desc,
-    Sums, tile_starts, DS, DsBase, DsLo, DsWidth, ds_per_head,
+    Sums, tile_starts,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_dot, stride_doh,
     stride_dkt, stride_dkh, stride_dvt, stride_dvh,
     total_tokens, heads, scale, scale_log2, contextual_len, window, LEN_BUCKET,
     HEAD_DIM: tl.constexpr, GROUP: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     HAS_CONTEXT: tl.constexpr, HAS_TARGETS: tl.constexpr, SMALL: tl.constexpr, PRECISION: tl.constexpr,
     USE_TMA: tl.constexpr, COLUMN_SUMS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    POINTER_LOADS: tl.constexpr = False, STORE_DS: tl.constexpr = False,
+    POINTER_LOADS: tl.constexpr = False,
 ):  # fmt: skip
-    """dK, dV of one key tile; with ``COLUMN_SUMS``, also their column sums (parts 1 and 2 of ``Sums``); with
-    ``STORE_DS``, also dS for the dQ pass that reads it (``ds_per_head`` entries a head of ``DS``)."""
+    """dK, dV of one key tile; with ``COLUMN_SUMS``, also their column sums (parts 1 and 2 of ``Sums``)."""
     TMA: tl.constexpr = USE_TMA and not POINTER_LOADS  # POINTER_LOADS: the tuner's other path (a config kwarg)
     b, n_start, h_kv = _item(sched_small, sched_large, heads, BLOCK_N, SMALL)
     start, seq_len, hist_len = _sample(offsets, num_targets, b, HAS_TARGETS)
@@ -493,33 +455,25 @@ def _dkdv_kernel(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     c_hi, lo, f_lo, f_hi, hi = _query_tiles(n_start, seq_len, hist_len, contextual_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW, HAS_CONTEXT)
-    tile0 = 0
-    if STORE_DS:
-        tile0 = tl.load(tile_starts + b)
     # GQA: the q heads sharing this kv head add into the same dK, dV (no atomics)
     for g in range(GROUP):
         h = h_kv * GROUP + g
-        DSh = DS + tl.multiple_of(h.to(tl.int64) * ds_per_head, 16)  # (per_head: whole rows of 16 keys)
         Qh = Q + start * stride_qt + h * stride_qh
         DOh = DO + start * stride_dot + h * stride_doh
         LSEh = LSE + h * total_tokens + start
         Dh = Delta + h * total_tokens + start
         dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, 0,
-                             c_hi, n_start, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, DSh,
-                             DsBase, DsLo, DsWidth, tile0, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT,
-                             TMA, PRECISION, STORE_DS, SMALL)
+                             c_hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, lo,
-                             f_lo, n_start, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, DSh,
-                             DsBase, DsLo, DsWidth, tile0, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT,
-                             TMA, PRECISION, STORE_DS, SMALL)
+                             f_lo, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_lo,
-                             f_hi, n_start, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, DSh,
-                             DsBase, DsLo, DsWidth, tile0, BLOCK_M, HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT,
-                             TMA, PRECISION, STORE_DS, SMALL)
+                             f_hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, False, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
         dk, dv = _dkdv_tiles(dk, dv, k, v, Qh, DOh, Q_desc, DO_desc, start, h, LSEh, Dh, stride_qt, stride_dot, f_hi,
-                             hi, n_start, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, DSh,
-                             DsBase, DsLo, DsWidth, tile0, BLOCK_M, HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT,
-                             TMA, PRECISION, STORE_DS, SMALL)
+                             hi, offs_n, offs_d, seq_len, hist_len, contextual_len, window, scale_log2, BLOCK_M,
+                             HEAD_DIM, True, CAUSAL, HAS_WINDOW, HAS_CONTEXT, TMA, PRECISION)
     dk = dk * scale
     tl.store(DK + (start + offs_n[:, None]) * stride_dkt + h_kv * stride_dkh + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=key_ok)
     tl.store(DV + (start + offs_n[:, None]) * stride_dvt + h_kv * stride_dvh + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=key_ok)  # fmt: skip
@@ -657,29 +611,21 @@ def _order(sample: torch.Tensor, row: torch.Tensor, work: torch.Tensor, device: 
     return to_device(torch.stack([sample[order], row[order]], 1).to(torch.int32).contiguous(), device)
 
 
-def key_range_host(
-    m_start: torch.Tensor, seq: torch.Tensor, hist: torch.Tensor, block: int, opts: MaskOptions
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[lo, hi)`` of the query tiles of ``block`` rows starting at ``m_start`` (of samples of lengths ``seq``,
-    histories ``hist``): the host mirror of ``key_range``, exact."""
+def _query_tile_work(lengths, hist, block, opts: MaskOptions):
+    """Keys visited per query tile (the host mirror of ``key_range``), for ordering only."""
+    sample, m_start = _tiles(lengths, block)
+    seq, h = lengths[sample], hist[sample]
     m_end = torch.minimum(m_start + block, seq)
-    p_first, p_last = torch.minimum(m_start, hist), torch.minimum(m_end - 1, hist)
-    lo, hi = torch.zeros_like(m_start), hist.clone()
+    p_first, p_last = torch.minimum(m_start, h), torch.minimum(m_end - 1, h)
+    lo, hi = torch.zeros_like(m_start), h.clone()
     if opts.causal:
         hi = torch.minimum(hi, p_last + 1)
     if opts.window is not None:
         lo = (p_first - opts.window).clamp_min(0)
         hi = torch.minimum(hi, p_last + opts.window + 1)
     in_context = m_start < opts.contextual_len
-    lo, hi = torch.where(in_context, 0, lo), torch.where(in_context, hist, hi)
-    return torch.minimum(lo, m_start), torch.maximum(hi, m_end)
-
-
-def _query_tile_work(lengths, hist, block, opts: MaskOptions):
-    """Keys visited per query tile, for ordering only."""
-    sample, m_start = _tiles(lengths, block)
-    lo, hi = key_range_host(m_start, lengths[sample], hist[sample], block, opts)
-    return sample, m_start, hi - lo
+    lo, hi = torch.where(in_context, 0, lo), torch.where(in_context, h, hi)
+    return sample, m_start, torch.maximum(hi, m_end) - torch.minimum(lo, m_start)
 
 
 def _key_tile_work(lengths, hist, block, opts: MaskOptions):
@@ -840,9 +786,7 @@ def backward(
 
     Two passes: dQ (which also writes ``delta``), then dK/dV, seven matrix products a tile pair. A fused pass (five:
     the dK/dV programs adding ``dS K`` into an fp32 dQ by atomic or TMA reductions, FlashAttention-2/3's way) ran
-    0.80-0.93x this on an H200: 255 registers, spills and one program an SM (session 29; code at commit c127629).
-    With ``OPENGEM_JFA_DQ=stored`` the dK/dV pass runs first and stores dS, and the dQ pass reads it: five products
-    a tile pair and 4 bytes a (pair, head) of memory traffic (:mod:`opengem.ops.triton.jagged_attention_stored_ds`)."""
+    0.80-0.93x this on an H200: 255 registers, spills and one program an SM (session 29; code at commit c127629)."""
     dq, dk, dv, _ = _backward(dout, q, k, v, out, lse, pb, grads, column_sums=False)
     return dq, dk, dv
 
@@ -871,32 +815,23 @@ def _backward(dout, q, k, v, out, lse, pb: Problem, grads, column_sums: bool):
             if column_sums else lse)  # fmt: skip
     sum_args = (sums, pb.sched.small_tile_starts)
     dout, out = last_dim_contiguous(dout), last_dim_contiguous(out)
-    delta = torch.empty_like(lse)  # written before the dK/dV pass, which reads it
+    delta = torch.empty_like(lse)  # written by the dQ pass, read by the dK/dV pass
     common = dict(total_tokens=total, scale=pb.scale, scale_log2=pb.scale * LOG2E, **pb.runtime(), **pb.constexprs(q, k))
     strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1))
-    from opengem.ops.triton import jagged_attention_stored_ds as stored  # (it builds on this module)
-
-    ds, layout = stored.new_stored_ds(pb, q) if stored.use_stored_ds(pb, q) else (None, None)
-    if ds is None:
-        query_items = pb.sched.query_tiles
-        descs, use_tma = _descriptors("dq", q, k, v, out, dout)
-        _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
-            q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL],
-            query_items[_LARGE], *descs, *sum_args,
-            *strides, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
-            heads=heads, **common, USE_TMA=use_tma, COLUMN_SUMS=column_sums,
-        )  # fmt: skip
-    else:
-        stored.write_delta(out, dout, delta)
-    ds_args = (lse, lse, lse, lse, 0) if ds is None else (ds, layout.base, layout.key_lo, layout.width, layout.per_head)
+    query_items = pb.sched.query_tiles
+    descs, use_tma = _descriptors("dq", q, k, v, out, dout)
+    _dq_kernel[_grid(query_items, heads, "BLOCK_M")](
+        q, k, v, out, dout, lse, delta, dq, pb.offsets, pb.targets_arg(), query_items[_SMALL], query_items[_LARGE],
+        *descs, *sum_args,
+        *strides, out.stride(0), out.stride(1), dout.stride(0), dout.stride(1), dq.stride(0), dq.stride(1),
+        heads=heads, **common, USE_TMA=use_tma, COLUMN_SUMS=column_sums,
+    )  # fmt: skip
     key_items = pb.sched.key_tiles
     descs, use_tma = _descriptors("dkdv", q, dout)
     _dkdv_kernel[_grid(key_items, k.shape[1], "BLOCK_N")](
         q, k, v, dout, lse, delta, dk, dv, pb.offsets, pb.targets_arg(), key_items[_SMALL], key_items[_LARGE], *descs,
-        *sum_args, *ds_args,
+        *sum_args,
         *strides, dout.stride(0), dout.stride(1), dk.stride(0), dk.stride(1), dv.stride(0), dv.stride(1),
-        heads=k.shape[1], **common, USE_TMA=use_tma, COLUMN_SUMS=column_sums, STORE_DS=ds is not None,
+        heads=k.shape[1], **common, USE_TMA=use_tma, COLUMN_SUMS=column_sums,
     )  # fmt: skip
-    if ds is not None:
-        stored.dq_from_stored_ds(ds, layout, k, dq, pb, sums, column_sums, pb.constexprs(q, k))
     return dq, dk, dv, sums.sum(0) if column_sums else None
