@@ -799,9 +799,9 @@ chain_s39c() {
     --set fp32_weight_grads=true
 }
 chain_s39d() {  # warm: the three in one call
-  step bench_train_large 170 large_b512 train_gem-large_b512_s39d_default_bf16
-  step bench_train_large_shadows 170 large_b512 train_gem-large_b512_s39d_shadows_bf16 --set weight_shadows=true
-  step bench_train_large_fp32_grads 170 large_b512 train_gem-large_b512_s39d_fp32_grads_bf16 \
+  step bench_train_large 240 large_b512 train_gem-large_b512_s39d_default_bf16
+  step bench_train_large_shadows 200 large_b512 train_gem-large_b512_s39d_shadows_bf16 --set weight_shadows=true
+  step bench_train_large_fp32_grads 150 large_b512 train_gem-large_b512_s39d_fp32_grads_bf16 \
     --set weight_shadows=true --set fp32_weight_grads=true
 }
 chain_s39e() {  # the shadows' GPU tests, then Wukong's token mixings alone (sessions 16-33's against session 34's)
