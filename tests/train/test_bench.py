@@ -68,6 +68,7 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["timed_ms_of_profiled_batches"] == pytest.approx(sum(each[:2]) / 2)
     assert results["gpu_idle_ms_timed"] is None and payload["idle_gaps"] == {}  # CPU: no kernels
     assert payload["kernel_families_ms"] == {} and payload["kernel_launches_per_step"] == {}
+    assert payload["top_kernels"] == [] and payload["most_launched_kernels"] == []
 
 
 def test_report_gives_each_kernel_familys_launches(train_result):
@@ -409,6 +410,11 @@ def test_gpu_time_by_kernel_family():
     ranked = top_kernels(events + [kernel("_dq_kernel", 50, 55)], steps=2, count=2)
     assert ranked == [{"name": "nvjet_sm90_x", "family": "gemm", "ms_per_step": 0.015, "calls_per_step": 0.5},
                       {"name": "_dq_kernel", "family": "attention", "ms_per_step": 0.0075, "calls_per_step": 1.0}]
+    # by launches: the twice-launched _dq_kernel first, though the GEMM took more time
+    assert [k["name"] for k in top_kernels(events + [kernel("_dq_kernel", 50, 55)], 2, 2, by="launches")] == [
+        "_dq_kernel", "nvjet_sm90_x"]
+    with pytest.raises(ValueError, match="'time' or 'launches'"):
+        top_kernels(events, steps=1, by="calls")
 
 
 def test_idle_gaps_name_the_kernels_the_gpu_waited_between():

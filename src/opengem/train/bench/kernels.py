@@ -14,6 +14,7 @@ import importlib
 import pkgutil
 import types
 from collections.abc import Iterable
+from typing import Literal
 
 import torch
 from torch.autograd.profiler_util import FunctionEvent
@@ -91,14 +92,20 @@ def family_split(events: Iterable[FunctionEvent]) -> tuple[dict[str, float], dic
     return us, launches
 
 
-def top_kernels(events: Iterable[FunctionEvent], steps: int, count: int = 25) -> list[dict[str, object]]:
-    """The ``count`` kernels with the most GPU time, per step: what to attack first in a family's total."""
+def top_kernels(
+    events: Iterable[FunctionEvent], steps: int, count: int = 25, by: Literal["time", "launches"] = "time"
+) -> list[dict[str, object]]:
+    """The ``count`` kernels with the most GPU time (``by="launches"``: the most launches), per step: what to attack
+    first in a family's total, or where a step's launches (and the gap each costs) come from."""
     totals: dict[str, list[float]] = {}
     for name, start, end in device_work(events):
         entry = totals.setdefault(name, [0.0, 0])
         entry[0] += end - start
         entry[1] += 1
-    ranked = sorted(totals.items(), key=lambda item: item[1][0], reverse=True)[:count]
+    if by not in ("time", "launches"):
+        raise ValueError(f"top_kernels ranks by 'time' or 'launches', got {by!r}")
+    rank = 0 if by == "time" else 1
+    ranked = sorted(totals.items(), key=lambda item: (item[1][rank], item[1][0]), reverse=True)[:count]
     return [{"name": name, "family": kernel_family(name), "ms_per_step": us / 1e3 / steps, "calls_per_step": calls / steps}
             for name, (us, calls) in ranked]
 

@@ -160,7 +160,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     # batches set against the window's mean says little about the GPU's idle time.
     replayed: list[Batch] = []  # kept for the kernels-only profile, which replays them once more
     replay = _recorded(_started(train_batches(config, start_step=options.lead_steps)), replayed)
-    phases_ms, families_ms, launches, kernels, profiled_step_ms = _profile_phases(
+    phases_ms, families_ms, launches, kernels, most_launched, profiled_step_ms = _profile_phases(
         learner, replay, device, options.profile_steps, options.trace)  # fmt: skip
     replay = None  # stops its loader workers
     gaps = _device_gaps(learner, iter(replayed), device, options.profile_steps)
@@ -234,6 +234,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
         "kernel_launches_per_step": launches,  # kernels launched per step by family, and "total" (empty on a CPU run)
         "top_kernels": kernels,  # the kernels with the most GPU time per step (empty on a CPU run)
+        "most_launched_kernels": most_launched,  # the kernels launched most often per step (empty on a CPU run)
         "idle_gaps": gaps,  # where the GPU waited in those batches (``_device_gaps``; empty on a CPU run)
     }
 
@@ -272,10 +273,12 @@ def _device_gaps(learner: Learner, stream: Iterator[Batch], device: torch.device
 
 def _profile_phases(
     learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int, trace: Path | None = None
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[dict[str, object]], float]:
+) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[dict[str, object]], list[dict[str, object]],
+           float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
-    and launches per step by kernel family (``opengem.train.bench.kernels``) and its top kernels (CUDA only); and
+    and launches per step by kernel family (``opengem.train.bench.kernels``), its top kernels by time and by
+    launches (CUDA only); and
     the step time. ``trace``: where to write the profiled steps' timeline, to see what the GPU waits for."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
@@ -300,12 +303,13 @@ def _profile_phases(
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
     if device.type != "cuda":
-        return phases, {}, {}, [], step_ms
+        return phases, {}, {}, [], [], step_ms
     family_us, family_counts = family_split(events)
     families = {name: us / 1e3 / steps for name, us in family_us.items()}
     launches = {name: count / steps for name, count in family_counts.items()}
     launches["total"] = sum(launches.values())
-    return phases, families, launches, top_kernels(events, steps), step_ms
+    return (phases, families, launches, top_kernels(events, steps), top_kernels(events, steps, 30, by="launches"),
+            step_ms)
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
@@ -404,6 +408,9 @@ def format_report(payload: dict[str, Any]) -> str:
         *(["  top kernels (ms / step, calls / step):"] if payload.get("top_kernels") else []),
         *(f"    {k['ms_per_step']:>8.3f} {k['calls_per_step']:>6.1f}  {k['family']:<17} {k['name'][:90]}"
           for k in payload.get("top_kernels", [])),
+        *(["  most launched kernels (calls / step, ms / step):"] if payload.get("most_launched_kernels") else []),
+        *(f"    {k['calls_per_step']:>8.1f} {k['ms_per_step']:>8.3f}  {k['family']:<17} {k['name'][:90]}"
+          for k in payload.get("most_launched_kernels", [])),
         f"  {payload['flop_convention']}",
     ]
     return "\n".join(lines)
