@@ -97,13 +97,13 @@ def top_kernels(
 ) -> list[dict[str, object]]:
     """The ``count`` kernels with the most GPU time (``by="launches"``: the most launches), per step: what to attack
     first in a family's total, or where a step's launches (and the gap each costs) come from."""
+    if by not in ("time", "launches"):
+        raise ValueError(f"top_kernels ranks by 'time' or 'launches', got {by!r}")
     totals: dict[str, list[float]] = {}
     for name, start, end in device_work(events):
         entry = totals.setdefault(name, [0.0, 0])
         entry[0] += end - start
         entry[1] += 1
-    if by not in ("time", "launches"):
-        raise ValueError(f"top_kernels ranks by 'time' or 'launches', got {by!r}")
     rank = 0 if by == "time" else 1
     ranked = sorted(totals.items(), key=lambda item: (item[1][rank], item[1][0]), reverse=True)[:count]
     return [{"name": name, "family": kernel_family(name), "ms_per_step": us / 1e3 / steps, "calls_per_step": calls / steps}
