@@ -278,7 +278,8 @@ def _profile_phases(
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
     not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
     and launches per step by kernel family (``opengem.train.bench.kernels``), its top kernels by time and by
-    launches (CUDA only); and the step time. ``trace``: where to write the profiled steps' timeline, to see what the GPU waits for."""
+    launches (CUDA only); and the step time. ``trace``: where to write the profiled steps' timeline, to see what
+    the GPU waits for."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
     learner.model = ForwardRange(model)
