@@ -968,9 +968,14 @@ find benchmarks/results -maxdepth 1 -newer "$out/started" \( -name '*.json' -o -
 tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null
 # the compile cache in pieces of 13.9 MB (a returned file's limit is 16 MiB), at most 4: 55.6 MB (53 MiB) comes back
 # beside results.tgz within the returned 64 MiB, and travels beside the ~8.5 MiB checkout within the carry's 64 MiB
-# (session 20's cache, over 3 pieces of 15 MB, did not come back)
+# (session 20's cache, over 3 pieces of 15 MB, did not come back). Of each Triton kernel only what loading it needs
+# comes back, its .json and .cubin (Triton 3.6's cache hit reads those; Inductor's launcher the cubin): the IR files
+# (.llir, .ttgir, .ttir, .ptx, .source) were 415 of session 33's 480 MB, and that cache packs to 17.5 MB without them
+# against 49.7 with them (sessions 35-36's caches, over 55.6 MB, did not come back). A tool reading a kernel's IR
+# from `asm` would need TRITON_ALWAYS_COMPILE=1 on this cache (benchmarks/sass.py runs on the CPU host, its own cache).
 if [ -d .compile_cache ]; then
-  tar czf "$out/compile_cache.tgz" -C .compile_cache . 2>/dev/null
+  tar czf "$out/compile_cache.tgz" -C .compile_cache --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' \
+    --exclude='*.ptx' --exclude='*.source' . 2>/dev/null
   split -b 13900000 -d -a 1 "$out/compile_cache.tgz" "$final/compile_cache.tgz.part"
   if [ -e "$final/compile_cache.tgz.part4" ]; then
     rm -f "$final"/compile_cache.tgz.part*
