@@ -798,7 +798,7 @@ chain_s39c() {
   step bench_train_large_fp32_grads 420 large_b512 train_gem-large_b512_s39c_fp32_grads_bf16 --set weight_shadows=true \
     --set fp32_weight_grads=true
 }
-chain_s39d() {  # warm: the three in one call
+chain_s39d() {  # the three in one call (same-run ratios; caps for cold compiles, ~100 s a graph in session 36)
   step bench_train_large 240 large_b512 train_gem-large_b512_s39d_default_bf16
   step bench_train_large_shadows 200 large_b512 train_gem-large_b512_s39d_shadows_bf16 --set weight_shadows=true
   step bench_train_large_fp32_grads 150 large_b512 train_gem-large_b512_s39d_fp32_grads_bf16 \
