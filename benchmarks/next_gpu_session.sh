@@ -809,7 +809,7 @@ chain_s39e() {  # the shadows' GPU tests, then Wukong's token mixings alone (ses
   step wukong_gemms 240 python -m benchmarks.diag.wukong_gemms --out "$out/results"
 }
 # Session 35: s40c ran JFA's stored-dS backward (0.979x on gem-large), removed after it (code at ce0a453); s40a-b dropped
-chain_s40d() {  # s39b and s39c in one call (each compiles its graph once)
+chain_s40d() {  # s39b and s39c in one call (each compiles its graph once; ran in session 36)
   step bench_train_large_shadows 285 large_b512 train_gem-large_b512_s40d_shadows_bf16 --set weight_shadows=true
   step bench_train_large_fp32_grads 285 large_b512 train_gem-large_b512_s40d_fp32_grads_bf16 \
     --set weight_shadows=true --set fp32_weight_grads=true
@@ -970,7 +970,7 @@ tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null
 # beside results.tgz within the returned 64 MiB, and travels beside the ~8.5 MiB checkout within the carry's 64 MiB
 # (session 20's cache, over 3 pieces of 15 MB, did not come back). Of each Triton kernel only what loading it needs
 # comes back, its .json and .cubin (Triton 3.6's cache hit reads those; Inductor's launcher the cubin): the IR files
-# (.llir, .ttgir, .ttir, .ptx, .source) were 415 of session 33's 480 MB, and that cache packs to 17.5 MB without them
+# (.llir, .ttgir, .ttir, .ptx, .source) were 405 of session 33's 490 MB, and that cache packs to 17.5 MB without them
 # against 49.7 with them (sessions 35-36's caches, over 55.6 MB, did not come back). A tool reading a kernel's IR
 # from `asm` would need TRITON_ALWAYS_COMPILE=1 on this cache (benchmarks/sass.py runs on the CPU host, its own cache).
 if [ -d .compile_cache ]; then
