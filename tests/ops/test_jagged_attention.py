@@ -331,6 +331,19 @@ def test_bad_inputs_raise(change, message):
         )  # fmt: skip
 
 
+def test_tile_config_refuses_a_tile_the_schedule_has_no_size_for(monkeypatch):
+    """The host lists each kernel's tiles in the schedule's sizes only: forcing another size must fail at once, naming
+    the kernel and the block, not with a KeyError from the launch grid (the forward's 32-row tile, session 37)."""
+    monkeypatch.setattr(kernels, "_TILES", (64, 128))
+    for name, (block_m, block_n), label in (("fwd", (32, 64), "BLOCK_M = 32"), ("dq", (32, 128), "BLOCK_M = 32"),
+                                            ("dkdv", (64, 32), "BLOCK_N = 32")):
+        with pytest.raises(ValueError, match=f"JFA {name} tile {block_m}x{block_n}: {label} is not a scheduled"):
+            kernels.tile_config(name, block_m, block_n, 4, 3)
+    # the unscheduled block may take any size: dK/dV's query tile, the others' key tile
+    assert kernels.tile_config("dkdv", 32, 64, 4, 3).kwargs == {"BLOCK_M": 32, "BLOCK_N": 64}
+    assert kernels.tile_config("fwd", 64, 32, 4, 3).kwargs == {"BLOCK_M": 64, "BLOCK_N": 32}
+
+
 def test_fp32_head_dim_128_gets_the_small_tile_configs(monkeypatch):
     """On an H200 the default dK/dV config needed 296 KB of shared memory for fp32 at D = 128 (limit
     227 KB); fp32 rows are as wide as bf16 rows of D = 256, so they get the same pruned configs."""

@@ -88,3 +88,23 @@ def test_lost_context_stops_the_run_and_keeps_rows(cpu_bench, monkeypatch):
     assert "fwd_bwd_ms" in saved["rows"][0]
     assert saved["rows"][1]["note"].startswith("error in setup: CUDA error: an illegal memory access")
     assert "aborted" in saved
+
+
+def test_tile_sweep_records_a_tile_the_schedule_cannot_run_and_times_the_rest(monkeypatch):
+    """``benchmarks.diag.jfa_configs``: an extra tile the host schedule has no size for is a row with the reason,
+    not a ``KeyError`` from the launch (session 37's 32-row forward tile); every other tile is forced and timed."""
+    from benchmarks.diag import jfa_configs
+    from opengem.ops.triton import jagged_attention as kernels
+
+    monkeypatch.setattr(kernels, "_TILES", (64, 128))
+    monkeypatch.setattr(kernels, "full_product", lambda name: [(64, 64, 4, 3)])
+    monkeypatch.setattr(jfa_configs, "bench_ms", lambda fn, **kwargs: (fn(), 2.5)[1])
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *args: None)
+    forced: list[dict] = []
+    rows: list[dict] = []
+    fn = lambda: forced.append(dict(kernels.KERNELS["fwd"].configs[0].kwargs))  # noqa: E731
+    jfa_configs.sweep("fwd", fn, rows, "w", extra=[(32, 64, 4, 3), (64, 32, 4, 3)])
+    assert [row["config"] for row in rows] == ["m32_n64_w4_s3", "m64_n64_w4_s3", "m64_n32_w4_s3"]
+    assert "BLOCK_M = 32 is not a scheduled tile size" in rows[0]["error"] and "ms" not in rows[0]
+    assert [row["ms"] for row in rows[1:]] == [2.5, 2.5]
+    assert {"BLOCK_M": 64, "BLOCK_N": 32} in forced and {"BLOCK_M": 32, "BLOCK_N": 64} not in forced

@@ -99,7 +99,12 @@ def tile_config(
     name: str, block_m: int, block_n: int, num_warps: int, num_stages: int, pointer_loads: bool = False
 ) -> triton.Config:
     """A config of kernel ``name`` (fwd, dkdv, dq), with the pre-hook that sizes its TMA boxes;
-    ``pointer_loads`` (dK/dV only): masked pointer loads even where TMA descriptors were passed."""
+    ``pointer_loads`` (dK/dV only): masked pointer loads even where TMA descriptors were passed. The tile the host
+    schedules (dK/dV's key tile, the others' query tile) must be one of the schedule's sizes."""
+    scheduled, label = (block_n, "BLOCK_N") if name == "dkdv" else (block_m, "BLOCK_M")
+    if scheduled not in _TILES:
+        raise ValueError(f"JFA {name} tile {block_m}x{block_n}: {label} = {scheduled} is not a scheduled tile size "
+                         f"{_TILES} (the host lists the {name} kernel's tiles in those sizes)")
     return triton.Config({"BLOCK_M": block_m, "BLOCK_N": block_n} | ({"POINTER_LOADS": True} if pointer_loads else {}),
                          num_warps=num_warps, num_stages=num_stages, pre_hook=_tma_block_shapes(name))
 
