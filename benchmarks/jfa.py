@@ -427,10 +427,15 @@ def _compare(rows: list[dict]) -> None:
         window["speedup_vs_full_causal"] = full["fwd_bwd_ms"] / window["fwd_bwd_ms"]
 
 
+def tile_label(block_m: int, block_n: int, num_warps: int, num_stages: int) -> str:
+    """A JFA tile as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``."""
+    return f"m{block_m}_n{block_n}_w{num_warps}_s{num_stages}"
+
+
 def config_label(config) -> str:
-    """A JFA tile config as ``m{BLOCK_M}_n{BLOCK_N}_w{warps}_s{stages}``, ``_ptr`` for dK/dV's pointer loads."""
+    """A JFA tile config as :func:`tile_label` writes it, ``_ptr`` added for dK/dV's pointer loads."""
     pointer = "_ptr" if config.kwargs.get("POINTER_LOADS") else ""
-    return f"m{config.kwargs['BLOCK_M']}_n{config.kwargs['BLOCK_N']}_w{config.num_warps}_s{config.num_stages}{pointer}"
+    return tile_label(config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"], config.num_warps, config.num_stages) + pointer
 
 
 def tuned_configs() -> dict[str, str]:

@@ -15,7 +15,7 @@ import argparse
 import torch
 
 from benchmarks.common import bench_ms, forced_configs, int_tuples, kernel_ms, write_results
-from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tuned_configs
+from benchmarks.jfa import _batch, config_label, flash_impl, jfa_impl, selected, tile_label, tuned_configs
 from opengem.ops.triton import jagged_attention as kernels
 
 DEFAULT_WORKLOADS = "b_L512_s0.5_causal,b_L1024_s0.5_causal,b_L1024_s1.0_causal"
@@ -30,8 +30,7 @@ def sweep(name: str, fn, rows: list[dict], workload: str, extra: list[tuple[int,
         try:
             configs.append(kernels.tile_config(name, *tile))
         except ValueError as err:  # a tile the host's schedule has no size for (BLOCK_M = 32 in the forward)
-            rows.append({"workload": workload, "kernel": name, "config": "m{}_n{}_w{}_s{}".format(*tile),
-                         "error": str(err)})
+            rows.append({"workload": workload, "kernel": name, "config": tile_label(*tile), "error": str(err)})
             print(f"[{workload}] {name} {rows[-1]['config']}: {err}", flush=True)
     for config, error in forced_configs(kernels.KERNELS[name], fn, configs):
         row = {"workload": workload, "kernel": name, "config": config_label(config)}

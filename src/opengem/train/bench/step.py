@@ -160,7 +160,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     # batches set against the window's mean says little about the GPU's idle time.
     replayed: list[Batch] = []  # kept for the kernels-only profile, which replays them once more
     replay = _recorded(_started(train_batches(config, start_step=options.lead_steps)), replayed)
-    phases_ms, families_ms, launches, kernels, most_launched, profiled_step_ms = _profile_phases(
+    phases_ms, kernel_figures, profiled_step_ms = _profile_phases(
         learner, replay, device, options.profile_steps, options.trace)  # fmt: skip
     replay = None  # stops its loader workers
     gaps = _device_gaps(learner, iter(replayed), device, options.profile_steps)
@@ -204,7 +204,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         # the profiler slows the host, so its "idle" overstates the timed steps' idle: this is the timed one, the
         # laps of the profiled (replayed) batches less their kernel time
         "timed_ms_of_profiled_batches": profiled_laps_ms,
-        "gpu_idle_ms_timed": profiled_laps_ms - sum(families_ms.values()) if families_ms else None,
+        "gpu_idle_ms_timed": (profiled_laps_ms - sum(kernel_figures["kernel_families_ms"].values())
+                              if kernel_figures["kernel_families_ms"] else None),
         "last_loss": float(loss),
     }
     settings = {
@@ -231,10 +232,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "flop_convention": FLOP_CONVENTION,
         "results": results,
         "phases_ms": phases_ms,
-        "kernel_families_ms": families_ms,  # GPU time per step by kernel family (empty on a CPU run)
-        "kernel_launches_per_step": launches,  # kernels launched per step by family, and "total" (empty on a CPU run)
-        "top_kernels": kernels,  # the kernels with the most GPU time per step (empty on a CPU run)
-        "most_launched_kernels": most_launched,  # the kernels launched most often per step (empty on a CPU run)
+        **kernel_figures,  # ``_kernel_figures``: by family, and the top kernels by time and by launches
         "idle_gaps": gaps,  # where the GPU waited in those batches (``_device_gaps``; empty on a CPU run)
     }
 
@@ -273,12 +271,10 @@ def _device_gaps(learner: Learner, stream: Iterator[Batch], device: torch.device
 
 def _profile_phases(
     learner: Learner, stream: Iterator[Batch], device: torch.device, steps: int, trace: Path | None = None
-) -> tuple[dict[str, float], dict[str, float], dict[str, float], list[dict[str, object]], list[dict[str, object]],
-           float]:
+) -> tuple[dict[str, float], dict[str, Any], float]:
     """Milliseconds per step of each phase over ``steps`` profiled steps, plus ``idle`` (the step's time
-    not covered by any phase: GPU idle, or host time outside any op on a CPU run); the GPU's milliseconds
-    and launches per step by kernel family (``opengem.train.bench.kernels``), its top kernels by time and by
-    launches (CUDA only); and the step time. ``trace``: where to write the profiled steps' timeline, to see what
+    not covered by any phase: GPU idle, or host time outside any op on a CPU run); the kernel figures
+    (``_kernel_figures``); and the step time. ``trace``: where to write the profiled steps' timeline, to see what
     the GPU waits for."""
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     model = learner.model
@@ -302,14 +298,24 @@ def _profile_phases(
     events = profiler.events()
     phases = {name: us / 1e3 / steps for name, us in phase_split_us(events, device).items()}
     phases["idle"] = max(0.0, step_ms - sum(phases.values()))
+    return phases, _kernel_figures(events, steps, device), step_ms
+
+
+def _kernel_figures(events: list, steps: int, device: torch.device) -> dict[str, Any]:
+    """The payload's per-step kernel figures (``opengem.train.bench.kernels``), each empty on a CPU run: GPU
+    milliseconds and launches by kernel family (the launches with a "total"), the kernels with the most GPU time,
+    and the 30 launched most often."""
     if device.type != "cuda":
-        return phases, {}, {}, [], [], step_ms
+        return {"kernel_families_ms": {}, "kernel_launches_per_step": {}, "top_kernels": [],
+                "most_launched_kernels": []}
     family_us, family_counts = family_split(events)
-    families = {name: us / 1e3 / steps for name, us in family_us.items()}
     launches = {name: count / steps for name, count in family_counts.items()}
-    launches["total"] = sum(launches.values())
-    return (phases, families, launches, top_kernels(events, steps), top_kernels(events, steps, 30, by="launches"),
-            step_ms)
+    return {
+        "kernel_families_ms": {name: us / 1e3 / steps for name, us in family_us.items()},
+        "kernel_launches_per_step": {**launches, "total": sum(launches.values())},
+        "top_kernels": top_kernels(events, steps),
+        "most_launched_kernels": top_kernels(events, steps, 30, by="launches"),
+    }
 
 
 def _loader_rate(config: TrainConfig, batches: int) -> float:
