@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +93,10 @@ def summary(counts: collections.Counter) -> dict[str, Any]:
             "casts": sum(n for name, n in ops.items() if name.startswith("_to_copy")), "by_op": ops}
 
 
-def count_step(preset: str, batch_size: int, device: str, overrides: Sequence[str]) -> dict[str, Any]:
-    """One step's ops (after a first step that compiles) with ``overrides`` on top of the benchmark's settings."""
+def compiled_learner(preset: str, batch_size: int, device: str, overrides: Sequence[str],
+                     backend: Callable[..., Any]) -> tuple[Any, Iterator[Any], torch.device]:
+    """The benchmark's learner (bf16, the bf16 sequence stream, ``overrides`` on top) with its regions compiled by
+    ``backend``, its batch stream and its device."""
     options = TrainBenchOptions(preset=preset, compile=True, batch_size=batch_size, device=device,
                                 precision="bf16", overrides=("gem.sequence_dtype=compute", *overrides))  # fmt: skip
     config, torch_device, _ = bench_config(options)
@@ -104,9 +106,14 @@ def count_step(preset: str, batch_size: int, device: str, overrides: Sequence[st
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, torch_device)
     trust_ids(learner.model)
+    compile_regions(learner.model, backend=backend)
+    return learner, train_batches(config, start_step=0), torch_device
+
+
+def count_step(preset: str, batch_size: int, device: str, overrides: Sequence[str]) -> dict[str, Any]:
+    """One step's ops (after a first step that compiles) with ``overrides`` on top of the benchmark's settings."""
     counts = Counts()
-    compile_regions(learner.model, backend=counts.backend())
-    stream = train_batches(config, start_step=0)
+    learner, stream, torch_device = compiled_learner(preset, batch_size, device, overrides, counts.backend())
     learner.step(next(stream).to(torch_device))
     counts.recording = True
     learner.step(next(stream).to(torch_device))

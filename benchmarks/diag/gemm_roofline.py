@@ -1,0 +1,216 @@
+"""Diagnostic (issue 10): the roofline of every GEMM a compiled training step runs, projected to a GPU batch.
+
+gem-small's GEMMs reduce over d_model = 256, so a [T, 256] x [256, 256] product does 128 FLOPs per byte it must move
+at least once, under the ~295 FLOP/byte an H100 needs to be compute-bound (989 TFLOP/s over 3.35 TB/s). This counts
+the GEMMs of one compiled step (AOTAutograd's forward and backward graphs, before Inductor; the attention ops are
+custom ops, not counted here) with the shapes they ran at, and for each the time it cannot beat: the larger of its
+FLOPs at the matmul ceiling and its bytes at the HBM bandwidth, where the bytes are each operand read once and the
+output written once (bf16, or each tensor's own dtype). Their sum is the floor of the step's GEMM time while each GEMM
+stays a kernel of its own; only fusing neighbours (keeping activations on chip across a GEMM chain) goes under it.
+
+The step runs on the CPU at a small batch; the shapes are projected to ``--target-batch``: a size equal to the batch's
+sample count scales with the batch, every other symbolic size with the history tokens (``--target-batch`` times the
+preset's mean history length, against the CPU batch's own tokens). Sizes fixed by the model do not move.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gemm_roofline [--preset gem-small] [--batch-size 64]
+        [--target-batch 2048] [--matmul-tflops 801] [--hbm-tbs 3.35] [--out benchmarks/results/gemm_roofline.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import sympy
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+
+from benchmarks.common import environment
+from benchmarks.diag.step_graph_ops import GEMMS, compiled_learner
+from opengem.models.presets import describe
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class GemmRoofline:
+    kind: str  # forward / backward
+    op: str  # mm / addmm / bmm
+    shapes: tuple[Shape, ...]  # the two operands, at the target batch
+    calls: int  # a step
+    flops: int  # a call
+    bytes: int  # a call: operands read once, output written once
+    floor_ms: float  # a step: calls x max(compute, memory)
+    bound: str  # "memory" or "compute"
+
+
+def gemm_cost(op: str, a: Shape, b: Shape, itemsize: int) -> tuple[int, int]:
+    """FLOPs and minimum HBM bytes of ``a @ b`` (``bmm``: batched ``[n, m, k] @ [n, k, p]``; a batch-shared operand
+    counts once)."""
+    if op == "bmm":
+        if len(a) != 3 or len(b) != 3 or a[2] != b[1]:
+            raise ValueError(f"bmm operands must be [n, m, k] and [n, k, p], got {a} and {b}")
+        n, m, k = a
+        p = b[2]
+        return 2 * n * m * k * p, itemsize * (n * m * k + n * k * p + n * m * p)
+    if len(a) != 2 or len(b) != 2 or a[1] != b[0]:
+        raise ValueError(f"{op} operands must be [m, k] and [k, n], got {a} and {b}")
+    (m, k), n = a, b[1]
+    return 2 * m * k * n, itemsize * (m * k + k * n + m * n)
+
+
+def roofline(op: str, kind: str, shapes: tuple[Shape, Shape], calls: int, itemsize: int, matmul_tflops: float,
+             hbm_tbs: float) -> GemmRoofline:
+    """One GEMM's floor a step at ``matmul_tflops`` (TFLOP/s) and ``hbm_tbs`` (TB/s)."""
+    flops, nbytes = gemm_cost(op, *shapes, itemsize)
+    compute_s, memory_s = flops / (matmul_tflops * 1e12), nbytes / (hbm_tbs * 1e12)
+    return GemmRoofline(kind, op, shapes, calls, flops, nbytes, calls * max(compute_s, memory_s) * 1e3,
+                        "memory" if memory_s > compute_s else "compute")
+
+
+def _size_bindings(graph: fx.Graph) -> list[tuple[int, int | None, sympy.Symbol]]:
+    """(placeholder index, dim or None for a SymInt input, symbol) for every plain-symbol size of the inputs."""
+    bindings = []
+    for index, node in enumerate(n for n in graph.nodes if n.op == "placeholder"):
+        value = node.meta.get("val")
+        if isinstance(value, torch.SymInt) and isinstance(value.node.expr, sympy.Symbol):
+            bindings.append((index, None, value.node.expr))
+        elif isinstance(value, torch.Tensor):
+            bindings += [(index, d, s.node.expr) for d, s in enumerate(value.shape)
+                         if isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)]  # fmt: skip
+    return bindings
+
+
+def target_sizes(values: Mapping[sympy.Symbol, int], batch: int, tokens: int, target_batch: int,
+                 target_tokens: float) -> dict[sympy.Symbol, int]:
+    """Each size symbol's value at the target batch: one equal to ``batch`` scales with the batch, every other with
+    the history tokens (``tokens`` now, ``target_tokens`` there)."""
+    return {sym: round(v * target_batch / batch) if v == batch else round(v * target_tokens / tokens)
+            for sym, v in values.items()}  # fmt: skip
+
+
+def _evaluate(size: Any, values: Mapping[sympy.Symbol, int]) -> int:
+    return int(size.node.expr.xreplace(values)) if isinstance(size, torch.SymInt) else int(size)
+
+
+@dataclass(frozen=True)
+class Projection:
+    batch: int  # the recorded batch's samples
+    tokens: int  # and history tokens
+    target_batch: int
+    target_tokens: float
+
+
+class GemmShapes:
+    """The GEMMs of each compiled graph as each run met them while ``recording``: per run, the graph kind, its GEMMs
+    (op, symbolic operands) and the values of its size symbols."""
+
+    def __init__(self) -> None:
+        self.runs: list[tuple[str, list[tuple[str, list[Any]]], dict[sympy.Symbol, int]]] = []
+        self.recording = False
+
+    def compiler(self, kind: str) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
+        def compile_graph(graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
+            bindings = _size_bindings(graph_module.graph)
+            gemms = [(str(n.target).split(".")[1], [a.meta["val"] for a in n.args if isinstance(a, fx.Node)][-2:])
+                     for n in graph_module.graph.nodes if str(n.target) in GEMMS]  # fmt: skip
+
+            def run(*args: Any) -> Any:
+                if self.recording:
+                    values = {sym: int(args[i] if d is None else args[i].shape[d]) for i, d, sym in bindings}
+                    self.runs.append((kind, gemms, values))
+                return graph_module(*args)
+
+            return run
+
+        return compile_graph
+
+    def backend(self) -> Callable[..., Any]:
+        return aot_autograd(fw_compiler=self.compiler("forward"), bw_compiler=self.compiler("backward"))
+
+    def rooflines(self, projection: Projection, matmul_tflops: float, hbm_tbs: float) -> list[GemmRoofline]:
+        """Every recorded GEMM at the projection's target batch, the same shapes merged, largest floor first."""
+        calls: collections.Counter = collections.Counter()
+        for kind, gemms, values in self.runs:
+            target = target_sizes(values, projection.batch, projection.tokens, projection.target_batch,
+                                  projection.target_tokens)
+            for op, operands in gemms:
+                shapes = tuple(tuple(_evaluate(s, target) for s in t.shape) for t in operands)
+                calls[(kind, op, shapes, operands[0].dtype.itemsize)] += 1
+        rows = [roofline(op, kind, shapes, n, itemsize, matmul_tflops, hbm_tbs)
+                for (kind, op, shapes, itemsize), n in calls.items()]  # fmt: skip
+        return sorted(rows, key=lambda r: -r.floor_ms)
+
+
+def record_step(preset: str, batch_size: int, device: str, overrides: Sequence[str]) -> tuple[GemmShapes, int, int]:
+    """The GEMMs of one compiled step (after a first that compiles), with that batch's samples and history tokens."""
+    shapes = GemmShapes()
+    learner, stream, torch_device = compiled_learner(preset, batch_size, device, overrides, shapes.backend())
+    learner.step(next(stream).to(torch_device))
+    batch = next(stream)
+    if batch.num_history_tokens() == 0:
+        raise ValueError(f"the recorded {preset} batch has no history tokens: nothing to project the token rows from")
+    shapes.recording = True
+    learner.step(batch.to(torch_device))
+    return shapes, batch.batch_size(), batch.num_history_tokens()
+
+
+def totals(rows: Sequence[GemmRoofline], matmul_tflops: float) -> dict[str, float]:
+    """A step's GEMM FLOPs and bytes, its floor, the compute-only time and the memory-bound GEMMs' share of it."""
+    flops = sum(r.calls * r.flops for r in rows)
+    floor = sum(r.floor_ms for r in rows)
+    return {"tflop": flops / 1e12, "gb": sum(r.calls * r.bytes for r in rows) / 1e9, "floor_ms": floor,
+            "compute_only_ms": flops / (matmul_tflops * 1e12) * 1e3,
+            "memory_bound_share": sum(r.floor_ms for r in rows if r.bound == "memory") / floor if floor else 0.0}
+
+
+def format_rows(rows: Sequence[GemmRoofline], total: Mapping[str, float]) -> str:
+    lines = [f"GEMMs a step: {total['tflop']:.2f} TFLOP, {total['gb']:.1f} GB moved at least; floor "
+             f"{total['floor_ms']:.1f} ms (compute alone {total['compute_only_ms']:.1f} ms; memory-bound GEMMs "
+             f"{100 * total['memory_bound_share']:.0f}% of the floor)",
+             "   ms  calls  bound    kind      op     shapes"]
+    lines += [f"{r.floor_ms:6.2f} {r.calls:5d}  {r.bound:7s}  {r.kind:8s}  {r.op:5s}  {' x '.join(map(str, r.shapes))}"
+              for r in rows]  # fmt: skip
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gem-small")
+    parser.add_argument("--batch-size", type=int, default=64, help="the batch the CPU step runs")
+    parser.add_argument("--target-batch", type=int, default=2048, help="the GPU batch the shapes are projected to")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--matmul-tflops", type=float, default=801.0,
+                        help="the matmul ceiling (default: bench train's on an H100, session 37)")
+    parser.add_argument("--hbm-tbs", type=float, default=3.35, help="HBM bandwidth (default: the H100's datasheet)")
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    for name, value in (("--batch-size", args.batch_size), ("--target-batch", args.target_batch),
+                        ("--matmul-tflops", args.matmul_tflops), ("--hbm-tbs", args.hbm_tbs)):  # fmt: skip
+        if value <= 0:
+            parser.error(f"{name} must be positive, got {value}")
+    shapes, batch, tokens = record_step(args.preset, args.batch_size, args.device, args.set)
+    target_tokens = args.target_batch * describe(args.preset).mean_history_length
+    rows = shapes.rooflines(Projection(batch, tokens, args.target_batch, target_tokens), args.matmul_tflops,
+                            args.hbm_tbs)
+    total = totals(rows, args.matmul_tflops)
+    print(format_rows(rows, total))
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        payload = {"benchmark": "gemm_roofline", "environment": environment(), "preset": args.preset,
+                   "cpu_batch": args.batch_size, "target_batch": args.target_batch, "overrides": args.set,
+                   "matmul_tflops": args.matmul_tflops, "hbm_tbs": args.hbm_tbs, "totals": total,
+                   "gemms": [asdict(r) for r in rows]}  # fmt: skip
+        args.out.write_text(json.dumps(payload, indent=1))
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
