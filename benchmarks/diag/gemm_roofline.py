@@ -149,15 +149,20 @@ class GemmShapes:
 
 
 def record_step(preset: str, batch_size: int, device: str, overrides: Sequence[str]) -> tuple[GemmShapes, int, int]:
-    """The GEMMs of one compiled step (after a first that compiles), with that batch's samples and history tokens."""
+    """The GEMMs of one compiled forward and backward (after a first that compiles), with that batch's samples and
+    history tokens. The optimizer runs no GEMM and is left out, with its state: gem-large's would not fit a 24 GB
+    machine beside the model."""
     shapes = GemmShapes()
     learner, stream, torch_device = compiled_learner(preset, batch_size, device, overrides, shapes.backend())
-    learner.step(next(stream).to(torch_device))
-    batch = next(stream)
-    if batch.num_history_tokens() == 0:
-        raise ValueError(f"the recorded {preset} batch has no history tokens: nothing to project the token rows from")
-    shapes.recording = True
-    learner.step(batch.to(torch_device))
+    learner.model.train()
+    for recording in (False, True):
+        batch = next(stream)
+        if recording and batch.num_history_tokens() == 0:
+            raise ValueError(f"the recorded {preset} batch has no history tokens: nothing to project the token rows from")
+        shapes.recording = recording
+        learner.loss(batch.to(torch_device))[0].backward()
+        learner.model.zero_grad(set_to_none=True)
+    shapes.recording = False
     return shapes, batch.batch_size(), batch.num_history_tokens()
 
 
