@@ -1,12 +1,13 @@
 """Diagnostic (issue 10): the roofline of every GEMM a compiled training step runs, projected to a GPU batch.
 
 gem-small's GEMMs reduce over d_model = 256, so a [T, 256] x [256, 256] product does 128 FLOPs per byte it must move
-at least once, under the ~295 FLOP/byte an H100 needs to be compute-bound (989 TFLOP/s over 3.35 TB/s). This counts
-the GEMMs of one compiled step (AOTAutograd's forward and backward graphs, before Inductor; the attention ops are
-custom ops, not counted here) with the shapes they ran at, and for each the time it cannot beat: the larger of its
-FLOPs at the matmul ceiling and its bytes at the HBM bandwidth, where the bytes are each operand read once and the
-output written once (bf16, or each tensor's own dtype). Their sum is the floor of the step's GEMM time while each GEMM
-stays a kernel of its own; only fusing neighbours (keeping activations on chip across a GEMM chain) goes under it.
+at least once, under the ~295 FLOP/byte an H100 needs to be compute-bound at its dense peak (989 TFLOP/s over 3.35
+TB/s; ~240 at its ~800 TFLOP/s matmul ceiling). This counts the GEMMs of one compiled step (AOTAutograd's forward and
+backward graphs, before Inductor; the attention ops are custom ops, not counted here) with the shapes they ran at, and
+for each the time it cannot beat: the larger of its FLOPs at the matmul ceiling and its bytes at the HBM bandwidth,
+where the bytes are each operand read once and the output written once (bf16, or each tensor's own dtype). Their sum
+is the floor of the step's GEMM time while each GEMM stays a kernel of its own; only fusing neighbours (keeping
+activations on chip across a GEMM chain) goes under it.
 
 The step runs on the CPU at a small batch; the shapes are projected to ``--target-batch``: a size equal to the batch's
 sample count scales with the batch, every other symbolic size with the history tokens (``--target-batch`` times the
@@ -43,6 +44,7 @@ class GemmRoofline:
     kind: str  # forward / backward
     op: str  # mm / addmm / bmm
     shapes: tuple[Shape, ...]  # the two operands, at the target batch
+    shared: tuple[bool, bool]  # bmm: an operand broadcast over the batch (stride 0), read once
     calls: int  # a step
     flops: int  # a call
     bytes: int  # a call: operands read once, output written once
@@ -50,15 +52,17 @@ class GemmRoofline:
     bound: str  # "memory" or "compute"
 
 
-def gemm_cost(op: str, a: Shape, b: Shape, itemsize: int) -> tuple[int, int]:
-    """FLOPs and minimum HBM bytes of ``a @ b`` (``bmm``: batched ``[n, m, k] @ [n, k, p]``; a batch-shared operand
-    counts once)."""
+def gemm_cost(op: str, a: Shape, b: Shape, itemsize: int,
+              shared: tuple[bool, bool] = (False, False)) -> tuple[int, int]:
+    """FLOPs and minimum HBM bytes of ``a @ b`` (``bmm``: batched ``[n, m, k] @ [n, k, p]``, an operand marked
+    ``shared`` broadcast over the batch and read once)."""
     if op == "bmm":
-        if len(a) != 3 or len(b) != 3 or a[2] != b[1]:
+        if len(a) != 3 or len(b) != 3 or a[0] != b[0] or a[2] != b[1]:
             raise ValueError(f"bmm operands must be [n, m, k] and [n, k, p], got {a} and {b}")
         n, m, k = a
         p = b[2]
-        return 2 * n * m * k * p, itemsize * (n * m * k + n * k * p + n * m * p)
+        reads = (1 if shared[0] else n) * m * k + (1 if shared[1] else n) * k * p
+        return 2 * n * m * k * p, itemsize * (reads + n * m * p)
     if len(a) != 2 or len(b) != 2 or a[1] != b[0]:
         raise ValueError(f"{op} operands must be [m, k] and [k, n], got {a} and {b}")
     (m, k), n = a, b[1]
@@ -66,11 +70,11 @@ def gemm_cost(op: str, a: Shape, b: Shape, itemsize: int) -> tuple[int, int]:
 
 
 def roofline(op: str, kind: str, shapes: tuple[Shape, Shape], calls: int, itemsize: int, matmul_tflops: float,
-             hbm_tbs: float) -> GemmRoofline:
+             hbm_tbs: float, shared: tuple[bool, bool] = (False, False)) -> GemmRoofline:
     """One GEMM's floor a step at ``matmul_tflops`` (TFLOP/s) and ``hbm_tbs`` (TB/s)."""
-    flops, nbytes = gemm_cost(op, *shapes, itemsize)
+    flops, nbytes = gemm_cost(op, *shapes, itemsize, shared)
     compute_s, memory_s = flops / (matmul_tflops * 1e12), nbytes / (hbm_tbs * 1e12)
-    return GemmRoofline(kind, op, shapes, calls, flops, nbytes, calls * max(compute_s, memory_s) * 1e3,
+    return GemmRoofline(kind, op, shapes, shared, calls, flops, nbytes, calls * max(compute_s, memory_s) * 1e3,
                         "memory" if memory_s > compute_s else "compute")
 
 
@@ -142,9 +146,10 @@ class GemmShapes:
                                   projection.target_tokens)
             for op, operands in gemms:
                 shapes = tuple(tuple(_evaluate(s, target) for s in t.shape) for t in operands)
-                calls[(kind, op, shapes, operands[0].dtype.itemsize)] += 1
-        rows = [roofline(op, kind, shapes, n, itemsize, matmul_tflops, hbm_tbs)
-                for (kind, op, shapes, itemsize), n in calls.items()]  # fmt: skip
+                shared = tuple(op == "bmm" and t.stride()[0] == 0 for t in operands)
+                calls[(kind, op, shapes, shared, operands[0].dtype.itemsize)] += 1
+        rows = [roofline(op, kind, shapes, n, itemsize, matmul_tflops, hbm_tbs, shared)
+                for (kind, op, shapes, shared, itemsize), n in calls.items()]  # fmt: skip
         return sorted(rows, key=lambda r: -r.floor_ms)
 
 
@@ -158,7 +163,7 @@ def record_step(preset: str, batch_size: int, device: str, overrides: Sequence[s
     for recording in (False, True):
         batch = next(stream)
         if recording and batch.num_history_tokens() == 0:
-            raise ValueError(f"the recorded {preset} batch has no history tokens: nothing to project the token rows from")
+            raise ValueError(f"the recorded {preset} batch has no history tokens: no token count to project from")
         shapes.recording = recording
         learner.loss(batch.to(torch_device))[0].backward()
         learner.model.zero_grad(set_to_none=True)

@@ -8,12 +8,19 @@ from benchmarks.diag.gemm_roofline import Projection, gemm_cost, record_step, ro
 
 
 def test_gemm_cost_counts_flops_and_each_operand_once():
-    assert gemm_cost("mm", (1000, 256), (256, 512), 2) == (2 * 1000 * 256 * 512, 2 * (1000 * 256 + 256 * 512 + 1000 * 512))
-    assert gemm_cost("bmm", (4, 8, 16), (4, 16, 32), 4) == (2 * 4 * 8 * 16 * 32, 4 * 4 * (8 * 16 + 16 * 32 + 8 * 32))
+    mm_bytes = 2 * (1000 * 256 + 256 * 512 + 1000 * 512)
+    assert gemm_cost("mm", (1000, 256), (256, 512), 2) == (2 * 1000 * 256 * 512, mm_bytes)
+    bmm_flops = 2 * 4 * 8 * 16 * 32
+    assert gemm_cost("bmm", (4, 8, 16), (4, 16, 32), 4) == (bmm_flops, 4 * 4 * (8 * 16 + 16 * 32 + 8 * 32))
+    # Wukong's token mixings: the left operand broadcast over the batch (stride 0) is read once
+    shared_left = gemm_cost("bmm", (4, 8, 16), (4, 16, 32), 4, (True, False))
+    assert shared_left == (bmm_flops, 4 * (8 * 16 + 4 * (16 * 32 + 8 * 32)))
     with pytest.raises(ValueError, match=r"mm operands must be \[m, k\] and \[k, n\], got \(8, 16\) and \(8, 4\)"):
         gemm_cost("mm", (8, 16), (8, 4), 2)
     with pytest.raises(ValueError, match="bmm operands"):
         gemm_cost("bmm", (2, 8, 16), (16, 4), 2)
+    with pytest.raises(ValueError, match=r"got \(2, 8, 16\) and \(3, 16, 4\)"):  # batch sizes differ
+        gemm_cost("bmm", (2, 8, 16), (3, 16, 4), 2)
 
 
 def test_a_narrow_gemm_is_memory_bound_and_a_wide_one_compute_bound():
