@@ -5,9 +5,9 @@ at least once, under the ~295 FLOP/byte an H100 needs to be compute-bound at its
 TB/s; ~240 at its ~800 TFLOP/s matmul ceiling). This counts the GEMMs of one compiled step (AOTAutograd's forward and
 backward graphs, before Inductor; the attention ops are custom ops, not counted here) with the shapes they ran at, and
 for each the time it cannot beat: the larger of its FLOPs at the matmul ceiling and its bytes at the HBM bandwidth,
-where the bytes are each operand read once and the output written once (bf16, or each tensor's own dtype). Their sum
-is the floor of the step's GEMM time while each GEMM stays a kernel of its own; only fusing neighbours (keeping
-activations on chip across a GEMM chain) goes under it.
+where the bytes are each operand read once and the output written once (at the operands' dtype: aten's GEMMs take and
+return one). Their sum is the floor of the step's GEMM time while each GEMM stays a kernel of its own; only fusing
+neighbours (keeping activations on chip across a GEMM chain) goes under it.
 
 The step runs on the CPU at a small batch; the shapes are projected to ``--target-batch``: a size equal to the batch's
 sample count scales with the batch, every other symbolic size with the history tokens (``--target-batch`` times the
@@ -91,14 +91,6 @@ def _size_bindings(graph: fx.Graph) -> list[tuple[int, int | None, sympy.Symbol]
     return bindings
 
 
-def target_sizes(values: Mapping[sympy.Symbol, int], batch: int, tokens: int, target_batch: int,
-                 target_tokens: float) -> dict[sympy.Symbol, int]:
-    """Each size symbol's value at the target batch: one equal to ``batch`` scales with the batch, every other with
-    the history tokens (``tokens`` now, ``target_tokens`` there)."""
-    return {sym: round(v * target_batch / batch) if v == batch else round(v * target_tokens / tokens)
-            for sym, v in values.items()}  # fmt: skip
-
-
 def _evaluate(size: Any, values: Mapping[sympy.Symbol, int]) -> int:
     return int(size.node.expr.xreplace(values)) if isinstance(size, torch.SymInt) else int(size)
 
@@ -109,6 +101,12 @@ class Projection:
     tokens: int  # and history tokens
     target_batch: int
     target_tokens: float
+
+    def sizes(self, values: Mapping[sympy.Symbol, int]) -> dict[sympy.Symbol, int]:
+        """Each size symbol's value at the target batch: one equal to the batch's sample count scales with the batch,
+        every other with the history tokens."""
+        return {sym: round(v * self.target_batch / self.batch) if v == self.batch
+                else round(v * self.target_tokens / self.tokens) for sym, v in values.items()}  # fmt: skip
 
 
 class GemmShapes:
@@ -142,8 +140,7 @@ class GemmShapes:
         """Every recorded GEMM at the projection's target batch, the same shapes merged, largest floor first."""
         calls: collections.Counter = collections.Counter()
         for kind, gemms, values in self.runs:
-            target = target_sizes(values, projection.batch, projection.tokens, projection.target_batch,
-                                  projection.target_tokens)
+            target = projection.sizes(values)
             for op, operands in gemms:
                 shapes = tuple(tuple(_evaluate(s, target) for s in t.shape) for t in operands)
                 shared = tuple(op == "bmm" and t.stride()[0] == 0 for t in operands)

@@ -29,11 +29,12 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 
 from benchmarks.common import environment
+from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.train.bench.step import TrainBenchOptions, bench_config
 from opengem.train.compile import compile_regions
 from opengem.train.data_stream import train_batches
-from opengem.train.trainer import build_learner
+from opengem.train.trainer import Learner, build_learner
 
 # views of their input and size queries: no kernel after Inductor
 VIEWS = frozenset({"aten.view.default", "aten._unsafe_view.default", "aten.t.default", "aten.permute.default",
@@ -94,7 +95,7 @@ def summary(counts: collections.Counter) -> dict[str, Any]:
 
 
 def compiled_learner(preset: str, batch_size: int, device: str, overrides: Sequence[str],
-                     backend: Callable[..., Any]) -> tuple[Any, Iterator[Any], torch.device]:
+                     backend: Callable[..., Any]) -> tuple[Learner, Iterator[Batch], torch.device]:
     """The benchmark's learner (bf16, the bf16 sequence stream, ``overrides`` on top) with its regions compiled by
     ``backend``, its batch stream and its device."""
     options = TrainBenchOptions(preset=preset, compile=True, batch_size=batch_size, device=device,

@@ -4,7 +4,7 @@ and the step's GEMMs recorded from gem-tiny's compiled step on the CPU and proje
 import pytest
 import sympy
 
-from benchmarks.diag.gemm_roofline import Projection, gemm_cost, record_step, roofline, target_sizes, totals
+from benchmarks.diag.gemm_roofline import Projection, gemm_cost, record_step, roofline, totals
 
 
 def test_gemm_cost_counts_flops_and_each_operand_once():
@@ -37,9 +37,9 @@ def test_a_narrow_gemm_is_memory_bound_and_a_wide_one_compute_bound():
     assert 0 < total["memory_bound_share"] < 1
 
 
-def test_target_sizes_scale_the_batch_and_the_tokens_apart():
+def test_projected_sizes_scale_the_batch_and_the_tokens_apart():
     b, t, other = sympy.symbols("b t other")
-    got = target_sizes({b: 4, t: 90, other: 30}, batch=4, tokens=90, target_batch=16, target_tokens=900.0)
+    got = Projection(batch=4, tokens=90, target_batch=16, target_tokens=900.0).sizes({b: 4, t: 90, other: 30})
     assert got == {b: 16, t: 900, other: 300}
 
 
