@@ -23,9 +23,11 @@ import triton.language as tl
 
 from opengem.ops.triton.tuning import autotune
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages); the backward's fp32 [BLOCK_M, K] accumulator bounds its BLOCK_M.
-_FORWARD_TILES = ((64, 128, 4, 3), (64, 256, 8, 3), (128, 128, 8, 3), (128, 64, 8, 3), (32, 256, 4, 3))
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). The forward holds a [BLOCK_M, K] bf16 row block, the backward a
+# [BLOCK_M, K] fp32 accumulator and the fp32 rows: each prunes the tiles whose row block would not fit at this K.
+_FORWARD_TILES = ((64, 128, 4, 3), (64, 256, 8, 2), (128, 128, 8, 2), (128, 64, 8, 3), (32, 256, 4, 2), (64, 64, 4, 3))
 _BACKWARD_TILES = ((32, 64, 4, 3), (32, 128, 8, 3), (64, 64, 8, 3), (64, 32, 8, 3), (16, 128, 4, 3))
+_FORWARD_ROW_BLOCK, _BACKWARD_ROW_BLOCK = 128 * 256, 64 * 256  # BLOCK_M * K_PAD at most
 MAX_ROW = 512
 
 
@@ -35,14 +37,18 @@ def _configs(tiles: tuple[tuple[int, int, int, int], ...]) -> list[triton.Config
     return [triton.Config({"BLOCK_M": m, "BLOCK_N": n}, num_warps=w, num_stages=s) for m, n, w, s in tiles]
 
 
-def _prune(tiles: list[triton.Config], named_args: dict, **_: object) -> list[triton.Config]:
-    """Drops tiles whose fp32 row block would not fit registers at this row width (K_PAD 512 halves BLOCK_M)."""
-    kept = [c for c in tiles if c.kwargs["BLOCK_M"] * named_args["K_PAD"] <= 64 * 256]
-    return kept or tiles[:1]
+def _pruned_to(limit: int):
+    def prune(tiles: list[triton.Config], named_args: dict, **kwargs: object) -> list[triton.Config]:
+        """The tiles whose row block fits at this row width (K_PAD 512 halves BLOCK_M), the smallest if none."""
+        k_pad = kwargs.get("K_PAD", named_args.get("K_PAD"))  # Triton passes the launch's keyword arguments apart
+        kept = [c for c in tiles if c.kwargs["BLOCK_M"] * k_pad <= limit]
+        return kept or [min(tiles, key=lambda c: c.kwargs["BLOCK_M"])]
+
+    return {"early_config_prune": prune}
 
 
 @autotune(configs=_configs(_FORWARD_TILES), key=["N", "K_PAD", "HAS_BIAS"],
-          prune_configs_by={"early_config_prune": _prune})
+          prune_configs_by=_pruned_to(_FORWARD_ROW_BLOCK))
 @triton.jit(do_not_specialize=["M"])
 def _forward_kernel(
     x, gamma, beta, weight, bias, y, row_mean, row_rstd, M, N, K, eps,
@@ -74,7 +80,7 @@ def _forward_kernel(
 
 
 @autotune(configs=_configs(_BACKWARD_TILES), key=["N", "K_PAD", "HAS_PASS", "BIAS_GRAD"],
-          prune_configs_by={"early_config_prune": _prune})  # fmt: skip
+          prune_configs_by=_pruned_to(_BACKWARD_ROW_BLOCK))  # fmt: skip
 @triton.jit(do_not_specialize=["M"])
 def _backward_kernel(
     dy, weight, x, row_mean, row_rstd, gamma, beta, d_pass, dx, normed_out, gamma_part, beta_part, bias_part,
