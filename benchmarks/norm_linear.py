@@ -44,6 +44,16 @@ def fused(h: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, weight: torc
     return norm_linear(h, gamma, beta, weight, bias, pass_through=True)
 
 
+def ffn_unfused(h, gamma, beta, w1, b1, w2, b2):
+    """A GEM sequence layer's feed-forward sublayer (``h + MLP(LayerNorm(h))``, GELU between)."""
+    return h + F.linear(F.gelu(F.linear(F.layer_norm(h, (h.shape[-1],), gamma, beta), w1, b1)), w2, b2)
+
+
+def ffn_fused(h, gamma, beta, w1, b1, w2, b2):
+    residual, y = norm_linear(h, gamma, beta, w1, b1, pass_through=True)
+    return residual + F.linear(F.gelu(y), w2, b2)
+
+
 def min_bytes(tokens: int, k: int, n: int, stream_bytes: int, fused_op: bool) -> dict[str, int]:
     """Bytes each pass must move with 2-byte GEMM operands (weights ignored: they are L2-resident)."""
     if fused_op:
@@ -102,12 +112,47 @@ def measure(tokens: int, k: int, n: int, stream: str, device: str, rounds: int) 
         result["step_speedup_vs_compiled"] = paired_speedup(step_ms["compiled"], step_ms[name])
         result["step_kernels_ms"] = dict(list(kernel_ms(step(variants[name])).items())[:8])
         result["min_bytes"] = min_bytes(tokens, k, n, stream_bytes, name.startswith("fused"))
+    row["ffn_block"] = _ffn_block(leaves, device, rounds)
+    from opengem.ops.triton.norm_linear import picked_tiles  # noqa: PLC0415 (CUDA runs only)
+
+    row["picked_tiles"] = picked_tiles()
     copy = torch.empty_like(h)
     copy_ms = bench_ms(lambda: copy.copy_(h))
     row["copy_gb_per_s"] = 2 * h.numel() * stream_bytes / copy_ms / 1e6
     row["fused_forward_gb_per_s"] = row["variants"]["fused"]["min_bytes"]["forward"] / row["variants"]["fused"][
         "forward_ms"] / 1e6  # fmt: skip
     return row
+
+
+def _ffn_block(leaves: tuple[torch.Tensor, ...], device: str, rounds: int) -> dict:
+    """The feed-forward sublayer ``h + MLP(LayerNorm(h))`` with its first GEMM ``[K, N]``, compiled whole, against
+    the same with this op (``norm_linear``'s pass-through as the residual): the residual add and the norm backward
+    fused by Inductor in the peer, as in the model."""
+    h, gamma, beta, w1, b1 = leaves
+    g = torch.Generator(device=device).manual_seed(1)
+    w2 = (torch.randn(h.shape[1], w1.shape[0], device=device, generator=g) / w1.shape[0] ** 0.5).requires_grad_()
+    b2 = torch.zeros(h.shape[1], device=device, requires_grad=True)
+    params = (h, gamma, beta, w1, b1, w2, b2)
+    d_out = torch.randn_like(h)
+    blocks = {"compiled": torch.compile(ffn_unfused, dynamic=False), "fused_compiled": torch.compile(ffn_fused,
+                                                                                                      dynamic=False)}
+
+    def step(fn: Callable) -> Callable[[], tuple[torch.Tensor, ...]]:
+        def run() -> tuple[torch.Tensor, ...]:
+            with torch.autocast(device, dtype=torch.bfloat16):
+                out = fn(*params)
+            return (out.detach(), *torch.autograd.grad(out, params, d_out))
+        return run
+
+    outputs = {name: step(fn)() for name, fn in blocks.items()}
+    times = interleaved_ms({name: step(fn) for name, fn in blocks.items()}, rounds=rounds)
+    result = {"step_ms": {name: min(t) for name, t in times.items()},
+              "step_speedup_vs_compiled": paired_speedup(times["compiled"], times["fused_compiled"]),
+              "difference_vs_compiled": {label: relative_error(a, b) for label, a, b in
+                                         zip(("out", "dh", "dgamma", "dbeta", "dw1", "db1", "dw2", "db2"),
+                                             outputs["fused_compiled"], outputs["compiled"])}}  # fmt: skip
+    result["step_kernels_ms"] = {name: dict(list(kernel_ms(step(fn)).items())[:8]) for name, fn in blocks.items()}
+    return result
 
 
 def _fp64_reference(leaves: tuple[torch.Tensor, ...], dy: torch.Tensor, d_res: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -144,10 +144,18 @@ def test_tiles_pruned_to_the_row_width():
     """The GPU's tuners keep only tiles whose row block fits at the launch's K_PAD (a keyword argument there)."""
     import triton
 
-    from opengem.ops.triton.norm_linear import _pruned_to
+    from opengem.ops.triton.norm_linear import SHARED_MEMORY, _pruned_to, shared_bytes
+
+    def prune_forward(configs: list, k_pad: int) -> list:
+        return _pruned_to(128 * 256, forward=True)["early_config_prune"](configs, {}, K_PAD=k_pad)
 
     tiles = [triton.Config({"BLOCK_M": m, "BLOCK_N": 64}) for m in (16, 32, 64, 128)]
-    prune = _pruned_to(64 * 256)["early_config_prune"]
+    prune = _pruned_to(64 * 256, forward=False)["early_config_prune"]
     assert [c.kwargs["BLOCK_M"] for c in prune(tiles, {}, K_PAD=256)] == [16, 32, 64]
     assert [c.kwargs["BLOCK_M"] for c in prune(tiles, {}, K_PAD=512)] == [16, 32]
     assert [c.kwargs["BLOCK_M"] for c in prune(tiles[2:], {}, K_PAD=4096)] == [64]
+    # shared memory: the forward's row block plus a [K, BLOCK_N] weight tile per stage (session 39's K 512 failure)
+    wide = triton.Config({"BLOCK_M": 64, "BLOCK_N": 128}, num_stages=3)
+    assert shared_bytes(wide, 512, forward=True) == 2 * (64 * 512 + 3 * 512 * 128) > SHARED_MEMORY
+    assert prune_forward([wide, tiles[0]], 512) == [tiles[0]]
+    assert prune_forward([wide], 512) == [wide]  # nothing fits: the least demanding, whose launch names the limit
