@@ -1,6 +1,10 @@
 """bf16 weight shadows (``weight_shadows=true``) on the GPU: a compiled GEM learner trains to the plain learner's
-losses bit for bit and launches fewer kernels a step (autocast's per-use weight casts gone); with
-``fp32_weight_grads=true`` the weight gradients come from fp32-output GEMMs, fewer kernels again."""
+losses and launches fewer kernels a step (autocast's per-use weight casts gone); with ``fp32_weight_grads=true`` the
+weight gradients come from fp32-output GEMMs, fewer kernels again.
+
+Not bit for bit, as the layers are eagerly (``tests/nn/test_weight_shadows.py``): each setting compiles its own graph,
+and Inductor fuses and picks GEMM kernels per graph, so sums run in other orders. Session 39 (H100): first losses
+1.3882231 plain, 1.3882203 shadows, 1.3882195 fp32 gradients (2e-6 apart at most)."""
 
 import dataclasses
 
@@ -40,14 +44,16 @@ def _losses_and_kernels(name: str) -> tuple[list[float], int]:
 
 def test_compiled_learner_with_weight_shadows_matches_and_launches_fewer_kernels():
     (want_losses, plain_kernels), (got_losses, shadow_kernels) = map(_losses_and_kernels, ("plain", "shadows"))
-    assert got_losses == want_losses
+    assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)  # the same bf16 weights, other kernels
+    assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-3)  # after Adam steps on those sums
     assert shadow_kernels < plain_kernels, (shadow_kernels, plain_kernels)
 
 
 def test_fp32_weight_grads_keep_the_first_loss_and_launch_fewer_kernels_than_shadows():
     (want_losses, shadow_kernels), (got_losses, fp32_kernels) = map(_losses_and_kernels, ("shadows", "fp32_grads"))
-    # the same forward, so the same first loss; then gradients without the bf16 rounding
-    assert got_losses[0] == want_losses[0] and got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-2)
+    # the same forward (up to the kernels each graph picks), then gradients without the bf16 rounding
+    assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)
+    assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-2)
     assert fp32_kernels < shadow_kernels, (fp32_kernels, shadow_kernels)
 
 
@@ -60,6 +66,8 @@ def test_fp32_product_is_one_fp32_output_gemm_eager_and_compiled():
     compiled = torch.compile(fp32_product, fullgraph=True)(a, b)
     for got in (eager, compiled):
         assert got.dtype == torch.float32 and got.shape == (384, 256)
-        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-4)  # fp32 sums, no bf16 rounding
+        # fp32 sums over K 4096 in the GEMM's order: session 39 (H100) found them up to 1.0e-3 from fp64's on values
+        # up to ~250, 100x under the bf16 output's rounding (asserted below)
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=4e-3)
     rounded = (a @ b).double()  # autocast's bf16 output is off by its rounding
     assert (rounded - want).abs().max() > 10 * (eager.double() - want).abs().max()
