@@ -844,7 +844,7 @@ chain_s44a() {  # session 39: gem-small b2048 with the bf16 sequence stream alon
 }
 # Session 39: s44b and s44c ran norm_linear (a LayerNorm folded into its GEMM: 0.63x the compiled pair's forward at
 # gem-small's QKV, 0.86x its feed-forward sublayer), removed after them (code at 64ffb60)
-chain_s44d() {  # session 39: the shadows' GPU tests again, their tolerances set from s39e's run (kernel counts unchecked)
+chain_s44d() {  # session 39: the shadows' GPU tests again, tolerances from s39e's run (kernel counts unchecked)
   step shadows_gpu_tests 220 tests tests/gpu/test_weight_shadows_gpu.py
 }
 chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 ms, 15.4%), then with the weight shadows

@@ -12,7 +12,7 @@ active a shadowed layer computes from them.
 The shadow is the cast autocast would make (round to nearest even), and the weight's gradient comes back through the
 cast's own backward (bf16 -> fp32), so an eager training step is the same bit for bit: only where the cast runs
 moves. Compiled, each setting is its own graph whose fusions and GEMM kernels Inductor picks, so sums may run in
-another order (on an H100, session 39: first losses 2e-6 apart). The
+another order (on an H100, session 39: first losses 2e-6 apart relative). The
 shadows are non-persistent buffers (not in ``state_dict``); refresh them after the parameters change and before they
 are read (``opengem.train.trainer.Learner`` does at the start of each step).
 
