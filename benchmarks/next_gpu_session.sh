@@ -227,8 +227,8 @@
 # s42b (one GPU): gem-small with the fp32 and the bf16 sequence stream (s42a, s43b, s43c: the shadows' tests, now in s39e)
 # s43a (one GPU, session 38): gem-small b2048 as set, then with compile_mode=max-autotune-no-cudagraphs (same call)
 # s43d (one GPU, session 38): gem-small b2048 as set, alone (cold compile: more than 230 s in s43a)
-# s44d (one GPU, session 39): the weight shadows' GPU tests with tolerances for compiled graphs' kernel choices
 # s44a (one GPU, session 39): gem-small b2048 with the bf16 sequence stream, alone (s43d's pair on the same machine)
+# s44d (one GPU, session 39): the weight shadows' GPU tests with tolerances for compiled graphs' kernel choices
 # 6 (6a | 6b): GDPA full (issue 4: the compiled padded reference, every workload) | BlockAttention full
 #   (issue 5: the power-law workload)
 # The device returns at most 8 files: logs and result JSON go to OUT_DIR/results.tgz (rewritten after

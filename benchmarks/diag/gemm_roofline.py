@@ -22,7 +22,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +30,9 @@ from typing import Any
 import sympy
 import torch
 from torch import fx
-from torch._dynamo.backends.common import aot_autograd
 
 from benchmarks.common import environment
-from benchmarks.diag.step_graph_ops import GEMMS, compiled_learner
+from benchmarks.diag.step_graph_ops import GEMMS, GraphRecorder, compiled_learner
 from opengem.models.presets import describe
 
 Shape = tuple[int, ...]
@@ -109,32 +108,24 @@ class Projection:
                 else round(v * self.target_tokens / self.tokens) for sym, v in values.items()}  # fmt: skip
 
 
-class GemmShapes:
+class GemmShapes(GraphRecorder):
     """The GEMMs of each compiled graph as each run met them while ``recording``: per run, the graph kind, its GEMMs
     (op, symbolic operands) and the values of its size symbols."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.runs: list[tuple[str, list[tuple[str, list[Any]]], dict[sympy.Symbol, int]]] = []
-        self.recording = False
 
-    def compiler(self, kind: str) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
-        def compile_graph(graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-            bindings = _size_bindings(graph_module.graph)
-            gemms = [(str(n.target).split(".")[1], [a.meta["val"] for a in n.args if isinstance(a, fx.Node)][-2:])
-                     for n in graph_module.graph.nodes if str(n.target) in GEMMS]  # fmt: skip
+    def analyze(self, graph_module: fx.GraphModule) -> tuple[list, list[tuple[str, list[Any]]]]:
+        """The graph's size bindings and its GEMMs (op, symbolic operands)."""
+        gemms = [(str(n.target).split(".")[1], [a.meta["val"] for a in n.args if isinstance(a, fx.Node)][-2:])
+                 for n in graph_module.graph.nodes if str(n.target) in GEMMS]  # fmt: skip
+        return _size_bindings(graph_module.graph), gemms
 
-            def run(*args: Any) -> Any:
-                if self.recording:
-                    values = {sym: int(args[i] if d is None else args[i].shape[d]) for i, d, sym in bindings}
-                    self.runs.append((kind, gemms, values))
-                return graph_module(*args)
-
-            return run
-
-        return compile_graph
-
-    def backend(self) -> Callable[..., Any]:
-        return aot_autograd(fw_compiler=self.compiler("forward"), bw_compiler=self.compiler("backward"))
+    def record(self, kind: str, analysis: tuple[list, list[tuple[str, list[Any]]]], args: Sequence[Any]) -> None:
+        bindings, gemms = analysis
+        values = {sym: int(args[i] if d is None else args[i].shape[d]) for i, d, sym in bindings}
+        self.runs.append((kind, gemms, values))
 
     def rooflines(self, projection: Projection, matmul_tflops: float, hbm_tbs: float) -> list[GemmRoofline]:
         """Every recorded GEMM at the projection's target batch, the same shapes merged, largest floor first."""

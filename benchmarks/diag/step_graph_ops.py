@@ -62,21 +62,27 @@ def _feeds_gemm(node: fx.Node) -> bool:
     return any(str(user.target) in GEMMS or (str(user.target) in VIEWS and _feeds_gemm(user)) for user in node.users)
 
 
-class Counts:
-    """Ops a step by graph kind (``forward`` / ``backward``), added each time a compiled graph runs while
+class GraphRecorder:
+    """A compile backend (AOTAutograd; the graphs run as traced) that analyzes each compiled graph once, with
+    :meth:`analyze`, and hands that analysis and the run's inputs to :meth:`record` each time the graph runs while
     ``recording``."""
 
     def __init__(self) -> None:
-        self.per_step = {"forward": collections.Counter(), "backward": collections.Counter()}
         self.recording = False
+
+    def analyze(self, graph_module: fx.GraphModule) -> Any:
+        raise NotImplementedError
+
+    def record(self, kind: str, analysis: Any, args: Sequence[Any]) -> None:
+        raise NotImplementedError
 
     def compiler(self, kind: str) -> Callable[[fx.GraphModule, Sequence[Any]], Callable[..., Any]]:
         def compile_graph(graph_module: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable[..., Any]:
-            ops = collections.Counter(name for node in graph_module.graph.nodes if (name := op_name(node)))
+            analysis = self.analyze(graph_module)
 
             def run(*args: Any) -> Any:
                 if self.recording:
-                    self.per_step[kind].update(ops)
+                    self.record(kind, analysis, args)
                 return graph_module(*args)
 
             return run
@@ -85,6 +91,21 @@ class Counts:
 
     def backend(self) -> Callable[..., Any]:
         return aot_autograd(fw_compiler=self.compiler("forward"), bw_compiler=self.compiler("backward"))
+
+
+class Counts(GraphRecorder):
+    """Ops a step by graph kind (``forward`` / ``backward``), added each time a compiled graph runs while
+    ``recording``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.per_step = {"forward": collections.Counter(), "backward": collections.Counter()}
+
+    def analyze(self, graph_module: fx.GraphModule) -> collections.Counter:
+        return collections.Counter(name for node in graph_module.graph.nodes if (name := op_name(node)))
+
+    def record(self, kind: str, analysis: collections.Counter, args: Sequence[Any]) -> None:
+        self.per_step[kind].update(analysis)
 
 
 def summary(counts: collections.Counter) -> dict[str, Any]:
