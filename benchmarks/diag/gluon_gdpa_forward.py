@@ -1,0 +1,263 @@
+"""A warp-specialized GDPA forward in Gluon (Hopper), against the Triton kernel and JFA on issue 4's workload (a).
+
+Issue 4's forward bar against JFA (>= 1.1x) fails on the sparsity-0.5 rows at L >= 512 (1.02-1.10x, H100, session
+40), and every route past the Triton kernels' ceilings names warp specialization, which Triton 3.6's ``tl.range``
+does not build on Hopper. This is the first kernel on that route, kept out of ``opengem.ops`` until the GPU says it is
+right and faster: GDPA's forward has no row statistics (``O = c * sum_j phi(s * q k_j) v_j``), so it is the simplest
+attention loop to move.
+
+Structure: one program per (query tile of one sample, head); a one-warp worker partition TMA-loads the sample's K
+and V tiles into a ring of shared-memory stages (``ready`` / ``empty`` mbarriers); the default partition, two
+warpgroups of 64 query rows each, runs ``S = Q K^T`` on the tensor cores, ``P = phi(S)`` in registers (fast_gelu's
+smoothstep form, as ``opengem.ops.triton.activations``), hands P to ``O += P V`` from registers and frees the stage.
+The warp scheduler overlaps one warpgroup's activation with the other's MMAs. Q, K and V are read through 2-D
+``[T, H * D]`` descriptors: key rows past a sample's end belong to the next sample (or read as zeros past T), so the
+last key tile masks P's columns; query rows past the end are not stored.
+
+Self-attention only (``q_offsets == k_offsets``), non-causal, no window, D = 128, bf16, ``norm="max_len"``. Needs
+triton 3.6 (the GPU image's; 3.9's Gluon API rejects it). ``--compile-only`` builds it for sm_90 without a GPU and
+prints its SASS resources (run it under a triton 3.6 install); on a GPU it checks the output against the Triton op
+and times both and JFA, interleaved, on (a), writing ``benchmarks/results/gluon_gdpa_forward.json``.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gluon_gdpa_forward [--compile-only] [--workloads "a self L=1024"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from functools import partial
+import os
+import re
+import subprocess
+import tempfile
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+HEAD_DIM = 128
+VARIANTS = ((128, 2), (64, 3))  # (BLOCK_N, stages): 128-key tiles spill 16 B at sm_90; 64-key ones none
+FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v)
+
+
+@gluon.jit
+def _load_keys(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, key_row, key_len, head_col,
+               BLOCK_N: gl.constexpr):
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    for j in range(gl.cdiv(key_len, BLOCK_N)):
+        s = j % stages
+        mbarrier.wait(empty.index(s), ((j // stages) & 1) ^ 1)  # a fresh barrier counts as phase 1 complete
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [key_row + j * BLOCK_N, head_col], k_ready.index(s), k_bufs.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [key_row + j * BLOCK_N, head_col], v_ready.index(s), v_bufs.index(s))
+
+
+@gluon.jit
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out_row, rows, key_len, head_col,
+            slope, scale, out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            num_warps: gl.constexpr):
+    stages: gl.constexpr = k_bufs.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    n_tiles = gl.cdiv(key_len, BLOCK_N)
+    for j in range(n_tiles):
+        s = j % stages
+        phase = (j // stages) & 1
+        mbarrier.wait(k_ready.index(s), phase)
+        scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False)
+        gate = gl.minimum(gl.maximum(scores * slope + 0.5, 0.0), 1.0)
+        p = scores * scale * (gate * gate * (3.0 - 2.0 * gate))
+        if j == n_tiles - 1:  # keys past the sample's end: the next sample's rows, or zeros past T
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(gl.expand_dims(cols < key_len, 0), p, 0.0)
+        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
+        mbarrier.wait(v_ready.index(s), phase)
+        acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=[acc])
+        mbarrier.arrive(empty.index(s), count=1)
+    offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + gl.expand_dims((out_row + offs_m).to(gl.int64) * stride_ot, 1) + head_col + gl.expand_dims(offs_d, 0)
+    gl.store(ptrs, (acc * out_scale).to(gl.bfloat16), mask=gl.expand_dims(offs_m < rows, 1))
+
+
+@gluon.jit
+def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, item_len, item_m, slope, scale,
+                          out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+                          STAGES: gl.constexpr, num_warps: gl.constexpr):
+    item = gl.program_id(0)
+    head_col = gl.program_id(1) * HEAD_DIM
+    start = gl.load(item_start + item)
+    length = gl.load(item_len + item)
+    m_start = gl.load(item_m + item)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
+    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [start + m_start, head_col], q_bar, q_smem)
+    mbarrier.wait(q_bar, 0)
+    gl.warp_specialize([
+        (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, start + m_start,
+                   length - m_start, length, head_col, slope, scale, out_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
+                   num_warps)),
+        (_load_keys, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, start, length, head_col, BLOCK_N)),
+    ], [1], [24])
+
+
+def query_tile_schedule(lengths: torch.Tensor, block_m: int, device) -> tuple[torch.Tensor, ...]:
+    """``(start, length, m_start)`` int32 per (sample, query tile), longest key loops first, so the last wave's
+    stragglers are short ones; built once per batch, outside the timed calls."""
+    lengths = lengths.to(torch.int64)
+    starts = torch.cumsum(lengths, 0) - lengths
+    tiles = (lengths + block_m - 1) // block_m
+    sample = torch.repeat_interleave(torch.arange(lengths.numel()), tiles)
+    first_tile = torch.cumsum(tiles, 0) - tiles
+    m_start = (torch.arange(int(tiles.sum())) - first_tile[sample]) * block_m
+    order = torch.argsort(-lengths[sample], stable=True)
+    return tuple(t[order].to(device=device, dtype=torch.int32) for t in (starts[sample], lengths[sample], m_start))
+
+
+def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
+                       block_m: int = 128, block_n: int = 128, stages: int = 2, num_warps: int = 8) -> torch.Tensor:
+    """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
+    :func:`query_tile_schedule` with the same ``block_m``."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    T, H, D = q.shape
+    contiguous = q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+    if D != HEAD_DIM or q.dtype != torch.bfloat16 or not contiguous:
+        raise ValueError(f"needs contiguous bf16 [T, H, {HEAD_DIM}] q, k, v; got {q.dtype} {tuple(q.shape)}")
+    out = torch.empty_like(q)
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, D], gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], gl.bfloat16)
+    q_desc = TensorDescriptor.from_tensor(q.view(T, H * D), [block_m, D], q_layout)
+    k_desc = TensorDescriptor.from_tensor(k.view(T, H * D), [block_n, D], kv_layout)
+    v_desc = TensorDescriptor.from_tensor(v.view(T, H * D), [block_n, D], kv_layout)
+    item_start, item_len, item_m = schedule
+    grid = (item_start.numel(), H)
+    gluon_gdpa_fwd_kernel[grid](q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m,
+                                pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, block_m, block_n, D, stages,
+                                num_warps=num_warps, maxnreg=168)
+    return out
+
+
+def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, num_warps: int = 8) -> dict[str, object]:
+    """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, HEAD_DIM], gl.bfloat16)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, HEAD_DIM], gl.bfloat16)
+    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "STAGES": stages,
+                 "num_warps": num_warps}
+    signature = {"q_desc": f"tensordesc<bf16[{block_m},{HEAD_DIM}],{q_layout!r}>",
+                 "k_desc": f"tensordesc<bf16[{block_n},{HEAD_DIM}],{kv_layout!r}>",
+                 "v_desc": f"tensordesc<bf16[{block_n},{HEAD_DIM}],{kv_layout!r}>",
+                 "Out": "*bf16", "stride_ot": "i32", "item_start": "*i32", "item_len": "*i32", "item_m": "*i32",
+                 "slope": "fp32", "scale": "fp32", "out_scale": "fp32"} | {name: "constexpr" for name in constants}
+    source = GluonASTSource(gluon_gdpa_fwd_kernel, signature, constexprs=constants)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": num_warps, "maxnreg": 168})
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(compiled.asm["cubin"])
+        cubin.flush()
+        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
+    opcodes = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "SYNCS", "LDL", "STL")}
+    return dict(resources, shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
+                setmaxnreg=re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^;]*", sass), **opcodes)
+
+
+def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, samples: int = 32) -> dict[str, float]:
+    """Both kernels against the fp32 reference on the first ``samples`` samples (the reference is slow)."""
+    from benchmarks.common import offsets_of, relative_error
+
+    sub = lengths[:samples]
+    rows = int(sub.sum())
+    q, k, v = q[:rows].contiguous(), k[:rows].contiguous(), v[:rows].contiguous()
+    offsets = offsets_of(sub, q.device)
+    options = dict(activation="fast_gelu", pre_scale=scale, norm=float(max_len))
+    want = gdpa(q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, backend="reference", **options)
+    triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
+    schedule = query_tile_schedule(sub, 128, q.device)
+    return {"triton_vs_fp32": relative_error(triton_out, want)} | {
+        f"gluon_n{n}_s{st}_vs_fp32": relative_error(gluon_gdpa_forward(q, k, v, schedule, max_len, scale, block_n=n,
+                                                                        stages=st), want) for n, st in VARIANTS}
+
+
+def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
+    from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup,
+                                   relative_error)
+    from benchmarks.gdpa import BATCH, HEADS, workloads
+    from opengem.ops import gdpa, jagged_attention
+
+    rows = []
+    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], prefixes, "--workloads"):
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        total = int(w.q_lengths.sum())
+        q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
+        offsets, max_len = offsets_of(w.q_lengths, "cuda"), int(w.q_lengths.max())
+        scale = 1 / math.sqrt(HEAD_DIM)
+        schedule = query_tile_schedule(w.q_lengths, 128, "cuda")
+        fns = {
+            "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
+                                   pre_scale=scale, norm="max_len"),
+            "jfa": lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, scale=scale),
+        } | {f"gluon_n{n}_s{st}": partial(gluon_gdpa_forward, q, k, v, schedule, max_len, scale, block_n=n,
+                                          stages=st) for n, st in VARIANTS}
+        with torch.no_grad():
+            errors = _errors(q, k, v, w.q_lengths, max_len, scale, gdpa)
+            want = fns["triton"]()
+            errors |= {f"{name}_vs_triton": relative_error(fn(), want) for name, fn in fns.items() if "gluon" in name}
+            times = interleaved_ms(fns, rounds=rounds, bench=bench_ms)
+        flops = 4 * HEADS * HEAD_DIM * float((w.q_lengths.double() ** 2).sum())
+        row = {"workload": w.name, "batch": BATCH, **errors,
+               **{f"{name}_ms": min(t) for name, t in times.items()},
+               **{f"{name}_tflops": flops / min(t) / 1e9 for name, t in times.items()},
+               "triton_x_jfa": paired_speedup(times["jfa"], times["triton"])}
+        for name in (n for n in fns if "gluon" in n):
+            row[f"{name}_x_triton"] = paired_speedup(times["triton"], times[name])
+            row[f"{name}_x_jfa"] = paired_speedup(times["jfa"], times[name])
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
+    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    if args.compile_only:
+        for block_n, stages in VARIANTS:
+            print(f"BLOCK_N {block_n}, {stages} stages:", compile_only(block_n=block_n, stages=stages))
+        return
+    from benchmarks.common import environment, write_results
+
+    rows = run(args.workloads, args.rounds)
+    print(write_results("gluon_gdpa_forward", rows, {"environment_check": environment()["device"]}))
+
+
+if __name__ == "__main__":
+    main()

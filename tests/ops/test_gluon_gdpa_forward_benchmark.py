@@ -1,0 +1,20 @@
+"""benchmarks.diag.gluon_gdpa_forward's host side on the CPU: the query-tile schedule its Gluon kernel launches over
+(the kernel itself needs triton 3.6 and a Hopper GPU)."""
+
+import torch
+
+from benchmarks.diag.gluon_gdpa_forward import query_tile_schedule
+
+
+def test_every_query_row_is_in_exactly_one_tile_longest_samples_first():
+    lengths = torch.tensor([3, 130, 128, 1, 300])
+    start, length, m_start = query_tile_schedule(lengths, 128, "cpu")
+    assert start.dtype == length.dtype == m_start.dtype == torch.int32
+    # sample 4 (300 rows: three tiles) first, then 130 (two), 128, 3, 1
+    assert length.tolist() == [300, 300, 300, 130, 130, 128, 3, 1]
+    assert start.tolist() == [262, 262, 262, 3, 3, 133, 0, 261]
+    assert m_start.tolist() == [0, 128, 256, 0, 128, 0, 0, 0]
+    covered = torch.zeros(int(lengths.sum()), dtype=torch.int64)
+    for s, n, m in zip(start.tolist(), length.tolist(), m_start.tolist()):
+        covered[s + m: s + min(m + 128, n)] += 1
+    assert torch.equal(covered, torch.ones_like(covered))
