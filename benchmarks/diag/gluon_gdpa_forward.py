@@ -39,7 +39,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 HEAD_DIM = 128
-VARIANTS = ((128, 2), (64, 3))  # (BLOCK_N, stages): 128-key tiles spill 16 B at sm_90; 64-key ones none
+# (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the 128-key tiles spill a little, the 64-key ones do not
+VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
+
+
+def variant_name(block_n: int, stages: int, overlap: bool) -> str:
+    return f"gluon_n{block_n}_s{stages}" + ("_overlap" if overlap else "")
 FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v)
 
 
@@ -57,9 +62,21 @@ def _load_keys(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, key_row,
 
 
 @gluon.jit
+def _activate(scores, j, n_tiles, key_len, slope, scale, BLOCK_N: gl.constexpr, s_layout: gl.constexpr,
+              p_layout: gl.constexpr):
+    """``phi(scale * S)`` as bf16 in the second MMA's register-operand layout; keys past ``key_len`` give 0."""
+    gate = gl.minimum(gl.maximum(scores * slope + 0.5, 0.0), 1.0)
+    p = scores * scale * (gate * gate * (3.0 - 2.0 * gate))
+    if j == n_tiles - 1:  # keys past the sample's end: the next sample's rows, or zeros past T
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        p = gl.where(gl.expand_dims(cols < key_len, 0), p, 0.0)
+    return gl.convert_layout(p.to(gl.bfloat16), p_layout)
+
+
+@gluon.jit
 def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out_row, rows, key_len, head_col,
             slope, scale, out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            num_warps: gl.constexpr):
+            OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     stages: gl.constexpr = k_bufs.type.shape[0]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -69,21 +86,40 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_tiles = gl.cdiv(key_len, BLOCK_N)
-    for j in range(n_tiles):
-        s = j % stages
-        phase = (j // stages) & 1
-        mbarrier.wait(k_ready.index(s), phase)
-        scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False)
-        gate = gl.minimum(gl.maximum(scores * slope + 0.5, 0.0), 1.0)
-        p = scores * scale * (gate * gate * (3.0 - 2.0 * gate))
-        if j == n_tiles - 1:  # keys past the sample's end: the next sample's rows, or zeros past T
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(gl.expand_dims(cols < key_len, 0), p, 0.0)
-        p = gl.convert_layout(p.to(gl.bfloat16), p_layout)
-        mbarrier.wait(v_ready.index(s), phase)
-        acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+    if OVERLAP:
+        # FlashAttention-3's in-warpgroup overlap: tile j+1's S is issued before tile j's P V, and phi(S_{j+1})
+        # runs on the CUDA cores while P_j V_j is still on the tensor cores
+        mbarrier.wait(k_ready.index(0), 0)
+        scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
+        p = _activate(scores, 0, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
+        for j in range(n_tiles - 1):
+            s = j % stages
+            nxt = (j + 1) % stages
+            mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
+            scores = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            mbarrier.wait(v_ready.index(s), (j // stages) & 1)
+            acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+            scores = warpgroup_mma_wait(1, deps=[scores])  # in-order retirement: S_{j+1} done, P_j V_j may run on
+            p_next = _activate(scores, j + 1, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
+            acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # P_j's registers stay live until its MMA retires
+            mbarrier.arrive(empty.index(s), count=1)
+            p = p_next
+        last = n_tiles - 1
+        mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+        acc = warpgroup_mma(p, v_bufs.index(last % stages), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(empty.index(last % stages), count=1)
+    else:
+        for j in range(n_tiles):
+            s = j % stages
+            phase = (j // stages) & 1
+            mbarrier.wait(k_ready.index(s), phase)
+            scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False)
+            p = _activate(scores, j, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
+            mbarrier.wait(v_ready.index(s), phase)
+            acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=[acc])
+            mbarrier.arrive(empty.index(s), count=1)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     ptrs = Out + gl.expand_dims((out_row + offs_m).to(gl.int64) * stride_ot, 1) + head_col + gl.expand_dims(offs_d, 0)
@@ -93,7 +129,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
 @gluon.jit
 def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, item_len, item_m, slope, scale,
                           out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          STAGES: gl.constexpr, num_warps: gl.constexpr):
+                          STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     item = gl.program_id(0)
     head_col = gl.program_id(1) * HEAD_DIM
     start = gl.load(item_start + item)
@@ -117,7 +153,7 @@ def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, it
     gl.warp_specialize([
         (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, start + m_start,
                    length - m_start, length, head_col, slope, scale, out_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                   num_warps)),
+                   OVERLAP, num_warps)),
         (_load_keys, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, start, length, head_col, BLOCK_N)),
     ], [1], [24])
 
@@ -136,7 +172,8 @@ def query_tile_schedule(lengths: torch.Tensor, block_m: int, device) -> tuple[to
 
 
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
-                       block_m: int = 128, block_n: int = 128, stages: int = 2, num_warps: int = 8) -> torch.Tensor:
+                       block_m: int = 128, block_n: int = 128, stages: int = 2, overlap: bool = False,
+                       num_warps: int = 8) -> torch.Tensor:
     """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
     :func:`query_tile_schedule` with the same ``block_m``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -155,11 +192,12 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
     grid = (item_start.numel(), H)
     gluon_gdpa_fwd_kernel[grid](q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m,
                                 pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, block_m, block_n, D, stages,
-                                num_warps=num_warps, maxnreg=168)
+                                overlap, num_warps=num_warps, maxnreg=168)
     return out
 
 
-def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, num_warps: int = 8) -> dict[str, object]:
+def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, overlap: bool = False,
+                 num_warps: int = 8) -> dict[str, object]:
     """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -167,7 +205,7 @@ def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, num_wa
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, HEAD_DIM], gl.bfloat16)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, HEAD_DIM], gl.bfloat16)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "STAGES": stages,
-                 "num_warps": num_warps}
+                 "OVERLAP": overlap, "num_warps": num_warps}
     signature = {"q_desc": f"tensordesc<bf16[{block_m},{HEAD_DIM}],{q_layout!r}>",
                  "k_desc": f"tensordesc<bf16[{block_n},{HEAD_DIM}],{kv_layout!r}>",
                  "v_desc": f"tensordesc<bf16[{block_n},{HEAD_DIM}],{kv_layout!r}>",
@@ -188,6 +226,11 @@ def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, num_wa
                 setmaxnreg=re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^;]*", sass), **opcodes)
 
 
+def _gluon_call(q, k, v, schedule, max_len: int, scale: float, variant: tuple[int, int, bool]) -> torch.Tensor:
+    block_n, stages, overlap = variant
+    return gluon_gdpa_forward(q, k, v, schedule, max_len, scale, block_n=block_n, stages=stages, overlap=overlap)
+
+
 def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, samples: int = 32) -> dict[str, float]:
     """Both kernels against the fp32 reference on the first ``samples`` samples (the reference is slow)."""
     from benchmarks.common import offsets_of, relative_error
@@ -201,8 +244,8 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, sa
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
     schedule = query_tile_schedule(sub, 128, q.device)
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
-        f"gluon_n{n}_s{st}_vs_fp32": relative_error(gluon_gdpa_forward(q, k, v, schedule, max_len, scale, block_n=n,
-                                                                        stages=st), want) for n, st in VARIANTS}
+        f"{variant_name(*variant)}_vs_fp32": relative_error(_gluon_call(q, k, v, schedule, max_len, scale, variant),
+                                                            want) for variant in VARIANTS}
 
 
 def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
@@ -223,8 +266,8 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
             "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
                                    pre_scale=scale, norm="max_len"),
             "jfa": lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, scale=scale),
-        } | {f"gluon_n{n}_s{st}": partial(gluon_gdpa_forward, q, k, v, schedule, max_len, scale, block_n=n,
-                                          stages=st) for n, st in VARIANTS}
+        } | {variant_name(*variant): partial(_gluon_call, q, k, v, schedule, max_len, scale, variant)
+             for variant in VARIANTS}
         with torch.no_grad():
             errors = _errors(q, k, v, w.q_lengths, max_len, scale, gdpa)
             want = fns["triton"]()
@@ -250,8 +293,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if args.compile_only:
-        for block_n, stages in VARIANTS:
-            print(f"BLOCK_N {block_n}, {stages} stages:", compile_only(block_n=block_n, stages=stages))
+        for block_n, stages, overlap in VARIANTS:
+            print(variant_name(block_n, stages, overlap), compile_only(block_n=block_n, stages=stages, overlap=overlap))
         return
     from benchmarks.common import environment, write_results
 
