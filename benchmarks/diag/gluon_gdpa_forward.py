@@ -6,18 +6,20 @@ does not build on Hopper. This is the first kernel on that route, kept out of ``
 right and faster: GDPA's forward has no row statistics (``O = c * sum_j phi(s * q k_j) v_j``), so it is the simplest
 attention loop to move.
 
-Structure: one program per (query tile of one sample, head); a one-warp worker partition TMA-loads the sample's K
-and V tiles into a ring of shared-memory stages (``ready`` / ``empty`` mbarriers); the default partition, two
-warpgroups of 64 query rows each, runs ``S = Q K^T`` on the tensor cores, ``P = phi(S)`` in registers (fast_gelu's
-smoothstep form, as ``opengem.ops.triton.activations``), hands P to ``O += P V`` from registers and frees the stage.
-The warp scheduler overlaps one warpgroup's activation with the other's MMAs. Q, K and V are read through 2-D
+Structure: one program per (query tile of one sample, head); a one-warp worker partition TMA-loads the sample's K and
+V tiles into a ring of shared-memory stages (``ready`` / ``empty`` mbarriers); the default partition, two warpgroups
+of 64 query rows each, runs ``S = Q K^T`` on the tensor cores, ``P = phi(S)`` in registers (fast_gelu's smoothstep
+form, as ``opengem.ops.triton.activations``), hands P to ``O += P V`` from registers and frees the stage. The warp
+scheduler overlaps one warpgroup's activation with the other's MMAs; the ``OVERLAP`` variants also overlap inside a
+warpgroup, as FlashAttention-3 does (tile j+1's ``S`` issued before tile j's ``P V``). Q, K and V are read through 2-D
 ``[T, H * D]`` descriptors: key rows past a sample's end belong to the next sample (or read as zeros past T), so the
 last key tile masks P's columns; query rows past the end are not stored.
 
 Self-attention only (``q_offsets == k_offsets``), non-causal, no window, D = 128, bf16, ``norm="max_len"``. Needs
 triton 3.6 (the GPU image's; 3.9's Gluon API rejects it). ``--compile-only`` builds it for sm_90 without a GPU and
-prints its SASS resources (run it under a triton 3.6 install); on a GPU it checks the output against the Triton op
-and times both and JFA, interleaved, on (a), writing ``benchmarks/results/gluon_gdpa_forward.json``.
+prints its SASS resources (run it under a triton 3.6 install); on a GPU it checks the output against the Triton op and
+the fp32 reference, then times every variant, the Triton op and JFA interleaved on (a), rewriting
+``benchmarks/results/gluon_gdpa_forward.json`` after each workload.
 
     PYTHONPATH=src:. python -m benchmarks.diag.gluon_gdpa_forward [--compile-only] [--workloads "a self L=1024"]
 """
@@ -26,11 +28,11 @@ from __future__ import annotations
 
 import argparse
 import math
-from functools import partial
 import os
 import re
 import subprocess
 import tempfile
+from functools import partial
 
 import torch
 import triton
@@ -39,13 +41,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
 HEAD_DIM = 128
-# (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the 128-key tiles spill a little, the 64-key ones do not
+FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v)
+# (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the plain 128-key tiles spill 16 B, the others nothing
 VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
 
 
 def variant_name(block_n: int, stages: int, overlap: bool) -> str:
     return f"gluon_n{block_n}_s{stages}" + ("_overlap" if overlap else "")
-FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v)
 
 
 @gluon.jit
@@ -250,7 +252,7 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, sa
 
 def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
     from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup,
-                                   relative_error)
+                                   relative_error, write_results)
     from benchmarks.gdpa import BATCH, HEADS, workloads
     from opengem.ops import gdpa, jagged_attention
 
@@ -283,6 +285,7 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
             row[f"{name}_x_jfa"] = paired_speedup(times["jfa"], times[name])
         print(row, flush=True)
         rows.append(row)
+        print(write_results("gluon_gdpa_forward", rows), flush=True)  # a hang later keeps the rows so far
     return rows
 
 
@@ -296,10 +299,7 @@ def main() -> None:
         for block_n, stages, overlap in VARIANTS:
             print(variant_name(block_n, stages, overlap), compile_only(block_n=block_n, stages=stages, overlap=overlap))
         return
-    from benchmarks.common import environment, write_results
-
-    rows = run(args.workloads, args.rounds)
-    print(write_results("gluon_gdpa_forward", rows, {"environment_check": environment()["device"]}))
+    run(args.workloads, args.rounds)
 
 
 if __name__ == "__main__":
