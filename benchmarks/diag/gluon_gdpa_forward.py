@@ -31,6 +31,7 @@ import math
 import os
 import re
 import subprocess
+import sys
 import tempfile
 from functools import partial
 
@@ -233,7 +234,8 @@ def _gluon_call(q, k, v, schedule, max_len: int, scale: float, variant: tuple[in
     return gluon_gdpa_forward(q, k, v, schedule, max_len, scale, block_n=block_n, stages=stages, overlap=overlap)
 
 
-def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, samples: int = 32) -> dict[str, float]:
+def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, variants,
+            samples: int = 32) -> dict[str, float]:
     """Both kernels against the fp32 reference on the first ``samples`` samples (the reference is slow)."""
     from benchmarks.common import offsets_of, relative_error
 
@@ -247,7 +249,49 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, sa
     schedule = query_tile_schedule(sub, 128, q.device)
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
         f"{variant_name(*variant)}_vs_fp32": relative_error(_gluon_call(q, k, v, schedule, max_len, scale, variant),
-                                                            want) for variant in VARIANTS}
+                                                            want) for variant in variants}
+
+
+SMOKE_TIMEOUT_S = 120  # one variant's compile and a small call; past it the variant is taken as hung
+
+
+def smoke(variant: tuple[int, int, bool]) -> float:
+    """One variant on a small jagged batch (lengths 1..300, so single, partial and several key tiles), against the
+    Triton op: the relative error. Run in a child process by :func:`healthy_variants`, so a hang costs its timeout."""
+    from benchmarks.common import offsets_of, relative_error
+    from opengem.ops import gdpa
+
+    lengths = torch.tensor([1, 37, 64, 127, 128, 129, 200, 300])
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    q, k, v = (torch.randn(int(lengths.sum()), 4, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
+    want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
+    got = _gluon_call(q, k, v, query_tile_schedule(lengths, 128, "cuda"), max_len, scale, variant)
+    torch.cuda.synchronize()
+    return relative_error(got, want)
+
+
+def healthy_variants() -> tuple[list[tuple[int, int, bool]], dict[str, str]]:
+    """The variants whose smoke call returns within ``SMOKE_TIMEOUT_S`` with an error under 2e-2, each checked in
+    its own process; the others with what went wrong."""
+    healthy, failed = [], {}
+    for variant in VARIANTS:
+        name = variant_name(*variant)
+        command = [sys.executable, "-m", "benchmarks.diag.gluon_gdpa_forward", "--smoke", name]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            failed[name] = f"no result within {SMOKE_TIMEOUT_S} s (hung)"
+            continue
+        found = re.search(r"smoke error ([0-9.eE+-]+|inf|nan)", done.stdout)
+        if done.returncode != 0 or not found:
+            failed[name] = f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}"
+        elif not float(found.group(1)) < 2e-2:
+            failed[name] = f"wrong: relative error {found.group(1)} against the Triton op"
+        else:
+            healthy.append(variant)
+        print(name, failed.get(name, f"ok, error {found.group(1) if found else None}"), flush=True)
+    return healthy, failed
 
 
 def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
@@ -256,7 +300,13 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
     from benchmarks.gdpa import BATCH, HEADS, workloads
     from opengem.ops import gdpa, jagged_attention
 
-    rows = []
+    variants, failed = healthy_variants()
+    rows: list[dict[str, object]] = []
+    if failed:
+        rows.append({"workload": "smoke (lengths 1..300)", "failed": failed})
+        print(write_results("gluon_gdpa_forward", rows), flush=True)
+    if not variants:
+        return rows
     for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], prefixes, "--workloads"):
         gen = torch.Generator(device="cuda").manual_seed(1)
         total = int(w.q_lengths.sum())
@@ -269,9 +319,9 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
                                    pre_scale=scale, norm="max_len"),
             "jfa": lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, scale=scale),
         } | {variant_name(*variant): partial(_gluon_call, q, k, v, schedule, max_len, scale, variant)
-             for variant in VARIANTS}
+             for variant in variants}
         with torch.no_grad():
-            errors = _errors(q, k, v, w.q_lengths, max_len, scale, gdpa)
+            errors = _errors(q, k, v, w.q_lengths, max_len, scale, gdpa, variants)
             want = fns["triton"]()
             errors |= {f"{name}_vs_triton": relative_error(fn(), want) for name, fn in fns.items() if "gluon" in name}
             times = interleaved_ms(fns, rounds=rounds, bench=bench_ms)
@@ -294,7 +344,13 @@ def main() -> None:
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
     parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--smoke", choices=[variant_name(*v) for v in VARIANTS], default=None,
+                        help="(internal) one variant's smoke call, printing its error")
     args = parser.parse_args()
+    if args.smoke:
+        variant = next(v for v in VARIANTS if variant_name(*v) == args.smoke)
+        print(f"smoke error {smoke(variant)}", flush=True)
+        return
     if args.compile_only:
         for block_n, stages, overlap in VARIANTS:
             print(variant_name(block_n, stages, overlap), compile_only(block_n=block_n, stages=stages, overlap=overlap))
