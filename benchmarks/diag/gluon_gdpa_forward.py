@@ -28,21 +28,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
-import re
-import subprocess
-import sys
-import tempfile
 from functools import partial
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-HEAD_DIM = 128
-FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, sm90_resources,
+                                          smoke_in_child, tile_schedule)
+
 # (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the plain 128-key tiles spill 16 B, the others nothing
 VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
 
@@ -161,24 +156,11 @@ def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, it
     ], [1], [24])
 
 
-def query_tile_schedule(lengths: torch.Tensor, block_m: int, device) -> tuple[torch.Tensor, ...]:
-    """``(start, length, m_start)`` int32 per (sample, query tile), longest key loops first, so the last wave's
-    stragglers are short ones; built once per batch, outside the timed calls."""
-    lengths = lengths.to(torch.int64)
-    starts = torch.cumsum(lengths, 0) - lengths
-    tiles = (lengths + block_m - 1) // block_m
-    sample = torch.repeat_interleave(torch.arange(lengths.numel()), tiles)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    m_start = (torch.arange(int(tiles.sum())) - first_tile[sample]) * block_m
-    order = torch.argsort(-lengths[sample], stable=True)
-    return tuple(t[order].to(device=device, dtype=torch.int32) for t in (starts[sample], lengths[sample], m_start))
-
-
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
                        block_m: int = 128, block_n: int = 128, stages: int = 2, overlap: bool = False,
                        num_warps: int = 8) -> torch.Tensor:
     """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
-    :func:`query_tile_schedule` with the same ``block_m``."""
+    :func:`tile_schedule` with the same ``block_m``."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
     T, H, D = q.shape
@@ -202,31 +184,13 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
 def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, overlap: bool = False,
                  num_warps: int = 8) -> dict[str, object]:
     """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, HEAD_DIM], gl.bfloat16)
-    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, HEAD_DIM], gl.bfloat16)
     constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "STAGES": stages,
                  "OVERLAP": overlap, "num_warps": num_warps}
-    signature = {"q_desc": f"tensordesc<bf16[{block_m},{HEAD_DIM}],{q_layout!r}>",
-                 "k_desc": f"tensordesc<bf16[{block_n},{HEAD_DIM}],{kv_layout!r}>",
-                 "v_desc": f"tensordesc<bf16[{block_n},{HEAD_DIM}],{kv_layout!r}>",
-                 "Out": "*bf16", "stride_ot": "i32", "item_start": "*i32", "item_len": "*i32", "item_m": "*i32",
-                 "slope": "fp32", "scale": "fp32", "out_scale": "fp32"} | {name: "constexpr" for name in constants}
-    source = GluonASTSource(gluon_gdpa_fwd_kernel, signature, constexprs=constants)
-    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "maxnreg": 168})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
-    resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
-    opcodes = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "SYNCS", "LDL", "STL")}
-    return dict(resources, shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
-                setmaxnreg=re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^;]*", sass), **opcodes)
+    signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "k_desc": descriptor_type(block_n, HEAD_DIM),
+                 "v_desc": descriptor_type(block_n, HEAD_DIM), "Out": "*bf16", "stride_ot": "i32",
+                 "item_start": "*i32", "item_len": "*i32", "item_m": "*i32", "slope": "fp32", "scale": "fp32",
+                 "out_scale": "fp32"}
+    return sm90_resources(gluon_gdpa_fwd_kernel, signature, constants, num_warps, maxnreg=168)
 
 
 def _gluon_call(q, k, v, schedule, max_len: int, scale: float, variant: tuple[int, int, bool]) -> torch.Tensor:
@@ -246,51 +210,39 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, va
     options = dict(activation="fast_gelu", pre_scale=scale, norm=float(max_len))
     want = gdpa(q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, backend="reference", **options)
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
-    schedule = query_tile_schedule(sub, 128, q.device)
+    schedule = tile_schedule(sub, 128, q.device)
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
         f"{variant_name(*variant)}_vs_fp32": relative_error(_gluon_call(q, k, v, schedule, max_len, scale, variant),
                                                             want) for variant in variants}
 
 
-SMOKE_TIMEOUT_S = 120  # one variant's compile and a small call; past it the variant is taken as hung
-
-
 def smoke(variant: tuple[int, int, bool]) -> float:
-    """One variant on a small jagged batch (lengths 1..300, so single, partial and several key tiles), against the
-    Triton op: the relative error. Run in a child process by :func:`healthy_variants`, so a hang costs its timeout."""
+    """One variant on a small jagged batch (single, partial and several key tiles) against the Triton op: the
+    relative error. :func:`healthy_variants` runs it in a child process, so a hang costs a timeout."""
     from benchmarks.common import offsets_of, relative_error
     from opengem.ops import gdpa
 
-    lengths = torch.tensor([1, 37, 64, 127, 128, 129, 200, 300])
+    lengths = torch.tensor(SMOKE_LENGTHS)
     gen = torch.Generator(device="cuda").manual_seed(2)
     q, k, v = (torch.randn(int(lengths.sum()), 4, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
-    got = _gluon_call(q, k, v, query_tile_schedule(lengths, 128, "cuda"), max_len, scale, variant)
+    got = _gluon_call(q, k, v, tile_schedule(lengths, 128, "cuda"), max_len, scale, variant)
     torch.cuda.synchronize()
     return relative_error(got, want)
 
 
 def healthy_variants() -> tuple[list[tuple[int, int, bool]], dict[str, str]]:
-    """The variants whose smoke call returns within ``SMOKE_TIMEOUT_S`` with an error under 2e-2, each checked in
-    its own process; the others with what went wrong."""
+    """The variants whose smoke call returns an error under 2e-2 in time; the others with what went wrong."""
     healthy, failed = [], {}
     for variant in VARIANTS:
         name = variant_name(*variant)
-        command = [sys.executable, "-m", "benchmarks.diag.gluon_gdpa_forward", "--smoke", name]
-        try:
-            done = subprocess.run(command, capture_output=True, text=True, timeout=SMOKE_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            failed[name] = f"no result within {SMOKE_TIMEOUT_S} s (hung)"
-            continue
-        found = re.search(r"smoke error ([0-9.eE+-]+|inf|nan)", done.stdout)
-        if done.returncode != 0 or not found:
-            failed[name] = f"exit {done.returncode}: {(done.stderr or done.stdout).strip()[-400:]}"
-        elif not float(found.group(1)) < 2e-2:
-            failed[name] = f"wrong: relative error {found.group(1)} against the Triton op"
-        else:
+        problem = smoke_in_child("benchmarks.diag.gluon_gdpa_forward", name, 2e-2)
+        if problem is None:
             healthy.append(variant)
-        print(name, failed.get(name, f"ok, error {found.group(1) if found else None}"), flush=True)
+        else:
+            failed[name] = problem
+        print(name, problem or "ok", flush=True)
     return healthy, failed
 
 
@@ -313,7 +265,7 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
         q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
         offsets, max_len = offsets_of(w.q_lengths, "cuda"), int(w.q_lengths.max())
         scale = 1 / math.sqrt(HEAD_DIM)
-        schedule = query_tile_schedule(w.q_lengths, 128, "cuda")
+        schedule = tile_schedule(w.q_lengths, 128, "cuda")
         fns = {
             "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
                                    pre_scale=scale, norm="max_len"),

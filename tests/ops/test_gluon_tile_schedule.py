@@ -1,14 +1,14 @@
-"""benchmarks.diag.gluon_gdpa_forward's host side on the CPU: the query-tile schedule its Gluon kernel launches over
-(the kernel itself needs triton 3.6 and a Hopper GPU)."""
+"""benchmarks.diag.gluon_common's tile schedule on the CPU: the (sample, tile) items the Gluon diags' kernels launch
+over (the kernels themselves need triton 3.6 and a Hopper GPU)."""
 
 import torch
 
-from benchmarks.diag.gluon_gdpa_forward import query_tile_schedule
+from benchmarks.diag.gluon_common import tile_schedule
 
 
-def test_every_query_row_is_in_exactly_one_tile_longest_samples_first():
+def test_every_row_is_in_exactly_one_tile_longest_samples_first():
     lengths = torch.tensor([3, 130, 128, 1, 300])
-    start, length, m_start = query_tile_schedule(lengths, 128, "cpu")
+    start, length, m_start = tile_schedule(lengths, 128, "cpu")
     assert start.dtype == length.dtype == m_start.dtype == torch.int32
     # sample 4 (300 rows: three tiles) first, then 130 (two), 128, 3, 1
     assert length.tolist() == [300, 300, 300, 130, 130, 128, 3, 1]

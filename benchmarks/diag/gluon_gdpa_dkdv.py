@@ -1,0 +1,266 @@
+"""GDPA's dK/dV pass in Gluon (Hopper, warp-specialized), against the Triton dK/dV kernel on issue 4's workload (a).
+
+Issue 4's sparsity-1.0 backward (1.49-1.65x the compiled padded reference on an H100, bar 2x) needs the backward at
+316-482 TFLOP/s; the Triton one runs two passes, dK/dV (four products a tile pair) and dQ (three). This diag asks
+the first question of that route: how fast the dK/dV pass runs with a TMA-load worker and the MMAs issued
+asynchronously, kernel time against kernel time. Nothing here is wired into ``opengem.ops.gdpa``.
+
+Structure: one program per (key tile of 128 keys of one sample, head); K and V are loaded once; a one-warp worker
+TMA-loads the sample's Q and dO tiles of 64 rows into a ring of stages; the default partition, two warpgroups of 64
+keys each, computes per query tile ``S^T = K Q^T`` (both operands in shared memory), ``P^T = phi(s S^T)``, issues ``dV
++= P^T dO`` (P^T from registers) and ``dP^T = V dO^T`` back to back, then ``dX^T = dP^T * phi'(s S^T)`` and ``dK +=
+dX^T Q``, and frees the stage. ``dK = s c sum`` and ``dV = c sum`` with ``c = 1 / max_len`` (``norm="max_len"``), as
+the Triton kernel scales them. Query rows past the sample's end are the next sample's (2-D ``[T, H * D]``
+descriptors), so the last query tile masks P^T's and dX^T's columns; key rows past the end are not stored.
+
+Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. Needs triton 3.6 (see ``gluon_common``).
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gluon_gdpa_dkdv [--compile-only] [--workloads "a self L=1024"]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, sm90_resources,
+                                          smoke_in_child, tile_schedule)
+
+BLOCK_N = 128  # keys a program: 64 per warpgroup
+# (query rows a step, stages): at sm_90, 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 none
+VARIANTS = ((64, 2), (32, 3))
+
+
+def variant_name(block_m: int, stages: int) -> str:
+    return f"gluon_m{block_m}_s{stages}"
+
+
+@gluon.jit
+def _load_queries(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, row0, q_len, head_col,
+                  BLOCK_M: gl.constexpr):
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    for i in range(gl.cdiv(q_len, BLOCK_M)):
+        s = i % stages
+        mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)  # a fresh barrier counts as phase 1 complete
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + i * BLOCK_M, head_col], q_ready.index(s), q_bufs.index(s))
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [row0 + i * BLOCK_M, head_col], do_ready.index(s), do_bufs.index(s))
+
+
+@gluon.jit
+def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, DK, DV, stride_t, key_row, keys, q_len,
+               head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+               HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    n_tiles = gl.cdiv(q_len, BLOCK_M)
+    for i in range(n_tiles):
+        s = i % stages
+        phase = (i // stages) & 1
+        mbarrier.wait(q_ready.index(s), phase)
+        st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero_st, use_acc=False)
+        gate_v = gl.minimum(gl.maximum(st * slope + 0.5, 0.0), 1.0)
+        smooth = gate_v * gate_v * (3.0 - 2.0 * gate_v)
+        pt = st * scale * smooth
+        dphi = 4.0 * smooth - 3.0 * gate_v  # the one fp32 tile kept across the MMAs below
+        if i == n_tiles - 1:  # query rows past the sample's end: the next sample's, or zeros past T
+            cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+            pt = gl.where(gl.expand_dims(cols < q_len, 0), pt, 0.0)
+        pt = gl.convert_layout(pt.to(gl.bfloat16), a_layout)
+        mbarrier.wait(do_ready.index(s), phase)
+        dv = warpgroup_mma(pt, do_bufs.index(s), dv, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dv, dpt, pt = warpgroup_mma_wait(0, deps=[dv, dpt, pt])
+        dxt = dpt * dphi
+        if i == n_tiles - 1:
+            cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+            dxt = gl.where(gl.expand_dims(cols < q_len, 0), dxt, 0.0)
+        dxt = gl.convert_layout(dxt.to(gl.bfloat16), a_layout)
+        dk = warpgroup_mma(dxt, q_bufs.index(s), dk, is_async=True)
+        dk, dxt = warpgroup_mma_wait(0, deps=[dk, dxt])
+        mbarrier.arrive(empty.index(s), count=1)
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
+    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
+    offsets = gl.expand_dims((key_row + offs_n).to(gl.int64) * stride_t, 1) + head_col + gl.expand_dims(offs_d, 0)
+    valid = gl.expand_dims(offs_n < keys, 1)
+    gl.store(DK + offsets, (dk * dk_scale).to(gl.bfloat16), mask=valid)
+    gl.store(DV + offsets, (dv * dv_scale).to(gl.bfloat16), mask=valid)
+
+
+@gluon.jit
+def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, stride_t, item_start, item_len, item_n, slope,
+                           scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    item = gl.program_id(0)
+    head_col = gl.program_id(1) * HEAD_DIM
+    start = gl.load(item_start + item)
+    length = gl.load(item_len + item)
+    n_start = gl.load(item_n + item)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [start + n_start, head_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [start + n_start, head_col], kv_bar, v_smem)
+    mbarrier.wait(kv_bar, 0)
+    gl.warp_specialize([
+        (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, DK, DV, stride_t, start + n_start,
+                      length - n_start, length, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, BLOCK_N,
+                      HEAD_DIM, num_warps)),
+        (_load_queries, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, start, length, head_col,
+                         BLOCK_M)),
+    ], [1], [24])
+
+
+def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
+                    block_m: int = 32, stages: int = 3) -> tuple[torch.Tensor, torch.Tensor]:
+    """dK and dV of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``: ``tile_schedule`` of the
+    lengths in tiles of ``BLOCK_N`` keys; ``block_m`` query rows a step through ``stages`` shared-memory stages."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    T, H, D = q.shape
+    tensors = (q, k, v, dout)
+    if D != HEAD_DIM or any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != q.shape for t in tensors):
+        raise ValueError(f"needs contiguous bf16 [T, H, {HEAD_DIM}] q, k, v and dout of one shape")
+
+    def desc(t: torch.Tensor, rows: int):
+        layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
+        return TensorDescriptor.from_tensor(t.view(T, H * D), [rows, D], layout)
+
+    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    item_start, item_len, item_n = schedule
+    out_scale = 1.0 / max_len
+    gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
+        desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, H * D, item_start,
+        item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m, BLOCK_N,
+        D, stages, num_warps=8, maxnreg=168)
+    return dk, dv
+
+
+def compile_only(block_m: int, stages: int) -> dict[str, object]:
+    constants = {"BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": stages, "num_warps": 8}
+    signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
+                 "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
+                 "DK": "*bf16", "DV": "*bf16", "stride_t": "i32", "item_start": "*i32", "item_len": "*i32",
+                 "item_n": "*i32", "slope": "fp32", "scale": "fp32", "dk_scale": "fp32", "dv_scale": "fp32"}
+    return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, num_warps=8, maxnreg=168)
+
+
+def _triton_grads(q, k, v, dout, offsets, max_len: int, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    from opengem.ops import gdpa
+
+    k, v = k.detach().requires_grad_(), v.detach().requires_grad_()
+    out = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
+    out.backward(dout)
+    return k.grad, v.grad
+
+
+def _problem(lengths: torch.Tensor, seed: int) -> dict:
+    from benchmarks.common import offsets_of
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q, k, v, dout = (torch.randn(int(lengths.sum()), 4, HEAD_DIM, generator=gen, device="cuda").bfloat16()
+                     for _ in range(4))
+    return dict(q=q, k=k, v=v, dout=dout, offsets=offsets_of(lengths, "cuda"), max_len=int(lengths.max()),
+                scale=1 / math.sqrt(HEAD_DIM), schedule=tile_schedule(lengths, BLOCK_N, "cuda"))
+
+
+def _gluon(p: dict, variant: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    block_m, stages = variant
+    return gluon_gdpa_dkdv(p["q"], p["k"], p["v"], p["dout"], p["schedule"], p["max_len"], p["scale"],
+                           block_m=block_m, stages=stages)
+
+
+def _errors(p: dict, variants) -> dict[str, float]:
+    from benchmarks.common import relative_error
+
+    want_dk, want_dv = _triton_grads(p["q"], p["k"], p["v"], p["dout"], p["offsets"], p["max_len"], p["scale"])
+    errors = {}
+    for variant in variants:
+        dk, dv = _gluon(p, variant)
+        errors[f"{variant_name(*variant)}_dk_vs_triton"] = relative_error(dk, want_dk)
+        errors[f"{variant_name(*variant)}_dv_vs_triton"] = relative_error(dv, want_dv)
+    return errors
+
+
+def smoke(variant: tuple[int, int]) -> float:
+    errors = _errors(_problem(torch.tensor(SMOKE_LENGTHS), seed=2), [variant])
+    torch.cuda.synchronize()
+    return max(errors.values())
+
+
+def run(prefixes: list[str] | None) -> list[dict[str, object]]:
+    from benchmarks.common import by_name_prefix, kernel_ms, write_results
+    from benchmarks.gdpa import workloads
+
+    failed = {variant_name(*v): smoke_in_child("benchmarks.diag.gluon_gdpa_dkdv", variant_name(*v), 2e-2)
+              for v in VARIANTS}
+    variants = [v for v in VARIANTS if failed[variant_name(*v)] is None]
+    rows: list[dict[str, object]] = [{"workload": "smoke (lengths 1..300)", "failed": failed}]
+    print(rows[0], flush=True)
+    print(write_results("gluon_gdpa_dkdv", rows), flush=True)
+    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], prefixes, "--workloads"):
+        if not variants:
+            break
+        p = _problem(w.q_lengths, seed=1)
+        triton_kernels = kernel_ms(lambda: _triton_grads(p["q"], p["k"], p["v"], p["dout"], p["offsets"], p["max_len"],
+                                                         p["scale"]))
+        triton_dkdv = sum(ms for name, ms in triton_kernels.items() if "dkdv" in name)
+        pass_flops = 8 * 4 * HEAD_DIM * float((w.q_lengths.double() ** 2).sum())  # four products a visible pair
+        row = {"workload": w.name, **_errors(p, variants), "triton_dkdv_ms": triton_dkdv,
+               "triton_dkdv_tflops": pass_flops / triton_dkdv / 1e9, "triton_kernels_ms": triton_kernels}
+        for variant in variants:
+            with torch.no_grad():
+                kernels = kernel_ms(lambda: _gluon(p, variant))
+            ms = sum(t for name, t in kernels.items() if "gluon_gdpa_dkdv" in name)
+            row[f"{variant_name(*variant)}_ms"] = ms
+            row[f"{variant_name(*variant)}_tflops"] = pass_flops / ms / 1e9
+            row[f"{variant_name(*variant)}_x_triton"] = triton_dkdv / ms
+        print(row, flush=True)
+        rows.append(row)
+        print(write_results("gluon_gdpa_dkdv", rows), flush=True)  # a hang later keeps the rows so far
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
+    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
+    parser.add_argument("--smoke", choices=[variant_name(*v) for v in VARIANTS], default=None,
+                        help="(internal) one variant's smoke call, printing its error")
+    args = parser.parse_args()
+    if args.compile_only:
+        for variant in VARIANTS:
+            print(variant_name(*variant), compile_only(*variant))
+    elif args.smoke:
+        variant = next(v for v in VARIANTS if variant_name(*v) == args.smoke)
+        print(f"smoke error {smoke(variant)}", flush=True)
+    else:
+        run(args.workloads)
+
+
+if __name__ == "__main__":
+    main()
