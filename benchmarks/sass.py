@@ -57,6 +57,17 @@ def launch_signature(
     return {name: kind(name) for name in jit_function(kernel).arg_names}
 
 
+def disassemble(cubin: bytes) -> tuple[str, str]:
+    """``(SASS, resource usage)`` of a compiled kernel, from Triton's bundled ``cuobjdump``."""
+    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as file:
+        file.write(cubin)
+        file.flush()
+        sass = subprocess.run([cuobjdump, "-sass", file.name], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run([cuobjdump, "-res-usage", file.name], capture_output=True, text=True, check=True).stdout
+    return sass, usage
+
+
 def sass_cost(
     kernel, signature: dict[str, str], constants: dict, num_warps: int, num_stages: int = 1, maxnreg: int | None = None
 ) -> dict[str, int]:
@@ -69,12 +80,7 @@ def sass_cost(
     source = ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     options = dict(num_warps=num_warps, num_stages=num_stages) | ({"maxnreg": maxnreg} if maxnreg else {})
     compiled = triton.compile(source, target=TARGET, options=options)
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    sass, usage = disassemble(compiled.asm["cubin"])
     opcodes = Counter(re.findall(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", sass, re.M))
     resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
     return dict(**resources, shared=compiled.metadata.shared, instructions=sum(opcodes.values()),

@@ -7,20 +7,67 @@ GPU image's (3.9's Gluon rejects them); build them on the CPU under a 3.6 instal
 
 from __future__ import annotations
 
-import os
+import argparse
 import re
 import subprocess
 import sys
-import tempfile
 
 import torch
 import triton
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+
+from benchmarks.sass import disassemble
 
 HEAD_DIM = 128
 FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v), phi'(x) = 4 v^2 (3 - 2 v) - 3 v
 SMOKE_TIMEOUT_S = 120  # one variant's compile and a small call; past it the variant is taken as hung
 SMOKE_LENGTHS = (1, 37, 64, 127, 128, 129, 200, 300)  # single, partial and several tiles of 64 and 128 rows
+
+
+@gluon.constexpr_function
+def wgmma_layout(n, num_warps):
+    """The accumulator layout of a warpgroup MMA with ``n`` columns, the rows split over ``num_warps`` warps (two
+    warpgroups of 4 warps: 64 rows each)."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
+
+
+@gluon.jit
+def scheduled_item(item_start, item_len, item_tile):
+    """This program's ``(sample start, sample length, tile start)`` from :func:`tile_schedule`'s arrays."""
+    item = gl.program_id(0)
+    return gl.load(item_start + item), gl.load(item_len + item), gl.load(item_tile + item)
+
+
+@gluon.jit
+def stage_ring(a_desc, b_desc, STAGES: gl.constexpr):
+    """``STAGES`` shared-memory stages for two TMA-loaded tiles, with a ``ready`` barrier per tile and stage (so the
+    first tile's MMA can start before the second lands) and one ``empty`` barrier per stage."""
+    a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+    b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
+    a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(a_ready.index(i), count=1)
+        mbarrier.init(b_ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    return a_bufs, b_bufs, a_ready, b_ready, empty
+
+
+@gluon.jit
+def fill_ring(a_desc, b_desc, a_bufs, b_bufs, a_ready, b_ready, empty, row0, rows, head_col, BLOCK: gl.constexpr):
+    """The TMA-load worker: rows ``[row0, row0 + rows)`` of one head, ``BLOCK`` at a time, of both tensors into the
+    :func:`stage_ring` stages, each stage once the consumer has freed it."""
+    stages: gl.constexpr = a_bufs.type.shape[0]
+    for i in range(gl.cdiv(rows, BLOCK)):
+        s = i % stages
+        mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)  # a fresh barrier counts as phase 1 complete
+        mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(a_desc, [row0 + i * BLOCK, head_col], a_ready.index(s), a_bufs.index(s))
+        mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(b_desc, [row0 + i * BLOCK, head_col], b_ready.index(s), b_bufs.index(s))
 
 
 def tile_schedule(lengths: torch.Tensor, block: int, device) -> tuple[torch.Tensor, ...]:
@@ -51,12 +98,7 @@ def sm90_resources(kernel, signature: dict[str, str], constants: dict, num_warps
     source = GluonASTSource(kernel, signature | {name: "constexpr" for name in constants}, constexprs=constants)
     compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                               options={"num_warps": num_warps, "maxnreg": maxnreg})
-    cuobjdump = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(compiled.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([cuobjdump, "-sass", cubin.name], capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([cuobjdump, "-res-usage", cubin.name], capture_output=True, text=True, check=True).stdout
+    sass, usage = disassemble(compiled.asm["cubin"])
     resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
     opcodes = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL")}
     partition_registers = sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^;]*?(0x[0-9a-f]+)", sass)})
@@ -78,3 +120,14 @@ def smoke_in_child(module: str, name: str, bound: float) -> str | None:
     if not float(found.group(1)) < bound:
         return f"wrong: relative error {found.group(1)} against the Triton op"
     return None
+
+
+def diag_parser(doc: str, variant_names: list[str]) -> argparse.ArgumentParser:
+    """The Gluon diags' command line: ``--compile-only``, ``--workloads`` (name prefixes of issue 4's workload (a))
+    and the internal ``--smoke VARIANT`` that :func:`smoke_in_child` runs."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
+    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
+    parser.add_argument("--smoke", choices=variant_names, default=None,
+                        help="(internal) one variant's smoke call, printing its error")
+    return parser

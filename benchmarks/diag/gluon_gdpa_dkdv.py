@@ -20,7 +20,6 @@ Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. Needs triton 3.
 
 from __future__ import annotations
 
-import argparse
 import math
 
 import torch
@@ -28,8 +27,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, sm90_resources,
-                                          smoke_in_child, tile_schedule)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, diag_parser,
+                                          fill_ring, scheduled_item, sm90_resources, smoke_in_child, stage_ring,
+                                          tile_schedule, wgmma_layout)
 
 BLOCK_N = 128  # keys a program: 64 per warpgroup
 # (query rows a step, stages): at sm_90, 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 none
@@ -41,27 +41,12 @@ def variant_name(block_m: int, stages: int) -> str:
 
 
 @gluon.jit
-def _load_queries(q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, row0, q_len, head_col,
-                  BLOCK_M: gl.constexpr):
-    stages: gl.constexpr = q_bufs.type.shape[0]
-    for i in range(gl.cdiv(q_len, BLOCK_M)):
-        s = i % stages
-        mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)  # a fresh barrier counts as phase 1 complete
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + i * BLOCK_M, head_col], q_ready.index(s), q_bufs.index(s))
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [row0 + i * BLOCK_M, head_col], do_ready.index(s), do_bufs.index(s))
-
-
-@gluon.jit
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, DK, DV, stride_t, key_row, keys, q_len,
                head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                HEAD_DIM: gl.constexpr, num_warps: gl.constexpr):
     stages: gl.constexpr = q_bufs.type.shape[0]
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    kv_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                        instr_shape=[16, HEAD_DIM, 16])
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
+    kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
@@ -104,24 +89,13 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, DK, DV
 def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, stride_t, item_start, item_len, item_n, slope,
                            scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
-    item = gl.program_id(0)
+    start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * HEAD_DIM
-    start = gl.load(item_start + item)
-    length = gl.load(item_len + item)
-    n_start = gl.load(item_n + item)
+    q_bufs, do_bufs, q_ready, do_ready, empty = stage_ring(q_desc, do_desc, STAGES)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    q_bufs = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
-    do_bufs = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(do_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [start + n_start, head_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [start + n_start, head_col], kv_bar, v_smem)
@@ -130,8 +104,7 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, stride_t, it
         (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, DK, DV, stride_t, start + n_start,
                       length - n_start, length, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, BLOCK_N,
                       HEAD_DIM, num_warps)),
-        (_load_queries, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, start, length, head_col,
-                         BLOCK_M)),
+        (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, start, length, head_col, BLOCK_M)),
     ], [1], [24])
 
 
@@ -246,11 +219,7 @@ def run(prefixes: list[str] | None) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
-    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
-    parser.add_argument("--smoke", choices=[variant_name(*v) for v in VARIANTS], default=None,
-                        help="(internal) one variant's smoke call, printing its error")
+    parser = diag_parser(__doc__, [variant_name(*v) for v in VARIANTS])
     args = parser.parse_args()
     if args.compile_only:
         for variant in VARIANTS:

@@ -26,7 +26,6 @@ the fp32 reference, then times every variant, the Triton op and JFA interleaved 
 
 from __future__ import annotations
 
-import argparse
 import math
 from functools import partial
 
@@ -35,8 +34,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, sm90_resources,
-                                          smoke_in_child, tile_schedule)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, diag_parser,
+                                          fill_ring, scheduled_item, sm90_resources, smoke_in_child, stage_ring,
+                                          tile_schedule, wgmma_layout)
 
 # (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the plain 128-key tiles spill 16 B, the others nothing
 VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
@@ -44,19 +44,6 @@ VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
 
 def variant_name(block_n: int, stages: int, overlap: bool) -> str:
     return f"gluon_n{block_n}_s{stages}" + ("_overlap" if overlap else "")
-
-
-@gluon.jit
-def _load_keys(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, key_row, key_len, head_col,
-               BLOCK_N: gl.constexpr):
-    stages: gl.constexpr = k_bufs.type.shape[0]
-    for j in range(gl.cdiv(key_len, BLOCK_N)):
-        s = j % stages
-        mbarrier.wait(empty.index(s), ((j // stages) & 1) ^ 1)  # a fresh barrier counts as phase 1 complete
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [key_row + j * BLOCK_N, head_col], k_ready.index(s), k_bufs.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [key_row + j * BLOCK_N, head_col], v_ready.index(s), v_bufs.index(s))
 
 
 @gluon.jit
@@ -76,10 +63,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
             slope, scale, out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
             OVERLAP: gl.constexpr, num_warps: gl.constexpr):
     stages: gl.constexpr = k_bufs.type.shape[0]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                       instr_shape=[16, HEAD_DIM, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N, num_warps)
+    o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
@@ -128,23 +113,12 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
 def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, item_len, item_m, slope, scale,
                           out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                           STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
-    item = gl.program_id(0)
+    start, length, m_start = scheduled_item(item_start, item_len, item_m)
     head_col = gl.program_id(1) * HEAD_DIM
-    start = gl.load(item_start + item)
-    length = gl.load(item_len + item)
-    m_start = gl.load(item_m + item)
+    k_bufs, v_bufs, k_ready, v_ready, empty = stage_ring(k_desc, v_desc, STAGES)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
-    k_bufs = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
-    v_bufs = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
-    for i in gl.static_range(STAGES):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start + m_start, head_col], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
@@ -152,7 +126,7 @@ def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, it
         (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, start + m_start,
                    length - m_start, length, head_col, slope, scale, out_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
                    OVERLAP, num_warps)),
-        (_load_keys, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, start, length, head_col, BLOCK_N)),
+        (fill_ring, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, start, length, head_col, BLOCK_N)),
     ], [1], [24])
 
 
@@ -293,12 +267,8 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
-    parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
+    parser = diag_parser(__doc__, [variant_name(*v) for v in VARIANTS])
     parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--smoke", choices=[variant_name(*v) for v in VARIANTS], default=None,
-                        help="(internal) one variant's smoke call, printing its error")
     args = parser.parse_args()
     if args.smoke:
         variant = next(v for v in VARIANTS if variant_name(*v) == args.smoke)
