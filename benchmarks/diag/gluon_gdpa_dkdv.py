@@ -6,11 +6,11 @@ the first question of that route: how fast the dK/dV pass runs with a TMA-load w
 asynchronously, kernel time against kernel time. Nothing here is wired into ``opengem.ops.gdpa``.
 
 Structure: one program per (key tile of 128 keys of one sample, head); K and V are loaded once; a one-warp worker
-TMA-loads the sample's Q and dO tiles of 64 rows into a ring of stages; the default partition, two warpgroups of 64
-keys each, computes per query tile ``S^T = K Q^T`` (both operands in shared memory), ``P^T = phi(s S^T)``, issues ``dV
-+= P^T dO`` (P^T from registers) and ``dP^T = V dO^T`` back to back, then ``dX^T = dP^T * phi'(s S^T)`` and ``dK +=
-dX^T Q``, and frees the stage. ``dK = s c sum`` and ``dV = c sum`` with ``c = 1 / max_len`` (``norm="max_len"``), as
-the Triton kernel scales them. Query rows past the sample's end are the next sample's (2-D ``[T, H * D]``
+TMA-loads the sample's Q and dO tiles (64 or 32 rows) into a ring of stages; the default partition, two warpgroups of
+64 keys each, computes per query tile ``S^T = K Q^T`` (both operands in shared memory), ``P^T = phi(s S^T)``, issues
+``dV += P^T dO`` (P^T from registers) and ``dP^T = V dO^T`` back to back, then ``dX^T = dP^T * phi'(s S^T)`` and ``dK
++= dX^T Q``, and frees the stage. ``dK = s c sum`` and ``dV = c sum`` with ``c = 1 / max_len`` (``norm="max_len"``),
+as the Triton kernel scales them. Query rows past the sample's end are the next sample's (2-D ``[T, H * D]``
 descriptors), so the last query tile masks P^T's and dX^T's columns; key rows past the end are not stored.
 
 Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. Needs triton 3.6 (see ``gluon_common``).
