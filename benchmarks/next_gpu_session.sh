@@ -867,7 +867,7 @@ chain_s45d() {  # after session 40: issue 12 on an H100 (sessions 17-33 measured
 }
 chain_s45e() { step gdpa_fp8_full 300 python -m benchmarks.gdpa_fp8; }  # s45d's other half: GDPA (a) and (b) in FP8
 chain_s45f() {  # after session 40: the warp-specialized Gluon GDPA forward (a diag, not wired into the op) on (a)
-  step gluon_gdpa_forward 560 python -m benchmarks.diag.gluon_gdpa_forward  # smoke calls first, 120 s cap each
+  step gluon_gdpa_forward 520 python -m benchmarks.diag.gluon_gdpa_forward  # smoke calls first, 120 s cap each
 }
 chain_s45g() { step gluon_gdpa_dkdv 500 python -m benchmarks.diag.gluon_gdpa_dkdv; }  # s45f's backward counterpart
 chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 ms, 15.4%), then with the weight shadows
