@@ -19,9 +19,11 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from benchmarks.sass import disassemble
+from opengem.ops.activations import FAST_GELU_RADIUS
+from opengem.ops.triton.jagged_attention import _tiles as jfa_tiles
 
-HEAD_DIM = 128
-FAST_GELU_SLOPE = 0.5 / 1.88  # v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v), phi'(x) = 4 v^2 (3 - 2 v) - 3 v
+# v = sat(x * slope + 1/2); phi(x) = x * v^2 (3 - 2 v), phi'(x) = 4 v^2 (3 - 2 v) - 3 v (opengem.ops.triton.activations)
+FAST_GELU_SLOPE = 0.5 / FAST_GELU_RADIUS
 SMOKE_TIMEOUT_S = 120  # one variant's compile and a small call; past it the variant is taken as hung
 SMOKE_LENGTHS = (1, 37, 64, 127, 128, 129, 200, 300)  # single, partial and several tiles of 64 and 128 rows
 
@@ -75,10 +77,7 @@ def tile_schedule(lengths: torch.Tensor, block: int, device) -> tuple[torch.Tens
     wave's stragglers are short ones; built once per batch, outside the timed calls."""
     lengths = lengths.to(torch.int64)
     starts = torch.cumsum(lengths, 0) - lengths
-    tiles = (lengths + block - 1) // block
-    sample = torch.repeat_interleave(torch.arange(lengths.numel()), tiles)
-    first_tile = torch.cumsum(tiles, 0) - tiles
-    tile_start = (torch.arange(int(tiles.sum())) - first_tile[sample]) * block
+    sample, tile_start = jfa_tiles(lengths, block)  # JFA's enumeration of the tiles holding tokens
     order = torch.argsort(-lengths[sample], stable=True)
     return tuple(t[order].to(device=device, dtype=torch.int32) for t in (starts[sample], lengths[sample], tile_start))
 

@@ -33,11 +33,18 @@ import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, HEAD_DIM, SMOKE_LENGTHS, descriptor_type, diag_parser,
-                                          fill_ring, scheduled_item, sm90_resources, smoke_in_child, stage_ring,
-                                          tile_schedule, wgmma_layout)
+from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, relative_error,
+                               write_results)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, SMOKE_LENGTHS, descriptor_type, diag_parser, fill_ring,
+                                          scheduled_item, sm90_resources, smoke_in_child, stage_ring, tile_schedule,
+                                          wgmma_layout)
+from benchmarks.gdpa import BATCH, HEAD_DIM, HEADS, workloads  # issue 4's shapes
+from opengem.ops import gdpa, jagged_attention
+from opengem.ops.attention_flops import attention_flops, visible_pairs
 
+BLOCK_M = 128  # query rows a program: 64 per warpgroup; the schedule's tiles
 # (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the plain 128-key tiles spill 16 B, the others nothing
 VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
 
@@ -131,36 +138,32 @@ def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, it
 
 
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
-                       block_m: int = 128, block_n: int = 128, stages: int = 2, overlap: bool = False,
-                       num_warps: int = 8) -> torch.Tensor:
+                       block_n: int = 128, stages: int = 2, overlap: bool = False, num_warps: int = 8) -> torch.Tensor:
     """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
-    :func:`tile_schedule` with the same ``block_m``."""
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
+    :func:`tile_schedule` in tiles of ``BLOCK_M`` rows."""
     T, H, D = q.shape
     contiguous = q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     if D != HEAD_DIM or q.dtype != torch.bfloat16 or not contiguous:
         raise ValueError(f"needs contiguous bf16 [T, H, {HEAD_DIM}] q, k, v; got {q.dtype} {tuple(q.shape)}")
     out = torch.empty_like(q)
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, D], gl.bfloat16)
+    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], gl.bfloat16)
-    q_desc = TensorDescriptor.from_tensor(q.view(T, H * D), [block_m, D], q_layout)
+    q_desc = TensorDescriptor.from_tensor(q.view(T, H * D), [BLOCK_M, D], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(T, H * D), [block_n, D], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(T, H * D), [block_n, D], kv_layout)
     item_start, item_len, item_m = schedule
     grid = (item_start.numel(), H)
     gluon_gdpa_fwd_kernel[grid](q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m,
-                                pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, block_m, block_n, D, stages,
+                                pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, BLOCK_M, block_n, D, stages,
                                 overlap, num_warps=num_warps, maxnreg=168)
     return out
 
 
-def compile_only(block_m: int = 128, block_n: int = 128, stages: int = 2, overlap: bool = False,
-                 num_warps: int = 8) -> dict[str, object]:
+def compile_only(block_n: int, stages: int, overlap: bool, num_warps: int = 8) -> dict[str, object]:
     """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
-    constants = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "STAGES": stages,
+    constants = {"BLOCK_M": BLOCK_M, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "STAGES": stages,
                  "OVERLAP": overlap, "num_warps": num_warps}
-    signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "k_desc": descriptor_type(block_n, HEAD_DIM),
+    signature = {"q_desc": descriptor_type(BLOCK_M, HEAD_DIM), "k_desc": descriptor_type(block_n, HEAD_DIM),
                  "v_desc": descriptor_type(block_n, HEAD_DIM), "Out": "*bf16", "stride_ot": "i32",
                  "item_start": "*i32", "item_len": "*i32", "item_m": "*i32", "slope": "fp32", "scale": "fp32",
                  "out_scale": "fp32"}
@@ -172,11 +175,9 @@ def _gluon_call(q, k, v, schedule, max_len: int, scale: float, variant: tuple[in
     return gluon_gdpa_forward(q, k, v, schedule, max_len, scale, block_n=block_n, stages=stages, overlap=overlap)
 
 
-def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, variants,
+def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants,
             samples: int = 32) -> dict[str, float]:
     """Both kernels against the fp32 reference on the first ``samples`` samples (the reference is slow)."""
-    from benchmarks.common import offsets_of, relative_error
-
     sub = lengths[:samples]
     rows = int(sub.sum())
     q, k, v = q[:rows].contiguous(), k[:rows].contiguous(), v[:rows].contiguous()
@@ -184,7 +185,7 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, va
     options = dict(activation="fast_gelu", pre_scale=scale, norm=float(max_len))
     want = gdpa(q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, backend="reference", **options)
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
-    schedule = tile_schedule(sub, 128, q.device)
+    schedule = tile_schedule(sub, BLOCK_M, q.device)
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
         f"{variant_name(*variant)}_vs_fp32": relative_error(_gluon_call(q, k, v, schedule, max_len, scale, variant),
                                                             want) for variant in variants}
@@ -193,15 +194,13 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, gdpa, va
 def smoke(variant: tuple[int, int, bool]) -> float:
     """One variant on a small jagged batch (single, partial and several key tiles) against the Triton op: the
     relative error. :func:`healthy_variants` runs it in a child process, so a hang costs a timeout."""
-    from benchmarks.common import offsets_of, relative_error
-    from opengem.ops import gdpa
-
     lengths = torch.tensor(SMOKE_LENGTHS)
     gen = torch.Generator(device="cuda").manual_seed(2)
-    q, k, v = (torch.randn(int(lengths.sum()), 4, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    q, k, v = (torch.randn(int(lengths.sum()), HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16()
+               for _ in range(3))
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
-    got = _gluon_call(q, k, v, tile_schedule(lengths, 128, "cuda"), max_len, scale, variant)
+    got = _gluon_call(q, k, v, tile_schedule(lengths, BLOCK_M, "cuda"), max_len, scale, variant)
     torch.cuda.synchronize()
     return relative_error(got, want)
 
@@ -221,11 +220,6 @@ def healthy_variants() -> tuple[list[tuple[int, int, bool]], dict[str, str]]:
 
 
 def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
-    from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup,
-                                   relative_error, write_results)
-    from benchmarks.gdpa import BATCH, HEADS, workloads
-    from opengem.ops import gdpa, jagged_attention
-
     variants, failed = healthy_variants()
     rows: list[dict[str, object]] = []
     if failed:
@@ -239,7 +233,7 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
         q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
         offsets, max_len = offsets_of(w.q_lengths, "cuda"), int(w.q_lengths.max())
         scale = 1 / math.sqrt(HEAD_DIM)
-        schedule = tile_schedule(w.q_lengths, 128, "cuda")
+        schedule = tile_schedule(w.q_lengths, BLOCK_M, "cuda")
         fns = {
             "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
                                    pre_scale=scale, norm="max_len"),
@@ -247,12 +241,12 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
         } | {variant_name(*variant): partial(_gluon_call, q, k, v, schedule, max_len, scale, variant)
              for variant in variants}
         with torch.no_grad():
-            errors = _errors(q, k, v, w.q_lengths, max_len, scale, gdpa, variants)
+            errors = _errors(q, k, v, w.q_lengths, max_len, scale, variants)
             want = fns["triton"]()
             errors |= {f"{name}_vs_triton": relative_error(fn(), want) for name, fn in fns.items() if "gluon" in name}
             fns["jfa"]()  # its tuner runs here, not inside a timed round
             times = interleaved_ms(fns, rounds=rounds, bench=bench_ms)
-        flops = 4 * HEADS * HEAD_DIM * float((w.q_lengths.double() ** 2).sum())
+        flops, _ = attention_flops(visible_pairs(w.q_lengths, w.k_lengths), HEADS, HEAD_DIM)
         row = {"workload": w.name, "batch": BATCH, **errors,
                **{f"{name}_ms": min(t) for name, t in times.items()},
                **{f"{name}_tflops": flops / min(t) / 1e9 for name, t in times.items()},
@@ -276,7 +270,7 @@ def main() -> None:
         return
     if args.compile_only:
         for block_n, stages, overlap in VARIANTS:
-            print(variant_name(block_n, stages, overlap), compile_only(block_n=block_n, stages=stages, overlap=overlap))
+            print(variant_name(block_n, stages, overlap), compile_only(block_n, stages, overlap))
         return
     run(args.workloads, args.rounds)
 
