@@ -43,31 +43,37 @@ def scheduled_item(item_start, item_len, item_tile):
 
 
 @gluon.jit
-def stage_ring(a_desc, b_desc, STAGES: gl.constexpr):
-    """``STAGES`` shared-memory stages for two TMA-loaded tiles, with a ``ready`` barrier per tile and stage (so the
-    first tile's MMA can start before the second lands) and one ``empty`` barrier per stage."""
+def stage_ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 1):
+    """``STAGES`` shared-memory stages for two TMA-loaded tiles, with a ``ready`` and an ``empty`` barrier per tile
+    and stage: the first tile's MMA can start before the second lands, and a tile read only by the first MMA can be
+    refilled before the second retires. ``empty`` completes when ``CONSUMERS`` partitions have each arrived once."""
     a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
     b_bufs = gl.allocate_shared_memory(b_desc.dtype, [STAGES] + b_desc.block_type.shape, b_desc.layout)
     a_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     b_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    a_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    b_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(a_ready.index(i), count=1)
         mbarrier.init(b_ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    return a_bufs, b_bufs, a_ready, b_ready, empty
+        mbarrier.init(a_empty.index(i), count=CONSUMERS)
+        mbarrier.init(b_empty.index(i), count=CONSUMERS)
+    return a_bufs, b_bufs, a_ready, b_ready, a_empty, b_empty
 
 
 @gluon.jit
-def fill_ring(a_desc, b_desc, a_bufs, b_bufs, a_ready, b_ready, empty, row0, rows, head_col, BLOCK: gl.constexpr):
+def fill_ring(a_desc, b_desc, a_bufs, b_bufs, a_ready, b_ready, a_empty, b_empty, row0, rows, head_col,
+              BLOCK: gl.constexpr):
     """The TMA-load worker: rows ``[row0, row0 + rows)`` of one head, ``BLOCK`` at a time, of both tensors into the
-    :func:`stage_ring` stages, each stage once the consumer has freed it."""
+    :func:`stage_ring` stages, each tile once the consumers have freed its buffer."""
     stages: gl.constexpr = a_bufs.type.shape[0]
     for i in range(gl.cdiv(rows, BLOCK)):
         s = i % stages
-        mbarrier.wait(empty.index(s), ((i // stages) & 1) ^ 1)  # a fresh barrier counts as phase 1 complete
+        free_phase = ((i // stages) & 1) ^ 1  # a fresh barrier counts as phase 1 complete
+        mbarrier.wait(a_empty.index(s), free_phase)
         mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [row0 + i * BLOCK, head_col], a_ready.index(s), a_bufs.index(s))
+        mbarrier.wait(b_empty.index(s), free_phase)
         mbarrier.expect(b_ready.index(s), b_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(b_desc, [row0 + i * BLOCK, head_col], b_ready.index(s), b_bufs.index(s))
 

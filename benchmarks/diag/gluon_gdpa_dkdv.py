@@ -53,8 +53,8 @@ def variant_name(block_m: int, stages: int, fused_dq: bool) -> str:
 
 
 @gluon.jit
-def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, ds_smem, DK, DV, DQ_ACC, stride_t, key_row,
-               keys, q_row, q_len, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr,
+def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, DK, DV, DQ_ACC,
+               stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr,
                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FUSED_DQ: gl.constexpr, num_warps: gl.constexpr):
     stages: gl.constexpr = q_bufs.type.shape[0]
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
@@ -102,7 +102,8 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, ds_sme
             dq_ptrs = DQ_ACC + gl.expand_dims((q_row + cols).to(gl.int64) * stride_t, 0) + head_col + d_rows
             gl.atomic_add(dq_ptrs, dqt, mask=gl.expand_dims(cols < q_len, 0), sem="relaxed")
         dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])  # dX^T's registers stay live until its MMA retires
-        mbarrier.arrive(empty.index(s), count=1)
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(do_empty.index(s), count=1)
     offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
     offsets = gl.expand_dims((key_row + offs_n).to(gl.int64) * stride_t, 1) + head_col + gl.expand_dims(offs_d, 0)
@@ -118,7 +119,7 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
                            DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * HEAD_DIM
-    q_bufs, do_bufs, q_ready, do_ready, empty = stage_ring(q_desc, do_desc, STAGES)
+    q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
     ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], DS_LAYOUT)  # dX^T, for the fused dQ
@@ -129,10 +130,11 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
     tma.async_copy_global_to_shared(v_desc, [start + n_start, head_col], kv_bar, v_smem)
     mbarrier.wait(kv_bar, 0)
     gl.warp_specialize([
-        (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, empty, ds_smem, DK, DV, DQ_ACC, stride_t,
-                      start + n_start, length - n_start, start, length, head_col, slope, scale, dk_scale, dv_scale,
-                      BLOCK_M, BLOCK_N, HEAD_DIM, FUSED_DQ, num_warps)),
-        (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, empty, start, length, head_col, BLOCK_M)),
+        (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, DK, DV, DQ_ACC,
+                      stride_t, start + n_start, length - n_start, start, length, head_col, slope, scale, dk_scale,
+                      dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, FUSED_DQ, num_warps)),
+        (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length, head_col,
+                     BLOCK_M)),
     ], [1], [24])
 
 

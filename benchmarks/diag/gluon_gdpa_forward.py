@@ -7,11 +7,13 @@ right and faster: GDPA's forward has no row statistics (``O = c * sum_j phi(s * 
 attention loop to move.
 
 Structure: one program per (query tile of one sample, head); a one-warp worker partition TMA-loads the sample's K and
-V tiles into a ring of shared-memory stages (``ready`` / ``empty`` mbarriers); the default partition, two warpgroups
-of 64 query rows each, runs ``S = Q K^T`` on the tensor cores, ``P = phi(S)`` in registers (fast_gelu's smoothstep
-form, as ``opengem.ops.triton.activations``), hands P to ``O += P V`` from registers and frees the stage. The warp
-scheduler overlaps one warpgroup's activation with the other's MMAs; the ``OVERLAP`` variants also overlap inside a
-warpgroup, as FlashAttention-3 does (tile j+1's ``S`` issued before tile j's ``P V``). Q, K and V are read through 2-D
+V tiles into a ring of shared-memory stages (``ready`` / ``empty`` mbarriers per tile); two warpgroups of 64 query
+rows each run ``S = Q K^T`` on the tensor cores, ``P = phi(S)`` in registers (fast_gelu's smoothstep form, as
+``opengem.ops.triton.activations``), hand P to ``O += P V`` from registers and free the buffers. The ``OVERLAP``
+variants overlap inside a warpgroup, as FlashAttention-3 does (tile j+1's ``S`` issued before tile j's ``P V``). The
+warp scheduler overlaps one warpgroup's activation with the other's MMAs; with ``consumers=1`` the two warpgroups
+are one 8-warp partition and meet at every barrier arrive (session 40's form), with ``consumers=2`` each is its own
+partition, drifts from the other and frees a K buffer as soon as its ``S`` retires. Q, K and V are read through 2-D
 ``[T, H * D]`` descriptors: key rows past a sample's end belong to the next sample (or read as zeros past T), so the
 last key tile masks P's columns; query rows past the end are not stored.
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 
 import math
 from functools import partial
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -45,12 +48,28 @@ from opengem.ops import gdpa, jagged_attention
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 
 BLOCK_M = 128  # query rows a program: 64 per warpgroup; the schedule's tiles
-# (BLOCK_N, stages, in-warpgroup overlap); at sm_90 the plain 128-key tiles spill 16 B, the others nothing
-VARIANTS = ((128, 2, False), (64, 3, False), (128, 2, True), (64, 3, True))
 
 
-def variant_name(block_n: int, stages: int, overlap: bool) -> str:
-    return f"gluon_n{block_n}_s{stages}" + ("_overlap" if overlap else "")
+class Variant(NamedTuple):
+    block_n: int  # keys a tile
+    stages: int  # K and V buffers in the ring
+    overlap: bool  # FlashAttention-3's in-warpgroup overlap
+    consumers: int  # 1: one 8-warp partition; 2: a partition a warpgroup, K freed when its S MMA retires
+
+    @property
+    def name(self) -> str:
+        return (f"gluon_n{self.block_n}_s{self.stages}" + ("_overlap" if self.overlap else "")
+                + ("_2wg" if self.consumers == 2 else ""))
+
+    @property
+    def num_warps(self) -> int:  # the kernel's (the default partition's): 8, or 4 with a second consumer partition
+        return 8 // self.consumers
+
+
+# session 40's best (one 8-warp consumer, 0.88-0.99x the Triton kernel at L >= 1024 on an H100), then the two-partition
+# form; session 40's plain and 128-key single-partition variants (0.79-0.91x) are in its results, not rerun
+VARIANTS = (Variant(64, 3, True, 1), Variant(128, 2, True, 2), Variant(128, 3, True, 2), Variant(64, 3, True, 2),
+            Variant(128, 2, False, 2))
 
 
 @gluon.jit
@@ -66,10 +85,15 @@ def _activate(scores, j, n_tiles, key_len, slope, scale, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out_row, rows, key_len, head_col,
-            slope, scale, out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-            OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot, out_row, rows, key_len,
+            head_col, slope, scale, out_scale, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, OVERLAP: gl.constexpr,
+            EARLY_K: gl.constexpr):
+    """One consumer partition: ``q_smem``'s rows (64 a warpgroup) against every key tile of the sample. With
+    ``EARLY_K`` a K buffer is freed as soon as its ``S`` MMA retires, so the worker refills it while ``P V`` runs;
+    otherwise K and V are freed together after ``P V``."""
+    BLOCK_M: gl.constexpr = q_smem.type.shape[0]
     stages: gl.constexpr = k_bufs.type.shape[0]
+    num_warps: gl.constexpr = gl.num_warps()  # this partition's
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, num_warps)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -81,6 +105,8 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
         # runs on the CUDA cores while P_j V_j is still on the tensor cores
         mbarrier.wait(k_ready.index(0), 0)
         scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
+        if EARLY_K:
+            mbarrier.arrive(k_empty.index(0), count=1)
         p = _activate(scores, 0, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
         for j in range(n_tiles - 1):
             s = j % stages
@@ -90,26 +116,36 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
             mbarrier.wait(v_ready.index(s), (j // stages) & 1)
             acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
             scores = warpgroup_mma_wait(1, deps=[scores])  # in-order retirement: S_{j+1} done, P_j V_j may run on
+            if EARLY_K:
+                mbarrier.arrive(k_empty.index(nxt), count=1)
             p_next = _activate(scores, j + 1, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
             acc, p = warpgroup_mma_wait(0, deps=[acc, p])  # P_j's registers stay live until its MMA retires
-            mbarrier.arrive(empty.index(s), count=1)
+            if not EARLY_K:
+                mbarrier.arrive(k_empty.index(s), count=1)
+            mbarrier.arrive(v_empty.index(s), count=1)
             p = p_next
         last = n_tiles - 1
         mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
         acc = warpgroup_mma(p, v_bufs.index(last % stages), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[acc])
-        mbarrier.arrive(empty.index(last % stages), count=1)
+        if not EARLY_K:
+            mbarrier.arrive(k_empty.index(last % stages), count=1)
+        mbarrier.arrive(v_empty.index(last % stages), count=1)
     else:
         for j in range(n_tiles):
             s = j % stages
             phase = (j // stages) & 1
             mbarrier.wait(k_ready.index(s), phase)
             scores = warpgroup_mma(q_smem, k_bufs.index(s).permute((1, 0)), zero_s, use_acc=False)
+            if EARLY_K:
+                mbarrier.arrive(k_empty.index(s), count=1)
             p = _activate(scores, j, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
             mbarrier.wait(v_ready.index(s), phase)
             acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=[acc])
-            mbarrier.arrive(empty.index(s), count=1)
+            if not EARLY_K:
+                mbarrier.arrive(k_empty.index(s), count=1)
+            mbarrier.arrive(v_empty.index(s), count=1)
     offs_m = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
     offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
     ptrs = Out + gl.expand_dims((out_row + offs_m).to(gl.int64) * stride_ot, 1) + head_col + gl.expand_dims(offs_d, 0)
@@ -119,26 +155,41 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, out
 @gluon.jit
 def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, item_len, item_m, slope, scale,
                           out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-                          STAGES: gl.constexpr, OVERLAP: gl.constexpr, num_warps: gl.constexpr):
+                          STAGES: gl.constexpr, OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr,
+                          num_warps: gl.constexpr):
     start, length, m_start = scheduled_item(item_start, item_len, item_m)
     head_col = gl.program_id(1) * HEAD_DIM
-    k_bufs, v_bufs, k_ready, v_ready, empty = stage_ring(k_desc, v_desc, STAGES)
+    k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = stage_ring(k_desc, v_desc, STAGES, CONSUMERS)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, q_desc.block_type.shape, q_desc.layout)
     q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     mbarrier.init(q_bar, count=1)
     mbarrier.expect(q_bar, q_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(q_desc, [start + m_start, head_col], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
-    gl.warp_specialize([
-        (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, empty, Out, stride_ot, start + m_start,
-                   length - m_start, length, head_col, slope, scale, out_scale, BLOCK_M, BLOCK_N, HEAD_DIM,
-                   OVERLAP, num_warps)),
-        (fill_ring, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, empty, start, length, head_col, BLOCK_N)),
-    ], [1], [24])
+    out_row, rows = start + m_start, length - m_start
+    # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors
+    if CONSUMERS == 1:  # one 8-warp partition: the two warpgroups meet at every barrier arrive (bar.sync 0, 256)
+        gl.warp_specialize([
+            (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot, out_row, rows,
+                       length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM, OVERLAP, False)),
+            (fill_ring, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, start, length, head_col,
+                         BLOCK_N)),
+        ], [1], [24])
+    else:  # a 4-warp partition a warpgroup, each with its own 64 rows: they drift apart and free buffers alone
+        half: gl.constexpr = BLOCK_M // 2
+        gl.warp_specialize([
+            (_attend, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot,
+                       out_row, rows, length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM, OVERLAP, True)),
+            (_attend, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot,
+                       out_row + half, rows - half, length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM,
+                       OVERLAP, True)),
+            (fill_ring, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, start, length, head_col,
+                         BLOCK_N)),
+        ], [4, 1], [240, 24])
 
 
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
-                       block_n: int = 128, stages: int = 2, overlap: bool = False, num_warps: int = 8) -> torch.Tensor:
+                       variant: Variant = VARIANTS[0]) -> torch.Tensor:
     """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
     :func:`tile_schedule` in tiles of ``BLOCK_M`` rows."""
     T, H, D = q.shape
@@ -147,6 +198,7 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
         raise ValueError(f"needs contiguous bf16 [T, H, {HEAD_DIM}] q, k, v; got {q.dtype} {tuple(q.shape)}")
     out = torch.empty_like(q)
     q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
+    block_n = variant.block_n
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], gl.bfloat16)
     q_desc = TensorDescriptor.from_tensor(q.view(T, H * D), [BLOCK_M, D], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(T, H * D), [block_n, D], kv_layout)
@@ -154,25 +206,22 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
     item_start, item_len, item_m = schedule
     grid = (item_start.numel(), H)
     gluon_gdpa_fwd_kernel[grid](q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m,
-                                pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, BLOCK_M, block_n, D, stages,
-                                overlap, num_warps=num_warps, maxnreg=168)
+                                pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, BLOCK_M, block_n, D,
+                                variant.stages, variant.overlap, variant.consumers, num_warps=variant.num_warps,
+                                maxnreg=168)
     return out
 
 
-def compile_only(block_n: int, stages: int, overlap: bool, num_warps: int = 8) -> dict[str, object]:
+def compile_only(variant: Variant) -> dict[str, object]:
     """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
-    constants = {"BLOCK_M": BLOCK_M, "BLOCK_N": block_n, "HEAD_DIM": HEAD_DIM, "STAGES": stages,
-                 "OVERLAP": overlap, "num_warps": num_warps}
-    signature = {"q_desc": descriptor_type(BLOCK_M, HEAD_DIM), "k_desc": descriptor_type(block_n, HEAD_DIM),
-                 "v_desc": descriptor_type(block_n, HEAD_DIM), "Out": "*bf16", "stride_ot": "i32",
+    constants = {"BLOCK_M": BLOCK_M, "BLOCK_N": variant.block_n, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
+                 "OVERLAP": variant.overlap, "CONSUMERS": variant.consumers, "num_warps": variant.num_warps}
+    kv_type = descriptor_type(variant.block_n, HEAD_DIM)
+    signature = {"q_desc": descriptor_type(BLOCK_M, HEAD_DIM), "k_desc": kv_type, "v_desc": kv_type,
+                 "Out": "*bf16", "stride_ot": "i32",
                  "item_start": "*i32", "item_len": "*i32", "item_m": "*i32", "slope": "fp32", "scale": "fp32",
                  "out_scale": "fp32"}
-    return sm90_resources(gluon_gdpa_fwd_kernel, signature, constants, num_warps, maxnreg=168)
-
-
-def _gluon_call(q, k, v, schedule, max_len: int, scale: float, variant: tuple[int, int, bool]) -> torch.Tensor:
-    block_n, stages, overlap = variant
-    return gluon_gdpa_forward(q, k, v, schedule, max_len, scale, block_n=block_n, stages=stages, overlap=overlap)
+    return sm90_resources(gluon_gdpa_fwd_kernel, signature, constants, variant.num_warps, maxnreg=168)
 
 
 def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants,
@@ -187,11 +236,11 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
     schedule = tile_schedule(sub, BLOCK_M, q.device)
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
-        f"{variant_name(*variant)}_vs_fp32": relative_error(_gluon_call(q, k, v, schedule, max_len, scale, variant),
-                                                            want) for variant in variants}
+        f"{variant.name}_vs_fp32": relative_error(gluon_gdpa_forward(q, k, v, schedule, max_len, scale, variant), want)
+        for variant in variants}
 
 
-def smoke(variant: tuple[int, int, bool]) -> float:
+def smoke(variant: Variant) -> float:
     """One variant on a small jagged batch (single, partial and several key tiles) against the Triton op: the
     relative error. :func:`healthy_variants` runs it in a child process, so a hang costs a timeout."""
     lengths = torch.tensor(SMOKE_LENGTHS)
@@ -200,16 +249,16 @@ def smoke(variant: tuple[int, int, bool]) -> float:
                for _ in range(3))
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
-    got = _gluon_call(q, k, v, tile_schedule(lengths, BLOCK_M, "cuda"), max_len, scale, variant)
+    got = gluon_gdpa_forward(q, k, v, tile_schedule(lengths, BLOCK_M, "cuda"), max_len, scale, variant)
     torch.cuda.synchronize()
     return relative_error(got, want)
 
 
-def healthy_variants() -> tuple[list[tuple[int, int, bool]], dict[str, str]]:
+def healthy_variants() -> tuple[list[Variant], dict[str, str]]:
     """The variants whose smoke call returns an error under 2e-2 in time; the others with what went wrong."""
     healthy, failed = [], {}
     for variant in VARIANTS:
-        name = variant_name(*variant)
+        name = variant.name
         problem = smoke_in_child("benchmarks.diag.gluon_gdpa_forward", name, 2e-2)
         if problem is None:
             healthy.append(variant)
@@ -238,7 +287,7 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
             "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
                                    pre_scale=scale, norm="max_len"),
             "jfa": lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, scale=scale),
-        } | {variant_name(*variant): partial(_gluon_call, q, k, v, schedule, max_len, scale, variant)
+        } | {variant.name: partial(gluon_gdpa_forward, q, k, v, schedule, max_len, scale, variant)
              for variant in variants}
         with torch.no_grad():
             errors = _errors(q, k, v, w.q_lengths, max_len, scale, variants)
@@ -261,16 +310,16 @@ def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = diag_parser(__doc__, [variant_name(*v) for v in VARIANTS])
+    parser = diag_parser(__doc__, [v.name for v in VARIANTS])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     if args.smoke:
-        variant = next(v for v in VARIANTS if variant_name(*v) == args.smoke)
+        variant = next(v for v in VARIANTS if v.name == args.smoke)
         print(f"smoke error {smoke(variant)}", flush=True)
         return
     if args.compile_only:
-        for block_n, stages, overlap in VARIANTS:
-            print(variant_name(block_n, stages, overlap), compile_only(block_n, stages, overlap))
+        for variant in VARIANTS:
+            print(variant.name, compile_only(variant))
         return
     run(args.workloads, args.rounds)
 
