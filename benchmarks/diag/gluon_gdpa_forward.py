@@ -55,21 +55,23 @@ class Variant(NamedTuple):
     stages: int  # K and V buffers in the ring
     overlap: bool  # FlashAttention-3's in-warpgroup overlap
     consumers: int  # 1: one 8-warp partition; 2: a partition a warpgroup, K freed when its S MMA retires
+    pingpong: bool = False  # two overlapped consumers take turns issuing their MMAs
 
     @property
     def name(self) -> str:
         return (f"gluon_n{self.block_n}_s{self.stages}" + ("_overlap" if self.overlap else "")
-                + ("_2wg" if self.consumers == 2 else ""))
+                + ("_2wg" if self.consumers == 2 else "") + ("_pingpong" if self.pingpong else ""))
 
     @property
     def num_warps(self) -> int:  # the kernel's (the default partition's): 8, or 4 with a second consumer partition
         return 8 // self.consumers
 
 
-# session 40's best (one 8-warp consumer, 0.88-0.99x the Triton kernel at L >= 1024 on an H100), then the two-partition
-# form; session 40's plain and 128-key single-partition variants (0.79-0.91x) are in its results, not rerun
-VARIANTS = (Variant(64, 3, True, 1), Variant(128, 2, True, 2), Variant(128, 3, True, 2), Variant(64, 3, True, 2),
-            Variant(128, 2, False, 2))
+# session 40's best (one 8-warp consumer), session 41's best two-partition form (s46a: 1.00-1.07x the Triton kernel at
+# L >= 1024 on an H100, 1.03-1.09x the first), then the same with the partitions taking turns; the other variants'
+# figures are in s45f's and s46a's results, not rerun
+VARIANTS = (Variant(64, 3, True, 1), Variant(128, 3, True, 2), Variant(128, 3, True, 2, pingpong=True),
+            Variant(128, 2, True, 2, pingpong=True), Variant(64, 3, True, 2, pingpong=True))
 
 
 @gluon.jit
@@ -85,12 +87,24 @@ def _activate(scores, j, n_tiles, key_len, slope, scale, BLOCK_N: gl.constexpr, 
 
 
 @gluon.jit
-def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot, out_row, rows, key_len,
-            head_col, slope, scale, out_scale, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, OVERLAP: gl.constexpr,
-            EARLY_K: gl.constexpr):
+def _take_turn(my_turn, group, FIRST: gl.constexpr):
+    """Wait until this partition may issue its MMA group ``group``: the first partition's group g follows the other's
+    group g - 1 (a fresh barrier counts as phase 1 complete), the second's follows the first's group g."""
+    if FIRST:
+        mbarrier.wait(my_turn, (group & 1) ^ 1)
+    else:
+        mbarrier.wait(my_turn, group & 1)
+
+
+@gluon.jit
+def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, my_turn, their_turn, Out, stride_ot, out_row,
+            rows, key_len, head_col, slope, scale, out_scale, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+            OVERLAP: gl.constexpr, EARLY_K: gl.constexpr, PINGPONG: gl.constexpr, FIRST: gl.constexpr):
     """One consumer partition: ``q_smem``'s rows (64 a warpgroup) against every key tile of the sample. With
     ``EARLY_K`` a K buffer is freed as soon as its ``S`` MMA retires, so the worker refills it while ``P V`` runs;
-    otherwise K and V are freed together after ``P V``."""
+    otherwise K and V are freed together after ``P V``. With ``PINGPONG`` (two consumer partitions, overlapped loop)
+    the partitions take turns issuing their MMAs (FlashAttention-3's warp scheduler barrier): one's activation runs
+    while the other's MMAs hold the tensor cores; ``FIRST`` (1 or 0) says which goes first."""
     BLOCK_M: gl.constexpr = q_smem.type.shape[0]
     stages: gl.constexpr = k_bufs.type.shape[0]
     num_warps: gl.constexpr = gl.num_warps()  # this partition's
@@ -104,7 +118,12 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, str
         # FlashAttention-3's in-warpgroup overlap: tile j+1's S is issued before tile j's P V, and phi(S_{j+1})
         # runs on the CUDA cores while P_j V_j is still on the tensor cores
         mbarrier.wait(k_ready.index(0), 0)
-        scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False)
+        if PINGPONG:
+            _take_turn(my_turn, 0, FIRST)
+        scores = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(their_turn, count=1)
+        scores = warpgroup_mma_wait(0, deps=[scores])
         if EARLY_K:
             mbarrier.arrive(k_empty.index(0), count=1)
         p = _activate(scores, 0, n_tiles, key_len, slope, scale, BLOCK_N, s_layout, p_layout)
@@ -112,9 +131,13 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, str
             s = j % stages
             nxt = (j + 1) % stages
             mbarrier.wait(k_ready.index(nxt), ((j + 1) // stages) & 1)
-            scores = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             mbarrier.wait(v_ready.index(s), (j // stages) & 1)
+            if PINGPONG:
+                _take_turn(my_turn, j + 1, FIRST)
+            scores = warpgroup_mma(q_smem, k_bufs.index(nxt).permute((1, 0)), zero_s, use_acc=False, is_async=True)
             acc = warpgroup_mma(p, v_bufs.index(s), acc, is_async=True)
+            if PINGPONG:
+                mbarrier.arrive(their_turn, count=1)
             scores = warpgroup_mma_wait(1, deps=[scores])  # in-order retirement: S_{j+1} done, P_j V_j may run on
             if EARLY_K:
                 mbarrier.arrive(k_empty.index(nxt), count=1)
@@ -126,7 +149,11 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, str
             p = p_next
         last = n_tiles - 1
         mbarrier.wait(v_ready.index(last % stages), (last // stages) & 1)
+        if PINGPONG:
+            _take_turn(my_turn, n_tiles, FIRST)  # the last of n_tiles + 1 issue groups
         acc = warpgroup_mma(p, v_bufs.index(last % stages), acc, is_async=True)
+        if PINGPONG:
+            mbarrier.arrive(their_turn, count=1)
         acc = warpgroup_mma_wait(0, deps=[acc])
         if not EARLY_K:
             mbarrier.arrive(k_empty.index(last % stages), count=1)
@@ -156,7 +183,7 @@ def _attend(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, str
 def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, item_len, item_m, slope, scale,
                           out_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
                           STAGES: gl.constexpr, OVERLAP: gl.constexpr, CONSUMERS: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          PINGPONG: gl.constexpr, num_warps: gl.constexpr):
     start, length, m_start = scheduled_item(item_start, item_len, item_m)
     head_col = gl.program_id(1) * HEAD_DIM
     k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty = stage_ring(k_desc, v_desc, STAGES, CONSUMERS)
@@ -167,22 +194,27 @@ def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, it
     tma.async_copy_global_to_shared(q_desc, [start + m_start, head_col], q_bar, q_smem)
     mbarrier.wait(q_bar, 0)
     out_row, rows = start + m_start, length - m_start
+    turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())  # PINGPONG: whose MMAs go next
+    mbarrier.init(turns.index(0), count=1)
+    mbarrier.init(turns.index(1), count=1)
     # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors
     if CONSUMERS == 1:  # one 8-warp partition: the two warpgroups meet at every barrier arrive (bar.sync 0, 256)
         gl.warp_specialize([
-            (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot, out_row, rows,
-                       length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM, OVERLAP, False)),
+            (_attend, (q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(0), turns.index(1),
+                       Out, stride_ot, out_row, rows, length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM,
+                       OVERLAP, False, False, True)),
             (fill_ring, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, start, length, head_col,
                          BLOCK_N)),
         ], [1], [24])
     else:  # a 4-warp partition a warpgroup, each with its own 64 rows: they drift apart and free buffers alone
         half: gl.constexpr = BLOCK_M // 2
         gl.warp_specialize([
-            (_attend, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot,
-                       out_row, rows, length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM, OVERLAP, True)),
-            (_attend, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, Out, stride_ot,
-                       out_row + half, rows - half, length, head_col, slope, scale, out_scale, BLOCK_N, HEAD_DIM,
-                       OVERLAP, True)),
+            (_attend, (q_smem.slice(0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(0),
+                       turns.index(1), Out, stride_ot, out_row, rows, length, head_col, slope, scale, out_scale,
+                       BLOCK_N, HEAD_DIM, OVERLAP, True, PINGPONG, True)),
+            (_attend, (q_smem.slice(half, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(1),
+                       turns.index(0), Out, stride_ot, out_row + half, rows - half, length, head_col, slope, scale,
+                       out_scale, BLOCK_N, HEAD_DIM, OVERLAP, True, PINGPONG, False)),
             (fill_ring, (k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, start, length, head_col,
                          BLOCK_N)),
         ], [4, 1], [240, 24])
@@ -207,15 +239,16 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
     grid = (item_start.numel(), H)
     gluon_gdpa_fwd_kernel[grid](q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m,
                                 pre_scale * FAST_GELU_SLOPE, pre_scale, 1.0 / max_len, BLOCK_M, block_n, D,
-                                variant.stages, variant.overlap, variant.consumers, num_warps=variant.num_warps,
-                                maxnreg=168)
+                                variant.stages, variant.overlap, variant.consumers, variant.pingpong,
+                                num_warps=variant.num_warps, maxnreg=168)
     return out
 
 
 def compile_only(variant: Variant) -> dict[str, object]:
     """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
     constants = {"BLOCK_M": BLOCK_M, "BLOCK_N": variant.block_n, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
-                 "OVERLAP": variant.overlap, "CONSUMERS": variant.consumers, "num_warps": variant.num_warps}
+                 "OVERLAP": variant.overlap, "CONSUMERS": variant.consumers, "PINGPONG": variant.pingpong,
+                 "num_warps": variant.num_warps}
     kv_type = descriptor_type(variant.block_n, HEAD_DIM)
     signature = {"q_desc": descriptor_type(BLOCK_M, HEAD_DIM), "k_desc": kv_type, "v_desc": kv_type,
                  "Out": "*bf16", "stride_ot": "i32",
