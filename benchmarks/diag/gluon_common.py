@@ -128,11 +128,24 @@ def smoke_in_child(module: str, name: str, bound: float) -> str | None:
 
 
 def diag_parser(doc: str, variant_names: list[str]) -> argparse.ArgumentParser:
-    """The Gluon diags' command line: ``--compile-only``, ``--workloads`` (name prefixes of issue 4's workload (a))
-    and the internal ``--smoke VARIANT`` that :func:`smoke_in_child` runs."""
+    """The Gluon diags' command line: ``--compile-only``, ``--workloads`` (name prefixes of issue 4's workload (a)),
+    ``--variants`` and the internal ``--smoke VARIANT`` that :func:`smoke_in_child` runs."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--compile-only", action="store_true", help="build for sm_90 on the CPU, print resources")
     parser.add_argument("--workloads", type=lambda text: text.split(","), default=None)
+    parser.add_argument("--variants", type=lambda text: text.split(","), default=None,
+                        help=f"comma-separated variant names (default: all): {', '.join(variant_names)}")
     parser.add_argument("--smoke", choices=variant_names, default=None,
                         help="(internal) one variant's smoke call, printing its error")
     return parser
+
+
+def chosen_variants(variants: tuple, names: list[str] | None) -> list:
+    """The ``variants`` (each with a ``name``) that ``--variants`` names, in its order; all when it is not given."""
+    if names is None:
+        return list(variants)
+    by_name = {v.name: v for v in variants}
+    unknown = [name for name in names if name not in by_name]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; known: {sorted(by_name)}")
+    return [by_name[name] for name in names]

@@ -26,6 +26,7 @@ Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. Needs triton 3.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from triton.experimental import gluon
@@ -35,27 +36,51 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.common import by_name_prefix, kernel_ms, offsets_of, relative_error, write_results
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, SMOKE_LENGTHS, descriptor_type, diag_parser, fill_ring,
-                                          scheduled_item, sm90_resources, smoke_in_child, stage_ring, tile_schedule,
-                                          wgmma_layout)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, SMOKE_LENGTHS, chosen_variants, descriptor_type,
+                                          diag_parser, fill_ring, scheduled_item, sm90_resources, smoke_in_child,
+                                          stage_ring, tile_schedule, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 
 BLOCK_N = 128  # keys a program: 64 per warpgroup
-# (query rows a step, stages, dQ fused); at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the
-# MMAs), 32 rows none, 32 rows with the fused dQ 168 B (its atomics' addresses)
-VARIANTS = ((64, 2, False), (32, 3, False), (32, 3, True))
 
 
-def variant_name(block_m: int, stages: int, fused_dq: bool) -> str:
-    return f"gluon_m{block_m}_s{stages}" + ("_fused_dq" if fused_dq else "")
+class Variant(NamedTuple):
+    block_m: int  # query rows a step
+    stages: int  # Q and dO buffers in the ring
+    fused_dq: bool  # dQ too (five products), added into fp32 by every key tile's program
+    red_v4: bool = False  # the dQ adds four fp32 an instruction (``red.global.add.v4.f32``), not one (``atom``)
+
+    @property
+    def name(self) -> str:
+        return (f"gluon_m{self.block_m}_s{self.stages}" + ("_fused_dq" if self.fused_dq else "")
+                + ("_red4" if self.red_v4 else ""))
+
+
+# at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
+# dQ 160 B (its atomics' addresses), with the vector adds 112 B (the dQ^T tile through shared memory into a layout of
+# four consecutive head-dim columns a thread)
+VARIANTS = (Variant(64, 2, False), Variant(32, 3, False), Variant(32, 3, True), Variant(32, 3, True, red_v4=True))
+
+
+@gluon.jit
+def _add_v4(ptrs, values, valid):
+    """``*ptrs += values`` where ``valid``, four consecutive fp32 a thread in one ``red.global.add.v4.f32`` (sm_90):
+    Triton 3.6 issues ``gl.atomic_add`` one element an instruction, with a return value."""
+    return gl.inline_asm_elementwise(
+        """{ .reg .pred p; setp.ne.b32 p, $12, 0;
+        @p red.relaxed.gpu.global.add.v4.f32 [$4], {$8, $9, $10, $11};
+        mov.b32 $0, 0; mov.b32 $1, 0; mov.b32 $2, 0; mov.b32 $3, 0; }""",
+        "=r,=r,=r,=r,l,l,l,l,f,f,f,f,r,r,r,r", [ptrs.to(gl.int64, bitcast=True), values, valid], dtype=gl.int32,
+        is_pure=False, pack=4)
 
 
 @gluon.jit
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, DK, DV, DQ_ACC,
                stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FUSED_DQ: gl.constexpr, num_warps: gl.constexpr):
+               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FUSED_DQ: gl.constexpr, RED_V4: gl.constexpr,
+               num_warps: gl.constexpr):
     stages: gl.constexpr = q_bufs.type.shape[0]
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
     kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
@@ -99,8 +124,17 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
             fence_async_shared()
             gl.thread_barrier()
             dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_st, use_acc=False)  # [HEAD_DIM, BLOCK_M]
-            dq_ptrs = DQ_ACC + gl.expand_dims((q_row + cols).to(gl.int64) * stride_t, 0) + head_col + d_rows
-            gl.atomic_add(dq_ptrs, dqt, mask=gl.expand_dims(cols < q_len, 0), sem="relaxed")
+            if RED_V4:  # four consecutive head-dim columns a thread (the MMA layout holds pairs of query rows)
+                dq_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
+                dqt = gl.convert_layout(dqt, dq_layout)
+                q_cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dq_layout))
+                d_idx = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, dq_layout)), 1)
+                dq_ptrs = DQ_ACC + gl.expand_dims((q_row + q_cols).to(gl.int64) * stride_t, 0) + head_col + d_idx
+                valid_q = gl.expand_dims(q_cols < q_len, 0).to(gl.int32) + gl.zeros_like(dqt).to(gl.int32)
+                _add_v4(dq_ptrs, dqt, valid_q)
+            else:
+                dq_ptrs = DQ_ACC + gl.expand_dims((q_row + cols).to(gl.int64) * stride_t, 0) + head_col + d_rows
+                gl.atomic_add(dq_ptrs, dqt, mask=gl.expand_dims(cols < q_len, 0), sem="relaxed")
         dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])  # dX^T's registers stay live until its MMA retires
         mbarrier.arrive(q_empty.index(s), count=1)
         mbarrier.arrive(do_empty.index(s), count=1)
@@ -115,7 +149,7 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
 @gluon.jit
 def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
                            slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, RED_V4: gl.constexpr,
                            DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * HEAD_DIM
@@ -132,18 +166,18 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
     gl.warp_specialize([
         (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, DK, DV, DQ_ACC,
                       stride_t, start + n_start, length - n_start, start, length, head_col, slope, scale, dk_scale,
-                      dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, FUSED_DQ, num_warps)),
+                      dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, FUSED_DQ, RED_V4, num_warps)),
         (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length, head_col,
                      BLOCK_M)),
     ], [1], [24])
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
-                    block_m: int = 32, stages: int = 3, fused_dq: bool = False) -> tuple[torch.Tensor | None, ...]:
+                    variant: Variant) -> tuple[torch.Tensor | None, ...]:
     """``(dQ or None, dK, dV)`` of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``:
-    ``tile_schedule`` of the lengths in tiles of ``BLOCK_N`` keys; ``block_m`` query rows a step through ``stages``
-    shared-memory stages; ``fused_dq``: dQ too, added in fp32 by every key tile's program (atomics: not bitwise
-    repeatable), then scaled into bf16."""
+    ``tile_schedule`` of the lengths in tiles of ``BLOCK_N`` keys. With ``variant.fused_dq`` dQ is added in fp32 by
+    every key tile's program (atomics: not bitwise repeatable), then scaled into bf16."""
+    block_m, stages, fused_dq, red_v4 = variant
     T, H, D = q.shape
     tensors = (q, k, v, dout)
     if D != HEAD_DIM or any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != q.shape for t in tensors):
@@ -163,14 +197,16 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
         desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_acc, H * D, item_start,
         item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m, BLOCK_N,
-        D, stages, fused_dq, gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16), num_warps=8,
-        maxnreg=168)
+        D, stages, fused_dq, red_v4, gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16),
+        num_warps=8, maxnreg=168)
     dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
     return dq, dk, dv
 
 
-def compile_only(block_m: int, stages: int, fused_dq: bool) -> dict[str, object]:
-    constants = {"BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": stages, "FUSED_DQ": fused_dq,
+def compile_only(variant: Variant) -> dict[str, object]:
+    block_m = variant.block_m
+    constants = {"BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
+                 "FUSED_DQ": variant.fused_dq, "RED_V4": variant.red_v4,
                  "DS_LAYOUT": gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16), "num_warps": 8}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
@@ -196,10 +232,8 @@ def _problem(lengths: torch.Tensor, seed: int) -> dict:
                 scale=1 / math.sqrt(HEAD_DIM), schedule=tile_schedule(lengths, BLOCK_N, "cuda"))
 
 
-def _gluon(p: dict, variant: tuple[int, int, bool]) -> tuple[torch.Tensor | None, ...]:
-    block_m, stages, fused_dq = variant
-    return gluon_gdpa_dkdv(p["q"], p["k"], p["v"], p["dout"], p["schedule"], p["max_len"], p["scale"],
-                           block_m=block_m, stages=stages, fused_dq=fused_dq)
+def _gluon(p: dict, variant: Variant) -> tuple[torch.Tensor | None, ...]:
+    return gluon_gdpa_dkdv(p["q"], p["k"], p["v"], p["dout"], p["schedule"], p["max_len"], p["scale"], variant)
 
 
 def _errors(p: dict, variants) -> dict[str, float]:
@@ -208,20 +242,19 @@ def _errors(p: dict, variants) -> dict[str, float]:
     for variant in variants:
         for name, got, ref in zip(("dq", "dk", "dv"), _gluon(p, variant), want):
             if got is not None:
-                errors[f"{variant_name(*variant)}_{name}_vs_triton"] = relative_error(got, ref)
+                errors[f"{variant.name}_{name}_vs_triton"] = relative_error(got, ref)
     return errors
 
 
-def smoke(variant: tuple[int, int, bool]) -> float:
+def smoke(variant: Variant) -> float:
     errors = _errors(_problem(torch.tensor(SMOKE_LENGTHS), seed=2), [variant])
     torch.cuda.synchronize()
     return max(errors.values())
 
 
-def run(prefixes: list[str] | None) -> list[dict[str, object]]:
-    failed = {variant_name(*v): smoke_in_child("benchmarks.diag.gluon_gdpa_dkdv", variant_name(*v), 2e-2)
-              for v in VARIANTS}
-    variants = [v for v in VARIANTS if failed[variant_name(*v)] is None]
+def run(prefixes: list[str] | None, chosen: list[Variant]) -> list[dict[str, object]]:
+    failed = {v.name: smoke_in_child("benchmarks.diag.gluon_gdpa_dkdv", v.name, 2e-2) for v in chosen}
+    variants = [v for v in chosen if failed[v.name] is None]
     rows: list[dict[str, object]] = [{"workload": "smoke (lengths 1..300)", "failed": failed}]
     print(rows[0], flush=True)
     print(write_results("gluon_gdpa_dkdv", rows), flush=True)
@@ -241,8 +274,8 @@ def run(prefixes: list[str] | None) -> list[dict[str, object]]:
         for variant in variants:
             with torch.no_grad():
                 kernels = kernel_ms(lambda: _gluon(p, variant))
-            name = variant_name(*variant)
-            if variant[2]:  # the fused kernel against the whole Triton backward; its zero fill and dQ cast included
+            name = variant.name
+            if variant.fused_dq:  # the fused kernel against the whole Triton backward; its zero fill and dQ cast included
                 ms = sum(kernels.values())
                 row |= {f"{name}_ms": ms, f"{name}_kernels_ms": kernels,
                         f"{name}_tflops": backward_flops / ms / 1e9, f"{name}_x_triton_backward": triton_backward / ms}
@@ -257,16 +290,17 @@ def run(prefixes: list[str] | None) -> list[dict[str, object]]:
 
 
 def main() -> None:
-    parser = diag_parser(__doc__, [variant_name(*v) for v in VARIANTS])
+    parser = diag_parser(__doc__, [v.name for v in VARIANTS])
     args = parser.parse_args()
+    chosen = chosen_variants(VARIANTS, args.variants)
     if args.compile_only:
-        for variant in VARIANTS:
-            print(variant_name(*variant), compile_only(*variant))
+        for variant in chosen:
+            print(variant.name, compile_only(variant))
     elif args.smoke:
-        variant = next(v for v in VARIANTS if variant_name(*v) == args.smoke)
+        variant = next(v for v in VARIANTS if v.name == args.smoke)
         print(f"smoke error {smoke(variant)}", flush=True)
     else:
-        run(args.workloads)
+        run(args.workloads, chosen)
 
 
 if __name__ == "__main__":

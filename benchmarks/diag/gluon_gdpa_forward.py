@@ -40,9 +40,9 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, relative_error,
                                write_results)
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, SMOKE_LENGTHS, descriptor_type, diag_parser, fill_ring,
-                                          scheduled_item, sm90_resources, smoke_in_child, stage_ring, tile_schedule,
-                                          wgmma_layout)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, SMOKE_LENGTHS, chosen_variants, descriptor_type,
+                                          diag_parser, fill_ring, scheduled_item, sm90_resources, smoke_in_child,
+                                          stage_ring, tile_schedule, wgmma_layout)
 from benchmarks.gdpa import BATCH, HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa, jagged_attention
 from opengem.ops.attention_flops import attention_flops, visible_pairs
@@ -287,10 +287,10 @@ def smoke(variant: Variant) -> float:
     return relative_error(got, want)
 
 
-def healthy_variants() -> tuple[list[Variant], dict[str, str]]:
+def healthy_variants(chosen: list[Variant]) -> tuple[list[Variant], dict[str, str]]:
     """The variants whose smoke call returns an error under 2e-2 in time; the others with what went wrong."""
     healthy, failed = [], {}
-    for variant in VARIANTS:
+    for variant in chosen:
         name = variant.name
         problem = smoke_in_child("benchmarks.diag.gluon_gdpa_forward", name, 2e-2)
         if problem is None:
@@ -301,8 +301,8 @@ def healthy_variants() -> tuple[list[Variant], dict[str, str]]:
     return healthy, failed
 
 
-def run(prefixes: list[str] | None, rounds: int) -> list[dict[str, object]]:
-    variants, failed = healthy_variants()
+def run(prefixes: list[str] | None, rounds: int, chosen: list[Variant]) -> list[dict[str, object]]:
+    variants, failed = healthy_variants(chosen)
     rows: list[dict[str, object]] = []
     if failed:
         rows.append({"workload": "smoke (lengths 1..300)", "failed": failed})
@@ -346,15 +346,16 @@ def main() -> None:
     parser = diag_parser(__doc__, [v.name for v in VARIANTS])
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
+    chosen = chosen_variants(VARIANTS, args.variants)
     if args.smoke:
         variant = next(v for v in VARIANTS if v.name == args.smoke)
         print(f"smoke error {smoke(variant)}", flush=True)
         return
     if args.compile_only:
-        for variant in VARIANTS:
+        for variant in chosen:
             print(variant.name, compile_only(variant))
         return
-    run(args.workloads, args.rounds)
+    run(args.workloads, args.rounds, chosen)
 
 
 if __name__ == "__main__":
