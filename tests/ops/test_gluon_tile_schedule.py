@@ -1,9 +1,12 @@
-"""benchmarks.diag.gluon_common's tile schedule on the CPU: the (sample, tile) items the Gluon diags' kernels launch
-over (the kernels themselves need triton 3.6 and a Hopper GPU)."""
+"""benchmarks.diag.gluon_common on the CPU: the tile schedule, the (sample, tile) items the Gluon diags' kernels launch
+over (the kernels themselves need triton 3.6 and a Hopper GPU), and the diags' ``--variants`` choice."""
 
+from collections import namedtuple
+
+import pytest
 import torch
 
-from benchmarks.diag.gluon_common import tile_schedule
+from benchmarks.diag.gluon_common import chosen_variants, tile_schedule
 
 
 def test_every_row_is_in_exactly_one_tile_longest_samples_first():
@@ -18,3 +21,12 @@ def test_every_row_is_in_exactly_one_tile_longest_samples_first():
     for s, n, m in zip(start.tolist(), length.tolist(), m_start.tolist()):
         covered[s + m: s + min(m + 128, n)] += 1
     assert torch.equal(covered, torch.ones_like(covered))
+
+
+def test_variants_are_chosen_by_name_in_the_order_given_and_unknown_names_are_refused():
+    Named = namedtuple("Named", "name")
+    variants = (Named("gluon_a"), Named("gluon_b"), Named("gluon_c"))
+    assert chosen_variants(variants, None) == list(variants)
+    assert chosen_variants(variants, ["gluon_c", "gluon_a"]) == [variants[2], variants[0]]
+    with pytest.raises(SystemExit, match=r"unknown \['gluon_x'\]; known: \['gluon_a', 'gluon_b', 'gluon_c'\]"):
+        chosen_variants(variants, ["gluon_a", "gluon_x"])
