@@ -62,14 +62,15 @@ def stage_ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 1
 
 
 @gluon.jit
-def fill_ring(a_desc, b_desc, a_bufs, b_bufs, a_ready, b_ready, a_empty, b_empty, row0, rows, head_col,
+def fill_ring(a_desc, b_desc, a_bufs, b_bufs, a_ready, b_ready, a_empty, b_empty, row0, rows, head_col, tile0,
               BLOCK: gl.constexpr):
     """The TMA-load worker: rows ``[row0, row0 + rows)`` of one head, ``BLOCK`` at a time, of both tensors into the
-    :func:`stage_ring` stages, each tile once the consumers have freed its buffer."""
+    :func:`stage_ring` stages, each tile once the consumers have freed its buffer; the first tile takes ring position
+    ``tile0`` (0 in a one-item program; a persistent program's tiles run on through the ring)."""
     stages: gl.constexpr = a_bufs.type.shape[0]
     for i in range(gl.cdiv(rows, BLOCK)):
-        s = i % stages
-        free_phase = ((i // stages) & 1) ^ 1  # a fresh barrier counts as phase 1 complete
+        s = (tile0 + i) % stages
+        free_phase = (((tile0 + i) // stages) & 1) ^ 1  # a fresh barrier counts as phase 1 complete
         mbarrier.wait(a_empty.index(s), free_phase)
         mbarrier.expect(a_ready.index(s), a_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(a_desc, [row0 + i * BLOCK, head_col], a_ready.index(s), a_bufs.index(s))

@@ -168,7 +168,7 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
                       stride_t, start + n_start, length - n_start, start, length, head_col, slope, scale, dk_scale,
                       dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, FUSED_DQ, RED_V4, num_warps)),
         (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length, head_col,
-                     BLOCK_M)),
+                     0, BLOCK_M)),
     ], [1], [24])
 
 
