@@ -16,7 +16,12 @@ descriptors), so the last query tile masks P^T's and dX^T's columns; key rows pa
 The ``_fused_dq`` variant also computes dQ in the same programs, the five-product backward that a 2x bar needs (the
 Triton op's two passes do seven): each query tile's ``dX^T`` goes to shared memory (it spans both warpgroups' keys),
 ``dQ^T = K^T dX^T`` runs on the tensor cores and is added into an fp32 ``[T, H, D]`` buffer with relaxed atomics
-(not bitwise repeatable, unlike the op), scaled into bf16 after; it is timed against the op's whole backward.
+(not bitwise repeatable, unlike the op), scaled into bf16 after; it is timed against the op's whole backward. How the
+adds are issued: by the MMA warps one element an instruction (``_fused_dq``), four (``_red4``, inline
+``red.global.add.v4.f32``: session 41 measured 1.15x on the kernel), or by a 4-warp dQ-writer partition
+(``_writer``, FlashAttention-3's structure) that takes each step's dQ^T tile from a two-slot shared-memory ring and
+adds it four columns an instruction while the MMA warps go on (16 warps: the launch's registers drop to 128 a thread,
+the MMA partition gets 216).
 
 Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. Needs triton 3.6 (see ``gluon_common``).
 
@@ -46,22 +51,39 @@ from opengem.ops.attention_flops import attention_flops, visible_pairs
 BLOCK_N = 128  # keys a program: 64 per warpgroup
 
 
+# how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four
+# (``red.global.add.v4.f32``), or four from a dQ-writer partition (FlashAttention-3's) while the MMA warps go on
+DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3}  # "": dK and dV only
+
+
 class Variant(NamedTuple):
     block_m: int  # query rows a step
     stages: int  # Q and dO buffers in the ring
-    fused_dq: bool  # dQ too (five products), added into fp32 by every key tile's program
-    red_v4: bool = False  # the dQ adds four fp32 an instruction (``red.global.add.v4.f32``), not one (``atom``)
+    dq: str = ""  # a key of DQ_ADDS: dQ too (five products), added into fp32 by every key tile's program
+
+    @property
+    def fused_dq(self) -> bool:
+        return self.dq != ""
+
+    @property
+    def maxnreg(self) -> int:
+        """Registers a thread at launch: the 64K register file over the warps (8 MMA, the loader's warpgroup, and
+        the writer's 4), a multiple of 8; the partitions then move them with ``setmaxnreg``."""
+        warps = 8 + 4 + (4 if self.dq == "writer" else 0)
+        return 65536 // (32 * warps) // 8 * 8
 
     @property
     def name(self) -> str:
-        return (f"gluon_m{self.block_m}_s{self.stages}" + ("_fused_dq" if self.fused_dq else "")
-                + ("_red4" if self.red_v4 else ""))
+        suffix = {"": "", "atomic": "_fused_dq", "red4": "_fused_dq_red4", "writer": "_fused_dq_writer"}[self.dq]
+        return f"gluon_m{self.block_m}_s{self.stages}{suffix}"
 
 
 # at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
 # dQ 160 B (its atomics' addresses), with the vector adds 112 B (the dQ^T tile through shared memory into a layout of
 # four consecutive head-dim columns a thread)
-VARIANTS = (Variant(64, 2, False), Variant(32, 3, False), Variant(32, 3, True), Variant(32, 3, True, red_v4=True))
+VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(32, 3, "atomic"), Variant(32, 3, "red4"),
+            Variant(32, 3, "writer"))
+DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
 
 
 @gluon.jit
@@ -77,10 +99,39 @@ def _add_v4(ptrs, values, valid):
 
 
 @gluon.jit
-def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, DK, DV, DQ_ACC,
-               stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr,
-               BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FUSED_DQ: gl.constexpr, RED_V4: gl.constexpr,
-               num_warps: gl.constexpr):
+def _add_dq_tile(DQ_ACC, dqt, q_row, q0, q_len, stride_t, head_col):
+    """Add a ``[HEAD_DIM, rows]`` dQ^T tile (query rows ``q0 ..`` of the sample at ``q_row``), held four consecutive
+    head-dim columns a thread, into the fp32 sums with :func:`_add_v4`; rows past ``q_len`` are skipped."""
+    layout: gl.constexpr = dqt.type.layout
+    q_cols = q0 + gl.arange(0, dqt.type.shape[1], layout=gl.SliceLayout(0, layout))
+    d_idx = gl.expand_dims(gl.arange(0, dqt.type.shape[0], layout=gl.SliceLayout(1, layout)), 1)
+    ptrs = DQ_ACC + gl.expand_dims((q_row + q_cols).to(gl.int64) * stride_t, 0) + head_col + d_idx
+    valid = gl.expand_dims(q_cols < q_len, 0).to(gl.int32) + gl.zeros_like(dqt).to(gl.int32)
+    _add_v4(ptrs, dqt, valid)
+
+
+@gluon.jit
+def _write_dq(dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_len, head_col, BLOCK_M: gl.constexpr):
+    """The dQ-writer partition (FlashAttention-3's): each query step's dQ^T tile, as the MMA warps left it in the
+    two-slot ring, added into the fp32 sums, 16 query rows at a time, while the MMA warps go on."""
+    CHUNK: gl.constexpr = 16
+    layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
+    for i in range(gl.cdiv(q_len, BLOCK_M)):
+        slot = i % 2
+        mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
+        for c in gl.static_range(BLOCK_M // CHUNK):
+            dqt = dq_bufs.index(slot).slice(c * CHUNK, CHUNK, dim=1).load(layout)
+            _add_dq_tile(DQ_ACC, dqt, q_row, i * BLOCK_M + c * CHUNK, q_len, stride_t, head_col)
+        mbarrier.arrive(dq_free.index(slot), count=1)
+
+
+@gluon.jit
+def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, dq_full,
+               dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
+               dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
+               DQ_ADD: gl.constexpr, num_warps: gl.constexpr):
+    """The MMA partition; ``DQ_ADD`` a value of ``DQ_ADDS`` (with 3, ``dq_bufs`` is the writer's ring; otherwise
+    ``dq_bufs``, ``dq_full`` and ``dq_free`` are unused stand-ins)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
     kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
@@ -112,26 +163,26 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
         cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         if i == n_tiles - 1:
             dxt = gl.where(gl.expand_dims(cols < q_len, 0), dxt, 0.0)
-        if FUSED_DQ:  # keys past the sample's end (the next sample's) must not reach dQ
+        if DQ_ADD > 0:  # keys past the sample's end (the next sample's) must not reach dQ
             dxt = gl.where(gl.expand_dims(key_rows < keys, 1), dxt, 0.0)
         dxt = dxt.to(gl.bfloat16)
         dxt_a = gl.convert_layout(dxt, a_layout)
         dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
-        if FUSED_DQ:
+        if DQ_ADD > 0:
             # dQ^T = K^T dX^T: dX^T crosses the two warpgroups' key halves, so it goes through shared memory
             gl.thread_barrier()  # the other warpgroup's previous dQ MMA has read ds_smem
             ds_smem.store(dxt)
             fence_async_shared()
             gl.thread_barrier()
             dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_st, use_acc=False)  # [HEAD_DIM, BLOCK_M]
-            if RED_V4:  # four consecutive head-dim columns a thread (the MMA layout holds pairs of query rows)
+            if DQ_ADD == 3:  # to the writer partition
+                slot = i % 2
+                mbarrier.wait(dq_free.index(slot), ((i // 2) & 1) ^ 1)
+                dq_bufs.index(slot).store(dqt)
+                mbarrier.arrive(dq_full.index(slot), count=1)
+            elif DQ_ADD == 2:  # four consecutive head-dim columns a thread (the MMA layout holds pairs of query rows)
                 dq_layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, num_warps], [0, 1])
-                dqt = gl.convert_layout(dqt, dq_layout)
-                q_cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, dq_layout))
-                d_idx = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, dq_layout)), 1)
-                dq_ptrs = DQ_ACC + gl.expand_dims((q_row + q_cols).to(gl.int64) * stride_t, 0) + head_col + d_idx
-                valid_q = gl.expand_dims(q_cols < q_len, 0).to(gl.int32) + gl.zeros_like(dqt).to(gl.int32)
-                _add_v4(dq_ptrs, dqt, valid_q)
+                _add_dq_tile(DQ_ACC, gl.convert_layout(dqt, dq_layout), q_row, i * BLOCK_M, q_len, stride_t, head_col)
             else:
                 dq_ptrs = DQ_ACC + gl.expand_dims((q_row + cols).to(gl.int64) * stride_t, 0) + head_col + d_rows
                 gl.atomic_add(dq_ptrs, dqt, mask=gl.expand_dims(cols < q_len, 0), sem="relaxed")
@@ -149,7 +200,7 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
 @gluon.jit
 def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
                            slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, FUSED_DQ: gl.constexpr, RED_V4: gl.constexpr,
+                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_ADD: gl.constexpr,
                            DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * HEAD_DIM
@@ -163,13 +214,33 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
     tma.async_copy_global_to_shared(k_desc, [start + n_start, head_col], kv_bar, k_smem)
     tma.async_copy_global_to_shared(v_desc, [start + n_start, head_col], kv_bar, v_smem)
     mbarrier.wait(kv_bar, 0)
-    gl.warp_specialize([
-        (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, DK, DV, DQ_ACC,
-                      stride_t, start + n_start, length - n_start, start, length, head_col, slope, scale, dk_scale,
-                      dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, FUSED_DQ, RED_V4, num_warps)),
-        (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length, head_col,
-                     0, BLOCK_M)),
-    ], [1], [24])
+    # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors
+    if DQ_ADD == 3:
+        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, HEAD_DIM, BLOCK_M],
+                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1]))  # head-dim contiguous
+        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(dq_full.index(i), count=1)
+            mbarrier.init(dq_free.index(i), count=1)
+        gl.warp_specialize([
+            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
+                          dq_full, dq_free, DK, DV, DQ_ACC, stride_t, start + n_start, length - n_start, start,
+                          length, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_ADD,
+                          num_warps)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+            (_write_dq, (dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M)),
+        ], [1, 4], [24, DQ_WRITER_REGISTERS])
+    else:
+        gl.warp_specialize([
+            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_smem,
+                          kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, start + n_start, length - n_start, start, length,
+                          head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_ADD,
+                          num_warps)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+        ], [1], [24])
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
@@ -177,7 +248,7 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     """``(dQ or None, dK, dV)`` of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``:
     ``tile_schedule`` of the lengths in tiles of ``BLOCK_N`` keys. With ``variant.fused_dq`` dQ is added in fp32 by
     every key tile's program (atomics: not bitwise repeatable), then scaled into bf16."""
-    block_m, stages, fused_dq, red_v4 = variant
+    block_m, stages, fused_dq = variant.block_m, variant.stages, variant.fused_dq
     T, H, D = q.shape
     tensors = (q, k, v, dout)
     if D != HEAD_DIM or any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != q.shape for t in tensors):
@@ -197,8 +268,8 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
         desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_acc, H * D, item_start,
         item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m, BLOCK_N,
-        D, stages, fused_dq, red_v4, gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16),
-        num_warps=8, maxnreg=168)
+        D, stages, DQ_ADDS[variant.dq], gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16),
+        num_warps=8, maxnreg=variant.maxnreg)
     dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
     return dq, dk, dv
 
@@ -206,14 +277,14 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
 def compile_only(variant: Variant) -> dict[str, object]:
     block_m = variant.block_m
     constants = {"BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
-                 "FUSED_DQ": variant.fused_dq, "RED_V4": variant.red_v4,
+                 "DQ_ADD": DQ_ADDS[variant.dq],
                  "DS_LAYOUT": gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16), "num_warps": 8}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
                  "DK": "*bf16", "DV": "*bf16", "DQ_ACC": "*fp32", "stride_t": "i32", "item_start": "*i32",
                  "item_len": "*i32", "item_n": "*i32", "slope": "fp32", "scale": "fp32", "dk_scale": "fp32",
                  "dv_scale": "fp32"}
-    return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, num_warps=8, maxnreg=168)
+    return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, num_warps=8, maxnreg=variant.maxnreg)
 
 
 def _triton_grads(q, k, v, dout, offsets, max_len: int, scale: float) -> tuple[torch.Tensor, ...]:
