@@ -878,12 +878,13 @@ chain_s46c() {  # session 41: the fused Gluon backward's dQ added four fp32 an i
   step gluon_gdpa_dkdv_red4 100 python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=2048" \
     --variants gluon_m32_s3_fused_dq,gluon_m32_s3_fused_dq_red4
 }
-chain_s47a() {  # after session 41: the persistent two-partition Gluon forward (one program an SM) against the one-item form
+chain_s47a() {  # after session 41: the persistent two-partition Gluon forward (a program an SM) against one-item ones
   step gluon_gdpa_forward 300 python -m benchmarks.diag.gluon_gdpa_forward  # smoke calls first, 120 s cap each
 }
-chain_s47b() {  # after session 41: the fused Gluon backward with a dQ-writer partition, against the atomic and red.v4 forms
-  step gluon_gdpa_dkdv_writer 200 python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
-    --variants gluon_m32_s3_fused_dq,gluon_m32_s3_fused_dq_red4,gluon_m32_s3_fused_dq_writer
+chain_s47b() {  # after session 41: the fused Gluon backward with a dQ-writer partition, against atomic and red.v4 adds
+  local fused=gluon_m32_s3_fused_dq
+  step gluon_gdpa_dkdv_writer 240 python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
+    --variants "$fused,${fused}_red4,${fused}_writer,${fused}_writer_2wg"
 }
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward

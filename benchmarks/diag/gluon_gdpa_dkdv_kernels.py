@@ -22,7 +22,7 @@ BLOCK_N = 128  # keys a program: 64 per warpgroup
 
 # how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four
 # (``red.global.add.v4.f32``), or four from a dQ-writer partition (FlashAttention-3's) while the MMA warps go on
-DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3}  # "": dK and dV only
+DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3, "writer_2wg": 4}  # "": dK and dV only
 
 
 class Variant(NamedTuple):
@@ -35,24 +35,36 @@ class Variant(NamedTuple):
         return self.dq != ""
 
     @property
+    def ds_layout(self) -> gl.NVMMASharedLayout:
+        """The shared layout of an MMA partition's dX^T tile (its keys by the step's query rows)."""
+        keys = BLOCK_N // 2 if self.dq == "writer_2wg" else BLOCK_N
+        return gl.NVMMASharedLayout.get_default_for([keys, self.block_m], gl.bfloat16)
+
+    @property
     def maxnreg(self) -> int:
         """Registers a thread at launch: the 64K register file over the warps (8 MMA, the loader's warpgroup, and
         the writer's 4), a multiple of 8; the partitions then move them with ``setmaxnreg``."""
-        warps = 8 + 4 + (4 if self.dq == "writer" else 0)
+        warps = 8 + 4 + (4 if self.dq.startswith("writer") else 0)
         return 65536 // (32 * warps) // 8 * 8
 
     @property
     def name(self) -> str:
-        suffix = {"": "", "atomic": "_fused_dq", "red4": "_fused_dq_red4", "writer": "_fused_dq_writer"}[self.dq]
-        return f"gluon_m{self.block_m}_s{self.stages}{suffix}"
+        return f"gluon_m{self.block_m}_s{self.stages}" + (f"_fused_dq_{self.dq}" if self.dq not in ("", "atomic")
+                                                              else "_fused_dq" if self.dq else "")
+
+    @property
+    def num_warps(self) -> int:  # the kernel's (the default partition's): one warpgroup a partition with writer_2wg
+        return 4 if self.dq == "writer_2wg" else 8
 
 
 # at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
 # dQ 160 B (its atomics' addresses), with the vector adds 112 B (the dQ^T tile through shared memory into a layout of
-# four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers)
+# four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers),
+# with the writer and a partition a 64-key half 16 B
 VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(32, 3, "atomic"), Variant(32, 3, "red4"),
-            Variant(32, 3, "writer"))
+            Variant(32, 3, "writer"), Variant(32, 3, "writer_2wg"))
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
+MMA_REGISTERS_2WG = gl.constexpr(216)  # writer_2wg's second MMA partition; the first gets the rest (224)
 
 
 @gluon.jit
@@ -80,9 +92,11 @@ def _add_dq_tile(DQ_ACC, dqt, q_row, q0, q_len, stride_t, head_col):
 
 
 @gluon.jit
-def _write_dq(dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_len, head_col, BLOCK_M: gl.constexpr):
-    """The dQ-writer partition (FlashAttention-3's): each query step's dQ^T tile, as the MMA warps left it in the
-    two-slot ring, added into the fp32 sums, 16 query rows at a time, while the MMA warps go on."""
+def _write_dq(dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_len, head_col, BLOCK_M: gl.constexpr,
+              DQ_ADD: gl.constexpr):
+    """The dQ-writer partition (FlashAttention-3's): each query step's dQ^T tile, as the MMA partition left it in its
+    two-slot ring (with ``writer_2wg``, an MMA partition a key half, the two halves' partials from their two rings,
+    summed here), added into the fp32 sums, 16 query rows at a time, while the MMA warps go on."""
     CHUNK: gl.constexpr = 16
     layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
     for i in range(gl.cdiv(q_len, BLOCK_M)):
@@ -90,6 +104,8 @@ def _write_dq(dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_len, head_co
         mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
         for c in gl.static_range(BLOCK_M // CHUNK):
             dqt = dq_bufs.index(slot).slice(c * CHUNK, CHUNK, dim=1).load(layout)
+            if DQ_ADD == 4:
+                dqt += dq_bufs_b.index(slot).slice(c * CHUNK, CHUNK, dim=1).load(layout)
             _add_dq_tile(DQ_ACC, dqt, q_row, i * BLOCK_M + c * CHUNK, q_len, stride_t, head_col)
         mbarrier.arrive(dq_free.index(slot), count=1)
 
@@ -97,19 +113,24 @@ def _write_dq(dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_len, head_co
 @gluon.jit
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, dq_full,
                dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
-               dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr,
-               DQ_ADD: gl.constexpr, num_warps: gl.constexpr):
-    """The MMA partition; ``DQ_ADD`` a value of ``DQ_ADDS`` (with 3, ``dq_bufs`` is the writer's ring; otherwise
-    ``dq_bufs``, ``dq_full`` and ``dq_free`` are unused stand-ins)."""
+               dv_scale, DQ_ADD: gl.constexpr):
+    """An MMA partition over ``k_smem``'s ``BLOCK_N`` keys (128, or with ``writer_2wg`` a 64-key half); ``DQ_ADD`` a
+    value of ``DQ_ADDS`` (from 3, ``dq_bufs`` is this partition's two-slot ring to the writer; otherwise ``dq_bufs``,
+    ``dq_full`` and ``dq_free`` are unused stand-ins)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    num_warps: gl.constexpr = gl.num_warps()  # this partition's
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
     kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
-    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)  # also dQ^T's: HEAD_DIM == BLOCK_N rows
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zero_dqt = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, st_layout)
     key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
-    d_rows = gl.expand_dims(key_rows, 1)  # dQ^T's rows are head-dim columns
+    d_rows = gl.expand_dims(gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(1, st_layout)), 1)  # dQ^T's rows
     n_tiles = gl.cdiv(q_len, BLOCK_M)
     for i in range(n_tiles):
         s = i % stages
@@ -138,13 +159,13 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
         dxt_a = gl.convert_layout(dxt, a_layout)
         dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
         if DQ_ADD > 0:
-            # dQ^T = K^T dX^T: dX^T crosses the two warpgroups' key halves, so it goes through shared memory
-            gl.thread_barrier()  # the other warpgroup's previous dQ MMA has read ds_smem
+            # dQ^T = K^T dX^T: dX^T goes through shared memory (in one 8-warp partition it spans both warpgroups)
+            gl.thread_barrier()  # the previous dQ MMA has read ds_smem
             ds_smem.store(dxt)
             fence_async_shared()
             gl.thread_barrier()
-            dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_st, use_acc=False)  # [HEAD_DIM, BLOCK_M]
-            if DQ_ADD == 3:  # to the writer partition
+            dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False)  # [HEAD_DIM, BLOCK_M]
+            if DQ_ADD >= 3:  # to the writer partition
                 slot = i % 2
                 mbarrier.wait(dq_free.index(slot), ((i // 2) & 1) ^ 1)
                 dq_bufs.index(slot).store(dqt)
@@ -167,49 +188,85 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
 
 
 @gluon.jit
+def _dq_ring(PARTITIONS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr):
+    """An MMA partition's two-slot ring of fp32 dQ^T tiles to the writer and the barriers all
+    the rings share: ``dq_full`` completes when all ``PARTITIONS`` MMA partitions have stored their tile,
+    ``dq_free`` when the writer has added them. (One buffer of all partitions' rings, sliced, crashes triton 3.6.)"""
+    head_dim_contiguous: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1])
+    dq_bufs = gl.allocate_shared_memory(gl.float32, [2, HEAD_DIM, BLOCK_M], head_dim_contiguous)
+    dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(dq_full.index(i), count=PARTITIONS)
+        mbarrier.init(dq_free.index(i), count=1)
+    return dq_bufs, dq_full, dq_free
+
+
+@gluon.jit
+def _load_key_tile(k_desc, v_desc, row, head_col):
+    """This program's K and V tiles, loaded once."""
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar, count=1)
+    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [row, head_col], kv_bar, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [row, head_col], kv_bar, v_smem)
+    mbarrier.wait(kv_bar, 0)
+    return k_smem, v_smem, kv_bar
+
+
+@gluon.jit
 def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
                            slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
                            HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_ADD: gl.constexpr,
                            DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * HEAD_DIM
-    q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
-    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], DS_LAYOUT)  # dX^T, for the fused dQ
-    kv_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_bar, count=1)
-    mbarrier.expect(kv_bar, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [start + n_start, head_col], kv_bar, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [start + n_start, head_col], kv_bar, v_smem)
-    mbarrier.wait(kv_bar, 0)
+    key_row, keys = start + n_start, length - n_start
+    k_smem, v_smem, kv_bar = _load_key_tile(k_desc, v_desc, key_row, head_col)
     # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors
-    if DQ_ADD == 3:
-        dq_bufs = gl.allocate_shared_memory(gl.float32, [2, HEAD_DIM, BLOCK_M],
-                                            gl.SwizzledSharedLayout(1, 1, 1, order=[0, 1]))  # head-dim contiguous
-        dq_full = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        dq_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        for i in gl.static_range(2):
-            mbarrier.init(dq_full.index(i), count=1)
-            mbarrier.init(dq_free.index(i), count=1)
+    if DQ_ADD == 4:  # a partition a 64-key half, as the forward's two consumers; the writer sums their dQ^T partials
+        half: gl.constexpr = BLOCK_N // 2
+        q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 2)
+        ds_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, half, BLOCK_M], DS_LAYOUT)  # each half's dX^T
+        dq_bufs, dq_full, dq_free = _dq_ring(2, HEAD_DIM, BLOCK_M)
+        dq_bufs_b = gl.allocate_shared_memory(gl.float32, dq_bufs.type.shape, dq_bufs.layout)  # the second half's
         gl.warp_specialize([
-            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
-                          dq_full, dq_free, DK, DV, DQ_ACC, stride_t, start + n_start, length - n_start, start,
-                          length, head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_ADD,
-                          num_warps)),
+            (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
+                          do_empty, ds_bufs.index(0), dq_bufs, dq_full, dq_free, DK, DV, DQ_ACC, stride_t,
+                          key_row, keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
+            (_key_grads, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready, do_ready,
+                          q_empty, do_empty, ds_bufs.index(1), dq_bufs_b, dq_full, dq_free, DK, DV, DQ_ACC,
+                          stride_t, key_row + half, keys - half, start, length, head_col, slope, scale, dk_scale,
+                          dv_scale, DQ_ADD)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
                          head_col, 0, BLOCK_M)),
-            (_write_dq, (dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M)),
-        ], [1, 4], [24, DQ_WRITER_REGISTERS])
+            (_write_dq, (dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
+                         DQ_ADD)),
+        ], [4, 1, 4], [MMA_REGISTERS_2WG, 24, DQ_WRITER_REGISTERS])
     else:
-        gl.warp_specialize([
-            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_smem,
-                          kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, start + n_start, length - n_start, start, length,
-                          head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, BLOCK_N, HEAD_DIM, DQ_ADD,
-                          num_warps)),
-            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
-                         head_col, 0, BLOCK_M)),
-        ], [1], [24])
+        q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 1)
+        ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], DS_LAYOUT)  # dX^T, for the fused dQ
+        if DQ_ADD == 3:
+            dq_bufs, dq_full, dq_free = _dq_ring(1, HEAD_DIM, BLOCK_M)
+            gl.warp_specialize([
+                (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem,
+                              dq_bufs, dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, start,
+                              length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
+                (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                             head_col, 0, BLOCK_M)),
+                (_write_dq, (dq_bufs, dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
+                             DQ_ADD)),
+            ], [1, 4], [24, DQ_WRITER_REGISTERS])
+        else:
+            gl.warp_specialize([
+                (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem,
+                              ds_smem, kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length,
+                              head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
+                (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                             head_col, 0, BLOCK_M)),
+            ], [1], [24])
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
@@ -237,8 +294,8 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
         desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_acc, H * D, item_start,
         item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m, BLOCK_N,
-        D, stages, DQ_ADDS[variant.dq], gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16),
-        num_warps=8, maxnreg=variant.maxnreg)
+        D, stages, DQ_ADDS[variant.dq], variant.ds_layout,
+        num_warps=variant.num_warps, maxnreg=variant.maxnreg)
     dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
     return dq, dk, dv
 
@@ -247,10 +304,10 @@ def compile_only(variant: Variant) -> dict[str, object]:
     block_m = variant.block_m
     constants = {"BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
                  "DQ_ADD": DQ_ADDS[variant.dq],
-                 "DS_LAYOUT": gl.NVMMASharedLayout.get_default_for([BLOCK_N, block_m], gl.bfloat16), "num_warps": 8}
+                 "DS_LAYOUT": variant.ds_layout, "num_warps": variant.num_warps}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
                  "DK": "*bf16", "DV": "*bf16", "DQ_ACC": "*fp32", "stride_t": "i32", "item_start": "*i32",
                  "item_len": "*i32", "item_n": "*i32", "slope": "fp32", "scale": "fp32", "dk_scale": "fp32",
                  "dv_scale": "fp32"}
-    return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, num_warps=8, maxnreg=variant.maxnreg)
+    return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, variant.num_warps, maxnreg=variant.maxnreg)
