@@ -21,9 +21,9 @@ adds are issued: by the MMA warps one element an instruction (``_fused_dq``), fo
 ``red.global.add.v4.f32``: session 41 measured 1.15x on the kernel), or by a 4-warp dQ-writer partition
 (``_writer``, FlashAttention-3's structure) that takes each step's dQ^T tile from a two-slot shared-memory ring and
 adds it four columns an instruction while the MMA warps go on (16 warps: the launch's registers drop to 128 a thread,
-the MMA partition gets 216); ``_writer_2wg`` also splits the MMA warps into a partition a 64-key half, as the
-forward's two consumers (they stop meeting at every barrier, and no longer exchange dX^T: each adds its own dQ^T
-partial, and the writer sums the two before its adds).
+the MMA partition gets 216). The ``_2wg`` variants split the MMA warps into a partition a 64-key half, as the
+forward's two consumers: they stop meeting at every barrier, and with the writer no longer exchange dX^T (each adds
+its own dQ^T partial into its own ring, and the writer sums the two before its adds).
 
 Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. The kernels are in ``gluon_gdpa_dkdv_kernels``; they
 need triton 3.6 (see ``gluon_common``).

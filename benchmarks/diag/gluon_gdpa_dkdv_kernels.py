@@ -22,49 +22,57 @@ BLOCK_N = 128  # keys a program: 64 per warpgroup
 
 # how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four
 # (``red.global.add.v4.f32``), or four from a dQ-writer partition (FlashAttention-3's) while the MMA warps go on
-DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3, "writer_2wg": 4}  # "": dK and dV only
+DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3}  # "": dK and dV only
 
 
 class Variant(NamedTuple):
     block_m: int  # query rows a step
     stages: int  # Q and dO buffers in the ring
     dq: str = ""  # a key of DQ_ADDS: dQ too (five products), added into fp32 by every key tile's program
+    halves: bool = False  # an MMA partition a 64-key half (as the forward's two consumers), not one of 8 warps
+
+    @property
+    def name(self) -> str:
+        fused = "" if not self.dq else "_fused_dq" if self.dq == "atomic" else f"_fused_dq_{self.dq}"
+        return f"gluon_m{self.block_m}_s{self.stages}{fused}" + ("_2wg" if self.halves else "")
 
     @property
     def fused_dq(self) -> bool:
         return self.dq != ""
 
     @property
+    def num_warps(self) -> int:  # the kernel's (the default partition's)
+        return 4 if self.halves else 8
+
+    @property
     def ds_layout(self) -> gl.NVMMASharedLayout:
         """The shared layout of an MMA partition's dX^T tile (its keys by the step's query rows)."""
-        keys = BLOCK_N // 2 if self.dq == "writer_2wg" else BLOCK_N
+        keys = BLOCK_N // 2 if self.halves else BLOCK_N
         return gl.NVMMASharedLayout.get_default_for([keys, self.block_m], gl.bfloat16)
 
     @property
     def maxnreg(self) -> int:
         """Registers a thread at launch: the 64K register file over the warps (8 MMA, the loader's warpgroup, and
         the writer's 4), a multiple of 8; the partitions then move them with ``setmaxnreg``."""
-        warps = 8 + 4 + (4 if self.dq.startswith("writer") else 0)
+        warps = 8 + 4 + (4 if self.dq == "writer" else 0)
         return 65536 // (32 * warps) // 8 * 8
 
-    @property
-    def name(self) -> str:
-        return f"gluon_m{self.block_m}_s{self.stages}" + (f"_fused_dq_{self.dq}" if self.dq not in ("", "atomic")
-                                                              else "_fused_dq" if self.dq else "")
-
-    @property
-    def num_warps(self) -> int:  # the kernel's (the default partition's): one warpgroup a partition with writer_2wg
-        return 4 if self.dq == "writer_2wg" else 8
+    def check(self) -> None:
+        if self.halves and self.dq in ("atomic", "red4"):  # each half would add its own partial: twice the adds
+            raise ValueError(f"{self.name}: key halves add dQ only through the writer (dq='writer')")
 
 
 # at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
 # dQ 160 B (its atomics' addresses), with the vector adds 112 B (the dQ^T tile through shared memory into a layout of
 # four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers),
-# with the writer and a partition a 64-key half 16 B
-VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(32, 3, "atomic"), Variant(32, 3, "red4"),
-            Variant(32, 3, "writer"), Variant(32, 3, "writer_2wg"))
+# with the writer and a partition a 64-key half 16 B; dK/dV only with key halves: 64 rows 24 B, 32 rows none
+VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant(32, 3, halves=True),
+            Variant(32, 3, "atomic"), Variant(32, 3, "red4"), Variant(32, 3, "writer"),
+            Variant(32, 3, "writer", halves=True))
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
-MMA_REGISTERS_2WG = gl.constexpr(216)  # writer_2wg's second MMA partition; the first gets the rest (224)
+# the second MMA partition of a key-halves variant (the first gets the rest): with the writer 216 (first 224), else 240
+MMA_REGISTERS_HALVES = gl.constexpr(216)
+MMA_REGISTERS_HALVES_NO_WRITER = gl.constexpr(240)
 
 
 @gluon.jit
@@ -93,9 +101,9 @@ def _add_dq_tile(DQ_ACC, dqt, q_row, q0, q_len, stride_t, head_col):
 
 @gluon.jit
 def _write_dq(dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_len, head_col, BLOCK_M: gl.constexpr,
-              DQ_ADD: gl.constexpr):
+              HALVES: gl.constexpr):
     """The dQ-writer partition (FlashAttention-3's): each query step's dQ^T tile, as the MMA partition left it in its
-    two-slot ring (with ``writer_2wg``, an MMA partition a key half, the two halves' partials from their two rings,
+    two-slot ring (with ``HALVES``, an MMA partition a key half, the two halves' partials from their two rings,
     summed here), added into the fp32 sums, 16 query rows at a time, while the MMA warps go on."""
     CHUNK: gl.constexpr = 16
     layout: gl.constexpr = gl.BlockedLayout([4, 1], [32, 1], [1, gl.num_warps()], [0, 1])
@@ -104,7 +112,7 @@ def _write_dq(dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_l
         mbarrier.wait(dq_full.index(slot), (i // 2) & 1)
         for c in gl.static_range(BLOCK_M // CHUNK):
             dqt = dq_bufs.index(slot).slice(c * CHUNK, CHUNK, dim=1).load(layout)
-            if DQ_ADD == 4:
+            if HALVES:
                 dqt += dq_bufs_b.index(slot).slice(c * CHUNK, CHUNK, dim=1).load(layout)
             _add_dq_tile(DQ_ACC, dqt, q_row, i * BLOCK_M + c * CHUNK, q_len, stride_t, head_col)
         mbarrier.arrive(dq_free.index(slot), count=1)
@@ -114,8 +122,8 @@ def _write_dq(dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_l
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, dq_full,
                dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
                dv_scale, DQ_ADD: gl.constexpr):
-    """An MMA partition over ``k_smem``'s ``BLOCK_N`` keys (128, or with ``writer_2wg`` a 64-key half); ``DQ_ADD`` a
-    value of ``DQ_ADDS`` (from 3, ``dq_bufs`` is this partition's two-slot ring to the writer; otherwise ``dq_bufs``,
+    """An MMA partition over ``k_smem``'s ``BLOCK_N`` keys (128, or a 64-key half); ``DQ_ADD`` a value of
+    ``DQ_ADDS`` (with 3, ``dq_bufs`` is this partition's two-slot ring to the writer; otherwise ``dq_bufs``,
     ``dq_full`` and ``dq_free`` are unused stand-ins)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
@@ -165,7 +173,7 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
             fence_async_shared()
             gl.thread_barrier()
             dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False)  # [HEAD_DIM, BLOCK_M]
-            if DQ_ADD >= 3:  # to the writer partition
+            if DQ_ADD == 3:  # to the writer partition
                 slot = i % 2
                 mbarrier.wait(dq_free.index(slot), ((i // 2) & 1) ^ 1)
                 dq_bufs.index(slot).store(dqt)
@@ -217,19 +225,18 @@ def _load_key_tile(k_desc, v_desc, row, head_col):
 
 
 @gluon.jit
-def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
-                           slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                           HEAD_DIM: gl.constexpr, STAGES: gl.constexpr, DQ_ADD: gl.constexpr,
-                           DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
-    start, length, n_start = scheduled_item(item_start, item_len, item_n)
-    head_col = gl.program_id(1) * HEAD_DIM
-    key_row, keys = start + n_start, length - n_start
-    k_smem, v_smem, kv_bar = _load_key_tile(k_desc, v_desc, key_row, head_col)
+def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys, head_col,
+                slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ADD: gl.constexpr,
+                DS_LAYOUT: gl.constexpr):
+    """An MMA partition a 64-key half, as the forward's two consumers: they share the Q/dO ring (freed by both) and
+    stop meeting at every barrier; each keeps its own dX^T tile, and with the writer its own dQ^T ring (the writer
+    sums the two partials)."""
+    half: gl.constexpr = k_smem.type.shape[0] // 2
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 2)
+    ds_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, half, BLOCK_M], DS_LAYOUT)  # each half's dX^T
     # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors
-    if DQ_ADD == 4:  # a partition a 64-key half, as the forward's two consumers; the writer sums their dQ^T partials
-        half: gl.constexpr = BLOCK_N // 2
-        q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 2)
-        ds_bufs = gl.allocate_shared_memory(gl.bfloat16, [2, half, BLOCK_M], DS_LAYOUT)  # each half's dX^T
+    if DQ_ADD == 3:
         dq_bufs, dq_full, dq_free = _dq_ring(2, HEAD_DIM, BLOCK_M)
         dq_bufs_b = gl.allocate_shared_memory(gl.float32, dq_bufs.type.shape, dq_bufs.layout)  # the second half's
         gl.warp_specialize([
@@ -243,30 +250,68 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
                          head_col, 0, BLOCK_M)),
             (_write_dq, (dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
-                         DQ_ADD)),
-        ], [4, 1, 4], [MMA_REGISTERS_2WG, 24, DQ_WRITER_REGISTERS])
+                         True)),
+        ], [4, 1, 4], [MMA_REGISTERS_HALVES, 24, DQ_WRITER_REGISTERS])
+    else:  # dK and dV only (``Variant.check`` refuses the other dQ adds with halves)
+        gl.warp_specialize([
+            (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
+                          do_empty, ds_bufs.index(0), ds_bufs, q_ready, q_ready, DK, DV, DQ_ACC, stride_t, key_row,
+                          keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
+            (_key_grads, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready, do_ready,
+                          q_empty, do_empty, ds_bufs.index(1), ds_bufs, q_ready, q_ready, DK, DV, DQ_ACC, stride_t,
+                          key_row + half, keys - half, start, length, head_col, slope, scale, dk_scale, dv_scale,
+                          DQ_ADD)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+        ], [4, 1], [MMA_REGISTERS_HALVES_NO_WRITER, 24])
+
+
+@gluon.jit
+def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
+               head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+               DQ_ADD: gl.constexpr, DS_LAYOUT: gl.constexpr):
+    """One 8-warp MMA partition over all 128 keys (session 40's form); with the writer, a 4-warp writer partition."""
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 1)
+    ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], DS_LAYOUT)  # dX^T, for the fused dQ
+    if DQ_ADD == 3:
+        dq_bufs, dq_full, dq_free = _dq_ring(1, HEAD_DIM, BLOCK_M)
+        gl.warp_specialize([
+            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
+                          dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length, head_col, slope,
+                          scale, dk_scale, dv_scale, DQ_ADD)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+            (_write_dq, (dq_bufs, dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
+                         False)),
+        ], [1, 4], [24, DQ_WRITER_REGISTERS])
     else:
-        q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 1)
-        ds_smem = gl.allocate_shared_memory(gl.bfloat16, [BLOCK_N, BLOCK_M], DS_LAYOUT)  # dX^T, for the fused dQ
-        if DQ_ADD == 3:
-            dq_bufs, dq_full, dq_free = _dq_ring(1, HEAD_DIM, BLOCK_M)
-            gl.warp_specialize([
-                (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem,
-                              dq_bufs, dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, start,
-                              length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
-                (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
-                             head_col, 0, BLOCK_M)),
-                (_write_dq, (dq_bufs, dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
-                             DQ_ADD)),
-            ], [1, 4], [24, DQ_WRITER_REGISTERS])
-        else:
-            gl.warp_specialize([
-                (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem,
-                              ds_smem, kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length,
-                              head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
-                (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
-                             head_col, 0, BLOCK_M)),
-            ], [1], [24])
+        gl.warp_specialize([
+            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_smem,
+                          kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length, head_col, slope,
+                          scale, dk_scale, dv_scale, DQ_ADD)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+        ], [1], [24])
+
+
+@gluon.jit
+def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
+                           slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                           DQ_ADD: gl.constexpr, HALVES: gl.constexpr, DS_LAYOUT: gl.constexpr,
+                           num_warps: gl.constexpr):
+    """One program per (key tile of one sample, head)."""
+    start, length, n_start = scheduled_item(item_start, item_len, item_n)
+    head_col = gl.program_id(1) * k_desc.block_type.shape[1]
+    key_row, keys = start + n_start, length - n_start
+    k_smem, v_smem, kv_bar = _load_key_tile(k_desc, v_desc, key_row, head_col)
+    if HALVES:
+        _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys, head_col,
+                    slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, DS_LAYOUT)
+    else:
+        _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
+                   head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, DS_LAYOUT)
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
@@ -274,7 +319,8 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     """``(dQ or None, dK, dV)`` of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``:
     ``tile_schedule`` of the lengths in tiles of ``BLOCK_N`` keys. With ``variant.fused_dq`` dQ is added in fp32 by
     every key tile's program (atomics: not bitwise repeatable), then scaled into bf16."""
-    block_m, stages, fused_dq = variant.block_m, variant.stages, variant.fused_dq
+    variant.check()
+    block_m, fused_dq = variant.block_m, variant.fused_dq
     T, H, D = q.shape
     tensors = (q, k, v, dout)
     if D != HEAD_DIM or any(t.dtype != torch.bfloat16 or not t.is_contiguous() or t.shape != q.shape for t in tensors):
@@ -293,18 +339,19 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     out_scale = 1.0 / max_len
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
         desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_acc, H * D, item_start,
-        item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m, BLOCK_N,
-        D, stages, DQ_ADDS[variant.dq], variant.ds_layout,
-        num_warps=variant.num_warps, maxnreg=variant.maxnreg)
+        item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m,
+        variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.ds_layout, num_warps=variant.num_warps,
+        maxnreg=variant.maxnreg)
     dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
     return dq, dk, dv
 
 
 def compile_only(variant: Variant) -> dict[str, object]:
+    """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
+    variant.check()
     block_m = variant.block_m
-    constants = {"BLOCK_M": block_m, "BLOCK_N": BLOCK_N, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
-                 "DQ_ADD": DQ_ADDS[variant.dq],
-                 "DS_LAYOUT": variant.ds_layout, "num_warps": variant.num_warps}
+    constants = {"BLOCK_M": block_m, "STAGES": variant.stages, "DQ_ADD": DQ_ADDS[variant.dq],
+                 "HALVES": variant.halves, "DS_LAYOUT": variant.ds_layout, "num_warps": variant.num_warps}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
                  "DK": "*bf16", "DV": "*bf16", "DQ_ACC": "*fp32", "stride_t": "i32", "item_start": "*i32",
