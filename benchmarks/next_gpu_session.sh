@@ -881,10 +881,11 @@ chain_s46c() {  # session 41: the fused Gluon backward's dQ added four fp32 an i
 chain_s47a() {  # after session 41: the persistent two-partition Gluon forward (a program an SM) against one-item ones
   step gluon_gdpa_forward 300 python -m benchmarks.diag.gluon_gdpa_forward  # smoke calls first, 120 s cap each
 }
-chain_s47b() {  # after session 41: the Gluon backward with a partition a key half, and the fused one with a dQ writer
+chain_s47b() {  # after session 41: the Gluon backward in key halves or pipelined, and the fused one with a writer
   local fused=gluon_m32_s3_fused_dq
-  step gluon_gdpa_dkdv_writer 300 python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
-    --variants "gluon_m64_s2,gluon_m64_s2_2wg,gluon_m32_s3_2wg,$fused,${fused}_red4,${fused}_writer,${fused}_writer_2wg"
+  step gluon_gdpa_dkdv_writer 400 python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
+    --variants "gluon_m64_s2,gluon_m32_s3,gluon_m64_s2_2wg,gluon_m32_s3_2wg,gluon_m32_s3_pipelined,\
+gluon_m32_s3_2wg_pipelined,$fused,${fused}_red4,${fused}_writer,${fused}_writer_2wg"
 }
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward

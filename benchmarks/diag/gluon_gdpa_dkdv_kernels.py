@@ -30,11 +30,13 @@ class Variant(NamedTuple):
     stages: int  # Q and dO buffers in the ring
     dq: str = ""  # a key of DQ_ADDS: dQ too (five products), added into fp32 by every key tile's program
     halves: bool = False  # an MMA partition a 64-key half (as the forward's two consumers), not one of 8 warps
+    pipelined: bool = False  # dK/dV only: step i+1's S^T issued behind step i's MMAs (``_key_grads_pipelined``)
 
     @property
     def name(self) -> str:
         fused = "" if not self.dq else "_fused_dq" if self.dq == "atomic" else f"_fused_dq_{self.dq}"
-        return f"gluon_m{self.block_m}_s{self.stages}{fused}" + ("_2wg" if self.halves else "")
+        return (f"gluon_m{self.block_m}_s{self.stages}{fused}" + ("_2wg" if self.halves else "")
+                + ("_pipelined" if self.pipelined else ""))
 
     @property
     def fused_dq(self) -> bool:
@@ -60,15 +62,18 @@ class Variant(NamedTuple):
     def check(self) -> None:
         if self.halves and self.dq in ("atomic", "red4"):  # each half would add its own partial: twice the adds
             raise ValueError(f"{self.name}: key halves add dQ only through the writer (dq='writer')")
+        if self.pipelined and self.dq:
+            raise ValueError(f"{self.name}: the pipelined loop computes dK and dV only")
 
 
 # at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
 # dQ 160 B (its atomics' addresses), with the vector adds 112 B (the dQ^T tile through shared memory into a layout of
 # four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers),
-# with the writer and a partition a 64-key half 16 B; dK/dV only with key halves: 64 rows 24 B, 32 rows none
+# with the writer and a partition a 64-key half 16 B; dK/dV only with key halves: 64 rows 24 B, 32 rows none;
+# pipelined, 32 rows: none (64 rows with key halves spill 240 B, so they are not listed)
 VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant(32, 3, halves=True),
-            Variant(32, 3, "atomic"), Variant(32, 3, "red4"), Variant(32, 3, "writer"),
-            Variant(32, 3, "writer", halves=True))
+            Variant(32, 3, pipelined=True), Variant(32, 3, halves=True, pipelined=True), Variant(32, 3, "atomic"),
+            Variant(32, 3, "red4"), Variant(32, 3, "writer"), Variant(32, 3, "writer", halves=True))
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
 # the second MMA partition of a key-halves variant (the first gets the rest): with the writer 216 (first 224), else 240
 MMA_REGISTERS_HALVES = gl.constexpr(216)
@@ -119,6 +124,46 @@ def _write_dq(dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, q_row, q_l
 
 
 @gluon.jit
+def _weights_t(st, i, n_tiles, q_len, slope, scale, a_layout: gl.constexpr):
+    """From ``S^T`` of query step ``i``: ``P^T = phi(s S^T)`` as bf16 in the dV MMA's register-operand layout (query
+    rows past the sample's end zeroed: the next sample's, or zeros past T) and ``phi'(s S^T)`` in fp32."""
+    BLOCK_M: gl.constexpr = st.type.shape[1]
+    gate_v = gl.minimum(gl.maximum(st * slope + 0.5, 0.0), 1.0)
+    smooth = gate_v * gate_v * (3.0 - 2.0 * gate_v)
+    pt = st * scale * smooth
+    dphi = 4.0 * smooth - 3.0 * gate_v  # the one fp32 tile kept across the MMAs that follow
+    if i == n_tiles - 1:
+        cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st.type.layout))
+        pt = gl.where(gl.expand_dims(cols < q_len, 0), pt, 0.0)
+    return gl.convert_layout(pt.to(gl.bfloat16), a_layout), dphi
+
+
+@gluon.jit
+def _score_grads_t(dpt, dphi, cols, key_rows, i, n_tiles, q_len, keys, MASK_KEYS: gl.constexpr):
+    """``dX^T = dP^T * phi'`` as bf16 (``cols``: the step's query rows, ``key_rows``: the tile's keys), query rows
+    past the sample's end zeroed; with ``MASK_KEYS`` (a fused dQ) also key rows past it (the next sample's keys must
+    not reach dQ)."""
+    dxt = dpt * dphi
+    if i == n_tiles - 1:
+        dxt = gl.where(gl.expand_dims(cols < q_len, 0), dxt, 0.0)
+    if MASK_KEYS:
+        dxt = gl.where(gl.expand_dims(key_rows < keys, 1), dxt, 0.0)
+    return dxt.to(gl.bfloat16)
+
+
+@gluon.jit
+def _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale):
+    """A key tile's dK and dV, scaled as the Triton kernel scales them, rows past the sample's end not stored."""
+    layout: gl.constexpr = dk.type.layout
+    offs_n = gl.arange(0, dk.type.shape[0], layout=gl.SliceLayout(1, layout))
+    offs_d = gl.arange(0, dk.type.shape[1], layout=gl.SliceLayout(0, layout))
+    offsets = gl.expand_dims((key_row + offs_n).to(gl.int64) * stride_t, 1) + head_col + gl.expand_dims(offs_d, 0)
+    valid = gl.expand_dims(offs_n < keys, 1)
+    gl.store(DK + offsets, (dk * dk_scale).to(gl.bfloat16), mask=valid)
+    gl.store(DV + offsets, (dv * dv_scale).to(gl.bfloat16), mask=valid)
+
+
+@gluon.jit
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, dq_full,
                dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
                dv_scale, DQ_ADD: gl.constexpr):
@@ -145,25 +190,13 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
         phase = (i // stages) & 1
         mbarrier.wait(q_ready.index(s), phase)
         st = warpgroup_mma(k_smem, q_bufs.index(s).permute((1, 0)), zero_st, use_acc=False)
-        gate_v = gl.minimum(gl.maximum(st * slope + 0.5, 0.0), 1.0)
-        smooth = gate_v * gate_v * (3.0 - 2.0 * gate_v)
-        pt = st * scale * smooth
-        dphi = 4.0 * smooth - 3.0 * gate_v  # the one fp32 tile kept across the MMAs below
-        if i == n_tiles - 1:  # query rows past the sample's end: the next sample's, or zeros past T
-            cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-            pt = gl.where(gl.expand_dims(cols < q_len, 0), pt, 0.0)
-        pt = gl.convert_layout(pt.to(gl.bfloat16), a_layout)
+        pt, dphi = _weights_t(st, i, n_tiles, q_len, slope, scale, a_layout)
         mbarrier.wait(do_ready.index(s), phase)
         dv = warpgroup_mma(pt, do_bufs.index(s), dv, is_async=True)
         dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dv, dpt, pt = warpgroup_mma_wait(0, deps=[dv, dpt, pt])
-        dxt = dpt * dphi
         cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        if i == n_tiles - 1:
-            dxt = gl.where(gl.expand_dims(cols < q_len, 0), dxt, 0.0)
-        if DQ_ADD > 0:  # keys past the sample's end (the next sample's) must not reach dQ
-            dxt = gl.where(gl.expand_dims(key_rows < keys, 1), dxt, 0.0)
-        dxt = dxt.to(gl.bfloat16)
+        dxt = _score_grads_t(dpt, dphi, cols, key_rows, i, n_tiles, q_len, keys, DQ_ADD > 0)
         dxt_a = gl.convert_layout(dxt, a_layout)
         dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
         if DQ_ADD > 0:
@@ -187,12 +220,60 @@ def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_e
         dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])  # dX^T's registers stay live until its MMA retires
         mbarrier.arrive(q_empty.index(s), count=1)
         mbarrier.arrive(do_empty.index(s), count=1)
-    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, kv_layout))
-    offs_d = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, kv_layout))
-    offsets = gl.expand_dims((key_row + offs_n).to(gl.int64) * stride_t, 1) + head_col + gl.expand_dims(offs_d, 0)
-    valid = gl.expand_dims(offs_n < keys, 1)
-    gl.store(DK + offsets, (dk * dk_scale).to(gl.bfloat16), mask=valid)
-    gl.store(DV + offsets, (dv * dv_scale).to(gl.bfloat16), mask=valid)
+    _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale)
+
+
+@gluon.jit
+def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, DK, DV, stride_t,
+                         key_row, keys, q_len, head_col, slope, scale, dk_scale, dv_scale):
+    """dK and dV only, software-pipelined inside the warpgroup (FlashAttention-3's in-warpgroup overlap, here for the
+    backward): step i+1's ``S^T`` is issued behind step i's ``dV`` and ``dP^T`` MMAs, so ``dX^T_i`` is formed while
+    it runs, and ``P^T_{i+1}`` while ``dK += dX^T_i Q_i`` runs. In-order retirement orders the waits."""
+    stages: gl.constexpr = q_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = k_smem.type.shape[0]
+    HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M, gl.num_warps())
+    kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, gl.num_warps())
+    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
+    zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
+    n_tiles = gl.cdiv(q_len, BLOCK_M)
+    mbarrier.wait(q_ready.index(0), 0)
+    st = warpgroup_mma(k_smem, q_bufs.index(0).permute((1, 0)), zero_st, use_acc=False)
+    pt, dphi = _weights_t(st, 0, n_tiles, q_len, slope, scale, a_layout)
+    for i in range(n_tiles - 1):
+        s = i % stages
+        nxt = (i + 1) % stages
+        mbarrier.wait(do_ready.index(s), (i // stages) & 1)
+        dv = warpgroup_mma(pt, do_bufs.index(s), dv, is_async=True)
+        dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        mbarrier.wait(q_ready.index(nxt), ((i + 1) // stages) & 1)
+        st = warpgroup_mma(k_smem, q_bufs.index(nxt).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+        dv, dpt, pt = warpgroup_mma_wait(1, deps=[dv, dpt, pt])  # dV_i and dP^T_i retired; S^T_{i+1} may run on
+        cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+        dxt_a = gl.convert_layout(_score_grads_t(dpt, dphi, cols, key_rows, i, n_tiles, q_len, keys, False), a_layout)
+        dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
+        st = warpgroup_mma_wait(1, deps=[st])  # S^T_{i+1} retired; dK_i may run on
+        pt, dphi = _weights_t(st, i + 1, n_tiles, q_len, slope, scale, a_layout)
+        dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])  # dX^T_i's registers live until its MMA retires
+        mbarrier.arrive(q_empty.index(s), count=1)
+        mbarrier.arrive(do_empty.index(s), count=1)
+    last = n_tiles - 1
+    s = last % stages
+    mbarrier.wait(do_ready.index(s), (last // stages) & 1)
+    dv = warpgroup_mma(pt, do_bufs.index(s), dv, is_async=True)
+    dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
+    dv, dpt, pt = warpgroup_mma_wait(0, deps=[dv, dpt, pt])
+    cols = last * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
+    dxt_a = gl.convert_layout(_score_grads_t(dpt, dphi, cols, key_rows, last, n_tiles, q_len, keys, False), a_layout)
+    dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
+    dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])
+    mbarrier.arrive(q_empty.index(s), count=1)
+    mbarrier.arrive(do_empty.index(s), count=1)
+    _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale)
 
 
 @gluon.jit
@@ -227,7 +308,7 @@ def _load_key_tile(k_desc, v_desc, row, head_col):
 @gluon.jit
 def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys, head_col,
                 slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ADD: gl.constexpr,
-                DS_LAYOUT: gl.constexpr):
+                PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr):
     """An MMA partition a 64-key half, as the forward's two consumers: they share the Q/dO ring (freed by both) and
     stop meeting at every barrier; each keeps its own dX^T tile, and with the writer its own dQ^T ring (the writer
     sums the two partials)."""
@@ -252,6 +333,17 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
             (_write_dq, (dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
                          True)),
         ], [4, 1, 4], [MMA_REGISTERS_HALVES, 24, DQ_WRITER_REGISTERS])
+    elif PIPELINED:  # dK and dV only
+        gl.warp_specialize([
+            (_key_grads_pipelined, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready,
+                                    q_empty, do_empty, DK, DV, stride_t, key_row, keys, length, head_col, slope,
+                                    scale, dk_scale, dv_scale)),
+            (_key_grads_pipelined, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready,
+                                    do_ready, q_empty, do_empty, DK, DV, stride_t, key_row + half, keys - half,
+                                    length, head_col, slope, scale, dk_scale, dv_scale)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+        ], [4, 1], [MMA_REGISTERS_HALVES_NO_WRITER, 24])
     else:  # dK and dV only (``Variant.check`` refuses the other dQ adds with halves)
         gl.warp_specialize([
             (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
@@ -269,7 +361,7 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
 @gluon.jit
 def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
                head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               DQ_ADD: gl.constexpr, DS_LAYOUT: gl.constexpr):
+               DQ_ADD: gl.constexpr, PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr):
     """One 8-warp MMA partition over all 128 keys (session 40's form); with the writer, a 4-warp writer partition."""
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
@@ -286,6 +378,13 @@ def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t
             (_write_dq, (dq_bufs, dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
                          False)),
         ], [1, 4], [24, DQ_WRITER_REGISTERS])
+    elif PIPELINED:  # dK and dV only
+        gl.warp_specialize([
+            (_key_grads_pipelined, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, DK, DV,
+                                    stride_t, key_row, keys, length, head_col, slope, scale, dk_scale, dv_scale)),
+            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
+                         head_col, 0, BLOCK_M)),
+        ], [1], [24])
     else:
         gl.warp_specialize([
             (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_smem,
@@ -299,8 +398,8 @@ def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t
 @gluon.jit
 def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
                            slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                           DQ_ADD: gl.constexpr, HALVES: gl.constexpr, DS_LAYOUT: gl.constexpr,
-                           num_warps: gl.constexpr):
+                           DQ_ADD: gl.constexpr, HALVES: gl.constexpr, PIPELINED: gl.constexpr,
+                           DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
     """One program per (key tile of one sample, head)."""
     start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * k_desc.block_type.shape[1]
@@ -308,10 +407,10 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
     k_smem, v_smem, kv_bar = _load_key_tile(k_desc, v_desc, key_row, head_col)
     if HALVES:
         _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys, head_col,
-                    slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, DS_LAYOUT)
+                    slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, PIPELINED, DS_LAYOUT)
     else:
         _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
-                   head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, DS_LAYOUT)
+                   head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, PIPELINED, DS_LAYOUT)
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
@@ -340,7 +439,8 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
         desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_acc, H * D, item_start,
         item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m,
-        variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.ds_layout, num_warps=variant.num_warps,
+        variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.pipelined, variant.ds_layout,
+        num_warps=variant.num_warps,
         maxnreg=variant.maxnreg)
     dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
     return dq, dk, dv
@@ -351,7 +451,8 @@ def compile_only(variant: Variant) -> dict[str, object]:
     variant.check()
     block_m = variant.block_m
     constants = {"BLOCK_M": block_m, "STAGES": variant.stages, "DQ_ADD": DQ_ADDS[variant.dq],
-                 "HALVES": variant.halves, "DS_LAYOUT": variant.ds_layout, "num_warps": variant.num_warps}
+                 "HALVES": variant.halves, "PIPELINED": variant.pipelined, "DS_LAYOUT": variant.ds_layout,
+                 "num_warps": variant.num_warps}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
                  "DK": "*bf16", "DV": "*bf16", "DQ_ACC": "*fp32", "stride_t": "i32", "item_start": "*i32",
