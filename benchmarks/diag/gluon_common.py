@@ -1,5 +1,6 @@
-"""What the Gluon diags (``gluon_gdpa_forward``, ``gluon_gdpa_dkdv``) share: the tile schedule, the sm_90 build on a
-CPU with its SASS resources, and smoke calls in child processes (a hung kernel costs a timeout, not the chain).
+"""What the Gluon diags (``gluon_gdpa_forward``, ``gluon_gdpa_dkdv``) share: the tile schedule, the TMA ring, the
+sm_90 build on a CPU with its SASS resources, smoke calls in child processes (a hung kernel costs a timeout, not the
+chain) and the command line.
 
 Gluon has no interpreter, and its API moves between Triton releases: these kernels are written for triton 3.6, the
 GPU image's (3.9's Gluon rejects them); build them on the CPU under a 3.6 install (``--compile-only``).
@@ -11,6 +12,7 @@ import argparse
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -18,6 +20,7 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
+from benchmarks.gdpa import HEAD_DIM, HEADS  # issue 4's shapes
 from benchmarks.sass import disassemble
 from opengem.ops.activations import FAST_GELU_RADIUS
 from opengem.ops.triton.jagged_attention import _tiles as jfa_tiles
@@ -43,7 +46,7 @@ def scheduled_item(item_start, item_len, item_tile):
 
 
 @gluon.jit
-def stage_ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr = 1):
+def stage_ring(a_desc, b_desc, STAGES: gl.constexpr, CONSUMERS: gl.constexpr):
     """``STAGES`` shared-memory stages for two TMA-loaded tiles, with a ``ready`` and an ``empty`` barrier per tile
     and stage: the first tile's MMA can start before the second lands, and a tile read only by the first MMA can be
     refilled before the second retires. ``empty`` completes when ``CONSUMERS`` partitions have each arrived once."""
@@ -95,6 +98,20 @@ def descriptor_type(rows: int, cols: int) -> str:
     return f"tensordesc<bf16[{rows},{cols}],{layout!r}>"
 
 
+def launch_registers(warps: int) -> int:
+    """Registers a thread at launch (``maxnreg``) for a CTA of ``warps`` warps (every partition, each padded to a
+    warpgroup): the 64K register file shared out, a multiple of 8; the partitions then move them with
+    ``setmaxnreg``."""
+    return 65536 // (32 * warps) // 8 * 8
+
+
+def random_heads(lengths: torch.Tensor, count: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """``count`` bf16 ``[sum(lengths), HEADS, HEAD_DIM]`` tensors of N(0, 1) on the GPU, one seeded generator."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    rows = int(lengths.sum())
+    return tuple(torch.randn(rows, HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(count))
+
+
 def sm90_resources(kernel, signature: dict[str, str], constants: dict, num_warps: int, maxnreg: int) -> dict:
     """Build ``kernel`` for sm_90 without a GPU: registers (``maxnreg``; partitions move it with ``setmaxnreg``),
     stack, shared memory, warps and counts of the SASS that matters here."""
@@ -126,6 +143,39 @@ def smoke_in_child(module: str, name: str, bound: float) -> str | None:
     if not float(found.group(1)) < bound:
         return f"wrong: relative error {found.group(1)} against the Triton op"
     return None
+
+
+def healthy_variants(module: str, chosen: list) -> tuple[list, dict[str, str]]:
+    """The variants (each with a ``name``) whose smoke call in a child process (``python -m module --smoke NAME``)
+    returns an error under 2e-2 in time; the others with what went wrong."""
+    healthy, failed = [], {}
+    for variant in chosen:
+        problem = smoke_in_child(module, variant.name, 2e-2)
+        if problem is None:
+            healthy.append(variant)
+        else:
+            failed[variant.name] = problem
+        print(variant.name, problem or "ok", flush=True)
+    return healthy, failed
+
+
+def diag_main(doc: str, variants: tuple, smoke: Callable, compile_only: Callable, run: Callable,
+              configure: Callable[[argparse.ArgumentParser], None] | None = None) -> None:
+    """A Gluon diag's entry point: the internal ``--smoke NAME`` (prints ``smoke error E`` for
+    :func:`smoke_in_child`), ``--compile-only`` (each chosen variant's sm_90 resources), else ``run(args,
+    chosen variants)``; ``configure`` adds the diag's own options."""
+    parser = diag_parser(doc, [v.name for v in variants])
+    if configure is not None:
+        configure(parser)
+    args = parser.parse_args()
+    chosen = chosen_variants(variants, args.variants)
+    if args.smoke:
+        print(f"smoke error {smoke(next(v for v in variants if v.name == args.smoke))}", flush=True)
+    elif args.compile_only:
+        for variant in chosen:
+            print(variant.name, compile_only(variant))
+    else:
+        run(args, chosen)
 
 
 def diag_parser(doc: str, variant_names: list[str]) -> argparse.ArgumentParser:

@@ -40,7 +40,7 @@ import math
 import torch
 
 from benchmarks.common import by_name_prefix, kernel_ms, offsets_of, relative_error, write_results
-from benchmarks.diag.gluon_common import SMOKE_LENGTHS, chosen_variants, diag_parser, smoke_in_child, tile_schedule
+from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads, tile_schedule
 from benchmarks.diag.gluon_gdpa_dkdv_kernels import BLOCK_N, VARIANTS, Variant, compile_only, gluon_gdpa_dkdv
 from benchmarks.gdpa import HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa
@@ -56,9 +56,7 @@ def _triton_grads(q, k, v, dout, offsets, max_len: int, scale: float) -> tuple[t
 
 
 def _problem(lengths: torch.Tensor, seed: int) -> dict:
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    q, k, v, dout = (torch.randn(int(lengths.sum()), HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16()
-                     for _ in range(4))
+    q, k, v, dout = random_heads(lengths, 4, seed)
     return dict(q=q, k=k, v=v, dout=dout, offsets=offsets_of(lengths, "cuda"), max_len=int(lengths.max()),
                 scale=1 / math.sqrt(HEAD_DIM), schedule=tile_schedule(lengths, BLOCK_N, "cuda"))
 
@@ -83,13 +81,15 @@ def smoke(variant: Variant) -> float:
     return max(errors.values())
 
 
-def run(prefixes: list[str] | None, chosen: list[Variant]) -> list[dict[str, object]]:
-    failed = {v.name: smoke_in_child("benchmarks.diag.gluon_gdpa_dkdv", v.name, 2e-2) for v in chosen}
-    variants = [v for v in chosen if failed[v.name] is None]
-    rows: list[dict[str, object]] = [{"workload": "smoke (lengths 1..300)", "failed": failed}]
+def run(args, chosen: list[Variant]) -> list[dict[str, object]]:
+    """Every chosen variant that passes its smoke call against the Triton backward's kernels on workload (a)
+    (``args.workloads``: name prefixes), device time from the profiler."""
+    variants, failed = healthy_variants("benchmarks.diag.gluon_gdpa_dkdv", chosen)
+    rows: list[dict[str, object]] = [{"workload": "smoke (lengths 1..300)",
+                                      "failed": {v.name: failed.get(v.name) for v in chosen}}]
     print(rows[0], flush=True)
     print(write_results("gluon_gdpa_dkdv", rows), flush=True)
-    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], prefixes, "--workloads"):
+    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], args.workloads, "--workloads"):
         if not variants:
             break
         p = _problem(w.q_lengths, seed=1)
@@ -121,17 +121,7 @@ def run(prefixes: list[str] | None, chosen: list[Variant]) -> list[dict[str, obj
 
 
 def main() -> None:
-    parser = diag_parser(__doc__, [v.name for v in VARIANTS])
-    args = parser.parse_args()
-    chosen = chosen_variants(VARIANTS, args.variants)
-    if args.compile_only:
-        for variant in chosen:
-            print(variant.name, compile_only(variant))
-    elif args.smoke:
-        variant = next(v for v in VARIANTS if v.name == args.smoke)
-        print(f"smoke error {smoke(variant)}", flush=True)
-    else:
-        run(args.workloads, chosen)
+    diag_main(__doc__, VARIANTS, smoke, compile_only, run)
 
 
 if __name__ == "__main__":

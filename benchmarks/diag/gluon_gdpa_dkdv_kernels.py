@@ -13,8 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, scheduled_item, sm90_resources,
-                                          stage_ring, wgmma_layout)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
+                                          scheduled_item, sm90_resources, stage_ring, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
 BLOCK_N = 128  # keys a program: 64 per warpgroup
@@ -53,11 +53,8 @@ class Variant(NamedTuple):
         return gl.NVMMASharedLayout.get_default_for([keys, self.block_m], gl.bfloat16)
 
     @property
-    def maxnreg(self) -> int:
-        """Registers a thread at launch: the 64K register file over the warps (8 MMA, the loader's warpgroup, and
-        the writer's 4), a multiple of 8; the partitions then move them with ``setmaxnreg``."""
-        warps = 8 + 4 + (4 if self.dq == "writer" else 0)
-        return 65536 // (32 * warps) // 8 * 8
+    def maxnreg(self) -> int:  # the warps: 8 MMA, the loader's warpgroup, and the writer's 4
+        return launch_registers(8 + 4 + (4 if self.dq == "writer" else 0))
 
     def check(self) -> None:
         if self.halves and self.dq in ("atomic", "red4"):  # each half would add its own partial: twice the adds
@@ -166,7 +163,21 @@ def _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale
 @gluon.jit
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, dq_full,
                dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
-               dv_scale, DQ_ADD: gl.constexpr):
+               dv_scale, DQ_ADD: gl.constexpr, PIPELINED: gl.constexpr):
+    """An MMA partition: :func:`_key_grads_pipelined` (dK and dV only) or :func:`_key_grads_stepwise`."""
+    if PIPELINED:
+        _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, DK, DV, stride_t,
+                             key_row, keys, q_len, head_col, slope, scale, dk_scale, dv_scale)
+    else:
+        _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
+                            dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope,
+                            scale, dk_scale, dv_scale, DQ_ADD)
+
+
+@gluon.jit
+def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
+                        dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope,
+                        scale, dk_scale, dv_scale, DQ_ADD: gl.constexpr):
     """An MMA partition over ``k_smem``'s ``BLOCK_N`` keys (128, or a 64-key half); ``DQ_ADD`` a value of
     ``DQ_ADDS`` (with 3, ``dq_bufs`` is this partition's two-slot ring to the writer; otherwise ``dq_bufs``,
     ``dq_full`` and ``dq_free`` are unused stand-ins)."""
@@ -323,36 +334,25 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
         gl.warp_specialize([
             (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
                           do_empty, ds_bufs.index(0), dq_bufs, dq_full, dq_free, DK, DV, DQ_ACC, stride_t,
-                          key_row, keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
+                          key_row, keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD, PIPELINED)),
             (_key_grads, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready, do_ready,
                           q_empty, do_empty, ds_bufs.index(1), dq_bufs_b, dq_full, dq_free, DK, DV, DQ_ACC,
                           stride_t, key_row + half, keys - half, start, length, head_col, slope, scale, dk_scale,
-                          dv_scale, DQ_ADD)),
+                          dv_scale, DQ_ADD, PIPELINED)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
                          head_col, 0, BLOCK_M)),
             (_write_dq, (dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
                          True)),
         ], [4, 1, 4], [MMA_REGISTERS_HALVES, 24, DQ_WRITER_REGISTERS])
-    elif PIPELINED:  # dK and dV only
-        gl.warp_specialize([
-            (_key_grads_pipelined, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready,
-                                    q_empty, do_empty, DK, DV, stride_t, key_row, keys, length, head_col, slope,
-                                    scale, dk_scale, dv_scale)),
-            (_key_grads_pipelined, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready,
-                                    do_ready, q_empty, do_empty, DK, DV, stride_t, key_row + half, keys - half,
-                                    length, head_col, slope, scale, dk_scale, dv_scale)),
-            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
-                         head_col, 0, BLOCK_M)),
-        ], [4, 1], [MMA_REGISTERS_HALVES_NO_WRITER, 24])
-    else:  # dK and dV only (``Variant.check`` refuses the other dQ adds with halves)
+    else:  # dK and dV only (``Variant.check`` refuses the other dQ adds with halves), stepwise or pipelined
         gl.warp_specialize([
             (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
                           do_empty, ds_bufs.index(0), ds_bufs, q_ready, q_ready, DK, DV, DQ_ACC, stride_t, key_row,
-                          keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD)),
+                          keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD, PIPELINED)),
             (_key_grads, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready, do_ready,
                           q_empty, do_empty, ds_bufs.index(1), ds_bufs, q_ready, q_ready, DK, DV, DQ_ACC, stride_t,
                           key_row + half, keys - half, start, length, head_col, slope, scale, dk_scale, dv_scale,
-                          DQ_ADD)),
+                          DQ_ADD, PIPELINED)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
                          head_col, 0, BLOCK_M)),
         ], [4, 1], [MMA_REGISTERS_HALVES_NO_WRITER, 24])
@@ -372,24 +372,17 @@ def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t
         gl.warp_specialize([
             (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
                           dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length, head_col, slope,
-                          scale, dk_scale, dv_scale, DQ_ADD)),
+                          scale, dk_scale, dv_scale, DQ_ADD, PIPELINED)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
                          head_col, 0, BLOCK_M)),
             (_write_dq, (dq_bufs, dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
                          False)),
         ], [1, 4], [24, DQ_WRITER_REGISTERS])
-    elif PIPELINED:  # dK and dV only
-        gl.warp_specialize([
-            (_key_grads_pipelined, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, DK, DV,
-                                    stride_t, key_row, keys, length, head_col, slope, scale, dk_scale, dv_scale)),
-            (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
-                         head_col, 0, BLOCK_M)),
-        ], [1], [24])
     else:
         gl.warp_specialize([
             (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_smem,
                           kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length, head_col, slope,
-                          scale, dk_scale, dv_scale, DQ_ADD)),
+                          scale, dk_scale, dv_scale, DQ_ADD, PIPELINED)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
                          head_col, 0, BLOCK_M)),
         ], [1], [24])

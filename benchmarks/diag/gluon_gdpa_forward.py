@@ -35,7 +35,7 @@ import torch
 
 from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, relative_error,
                                write_results)
-from benchmarks.diag.gluon_common import SMOKE_LENGTHS, chosen_variants, diag_parser, smoke_in_child, tile_schedule
+from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads, tile_schedule
 from benchmarks.diag.gluon_gdpa_forward_kernels import BLOCK_M, VARIANTS, Variant, compile_only, gluon_gdpa_forward
 from benchmarks.gdpa import BATCH, HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa, jagged_attention
@@ -63,9 +63,7 @@ def smoke(variant: Variant) -> float:
     relative error. :func:`healthy_variants` runs it in a child process, so a hang costs a timeout. A persistent
     variant runs as 3 programs, so each loops over many work items (the ring carried from item to item)."""
     lengths = torch.tensor(SMOKE_LENGTHS)
-    gen = torch.Generator(device="cuda").manual_seed(2)
-    q, k, v = (torch.randn(int(lengths.sum()), HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16()
-               for _ in range(3))
+    q, k, v = random_heads(lengths, 3, seed=2)
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
     got = gluon_gdpa_forward(q, k, v, tile_schedule(lengths, BLOCK_M, "cuda"), max_len, scale, variant, programs=3)
@@ -73,32 +71,18 @@ def smoke(variant: Variant) -> float:
     return relative_error(got, want)
 
 
-def healthy_variants(chosen: list[Variant]) -> tuple[list[Variant], dict[str, str]]:
-    """The variants whose smoke call returns an error under 2e-2 in time; the others with what went wrong."""
-    healthy, failed = [], {}
-    for variant in chosen:
-        name = variant.name
-        problem = smoke_in_child("benchmarks.diag.gluon_gdpa_forward", name, 2e-2)
-        if problem is None:
-            healthy.append(variant)
-        else:
-            failed[name] = problem
-        print(name, problem or "ok", flush=True)
-    return healthy, failed
-
-
-def run(prefixes: list[str] | None, rounds: int, chosen: list[Variant]) -> list[dict[str, object]]:
-    variants, failed = healthy_variants(chosen)
+def run(args, chosen: list[Variant]) -> list[dict[str, object]]:
+    """Every chosen variant that passes its smoke call, the Triton op and JFA, timed interleaved on workload (a)
+    (``args.workloads``: name prefixes; ``args.rounds`` rounds)."""
+    variants, failed = healthy_variants("benchmarks.diag.gluon_gdpa_forward", chosen)
     rows: list[dict[str, object]] = []
     if failed:
         rows.append({"workload": "smoke (lengths 1..300)", "failed": failed})
         print(write_results("gluon_gdpa_forward", rows), flush=True)
     if not variants:
         return rows
-    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], prefixes, "--workloads"):
-        gen = torch.Generator(device="cuda").manual_seed(1)
-        total = int(w.q_lengths.sum())
-        q, k, v = (torch.randn(total, HEADS, HEAD_DIM, generator=gen, device="cuda").bfloat16() for _ in range(3))
+    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], args.workloads, "--workloads"):
+        q, k, v = random_heads(w.q_lengths, 3, seed=1)
         offsets, max_len = offsets_of(w.q_lengths, "cuda"), int(w.q_lengths.max())
         scale = 1 / math.sqrt(HEAD_DIM)
         schedule = tile_schedule(w.q_lengths, BLOCK_M, "cuda")
@@ -113,7 +97,7 @@ def run(prefixes: list[str] | None, rounds: int, chosen: list[Variant]) -> list[
             want = fns["triton"]()
             errors |= {f"{name}_vs_triton": relative_error(fn(), want) for name, fn in fns.items() if "gluon" in name}
             fns["jfa"]()  # its tuner runs here, not inside a timed round
-            times = interleaved_ms(fns, rounds=rounds, bench=bench_ms)
+            times = interleaved_ms(fns, rounds=args.rounds, bench=bench_ms)
         flops, _ = attention_flops(visible_pairs(w.q_lengths, w.k_lengths), HEADS, HEAD_DIM)
         row = {"workload": w.name, "batch": BATCH, **errors,
                **{f"{name}_ms": min(t) for name, t in times.items()},
@@ -129,19 +113,8 @@ def run(prefixes: list[str] | None, rounds: int, chosen: list[Variant]) -> list[
 
 
 def main() -> None:
-    parser = diag_parser(__doc__, [v.name for v in VARIANTS])
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    chosen = chosen_variants(VARIANTS, args.variants)
-    if args.smoke:
-        variant = next(v for v in VARIANTS if v.name == args.smoke)
-        print(f"smoke error {smoke(variant)}", flush=True)
-        return
-    if args.compile_only:
-        for variant in chosen:
-            print(variant.name, compile_only(variant))
-        return
-    run(args.workloads, args.rounds, chosen)
+    diag_main(__doc__, VARIANTS, smoke, compile_only, run,
+              configure=lambda parser: parser.add_argument("--rounds", type=int, default=5))
 
 
 if __name__ == "__main__":

@@ -12,11 +12,12 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, scheduled_item, sm90_resources,
-                                          stage_ring, wgmma_layout)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
+                                          scheduled_item, sm90_resources, stage_ring, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
 BLOCK_M = 128  # query rows a program: 64 per warpgroup; the schedule's tiles
+LAUNCH_REGISTERS = launch_registers(8 + 4)  # every variant: the consumers' 8 warps and the loader's warpgroup
 
 
 class Variant(NamedTuple):
@@ -299,11 +300,11 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
         programs = min(n_work, programs or torch.cuda.get_device_properties(q.device).multi_processor_count)
         gluon_gdpa_fwd_persistent_kernel[(programs,)](
             q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m, n_work, H, *scales, BLOCK_M, block_n,
-            D, variant.stages, variant.pingpong, num_warps=variant.num_warps, maxnreg=168)
+            D, variant.stages, variant.pingpong, num_warps=variant.num_warps, maxnreg=LAUNCH_REGISTERS)
     else:
         gluon_gdpa_fwd_kernel[(item_start.numel(), H)](
             q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m, *scales, BLOCK_M, block_n, D,
-            variant.stages, variant.consumers, variant.pingpong, num_warps=variant.num_warps, maxnreg=168)
+            variant.stages, variant.consumers, variant.pingpong, num_warps=variant.num_warps, maxnreg=LAUNCH_REGISTERS)
     return out
 
 
@@ -321,4 +322,4 @@ def compile_only(variant: Variant) -> dict[str, object]:
         kernel = gluon_gdpa_fwd_kernel
         constants["CONSUMERS"] = variant.consumers
     signature |= {"slope": "fp32", "scale": "fp32", "out_scale": "fp32"}
-    return sm90_resources(kernel, signature, constants, variant.num_warps, maxnreg=168)
+    return sm90_resources(kernel, signature, constants, variant.num_warps, maxnreg=LAUNCH_REGISTERS)

@@ -6,7 +6,7 @@ from collections import namedtuple
 import pytest
 import torch
 
-from benchmarks.diag.gluon_common import chosen_variants, tile_schedule
+from benchmarks.diag.gluon_common import chosen_variants, launch_registers, tile_schedule
 
 
 def test_every_row_is_in_exactly_one_tile_longest_samples_first():
@@ -30,3 +30,12 @@ def test_variants_are_chosen_by_name_in_the_order_given_and_unknown_names_are_re
     assert chosen_variants(variants, ["gluon_c", "gluon_a"]) == [variants[2], variants[0]]
     with pytest.raises(SystemExit, match=r"unknown \['gluon_x'\]; known: \['gluon_a', 'gluon_b', 'gluon_c'\]"):
         chosen_variants(variants, ["gluon_a", "gluon_x"])
+
+
+def test_launch_registers_share_out_the_64k_register_file_in_multiples_of_8():
+    # 12 warps (two consumer warpgroups and the loader's): 170 a thread rounds down to 168; 16 warps: exactly 128
+    assert launch_registers(12) == 168
+    assert launch_registers(16) == 128
+    for warps in range(4, 33, 4):
+        registers = launch_registers(warps)
+        assert registers % 8 == 0 and registers * 32 * warps <= 65536 < (registers + 8) * 32 * warps
