@@ -881,16 +881,24 @@ chain_s46c() {  # session 41: the fused Gluon backward's dQ added four fp32 an i
 chain_s47a() {  # after session 41: the persistent two-partition Gluon forward (a program an SM) against one-item ones
   step gluon_gdpa_forward 300 python -m benchmarks.diag.gluon_gdpa_forward  # smoke calls first, 120 s cap each
 }
-s47b_dkdv() {  # s47b_dkdv CAP: the Gluon backward in key halves or pipelined, and the fused one with a writer
-  local fused=gluon_m32_s3_fused_dq
-  step gluon_gdpa_dkdv_writer "$1" python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
-    --variants "gluon_m64_s2,gluon_m32_s3,gluon_m64_s2_2wg,gluon_m32_s3_2wg,gluon_m32_s3_pipelined,\
-gluon_m32_s3_2wg_pipelined,$fused,${fused}_red4,${fused}_writer,${fused}_writer_2wg"
+gluon_dkdv() {  # gluon_dkdv CAP VARIANTS: the Gluon backward diag's variants (comma-separated) on (a) L1024 and L2048
+  step gluon_gdpa_dkdv "$1" python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
+    --variants "$2"
 }
-chain_s47b() { s47b_dkdv 400; }  # after session 41
-chain_s47ab() {  # s47a then s47b in one call (a refused start costs 90-180 s): caps 220 + 340 s within the 600 s call
-  step gluon_gdpa_forward 220 python -m benchmarks.diag.gluon_gdpa_forward
-  s47b_dkdv 340
+S47_FUSED=gluon_m32_s3_fused_dq
+chain_s47b() {  # after session 41: the Gluon backward in key halves or pipelined, and the fused one with a writer
+  gluon_dkdv 400 "gluon_m64_s2,gluon_m32_s3,gluon_m64_s2_2wg,gluon_m32_s3_2wg,gluon_m32_s3_pipelined,\
+gluon_m32_s3_2wg_pipelined,$S47_FUSED,${S47_FUSED}_red4,${S47_FUSED}_writer,${S47_FUSED}_writer_2wg"
+}
+chain_s47ab() {  # after session 42: s47a, then the backward's deciding variants (dQ by the writer or by TMA reduce-adds,
+  # pipelined), in one call (a refused start costs 90-180 s of device time)
+  step gluon_gdpa_forward 200 python -m benchmarks.diag.gluon_gdpa_forward
+  gluon_dkdv 370 "gluon_m32_s3,gluon_m32_s3_pipelined,${S47_FUSED}_red4,${S47_FUSED}_writer,${S47_FUSED}_writer_2wg,\
+${S47_FUSED}_tma,${S47_FUSED}_tma_2wg,${S47_FUSED}_tma_pipelined"
+}
+chain_s47c() {  # after session 42: the rest of s47b (dK/dV key halves) and the pipelined TMA form in key halves
+  gluon_dkdv 420 "gluon_m64_s2,gluon_m64_s2_2wg,gluon_m32_s3_2wg,gluon_m32_s3_2wg_pipelined,${S47_FUSED}_tma,\
+${S47_FUSED}_tma_2wg_pipelined"
 }
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward
@@ -1022,7 +1030,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e|s40d|s41a|s42b|s43a|s43d|s44a|s44d|s45a|s45b|s45c|s45d|s45e|s45f|s45g|s46a|s46b|s46c|s47a|s47b|s47ab) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e|s40d|s41a|s42b|s43a|s43d|s44a|s44d|s45a|s45b|s45c|s45d|s45e|s45f|s45g|s46a|s46b|s46c|s47a|s47b|s47ab|s47c) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

@@ -18,6 +18,8 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton._C.libtriton import ir
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
 from benchmarks.gdpa import HEAD_DIM, HEADS  # issue 4's shapes
@@ -82,6 +84,15 @@ def fill_ring(a_desc, b_desc, a_bufs, b_bufs, a_ready, b_ready, a_empty, b_empty
         tma.async_copy_global_to_shared(b_desc, [row0 + i * BLOCK, head_col], b_ready.index(s), b_bufs.index(s))
 
 
+@builtin
+def tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """``global[coord box] += src`` by the TMA (``cp.reduce.async.bulk.tensor ... .add``, FlashAttention-3's dQ path):
+    asynchronous, in its bulk group, so ``tma.store_wait`` orders the reuse of ``src``. Triton 3.6's Gluon builder
+    has the op (``create_async_tma_reduce``); its Python API does not wrap it."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
 def tile_schedule(lengths: torch.Tensor, block: int, device) -> tuple[torch.Tensor, ...]:
     """``(start, length, tile_start)`` int32 per (sample, tile of ``block`` rows), longest samples first, so the last
     wave's stragglers are short ones; built once per batch, outside the timed calls."""
@@ -92,10 +103,10 @@ def tile_schedule(lengths: torch.Tensor, block: int, device) -> tuple[torch.Tens
     return tuple(t[order].to(device=device, dtype=torch.int32) for t in (starts[sample], lengths[sample], tile_start))
 
 
-def descriptor_type(rows: int, cols: int) -> str:
-    """The signature type of a bf16 TMA descriptor of ``[rows, cols]`` boxes with Gluon's default NVMMA layout."""
-    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.bfloat16)
-    return f"tensordesc<bf16[{rows},{cols}],{layout!r}>"
+def descriptor_type(rows: int, cols: int, dtype: str = "bf16") -> str:
+    """The signature type of a TMA descriptor of ``[rows, cols]`` boxes with Gluon's default NVMMA layout."""
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], {"bf16": gl.bfloat16, "fp32": gl.float32}[dtype])
+    return f"tensordesc<{dtype}[{rows},{cols}],{layout!r}>"
 
 
 def launch_registers(warps: int) -> int:
@@ -123,7 +134,7 @@ def sm90_resources(kernel, signature: dict[str, str], constants: dict, num_warps
                               options={"num_warps": num_warps, "maxnreg": maxnreg})
     sass, usage = disassemble(compiled.asm["cubin"])
     resources = {key.lower(): int(value) for key, value in re.findall(r"(REG|STACK):(\d+)", usage)}
-    opcodes = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "LDL", "STL")}
+    opcodes = {op: len(re.findall(rf"\b{op}\b", sass)) for op in ("HGMMA", "UTMALDG", "UTMAREDG", "LDL", "STL")}
     partition_registers = sorted({int(n, 16) for n in re.findall(r"USETMAXREG\.\w+\.CTAPOOL[^;]*?(0x[0-9a-f]+)", sass)})
     return dict(resources, shared=compiled.metadata.shared, warps=compiled.metadata.num_warps,
                 partition_registers=partition_registers, **opcodes)

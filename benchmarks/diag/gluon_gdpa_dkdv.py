@@ -23,7 +23,10 @@ adds are issued: by the MMA warps one element an instruction (``_fused_dq``), fo
 adds it four columns an instruction while the MMA warps go on (16 warps: the launch's registers drop to 128 a thread,
 the MMA partition gets 216). The ``_2wg`` variants split the MMA warps into a partition a 64-key half, as the
 forward's two consumers: they stop meeting at every barrier, and with the writer no longer exchange dX^T (each adds
-its own dQ^T partial into its own ring, and the writer sums the two before its adds). The ``_pipelined`` variants
+its own dQ^T partial into its own ring, and the writer sums the two before its adds). The ``_tma`` variants add
+dQ as FlashAttention-3 does: the MMA partition stores each step's fp32 dQ tile into a two-slot shared-memory ring
+and one thread issues a TMA reduce-add (``cp.reduce.async.bulk.tensor``) of the whole tile, which runs on without any
+warp; with ``_2wg`` each key half reduces its own partial (twice the adds in the L2). The ``_pipelined`` variants
 (dK and dV only) issue step i+1's ``S^T`` behind step i's ``dV`` and ``dP^T`` MMAs, FlashAttention-3's
 in-warpgroup overlap applied to the backward.
 

@@ -14,15 +14,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
-                                          scheduled_item, sm90_resources, stage_ring, wgmma_layout)
+                                          scheduled_item, sm90_resources, stage_ring, tma_reduce_add, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
 BLOCK_N = 128  # keys a program: 64 per warpgroup
 
 
 # how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four
-# (``red.global.add.v4.f32``), or four from a dQ-writer partition (FlashAttention-3's) while the MMA warps go on
-DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3}  # "": dK and dV only
+# (``red.global.add.v4.f32``), four from a dQ-writer partition while the MMA warps go on, or a whole tile by one TMA
+# reduce-add from shared memory (FlashAttention-3's), asynchronous: no adds on any warp
+DQ_ADDS = {"": 0, "atomic": 1, "red4": 2, "writer": 3, "tma": 4}  # "": dK and dV only
 
 
 class Variant(NamedTuple):
@@ -30,7 +31,7 @@ class Variant(NamedTuple):
     stages: int  # Q and dO buffers in the ring
     dq: str = ""  # a key of DQ_ADDS: dQ too (five products), added into fp32 by every key tile's program
     halves: bool = False  # an MMA partition a 64-key half (as the forward's two consumers), not one of 8 warps
-    pipelined: bool = False  # dK/dV only: step i+1's S^T issued behind step i's MMAs (``_key_grads_pipelined``)
+    pipelined: bool = False  # step i+1's S^T issued behind step i's MMAs (``_key_grads_pipelined``; dQ only by TMA)
 
     @property
     def name(self) -> str:
@@ -58,19 +59,22 @@ class Variant(NamedTuple):
 
     def check(self) -> None:
         if self.halves and self.dq in ("atomic", "red4"):  # each half would add its own partial: twice the adds
-            raise ValueError(f"{self.name}: key halves add dQ only through the writer (dq='writer')")
-        if self.pipelined and self.dq:
-            raise ValueError(f"{self.name}: the pipelined loop computes dK and dV only")
+            raise ValueError(f"{self.name}: key halves add dQ only through the writer or the TMA")
+        if self.pipelined and self.dq not in ("", "tma"):
+            raise ValueError(f"{self.name}: the pipelined loop adds dQ only by TMA reduces")
 
 
 # at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
 # dQ 160 B (its atomics' addresses), with the vector adds 112 B (the dQ^T tile through shared memory into a layout of
 # four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers),
 # with the writer and a partition a 64-key half 16 B; dK/dV only with key halves: 64 rows 24 B, 32 rows none;
-# pipelined, 32 rows: none (64 rows with key halves spill 240 B, so they are not listed)
+# pipelined, 32 rows: none (64 rows with key halves spill 240 B, so they are not listed); dQ by TMA reduce-adds 64 B
+# (155.9 KB of shared memory), with key halves 48 B (188.8 KB)
 VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant(32, 3, halves=True),
             Variant(32, 3, pipelined=True), Variant(32, 3, halves=True, pipelined=True), Variant(32, 3, "atomic"),
-            Variant(32, 3, "red4"), Variant(32, 3, "writer"), Variant(32, 3, "writer", halves=True))
+            Variant(32, 3, "red4"), Variant(32, 3, "writer"), Variant(32, 3, "writer", halves=True),
+            Variant(32, 3, "tma"), Variant(32, 3, "tma", halves=True), Variant(32, 3, "tma", pipelined=True),
+            Variant(32, 3, "tma", halves=True, pipelined=True))
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
 # the second MMA partition of a key-halves variant (the first gets the rest): with the writer 216 (first 224), else 240
 MMA_REGISTERS_HALVES = gl.constexpr(216)
@@ -161,13 +165,40 @@ def _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale
 
 
 @gluon.jit
+def _stage_dxt(ds_smem, dxt, DQ_ADD: gl.constexpr):
+    """``dX^T`` into ``ds_smem`` for the ``dQ^T = K^T dX^T`` MMA (in one 8-warp partition it spans both warpgroups),
+    once the previous step's dQ MMA has read it (and, with TMA adds, step i - 2's reduce has read the dQ slot this
+    step fills: the issuing thread waits, the barrier tells the others)."""
+    if DQ_ADD == 4:
+        tma.store_wait(1)
+    gl.thread_barrier()
+    ds_smem.store(dxt)
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col):
+    """Query step ``i``'s ``dQ^T`` (fp32 ``[HEAD_DIM, BLOCK_M]``, registers) into slot ``i % 2`` as a ``[BLOCK_M,
+    HEAD_DIM]`` tile, added into the fp32 sums at ``row`` by one TMA reduce-add (``DQ_ACC``: a descriptor); rows past
+    the sample's end add zeros (their dX^T columns are zero)."""
+    dq_slot = dq_bufs.index(i % 2)
+    dq_slot.permute((1, 0)).store(dqt)
+    fence_async_shared()
+    gl.thread_barrier()
+    tma_reduce_add(DQ_ACC, [row, head_col], dq_slot)
+
+
+@gluon.jit
 def _key_grads(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, dq_full,
                dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
                dv_scale, DQ_ADD: gl.constexpr, PIPELINED: gl.constexpr):
-    """An MMA partition: :func:`_key_grads_pipelined` (dK and dV only) or :func:`_key_grads_stepwise`."""
+    """An MMA partition: :func:`_key_grads_pipelined` (dK and dV, and dQ by TMA adds) or
+    :func:`_key_grads_stepwise`."""
     if PIPELINED:
-        _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, DK, DV, stride_t,
-                             key_row, keys, q_len, head_col, slope, scale, dk_scale, dv_scale)
+        _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
+                             DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale,
+                             dv_scale, DQ_ADD)
     else:
         _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs,
                             dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope,
@@ -211,13 +242,11 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
         dxt_a = gl.convert_layout(dxt, a_layout)
         dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
         if DQ_ADD > 0:
-            # dQ^T = K^T dX^T: dX^T goes through shared memory (in one 8-warp partition it spans both warpgroups)
-            gl.thread_barrier()  # the previous dQ MMA has read ds_smem
-            ds_smem.store(dxt)
-            fence_async_shared()
-            gl.thread_barrier()
+            _stage_dxt(ds_smem, dxt, DQ_ADD)
             dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False)  # [HEAD_DIM, BLOCK_M]
-            if DQ_ADD == 3:  # to the writer partition
+            if DQ_ADD == 4:
+                _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, q_row + i * BLOCK_M, head_col)
+            elif DQ_ADD == 3:  # to the writer partition
                 slot = i % 2
                 mbarrier.wait(dq_free.index(slot), ((i // 2) & 1) ^ 1)
                 dq_bufs.index(slot).store(dqt)
@@ -231,15 +260,33 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
         dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])  # dX^T's registers stay live until its MMA retires
         mbarrier.arrive(q_empty.index(s), count=1)
         mbarrier.arrive(do_empty.index(s), count=1)
+    if DQ_ADD == 4:
+        tma.store_wait(0)  # the last reduces have read their slots before the program's shared memory goes
     _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale)
 
 
 @gluon.jit
-def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, DK, DV, stride_t,
-                         key_row, keys, q_len, head_col, slope, scale, dk_scale, dv_scale):
-    """dK and dV only, software-pipelined inside the warpgroup (FlashAttention-3's in-warpgroup overlap, here for the
-    backward): step i+1's ``S^T`` is issued behind step i's ``dV`` and ``dP^T`` MMAs, so ``dX^T_i`` is formed while
-    it runs, and ``P^T_{i+1}`` while ``dK += dX^T_i Q_i`` runs. In-order retirement orders the waits."""
+def _key_products(dxt, dk, q_smem, k_smem, ds_smem, zero_dqt, a_layout: gl.constexpr, DQ_ADD: gl.constexpr):
+    """Issue ``dK += dX^T Q`` (``dX^T`` from registers) and, with TMA dQ adds, ``dQ^T = K^T dX^T`` (``dX^T`` through
+    ``ds_smem``), both asynchronous; ``(dk, dX^T operand, dqt)``, ``dqt`` = ``zero_dqt`` without dQ. (dK's operand
+    from ``ds_smem`` too spilled more at sm_90 in one partition: 216 B against 192.)"""
+    dxt_a = gl.convert_layout(dxt, a_layout)
+    dk = warpgroup_mma(dxt_a, q_smem, dk, is_async=True)
+    dqt = zero_dqt
+    if DQ_ADD == 4:
+        _stage_dxt(ds_smem, dxt, DQ_ADD)
+        dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False, is_async=True)
+    return dk, dxt_a, dqt
+
+
+@gluon.jit
+def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_bufs, DK,
+                         DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope, scale, dk_scale, dv_scale,
+                         DQ_ADD: gl.constexpr):
+    """dK and dV (with ``DQ_ADD`` 4 also dQ, added by TMA reduces: FlashAttention-3's backward loop), software-pipelined
+    inside the warpgroup (FlashAttention-3's in-warpgroup overlap): step i+1's ``S^T`` is issued behind step i's
+    ``dV`` and ``dP^T`` MMAs, so ``dX^T_i`` is formed while it runs, and ``P^T_{i+1}`` while ``dK += dX^T_i Q_i`` (and
+    ``dQ^T_i``) run. In-order retirement orders the waits."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
@@ -247,9 +294,11 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, gl.num_warps())
     kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, gl.num_warps())
     a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    BEHIND_NEXT_S: gl.constexpr = 2 if DQ_ADD == 4 else 1  # MMAs issued after S^T_{i+1}: dK (and dQ^T)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
+    zero_dqt = gl.zeros([HEAD_DIM, BLOCK_M], gl.float32, st_layout)
     key_rows = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, st_layout))
     n_tiles = gl.cdiv(q_len, BLOCK_M)
     mbarrier.wait(q_ready.index(0), 0)
@@ -265,13 +314,12 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
         st = warpgroup_mma(k_smem, q_bufs.index(nxt).permute((1, 0)), zero_st, use_acc=False, is_async=True)
         dv, dpt, pt = warpgroup_mma_wait(1, deps=[dv, dpt, pt])  # dV_i and dP^T_i retired; S^T_{i+1} may run on
         cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-        dxt_a = gl.convert_layout(_score_grads_t(dpt, dphi, cols, key_rows, i, n_tiles, q_len, keys, False), a_layout)
-        dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
-        st = warpgroup_mma_wait(1, deps=[st])  # S^T_{i+1} retired; dK_i may run on
+        dxt = _score_grads_t(dpt, dphi, cols, key_rows, i, n_tiles, q_len, keys, DQ_ADD > 0)
+        dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, zero_dqt, a_layout, DQ_ADD)
+        st = warpgroup_mma_wait(BEHIND_NEXT_S, deps=[st])  # S^T_{i+1} retired; dK_i (and dQ^T_i) may run on
         pt, dphi = _weights_t(st, i + 1, n_tiles, q_len, slope, scale, a_layout)
-        dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])  # dX^T_i's registers live until its MMA retires
-        mbarrier.arrive(q_empty.index(s), count=1)
-        mbarrier.arrive(do_empty.index(s), count=1)
+        dk = _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, i, q_row + i * BLOCK_M, head_col,
+                          DQ_ADD)
     last = n_tiles - 1
     s = last % stages
     mbarrier.wait(do_ready.index(s), (last // stages) & 1)
@@ -279,12 +327,25 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
     dpt = warpgroup_mma(v_smem, do_bufs.index(s).permute((1, 0)), zero_st, use_acc=False, is_async=True)
     dv, dpt, pt = warpgroup_mma_wait(0, deps=[dv, dpt, pt])
     cols = last * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
-    dxt_a = gl.convert_layout(_score_grads_t(dpt, dphi, cols, key_rows, last, n_tiles, q_len, keys, False), a_layout)
-    dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
-    dk, dxt_a = warpgroup_mma_wait(0, deps=[dk, dxt_a])
+    dxt = _score_grads_t(dpt, dphi, cols, key_rows, last, n_tiles, q_len, keys, DQ_ADD > 0)
+    dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, zero_dqt, a_layout, DQ_ADD)
+    dk = _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, last, q_row + last * BLOCK_M, head_col,
+                      DQ_ADD)
+    if DQ_ADD == 4:
+        tma.store_wait(0)  # the last reduces have read their slots before the program's shared memory goes
+    _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale)
+
+
+@gluon.jit
+def _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, i, row, head_col, DQ_ADD: gl.constexpr):
+    """The end of a pipelined step: its ``dK`` (and ``dQ^T``) MMAs retired (``dX^T``'s registers live until then),
+    ``dQ^T`` handed to the TMA, the stage freed."""
+    dk, dxt_a, dqt = warpgroup_mma_wait(0, deps=[dk, dxt_a, dqt])
+    if DQ_ADD == 4:
+        _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col)
     mbarrier.arrive(q_empty.index(s), count=1)
     mbarrier.arrive(do_empty.index(s), count=1)
-    _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale)
+    return dk
 
 
 @gluon.jit
@@ -300,6 +361,16 @@ def _dq_ring(PARTITIONS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
         mbarrier.init(dq_full.index(i), count=PARTITIONS)
         mbarrier.init(dq_free.index(i), count=1)
     return dq_bufs, dq_full, dq_free
+
+
+@gluon.jit
+def _tma_dq_ring(DQ_ACC, stand_in, DQ_ADD: gl.constexpr):
+    """With TMA reduce-adds (``DQ_ADD`` 4, ``DQ_ACC`` a descriptor), an MMA partition's two slots of dQ tiles for
+    them; else ``stand_in``, unused."""
+    if DQ_ADD == 4:
+        return gl.allocate_shared_memory(gl.float32, [2] + DQ_ACC.block_type.shape, DQ_ACC.layout)
+    else:
+        return stand_in
 
 
 @gluon.jit
@@ -344,13 +415,15 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
             (_write_dq, (dq_bufs, dq_bufs_b, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
                          True)),
         ], [4, 1, 4], [MMA_REGISTERS_HALVES, 24, DQ_WRITER_REGISTERS])
-    else:  # dK and dV only (``Variant.check`` refuses the other dQ adds with halves), stepwise or pipelined
+    else:  # dK and dV only, stepwise or pipelined, or each half's dQ partial added by its own TMA reduces
+        dq_ring_a = _tma_dq_ring(DQ_ACC, ds_bufs, DQ_ADD)
+        dq_ring_b = _tma_dq_ring(DQ_ACC, ds_bufs, DQ_ADD)
         gl.warp_specialize([
             (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
-                          do_empty, ds_bufs.index(0), ds_bufs, q_ready, q_ready, DK, DV, DQ_ACC, stride_t, key_row,
+                          do_empty, ds_bufs.index(0), dq_ring_a, q_ready, q_ready, DK, DV, DQ_ACC, stride_t, key_row,
                           keys, start, length, head_col, slope, scale, dk_scale, dv_scale, DQ_ADD, PIPELINED)),
             (_key_grads, (k_smem.slice(half, half), v_smem.slice(half, half), q_bufs, do_bufs, q_ready, do_ready,
-                          q_empty, do_empty, ds_bufs.index(1), ds_bufs, q_ready, q_ready, DK, DV, DQ_ACC, stride_t,
+                          q_empty, do_empty, ds_bufs.index(1), dq_ring_b, q_ready, q_ready, DK, DV, DQ_ACC, stride_t,
                           key_row + half, keys - half, start, length, head_col, slope, scale, dk_scale, dv_scale,
                           DQ_ADD, PIPELINED)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
@@ -378,9 +451,10 @@ def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t
             (_write_dq, (dq_bufs, dq_bufs, dq_full, dq_free, DQ_ACC, stride_t, start, length, head_col, BLOCK_M,
                          False)),
         ], [1, 4], [24, DQ_WRITER_REGISTERS])
-    else:
+    else:  # dK and dV only, or dQ added by TMA reduces
+        dq_ring = _tma_dq_ring(DQ_ACC, ds_smem, DQ_ADD)
         gl.warp_specialize([
-            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, ds_smem,
+            (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_ring,
                           kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length, head_col, slope,
                           scale, dk_scale, dv_scale, DQ_ADD, PIPELINED)),
             (fill_ring, (q_desc, do_desc, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, start, length,
@@ -427,11 +501,15 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the fp32 dQ sums
     else:
         dq_acc = torch.empty(1, dtype=torch.float32, device=q.device)  # a stand-in the kernel never touches
+    dq_target = dq_acc  # with TMA reduce-adds, a descriptor of [block_m, D] tiles of it
+    if variant.dq == "tma":
+        tile_layout = gl.NVMMASharedLayout.get_default_for([block_m, D], gl.float32)
+        dq_target = TensorDescriptor.from_tensor(dq_acc.view(T, H * D), [block_m, D], tile_layout)
     item_start, item_len, item_n = schedule
     out_scale = 1.0 / max_len
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
-        desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_acc, H * D, item_start,
-        item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m,
+        desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_target, H * D,
+        item_start, item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m,
         variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.pipelined, variant.ds_layout,
         num_warps=variant.num_warps,
         maxnreg=variant.maxnreg)
@@ -448,7 +526,9 @@ def compile_only(variant: Variant) -> dict[str, object]:
                  "num_warps": variant.num_warps}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
-                 "DK": "*bf16", "DV": "*bf16", "DQ_ACC": "*fp32", "stride_t": "i32", "item_start": "*i32",
+                 "DK": "*bf16", "DV": "*bf16",
+                 "DQ_ACC": descriptor_type(block_m, HEAD_DIM, "fp32") if variant.dq == "tma" else "*fp32",
+                 "stride_t": "i32", "item_start": "*i32",
                  "item_len": "*i32", "item_n": "*i32", "slope": "fp32", "scale": "fp32", "dk_scale": "fp32",
                  "dv_scale": "fp32"}
     return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, variant.num_warps, maxnreg=variant.maxnreg)

@@ -105,3 +105,20 @@ def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
     with tarfile.open(joined) as cache:
         assert {"./inductor/entry", "./inductor/kernels.bin"} <= set(cache.getnames())
         assert cache.getmember("./inductor/kernels.bin").size == 16_000_000
+
+
+@pytest.mark.parametrize("part", ["s46c", "s47a", "s47b", "s47ab", "s47c"])
+def test_the_gluon_chains_name_only_variants_their_diags_know(part, tmp_path):
+    """A misspelt ``--variants`` name stops the Gluon diag at its start (``SystemExit``), at the cost of a device
+    call; each chain's steps run the diags, and every variant they name exists."""
+    from benchmarks.diag import gluon_gdpa_dkdv_kernels, gluon_gdpa_forward_kernels
+
+    known = {"gluon_gdpa_dkdv": {v.name for v in gluon_gdpa_dkdv_kernels.VARIANTS},
+             "gluon_gdpa_forward": {v.name for v in gluon_gdpa_forward_kernels.VARIANTS}}
+    _, commands = run_part(part, tmp_path)
+    diags = [re.search(r"-m benchmarks\.diag\.(gluon_\w+)", command) for command in commands]
+    assert commands and all(diags), commands
+    for command, diag in zip(commands, diags):
+        named = re.search(r"--variants (\S+)", command)
+        if named:
+            assert set(named.group(1).split(",")) <= known[diag.group(1)], command
