@@ -891,14 +891,15 @@ chain_s47b() {  # after session 41: the Gluon backward in key halves or pipeline
 gluon_m32_s3_2wg_pipelined,$S47_FUSED,${S47_FUSED}_red4,${S47_FUSED}_writer,${S47_FUSED}_writer_2wg"
 }
 chain_s47ab() {  # after session 42: s47a, then the backward's deciding variants (dQ by the writer or by TMA reduce-adds,
-  # pipelined), in one call (a refused start costs 90-180 s of device time)
+  # pipelined, 64-key programs two an SM), in one call (a refused start costs 90-180 s of device time)
   step gluon_gdpa_forward 200 python -m benchmarks.diag.gluon_gdpa_forward
-  gluon_dkdv 370 "gluon_m32_s3,gluon_m32_s3_pipelined,${S47_FUSED}_red4,${S47_FUSED}_writer,${S47_FUSED}_writer_2wg,\
-${S47_FUSED}_tma,${S47_FUSED}_tma_2wg,${S47_FUSED}_tma_pipelined"
+  gluon_dkdv 370 "gluon_m32_s3,gluon_m32_s3_n64,gluon_m32_s3_pipelined,${S47_FUSED}_red4,${S47_FUSED}_writer,\
+${S47_FUSED}_tma,${S47_FUSED}_tma_pipelined,gluon_m32_s2_fused_dq_tma_n64"
 }
-chain_s47c() {  # after session 42: the rest of s47b (dK/dV key halves) and the pipelined TMA form in key halves
-  gluon_dkdv 420 "gluon_m64_s2,gluon_m64_s2_2wg,gluon_m32_s3_2wg,gluon_m32_s3_2wg_pipelined,${S47_FUSED}_tma,\
-${S47_FUSED}_tma_2wg_pipelined"
+chain_s47c() {  # after session 42: the rest of s47b (key halves), `tma` again as the link, the other new forms
+  gluon_dkdv 450 "gluon_m64_s2,gluon_m64_s2_2wg,gluon_m32_s3_2wg,gluon_m32_s3_2wg_pipelined,gluon_m32_s3_pipelined_n64,\
+${S47_FUSED}_writer_2wg,${S47_FUSED}_tma,${S47_FUSED}_tma_2wg,${S47_FUSED}_tma_2wg_pipelined,\
+gluon_m32_s2_fused_dq_tma_pipelined_n64"
 }
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward

@@ -27,8 +27,10 @@ its own dQ^T partial into its own ring, and the writer sums the two before its a
 dQ as FlashAttention-3 does: the MMA partition stores each step's fp32 dQ tile into a two-slot shared-memory ring
 and one thread issues a TMA reduce-add (``cp.reduce.async.bulk.tensor``) of the whole tile, which runs on without any
 warp; with ``_2wg`` each key half reduces its own partial (twice the adds in the L2). The ``_pipelined`` variants
-(dK and dV only) issue step i+1's ``S^T`` behind step i's ``dV`` and ``dP^T`` MMAs, FlashAttention-3's
-in-warpgroup overlap applied to the backward.
+(dK and dV, or with ``_tma`` dQ too) issue step i+1's ``S^T`` behind step i's ``dV`` and ``dP^T`` MMAs,
+FlashAttention-3's in-warpgroup overlap applied to the backward. The ``_n64`` variants take 64 keys a program in one
+warpgroup, two programs an SM (the tile the Triton dK/dV pass picks on (a)): the SM interleaves the two programs'
+MMAs and element-wise work, with 232 registers for each MMA warpgroup.
 
 Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. The kernels are in ``gluon_gdpa_dkdv_kernels``; they
 need triton 3.6 (see ``gluon_common``).
@@ -44,7 +46,7 @@ import torch
 
 from benchmarks.common import by_name_prefix, kernel_ms, offsets_of, relative_error, write_results
 from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads, tile_schedule
-from benchmarks.diag.gluon_gdpa_dkdv_kernels import BLOCK_N, VARIANTS, Variant, compile_only, gluon_gdpa_dkdv
+from benchmarks.diag.gluon_gdpa_dkdv_kernels import VARIANTS, Variant, compile_only, gluon_gdpa_dkdv
 from benchmarks.gdpa import HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa
 from opengem.ops.attention_flops import attention_flops, visible_pairs
@@ -61,11 +63,13 @@ def _triton_grads(q, k, v, dout, offsets, max_len: int, scale: float) -> tuple[t
 def _problem(lengths: torch.Tensor, seed: int) -> dict:
     q, k, v, dout = random_heads(lengths, 4, seed)
     return dict(q=q, k=k, v=v, dout=dout, offsets=offsets_of(lengths, "cuda"), max_len=int(lengths.max()),
-                scale=1 / math.sqrt(HEAD_DIM), schedule=tile_schedule(lengths, BLOCK_N, "cuda"))
+                scale=1 / math.sqrt(HEAD_DIM),
+                schedules={keys: tile_schedule(lengths, keys, "cuda") for keys in {v.block_n for v in VARIANTS}})
 
 
 def _gluon(p: dict, variant: Variant) -> tuple[torch.Tensor | None, ...]:
-    return gluon_gdpa_dkdv(p["q"], p["k"], p["v"], p["dout"], p["schedule"], p["max_len"], p["scale"], variant)
+    return gluon_gdpa_dkdv(p["q"], p["k"], p["v"], p["dout"], p["schedules"][variant.block_n], p["max_len"], p["scale"],
+                           variant)
 
 
 def _errors(p: dict, variants) -> dict[str, float]:

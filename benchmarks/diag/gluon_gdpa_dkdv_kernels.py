@@ -17,7 +17,6 @@ from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill
                                           scheduled_item, sm90_resources, stage_ring, tma_reduce_add, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
-BLOCK_N = 128  # keys a program: 64 per warpgroup
 
 
 # how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four
@@ -32,12 +31,14 @@ class Variant(NamedTuple):
     dq: str = ""  # a key of DQ_ADDS: dQ too (five products), added into fp32 by every key tile's program
     halves: bool = False  # an MMA partition a 64-key half (as the forward's two consumers), not one of 8 warps
     pipelined: bool = False  # step i+1's S^T issued behind step i's MMAs (``_key_grads_pipelined``; dQ only by TMA)
+    block_n: int = 128  # keys a program: 128 (two warpgroups), or 64 in one warpgroup, two programs an SM (the tile
+    # the Triton dK/dV pass picks on (a) at L <= 1024 and at L2048 s1.0: the SM interleaves two programs' MMAs)
 
     @property
     def name(self) -> str:
         fused = "" if not self.dq else "_fused_dq" if self.dq == "atomic" else f"_fused_dq_{self.dq}"
         return (f"gluon_m{self.block_m}_s{self.stages}{fused}" + ("_2wg" if self.halves else "")
-                + ("_pipelined" if self.pipelined else ""))
+                + ("_pipelined" if self.pipelined else "") + ("" if self.block_n == 128 else f"_n{self.block_n}"))
 
     @property
     def fused_dq(self) -> bool:
@@ -45,19 +46,26 @@ class Variant(NamedTuple):
 
     @property
     def num_warps(self) -> int:  # the kernel's (the default partition's)
-        return 4 if self.halves else 8
+        return 4 if self.halves or self.block_n == 64 else 8
+
+    @property
+    def programs_per_sm(self) -> int:
+        return 128 // self.block_n
 
     @property
     def ds_layout(self) -> gl.NVMMASharedLayout:
         """The shared layout of an MMA partition's dX^T tile (its keys by the step's query rows)."""
-        keys = BLOCK_N // 2 if self.halves else BLOCK_N
+        keys = self.block_n // 2 if self.halves else self.block_n
         return gl.NVMMASharedLayout.get_default_for([keys, self.block_m], gl.bfloat16)
 
     @property
-    def maxnreg(self) -> int:  # the warps: 8 MMA, the loader's warpgroup, and the writer's 4
-        return launch_registers(8 + 4 + (4 if self.dq == "writer" else 0))
+    def maxnreg(self) -> int:  # the warps (MMA, the loader's warpgroup, the writer's 4) of every program on an SM
+        mma_warps = self.block_n // 16  # a warpgroup a 64 keys
+        return launch_registers((mma_warps + 4 + (4 if self.dq == "writer" else 0)) * self.programs_per_sm)
 
     def check(self) -> None:
+        if self.block_n not in (64, 128) or (self.block_n == 64 and (self.halves or self.dq not in ("", "tma"))):
+            raise ValueError(f"{self.name}: 64-key programs are one warpgroup, with dQ only by TMA adds")
         if self.halves and self.dq in ("atomic", "red4"):  # each half would add its own partial: twice the adds
             raise ValueError(f"{self.name}: key halves add dQ only through the writer or the TMA")
         if self.pipelined and self.dq not in ("", "tma"):
@@ -69,12 +77,15 @@ class Variant(NamedTuple):
 # four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers),
 # with the writer and a partition a 64-key half 16 B; dK/dV only with key halves: 64 rows 24 B, 32 rows none;
 # pipelined, 32 rows: none (64 rows with key halves spill 240 B, so they are not listed); dQ by TMA reduce-adds 64 B
-# (155.9 KB of shared memory), with key halves 48 B (188.8 KB)
+# (155.9 KB of shared memory), with key halves 48 B (188.8 KB); 64-key programs (8 warps, 128 registers at launch, the
+# MMA warpgroup 232, two an SM): 32 rows none (82.2 KB), 64 rows 80 B, with TMA dQ adds and 2 stages none (102.6 KB)
 VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant(32, 3, halves=True),
             Variant(32, 3, pipelined=True), Variant(32, 3, halves=True, pipelined=True), Variant(32, 3, "atomic"),
             Variant(32, 3, "red4"), Variant(32, 3, "writer"), Variant(32, 3, "writer", halves=True),
             Variant(32, 3, "tma"), Variant(32, 3, "tma", halves=True), Variant(32, 3, "tma", pipelined=True),
-            Variant(32, 3, "tma", halves=True, pipelined=True))
+            Variant(32, 3, "tma", halves=True, pipelined=True), Variant(32, 3, block_n=64), Variant(64, 2, block_n=64),
+            Variant(32, 3, pipelined=True, block_n=64), Variant(32, 2, "tma", block_n=64),
+            Variant(32, 2, "tma", pipelined=True, block_n=64))
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
 # the second MMA partition of a key-halves variant (the first gets the rest): with the writer 216 (first 224), else 240
 MMA_REGISTERS_HALVES = gl.constexpr(216)
@@ -483,8 +494,8 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
                     variant: Variant) -> tuple[torch.Tensor | None, ...]:
     """``(dQ or None, dK, dV)`` of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``:
-    ``tile_schedule`` of the lengths in tiles of ``BLOCK_N`` keys. With ``variant.fused_dq`` dQ is added in fp32 by
-    every key tile's program (atomics: not bitwise repeatable), then scaled into bf16."""
+    ``tile_schedule`` of the lengths in tiles of ``variant.block_n`` keys. With ``variant.fused_dq`` dQ is added in
+    fp32 by every key tile's program (atomics: not bitwise repeatable), then scaled into bf16."""
     variant.check()
     block_m, fused_dq = variant.block_m, variant.fused_dq
     T, H, D = q.shape
@@ -508,11 +519,10 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
     item_start, item_len, item_n = schedule
     out_scale = 1.0 / max_len
     gluon_gdpa_dkdv_kernel[(item_start.numel(), H)](
-        desc(q, block_m), desc(dout, block_m), desc(k, BLOCK_N), desc(v, BLOCK_N), dk, dv, dq_target, H * D,
-        item_start, item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale, block_m,
-        variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.pipelined, variant.ds_layout,
-        num_warps=variant.num_warps,
-        maxnreg=variant.maxnreg)
+        desc(q, block_m), desc(dout, block_m), desc(k, variant.block_n), desc(v, variant.block_n), dk, dv, dq_target,
+        H * D, item_start, item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale,
+        block_m, variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.pipelined, variant.ds_layout,
+        num_warps=variant.num_warps, maxnreg=variant.maxnreg)
     dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
     return dq, dk, dv
 
@@ -525,7 +535,8 @@ def compile_only(variant: Variant) -> dict[str, object]:
                  "HALVES": variant.halves, "PIPELINED": variant.pipelined, "DS_LAYOUT": variant.ds_layout,
                  "num_warps": variant.num_warps}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
-                 "k_desc": descriptor_type(BLOCK_N, HEAD_DIM), "v_desc": descriptor_type(BLOCK_N, HEAD_DIM),
+                 "k_desc": descriptor_type(variant.block_n, HEAD_DIM),
+                 "v_desc": descriptor_type(variant.block_n, HEAD_DIM),
                  "DK": "*bf16", "DV": "*bf16",
                  "DQ_ACC": descriptor_type(block_m, HEAD_DIM, "fp32") if variant.dq == "tma" else "*fp32",
                  "stride_t": "i32", "item_start": "*i32",

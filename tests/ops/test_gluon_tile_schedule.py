@@ -39,3 +39,24 @@ def test_launch_registers_share_out_the_64k_register_file_in_multiples_of_8():
     for warps in range(4, 33, 4):
         registers = launch_registers(warps)
         assert registers % 8 == 0 and registers * 32 * warps <= 65536 < (registers + 8) * 32 * warps
+
+
+def test_dkdv_variants_have_unique_names_pass_their_checks_and_fit_the_register_file():
+    """Each listed dK/dV variant builds as named (a shared name would make ``--variants`` ambiguous), and its launch
+    registers times the threads of every program an SM holds fit the 64K register file (one 64-key program's
+    8 warps: 4 MMA, the loader's padded warpgroup; two of them an SM)."""
+    from benchmarks.diag.gluon_gdpa_dkdv_kernels import VARIANTS, Variant
+
+    names = [v.name for v in VARIANTS]
+    assert len(set(names)) == len(names)
+    for variant in VARIANTS:
+        variant.check()
+        mma_warps = variant.block_n // 16
+        warps = mma_warps + 4 + (4 if variant.dq == "writer" else 0)
+        assert variant.maxnreg * 32 * warps * variant.programs_per_sm <= 65536, variant.name
+    n64 = Variant(32, 3, block_n=64)
+    assert (n64.name, n64.num_warps, n64.programs_per_sm, n64.maxnreg) == ("gluon_m32_s3_n64", 4, 2, 128)
+    for bad in (Variant(32, 3, "red4", block_n=64), Variant(32, 3, halves=True, block_n=64),
+                Variant(32, 3, "red4", halves=True), Variant(32, 3, "writer", pipelined=True)):
+        with pytest.raises(ValueError):
+            bad.check()
