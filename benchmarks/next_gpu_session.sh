@@ -892,8 +892,8 @@ gluon_m32_s3_2wg_pipelined,$S47_FUSED,${S47_FUSED}_red4,${S47_FUSED}_writer,${S4
 }
 chain_s47ab() {  # after session 42: s47a, then the backward's deciding variants (dQ by the writer or by TMA reduce-adds,
   # pipelined, 64-key programs two an SM), in one call (a refused start costs 90-180 s of device time)
-  step gluon_gdpa_forward 200 python -m benchmarks.diag.gluon_gdpa_forward
-  gluon_dkdv 370 "gluon_m32_s3,gluon_m32_s3_n64,gluon_m32_s3_pipelined,${S47_FUSED}_red4,${S47_FUSED}_writer,\
+  step gluon_gdpa_forward 240 python -m benchmarks.diag.gluon_gdpa_forward
+  gluon_dkdv 340 "gluon_m32_s3,gluon_m32_s3_n64,gluon_m32_s3_pipelined,${S47_FUSED}_red4,${S47_FUSED}_writer,\
 ${S47_FUSED}_tma,${S47_FUSED}_tma_pipelined,gluon_m32_s2_fused_dq_tma_n64"
 }
 chain_s47c() {  # after session 42: the rest of s47b (key halves), `tma` again as the link, the other new forms

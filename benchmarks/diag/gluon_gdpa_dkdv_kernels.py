@@ -18,7 +18,6 @@ from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill
 from benchmarks.gdpa import HEAD_DIM
 
 
-
 # how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four
 # (``red.global.add.v4.f32``), four from a dQ-writer partition while the MMA warps go on, or a whole tile by one TMA
 # reduce-add from shared memory (FlashAttention-3's), asynchronous: no adds on any warp
@@ -221,8 +220,8 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
                         dq_full, dq_free, DK, DV, DQ_ACC, stride_t, key_row, keys, q_row, q_len, head_col, slope,
                         scale, dk_scale, dv_scale, DQ_ADD: gl.constexpr):
     """An MMA partition over ``k_smem``'s ``BLOCK_N`` keys (128, or a 64-key half); ``DQ_ADD`` a value of
-    ``DQ_ADDS`` (with 3, ``dq_bufs`` is this partition's two-slot ring to the writer; otherwise ``dq_bufs``,
-    ``dq_full`` and ``dq_free`` are unused stand-ins)."""
+    ``DQ_ADDS`` (with 3, ``dq_bufs`` is this partition's two-slot ring to the writer, with 4 its two slots for the TMA
+    reduces; ``dq_full`` and ``dq_free`` serve only 3, and otherwise ``dq_bufs`` is an unused stand-in too)."""
     stages: gl.constexpr = q_bufs.type.shape[0]
     BLOCK_M: gl.constexpr = q_bufs.type.shape[1]
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
@@ -446,7 +445,8 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
 def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
                head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                DQ_ADD: gl.constexpr, PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr):
-    """One 8-warp MMA partition over all 128 keys (session 40's form); with the writer, a 4-warp writer partition."""
+    """One MMA partition over all the program's keys (128 in 8 warps, session 40's form, or 64 in 4); with the writer,
+    a 4-warp writer partition."""
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty = stage_ring(q_desc, do_desc, STAGES, 1)
@@ -495,7 +495,7 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
                     variant: Variant) -> tuple[torch.Tensor | None, ...]:
     """``(dQ or None, dK, dV)`` of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``:
     ``tile_schedule`` of the lengths in tiles of ``variant.block_n`` keys. With ``variant.fused_dq`` dQ is added in
-    fp32 by every key tile's program (atomics: not bitwise repeatable), then scaled into bf16."""
+    fp32 by every key tile's program (atomics or TMA reduce-adds: not bitwise repeatable), then scaled into bf16."""
     variant.check()
     block_m, fused_dq = variant.block_m, variant.fused_dq
     T, H, D = q.shape
@@ -539,7 +539,6 @@ def compile_only(variant: Variant) -> dict[str, object]:
                  "v_desc": descriptor_type(variant.block_n, HEAD_DIM),
                  "DK": "*bf16", "DV": "*bf16",
                  "DQ_ACC": descriptor_type(block_m, HEAD_DIM, "fp32") if variant.dq == "tma" else "*fp32",
-                 "stride_t": "i32", "item_start": "*i32",
-                 "item_len": "*i32", "item_n": "*i32", "slope": "fp32", "scale": "fp32", "dk_scale": "fp32",
-                 "dv_scale": "fp32"}
+                 "stride_t": "i32", "item_start": "*i32", "item_len": "*i32", "item_n": "*i32", "slope": "fp32",
+                 "scale": "fp32", "dk_scale": "fp32", "dv_scale": "fp32"}
     return sm90_resources(gluon_gdpa_dkdv_kernel, signature, constants, variant.num_warps, maxnreg=variant.maxnreg)

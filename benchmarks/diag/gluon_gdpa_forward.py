@@ -6,15 +6,17 @@ does not build on Hopper. This is the first kernel on that route, kept out of ``
 right and faster: GDPA's forward has no row statistics (``O = c * sum_j phi(s * q k_j) v_j``), so it is the simplest
 attention loop to move.
 
-Structure: one program per (query tile of one sample, head), or with ``persistent`` one program an SM looping over
-them; a one-warp worker partition TMA-loads the sample's K and V tiles into a ring of shared-memory stages (``ready``
-/ ``empty`` mbarriers per tile); two warpgroups of 64 query rows each run ``S = Q K^T`` on the tensor cores, ``P =
-phi(S)`` in registers (fast_gelu's smoothstep form, as ``opengem.ops.triton.activations``), hand P to ``O += P V``
-from registers and free the buffers, overlapping inside a warpgroup as FlashAttention-3 does (tile j+1's ``S`` issued
-before tile j's ``P V``). With ``consumers=1`` the two warpgroups are one 8-warp partition and meet at every barrier
-arrive (session 40's form); with ``consumers=2`` each is its own partition, drifts from the other and frees a K buffer
-as soon as its ``S`` retires; ``pingpong`` makes the two take turns issuing their MMAs. Q, K and V are read through 2-D
-``[T, H * D]`` descriptors: key rows past a sample's end belong to the next sample (or read as zeros past T), so the
+Structure: one program per (query tile of one sample, head), or with ``persistent`` one program an SM looping over them;
+a one-warp worker partition TMA-loads the sample's K and V tiles into a ring of shared-memory stages (``ready`` /
+``empty`` mbarriers per tile); two warpgroups of 64 query rows each run ``S = Q K^T`` on the tensor cores, ``P =
+phi(S)`` in registers (fast_gelu's smoothstep form, as ``opengem.ops.triton.activations``), hand P to ``O += P V`` from
+registers and free the buffers, overlapping inside a warpgroup as FlashAttention-3 does (tile j+1's ``S`` issued before
+tile j's ``P V``). With ``consumers=1`` the two warpgroups are one 8-warp partition and meet at every barrier arrive
+(session 40's form); with ``consumers=2`` each is its own partition, drifts from the other and frees a K buffer as soon
+as its ``S`` retires; ``pingpong`` makes the two take turns issuing their MMAs. The ``_m64`` variants take 64 query rows
+a program in one 4-warp consumer, two programs an SM (the Triton forward's own pick on (a) at L <= 1024 is 64 rows and 4
+warps, several programs an SM), so the SM interleaves two programs' MMAs and activations. Q, K and V are read through
+2-D ``[T, H * D]`` descriptors: key rows past a sample's end belong to the next sample (or read as zeros past T), so the
 last key tile masks P's columns; query rows past the end are not stored.
 
 Self-attention only (``q_offsets == k_offsets``), non-causal, no window, D = 128, bf16, ``norm="max_len"``. The
@@ -36,7 +38,8 @@ import torch
 from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, relative_error,
                                write_results)
 from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads, tile_schedule
-from benchmarks.diag.gluon_gdpa_forward_kernels import BLOCK_M, VARIANTS, Variant, compile_only, gluon_gdpa_forward
+from benchmarks.diag.gluon_gdpa_forward_kernels import (TILE_ROWS, VARIANTS, Variant, compile_only,
+                                                        gluon_gdpa_forward)
 from benchmarks.gdpa import BATCH, HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa, jagged_attention
 from opengem.ops.attention_flops import attention_flops, visible_pairs
@@ -52,9 +55,10 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants
     options = dict(activation="fast_gelu", pre_scale=scale, norm=float(max_len))
     want = gdpa(q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, backend="reference", **options)
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
-    schedule = tile_schedule(sub, BLOCK_M, q.device)
+    schedules = {tile_rows: tile_schedule(sub, tile_rows, q.device) for tile_rows in TILE_ROWS}
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
-        f"{variant.name}_vs_fp32": relative_error(gluon_gdpa_forward(q, k, v, schedule, max_len, scale, variant), want)
+        f"{variant.name}_vs_fp32": relative_error(
+            gluon_gdpa_forward(q, k, v, schedules[variant.block_m], max_len, scale, variant), want)
         for variant in variants}
 
 
@@ -66,7 +70,8 @@ def smoke(variant: Variant) -> float:
     q, k, v = random_heads(lengths, 3, seed=2)
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
-    got = gluon_gdpa_forward(q, k, v, tile_schedule(lengths, BLOCK_M, "cuda"), max_len, scale, variant, programs=3)
+    got = gluon_gdpa_forward(q, k, v, tile_schedule(lengths, variant.block_m, "cuda"), max_len, scale, variant,
+                             programs=3)
     return relative_error(got, want)
 
 
@@ -84,12 +89,12 @@ def run(args, chosen: list[Variant]) -> list[dict[str, object]]:
         q, k, v = random_heads(w.q_lengths, 3, seed=1)
         offsets, max_len = offsets_of(w.q_lengths, "cuda"), int(w.q_lengths.max())
         scale = 1 / math.sqrt(HEAD_DIM)
-        schedule = tile_schedule(w.q_lengths, BLOCK_M, "cuda")
+        schedules = {tile_rows: tile_schedule(w.q_lengths, tile_rows, "cuda") for tile_rows in TILE_ROWS}
         fns = {
             "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
                                    pre_scale=scale, norm="max_len"),
             "jfa": lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, scale=scale),
-        } | {variant.name: partial(gluon_gdpa_forward, q, k, v, schedule, max_len, scale, variant)
+        } | {variant.name: partial(gluon_gdpa_forward, q, k, v, schedules[variant.block_m], max_len, scale, variant)
              for variant in variants}
         with torch.no_grad():
             errors = _errors(q, k, v, w.q_lengths, max_len, scale, variants)

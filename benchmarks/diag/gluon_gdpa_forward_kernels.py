@@ -16,8 +16,6 @@ from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill
                                           scheduled_item, sm90_resources, stage_ring, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
-BLOCK_M = 128  # query rows a program: 64 per warpgroup; the schedule's tiles
-LAUNCH_REGISTERS = launch_registers(8 + 4)  # every variant: the consumers' 8 warps and the loader's warpgroup
 
 
 class Variant(NamedTuple):
@@ -26,22 +24,37 @@ class Variant(NamedTuple):
     consumers: int  # 1: one 8-warp partition; 2: a partition a warpgroup, K freed when its S MMA retires
     pingpong: bool = False  # two consumers take turns issuing their MMAs
     persistent: bool = False  # one program an SM over every (query tile, head), two consumers
+    block_m: int = 128  # query rows a program (the schedule's tiles): 64 a warpgroup; 64 is one 4-warp consumer
+    per_sm: int = 1  # programs an SM the launch registers leave room for (the Triton forward's pick on (a) at
+    # L <= 1024: 64 rows, 32 keys, 4 warps, 168 registers; three an SM here leave 80 at launch: ptxas refuses)
 
     @property
     def name(self) -> str:  # every variant overlaps inside a warpgroup (session 40's plain ones: code at 2833bc9)
-        return (f"gluon_n{self.block_n}_s{self.stages}_overlap" + ("_2wg" if self.consumers == 2 else "")
-                + ("_pingpong" if self.pingpong else "") + ("_persistent" if self.persistent else ""))
+        return ("gluon_" + ("" if self.block_m == 128 else f"m{self.block_m}_") + f"n{self.block_n}_s{self.stages}"
+                + "_overlap" + ("_2wg" if self.consumers == 2 else "") + ("_pingpong" if self.pingpong else "")
+                + ("_persistent" if self.persistent else "") + ("" if self.per_sm == 1 else f"_x{self.per_sm}"))
 
     @property
-    def num_warps(self) -> int:  # the kernel's (the default partition's): 8, or 4 with a second consumer partition
-        return 8 // self.consumers
+    def num_warps(self) -> int:  # the kernel's (the default partition's): its rows' warpgroups, split by consumers
+        return self.block_m // 16 // self.consumers
+
+    @property
+    def maxnreg(self) -> int:  # the consumers' warps and the loader's warpgroup, of every program an SM holds
+        return launch_registers((self.block_m // 16 + 4) * self.per_sm)
+
+    def check(self) -> None:
+        if self.block_m == 64 and (self.consumers != 1 or self.persistent):
+            raise ValueError(f"{self.name}: 64-row programs are one consumer warpgroup, one item each")
 
 
 # session 40's best (one 8-warp consumer) and session 41's (s46b: two partitions taking turns, 1.10-1.11x the Triton
 # kernel at L2048 on an H100, 0.92-1.01x at L1024), then the persistent form (a Q ring of two 32 KB slots, so 128-key
-# tiles fit only 2 K/V stages); the other variants' figures are in s45f's, s46a's and s46b's results, not rerun
+# tiles fit only 2 K/V stages), then 64-row programs, two an SM (sm_90: no stack; 65.8 / 82.2 / 82.1 KB of shared
+# memory); the other variants' figures are in s45f's, s46a's and s46b's results, not rerun
 VARIANTS = (Variant(64, 3, 1), Variant(128, 3, 2, pingpong=True), Variant(128, 2, 2, pingpong=True, persistent=True),
-            Variant(64, 3, 2, pingpong=True, persistent=True))
+            Variant(64, 3, 2, pingpong=True, persistent=True), Variant(32, 3, 1, block_m=64, per_sm=2),
+            Variant(32, 4, 1, block_m=64, per_sm=2), Variant(64, 2, 1, block_m=64, per_sm=2))
+TILE_ROWS = sorted({v.block_m for v in VARIANTS})  # the schedules a run builds
 
 
 @gluon.jit
@@ -281,16 +294,18 @@ def gluon_gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, ite
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
                        variant: Variant = VARIANTS[0], programs: int | None = None) -> torch.Tensor:
     """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
-    :func:`tile_schedule` in tiles of ``BLOCK_M`` rows; ``programs``: a persistent variant's (default one an SM)."""
+    :func:`tile_schedule` in tiles of ``variant.block_m`` rows; ``programs``: a persistent variant's (default one an
+    SM)."""
+    variant.check()
     T, H, D = q.shape
     contiguous = q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     if D != HEAD_DIM or q.dtype != torch.bfloat16 or not contiguous:
         raise ValueError(f"needs contiguous bf16 [T, H, {HEAD_DIM}] q, k, v; got {q.dtype} {tuple(q.shape)}")
     out = torch.empty_like(q)
-    q_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_M, D], gl.bfloat16)
-    block_n = variant.block_n
+    block_m, block_n = variant.block_m, variant.block_n
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, D], gl.bfloat16)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, D], gl.bfloat16)
-    q_desc = TensorDescriptor.from_tensor(q.view(T, H * D), [BLOCK_M, D], q_layout)
+    q_desc = TensorDescriptor.from_tensor(q.view(T, H * D), [block_m, D], q_layout)
     k_desc = TensorDescriptor.from_tensor(k.view(T, H * D), [block_n, D], kv_layout)
     v_desc = TensorDescriptor.from_tensor(v.view(T, H * D), [block_n, D], kv_layout)
     item_start, item_len, item_m = schedule
@@ -299,21 +314,22 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
         n_work = item_start.numel() * H
         programs = min(n_work, programs or torch.cuda.get_device_properties(q.device).multi_processor_count)
         gluon_gdpa_fwd_persistent_kernel[(programs,)](
-            q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m, n_work, H, *scales, BLOCK_M, block_n,
-            D, variant.stages, variant.pingpong, num_warps=variant.num_warps, maxnreg=LAUNCH_REGISTERS)
+            q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m, n_work, H, *scales, block_m, block_n,
+            D, variant.stages, variant.pingpong, num_warps=variant.num_warps, maxnreg=variant.maxnreg)
     else:
         gluon_gdpa_fwd_kernel[(item_start.numel(), H)](
-            q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m, *scales, BLOCK_M, block_n, D,
-            variant.stages, variant.consumers, variant.pingpong, num_warps=variant.num_warps, maxnreg=LAUNCH_REGISTERS)
+            q_desc, k_desc, v_desc, out, H * D, item_start, item_len, item_m, *scales, block_m, block_n, D,
+            variant.stages, variant.consumers, variant.pingpong, num_warps=variant.num_warps, maxnreg=variant.maxnreg)
     return out
 
 
 def compile_only(variant: Variant) -> dict[str, object]:
     """Build the kernel for sm_90 without a GPU; registers, stack, shared memory and key SASS opcodes."""
-    constants = {"BLOCK_M": BLOCK_M, "BLOCK_N": variant.block_n, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
+    variant.check()
+    constants = {"BLOCK_M": variant.block_m, "BLOCK_N": variant.block_n, "HEAD_DIM": HEAD_DIM, "STAGES": variant.stages,
                  "PINGPONG": variant.pingpong, "num_warps": variant.num_warps}
     kv_type = descriptor_type(variant.block_n, HEAD_DIM)
-    signature = {"q_desc": descriptor_type(BLOCK_M, HEAD_DIM), "k_desc": kv_type, "v_desc": kv_type,
+    signature = {"q_desc": descriptor_type(variant.block_m, HEAD_DIM), "k_desc": kv_type, "v_desc": kv_type,
                  "Out": "*bf16", "stride_ot": "i32", "item_start": "*i32", "item_len": "*i32", "item_m": "*i32"}
     if variant.persistent:
         kernel = gluon_gdpa_fwd_persistent_kernel
@@ -322,4 +338,4 @@ def compile_only(variant: Variant) -> dict[str, object]:
         kernel = gluon_gdpa_fwd_kernel
         constants["CONSUMERS"] = variant.consumers
     signature |= {"slope": "fp32", "scale": "fp32", "out_scale": "fp32"}
-    return sm90_resources(kernel, signature, constants, variant.num_warps, maxnreg=LAUNCH_REGISTERS)
+    return sm90_resources(kernel, signature, constants, variant.num_warps, maxnreg=variant.maxnreg)
