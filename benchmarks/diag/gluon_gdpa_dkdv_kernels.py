@@ -76,7 +76,7 @@ class Variant(NamedTuple):
 # four consecutive head-dim columns a thread), with the writer partition 176 B (the MMA partition at 216 registers),
 # with the writer and a partition a 64-key half 16 B; dK/dV only with key halves: 64 rows 24 B, 32 rows none;
 # pipelined, 32 rows: none (64 rows with key halves spill 240 B, so they are not listed); dQ by TMA reduce-adds 64 B
-# (155.9 KB of shared memory), with key halves 48 B (188.8 KB); 64-key programs (8 warps, 128 registers at launch, the
+# (155.9 KB of shared memory), with key halves 56 B (188.8 KB); 64-key programs (8 warps, 128 registers at launch, the
 # MMA warpgroup 232, two an SM): 32 rows none (82.2 KB), 64 rows 80 B, with TMA dQ adds and 2 stages none (102.6 KB)
 VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant(32, 3, halves=True),
             Variant(32, 3, pipelined=True), Variant(32, 3, halves=True, pipelined=True), Variant(32, 3, "atomic"),
@@ -188,12 +188,13 @@ def _stage_dxt(ds_smem, dxt, DQ_ADD: gl.constexpr):
 
 
 @gluon.jit
-def _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col):
-    """Query step ``i``'s ``dQ^T`` (fp32 ``[HEAD_DIM, BLOCK_M]``, registers) into slot ``i % 2`` as a ``[BLOCK_M,
-    HEAD_DIM]`` tile, added into the fp32 sums at ``row`` by one TMA reduce-add (``DQ_ACC``: a descriptor); rows past
-    the sample's end add zeros (their dX^T columns are zero)."""
+def _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col, dq_scale):
+    """Query step ``i``'s ``dQ^T`` (fp32 ``[HEAD_DIM, BLOCK_M]``, registers) times ``dq_scale`` into slot ``i % 2`` as
+    a ``[BLOCK_M, HEAD_DIM]`` tile, added into the fp32 sums at ``row`` by one TMA reduce-add (``DQ_ACC``: a
+    descriptor); rows past the sample's end add zeros (their dX^T columns are zero). Scaled here, the sums need only
+    a cast after the kernel, one pass over them instead of two."""
     dq_slot = dq_bufs.index(i % 2)
-    dq_slot.permute((1, 0)).store(dqt)
+    dq_slot.permute((1, 0)).store(dqt * dq_scale)
     fence_async_shared()
     gl.thread_barrier()
     tma_reduce_add(DQ_ACC, [row, head_col], dq_slot)
@@ -255,7 +256,7 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
             _stage_dxt(ds_smem, dxt, DQ_ADD)
             dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False)  # [HEAD_DIM, BLOCK_M]
             if DQ_ADD == 4:
-                _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, q_row + i * BLOCK_M, head_col)
+                _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, q_row + i * BLOCK_M, head_col, dk_scale)  # dQ's scale too
             elif DQ_ADD == 3:  # to the writer partition
                 slot = i % 2
                 mbarrier.wait(dq_free.index(slot), ((i // 2) & 1) ^ 1)
@@ -329,7 +330,7 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
         st = warpgroup_mma_wait(BEHIND_NEXT_S, deps=[st])  # S^T_{i+1} retired; dK_i (and dQ^T_i) may run on
         pt, dphi = _weights_t(st, i + 1, n_tiles, q_len, slope, scale, a_layout)
         dk = _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, i, q_row + i * BLOCK_M, head_col,
-                          DQ_ADD)
+                          dk_scale, DQ_ADD)
     last = n_tiles - 1
     s = last % stages
     mbarrier.wait(do_ready.index(s), (last // stages) & 1)
@@ -340,19 +341,20 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
     dxt = _score_grads_t(dpt, dphi, cols, key_rows, last, n_tiles, q_len, keys, DQ_ADD > 0)
     dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, zero_dqt, a_layout, DQ_ADD)
     dk = _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, last, q_row + last * BLOCK_M, head_col,
-                      DQ_ADD)
+                      dk_scale, DQ_ADD)
     if DQ_ADD == 4:
         tma.store_wait(0)  # the last reduces have read their slots before the program's shared memory goes
     _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale, dv_scale)
 
 
 @gluon.jit
-def _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, i, row, head_col, DQ_ADD: gl.constexpr):
+def _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, i, row, head_col, dq_scale,
+                 DQ_ADD: gl.constexpr):
     """The end of a pipelined step: its ``dK`` (and ``dQ^T``) MMAs retired (``dX^T``'s registers live until then),
     ``dQ^T`` handed to the TMA, the stage freed."""
     dk, dxt_a, dqt = warpgroup_mma_wait(0, deps=[dk, dxt_a, dqt])
     if DQ_ADD == 4:
-        _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col)
+        _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col, dq_scale)
     mbarrier.arrive(q_empty.index(s), count=1)
     mbarrier.arrive(do_empty.index(s), count=1)
     return dk
@@ -523,7 +525,11 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
         H * D, item_start, item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale,
         block_m, variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.pipelined, variant.ds_layout,
         num_warps=variant.num_warps, maxnreg=variant.maxnreg)
-    dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16) if fused_dq else None
+    dq = None
+    if variant.dq == "tma":  # scaled in the kernel
+        dq = dq_acc.to(torch.bfloat16)
+    elif fused_dq:
+        dq = (dq_acc * (pre_scale * out_scale)).to(torch.bfloat16)
     return dq, dk, dv
 
 
