@@ -46,7 +46,7 @@ import torch
 
 from benchmarks.common import by_name_prefix, kernel_ms, offsets_of, relative_error, write_results
 from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads, tile_schedule
-from benchmarks.diag.gluon_gdpa_dkdv_kernels import VARIANTS, Variant, compile_only, gluon_gdpa_dkdv
+from benchmarks.diag.gluon_gdpa_dkdv_kernels import KEY_TILES, VARIANTS, Variant, compile_only, gluon_gdpa_dkdv
 from benchmarks.gdpa import HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa
 from opengem.ops.attention_flops import attention_flops, visible_pairs
@@ -64,7 +64,7 @@ def _problem(lengths: torch.Tensor, seed: int) -> dict:
     q, k, v, dout = random_heads(lengths, 4, seed)
     return dict(q=q, k=k, v=v, dout=dout, offsets=offsets_of(lengths, "cuda"), max_len=int(lengths.max()),
                 scale=1 / math.sqrt(HEAD_DIM),
-                schedules={keys: tile_schedule(lengths, keys, "cuda") for keys in {v.block_n for v in VARIANTS}})
+                schedules={keys: tile_schedule(lengths, keys, "cuda") for keys in KEY_TILES})
 
 
 def _gluon(p: dict, variant: Variant) -> tuple[torch.Tensor | None, ...]:

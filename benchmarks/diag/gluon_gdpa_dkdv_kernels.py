@@ -85,6 +85,7 @@ VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant
             Variant(32, 3, "tma", halves=True, pipelined=True), Variant(32, 3, block_n=64), Variant(64, 2, block_n=64),
             Variant(32, 3, pipelined=True, block_n=64), Variant(32, 2, "tma", block_n=64),
             Variant(32, 2, "tma", pipelined=True, block_n=64))
+KEY_TILES = sorted({variant.block_n for variant in VARIANTS})  # the schedules a run builds
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
 # the second MMA partition of a key-halves variant (the first gets the rest): with the writer 216 (first 224), else 240
 MMA_REGISTERS_HALVES = gl.constexpr(216)
