@@ -881,9 +881,10 @@ chain_s46c() {  # session 41: the fused Gluon backward's dQ added four fp32 an i
 chain_s47a() {  # after session 41: the persistent two-partition Gluon forward (a program an SM) against one-item ones
   step gluon_gdpa_forward 300 python -m benchmarks.diag.gluon_gdpa_forward  # smoke calls first, 120 s cap each
 }
-gluon_dkdv() {  # gluon_dkdv CAP VARIANTS: the Gluon backward diag's variants (comma-separated) on (a) L1024 and L2048
-  step gluon_gdpa_dkdv "$1" python -m benchmarks.diag.gluon_gdpa_dkdv --workloads "a self L=1024,a self L=2048" \
-    --variants "$2"
+gluon_dkdv() {  # gluon_dkdv CAP VARIANTS: the Gluon backward diag's variants (comma-separated) on (a): L1024 and L2048,
+  # and the short sparsity-1.0 rows where the 2x bar is furthest (L256: 1.49x) and the op's two passes weigh most
+  step gluon_gdpa_dkdv "$1" python -m benchmarks.diag.gluon_gdpa_dkdv \
+    --workloads "a self L=256 s=1.0,a self L=512 s=1.0,a self L=1024,a self L=2048" --variants "$2"
 }
 S47_FUSED=gluon_m32_s3_fused_dq
 chain_s47b() {  # after session 41: the Gluon backward in key halves or pipelined, and the fused one with a writer
