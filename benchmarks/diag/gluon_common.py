@@ -109,11 +109,18 @@ def descriptor_type(rows: int, cols: int, dtype: str = "bf16") -> str:
     return f"tensordesc<{dtype}[{rows},{cols}],{layout!r}>"
 
 
-def launch_registers(warps: int) -> int:
-    """Registers a thread at launch (``maxnreg``) for a CTA of ``warps`` warps (every partition, each padded to a
-    warpgroup): the 64K register file shared out, a multiple of 8; the partitions then move them with
-    ``setmaxnreg``."""
-    return 65536 // (32 * warps) // 8 * 8
+def launch_registers(warps: int, programs: int = 1) -> int:
+    """Registers a thread at launch (``maxnreg``) for ``programs`` CTAs an SM of ``warps`` warps each (every
+    partition, each padded to a warpgroup): the 64K register file shared out, a multiple of 8; the partitions then
+    move them with ``setmaxnreg``."""
+    return 65536 // (32 * warps * programs) // 8 * 8
+
+
+def programs_per_sm(tile: int) -> int:
+    """The programs an SM a Gluon diag kernel is launched for, from its tile of query rows (forward) or keys (dK/dV):
+    one of 128 (two warpgroups), two of 64 (one warpgroup; three would launch at 80 registers, which ptxas refuses
+    for these loops)."""
+    return 128 // tile
 
 
 def random_heads(lengths: torch.Tensor, count: int, seed: int) -> tuple[torch.Tensor, ...]:

@@ -14,7 +14,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
-                                          scheduled_item, sm90_resources, stage_ring, tma_reduce_add, wgmma_layout)
+                                          programs_per_sm, scheduled_item, sm90_resources, stage_ring, tma_reduce_add,
+                                          wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
 
@@ -49,7 +50,7 @@ class Variant(NamedTuple):
 
     @property
     def programs_per_sm(self) -> int:
-        return 128 // self.block_n
+        return programs_per_sm(self.block_n)
 
     @property
     def ds_layout(self) -> gl.NVMMASharedLayout:
@@ -60,10 +61,12 @@ class Variant(NamedTuple):
     @property
     def maxnreg(self) -> int:  # the warps (MMA, the loader's warpgroup, the writer's 4) of every program on an SM
         mma_warps = self.block_n // 16  # a warpgroup a 64 keys
-        return launch_registers((mma_warps + 4 + (4 if self.dq == "writer" else 0)) * self.programs_per_sm)
+        return launch_registers(mma_warps + 4 + (4 if self.dq == "writer" else 0), self.programs_per_sm)
 
     def check(self) -> None:
-        if self.block_n not in (64, 128) or (self.block_n == 64 and (self.halves or self.dq not in ("", "tma"))):
+        if self.block_n not in (64, 128):
+            raise ValueError(f"{self.name}: a program holds 128 keys (two warpgroups) or 64 (one)")
+        if self.block_n == 64 and (self.halves or self.dq not in ("", "tma")):
             raise ValueError(f"{self.name}: 64-key programs are one warpgroup, with dQ only by TMA adds")
         if self.halves and self.dq in ("atomic", "red4"):  # each half would add its own partial: twice the adds
             raise ValueError(f"{self.name}: key halves add dQ only through the writer or the TMA")

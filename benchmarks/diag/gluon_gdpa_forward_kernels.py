@@ -13,7 +13,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
-                                          scheduled_item, sm90_resources, stage_ring, wgmma_layout)
+                                          programs_per_sm, scheduled_item, sm90_resources, stage_ring, wgmma_layout)
 from benchmarks.gdpa import HEAD_DIM
 
 
@@ -24,23 +24,27 @@ class Variant(NamedTuple):
     consumers: int  # 1: one 8-warp partition; 2: a partition a warpgroup, K freed when its S MMA retires
     pingpong: bool = False  # two consumers take turns issuing their MMAs
     persistent: bool = False  # one program an SM over every (query tile, head), two consumers
-    block_m: int = 128  # query rows a program (the schedule's tiles): 64 a warpgroup; 64 is one 4-warp consumer
-    per_sm: int = 1  # programs an SM the launch registers leave room for (the Triton forward's pick on (a) at
-    # L <= 1024: 64 rows, 32 keys, 4 warps, 168 registers; three an SM here leave 80 at launch: ptxas refuses)
+    block_m: int = 128  # query rows a program (the schedule's tiles): 64 a warpgroup; 64 is one 4-warp consumer,
+    # two programs an SM (the Triton forward's pick on (a) at L <= 1024: 64 rows, 32 keys, 4 warps)
 
     @property
     def name(self) -> str:  # every variant overlaps inside a warpgroup (session 40's plain ones: code at 2833bc9)
         return ("gluon_" + ("" if self.block_m == 128 else f"m{self.block_m}_") + f"n{self.block_n}_s{self.stages}"
                 + "_overlap" + ("_2wg" if self.consumers == 2 else "") + ("_pingpong" if self.pingpong else "")
-                + ("_persistent" if self.persistent else "") + ("" if self.per_sm == 1 else f"_x{self.per_sm}"))
+                + ("_persistent" if self.persistent else "")
+                + ("" if self.programs_per_sm == 1 else f"_x{self.programs_per_sm}"))
 
     @property
     def num_warps(self) -> int:  # the kernel's (the default partition's): its rows' warpgroups, split by consumers
         return self.block_m // 16 // self.consumers
 
     @property
+    def programs_per_sm(self) -> int:
+        return programs_per_sm(self.block_m)
+
+    @property
     def maxnreg(self) -> int:  # the consumers' warps and the loader's warpgroup, of every program an SM holds
-        return launch_registers((self.block_m // 16 + 4) * self.per_sm)
+        return launch_registers(self.block_m // 16 + 4, self.programs_per_sm)
 
     def check(self) -> None:
         if self.block_m == 64 and (self.consumers != 1 or self.persistent):
@@ -52,8 +56,8 @@ class Variant(NamedTuple):
 # tiles fit only 2 K/V stages), then 64-row programs, two an SM (sm_90: no stack; 65.8 / 82.2 / 82.1 KB of shared
 # memory); the other variants' figures are in s45f's, s46a's and s46b's results, not rerun
 VARIANTS = (Variant(64, 3, 1), Variant(128, 3, 2, pingpong=True), Variant(128, 2, 2, pingpong=True, persistent=True),
-            Variant(64, 3, 2, pingpong=True, persistent=True), Variant(32, 3, 1, block_m=64, per_sm=2),
-            Variant(32, 4, 1, block_m=64, per_sm=2), Variant(64, 2, 1, block_m=64, per_sm=2))
+            Variant(64, 3, 2, pingpong=True, persistent=True), Variant(32, 3, 1, block_m=64),
+            Variant(32, 4, 1, block_m=64), Variant(64, 2, 1, block_m=64))
 TILE_ROWS = sorted({v.block_m for v in VARIANTS})  # the schedules a run builds
 
 

@@ -70,9 +70,9 @@ def test_forward_variants_have_unique_names_pass_their_checks_and_fit_the_regist
     assert len(set(names)) == len(names)
     for variant in VARIANTS:
         variant.check()
-        assert variant.maxnreg * 32 * (variant.block_m // 16 + 4) * variant.per_sm <= 65536, variant.name
+        assert variant.maxnreg * 32 * (variant.block_m // 16 + 4) * variant.programs_per_sm <= 65536, variant.name
     assert TILE_ROWS == [64, 128]
-    m64 = Variant(32, 3, 1, block_m=64, per_sm=2)
+    m64 = Variant(32, 3, 1, block_m=64)
     assert (m64.name, m64.num_warps, m64.maxnreg) == ("gluon_m64_n32_s3_overlap_x2", 4, 128)
     assert (VARIANTS[0].name, VARIANTS[0].num_warps, VARIANTS[0].maxnreg) == ("gluon_n64_s3_overlap", 8, 168)
     for bad in (Variant(32, 3, 2, block_m=64), Variant(32, 3, 1, persistent=True, block_m=64)):
