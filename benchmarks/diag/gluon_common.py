@@ -40,6 +40,13 @@ def wgmma_layout(n, num_warps):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1], instr_shape=[16, n, 16])
 
 
+@gluon.constexpr_function
+def wgmma_register_operand(accumulator):
+    """The layout of a bf16 left operand read from registers by a warpgroup MMA whose accumulator has layout
+    ``accumulator`` (P V in the forward, dV and dK in the backward: a tile computed in registers fed on)."""
+    return gl.DotOperandLayout(operand_index=0, parent=accumulator, k_width=2)
+
+
 @gluon.jit
 def scheduled_item(item_start, item_len, item_tile):
     """This program's ``(sample start, sample length, tile start)`` from :func:`tile_schedule`'s arrays."""

@@ -15,7 +15,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
                                           programs_per_sm, scheduled_item, sm90_resources, stage_ring, tma_reduce_add,
-                                          wgmma_layout)
+                                          wgmma_layout, wgmma_register_operand)
 from benchmarks.gdpa import HEAD_DIM
 
 
@@ -234,7 +234,7 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
     num_warps: gl.constexpr = gl.num_warps()  # this partition's
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, num_warps)
     kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    a_layout: gl.constexpr = wgmma_register_operand(kv_layout)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     zero_st = gl.zeros([BLOCK_N, BLOCK_M], gl.float32, st_layout)
@@ -308,7 +308,7 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
     HEAD_DIM: gl.constexpr = k_smem.type.shape[1]
     st_layout: gl.constexpr = wgmma_layout(BLOCK_M, gl.num_warps())
     kv_layout: gl.constexpr = wgmma_layout(HEAD_DIM, gl.num_warps())
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=kv_layout, k_width=2)
+    a_layout: gl.constexpr = wgmma_register_operand(kv_layout)
     BEHIND_NEXT_S: gl.constexpr = 2 if DQ_ADD == 4 else 1  # MMAs issued after S^T_{i+1}: dK (and dQ^T)
     dk = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)
     dv = gl.zeros([BLOCK_N, HEAD_DIM], gl.float32, kv_layout)

@@ -13,7 +13,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warp
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
-                                          programs_per_sm, scheduled_item, sm90_resources, stage_ring, wgmma_layout)
+                                          programs_per_sm, scheduled_item, sm90_resources, stage_ring, wgmma_layout,
+                                          wgmma_register_operand)
 from benchmarks.gdpa import HEAD_DIM
 
 
@@ -102,7 +103,7 @@ def _attend_tile(q_smem, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, my_
     num_warps: gl.constexpr = gl.num_warps()  # this partition's
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N, num_warps)
     o_layout: gl.constexpr = wgmma_layout(HEAD_DIM, num_warps)
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    p_layout: gl.constexpr = wgmma_register_operand(o_layout)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
     n_tiles = gl.cdiv(key_len, BLOCK_N)
