@@ -13,10 +13,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared
                                                               warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, fill_ring, launch_registers,
-                                          programs_per_sm, scheduled_item, sm90_resources, stage_ring, tma_reduce_add,
-                                          wgmma_layout, wgmma_register_operand)
+from benchmarks.diag.gluon_common import (FAST_GELU_SLOPE, descriptor_type, programs_per_sm, scheduled_item,
+                                          sm90_resources, tma_reduce_add)
 from benchmarks.gdpa import HEAD_DIM
+from opengem.ops.gluon.hopper import fill_ring, launch_registers, stage_ring, wgmma_layout, wgmma_register_operand
 
 
 # how a fused variant adds each query step's dQ^T tile into the fp32 sums: one element an instruction (``atom``), four

@@ -37,9 +37,8 @@ import torch
 
 from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, relative_error,
                                write_results)
-from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads, tile_schedule
-from benchmarks.diag.gluon_gdpa_forward_kernels import (TILE_ROWS, VARIANTS, Variant, compile_only,
-                                                        gluon_gdpa_forward)
+from benchmarks.diag.gluon_common import SMOKE_LENGTHS, diag_main, healthy_variants, random_heads
+from benchmarks.diag.gluon_gdpa_forward_kernels import VARIANTS, Variant, compile_only, gluon_gdpa_forward, schedule_for
 from benchmarks.gdpa import BATCH, HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa, jagged_attention
 from opengem.ops.attention_flops import attention_flops, visible_pairs
@@ -55,10 +54,9 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants
     options = dict(activation="fast_gelu", pre_scale=scale, norm=float(max_len))
     want = gdpa(q.float(), k.float(), v.float(), offsets, offsets, max_len, max_len, backend="reference", **options)
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
-    schedules = {tile_rows: tile_schedule(sub, tile_rows, q.device) for tile_rows in TILE_ROWS}
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
         f"{variant.name}_vs_fp32": relative_error(
-            gluon_gdpa_forward(q, k, v, schedules[variant.block_m], max_len, scale, variant), want)
+            gluon_gdpa_forward(q, k, v, schedule_for(variant, sub), max_len, scale, variant), want)
         for variant in variants}
 
 
@@ -70,8 +68,7 @@ def smoke(variant: Variant) -> float:
     q, k, v = random_heads(lengths, 3, seed=2)
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
-    got = gluon_gdpa_forward(q, k, v, tile_schedule(lengths, variant.block_m, "cuda"), max_len, scale, variant,
-                             programs=3)
+    got = gluon_gdpa_forward(q, k, v, schedule_for(variant, lengths), max_len, scale, variant, programs=3)
     return relative_error(got, want)
 
 
@@ -89,12 +86,12 @@ def run(args, chosen: list[Variant]) -> list[dict[str, object]]:
         q, k, v = random_heads(w.q_lengths, 3, seed=1)
         offsets, max_len = offsets_of(w.q_lengths, "cuda"), int(w.q_lengths.max())
         scale = 1 / math.sqrt(HEAD_DIM)
-        schedules = {tile_rows: tile_schedule(w.q_lengths, tile_rows, "cuda") for tile_rows in TILE_ROWS}
+        schedules = {variant.name: schedule_for(variant, w.q_lengths) for variant in variants}
         fns = {
             "triton": lambda: gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu",
                                    pre_scale=scale, norm="max_len"),
             "jfa": lambda: jagged_attention(q, k, v, offsets, max_len, causal=False, scale=scale),
-        } | {variant.name: partial(gluon_gdpa_forward, q, k, v, schedules[variant.block_m], max_len, scale, variant)
+        } | {variant.name: partial(gluon_gdpa_forward, q, k, v, schedules[variant.name], max_len, scale, variant)
              for variant in variants}
         with torch.no_grad():
             errors = _errors(q, k, v, w.q_lengths, max_len, scale, variants)

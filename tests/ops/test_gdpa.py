@@ -821,3 +821,43 @@ def test_short_kv_forward_times_the_key_loop_beside_resident_kv(monkeypatch, max
     assert torch.isfinite(out).all()
     kinds = {config.block_n == 0 for config in offered[0]}
     assert kinds == ({True, False} if resident else {False})
+
+
+def test_gluon_forward_takes_only_what_it_was_written_for(monkeypatch):
+    """The persistent Gluon forward (sm_90, triton 3.6) is a tuner candidate only for unmasked, non-broadcast, one-
+    activation bf16 calls at D 128 with heads packed along rows and keys for every sample with queries; the GPU tests
+    (``tests/gpu/test_gdpa_gluon_gpu.py``) run it."""
+    from opengem.ops import gluon
+    from opengem.ops.gluon import gdpa_forward as gluon_gdpa
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    lengths = np.array([300, 0, 7])
+    q, k, v = _inputs(lengths.tolist(), lengths.tolist(), heads=4, kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    plain = dict(masked=False, broadcast_q=False, uniform_activation=True, p_mx=False, q_lengths=lengths,
+                 k_lengths=lengths)
+
+    def reason(**changes):
+        kwargs = plain | changes
+        tensors = [kwargs.pop(name, default) for name, default in (("q", q), ("k", k), ("v", v), ("out", q))]
+        return gluon_gdpa.unsupported(*tensors, **kwargs)
+
+    assert reason() is None
+    assert "masks" in reason(masked=True) and "broadcast-Q" in reason(broadcast_q=True) and "MX" in reason(p_mx=True)
+    assert "per-head" in reason(uniform_activation=False)
+    assert "bf16" in reason(q=q.half()) and "head_dim 128" in reason(v=v[..., :64].contiguous())
+    packed = torch.zeros(q.shape[0], 3, 4, 128, dtype=torch.bfloat16)
+    assert reason(q=packed[:, 0], out=packed[:, 2]) is None  # a packed QKV projection's views: row stride 3 H D
+    assert "packed" in reason(q=q.transpose(0, 1).contiguous().transpose(0, 1))
+    assert "no keys" in reason(k_lengths=np.array([300, 0, 0]))
+    assert reason(q_lengths=np.array([300, 0, 0]), k_lengths=np.array([300, 5, 0])) is None  # no queries there
+    # the op's tile for it is the kernel's
+    tile = triton_gdpa._GLUON_FWD
+    assert (tile.block_m, tile.block_n, tile.num_stages) == (gluon_gdpa.BLOCK_M, gluon_gdpa.BLOCK_N, gluon_gdpa.STAGES)
+    assert triton_gdpa._label(tile) == "gluon_persistent_m128_n64_s3"
+    assert gluon_gdpa.LAUNCH_REGISTERS == 168  # 12 warps, one program an SM
+    # on this machine: no sm_90 GPU, so the Triton forward (the interpreter) runs
+    assert not gluon.available(q.device)
+    assert triton_gdpa.gluon_forward_setting() == "auto"
+    monkeypatch.setenv("OPENGEM_GDPA_GLUON", "sometimes")
+    with pytest.raises(ValueError, match=r"OPENGEM_GDPA_GLUON must be one of \('auto', 'off', 'only'\), got 'sometimes'"):
+        triton_gdpa.gluon_forward_setting()

@@ -6,7 +6,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from benchmarks.diag.gluon_common import chosen_variants, launch_registers, tile_schedule
+from benchmarks.diag.gluon_common import chosen_variants, tile_schedule
+from opengem.ops.gluon.hopper import launch_registers
 
 
 def test_every_row_is_in_exactly_one_tile_longest_samples_first():
@@ -64,14 +65,18 @@ def test_dkdv_variants_have_unique_names_pass_their_checks_and_fit_the_register_
 
 def test_forward_variants_have_unique_names_pass_their_checks_and_fit_the_register_file():
     """As for dK/dV: a 64-row program is one 4-warp consumer and the loader's padded warpgroup, two an SM."""
-    from benchmarks.diag.gluon_gdpa_forward_kernels import TILE_ROWS, VARIANTS, Variant
+    from benchmarks.diag.gluon_gdpa_forward_kernels import VARIANTS, Variant
+    from opengem.ops.gluon import gdpa_forward as op_kernel
 
     names = [v.name for v in VARIANTS]
     assert len(set(names)) == len(names)
     for variant in VARIANTS:
         variant.check()
         assert variant.maxnreg * 32 * (variant.block_m // 16 + 4) * variant.programs_per_sm <= 65536, variant.name
-    assert TILE_ROWS == [64, 128]
+    assert sorted({v.block_m for v in VARIANTS}) == [64, 128]
+    persistent = [v for v in VARIANTS if v.persistent]  # the op's kernel, at two key tiles
+    assert {v.maxnreg for v in persistent} == {op_kernel.LAUNCH_REGISTERS}
+    assert (op_kernel.BLOCK_N, op_kernel.STAGES) in {(v.block_n, v.stages) for v in persistent}
     m64 = Variant(32, 3, 1, block_m=64)
     assert (m64.name, m64.num_warps, m64.maxnreg) == ("gluon_m64_n32_s3_overlap_x2", 4, 128)
     assert (VARIANTS[0].name, VARIANTS[0].num_warps, VARIANTS[0].maxnreg) == ("gluon_n64_s3_overlap", 8, 168)

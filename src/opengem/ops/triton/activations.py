@@ -114,5 +114,8 @@ def scaled_activation_value(s, scale, act, FAST: tl.constexpr = False):
 @triton.jit
 def activation_value(x, act, FAST: tl.constexpr = False):
     """``phi(x)`` in fp32 (the forward needs no derivative; unused results are removed by the compiler)."""
-    y, _ = activation_value_and_grad(x, act, FAST)
+    if act == 0:  # identity apart: its derivative's ``tl.full`` has no layout in a Gluon kernel, which calls this
+        y = x
+    else:
+        y, _ = activation_value_and_grad(x, act, FAST)
     return y

@@ -40,6 +40,7 @@ import triton
 import triton.testing
 
 from opengem.jagged.host import offsets_summary, to_device
+from opengem.ops import gluon
 from opengem.ops.triton.gdpa_kernels import (
     gdpa_bwd_dkdv_chunk_sum_kernel,
     gdpa_bwd_dkdv_kernel,
@@ -83,6 +84,7 @@ class Config:
     tiles: int = 1
     pointer_loads: bool = False  # masked pointer loads even where the tensors allow TMA descriptors
     max_registers: int = 0  # ptxas's per-thread cap (Triton's maxnreg); 0: none
+    gluon: bool = False  # the persistent Gluon forward (``opengem.ops.gluon.gdpa_forward``; its tile is fixed)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_hash", hash(tuple(getattr(self, f.name) for f in fields(self))))
@@ -100,6 +102,9 @@ class Config:
 # 64 x 64 tile's time, H200, session 23: benchmarks.diag.gdpa_short_tiles), so it leads (the untuned default).
 # Capped at 168 registers: three programs per SM (65,536 / (168 x 128)); fast_gelu's smoothstep took it to 177
 # (two per SM) and 20% slower on (a) L256 / L512 (H200, session 24); at 168 no spills (sm_90 SASS, Triton 3.6).
+# the persistent Gluon forward, timed after the Triton candidates (so OPENGEM_GDPA_TUNE=0 keeps the Triton default);
+# its tile is fixed in opengem.ops.gluon.gdpa_forward (BLOCK_M, BLOCK_N, STAGES: 64 keys, 3 stages)
+_GLUON_FWD = Config(128, 64, 4, 3, gluon=True)
 _FWD = (Config(64, 32, 4, 4, max_registers=168), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
 # resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
 # hidden behind another program's math; more Q tiles per program spread it over up to 2,048 query rows (32
@@ -226,6 +231,8 @@ def _register_cap(config: Config) -> dict:
 
 
 def _label(config: Config) -> str:
+    if config.gluon:
+        return f"gluon_persistent_m{config.block_m}_n{config.block_n}_s{config.num_stages}"
     block_n = "resident" if config.block_n == 0 else config.block_n
     block_m = "shortq" if config.block_m == 0 else config.block_m
     loads = "ptr" if config.pointer_loads else "tma"
@@ -237,6 +244,32 @@ def fast_activations() -> bool:
     """silu / gelu_tanh through the GPU's one-instruction tanh in 16-bit kernels (``activations`` says why);
     ``OPENGEM_GDPA_FAST_ACT=0`` keeps the exponential and reciprocal."""
     return os.environ.get("OPENGEM_GDPA_FAST_ACT", "1") != "0" and not interpreting()
+
+
+GLUON_FORWARD_SETTINGS = ("auto", "off", "only")
+
+
+def gluon_forward_setting() -> str:
+    """``OPENGEM_GDPA_GLUON``: ``auto`` (default) times the persistent Gluon forward beside the Triton candidates
+    where it applies (:func:`gluon_forward_unsupported`), ``off`` never uses it, ``only`` makes it the sole candidate
+    where it applies (tests and benchmarks that must run it)."""
+    setting = os.environ.get("OPENGEM_GDPA_GLUON", "auto")
+    if setting not in GLUON_FORWARD_SETTINGS:
+        raise ValueError(f"OPENGEM_GDPA_GLUON must be one of {GLUON_FORWARD_SETTINGS}, got {setting!r}")
+    return setting
+
+
+def gluon_forward_unsupported(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, args: GdpaArgs,
+                              common: dict, lengths: BatchLengths, p_mx: bool) -> str | None:
+    """Why the Gluon forward cannot take this call, or None."""
+    if not gluon.available(q.device):
+        return "needs an sm_90 GPU and triton 3.6"
+    from opengem.ops.gluon.gdpa_forward import unsupported  # imports Gluon's Hopper API, which moves between releases
+
+    return unsupported(q, k, v, out, masked=common["constexprs"]["MASKED"], broadcast_q=args.broadcast_q,
+                       uniform_activation=common["constexprs"]["ACT"] >= 0, p_mx=p_mx,
+                       q_lengths=np.frombuffer(lengths.q, dtype=np.int64),
+                       k_lengths=np.frombuffer(lengths.k, dtype=np.int64))
 
 
 def query_chunks_enabled() -> bool:
@@ -480,6 +513,13 @@ def gdpa_forward(
     tma = _tma_possible("fwd", q, k, v)
 
     def launch(config: Config) -> None:
+        if config.gluon:
+            from opengem.ops.gluon.gdpa_forward import gdpa_forward as gluon_forward
+
+            work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, 1, kind, 0, str(q.device))
+            gluon_forward(q, k, v, out, q_offsets, k_offsets, work_b, work_t, common["constexprs"]["ACT"],
+                          common["constexprs"]["FAST_ACT"], args.pre_scale, args.out_scale)
+            return
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
         work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, config.tiles if resident else 1, kind,
@@ -504,6 +544,9 @@ def gdpa_forward(
         # resident K/V takes 168-224 KB of shared memory at K/V 256, D 128 (sm_90): one program per SM, so
         # the key loop's candidates (two per SM at 64 x 64) are timed beside it
         candidates = _load_paths((*_FWD_RESIDENT, *_FWD) if resident_fits else _FWD, tma, head_dim, masked, kv_block)
+        setting = gluon_forward_setting()
+        if setting != "off" and gluon_forward_unsupported(q, k, v, out, args, common, lengths, p_mx) is None:
+            candidates = (_GLUON_FWD,) if setting == "only" else (*candidates, _GLUON_FWD)
         config = _tuned(_tune_key("fwd", q, k, args, common, lengths) + (resident_fits, p_mx), candidates, launch)
     launch(config)
     return out
