@@ -11,14 +11,13 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
 
-from benchmarks.common import offsets_of
 from benchmarks.diag.gluon_common import descriptor_type, programs_per_sm, scheduled_item, sm90_resources, tile_schedule
 from benchmarks.gdpa import HEAD_DIM
 from opengem.ops.activations import ACTIVATIONS
 from opengem.ops.gluon.hopper import fill_ring, launch_registers, stage_ring
 from opengem.ops.gluon.gdpa_forward import attend_tile, gdpa_fwd_persistent_kernel, row_descriptor, turn_barriers
 from opengem.ops.gluon.gdpa_forward import gdpa_forward as persistent_forward
-from opengem.ops.triton.gdpa import _work_list
+from opengem.ops.triton.gdpa import gluon_work_items
 
 FAST_GELU = gl.constexpr(ACTIVATIONS.index("fast_gelu"))
 
@@ -121,12 +120,11 @@ def gluon_gdpa_fwd_kernel(q_desc, k_desc, v_desc, Out, stride_ot, item_start, it
 
 def schedule_for(variant: Variant, lengths: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """A variant's launch schedule, built once outside the timed calls: :func:`tile_schedule`'s items in tiles of
-    ``variant.block_m`` rows, or for a persistent variant the op's work list and the offsets (the op's kernel)."""
+    ``variant.block_m`` rows, or for a persistent variant the op's table of work items (the op's kernel)."""
     if not variant.persistent:
         return tile_schedule(lengths, variant.block_m, "cuda")
     host = lengths.to(torch.int64).numpy().tobytes()
-    work_b, work_t = _work_list(host, host, variant.block_m, 1, "full", 0, "cuda")
-    return work_b, work_t, offsets_of(lengths, "cuda")
+    return (gluon_work_items(host, host, 0, 0, variant.block_m, "cuda"),)
 
 
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
@@ -141,9 +139,8 @@ def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int
     out = torch.empty_like(q)
     block_m, block_n = variant.block_m, variant.block_n
     if variant.persistent:  # the op's kernel at this variant's key tile and stages
-        work_b, work_t, offsets = schedule
-        return persistent_forward(q, k, v, out, offsets, offsets, work_b, work_t, FAST_GELU.value, True, pre_scale,
-                                  1.0 / max_len, programs, block_n=block_n, stages=variant.stages)
+        return persistent_forward(q, k, v, out, schedule[0], FAST_GELU.value, True, pre_scale, 1.0 / max_len,
+                                  programs, block_n=block_n, stages=variant.stages)
     item_start, item_len, item_m = schedule
     gluon_gdpa_fwd_kernel[(item_start.numel(), H)](
         row_descriptor(q, block_m), row_descriptor(k, block_n), row_descriptor(v, block_n), out, H * D, item_start,
@@ -162,8 +159,7 @@ def compile_only(variant: Variant) -> dict[str, object]:
                  "Out": "*bf16", "stride_ot": "i32"}
     if variant.persistent:  # the op's kernel
         kernel = gdpa_fwd_persistent_kernel
-        signature |= {"work_b": "*i32", "work_t": "*i32", "q_offsets": "*i64", "k_offsets": "*i64", "n_work": "i32",
-                      "heads": "i32"}
+        signature |= {"items": "*i32", "n_work": "i32", "heads": "i32"}
         constants |= {"GROUP": 1, "ACT": FAST_GELU.value, "FAST": True}
     else:
         kernel = gluon_gdpa_fwd_kernel

@@ -861,3 +861,21 @@ def test_gluon_forward_takes_only_what_it_was_written_for(monkeypatch):
     monkeypatch.setenv("OPENGEM_GDPA_GLUON", "sometimes")
     with pytest.raises(ValueError, match=r"OPENGEM_GDPA_GLUON must be one of \('auto', 'off', 'only'\), got 'sometimes'"):
         triton_gdpa.gluon_forward_setting()
+
+
+def test_gluon_work_items_list_every_query_tile_once_longest_first():
+    """The Gluon forward's table: a row per 128-row query tile of every sample with queries, in the Triton forward's
+    work order, each with its first query row, the rows left in its sample, its sample's first key row and keys
+    (offsets that start past 0 included)."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    q_len, k_len = np.array([300, 0, 128, 5, 129]), np.array([10, 4, 0, 256, 1])
+    table = triton_gdpa.gluon_work_items(q_len.tobytes(), k_len.tobytes(), 7, 3, 128, "cpu")
+    assert table.dtype == torch.int32 and table.shape == (3 + 1 + 1 + 2, 4)
+    q_start, k_start = 7 + np.cumsum(q_len) - q_len, 3 + np.cumsum(k_len) - k_len
+    want = {(int(q_start[b] + t * 128), int(q_len[b] - t * 128), int(k_start[b]), int(k_len[b]))
+            for b in range(5) for t in range(-(-int(q_len[b]) // 128))}
+    rows = [tuple(r) for r in table.tolist()]
+    assert sorted(rows) == sorted(want)
+    work_b, work_t = triton_gdpa._work_list(q_len.tobytes(), k_len.tobytes(), 128, 1, "full", 0, "cpu")
+    assert [r[0] for r in rows] == [int(q_start[b] + t * 128) for b, t in zip(work_b.tolist(), work_t.tolist())]

@@ -159,41 +159,34 @@ def turn_barriers():
 
 
 @gluon.jit
-def _work_item(w, work_b, work_t, q_offsets, k_offsets, heads, GROUP: gl.constexpr, BLOCK_M: gl.constexpr,
-               HEAD_DIM: gl.constexpr):
-    """Work item ``w``: ``(query start, query length, tile start, key start, key length, head column, its K/V head's
-    column)``; items are (query tile, head) pairs, the work list's tiles outermost so the longest samples go first."""
-    item = w // heads
+def _work_item(w, items, heads, GROUP: gl.constexpr, HEAD_DIM: gl.constexpr):
+    """Work item ``w``: ``(first query row, query rows from it to the sample's end, first key row, keys, head column,
+    its K/V head's column)``; items are (query tile, head) pairs, the table's tiles outermost so the longest samples
+    go first. The table's four numbers are independent loads: one round of latency before the item's first MMA."""
+    row = items + (w // heads) * 4
     head = w % heads
-    sample = gl.load(work_b + item)
-    q_start = gl.load(q_offsets + sample).to(gl.int32)
-    k_start = gl.load(k_offsets + sample).to(gl.int32)
-    q_len = gl.load(q_offsets + sample + 1).to(gl.int32) - q_start
-    k_len = gl.load(k_offsets + sample + 1).to(gl.int32) - k_start
-    m_start = gl.load(work_t + item) * BLOCK_M
-    return q_start, q_len, m_start, k_start, k_len, head * HEAD_DIM, (head // GROUP) * HEAD_DIM
+    return (gl.load(row), gl.load(row + 1), gl.load(row + 2), gl.load(row + 3), head * HEAD_DIM,
+            (head // GROUP) * HEAD_DIM)
 
 
 @gluon.jit
 def _attend_items(q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, my_turn, their_turn,
-                  Out, stride_ot, work_b, work_t, q_offsets, k_offsets, n_work, heads, scale, out_scale,
+                  Out, stride_ot, items, n_work, heads, scale, out_scale,
                   ROW0: gl.constexpr, GROUP: gl.constexpr, ACT: gl.constexpr, FAST: gl.constexpr,
                   BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, FIRST: gl.constexpr):
     """A consumer partition: rows ``ROW0 .. ROW0 + 63`` of every work item ``program_id, program_id + programs,
     ...``, their Q tile from the two-slot Q ring, their key tiles' ring positions and ping-pong groups carried over
     from item to item."""
     half: gl.constexpr = q_bufs.type.shape[1] // 2
-    block_m: gl.constexpr = q_bufs.type.shape[1]
     tile = 0
     group = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        q_start, q_len, m_start, k_start, k_len, out_col, kv_col = _work_item(
-            w, work_b, work_t, q_offsets, k_offsets, heads, GROUP, block_m, HEAD_DIM)
+        q_row, rows, k_start, k_len, out_col, kv_col = _work_item(w, items, heads, GROUP, HEAD_DIM)
         slot = k % 2
         mbarrier.wait(q_ready.index(slot), (k // 2) & 1)
         attend_tile(q_bufs.index(slot).slice(ROW0, half), k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, my_turn,
-                    their_turn, Out, stride_ot, q_start + m_start + ROW0, q_len - m_start - ROW0, k_len, out_col,
+                    their_turn, Out, stride_ot, q_row + ROW0, rows - ROW0, k_len, out_col,
                     scale, out_scale, tile, group, ACT, FAST, BLOCK_N, HEAD_DIM, True, True, FIRST)
         mbarrier.arrive(q_empty.index(slot), count=1)  # attend_tile's last wait retired every MMA reading it
         n_tiles = gl.cdiv(k_len, BLOCK_N)
@@ -204,20 +197,17 @@ def _attend_items(q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_
 
 @gluon.jit
 def _fill_items(q_desc, k_desc, v_desc, q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty,
-                work_b, work_t, q_offsets, k_offsets, n_work, heads, GROUP: gl.constexpr, BLOCK_N: gl.constexpr,
-                HEAD_DIM: gl.constexpr):
+                items, n_work, heads, GROUP: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr):
     """The TMA-load worker: each work item's Q tile into the Q ring, then its sample's K and V tiles into the K/V
     ring, so the next item's loads start while the consumers finish the current one."""
-    block_m: gl.constexpr = q_bufs.type.shape[1]
     tile = 0
     k = 0
     for w in range(gl.program_id(0), n_work, gl.num_programs(0)):
-        q_start, q_len, m_start, k_start, k_len, q_col, kv_col = _work_item(
-            w, work_b, work_t, q_offsets, k_offsets, heads, GROUP, block_m, HEAD_DIM)
+        q_row, rows, k_start, k_len, q_col, kv_col = _work_item(w, items, heads, GROUP, HEAD_DIM)
         slot = k % 2
         mbarrier.wait(q_empty.index(slot), ((k // 2) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_start + m_start, q_col], q_ready.index(slot), q_bufs.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [q_row, q_col], q_ready.index(slot), q_bufs.index(slot))
         fill_ring(k_desc, v_desc, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, k_start, k_len, kv_col, tile,
                   BLOCK_N)
         tile += gl.cdiv(k_len, BLOCK_N)
@@ -225,8 +215,7 @@ def _fill_items(q_desc, k_desc, v_desc, q_bufs, q_ready, q_empty, k_bufs, v_bufs
 
 
 @gluon.jit
-def gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, work_b, work_t, q_offsets, k_offsets, n_work,
-                               heads, scale, out_scale, GROUP: gl.constexpr, ACT: gl.constexpr, FAST: gl.constexpr,
+def gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, items, n_work, heads, scale, out_scale, GROUP: gl.constexpr, ACT: gl.constexpr, FAST: gl.constexpr,
                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr):
     """One program an SM over the (query tile, head) work items: two consumer partitions and a loader."""
@@ -241,13 +230,11 @@ def gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, work_b, w
     # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors (triton 3.6)
     gl.warp_specialize([
         (_attend_items, (q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(0),
-                         turns.index(1), Out, stride_ot, work_b, work_t, q_offsets, k_offsets, n_work, heads, scale,
-                         out_scale, 0, GROUP, ACT, FAST, BLOCK_N, HEAD_DIM, True)),
+                         turns.index(1), Out, stride_ot, items, n_work, heads, scale, out_scale, 0, GROUP, ACT, FAST, BLOCK_N, HEAD_DIM, True)),
         (_attend_items, (q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(1),
-                         turns.index(0), Out, stride_ot, work_b, work_t, q_offsets, k_offsets, n_work, heads, scale,
-                         out_scale, 64, GROUP, ACT, FAST, BLOCK_N, HEAD_DIM, False)),
+                         turns.index(0), Out, stride_ot, items, n_work, heads, scale, out_scale, 64, GROUP, ACT, FAST, BLOCK_N, HEAD_DIM, False)),
         (_fill_items, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty,
-                       v_empty, work_b, work_t, q_offsets, k_offsets, n_work, heads, GROUP, BLOCK_N, HEAD_DIM)),
+                       v_empty, items, n_work, heads, GROUP, BLOCK_N, HEAD_DIM)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGISTERS, 24])
 
 
@@ -258,21 +245,20 @@ def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return TensorDescriptor(t, [t.shape[0], t.shape[1] * t.shape[2]], [t.stride(0), 1], [rows, t.shape[2]], layout)
 
 
-def gdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, q_offsets: torch.Tensor,
-                 k_offsets: torch.Tensor, work_b: torch.Tensor, work_t: torch.Tensor, activation: int, fast: bool,
-                 pre_scale: float, out_scale: float, programs: int | None = None, *, block_n: int = BLOCK_N,
+def gdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, items: torch.Tensor,
+                 activation: int, fast: bool, pre_scale: float, out_scale: float, programs: int | None = None, *, block_n: int = BLOCK_N,
                  stages: int = STAGES) -> torch.Tensor:
     """``out = out_scale * phi(pre_scale * Q K^T) V`` per sample; the caller checked :func:`unsupported`.
-    ``work_b`` / ``work_t``: int32 (sample, query tile of :data:`BLOCK_M` rows) items, longest first (the Triton
-    forward's work list); ``programs``: persistent programs (default one an SM); ``block_n`` / ``stages``: the key
+    ``items``: the int32 ``[tiles, 4]`` table of ``opengem.ops.triton.gdpa.gluon_work_items`` (query tiles of
+    :data:`BLOCK_M` rows, longest first); ``programs``: persistent programs (default one an SM); ``block_n`` / ``stages``: the key
     tile and K/V ring (the Gluon diag times 128 keys in 2 stages too)."""
     heads = q.shape[1]
-    n_work = work_b.numel() * heads
+    n_work = items.shape[0] * heads
     if n_work == 0 or k.shape[0] == 0:
         return out
     programs = min(n_work, programs or torch.cuda.get_device_properties(q.device).multi_processor_count)
     gdpa_fwd_persistent_kernel[(programs,)](
         row_descriptor(q, BLOCK_M), row_descriptor(k, block_n), row_descriptor(v, block_n), out, out.stride(0),
-        work_b, work_t, q_offsets, k_offsets, n_work, heads, pre_scale, out_scale, heads // k.shape[1], activation,
+        items, n_work, heads, pre_scale, out_scale, heads // k.shape[1], activation,
         fast, block_n, HEAD_DIM, stages, num_warps=CONSUMER_WARPS.value, maxnreg=LAUNCH_REGISTERS)
     return out

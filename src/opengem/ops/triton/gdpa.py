@@ -322,17 +322,13 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return owner, np.arange(owner.size, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
 
 
-@functools.lru_cache(maxsize=256)
-def _work_list(
-    rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """int32 (sample, first tile) items over the tiles of ``rows``, sorted by estimated work, longest first.
+def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind: str,
+                window: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sample, first tile) int64 items over the tiles of ``rows``, sorted by estimated work, longest first.
 
     ``kind``: ``"full"`` (work = other side's length), ``"causal_q"`` (query tile sees keys up to its end),
     ``"causal_k"`` (key tile seen by the rows from its start on); ``window > 0`` caps the work.
     """
-    rows = np.frombuffer(rows_bytes, dtype=np.int64)
-    cols = np.frombuffer(cols_bytes, dtype=np.int64)
     step = block * tiles
     sample, first = _expand((rows + step - 1) // step)
     start = first * step
@@ -345,9 +341,34 @@ def _work_list(
     if window > 0:
         other = np.minimum(other, 2 * window + step)
     order = np.argsort(-(span * np.maximum(other, 1)), kind="stable")
-    work_b = to_device(torch.from_numpy(sample[order].astype(np.int32)), device)
-    work_t = to_device(torch.from_numpy((first[order] * tiles).astype(np.int32)), device)
-    return work_b, work_t
+    return sample[order], first[order] * tiles
+
+
+@functools.lru_cache(maxsize=256)
+def _work_list(
+    rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_work_order`'s items as int32 device tensors (sample, first tile)."""
+    sample, first = _work_order(np.frombuffer(rows_bytes, dtype=np.int64), np.frombuffer(cols_bytes, dtype=np.int64),
+                                block, tiles, kind, window)
+    return (to_device(torch.from_numpy(sample.astype(np.int32)), device),
+            to_device(torch.from_numpy(first.astype(np.int32)), device))
+
+
+@functools.lru_cache(maxsize=256)
+def gluon_work_items(q_bytes: bytes, k_bytes: bytes, q_first: int, k_first: int, block_m: int,
+                     device: str) -> torch.Tensor:
+    """The Gluon forward's int32 ``[items, 4]`` table, one row a query tile, longest first as :func:`_work_list`:
+    ``(first query row, query rows from it to the sample's end, first key row, keys)``; its programs read each row's
+    four numbers in one round of independent loads, where (sample, tile) and the offsets would take two dependent
+    rounds (the consumers wait on them before every tile's first MMA)."""
+    q_len, k_len = np.frombuffer(q_bytes, dtype=np.int64), np.frombuffer(k_bytes, dtype=np.int64)
+    sample, first = _work_order(q_len, k_len, block_m, 1, "full", 0)
+    q_start = q_first + np.cumsum(q_len) - q_len
+    k_start = k_first + np.cumsum(k_len) - k_len
+    m_start = first * block_m
+    table = np.stack([q_start[sample] + m_start, q_len[sample] - m_start, k_start[sample], k_len[sample]], axis=1)
+    return to_device(torch.from_numpy(np.ascontiguousarray(table, dtype=np.int32)), device)
 
 
 # The shortest query chunk, in query tiles: shorter chunks would cost more in their partial tiles' fp32 round trip
@@ -516,9 +537,10 @@ def gdpa_forward(
         if config.gluon:
             from opengem.ops.gluon.gdpa_forward import gdpa_forward as gluon_forward
 
-            work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, 1, kind, 0, str(q.device))
-            gluon_forward(q, k, v, out, q_offsets, k_offsets, work_b, work_t, common["constexprs"]["ACT"],
-                          common["constexprs"]["FAST_ACT"], args.pre_scale, args.out_scale)
+            items = gluon_work_items(lengths.q, lengths.k, offsets_summary(q_offsets).first,
+                                     offsets_summary(k_offsets).first, config.block_m, str(q.device))
+            gluon_forward(q, k, v, out, items, common["constexprs"]["ACT"], common["constexprs"]["FAST_ACT"],
+                          args.pre_scale, args.out_scale)
             return
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
