@@ -859,7 +859,8 @@ def test_gluon_forward_takes_only_what_it_was_written_for(monkeypatch):
     assert not gluon.available(q.device)
     assert triton_gdpa.gluon_forward_setting() == "auto"
     monkeypatch.setenv("OPENGEM_GDPA_GLUON", "sometimes")
-    with pytest.raises(ValueError, match=r"OPENGEM_GDPA_GLUON must be one of \('auto', 'off', 'only'\), got 'sometimes'"):
+    expected = r"OPENGEM_GDPA_GLUON must be one of \('auto', 'off', 'only'\), got 'sometimes'"
+    with pytest.raises(ValueError, match=expected):
         triton_gdpa.gluon_forward_setting()
 
 

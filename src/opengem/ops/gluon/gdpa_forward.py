@@ -10,7 +10,9 @@ into the next item. Two 4-warp consumer partitions take 64 query rows each:
   the tensor cores.
 
 The Triton forward (``opengem.ops.triton.gdpa``) runs one 64- or 128-row tile a program. On an H100, issue 4's (a)
-rows, this kernel ran 1.00-1.14x it and 0.98-1.19x our JFA, same run (session 43, ``gluon_gdpa_forward_s47ab``).
+rows, this loop in the Gluon diag ran 1.00-1.14x it and 0.98-1.19x our JFA, same run (session 43,
+``gluon_gdpa_forward_s47ab``); its first run in the op read each work item in two dependent rounds of loads and lost
+the tuning (0.78-0.94x, ``gdpa_s48a``), since mended (:func:`_work_item`), not yet remeasured.
 It serves unmasked, non-broadcast GDPA with one activation for all heads, bf16, D = 128 (:func:`unsupported` says
 what else); ``opengem.ops.triton.gdpa`` times it as one more candidate of its forward tuner.
 """
@@ -215,7 +217,8 @@ def _fill_items(q_desc, k_desc, v_desc, q_bufs, q_ready, q_empty, k_bufs, v_bufs
 
 
 @gluon.jit
-def gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, items, n_work, heads, scale, out_scale, GROUP: gl.constexpr, ACT: gl.constexpr, FAST: gl.constexpr,
+def gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, items, n_work, heads, scale, out_scale,
+                               GROUP: gl.constexpr, ACT: gl.constexpr, FAST: gl.constexpr,
                                BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, STAGES: gl.constexpr,
                                num_warps: gl.constexpr):
     """One program an SM over the (query tile, head) work items: two consumer partitions and a loader."""
@@ -230,9 +233,11 @@ def gdpa_fwd_persistent_kernel(q_desc, k_desc, v_desc, Out, stride_ot, items, n_
     # the partitions' arguments written out: a tuple built with ``+`` turns constexprs into tensors (triton 3.6)
     gl.warp_specialize([
         (_attend_items, (q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(0),
-                         turns.index(1), Out, stride_ot, items, n_work, heads, scale, out_scale, 0, GROUP, ACT, FAST, BLOCK_N, HEAD_DIM, True)),
+                         turns.index(1), Out, stride_ot, items, n_work, heads, scale, out_scale, 0, GROUP, ACT, FAST,
+                         BLOCK_N, HEAD_DIM, True)),
         (_attend_items, (q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty, v_empty, turns.index(1),
-                         turns.index(0), Out, stride_ot, items, n_work, heads, scale, out_scale, 64, GROUP, ACT, FAST, BLOCK_N, HEAD_DIM, False)),
+                         turns.index(0), Out, stride_ot, items, n_work, heads, scale, out_scale, 64, GROUP, ACT, FAST,
+                         BLOCK_N, HEAD_DIM, False)),
         (_fill_items, (q_desc, k_desc, v_desc, q_bufs, q_ready, q_empty, k_bufs, v_bufs, k_ready, v_ready, k_empty,
                        v_empty, items, n_work, heads, GROUP, BLOCK_N, HEAD_DIM)),
     ], [CONSUMER_WARPS, 1], [CONSUMER_REGISTERS, 24])
@@ -246,12 +251,12 @@ def row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def gdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, items: torch.Tensor,
-                 activation: int, fast: bool, pre_scale: float, out_scale: float, programs: int | None = None, *, block_n: int = BLOCK_N,
-                 stages: int = STAGES) -> torch.Tensor:
+                 activation: int, fast: bool, pre_scale: float, out_scale: float, programs: int | None = None, *,
+                 block_n: int = BLOCK_N, stages: int = STAGES) -> torch.Tensor:
     """``out = out_scale * phi(pre_scale * Q K^T) V`` per sample; the caller checked :func:`unsupported`.
     ``items``: the int32 ``[tiles, 4]`` table of ``opengem.ops.triton.gdpa.gluon_work_items`` (query tiles of
-    :data:`BLOCK_M` rows, longest first); ``programs``: persistent programs (default one an SM); ``block_n`` / ``stages``: the key
-    tile and K/V ring (the Gluon diag times 128 keys in 2 stages too)."""
+    :data:`BLOCK_M` rows, longest first); ``programs``: persistent programs (default one an SM); ``block_n`` /
+    ``stages``: the key tile and K/V ring (the Gluon diag times 128 keys in 2 stages too)."""
     heads = q.shape[1]
     n_work = items.shape[0] * heads
     if n_work == 0 or k.shape[0] == 0:
