@@ -41,6 +41,9 @@ need triton 3.6 (see ``gluon_common``).
 from __future__ import annotations
 
 import math
+import os
+
+os.environ.setdefault("OPENGEM_GDPA_GLUON", "off")  # the op peer is the Triton forward (the Gluon one is a variant)
 
 import torch
 

@@ -31,6 +31,9 @@ Triton op and JFA interleaved on (a), rewriting ``benchmarks/results/gluon_gdpa_
 from __future__ import annotations
 
 import math
+import os
+
+os.environ.setdefault("OPENGEM_GDPA_GLUON", "off")  # the op peer is the Triton forward (the Gluon one is a variant)
 from functools import partial
 
 import torch
