@@ -8,6 +8,7 @@ kernels, which run everywhere.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -18,5 +19,11 @@ TESTED_TRITON = "3.6."  # 3.9's Gluon rejects these kernels (layouts and partiti
 
 def available(device: torch.device) -> bool:
     """True on an sm_90 GPU (H100 / H200) with triton 3.6, outside the interpreter."""
-    return (device.type == "cuda" and triton.__version__.startswith(TESTED_TRITON)
-            and os.environ.get("TRITON_INTERPRET") != "1" and torch.cuda.get_device_capability(device) == (9, 0))
+    if device.type != "cuda" or os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    return _sm90_with_tested_triton(torch.cuda.current_device() if device.index is None else device.index)
+
+
+@functools.lru_cache(maxsize=None)  # asked on every GDPA forward: a few microseconds saved a call
+def _sm90_with_tested_triton(index: int) -> bool:
+    return triton.__version__.startswith(TESTED_TRITON) and torch.cuda.get_device_capability(index) == (9, 0)
