@@ -905,15 +905,15 @@ gluon_m32_s2_fused_dq_tma_pipelined_n64"
 chain_s48a() {  # session 43: the persistent Gluon forward inside opengem.ops.gdpa (a tuner candidate), its GPU tests,
   # then issue 4's (a) with it (session 40: 375 s)
   step gdpa_gluon_gpu_tests 150 tests tests/gpu/test_gdpa_gluon_gpu.py
-  step gdpa_a 400 python -m benchmarks.gdpa --workloads "a self"
+  step gdpa_a 400 env OPENGEM_GDPA_GLUON=auto python -m benchmarks.gdpa --workloads "a self"
 }
 chain_s48c() {  # session 43, a short device budget: s48a with JFA as the only peer (the forward bar and the tuner's pick)
   step gdpa_gluon_gpu_tests 150 tests tests/gpu/test_gdpa_gluon_gpu.py
-  step gdpa_a_jfa 280 python -m benchmarks.gdpa --workloads "a self" --peers jfa
+  step gdpa_a_jfa 280 env OPENGEM_GDPA_GLUON=auto python -m benchmarks.gdpa --workloads "a self" --peers jfa
 }
 chain_s48b() {  # session 43: every GDPA GPU test (activation_value's identity branch moved), then (b), (c), (d)
   step gdpa_gpu_tests 200 tests tests/gpu/test_gdpa_gpu.py
-  step gdpa_bcd 330 python -m benchmarks.gdpa --workloads "b cross,c pool,d hstu"
+  step gdpa_bcd 330 env OPENGEM_GDPA_GLUON=auto python -m benchmarks.gdpa --workloads "b cross,c pool,d hstu"
 }
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward

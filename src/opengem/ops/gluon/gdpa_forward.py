@@ -14,7 +14,8 @@ rows, this loop in the Gluon diag ran 1.00-1.14x it and 0.98-1.19x our JFA, same
 ``gluon_gdpa_forward_s47ab``); its first run in the op read each work item in two dependent rounds of loads and lost
 the tuning (0.78-0.94x, ``gdpa_s48a``), since mended (:func:`_work_item`), not yet remeasured.
 It serves unmasked, non-broadcast GDPA with one activation for all heads, bf16, D = 128 (:func:`unsupported` says
-what else); ``opengem.ops.triton.gdpa`` times it as one more candidate of its forward tuner.
+what else); with ``OPENGEM_GDPA_GLUON=auto`` (opt-in until the GPU reruns it),
+``opengem.ops.triton.gdpa`` times it as one more candidate of its forward tuner.
 """
 
 from __future__ import annotations
