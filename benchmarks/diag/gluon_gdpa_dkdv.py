@@ -70,16 +70,16 @@ def _problem(lengths: torch.Tensor, seed: int) -> dict:
                 schedules={keys: tile_schedule(lengths, keys, "cuda") for keys in KEY_TILES})
 
 
-def _gluon(p: dict, variant: Variant) -> tuple[torch.Tensor | None, ...]:
+def _gluon(p: dict, variant: Variant, poison: bool = False) -> tuple[torch.Tensor | None, ...]:
     return gluon_gdpa_dkdv(p["q"], p["k"], p["v"], p["dout"], p["schedules"][variant.block_n], p["max_len"], p["scale"],
-                           variant)
+                           variant, poison)
 
 
 def _errors(p: dict, variants) -> dict[str, float]:
     want = _triton_grads(p["q"], p["k"], p["v"], p["dout"], p["offsets"], p["max_len"], p["scale"])
     errors = {}
     for variant in variants:
-        for name, got, ref in zip(("dq", "dk", "dv"), _gluon(p, variant), want):
+        for name, got, ref in zip(("dq", "dk", "dv"), _gluon(p, variant, poison=True), want):
             if got is not None:
                 errors[f"{variant.name}_{name}_vs_triton"] = relative_error(got, ref)
     return errors

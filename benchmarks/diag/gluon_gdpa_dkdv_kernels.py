@@ -4,6 +4,7 @@ dK/dV pass and the fused five-product backward in Gluon for Hopper, and their sm
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -498,10 +499,12 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
-                    variant: Variant) -> tuple[torch.Tensor | None, ...]:
+                    variant: Variant, poison: bool = False) -> tuple[torch.Tensor | None, ...]:
     """``(dQ or None, dK, dV)`` of fast_gelu GDPA self-attention with ``norm="max_len"``; ``schedule``:
     ``tile_schedule`` of the lengths in tiles of ``variant.block_n`` keys. With ``variant.fused_dq`` dQ is added in
-    fp32 by every key tile's program (atomics or TMA reduce-adds: not bitwise repeatable), then scaled into bf16."""
+    fp32 by every key tile's program (atomics or TMA reduce-adds: not bitwise repeatable), then scaled into bf16.
+    ``poison``: dK and dV start as NaN, so a row the kernel never stores shows (``torch.empty_like`` may hand back
+    the previous variant's, or the reference's, freed gradients: session 43's `_n64` rows)."""
     variant.check()
     block_m, fused_dq = variant.block_m, variant.fused_dq
     T, H, D = q.shape
@@ -513,7 +516,7 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
         layout = gl.NVMMASharedLayout.get_default_for([rows, D], gl.bfloat16)
         return TensorDescriptor.from_tensor(t.view(T, H * D), [rows, D], layout)
 
-    dk, dv = torch.empty_like(k), torch.empty_like(v)
+    dk, dv = (torch.full_like(t, math.nan) if poison else torch.empty_like(t) for t in (k, v))
     if fused_dq:
         dq_acc = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the fp32 dQ sums
     else:

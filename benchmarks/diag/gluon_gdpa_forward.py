@@ -59,7 +59,7 @@ def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants
     triton_out = gdpa(q, k, v, offsets, offsets, max_len, max_len, backend="triton", **options)
     return {"triton_vs_fp32": relative_error(triton_out, want)} | {
         f"{variant.name}_vs_fp32": relative_error(
-            gluon_gdpa_forward(q, k, v, schedule_for(variant, sub), max_len, scale, variant), want)
+            gluon_gdpa_forward(q, k, v, schedule_for(variant, sub), max_len, scale, variant, poison=True), want)
         for variant in variants}
 
 
@@ -71,7 +71,8 @@ def smoke(variant: Variant) -> float:
     q, k, v = random_heads(lengths, 3, seed=2)
     offsets, max_len, scale = offsets_of(lengths, "cuda"), int(lengths.max()), 1 / math.sqrt(HEAD_DIM)
     want = gdpa(q, k, v, offsets, offsets, max_len, max_len, activation="fast_gelu", pre_scale=scale, norm="max_len")
-    got = gluon_gdpa_forward(q, k, v, schedule_for(variant, lengths), max_len, scale, variant, programs=3)
+    got = gluon_gdpa_forward(q, k, v, schedule_for(variant, lengths), max_len, scale, variant, programs=3,
+                             poison=True)
     return relative_error(got, want)
 
 

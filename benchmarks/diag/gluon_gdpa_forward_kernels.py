@@ -128,15 +128,17 @@ def schedule_for(variant: Variant, lengths: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
-                       variant: Variant = VARIANTS[0], programs: int | None = None) -> torch.Tensor:
+                       variant: Variant = VARIANTS[0], programs: int | None = None,
+                       poison: bool = False) -> torch.Tensor:
     """fast_gelu GDPA self-attention, ``norm="max_len"``: ``[T, H, 128]`` bf16 in and out; ``schedule`` from
-    :func:`schedule_for`; ``programs``: a persistent variant's (default one an SM)."""
+    :func:`schedule_for`; ``programs``: a persistent variant's (default one an SM); ``poison``: the output starts as
+    NaN, so a row never stored shows."""
     variant.check()
     T, H, D = q.shape
     contiguous = q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
     if D != HEAD_DIM or q.dtype != torch.bfloat16 or not contiguous:
         raise ValueError(f"needs contiguous bf16 [T, H, {HEAD_DIM}] q, k, v; got {q.dtype} {tuple(q.shape)}")
-    out = torch.empty_like(q)
+    out = torch.full_like(q, float("nan")) if poison else torch.empty_like(q)
     block_m, block_n = variant.block_m, variant.block_n
     if variant.persistent:  # the op's kernel at this variant's key tile and stages
         return persistent_forward(q, k, v, out, schedule[0], FAST_GELU.value, True, pre_scale, 1.0 / max_len,
