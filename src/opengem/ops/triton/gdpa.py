@@ -102,10 +102,10 @@ class Config:
 # 64 x 64 tile's time, H200, session 23: benchmarks.diag.gdpa_short_tiles), so it leads (the untuned default).
 # Capped at 168 registers: three programs per SM (65,536 / (168 x 128)); fast_gelu's smoothstep took it to 177
 # (two per SM) and 20% slower on (a) L256 / L512 (H200, session 24); at 168 no spills (sm_90 SASS, Triton 3.6).
-# the persistent Gluon forward, timed after the Triton candidates (so OPENGEM_GDPA_TUNE=0 keeps the Triton default);
-# its tile is fixed in opengem.ops.gluon.gdpa_forward (BLOCK_M, BLOCK_N, STAGES: 64 keys, 3 stages)
-_GLUON_FWD = Config(128, 64, 4, 3, gluon=True)
 _FWD = (Config(64, 32, 4, 4, max_registers=168), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
+# the persistent Gluon forward (OPENGEM_GDPA_GLUON=auto), timed after the Triton candidates (so OPENGEM_GDPA_TUNE=0
+# keeps the Triton default); its tile is fixed in opengem.ops.gluon.gdpa_forward (BLOCK_M, BLOCK_N, STAGES)
+_GLUON_FWD = Config(128, 64, 4, 3, gluon=True)
 # resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
 # hidden behind another program's math; more Q tiles per program spread it over up to 2,048 query rows (32
 # tiles: 2-3% faster than 16 on (b) K/V 256 in two runs, session 23)
