@@ -16,6 +16,12 @@ import triton
 
 TESTED_TRITON = "3.6."  # 3.9's Gluon rejects these kernels (layouts and partition arguments changed)
 
+# The GDPA forward's tile (``gdpa_forward``): query rows a work item (64 a consumer warpgroup, fixed by its two
+# consumers), keys a tile and K/V stages. Here, not in that module, so the Triton tuner names its candidate without
+# importing Gluon's Hopper API. 128 keys fit only 2 stages beside the Q ring: 0.91-1.02x this tile on (a) (H100,
+# session 43, same run).
+GDPA_FORWARD_BLOCK_M, GDPA_FORWARD_BLOCK_N, GDPA_FORWARD_STAGES = 128, 64, 3
+
 
 def available(device: torch.device) -> bool:
     """True on an sm_90 GPU (H100 / H200) with triton 3.6, outside the interpreter."""

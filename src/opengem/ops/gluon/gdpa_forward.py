@@ -27,14 +27,13 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from opengem.ops.gluon import GDPA_FORWARD_BLOCK_M, GDPA_FORWARD_BLOCK_N, GDPA_FORWARD_STAGES
 from opengem.ops.gluon.hopper import (fill_ring, launch_registers, stage_ring, wgmma_layout,
                                       wgmma_register_operand)
 from opengem.ops.triton.activations import scaled_activation_value
 
 HEAD_DIM = 128
-BLOCK_M = 128  # query rows a work item: 64 a consumer warpgroup
-BLOCK_N = 64  # keys a tile (128 fits only 2 K/V stages beside the Q ring: 0.90-1.0x this on (a), session 43)
-STAGES = 3
+BLOCK_M, BLOCK_N, STAGES = GDPA_FORWARD_BLOCK_M, GDPA_FORWARD_BLOCK_N, GDPA_FORWARD_STAGES
 CONSUMER_WARPS = gl.constexpr(4)
 LAUNCH_REGISTERS = launch_registers(2 * CONSUMER_WARPS.value + 4)  # the loader's warp padded to a warpgroup: 168
 CONSUMER_REGISTERS = gl.constexpr(240)  # after setmaxnreg; the loader keeps 24
@@ -260,7 +259,7 @@ def gdpa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.T
     ``stages``: the key tile and K/V ring (the Gluon diag times 128 keys in 2 stages too)."""
     heads = q.shape[1]
     n_work = items.shape[0] * heads
-    if n_work == 0 or k.shape[0] == 0:
+    if n_work == 0:  # no query rows (a sample with queries has keys: ``unsupported``)
         return out
     programs = min(n_work, programs or torch.cuda.get_device_properties(q.device).multi_processor_count)
     gdpa_fwd_persistent_kernel[(programs,)](

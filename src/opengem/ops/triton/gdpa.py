@@ -104,8 +104,8 @@ class Config:
 # (two per SM) and 20% slower on (a) L256 / L512 (H200, session 24); at 168 no spills (sm_90 SASS, Triton 3.6).
 _FWD = (Config(64, 32, 4, 4, max_registers=168), Config(128, 64, 8, 3), Config(128, 128, 8, 2), Config(64, 64, 4, 3))
 # the persistent Gluon forward (OPENGEM_GDPA_GLUON=auto), timed after the Triton candidates (so OPENGEM_GDPA_TUNE=0
-# keeps the Triton default); its tile is fixed in opengem.ops.gluon.gdpa_forward (BLOCK_M, BLOCK_N, STAGES)
-_GLUON_FWD = Config(128, 64, 4, 3, gluon=True)
+# keeps the Triton default); num_warps: a consumer partition's
+_GLUON_FWD = Config(gluon.GDPA_FORWARD_BLOCK_M, gluon.GDPA_FORWARD_BLOCK_N, 4, gluon.GDPA_FORWARD_STAGES, gluon=True)
 # resident K/V: one program per SM at K/V 256 (168-192 KB of shared memory), so the K/V load (128 KB) is not
 # hidden behind another program's math; more Q tiles per program spread it over up to 2,048 query rows (32
 # tiles: 2-3% faster than 16 on (b) K/V 256 in two runs, session 23)
@@ -541,7 +541,7 @@ def gdpa_forward(
             items = gluon_work_items(lengths.q, lengths.k, offsets_summary(q_offsets).first,
                                      offsets_summary(k_offsets).first, config.block_m, str(q.device))
             gluon_forward(q, k, v, out, items, common["constexprs"]["ACT"], common["constexprs"]["FAST_ACT"],
-                          args.pre_scale, args.out_scale)
+                          args.pre_scale, args.out_scale, block_n=config.block_n, stages=config.num_stages)
             return
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
