@@ -471,24 +471,27 @@ def _broadcast_len(q: torch.Tensor, args: GdpaArgs) -> int:
 @dataclass(frozen=True)
 class BatchLengths:
     """Per-sample query and key lengths as int64 bytes (``_work_list``'s cache key; from the host mirrors'
-    summaries) and how full each side's grid is."""
+    summaries), how full each side's grid is, and each side's first offset (broadcast-Q: 0)."""
 
     q: bytes
     k: bytes
     fill_q: str
     fill_k: str
+    q_first: int
+    k_first: int
 
 
 def _batch_lengths(q_offsets: torch.Tensor, k_offsets: torch.Tensor, args: GdpaArgs) -> BatchLengths:
     k_summary = offsets_summary(k_offsets)
     batch = k_summary.lengths.size
     if args.broadcast_q:
-        q_len, q_tokens = np.full_like(k_summary.lengths, args.max_len_q), batch * args.max_len_q
+        q_len, q_tokens, q_first = np.full_like(k_summary.lengths, args.max_len_q), batch * args.max_len_q, 0
     else:
         q_summary = offsets_summary(q_offsets)
-        q_len, q_tokens = q_summary.lengths, q_summary.last - q_summary.first
+        q_len, q_tokens, q_first = q_summary.lengths, q_summary.last - q_summary.first, q_summary.first
     return BatchLengths(q_len.tobytes(), k_summary.lengths.tobytes(), fill_bucket(q_tokens, batch, args.max_len_q),
-                        fill_bucket(k_summary.last - k_summary.first, batch, args.max_len_k))
+                        fill_bucket(k_summary.last - k_summary.first, batch, args.max_len_k), q_first,
+                        k_summary.first)
 
 
 def fill_bucket(tokens: int, batch: int, max_len: int) -> str:
@@ -538,8 +541,8 @@ def gdpa_forward(
         if config.gluon:
             from opengem.ops.gluon.gdpa_forward import gdpa_forward as gluon_forward
 
-            items = gluon_work_items(lengths.q, lengths.k, offsets_summary(q_offsets).first,
-                                     offsets_summary(k_offsets).first, config.block_m, str(q.device))
+            items = gluon_work_items(lengths.q, lengths.k, lengths.q_first, lengths.k_first, config.block_m,
+                                     str(q.device))
             gluon_forward(q, k, v, out, items, common["constexprs"]["ACT"], common["constexprs"]["FAST_ACT"],
                           args.pre_scale, args.out_scale, block_n=config.block_n, stages=config.num_stages)
             return
