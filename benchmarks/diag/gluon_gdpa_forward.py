@@ -2,9 +2,10 @@
 
 Issue 4's forward bar against JFA (>= 1.1x) fails on the sparsity-0.5 rows at L >= 512 (1.02-1.10x, H100, session
 40), and every route past the Triton kernels' ceilings names warp specialization, which Triton 3.6's ``tl.range``
-does not build on Hopper. This is the first kernel on that route, kept out of ``opengem.ops`` until the GPU says it is
-right and faster: GDPA's forward has no row statistics (``O = c * sum_j phi(s * q k_j) v_j``), so it is the simplest
-attention loop to move.
+does not build on Hopper. This is the first kernel on that route: GDPA's forward has no row statistics (``O = c *
+sum_j phi(s * q k_j) v_j``), so it is the simplest attention loop to move. Its persistent form won on every (a) row
+(session 43) and is now the op's (``opengem.ops.gluon.gdpa_forward``, opt-in): the ``persistent`` variants here launch
+that kernel, the one-item variants build on its consumer loop.
 
 Structure: one program per (query tile of one sample, head), or with ``persistent`` one program an SM looping over them;
 a one-warp worker partition TMA-loads the sample's K and V tiles into a ring of shared-memory stages (``ready`` /
