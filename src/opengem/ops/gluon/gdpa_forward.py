@@ -9,13 +9,13 @@ into the next item. Two 4-warp consumer partitions take 64 query rows each:
 - the two consumers take turns issuing their MMAs (ping-pong), so one's activation runs while the other's MMAs hold
   the tensor cores.
 
-The Triton forward (``opengem.ops.triton.gdpa``) runs one 64- or 128-row tile a program. On an H100, issue 4's (a)
-rows, this loop in the Gluon diag ran 1.00-1.14x it and 0.98-1.19x our JFA, same run (session 43,
-``gluon_gdpa_forward_s47ab``); its first run in the op read each work item in two dependent rounds of loads and lost
-the tuning (0.78-0.94x, ``gdpa_s48a``), since mended (:func:`_work_item`), not yet remeasured.
-It serves unmasked, non-broadcast GDPA with one activation for all heads, bf16, D = 128 (:func:`unsupported` says
-what else); with ``OPENGEM_GDPA_GLUON=auto`` (opt-in until the GPU reruns it),
-``opengem.ops.triton.gdpa`` times it as one more candidate of its forward tuner.
+The Triton forward (``opengem.ops.triton.gdpa``) runs one 64- or 128-row tile a program. On an H100, issue 4's (a) rows,
+this loop in the Gluon diag ran 1.00-1.14x it and 0.98-1.19x our JFA, same run (session 43,
+``gluon_gdpa_forward_s47ab``); its first run in the op read each work item in two dependent rounds of loads (the likely
+cause) and lost the tuning (0.78-0.94x, ``gdpa_s48a``), since mended (:func:`_work_item`), not yet remeasured. It serves
+unmasked, non-broadcast GDPA with one activation for all heads, bf16, D = 128 (:func:`unsupported` says what else); with
+``OPENGEM_GDPA_GLUON=auto`` (opt-in until the GPU reruns it), ``opengem.ops.triton.gdpa`` times it as one more candidate
+of its forward tuner.
 """
 
 from __future__ import annotations
