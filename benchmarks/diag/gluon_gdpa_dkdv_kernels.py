@@ -34,12 +34,14 @@ class Variant(NamedTuple):
     pipelined: bool = False  # step i+1's S^T issued behind step i's MMAs (``_key_grads_pipelined``; dQ only by TMA)
     block_n: int = 128  # keys a program: 128 (two warpgroups), or 64 in one warpgroup, two programs an SM (the tile
     # the Triton dK/dV pass picks on (a) at L <= 1024 and at L2048 s1.0: the SM interleaves two programs' MMAs)
+    dq_slots: int = 2  # an MMA partition's shared-memory dQ tiles for the TMA reduces (1 lets 64-row key halves fit)
 
     @property
     def name(self) -> str:
         fused = "" if not self.dq else "_fused_dq" if self.dq == "atomic" else f"_fused_dq_{self.dq}"
         return (f"gluon_m{self.block_m}_s{self.stages}{fused}" + ("_2wg" if self.halves else "")
-                + ("_pipelined" if self.pipelined else "") + ("" if self.block_n == 128 else f"_n{self.block_n}"))
+                + ("_pipelined" if self.pipelined else "") + ("" if self.block_n == 128 else f"_n{self.block_n}")
+                + ("" if self.dq_slots == 2 else f"_{self.dq_slots}slot"))
 
     @property
     def fused_dq(self) -> bool:
@@ -73,6 +75,8 @@ class Variant(NamedTuple):
             raise ValueError(f"{self.name}: key halves add dQ only through the writer or the TMA")
         if self.pipelined and self.dq not in ("", "tma"):
             raise ValueError(f"{self.name}: the pipelined loop adds dQ only by TMA reduces")
+        if self.dq_slots not in (1, 2) or (self.dq_slots == 1 and self.dq != "tma"):
+            raise ValueError(f"{self.name}: one or two dQ slots, one only with TMA reduces")
 
 
 # at sm_90: 64 rows spill 72 B (dK, dV, dP^T, phi' and P^T live across the MMAs), 32 rows none, 32 rows with the fused
@@ -88,7 +92,7 @@ VARIANTS = (Variant(64, 2), Variant(32, 3), Variant(64, 2, halves=True), Variant
             Variant(32, 3, "tma"), Variant(32, 3, "tma", halves=True), Variant(32, 3, "tma", pipelined=True),
             Variant(32, 3, "tma", halves=True, pipelined=True), Variant(32, 3, block_n=64), Variant(64, 2, block_n=64),
             Variant(32, 3, pipelined=True, block_n=64), Variant(32, 2, "tma", block_n=64),
-            Variant(32, 2, "tma", pipelined=True, block_n=64))
+            Variant(32, 2, "tma", pipelined=True, block_n=64), Variant(64, 2, "tma", halves=True, dq_slots=1))
 KEY_TILES = sorted({variant.block_n for variant in VARIANTS})  # the schedules a run builds
 DQ_WRITER_REGISTERS = gl.constexpr(48)  # a thread of the writer partition; the MMA partition gets the rest
 # the second MMA partition of a key-halves variant (the first gets the rest): with the writer 216 (first 224), else 240
@@ -180,12 +184,13 @@ def _store_key_grads(DK, DV, dk, dv, stride_t, key_row, keys, head_col, dk_scale
 
 
 @gluon.jit
-def _stage_dxt(ds_smem, dxt, DQ_ADD: gl.constexpr):
+def _stage_dxt(ds_smem, dxt, dq_bufs, DQ_ADD: gl.constexpr):
     """``dX^T`` into ``ds_smem`` for the ``dQ^T = K^T dX^T`` MMA (in one 8-warp partition it spans both warpgroups),
-    once the previous step's dQ MMA has read it (and, with TMA adds, step i - 2's reduce has read the dQ slot this
-    step fills: the issuing thread waits, the barrier tells the others)."""
+    once the previous step's dQ MMA has read it (and, with TMA adds, the reduce of the step that last used the dQ slot
+    this step fills has read it: the issuing thread waits, the barrier tells the others)."""
     if DQ_ADD == 4:
-        tma.store_wait(1)
+        slots: gl.constexpr = dq_bufs.type.shape[0]
+        tma.store_wait(slots - 1)
     gl.thread_barrier()
     ds_smem.store(dxt)
     fence_async_shared()
@@ -194,11 +199,12 @@ def _stage_dxt(ds_smem, dxt, DQ_ADD: gl.constexpr):
 
 @gluon.jit
 def _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col, dq_scale):
-    """Query step ``i``'s ``dQ^T`` (fp32 ``[HEAD_DIM, BLOCK_M]``, registers) times ``dq_scale`` into slot ``i % 2`` as
+    """Query step ``i``'s ``dQ^T`` (fp32 ``[HEAD_DIM, BLOCK_M]``, registers) times ``dq_scale`` into slot ``i % slots`` as
     a ``[BLOCK_M, HEAD_DIM]`` tile, added into the fp32 sums at ``row`` by one TMA reduce-add (``DQ_ACC``: a
     descriptor); rows past the sample's end add zeros (their dX^T columns are zero). Scaled here, the sums need only
     a cast after the kernel, one pass over them instead of two."""
-    dq_slot = dq_bufs.index(i % 2)
+    slots: gl.constexpr = dq_bufs.type.shape[0]
+    dq_slot = dq_bufs.index(i % slots)
     dq_slot.permute((1, 0)).store(dqt * dq_scale)
     fence_async_shared()
     gl.thread_barrier()
@@ -258,7 +264,7 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
         dxt_a = gl.convert_layout(dxt, a_layout)
         dk = warpgroup_mma(dxt_a, q_bufs.index(s), dk, is_async=True)
         if DQ_ADD > 0:
-            _stage_dxt(ds_smem, dxt, DQ_ADD)
+            _stage_dxt(ds_smem, dxt, dq_bufs, DQ_ADD)
             dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False)  # [HEAD_DIM, BLOCK_M]
             if DQ_ADD == 4:
                 _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, q_row + i * BLOCK_M, head_col, dk_scale)  # dQ's scale too
@@ -282,7 +288,7 @@ def _key_grads_stepwise(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_em
 
 
 @gluon.jit
-def _key_products(dxt, dk, q_smem, k_smem, ds_smem, zero_dqt, a_layout: gl.constexpr, DQ_ADD: gl.constexpr):
+def _key_products(dxt, dk, q_smem, k_smem, ds_smem, dq_bufs, zero_dqt, a_layout: gl.constexpr, DQ_ADD: gl.constexpr):
     """Issue ``dK += dX^T Q`` (``dX^T`` from registers) and, with TMA dQ adds, ``dQ^T = K^T dX^T`` (``dX^T`` through
     ``ds_smem``), both asynchronous; ``(dk, dX^T operand, dqt)``, ``dqt`` = ``zero_dqt`` without dQ. (dK's operand
     from ``ds_smem`` too spilled more at sm_90 in one partition: 216 B against 192.)"""
@@ -290,7 +296,7 @@ def _key_products(dxt, dk, q_smem, k_smem, ds_smem, zero_dqt, a_layout: gl.const
     dk = warpgroup_mma(dxt_a, q_smem, dk, is_async=True)
     dqt = zero_dqt
     if DQ_ADD == 4:
-        _stage_dxt(ds_smem, dxt, DQ_ADD)
+        _stage_dxt(ds_smem, dxt, dq_bufs, DQ_ADD)
         dqt = warpgroup_mma(k_smem.permute((1, 0)), ds_smem, zero_dqt, use_acc=False, is_async=True)
     return dk, dxt_a, dqt
 
@@ -331,7 +337,7 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
         dv, dpt, pt = warpgroup_mma_wait(1, deps=[dv, dpt, pt])  # dV_i and dP^T_i retired; S^T_{i+1} may run on
         cols = i * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
         dxt = _score_grads_t(dpt, dphi, cols, key_rows, i, n_tiles, q_len, keys, DQ_ADD > 0)
-        dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, zero_dqt, a_layout, DQ_ADD)
+        dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, dq_bufs, zero_dqt, a_layout, DQ_ADD)
         st = warpgroup_mma_wait(BEHIND_NEXT_S, deps=[st])  # S^T_{i+1} retired; dK_i (and dQ^T_i) may run on
         pt, dphi = _weights_t(st, i + 1, n_tiles, q_len, slope, scale, a_layout)
         dk = _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, i, q_row + i * BLOCK_M, head_col,
@@ -344,7 +350,7 @@ def _key_grads_pipelined(k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_e
     dv, dpt, pt = warpgroup_mma_wait(0, deps=[dv, dpt, pt])
     cols = last * BLOCK_M + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, st_layout))
     dxt = _score_grads_t(dpt, dphi, cols, key_rows, last, n_tiles, q_len, keys, DQ_ADD > 0)
-    dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, zero_dqt, a_layout, DQ_ADD)
+    dk, dxt_a, dqt = _key_products(dxt, dk, q_bufs.index(s), k_smem, ds_smem, dq_bufs, zero_dqt, a_layout, DQ_ADD)
     dk = _retire_step(dk, dxt_a, dqt, q_empty, do_empty, s, DQ_ACC, dq_bufs, last, q_row + last * BLOCK_M, head_col,
                       dk_scale, DQ_ADD)
     if DQ_ADD == 4:
@@ -381,11 +387,11 @@ def _dq_ring(PARTITIONS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.const
 
 
 @gluon.jit
-def _tma_dq_ring(DQ_ACC, stand_in, DQ_ADD: gl.constexpr):
-    """With TMA reduce-adds (``DQ_ADD`` 4, ``DQ_ACC`` a descriptor), an MMA partition's two slots of dQ tiles for
-    them; else ``stand_in``, unused."""
+def _tma_dq_ring(DQ_ACC, stand_in, DQ_ADD: gl.constexpr, DQ_SLOTS: gl.constexpr):
+    """With TMA reduce-adds (``DQ_ADD`` 4, ``DQ_ACC`` a descriptor), an MMA partition's ``DQ_SLOTS`` slots of dQ
+    tiles for them; else ``stand_in``, unused."""
     if DQ_ADD == 4:
-        return gl.allocate_shared_memory(gl.float32, [2] + DQ_ACC.block_type.shape, DQ_ACC.layout)
+        return gl.allocate_shared_memory(gl.float32, [DQ_SLOTS] + DQ_ACC.block_type.shape, DQ_ACC.layout)
     else:
         return stand_in
 
@@ -407,7 +413,7 @@ def _load_key_tile(k_desc, v_desc, row, head_col):
 @gluon.jit
 def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys, head_col,
                 slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr, DQ_ADD: gl.constexpr,
-                PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr):
+                PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_SLOTS: gl.constexpr):
     """An MMA partition a 64-key half, as the forward's two consumers: they share the Q/dO ring (freed by both) and
     stop meeting at every barrier; each keeps its own dX^T tile, and with the writer its own dQ^T ring (the writer
     sums the two partials)."""
@@ -433,8 +439,8 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
                          True)),
         ], [4, 1, 4], [MMA_REGISTERS_HALVES, 24, DQ_WRITER_REGISTERS])
     else:  # dK and dV only, stepwise or pipelined, or each half's dQ partial added by its own TMA reduces
-        dq_ring_a = _tma_dq_ring(DQ_ACC, ds_bufs, DQ_ADD)
-        dq_ring_b = _tma_dq_ring(DQ_ACC, ds_bufs, DQ_ADD)
+        dq_ring_a = _tma_dq_ring(DQ_ACC, ds_bufs, DQ_ADD, DQ_SLOTS)
+        dq_ring_b = _tma_dq_ring(DQ_ACC, ds_bufs, DQ_ADD, DQ_SLOTS)
         gl.warp_specialize([
             (_key_grads, (k_smem.slice(0, half), v_smem.slice(0, half), q_bufs, do_bufs, q_ready, do_ready, q_empty,
                           do_empty, ds_bufs.index(0), dq_ring_a, q_ready, q_ready, DK, DV, DQ_ACC, stride_t, key_row,
@@ -451,7 +457,7 @@ def _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start
 @gluon.jit
 def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
                head_col, slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-               DQ_ADD: gl.constexpr, PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr):
+               DQ_ADD: gl.constexpr, PIPELINED: gl.constexpr, DS_LAYOUT: gl.constexpr, DQ_SLOTS: gl.constexpr):
     """One MMA partition over all the program's keys (128 in 8 warps, session 40's form, or 64 in 4); with the writer,
     a 4-warp writer partition."""
     BLOCK_N: gl.constexpr = k_smem.type.shape[0]
@@ -470,7 +476,7 @@ def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t
                          False)),
         ], [1, 4], [24, DQ_WRITER_REGISTERS])
     else:  # dK and dV only, or dQ added by TMA reduces
-        dq_ring = _tma_dq_ring(DQ_ACC, ds_smem, DQ_ADD)
+        dq_ring = _tma_dq_ring(DQ_ACC, ds_smem, DQ_ADD, DQ_SLOTS)
         gl.warp_specialize([
             (_key_grads, (k_smem, v_smem, q_bufs, do_bufs, q_ready, do_ready, q_empty, do_empty, ds_smem, dq_ring,
                           kv_bar, kv_bar, DK, DV, DQ_ACC, stride_t, key_row, keys, start, length, head_col, slope,
@@ -484,7 +490,7 @@ def _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t
 def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stride_t, item_start, item_len, item_n,
                            slope, scale, dk_scale, dv_scale, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                            DQ_ADD: gl.constexpr, HALVES: gl.constexpr, PIPELINED: gl.constexpr,
-                           DS_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                           DS_LAYOUT: gl.constexpr, DQ_SLOTS: gl.constexpr, num_warps: gl.constexpr):
     """One program per (key tile of one sample, head)."""
     start, length, n_start = scheduled_item(item_start, item_len, item_n)
     head_col = gl.program_id(1) * k_desc.block_type.shape[1]
@@ -492,10 +498,12 @@ def gluon_gdpa_dkdv_kernel(q_desc, do_desc, k_desc, v_desc, DK, DV, DQ_ACC, stri
     k_smem, v_smem, kv_bar = _load_key_tile(k_desc, v_desc, key_row, head_col)
     if HALVES:
         _key_halves(k_smem, v_smem, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys, head_col,
-                    slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, PIPELINED, DS_LAYOUT)
+                    slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, PIPELINED, DS_LAYOUT,
+                    DQ_SLOTS)
     else:
         _key_whole(k_smem, v_smem, kv_bar, q_desc, do_desc, DK, DV, DQ_ACC, stride_t, start, length, key_row, keys,
-                   head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, PIPELINED, DS_LAYOUT)
+                   head_col, slope, scale, dk_scale, dv_scale, BLOCK_M, STAGES, DQ_ADD, PIPELINED, DS_LAYOUT,
+                   DQ_SLOTS)
 
 
 def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,
@@ -531,7 +539,7 @@ def gluon_gdpa_dkdv(q, k, v, dout, schedule: tuple[torch.Tensor, ...], max_len: 
         desc(q, block_m), desc(dout, block_m), desc(k, variant.block_n), desc(v, variant.block_n), dk, dv, dq_target,
         H * D, item_start, item_len, item_n, pre_scale * FAST_GELU_SLOPE, pre_scale, pre_scale * out_scale, out_scale,
         block_m, variant.stages, DQ_ADDS[variant.dq], variant.halves, variant.pipelined, variant.ds_layout,
-        num_warps=variant.num_warps, maxnreg=variant.maxnreg)
+        variant.dq_slots, num_warps=variant.num_warps, maxnreg=variant.maxnreg)
     dq = None
     if variant.dq == "tma":  # scaled in the kernel
         dq = dq_acc.to(torch.bfloat16)
@@ -546,6 +554,7 @@ def compile_only(variant: Variant) -> dict[str, object]:
     block_m = variant.block_m
     constants = {"BLOCK_M": block_m, "STAGES": variant.stages, "DQ_ADD": DQ_ADDS[variant.dq],
                  "HALVES": variant.halves, "PIPELINED": variant.pipelined, "DS_LAYOUT": variant.ds_layout,
+                 "DQ_SLOTS": variant.dq_slots,
                  "num_warps": variant.num_warps}
     signature = {"q_desc": descriptor_type(block_m, HEAD_DIM), "do_desc": descriptor_type(block_m, HEAD_DIM),
                  "k_desc": descriptor_type(variant.block_n, HEAD_DIM),

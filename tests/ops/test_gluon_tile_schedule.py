@@ -58,7 +58,8 @@ def test_dkdv_variants_have_unique_names_pass_their_checks_and_fit_the_register_
     n64 = Variant(32, 3, block_n=64)
     assert (n64.name, n64.num_warps, n64.programs_per_sm, n64.maxnreg) == ("gluon_m32_s3_n64", 4, 2, 128)
     for bad in (Variant(32, 3, "red4", block_n=64), Variant(32, 3, halves=True, block_n=64),
-                Variant(32, 3, "red4", halves=True), Variant(32, 3, "writer", pipelined=True)):
+                Variant(32, 3, "red4", halves=True), Variant(32, 3, "writer", pipelined=True),
+                Variant(64, 2, "red4", dq_slots=1), Variant(64, 2, "tma", dq_slots=3)):
         with pytest.raises(ValueError):
             bad.check()
 
