@@ -30,7 +30,9 @@ warp; with ``_2wg`` each key half reduces its own partial (twice the adds in the
 (dK and dV, or with ``_tma`` dQ too) issue step i+1's ``S^T`` behind step i's ``dV`` and ``dP^T`` MMAs,
 FlashAttention-3's in-warpgroup overlap applied to the backward. The ``_n64`` variants take 64 keys a program in one
 warpgroup, two programs an SM (the tile the Triton dK/dV pass picks on (a)): the SM interleaves the two programs'
-MMAs and element-wise work, with 232 registers for each MMA warpgroup.
+MMAs and element-wise work, with 232 registers for each MMA warpgroup. The ``_1slot`` variant keeps one fp32 dQ tile
+a key half for its TMA reduces instead of two, so 64-row steps in key halves fit (213 KB of shared memory): each step
+waits for the previous step's reduce to read the slot.
 
 Self-attention, non-causal, no window, D = 128, bf16, fast_gelu. The kernels are in ``gluon_gdpa_dkdv_kernels``; they
 need triton 3.6 (see ``gluon_common``).
