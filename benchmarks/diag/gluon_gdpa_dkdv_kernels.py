@@ -201,8 +201,8 @@ def _stage_dxt(ds_smem, dxt, dq_bufs, DQ_ADD: gl.constexpr):
 def _reduce_dq_tile(DQ_ACC, dq_bufs, dqt, i, row, head_col, dq_scale):
     """Query step ``i``'s ``dQ^T`` (fp32 ``[HEAD_DIM, BLOCK_M]``, registers) times ``dq_scale`` into slot
     ``i % slots`` as a ``[BLOCK_M, HEAD_DIM]`` tile, added into the fp32 sums at ``row`` by one TMA reduce-add
-    (``DQ_ACC``: a descriptor); rows past the sample's end add zeros (their dX^T columns are zero). Scaled here, the sums need only
-    a cast after the kernel, one pass over them instead of two."""
+    (``DQ_ACC``: a descriptor); rows past the sample's end add zeros (their dX^T columns are zero). Scaled here, the
+    sums need only a cast after the kernel, one pass over them instead of two."""
     slots: gl.constexpr = dq_bufs.type.shape[0]
     dq_slot = dq_bufs.index(i % slots)
     dq_slot.permute((1, 0)).store(dqt * dq_scale)
