@@ -45,8 +45,6 @@ from __future__ import annotations
 import math
 import os
 
-os.environ.setdefault("OPENGEM_GDPA_GLUON", "off")  # the op peer is the Triton forward (the Gluon one is a variant)
-
 import torch
 
 from benchmarks.common import by_name_prefix, kernel_ms, offsets_of, relative_error, write_results
@@ -55,6 +53,9 @@ from benchmarks.diag.gluon_gdpa_dkdv_kernels import KEY_TILES, VARIANTS, Variant
 from benchmarks.gdpa import HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa
 from opengem.ops.attention_flops import attention_flops, visible_pairs
+
+# the op peer is the Triton forward (the Gluon one is a variant); read at call time, so set after the imports
+os.environ.setdefault("OPENGEM_GDPA_GLUON", "off")
 
 
 def _triton_grads(q, k, v, dout, offsets, max_len: int, scale: float) -> tuple[torch.Tensor, ...]:

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import math
 import os
-
-os.environ.setdefault("OPENGEM_GDPA_GLUON", "off")  # the op peer is the Triton forward (the Gluon one is a variant)
 from functools import partial
 
 import torch
@@ -46,6 +44,9 @@ from benchmarks.diag.gluon_gdpa_forward_kernels import VARIANTS, Variant, compil
 from benchmarks.gdpa import BATCH, HEAD_DIM, HEADS, workloads  # issue 4's shapes
 from opengem.ops import gdpa, jagged_attention
 from opengem.ops.attention_flops import attention_flops, visible_pairs
+
+# the op peer is the Triton forward (the Gluon one is a variant); read at call time, so set after the imports
+os.environ.setdefault("OPENGEM_GDPA_GLUON", "off")
 
 
 def _errors(q, k, v, lengths: torch.Tensor, max_len: int, scale: float, variants,

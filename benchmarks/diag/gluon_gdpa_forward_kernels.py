@@ -1,6 +1,7 @@
 """The kernels of ``benchmarks.diag.gluon_gdpa_forward`` (its docstring has the structure and the variants): a
 warp-specialized GDPA forward in Gluon for Hopper, one program per (query tile, head) on the op's consumer loop, or
-the op's persistent kernel (``opengem.ops.gluon.gdpa_forward``), and their sm_90 builds on the CPU. Needs triton 3.6 (the GPU image's; 3.9's Gluon API rejects it)."""
+the op's persistent kernel (``opengem.ops.gluon.gdpa_forward``), and their sm_90 builds on the CPU. Needs triton 3.6
+(the GPU image's; 3.9's Gluon API rejects it)."""
 
 from __future__ import annotations
 
