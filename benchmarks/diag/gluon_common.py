@@ -32,15 +32,11 @@ SMOKE_TIMEOUT_S = 120  # one variant's compile and a small call; past it the var
 SMOKE_LENGTHS = (1, 37, 64, 127, 128, 129, 200, 300)  # single, partial and several tiles of 64 and 128 rows
 
 
-
-
 @gluon.jit
 def scheduled_item(item_start, item_len, item_tile):
     """This program's ``(sample start, sample length, tile start)`` from :func:`tile_schedule`'s arrays."""
     item = gl.program_id(0)
     return gl.load(item_start + item), gl.load(item_len + item), gl.load(item_tile + item)
-
-
 
 
 @builtin
