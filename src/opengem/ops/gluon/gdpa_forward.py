@@ -11,11 +11,12 @@ into the next item. Two 4-warp consumer partitions take 64 query rows each:
 
 The Triton forward (``opengem.ops.triton.gdpa``) runs one 64- or 128-row tile a program. On an H100, issue 4's (a) rows,
 this loop in the Gluon diag ran 1.00-1.14x it and 0.98-1.19x our JFA, same run (session 43,
-``gluon_gdpa_forward_s47ab``); its first run in the op read each work item in two dependent rounds of loads (the likely
-cause) and lost the tuning (0.78-0.94x, ``gdpa_s48a``), since mended (:func:`_work_item`), not yet remeasured. It serves
-unmasked, non-broadcast GDPA with one activation for all heads, bf16, D = 128 (:func:`unsupported` says what else); with
-``OPENGEM_GDPA_GLUON=auto`` (opt-in until the GPU reruns it), ``opengem.ops.triton.gdpa`` times it as one more candidate
-of its forward tuner.
+``gluon_gdpa_forward_s47ab``, where the Triton peer was the whole op call and the Gluon kernel ran on a prebuilt
+table). Inside the op, where the tuner times every candidate's launch alike, it lost on every (a) row: 0.78-0.94x the
+best Triton candidate with each work item read in two dependent rounds of loads (``gdpa_s48a``), 0.84-0.99x with one
+(:func:`_work_item`; session 45, ``gdpa_s48a2``). It serves unmasked, non-broadcast GDPA with one activation for all
+heads, bf16, D = 128 (:func:`unsupported` says what else); with ``OPENGEM_GDPA_GLUON=auto`` (opt-in, since it has not
+won a tuning yet), ``opengem.ops.triton.gdpa`` times it as one more candidate of its forward tuner.
 """
 
 from __future__ import annotations

@@ -252,8 +252,9 @@ GLUON_FORWARD_SETTINGS = ("auto", "off", "only")
 def gluon_forward_setting() -> str:
     """``OPENGEM_GDPA_GLUON``: ``auto`` times the persistent Gluon forward beside the Triton candidates where it
     applies (:func:`gluon_forward_unsupported`), ``off`` (default) never uses it, ``only`` makes it the sole candidate
-    where it applies (tests and benchmarks that must run it). Off by default until the GPU has rerun it: its work-item
-    read was mended after its last GPU run (session 43), where it lost the tuning on every (a) row."""
+    where it applies (tests and benchmarks that must run it). Off by default: with its mended work-item read it still
+    lost the tuning on every (a) row, 0.84-0.99x the best Triton candidate (H100, session 45, ``gdpa_s48a2``), so
+    ``auto`` would only add its compile and timing to each tuning."""
     setting = os.environ.get("OPENGEM_GDPA_GLUON", "off")
     if setting not in GLUON_FORWARD_SETTINGS:
         raise ValueError(f"OPENGEM_GDPA_GLUON must be one of {GLUON_FORWARD_SETTINGS}, got {setting!r}")
