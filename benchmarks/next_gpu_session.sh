@@ -920,6 +920,10 @@ chain_s49a() {  # session 44: dQ by TMA reduces in key halves with 64-row steps 
   gluon_dkdv 240 "gluon_m64_s2_fused_dq_tma_2wg_1slot,${S47_FUSED}_tma_2wg,${S47_FUSED}_tma,gluon_m64_s2_2wg,\
 gluon_m32_s3_n64"
 }
+chain_s50a() {  # session 45: GDPA's tiles ordered by keys (JFA's order: a sample's partial tile beside its full ones)
+  # against rows x keys, forward and forward+backward on (a)'s s0.5 rows and the L512 s1.0 control (same tiles)
+  step gdpa_work_order 170 python -m benchmarks.diag.gdpa_work_order
+}
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward
 }
@@ -1050,7 +1054,7 @@ case "$part" in
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
   3) on_gpu 0 chain_3a; on_gpu 1 chain_3b; wait ;;
   6) on_gpu 0 chain_6a; on_gpu 1 chain_6b; wait ;;
-  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e|s40d|s41a|s42b|s43a|s43d|s44a|s44d|s45a|s45b|s45c|s45d|s45e|s45f|s45g|s46a|s46b|s46c|s47a|s47b|s47ab|s47c|s48a|s48b|s48c|s49a) "chain_$part" ;;
+  1a|1b|2a|2b|3a|3b|6a|6b|k|plan|k2|s6c|s6d|s6e|s7a|s7b|s7c|s7d|s8a|s8b|s8c|s9a|s9b|s9c|s9d|s10a|s10b|s10c|s10d|s10e|s10f|s11b|s11d|s11e|s12a|s12b|s12d|s13a|s13b|s13c|s13d|s13e|s13f|s14a|s15a|s15b|s15c|s15d|s16a|s16b|s17a|s17b|s17c|s17d|s18b|s18c|s18d|s19a|s19b|s19c|s19d|s19e|s20a|s20b|s20c|s20d|s21a|s21b|s21c|s21d|s21e|s21f|s22a|s23a|s23b|s23c|s24a|s24b|s25a|s25b|s26a|s26b|s27a|s27b|s27c|s27d|s28a|s28c|s29a|s29b|s29c|s29d|s30a|s30b|s30c|s30d|s30e|s31a|s31b|s31c|s31d|s31e|s31f|s32a|s32d|s32e|s33a|s33b|s33c|s33d|s33e|s33f|s33g|s33h|s34a|s34b|s34c|s34d|s34e|s35a|s35b|s35c|s36a|s36b|s36c|s36d|s36e|s37a|s37b|s37c|s38a|s39a|s39b|s39c|s39d|s39e|s40d|s41a|s42b|s43a|s43d|s44a|s44d|s45a|s45b|s45c|s45d|s45e|s45f|s45g|s46a|s46b|s46c|s47a|s47b|s47ab|s47c|s48a|s48b|s48c|s49a|s50a) "chain_$part" ;;
   4)
     step curve_fsdp 240 multi "$gpus" --curve --preset gem-small --layouts fsdp --batch-per-gpu $((1024 / gpus)) \
       --warmup 1 --steps 199 --set compile=false --out "$out/results/curve_fsdp.json"

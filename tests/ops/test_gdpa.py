@@ -656,6 +656,30 @@ def test_work_list_covers_every_tile_once_longest_first():
     assert work_b[-1].item() == 4
 
 
+def test_work_list_keys_order_keeps_a_samples_tiles_adjacent(monkeypatch):
+    """``OPENGEM_GDPA_WORK_ORDER=keys``: samples by keys, longest first, each sample's tiles (its partial last one
+    included) in a row, so they share its K/V in L2; the default order puts the partial tile after fuller work."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+
+    rows = np.array([40, 100, 70], dtype=np.int64)
+    cols = np.array([40, 100, 70], dtype=np.int64)
+    monkeypatch.setenv("OPENGEM_GDPA_WORK_ORDER", "keys")
+    order = triton_gdpa.work_order_setting()
+    work_b, work_t = triton_gdpa._work_list(rows.tobytes(), cols.tobytes(), 32, 1, "full", 0, "cpu", order)
+    assert list(zip(work_b.tolist(), work_t.tolist())) == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2),
+                                                           (0, 0), (0, 1)]
+    work_b, work_t = triton_gdpa._work_list(rows.tobytes(), cols.tobytes(), 32, 1, "full", 0, "cpu")
+    # by rows x keys: sample 1's 4-row last tile (400) runs after sample 0's tiles (32 x 40 = 1280, 8 x 40 = 320)
+    assert list(zip(work_b.tolist(), work_t.tolist()))[-2:] == [(1, 3), (0, 1)]
+    table = triton_gdpa.gluon_work_items(rows.tobytes(), cols.tobytes(), 0, 0, 32, "cpu", order)
+    assert table[:, 0].tolist() == [40, 72, 104, 136, 140, 172, 204, 0, 32]  # first query rows
+    monkeypatch.setenv("OPENGEM_GDPA_WORK_ORDER", "widest")
+    with pytest.raises(ValueError, match=r"OPENGEM_GDPA_WORK_ORDER must be one of \('work', 'keys'\), got 'widest'"):
+        triton_gdpa.work_order_setting()
+    with pytest.raises(ValueError, match="work order must be one of"):
+        triton_gdpa._work_order(rows, cols, 32, 1, "full", 0, "widest")
+
+
 @pytest.mark.parametrize("broadcast", [True, False])
 def test_triton_takes_strided_kv_views(broadcast):
     """K and V as the two halves of one [T, 2, H, D] projection (token stride 2 H D): the seed pooling passes

@@ -279,6 +279,20 @@ def query_chunks_enabled() -> bool:
     return os.environ.get("OPENGEM_GDPA_QUERY_CHUNKS", "1") != "0"
 
 
+WORK_ORDERS = ("work", "keys")
+
+
+def work_order_setting() -> str:
+    """``OPENGEM_GDPA_WORK_ORDER``: how :func:`_work_order` sorts the tiles (an A/B switch until measured).
+    ``work`` (default): by rows x keys, so a sample's partial last tile runs long after its full ones; ``keys``: by
+    the keys a tile visits, as JFA orders its tiles, so a sample's tiles stay adjacent and read its K/V while L2
+    still holds it."""
+    setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "work")
+    if setting not in WORK_ORDERS:
+        raise ValueError(f"OPENGEM_GDPA_WORK_ORDER must be one of {WORK_ORDERS}, got {setting!r}")
+    return setting
+
+
 def tuning_enabled() -> bool:
     """``OPENGEM_GDPA_TUNE=0`` uses each pass's first fitting candidate (no timing, 1 compile per variant)."""
     return os.environ.get("OPENGEM_GDPA_TUNE", "1") != "0"
@@ -325,11 +339,12 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind: str,
-                window: int) -> tuple[np.ndarray, np.ndarray]:
+                window: int, order: str = "work") -> tuple[np.ndarray, np.ndarray]:
     """(sample, first tile) int64 items over the tiles of ``rows``, sorted by estimated work, longest first.
 
     ``kind``: ``"full"`` (work = other side's length), ``"causal_q"`` (query tile sees keys up to its end),
-    ``"causal_k"`` (key tile seen by the rows from its start on); ``window > 0`` caps the work.
+    ``"causal_k"`` (key tile seen by the rows from its start on); ``window > 0`` caps the work. ``order``
+    (:data:`WORK_ORDERS`): work as rows x other side, or the other side alone (ties keep sample order).
     """
     step = block * tiles
     sample, first = _expand((rows + step - 1) // step)
@@ -342,30 +357,34 @@ def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind
         other = np.maximum(other - start, 0)
     if window > 0:
         other = np.minimum(other, 2 * window + step)
-    order = np.argsort(-(span * np.maximum(other, 1)), kind="stable")
-    return sample[order], first[order] * tiles
+    if order not in WORK_ORDERS:
+        raise ValueError(f"work order must be one of {WORK_ORDERS}, got {order!r}")
+    work = np.maximum(other, 1) if order == "keys" else span * np.maximum(other, 1)
+    ranked = np.argsort(-work, kind="stable")
+    return sample[ranked], first[ranked] * tiles
 
 
 @functools.lru_cache(maxsize=256)
 def _work_list(
-    rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str
+    rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str,
+    order: str = "work",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_work_order`'s items as int32 device tensors (sample, first tile)."""
     sample, first = _work_order(np.frombuffer(rows_bytes, dtype=np.int64), np.frombuffer(cols_bytes, dtype=np.int64),
-                                block, tiles, kind, window)
+                                block, tiles, kind, window, order)
     return (to_device(torch.from_numpy(sample.astype(np.int32)), device),
             to_device(torch.from_numpy(first.astype(np.int32)), device))
 
 
 @functools.lru_cache(maxsize=256)
 def gluon_work_items(q_bytes: bytes, k_bytes: bytes, q_first: int, k_first: int, block_m: int,
-                     device: str) -> torch.Tensor:
+                     device: str, order: str = "work") -> torch.Tensor:
     """The Gluon forward's int32 ``[items, 4]`` table, one row a query tile, longest first as :func:`_work_list`:
     ``(first query row, query rows from it to the sample's end, first key row, keys)``; its programs read each row's
     four numbers in one round of independent loads, where (sample, tile) and the offsets would take two dependent
     rounds (the consumers wait on them before every tile's first MMA)."""
     q_len, k_len = np.frombuffer(q_bytes, dtype=np.int64), np.frombuffer(k_bytes, dtype=np.int64)
-    sample, first = _work_order(q_len, k_len, block_m, 1, "full", 0)
+    sample, first = _work_order(q_len, k_len, block_m, 1, "full", 0, order)
     q_start = q_first + np.cumsum(q_len) - q_len
     k_start = k_first + np.cumsum(k_len) - k_len
     m_start = first * block_m
@@ -543,14 +562,14 @@ def gdpa_forward(
             from opengem.ops.gluon.gdpa_forward import gdpa_forward as gluon_forward
 
             items = gluon_work_items(lengths.q, lengths.k, lengths.q_first, lengths.k_first, config.block_m,
-                                     str(q.device))
+                                     str(q.device), work_order_setting())
             gluon_forward(q, k, v, out, items, common["constexprs"]["ACT"], common["constexprs"]["FAST_ACT"],
                           args.pre_scale, args.out_scale, block_n=config.block_n, stages=config.num_stages)
             return
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
         work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, config.tiles if resident else 1, kind,
-                                    args.window or 0, str(q.device))
+                                    args.window or 0, str(q.device), work_order_setting())
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
@@ -672,7 +691,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
         else:
             work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, 1,
                                         "causal_k" if masked and args.causal else "full", args.window or 0,
-                                        str(q.device))
+                                        str(q.device), work_order_setting())
             partial = grad_out
         if work_b.numel() == 0:
             return
@@ -695,7 +714,8 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
             )
 
     def launch_dkdv_short_q(config: Config) -> None:
-        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device))
+        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device),
+                                    work_order_setting())
         if work_b.numel() == 0:
             return
         programs = work_b.numel() * kv_heads
@@ -722,7 +742,8 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
         block_m, block_n = config.block_m, kv_block if resident else config.block_n
         tiles = config.tiles if resident else 1
         kind = "causal_q" if masked and args.causal else "full"
-        work_b, work_t = _work_list(lengths.q, lengths.k, block_m, tiles, kind, args.window or 0, str(q.device))
+        work_b, work_t = _work_list(lengths.q, lengths.k, block_m, tiles, kind, args.window or 0, str(q.device),
+                                    work_order_setting())
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))

@@ -1,0 +1,88 @@
+"""GDPA's tile order A/B: ``OPENGEM_GDPA_WORK_ORDER=work`` (tiles by rows x keys) against ``keys`` (by keys, JFA's
+order) on issue 4's (a) rows, the op's forward and forward+backward timed interleaved in one run.
+
+Why: at sparsity 0.5 every sample ends in a partial query tile, and ordering by rows x keys runs it long after the
+sample's full tiles, so it reads the sample's K/V from HBM again; at L <= 1024 the forward moves ~1.2 GB a call for
+~0.7 ms, so those reads may cost. JFA keeps a sample's tiles adjacent, and GDPA's lead over it shrinks at s0.5
+(session 45: 1.12-1.18x at s1.0, 0.92-1.10x at s0.5). At s1.0 both orders list the same tiles: the control row.
+Each row checks that both orders give bitwise the same output and gradients (only the program a tile runs in moves).
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_work_order [--workloads "a self L=512 s=0.5"] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from collections.abc import Callable
+
+import torch
+
+from benchmarks.common import bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, write_results
+from benchmarks.gdpa import HEAD_DIM, HEADS, workloads
+from opengem.ops import gdpa
+from opengem.ops.attention_flops import attention_flops, visible_pairs
+from opengem.ops.triton.gdpa import WORK_ORDERS
+
+DEFAULT_ROWS = ["a self L=256 s=0.5", "a self L=512 s=0.5", "a self L=1024 s=0.5", "a self L=2048 s=0.5",
+                "a self L=512 s=1.0"]
+DEVICE = "cuda"
+
+
+def _in_order(order: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` with the op's tile order set for its launches (the op reads the variable at every launch)."""
+    def call() -> object:
+        os.environ["OPENGEM_GDPA_WORK_ORDER"] = order
+        return fn()
+    return call
+
+
+def run(names: list[str], rounds: int) -> list[dict[str, object]]:
+    rows: list[dict[str, object]] = []
+    for w in by_name_prefix([w for w in workloads(False) if w.name.startswith("a ")], names, "--workloads"):
+        gen = torch.Generator(device=DEVICE).manual_seed(1)
+        tokens = int(w.q_lengths.sum())
+        q, k, v = (torch.randn(tokens, HEADS, HEAD_DIM, device=DEVICE, dtype=torch.bfloat16, generator=gen)
+                   for _ in range(3))
+        grad = torch.randn_like(q)
+        offsets, max_len = offsets_of(w.q_lengths, DEVICE), int(w.q_lengths.max())
+        options = dict(activation="fast_gelu", pre_scale=1 / math.sqrt(HEAD_DIM), norm="max_len")
+
+        def forward() -> torch.Tensor:
+            with torch.no_grad():
+                return gdpa(q, k, v, offsets, offsets, max_len, max_len, **options)
+
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+
+        def forward_backward() -> tuple[torch.Tensor, ...]:
+            out = gdpa(*leaves, offsets, offsets, max_len, max_len, **options)
+            return (out, *torch.autograd.grad(out, leaves, grad))
+
+        results = {order: _in_order(order, forward_backward)() for order in WORK_ORDERS}  # tunes under "work"
+        same = all(torch.equal(a, b) for a, b in zip(*results.values()))
+        fns = {f"{kind}_{order}": _in_order(order, fn) for kind, fn in (("fwd", forward), ("fwdbwd", forward_backward))
+               for order in WORK_ORDERS}
+        times = interleaved_ms(fns, rounds=rounds, bench=bench_ms)
+        flops, _ = attention_flops(visible_pairs(w.q_lengths, w.k_lengths), HEADS, HEAD_DIM)
+        row = {"workload": w.name, "bitwise_equal": same, **{f"{name}_ms": min(t) for name, t in times.items()},
+               "fwd_tflops_work": flops / min(times["fwd_work"]) / 1e9,
+               "fwd_keys_x_work": paired_speedup(times["fwd_work"], times["fwd_keys"]),
+               "fwdbwd_keys_x_work": paired_speedup(times["fwdbwd_work"], times["fwdbwd_keys"])}
+        print(row, flush=True)
+        rows.append(row)
+        print(write_results("gdpa_work_order", rows), flush=True)  # a cut-short call keeps the rows so far
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workloads", type=lambda s: [p.strip() for p in s.split(",")], default=DEFAULT_ROWS,
+                        help="comma-separated name prefixes of (a) rows")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    run(args.workloads, args.rounds)
+
+
+if __name__ == "__main__":
+    main()
