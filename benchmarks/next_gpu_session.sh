@@ -921,8 +921,9 @@ chain_s49a() {  # session 44: dQ by TMA reduces in key halves with 64-row steps 
 gluon_m32_s3_n64"
 }
 chain_s50a() {  # session 45: GDPA's tiles ordered by keys (JFA's order: a sample's partial tile beside its full ones)
-  # against rows x keys, forward and forward+backward on (a)'s s0.5 rows and the L512 s1.0 control (same tiles)
-  step gdpa_work_order 170 python -m benchmarks.diag.gdpa_work_order
+  # against rows x keys, forward and forward+backward on (a)'s s0.5 rows and the L512 s1.0 control (same tiles);
+  # the Gluon forward in both orders beside the Triton one, through the op's launch
+  step gdpa_work_order 200 python -m benchmarks.diag.gdpa_work_order
 }
 chain_s46b() {  # session 41: the two-partition Gluon forward with FlashAttention-3's ping-pong (partitions take turns)
   step gluon_gdpa_forward 280 python -m benchmarks.diag.gluon_gdpa_forward

@@ -6,6 +6,9 @@ sample's full tiles, so it reads the sample's K/V from HBM again; at L <= 1024 t
 ~0.7 ms, so those reads may cost. JFA keeps a sample's tiles adjacent, and GDPA's lead over it shrinks at s0.5
 (session 45: 1.12-1.18x at s1.0, 0.92-1.10x at s0.5). At s1.0 both orders list the same tiles: the control row.
 Each row checks that both orders give bitwise the same output and gradients (only the program a tile runs in moves).
+Where the Gluon forward runs (sm_90, triton 3.6) it is timed in both orders too, through the op's launch as the
+Triton forward is (``OPENGEM_GDPA_GLUON=only``): the same-run comparison of the two kernels that session 45's tuning
+gave (0.84-0.99x) and the Gluon diag's (1.00-1.14x, against the whole op call) disagree on.
 
     PYTHONPATH=src:. python -m benchmarks.diag.gdpa_work_order [--workloads "a self L=512 s=0.5"] [--rounds 5]
 """
@@ -19,9 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, write_results
+from benchmarks.common import (bench_ms, by_name_prefix, interleaved_ms, offsets_of, paired_speedup, relative_error,
+                               write_results)
 from benchmarks.gdpa import HEAD_DIM, HEADS, workloads
-from opengem.ops import gdpa
+from opengem.ops import gdpa, gluon
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 from opengem.ops.triton.gdpa import WORK_ORDERS
 
@@ -30,10 +34,11 @@ DEFAULT_ROWS = ["a self L=256 s=0.5", "a self L=512 s=0.5", "a self L=1024 s=0.5
 DEVICE = "cuda"
 
 
-def _in_order(order: str, fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` with the op's tile order set for its launches (the op reads the variable at every launch)."""
+def _with_settings(fn: Callable[[], object], order: str, gluon_setting: str = "off") -> Callable[[], object]:
+    """``fn`` with the op's tile order and Gluon setting for its launches (the op reads both at every launch)."""
     def call() -> object:
         os.environ["OPENGEM_GDPA_WORK_ORDER"] = order
+        os.environ["OPENGEM_GDPA_GLUON"] = gluon_setting
         return fn()
     return call
 
@@ -59,16 +64,25 @@ def run(names: list[str], rounds: int) -> list[dict[str, object]]:
             out = gdpa(*leaves, offsets, offsets, max_len, max_len, **options)
             return (out, *torch.autograd.grad(out, leaves, grad))
 
-        results = {order: _in_order(order, forward_backward)() for order in WORK_ORDERS}  # tunes under "work"
+        results = {order: _with_settings(forward_backward, order)() for order in WORK_ORDERS}  # tuned under "work"
         same = all(torch.equal(a, b) for a, b in zip(*results.values()))
-        fns = {f"{kind}_{order}": _in_order(order, fn) for kind, fn in (("fwd", forward), ("fwdbwd", forward_backward))
+        fns = {f"{kind}_{order}": _with_settings(fn, order) for kind, fn in (("fwd", forward),
+                                                                            ("fwdbwd", forward_backward))
                for order in WORK_ORDERS}
+        row: dict[str, object] = {"workload": w.name, "bitwise_equal": same}
+        if gluon.available(q.device):
+            fns |= {f"gluon_fwd_{order}": _with_settings(forward, order, "only") for order in WORK_ORDERS}
+            gluon_outs = [fns[f"gluon_fwd_{order}"]() for order in WORK_ORDERS]
+            row |= {"gluon_bitwise_equal": torch.equal(*gluon_outs),
+                    "gluon_vs_triton": relative_error(gluon_outs[0], results["work"][0].detach())}
         times = interleaved_ms(fns, rounds=rounds, bench=bench_ms)
         flops, _ = attention_flops(visible_pairs(w.q_lengths, w.k_lengths), HEADS, HEAD_DIM)
-        row = {"workload": w.name, "bitwise_equal": same, **{f"{name}_ms": min(t) for name, t in times.items()},
-               "fwd_tflops_work": flops / min(times["fwd_work"]) / 1e9,
-               "fwd_keys_x_work": paired_speedup(times["fwd_work"], times["fwd_keys"]),
-               "fwdbwd_keys_x_work": paired_speedup(times["fwdbwd_work"], times["fwdbwd_keys"])}
+        row |= {**{f"{name}_ms": min(t) for name, t in times.items()},
+                "fwd_tflops_work": flops / min(times["fwd_work"]) / 1e9,
+                "fwd_keys_x_work": paired_speedup(times["fwd_work"], times["fwd_keys"]),
+                "fwdbwd_keys_x_work": paired_speedup(times["fwdbwd_work"], times["fwdbwd_keys"])}
+        for order in WORK_ORDERS if "gluon_fwd_work" in times else ():
+            row[f"gluon_x_triton_{order}"] = paired_speedup(times[f"fwd_{order}"], times[f"gluon_fwd_{order}"])
         print(row, flush=True)
         rows.append(row)
         print(write_results("gdpa_work_order", rows), flush=True)  # a cut-short call keeps the rows so far
