@@ -286,7 +286,8 @@ def work_order_setting() -> str:
     """``OPENGEM_GDPA_WORK_ORDER``: how :func:`_work_order` sorts the tiles (an A/B switch until measured).
     ``work`` (default): by rows x keys, so a sample's partial last tile runs long after its full ones; ``keys``: by
     the keys a tile visits, as JFA orders its tiles, so an unmasked sample's tiles stay adjacent and read its K/V while
-    L2 still holds it. Read at every launch; a tuned tile keeps its pick whichever order it was timed in."""
+    L2 still holds it. Read at every launch; a tuned tile keeps its pick whichever order it was timed in. dK/dV work
+    split into query chunks (:func:`_query_chunked_work`, long samples only) keeps its rows x keys order."""
     setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "work")
     if setting not in WORK_ORDERS:
         raise ValueError(f"OPENGEM_GDPA_WORK_ORDER must be one of {WORK_ORDERS}, got {setting!r}")
