@@ -286,7 +286,7 @@ def work_order_setting() -> str:
     """``OPENGEM_GDPA_WORK_ORDER``: how :func:`_work_order` sorts the tiles (an A/B switch until measured).
     ``work`` (default): by rows x keys, so a sample's partial last tile runs long after its full ones; ``keys``: by
     the keys a tile visits, as JFA orders its tiles, so an unmasked sample's tiles stay adjacent and read its K/V while
-    L2 still holds it. Read at every launch; a tuned tile keeps its pick whichever order it was timed in. dK/dV work
+    L2 still holds it. Read at every op call; a tuned tile keeps its pick whichever order it was timed in. dK/dV work
     split into query chunks (:func:`_query_chunked_work`, long samples only) keeps its rows x keys order."""
     setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "work")
     if setting not in WORK_ORDERS:
@@ -557,20 +557,21 @@ def gdpa_forward(
     kv_block, resident_fits = _resident_kv(args, head_dim, q.element_size(), MX_BLOCK_KEYS if p_mx else 16)
     kind = "causal_q" if masked and args.causal else "full"
     tma = _tma_possible("fwd", q, k, v)
+    order = work_order_setting()  # once a call: every launch (the tuner's too) lists its tiles in one order
 
     def launch(config: Config) -> None:
         if config.gluon:
             from opengem.ops.gluon.gdpa_forward import gdpa_forward as gluon_forward
 
             items = gluon_work_items(lengths.q, lengths.k, lengths.q_first, lengths.k_first, config.block_m,
-                                     str(q.device), work_order_setting())
+                                     str(q.device), order)
             gluon_forward(q, k, v, out, items, common["constexprs"]["ACT"], common["constexprs"]["FAST_ACT"],
                           args.pre_scale, args.out_scale, block_n=config.block_n, stages=config.num_stages)
             return
         resident = config.block_n == 0  # the resident-K/V candidates: one key tile of the whole sample
         block_n = kv_block if resident else config.block_n
         work_b, work_t = _work_list(lengths.q, lengths.k, config.block_m, config.tiles if resident else 1, kind,
-                                    args.window or 0, str(q.device), work_order_setting())
+                                    args.window or 0, str(q.device), order)
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
@@ -662,6 +663,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
     scalars = (args.contextual_len, args.window or 0)
     tma_dkdv = _tma_possible("dkdv", q, grad_out)
     tma_dq = not args.broadcast_q and _tma_possible("dq", q, k, v, grad_out)  # broadcast-Q dQ: pointer loads
+    order = work_order_setting()
 
     q_block = _whole_sample_tile(args.max_len_q)
     short_q = args.broadcast_q and q_block <= SHORT_Q_MAX  # seed pooling: every sample's queries one tile
@@ -692,7 +694,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
         else:
             work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, 1,
                                         "causal_k" if masked and args.causal else "full", args.window or 0,
-                                        str(q.device), work_order_setting())
+                                        str(q.device), order)
             partial = grad_out
         if work_b.numel() == 0:
             return
@@ -715,8 +717,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
             )
 
     def launch_dkdv_short_q(config: Config) -> None:
-        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device),
-                                    work_order_setting())
+        work_b, work_t = _work_list(lengths.k, lengths.q, config.block_n, config.tiles, "full", 0, str(q.device), order)
         if work_b.numel() == 0:
             return
         programs = work_b.numel() * kv_heads
@@ -743,8 +744,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
         block_m, block_n = config.block_m, kv_block if resident else config.block_n
         tiles = config.tiles if resident else 1
         kind = "causal_q" if masked and args.causal else "full"
-        work_b, work_t = _work_list(lengths.q, lengths.k, block_m, tiles, kind, args.window or 0, str(q.device),
-                                    work_order_setting())
+        work_b, work_t = _work_list(lengths.q, lengths.k, block_m, tiles, kind, args.window or 0, str(q.device), order)
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
