@@ -18,7 +18,7 @@ from opengem.ops.activations import ACTIVATIONS
 from opengem.ops.gluon.hopper import fill_ring, launch_registers, stage_ring
 from opengem.ops.gluon.gdpa_forward import attend_tile, gdpa_fwd_persistent_kernel, row_descriptor, turn_barriers
 from opengem.ops.gluon.gdpa_forward import gdpa_forward as persistent_forward
-from opengem.ops.triton.gdpa import gluon_work_items
+from opengem.ops.triton.gdpa import gluon_work_items, work_order_setting
 
 FAST_GELU = gl.constexpr(ACTIVATIONS.index("fast_gelu"))
 
@@ -125,7 +125,7 @@ def schedule_for(variant: Variant, lengths: torch.Tensor) -> tuple[torch.Tensor,
     if not variant.persistent:
         return tile_schedule(lengths, variant.block_m, "cuda")
     host = lengths.to(torch.int64).numpy().tobytes()
-    return (gluon_work_items(host, host, 0, 0, variant.block_m, "cuda"),)
+    return (gluon_work_items(host, host, 0, 0, variant.block_m, "cuda", work_order_setting()),)
 
 
 def gluon_gdpa_forward(q, k, v, schedule: tuple[torch.Tensor, ...], max_len: int, pre_scale: float,

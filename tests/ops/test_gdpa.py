@@ -669,7 +669,7 @@ def test_work_list_covers_every_tile_once_longest_first():
 
     rows = torch.tensor([100, 0, 33, 64, 1], dtype=torch.int64).numpy()
     cols = torch.tensor([10, 5, 300, 64, 0], dtype=torch.int64).numpy()
-    work_b, work_t = _work_list(rows.tobytes(), cols.tobytes(), 16, 2, "full", 0, "cpu")
+    work_b, work_t = _work_list(rows.tobytes(), cols.tobytes(), 16, 2, "full", 0, "cpu", "work")
     items = sorted(zip(work_b.tolist(), work_t.tolist()))
     # 2 tiles of 16 rows per item: 100 rows -> 4 items (tiles 0, 2, 4, 6), 33 -> 2, 64 -> 2, 1 -> 1
     assert items == [(0, 0), (0, 2), (0, 4), (0, 6), (2, 0), (2, 2), (3, 0), (3, 2), (4, 0)]
@@ -680,18 +680,20 @@ def test_work_list_covers_every_tile_once_longest_first():
 
 
 def test_work_list_keys_order_keeps_a_samples_tiles_adjacent(monkeypatch):
-    """``OPENGEM_GDPA_WORK_ORDER=keys``: samples by keys, longest first, each sample's tiles (its partial last one
-    included) in a row, so they share its K/V in L2; the default order puts the partial tile after fuller work."""
+    """``OPENGEM_GDPA_WORK_ORDER=keys`` (the default): samples by keys, longest first, each sample's tiles (its
+    partial last one included) in a row, so they share its K/V in L2; ``work`` puts the partial tile after fuller
+    work."""
     from opengem.ops.triton import gdpa as triton_gdpa
 
     rows = np.array([40, 100, 70], dtype=np.int64)
     cols = np.array([40, 100, 70], dtype=np.int64)
-    monkeypatch.setenv("OPENGEM_GDPA_WORK_ORDER", "keys")
+    monkeypatch.delenv("OPENGEM_GDPA_WORK_ORDER", raising=False)
     order = triton_gdpa.work_order_setting()
+    assert order == "keys"
     work_b, work_t = triton_gdpa._work_list(rows.tobytes(), cols.tobytes(), 32, 1, "full", 0, "cpu", order)
     assert list(zip(work_b.tolist(), work_t.tolist())) == [(1, 0), (1, 1), (1, 2), (1, 3), (2, 0), (2, 1), (2, 2),
                                                            (0, 0), (0, 1)]
-    work_b, work_t = triton_gdpa._work_list(rows.tobytes(), cols.tobytes(), 32, 1, "full", 0, "cpu")
+    work_b, work_t = triton_gdpa._work_list(rows.tobytes(), cols.tobytes(), 32, 1, "full", 0, "cpu", "work")
     # by rows x keys: sample 1's 4-row last tile (400) runs after sample 0's tiles (32 x 40 = 1280, 8 x 40 = 320)
     assert list(zip(work_b.tolist(), work_t.tolist()))[-2:] == [(1, 3), (0, 1)]
     table = triton_gdpa.gluon_work_items(rows.tobytes(), cols.tobytes(), 0, 0, 32, "cpu", order)
@@ -919,12 +921,16 @@ def test_gluon_work_items_list_every_query_tile_once_longest_first():
     from opengem.ops.triton import gdpa as triton_gdpa
 
     q_len, k_len = np.array([300, 0, 128, 5, 129]), np.array([10, 4, 0, 256, 1])
-    table = triton_gdpa.gluon_work_items(q_len.tobytes(), k_len.tobytes(), 7, 3, 128, "cpu")
-    assert table.dtype == torch.int32 and table.shape == (3 + 1 + 1 + 2, 4)
     q_start, k_start = 7 + np.cumsum(q_len) - q_len, 3 + np.cumsum(k_len) - k_len
     want = {(int(q_start[b] + t * 128), int(q_len[b] - t * 128), int(k_start[b]), int(k_len[b]))
             for b in range(5) for t in range(-(-int(q_len[b]) // 128))}
-    rows = [tuple(r) for r in table.tolist()]
-    assert sorted(rows) == sorted(want)
-    work_b, work_t = triton_gdpa._work_list(q_len.tobytes(), k_len.tobytes(), 128, 1, "full", 0, "cpu")
-    assert [r[0] for r in rows] == [int(q_start[b] + t * 128) for b, t in zip(work_b.tolist(), work_t.tolist())]
+    firsts = []
+    for order in triton_gdpa.WORK_ORDERS:
+        table = triton_gdpa.gluon_work_items(q_len.tobytes(), k_len.tobytes(), 7, 3, 128, "cpu", order)
+        assert table.dtype == torch.int32 and table.shape == (3 + 1 + 1 + 2, 4)
+        rows = [tuple(r) for r in table.tolist()]
+        assert sorted(rows) == sorted(want)
+        work_b, work_t = triton_gdpa._work_list(q_len.tobytes(), k_len.tobytes(), 128, 1, "full", 0, "cpu", order)
+        firsts.append([r[0] for r in rows])
+        assert firsts[-1] == [int(q_start[b] + t * 128) for b, t in zip(work_b.tolist(), work_t.tolist())]
+    assert firsts[0] != firsts[1]  # the two orders differ on these lengths, so both were checked

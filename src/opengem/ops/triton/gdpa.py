@@ -283,12 +283,14 @@ WORK_ORDERS = ("work", "keys")
 
 
 def work_order_setting() -> str:
-    """``OPENGEM_GDPA_WORK_ORDER``: how :func:`_work_order` sorts the tiles (an A/B switch until measured).
-    ``work`` (default): by rows x keys, so a sample's partial last tile runs long after its full ones; ``keys``: by
-    the keys a tile visits, as JFA orders its tiles, so an unmasked sample's tiles stay adjacent and read its K/V while
-    L2 still holds it. Read at every op call; a tuned tile keeps its pick whichever order it was timed in. dK/dV work
-    split into query chunks (:func:`_query_chunked_work`, long samples only) keeps its rows x keys order."""
-    setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "work")
+    """``OPENGEM_GDPA_WORK_ORDER``: how :func:`_work_order` sorts the tiles. ``keys`` (default): by the keys a tile
+    visits, as JFA orders its tiles, so an unmasked sample's tiles (its partial last one included) stay adjacent and
+    read its K/V while L2 still holds it; ``work``: by rows x keys, which runs a sample's partial last tile long after
+    its full ones (H100, issue 4's (a) forward at sparsity 0.5: ``keys`` 1.04-1.26x ``work``, the same bits;
+    session 46, ``gdpa_work_order_s50a``). Read at every op call; a tuned tile keeps its pick whichever order it was
+    timed in. dK/dV work split into query chunks (:func:`_query_chunked_work`, long samples only) keeps its own
+    order."""
+    setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "keys")
     if setting not in WORK_ORDERS:
         raise ValueError(f"OPENGEM_GDPA_WORK_ORDER must be one of {WORK_ORDERS}, got {setting!r}")
     return setting
@@ -340,7 +342,7 @@ def _expand(counts: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind: str,
-                window: int, order: str = "work") -> tuple[np.ndarray, np.ndarray]:
+                window: int, order: str) -> tuple[np.ndarray, np.ndarray]:
     """(sample, first tile) int64 items over the tiles of ``rows``, sorted by estimated work, longest first.
 
     ``kind``: ``"full"`` (work = other side's length), ``"causal_q"`` (query tile sees keys up to its end),
@@ -368,7 +370,7 @@ def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind
 @functools.lru_cache(maxsize=256)
 def _work_list(
     rows_bytes: bytes, cols_bytes: bytes, block: int, tiles: int, kind: str, window: int, device: str,
-    order: str = "work",
+    order: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_work_order`'s items as int32 device tensors (sample, first tile)."""
     sample, first = _work_order(np.frombuffer(rows_bytes, dtype=np.int64), np.frombuffer(cols_bytes, dtype=np.int64),
@@ -379,7 +381,7 @@ def _work_list(
 
 @functools.lru_cache(maxsize=256)
 def gluon_work_items(q_bytes: bytes, k_bytes: bytes, q_first: int, k_first: int, block_m: int,
-                     device: str, order: str = "work") -> torch.Tensor:
+                     device: str, order: str) -> torch.Tensor:
     """The Gluon forward's int32 ``[items, 4]`` table, one row a query tile, longest first as :func:`_work_list`:
     ``(first query row, query rows from it to the sample's end, first key row, keys)``; its programs read each row's
     four numbers in one round of independent loads, where (sample, tile) and the offsets would take two dependent
