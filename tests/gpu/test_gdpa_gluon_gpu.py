@@ -84,6 +84,7 @@ def test_the_tuner_times_it_beside_the_triton_candidates(monkeypatch):
     monkeypatch.setenv("OPENGEM_GDPA_GLUON", "auto")
     monkeypatch.setattr(triton_gdpa, "_TUNED", {})
     monkeypatch.setattr(triton_gdpa, "_TIMINGS", {})
+    monkeypatch.setattr(triton_gdpa, "_CONFIRMED", {})
     _check([1024] * 8 + [512] * 8, [1024] * 8 + [512] * 8)
     forward = [r for r in triton_gdpa.tuning_report() if r["pass"] == "fwd"]
     assert len(forward) == 1

@@ -768,6 +768,7 @@ def test_tuning_times_every_candidate_and_reports_them(monkeypatch):
     monkeypatch.setattr(triton_gdpa, "interpreting", lambda: False)
     monkeypatch.setattr(triton_gdpa, "_TUNED", {})
     monkeypatch.setattr(triton_gdpa, "_TIMINGS", {})
+    monkeypatch.setattr(triton_gdpa, "_CONFIRMED", {})
     monkeypatch.delenv("OPENGEM_GDPA_TUNE", raising=False)
     times = iter([3.0, 1.0, 2.0])
 
@@ -792,6 +793,41 @@ def test_tuning_times_every_candidate_and_reports_them(monkeypatch):
     assert report["pick"] == "m128_n128_w8_s2_t1_tma"
     assert report["candidates"] == {"m128_n64_w8_s3_t1_tma": 3.0, "m128_n128_w8_s2_t1_tma": 1.0,
                                     "m128_n64_w8_s3_t1_ptr": 2.0, "m128_n128_w8_s2_t1_ptr": None}
+    assert report["confirmed"] == {}  # a clear winner (the next is 2x slower): no second look
+
+
+def test_tuning_times_the_close_finalists_again_and_picks_their_fastest(monkeypatch):
+    """As JFA's ConfirmingAutotuner: the candidates within 10% of the first look's best (up to 3) are timed again in
+    the long window, whose fastest is the pick; a candidate further off is not timed again."""
+    from opengem.ops.triton import gdpa as triton_gdpa
+    from opengem.ops.triton.tuning import ConfirmingAutotuner
+
+    monkeypatch.setattr(triton_gdpa, "interpreting", lambda: False)
+    monkeypatch.setattr(triton_gdpa, "_TUNED", {})
+    monkeypatch.setattr(triton_gdpa, "_TIMINGS", {})
+    monkeypatch.setattr(triton_gdpa, "_CONFIRMED", {})
+    monkeypatch.delenv("OPENGEM_GDPA_TUNE", raising=False)
+    candidates = triton_gdpa._load_paths((triton_gdpa.Config(64, 32, 4, 4), triton_gdpa.Config(64, 64, 4, 3)), True)
+    first = dict(zip(candidates, [1.00, 1.03, 1.20, 1.05]))
+    second = dict(zip(candidates, [1.10, 1.02, None, 1.30]))
+    calls: list[tuple[int, int]] = []
+    launched: list[triton_gdpa.Config] = []
+
+    def fake_bench(fn, warmup, rep):
+        fn()
+        calls.append((candidates.index(launched[-1]), warmup))
+        return (second if (warmup, rep) == ConfirmingAutotuner.confirm_window_ms else first)[launched[-1]]
+
+    monkeypatch.setattr(triton.testing, "do_bench", fake_bench)
+    key = ("fwd", (("MASKED", False),), False, 1024, 1024)
+    assert triton_gdpa._tuned(key, candidates, launched.append) == candidates[1]
+    assert calls == [(0, 5), (1, 5), (2, 5), (3, 5), (0, 100), (1, 100), (3, 100)]
+    (report,) = triton_gdpa.tuning_report()
+    assert report["pick"] == triton_gdpa._label(candidates[1])
+    assert report["confirmed"] == {triton_gdpa._label(candidates[i]): second[candidates[i]] for i in (0, 1, 3)}
+    monkeypatch.setattr(ConfirmingAutotuner, "finalists", 1)  # one finalist: the one window decides
+    assert triton_gdpa._tuned(key[:-1] + (2048,), candidates, launched.append) == candidates[0]
+    assert len(calls) == 11
 
 
 def test_tuning_key_splits_full_and_ragged_batches():

@@ -69,6 +69,18 @@ def timed_window(warmup_ms: float, rep_ms: float) -> Callable:
 tuning_bench = timed_window(10, 40)
 
 
+def close_finalists(first_ms: dict, count: int, margin: float) -> list:
+    """The candidates a second look times again, fastest first: of ``first_ms`` (candidate -> first-look ms;
+    non-finite ones failed), the fastest, ties with it, and those among the ``count`` fastest within ``margin`` of
+    it; empty when fewer than two qualify (a clear winner needs no second look)."""
+    ranked = sorted((c for c, ms in first_ms.items() if math.isfinite(ms)), key=first_ms.__getitem__)
+    if not ranked:
+        return []
+    best = first_ms[ranked[0]]
+    chosen = [c for i, c in enumerate(ranked) if first_ms[c] == best or (i < count and first_ms[c] <= best * margin)]
+    return chosen if len(chosen) >= 2 else []
+
+
 class ConfirmingAutotuner(Autotuner):
     """Triton's autotuner (every candidate timed once, in one short window), then a second look at the finalists:
     the ``finalists`` fastest within ``margin`` of the best are timed again, one after the other, each after
@@ -111,16 +123,13 @@ class ConfirmingAutotuner(Autotuner):
         """Each candidate's timing quantiles by ``id``, finalists' from the second look (see the class docstring)."""
         bench = super()._bench  # times one candidate in the window ``self._do_bench`` holds at the call
         timings = {id(c): list(bench(*args, config=c, **meta)) for c in self._candidates}
-        median = lambda c: timings[id(c)][0]  # noqa: E731
-        ranked = sorted((c for c in self._candidates if math.isfinite(median(c))), key=median)
+        by_id = {id(c): c for c in self._candidates}
         self.confirmed_timings = {}
-        if not ranked:
+        finalists = [by_id[i] for i in close_finalists({i: t[0] for i, t in timings.items()}, self.finalists,
+                                                       self.margin)]
+        if not finalists:
             return timings
-        best = median(ranked[0])
-        finalists = [c for i, c in enumerate(ranked)
-                     if median(c) == best or (i < self.finalists and median(c) <= best * self.margin)]
-        if len(finalists) < 2:
-            return timings
+        best = timings[id(finalists[0])][0]
         first_look = self._do_bench
         self._do_bench = timed_window(*self.confirm_window_ms)
         try:
