@@ -913,7 +913,7 @@ chain_s48c() {  # session 43, a short device budget: s48a with JFA as the only p
 }
 chain_s48b() {  # session 43: every GDPA GPU test (activation_value's identity branch moved), then (b), (c), (d)
   step gdpa_gpu_tests 200 tests tests/gpu/test_gdpa_gpu.py
-  step gdpa_bcd 330 env OPENGEM_GDPA_GLUON=auto python -m benchmarks.gdpa --workloads "b cross,c pool,d hstu"
+  step gdpa_bcd 400 env OPENGEM_GDPA_GLUON=auto python -m benchmarks.gdpa --workloads "b cross,c pool,d hstu"
 }
 chain_s49a() {  # session 44: dQ by TMA reduces in key halves with 64-row steps (one dQ slot a half, to fit), against
   # its 32-row twin and the best fused form; the 64-key dK/dV-only form, with the NaN-poisoned smoke (its inf)
