@@ -925,8 +925,8 @@ chain_s50a() {  # session 45: GDPA's tiles ordered by keys (JFA's order: a sampl
   # the Gluon forward in both orders beside the Triton one, through the op's launch
   step gdpa_work_order 200 python -m benchmarks.diag.gdpa_work_order
 }
-chain_s50b() {  # session 46: issue 4's (a) with the tiles ordered by keys by default and the Gluon forward off (the op's
-  # defaults): a second run of all eight rows in one call
+chain_s50b() {  # session 46: issue 4's (a) under the op's defaults (tiles ordered by keys, the second-look tuner,
+  # the Gluon forward off): all eight rows in one call
   step gdpa_a 400 python -m benchmarks.gdpa --workloads "a self"
 }
 chain_s50c() {  # session 46: the two (a) rows under 1.1x JFA in s48a3 (L1024 / L2048 s1.0), the op's defaults and

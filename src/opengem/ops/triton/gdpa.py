@@ -310,9 +310,9 @@ def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
     Every candidate is timed in one short window, then the close finalists again in the long window a training step
     runs them in, as :class:`~opengem.ops.triton.tuning.ConfirmingAutotuner` does for JFA (its ``finalists``,
     ``margin`` and ``confirm_window_ms``; ``finalists = 1`` keeps the one window): on a power-capped card the short
-    window's ranking of tiles within a few percent is a coin flip (issue 4's (a) L1024 s1.0 forward: 64 x 32 picked in
-    session 45, 64 x 64 in session 46, 1.4% apart). With tuning off: the first candidate that compiles and fits (e.g.
-    D = 256 may not fit the first).
+    window ranks close tiles unreliably (issue 4's (a) L1024 s1.0 forward: one run's short window put 64 x 64 1.4%
+    ahead of 64 x 32; hot, 64 x 64 ran 24% slower; H100, session 46). With tuning off: the first candidate that
+    compiles and fits (e.g. D = 256 may not fit the first).
     """
     if interpreting():
         return candidates[0]
