@@ -16,7 +16,12 @@ the op's own backward kernels (``projection_bias``, what GEM's layers do since s
 ``--query-chunks``: instead, on the power-law batches only, the PFFN with its dK/dV pass's long samples split into
 chunks of query rows (``OPENGEM_GDPA_QUERY_CHUNKS=1``, the default) and without (``=0``), in one run.
 
-    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--bias | --query-chunks] [--out DIR]
+``--work-order``: instead, on the power-law batches only, both layers with GDPA's tiles ordered by rows x keys
+(``OPENGEM_GDPA_WORK_ORDER=work``) and by keys (``keys``, the default since session 46), twice each, alternating:
+the order was measured on issue 4's self-attention, not on these layers (its query-chunked dK/dV included).
+
+    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_gem_layers [--batches 2] [--bias | --query-chunks | --work-order]
+        [--out DIR]
 """
 
 from __future__ import annotations
@@ -116,15 +121,18 @@ def measure(layer: str, lengths: torch.Tensor, device: str, bias: str = "none") 
             "kernels_ms": {name: round(ms, 4) for name, ms in kernel_ms(both).items()}}  # fmt: skip
 
 
-def _cases(args: argparse.Namespace, lengths: torch.Tensor) -> list[tuple[str, torch.Tensor, str, str, str | None]]:
-    """One batch's rows by mode: (lengths' shape, lengths, layer, bias gradient, ``OPENGEM_GDPA_QUERY_CHUNKS`` or None
-    for the caller's setting)."""
+def _cases(args: argparse.Namespace, lengths: torch.Tensor) -> list[tuple[str, torch.Tensor, str, str, dict]]:
+    """One batch's rows by mode: (lengths' shape, lengths, layer, bias gradient, the environment settings the row
+    runs under; the caller's for the others)."""
     if args.bias:
-        return [("power_law", lengths, layer, bias, None)
+        return [("power_law", lengths, layer, bias, {})
                 for layer in ("pffn", "pooling") for bias in ("sum", "kernels")]  # fmt: skip
     if args.query_chunks:
-        return [("power_law", lengths, "pffn", "none", chunks) for chunks in ("0", "1")]
-    return [(shape, batch_lengths, layer, "none", None)
+        return [("power_law", lengths, "pffn", "none", {"OPENGEM_GDPA_QUERY_CHUNKS": chunks}) for chunks in ("0", "1")]
+    if args.work_order:
+        return [("power_law", lengths, layer, "none", {"OPENGEM_GDPA_WORK_ORDER": order})
+                for layer in ("pffn", "pooling") for order in ("work", "keys") * 2]  # fmt: skip
+    return [(shape, batch_lengths, layer, "none", {})
             for shape, batch_lengths in (("power_law", lengths), ("balanced", balanced(lengths)))
             for layer in ("pffn", "pooling")]  # fmt: skip
 
@@ -135,24 +143,26 @@ def main() -> None:
     mode = parser.add_mutually_exclusive_group()
     mode.add_argument("--bias", action="store_true", help="the projection bias's gradient two ways (module doc)")
     mode.add_argument("--query-chunks", action="store_true", help="PFFN dK/dV with and without query chunks")
+    mode.add_argument("--work-order", action="store_true", help="both layers in both tile orders (module doc)")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("gdpa_gem_layers times the Triton GDPA kernels: it needs a CUDA device")
     rows = []
     for index, lengths in enumerate(gem_large_lengths(args.batches)):
-        for shape, batch_lengths, layer, bias, chunks in _cases(args, lengths):
-            if chunks is not None:  # else the caller's setting (the default: on)
-                os.environ["OPENGEM_GDPA_QUERY_CHUNKS"] = chunks
+        for shape, batch_lengths, layer, bias, settings in _cases(args, lengths):
+            os.environ.update(settings)  # read by the op at every call
             row = {"batch": index, "lengths": shape, "layer": layer, "bias_gradient": bias,
-                   "query_chunks": triton_gdpa.query_chunks_enabled(), **measure(layer, batch_lengths, "cuda", bias)}
+                   "query_chunks": triton_gdpa.query_chunks_enabled(), "work_order": triton_gdpa.work_order_setting(),
+                   **measure(layer, batch_lengths, "cuda", bias)}
             rows.append(row)
             top = ", ".join(f"{name[:28]} {ms:.3f}" for name, ms in list(row["kernels_ms"].items())[:5])
             print(f"batch {index} {shape:9s} {layer:7s} bias {bias:7s} chunks {row['query_chunks']:d} "
+                  f"order {row['work_order']} "
                   f"T {row['tokens']} max {row['max_len']}: forward {row['forward_ms']:.3f} ms, backward "
                   f"{row['backward_ms']:.3f} ms, kernels {sum(row['kernels_ms'].values()):.3f} ms | {top}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = "bias" if args.bias else "query_chunks" if args.query_chunks else None
+    name = "bias" if args.bias else "query_chunks" if args.query_chunks else "work_order" if args.work_order else None
     path = args.out / (f"gdpa_gem_layers_{name}.json" if name else "gdpa_gem_layers.json")
     tuning = triton_gdpa.tuning_report()  # every candidate's time on these shapes, in this run
     for entry in tuning:

@@ -337,6 +337,10 @@ def test_dkdv_splits_long_samples_into_query_chunks(monkeypatch, kv_heads):
     assert launched[:2] == ["gdpa_bwd_dkdv_kernel", "gdpa_bwd_dkdv_chunk_sum_kernel"]
     _, again = _run_triton_and_reference(q, k, v, q_offsets, k_offsets, 300, 20, ["silu", "fast_gelu"])
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
+    monkeypatch.setenv("OPENGEM_GDPA_WORK_ORDER", "work")  # the other tile order: the same bits
+    _, other_order = _run_triton_and_reference(q, k, v, q_offsets, k_offsets, 300, 20, ["silu", "fast_gelu"])
+    assert all(torch.equal(a, b) for a, b in zip(grads, other_order))
+    monkeypatch.delenv("OPENGEM_GDPA_WORK_ORDER")
     args = GdpaArgs(head_activations=(ACTIVATIONS.index("silu"), ACTIVATIONS.index("fast_gelu")), pre_scale=0.35,
                     out_scale=0.6, causal=False, contextual_len=0, window=None, broadcast_q=False, max_len_q=300,
                     max_len_k=20)  # fmt: skip
@@ -354,8 +358,8 @@ def test_query_chunked_work_covers_every_key_tile_and_query_row_once():
     # SMs: 44 rows -> 3 tiles of 16, raised to 8 tiles; on one SM 710 rows -> 45 tiles
     assert query_chunk_rows(q_len.tobytes(), k_len.tobytes(), 16, 16, 2, 16) == 128
     assert query_chunk_rows(q_len.tobytes(), k_len.tobytes(), 16, 16, 2, 1) == 720
-    assert _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 0, 16, 720, "cpu") is None  # no sample that long
-    chunks = _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 7, 16, 128, "cpu")
+    assert _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 0, 16, 720, "cpu", "keys") is None  # none so long
+    chunks = _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 7, 16, 128, "cpu", "work")
     items = list(zip(chunks.work_b.tolist(), chunks.work_t.tolist(), map(tuple, chunks.bounds.tolist())))
     big = np.iinfo(np.int32).max
     # sample 0: 3 chunks (slots 0-2); sample 4's two key tiles: 2 chunks each (slots 3-4, 5-6); the rest whole
@@ -368,6 +372,13 @@ def test_query_chunked_work_covers_every_key_tile_and_query_row_once():
     assert chunks.groups.tolist() == [[7, 5, 0, 3], [17, 16, 3, 2], [33, 4, 5, 2]]
     # longest first by key rows x query rows: sample 4's first key tile's full 128-row chunks lead
     assert items[0][:2] == (4, 0) and items[-1][0] == 2
+    keys = _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 7, 16, 128, "cpu", "keys")
+    keyed = list(zip(keys.work_b.tolist(), keys.work_t.tolist(), map(tuple, keys.bounds.tolist())))
+    assert sorted(keyed) == sorted(items) and keys.groups.tolist() == chunks.groups.tolist()
+    # by query rows alone: the full 128-row chunks first in sample order, so sample 4's 4-key last tile runs beside
+    # its full one (by rows x keys it came after sample 0's chunks), then 72, 44, 10 and 0 query rows
+    assert [item[:2] for item in keyed] == [(0, 0), (0, 0), (4, 0), (4, 1), (4, 0), (4, 1), (0, 0), (1, 0), (2, 0)]
+    assert [item[:2] for item in items].index((4, 1)) == 4
 
 
 class _Recorded:

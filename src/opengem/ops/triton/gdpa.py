@@ -291,8 +291,7 @@ def work_order_setting() -> str:
     read its K/V while L2 still holds it; ``work``: by rows x keys, which runs a sample's partial last tile long after
     its full ones (H100, issue 4's (a) forward at sparsity 0.5: ``keys`` 1.04-1.26x ``work``, the same bits;
     session 46, ``gdpa_work_order_s50a``). Read at every op call; a tuned tile keeps its pick whichever order it was
-    timed in. dK/dV work split into query chunks (:func:`_query_chunked_work`, long samples only) keeps its own
-    order."""
+    timed in. It orders every pass's list, dK/dV split into query chunks (:func:`_query_chunked_work`) included."""
     setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "keys")
     if setting not in WORK_ORDERS:
         raise ValueError(f"OPENGEM_GDPA_WORK_ORDER must be one of {WORK_ORDERS}, got {setting!r}")
@@ -385,11 +384,16 @@ def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind
         other = np.maximum(other - start, 0)
     if window > 0:
         other = np.minimum(other, 2 * window + step)
+    ranked = np.argsort(-_sort_weight(span, other, order), kind="stable")
+    return sample[ranked], first[ranked] * tiles
+
+
+def _sort_weight(rows: np.ndarray, other: np.ndarray, order: str) -> np.ndarray:
+    """Each work item's weight, heaviest first (:data:`WORK_ORDERS`): ``rows`` x ``other`` (its rows and the other
+    side's it visits) for ``work``, ``other`` alone for ``keys``."""
     if order not in WORK_ORDERS:
         raise ValueError(f"work order must be one of {WORK_ORDERS}, got {order!r}")
-    work = np.maximum(other, 1) if order == "keys" else span * np.maximum(other, 1)
-    ranked = np.argsort(-work, kind="stable")
-    return sample[ranked], first[ranked] * tiles
+    return np.maximum(other, 1) if order == "keys" else rows * np.maximum(other, 1)
 
 
 @functools.lru_cache(maxsize=256)
@@ -453,10 +457,11 @@ class QueryChunks:
 
 @functools.lru_cache(maxsize=256)
 def _query_chunked_work(
-    k_lengths: bytes, q_lengths: bytes, k_first: int, block_n: int, chunk_rows: int, device: str
+    k_lengths: bytes, q_lengths: bytes, k_first: int, block_n: int, chunk_rows: int, device: str, order: str
 ) -> QueryChunks | None:
     """The dK/dV items over key tiles as :func:`_work_list` (``"full"``) makes them, with each sample of more than
-    ``chunk_rows`` query rows split into chunks of them, longest first; None when no sample is that long."""
+    ``chunk_rows`` query rows split into chunks of them, sorted as ``order`` sorts (:func:`_sort_weight`: a chunk's
+    other side is its query rows); None when no sample is that long."""
     k_len = np.frombuffer(k_lengths, dtype=np.int64)
     q_len = np.frombuffer(q_lengths, dtype=np.int64)
     sample, tile = _expand((k_len + block_n - 1) // block_n)  # per (sample, key tile) pair
@@ -473,15 +478,15 @@ def _query_chunked_work(
     slot = np.where(in_chunks, first_slot[pair] + chunk, -1)
     key_rows = np.minimum(k_len[sample] - tile * block_n, block_n)
     query_rows = np.minimum(q_len[sample][pair] - lo, np.where(in_chunks, chunk_rows, q_len[sample][pair]))
-    order = np.argsort(-(key_rows[pair] * np.maximum(query_rows, 1)), kind="stable")
+    ranked = np.argsort(-_sort_weight(key_rows[pair], query_rows, order), kind="stable")
     row_starts = k_first + np.concatenate(([0], np.cumsum(k_len)))[sample] + tile * block_n
     groups = np.stack([row_starts, key_rows, first_slot, chunks], axis=1)[chunked]
 
     def int32(array: np.ndarray) -> torch.Tensor:
         return to_device(torch.from_numpy(np.ascontiguousarray(array).astype(np.int32)), device)
 
-    return QueryChunks(int32(sample[pair][order]), int32(tile[pair][order]),
-                       int32(np.stack([lo, hi, slot], axis=1)[order]), int32(groups), int(slot_counts.sum()))
+    return QueryChunks(int32(sample[pair][ranked]), int32(tile[pair][ranked]),
+                       int32(np.stack([lo, hi, slot], axis=1)[ranked]), int32(groups), int(slot_counts.sum()))
 
 
 @functools.lru_cache(maxsize=32)
@@ -713,7 +718,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
             chunk_rows = query_chunk_rows(lengths.q, lengths.k, config.block_m, config.block_n, kv_heads,
                                           _num_sms(q.device))
             chunks = _query_chunked_work(lengths.k, lengths.q, offsets_summary(k_offsets).first, config.block_n,
-                                         chunk_rows, str(q.device))
+                                         chunk_rows, str(q.device), order)
         if chunks is not None:
             work_b, work_t = chunks.work_b, chunks.work_t
             partial = torch.empty((chunks.slots, 2, config.block_n, kv_heads, head_dim), dtype=torch.float32,
