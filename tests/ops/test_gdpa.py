@@ -690,6 +690,51 @@ def test_work_list_covers_every_tile_once_longest_first():
     assert work_b[-1].item() == 4
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.lists(st.integers(0, 300), min_size=1, max_size=6),
+    block=st.sampled_from([16, 64]),
+    tiles=st.sampled_from([1, 2]),
+    kind=st.sampled_from(["full", "causal_q", "causal_k"]),
+    window=st.sampled_from([0, 40]),
+    data=st.data(),
+)
+def test_work_orders_list_every_tile_once_and_keys_keeps_samples_together(rows, block, tiles, kind, window, data):
+    """Both orders list each (sample, first tile) item once, heaviest first by their own weight; in ``keys`` order an
+    unmasked sample's items are one run (its partial last tile beside its full ones)."""
+    from opengem.ops.triton.gdpa import WORK_ORDERS, _work_order
+
+    cols = [data.draw(st.integers(0, 300)) for _ in rows]
+    row_lengths, col_lengths = np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)
+    step = block * tiles
+    expected = sorted((b, i * tiles) for b, n in enumerate(rows) for i in range(-(-n // step)))
+    for order in WORK_ORDERS:
+        sample, first = _work_order(row_lengths, col_lengths, block, tiles, kind, window, order)
+        assert sorted(zip(sample.tolist(), first.tolist())) == expected
+        if order == "keys" and kind == "full" and window == 0:
+            runs = [b for i, b in enumerate(sample.tolist()) if i == 0 or sample[i - 1] != b]
+            assert len(runs) == len(set(runs))  # no sample's items split by another's
+            weights = [max(cols[b], 1) for b in runs]
+            assert weights == sorted(weights, reverse=True)
+
+
+@settings(max_examples=25, deadline=None)
+@given(q_lengths=st.lists(st.integers(0, 400), min_size=1, max_size=5), data=st.data())
+def test_query_chunked_orders_list_the_same_items(q_lengths, data):
+    """The query-chunked dK/dV list holds the same items (and chunk groups) in both orders: only their order moves."""
+    from opengem.ops.triton.gdpa import _query_chunked_work
+
+    k_lengths = [data.draw(st.integers(0, 40)) for _ in q_lengths]
+    q_bytes, k_bytes = np.array(q_lengths, dtype=np.int64).tobytes(), np.array(k_lengths, dtype=np.int64).tobytes()
+    lists = [_query_chunked_work(k_bytes, q_bytes, 3, 16, 64, "cpu", order) for order in ("work", "keys")]
+    if lists[0] is None:
+        assert lists[1] is None and all(q <= 64 for q, k in zip(q_lengths, k_lengths) if k)  # no sample to split
+        return
+    items = [sorted(zip(c.work_b.tolist(), c.work_t.tolist(), map(tuple, c.bounds.tolist()))) for c in lists]
+    assert items[0] == items[1]
+    assert lists[0].groups.tolist() == lists[1].groups.tolist() and lists[0].slots == lists[1].slots
+
+
 def test_work_list_keys_order_keeps_a_samples_tiles_adjacent(monkeypatch):
     """``OPENGEM_GDPA_WORK_ORDER=keys`` (the default): samples by keys, longest first, each sample's tiles (its
     partial last one included) in a row, so they share its K/V in L2; ``work`` puts the partial tile after fuller
