@@ -34,7 +34,7 @@ DEVICE = "cuda"
 
 
 def _with_settings(fn: Callable[[], object], order: str, gluon_setting: str = "off") -> Callable[[], object]:
-    """``fn`` with the op's tile order and Gluon setting for its launches (the op reads both at every launch)."""
+    """``fn`` with the op's tile order and Gluon setting for its launches (the op reads both once a call)."""
     def call() -> object:
         os.environ["OPENGEM_GDPA_WORK_ORDER"] = order
         os.environ["OPENGEM_GDPA_GLUON"] = gluon_setting

@@ -203,8 +203,8 @@ def test_triton_self_attention_every_mask(monkeypatch, mask, max_len_k, loads):
 
 @pytest.mark.parametrize("mask", ["full", "everything"])
 def test_keys_work_order_gives_the_same_bits(monkeypatch, mask):
-    """``OPENGEM_GDPA_WORK_ORDER=keys`` moves tiles between programs, not their math: output and gradients equal
-    the default order's bit for bit (several tiles a sample, partial last tiles; no mask, then every option at once)."""
+    """``OPENGEM_GDPA_WORK_ORDER`` moves tiles between programs, not their math: output and gradients under ``keys``
+    equal ``work``'s bit for bit (several tiles a sample, partial last tiles; no mask, then every option at once)."""
     from opengem.ops.triton.gdpa import _INTERPRET, _work_list
 
     lengths = [70, 5, 45]

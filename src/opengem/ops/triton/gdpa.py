@@ -309,9 +309,9 @@ def _tuned(key: tuple, candidates: Sequence[Config], launch: Callable[[Config], 
     Every candidate is timed in one short window, then the close finalists again in the long window a training step
     runs them in, as :class:`~opengem.ops.triton.tuning.ConfirmingAutotuner` does for JFA (its ``finalists``,
     ``margin`` and ``confirm_window_ms``; ``finalists = 1`` keeps the one window): on a power-capped card the short
-    window ranks close tiles unreliably (issue 4's (a) L1024 s1.0 forward: one run's short window put 64 x 64 1.4%
-    ahead of 64 x 32; hot, 64 x 64 ran 24% slower; H100, session 46). With tuning off: the first candidate that
-    compiles and fits (e.g. D = 256 may not fit the first).
+    window ranks close tiles unreliably (issue 4's (a) L1024 s1.0 forward, H100, session 46: one run's short window
+    put 64 x 64 1.4% ahead of 64 x 32; in another run the long window timed 64 x 64 24% slower). With tuning off: the
+    first candidate that compiles and fits (e.g. D = 256 may not fit the first).
     """
     if interpreting():
         return candidates[0]
@@ -370,8 +370,8 @@ def _work_order(rows: np.ndarray, cols: np.ndarray, block: int, tiles: int, kind
     """(sample, first tile) int64 items over the tiles of ``rows``, sorted by estimated work, longest first.
 
     ``kind``: ``"full"`` (work = other side's length), ``"causal_q"`` (query tile sees keys up to its end),
-    ``"causal_k"`` (key tile seen by the rows from its start on); ``window > 0`` caps the work. ``order``
-    (:data:`WORK_ORDERS`): work as rows x other side, or the other side alone (ties keep sample order).
+    ``"causal_k"`` (key tile seen by the rows from its start on); ``window > 0`` caps the work. ``order``: the
+    weight sorted by (:func:`_sort_weight`; ties keep sample order).
     """
     step = block * tiles
     sample, first = _expand((rows + step - 1) // step)
