@@ -375,9 +375,10 @@ def test_query_chunked_work_covers_every_key_tile_and_query_row_once():
     keys = _query_chunked_work(k_len.tobytes(), q_len.tobytes(), 7, 16, 128, "cpu", "keys")
     keyed = list(zip(keys.work_b.tolist(), keys.work_t.tolist(), map(tuple, keys.bounds.tolist())))
     assert sorted(keyed) == sorted(items) and keys.groups.tolist() == chunks.groups.tolist()
-    # by query rows alone: the full 128-row chunks first in sample order, so sample 4's 4-key last tile runs beside
-    # its full one (by rows x keys it came after sample 0's chunks), then 72, 44, 10 and 0 query rows
-    assert [item[:2] for item in keyed] == [(0, 0), (0, 0), (4, 0), (4, 1), (4, 0), (4, 1), (0, 0), (1, 0), (2, 0)]
+    # by query rows, then the sample's keys: the full 128-row chunks first, sample 4's (20 keys) before sample 0's
+    # (5), so sample 4's 4-key last tile runs beside its full one (by rows x keys it came after sample 0's chunks),
+    # then 72, 44, 10 and 0 query rows
+    assert [item[:2] for item in keyed] == [(4, 0), (4, 1), (0, 0), (0, 0), (4, 0), (4, 1), (0, 0), (1, 0), (2, 0)]
     assert [item[:2] for item in items].index((4, 1)) == 4
 
 
@@ -704,7 +705,7 @@ def test_work_orders_list_every_tile_once_and_keys_keeps_samples_together(rows, 
     unmasked sample's items are one run (its partial last tile beside its full ones)."""
     from opengem.ops.triton.gdpa import WORK_ORDERS, _work_order
 
-    cols = [data.draw(st.integers(0, 300)) for _ in rows]
+    cols = [data.draw(st.one_of(st.just(32), st.integers(0, 300))) for _ in rows]  # often alike, as PFFN's keys
     row_lengths, col_lengths = np.array(rows, dtype=np.int64), np.array(cols, dtype=np.int64)
     step = block * tiles
     expected = sorted((b, i * tiles) for b, n in enumerate(rows) for i in range(-(-n // step)))
@@ -714,7 +715,7 @@ def test_work_orders_list_every_tile_once_and_keys_keeps_samples_together(rows, 
         if order == "keys" and kind == "full" and window == 0:
             runs = [b for i, b in enumerate(sample.tolist()) if i == 0 or sample[i - 1] != b]
             assert len(runs) == len(set(runs))  # no sample's items split by another's
-            weights = [max(cols[b], 1) for b in runs]
+            weights = [(max(cols[b], 1), rows[b]) for b in runs]  # keys first, then the sample's rows
             assert weights == sorted(weights, reverse=True)
 
 
@@ -736,9 +737,9 @@ def test_query_chunked_orders_list_the_same_items(q_lengths, data):
 
 
 def test_work_list_keys_order_keeps_a_samples_tiles_adjacent(monkeypatch):
-    """``OPENGEM_GDPA_WORK_ORDER=keys`` (the default): samples by keys, longest first, each sample's tiles (its
-    partial last one included) in a row, so they share its K/V in L2; ``work`` puts the partial tile after fuller
-    work."""
+    """``OPENGEM_GDPA_WORK_ORDER=keys`` (the default): samples by keys, then by their rows, longest first, each
+    sample's tiles (its partial last one included) in a row, so they share its K/V in L2; ``work`` puts the partial
+    tile after fuller work."""
     from opengem.ops.triton import gdpa as triton_gdpa
 
     rows = np.array([40, 100, 70], dtype=np.int64)
@@ -754,6 +755,13 @@ def test_work_list_keys_order_keeps_a_samples_tiles_adjacent(monkeypatch):
     assert list(zip(work_b.tolist(), work_t.tolist()))[-2:] == [(1, 3), (0, 1)]
     table = triton_gdpa.gluon_work_items(rows.tobytes(), cols.tobytes(), 0, 0, 32, "cpu", order)
     assert table[:, 0].tolist() == [40, 72, 104, 136, 140, 172, 204, 0, 32]  # first query rows
+    # keys alike for every sample (PFFN's 32 summary keys): longest sample first, not sample order, and each
+    # sample's partial last tile right after its full ones
+    rows_pffn = np.array([40, 200, 10, 130], dtype=np.int64)
+    cols_pffn = np.full(4, 32, dtype=np.int64)
+    work_b, work_t = triton_gdpa._work_list(rows_pffn.tobytes(), cols_pffn.tobytes(), 64, 1, "full", 0, "cpu", order)
+    assert list(zip(work_b.tolist(), work_t.tolist())) == [(1, 0), (1, 1), (1, 2), (1, 3), (3, 0), (3, 1), (3, 2),
+                                                           (0, 0), (2, 0)]
     monkeypatch.setenv("OPENGEM_GDPA_WORK_ORDER", "widest")
     with pytest.raises(ValueError, match=r"OPENGEM_GDPA_WORK_ORDER must be one of \('work', 'keys'\), got 'widest'"):
         triton_gdpa.work_order_setting()
