@@ -287,11 +287,12 @@ WORK_ORDERS = ("work", "keys")
 
 def work_order_setting() -> str:
     """``OPENGEM_GDPA_WORK_ORDER``: how :func:`_work_order` sorts the tiles. ``keys`` (default): by the keys a tile
-    visits, as JFA orders its tiles, so an unmasked sample's tiles (its partial last one included) stay adjacent and
-    read its K/V while L2 still holds it; ``work``: by rows x keys, which runs a sample's partial last tile long after
-    its full ones (H100, issue 4's (a) forward at sparsity 0.5: ``keys`` 1.04-1.26x ``work``, the same bits;
-    session 46, ``gdpa_work_order_s50a``). Read at every op call; a tuned tile keeps its pick whichever order it was
-    timed in. It orders every pass's list, dK/dV split into query chunks (:func:`_query_chunked_work`) included."""
+    visits, as JFA orders its tiles (ties: the longer sample first, :func:`_ranked`), so an unmasked sample's tiles
+    (its partial last one included) stay adjacent and read its K/V while L2 still holds it; ``work``: by rows x keys,
+    which runs a sample's partial last tile long after its full ones (H100, issue 4's (a) forward at sparsity 0.5:
+    ``keys`` 1.04-1.26x ``work``, the same bits; session 46, ``gdpa_work_order_s50a``). Read at every op call; a
+    tuned tile keeps its pick whichever order it was timed in. It orders every pass's list, dK/dV split into query
+    chunks (:func:`_query_chunked_work`) included."""
     setting = os.environ.get("OPENGEM_GDPA_WORK_ORDER", "keys")
     if setting not in WORK_ORDERS:
         raise ValueError(f"OPENGEM_GDPA_WORK_ORDER must be one of {WORK_ORDERS}, got {setting!r}")
