@@ -394,7 +394,7 @@ def _ranked(rows: np.ndarray, other: np.ndarray, sample_rows: np.ndarray, order:
     of the other side's it visits and ``sample_rows`` in its sample. ``work``: by ``rows`` x ``other``. ``keys``: by
     ``other``, then by ``sample_rows``; where the other side is alike for all samples (PFFN's 32 keys, pooling's
     seeds), ``other`` alone left the items in sample order, no longest first (gem-large's PFFN forward: 9-11% slower
-    than ``work``, H100, session 47). Other ties keep sample order, so an unmasked sample's items stay in a row."""
+    than ``work``, H100, session 47). Remaining ties keep sample order, so an unmasked sample's items stay in a row."""
     if order not in WORK_ORDERS:
         raise ValueError(f"work order must be one of {WORK_ORDERS}, got {order!r}")
     if order == "work":
