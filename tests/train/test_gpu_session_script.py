@@ -18,10 +18,8 @@ echo "python $*"
 
 
 def one_gpu_parts() -> list[str]:
-    """The parts of the script's dispatch line for one GPU."""
-    text = SCRIPT.read_text()
-    line = next(x for x in text.splitlines() if x.strip().startswith("1a|1b|"))
-    return line.strip().split(")")[0].split("|")
+    """The script's one-GPU parts: each ``chain_NAME`` function is part ``NAME``."""
+    return re.findall(r"^chain_(\w+)\(\)", SCRIPT.read_text(), flags=re.MULTILINE)
 
 
 def run_part(part: str, tmp_path: Path) -> tuple[list[str], list[str]]:
@@ -49,6 +47,15 @@ def test_every_one_gpu_part_dispatches_and_each_step_runs(tmp_path):
         status, commands = run_part(part, tmp_path)
         assert status and all(line.startswith("rc=0 ") for line in status), (part, status)
         assert len(commands) >= len(status), (part, commands)  # every step reached python
+
+
+def test_an_unknown_part_stops_before_any_step(tmp_path):
+    """A part with no ``chain_`` function of its name exits 2 and names itself, running nothing."""
+    result = subprocess.run(["bash", str(SCRIPT), str(tmp_path / "out"), "s99z"], cwd=tmp_path, timeout=60,
+                            env={"PATH": "/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)},
+                            capture_output=True, text=True)
+    assert result.returncode == 2 and "unknown part s99z" in result.stderr
+    assert not (tmp_path / "out" / "status").exists() or not (tmp_path / "out" / "status").read_text().strip()
 
 
 @pytest.mark.parametrize(("part", "expected"), [
