@@ -947,6 +947,14 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s52a() {  # session 48: (b) with the compiled padded peer and (a) L2048 s1.0 against JFA, the SM clock logged:
+  # the two bars that sit inside the power cap's spread (K/V 256 forward 400 TFLOP/s; forward 1.1x JFA)
+  clock_log start
+  step gdpa_b 240 python -m benchmarks.gdpa --workloads "b cross" --peers padded-compiled
+  mv benchmarks/results/gdpa.json "$out/results/gdpa_s52a_b.json"  # the next step rewrites gdpa.json
+  step gdpa_a_l2048 200 python -m benchmarks.gdpa --workloads "a self L=2048 s=1.0" --peers jfa
+  clock_log stop
+}
 chain_s51a() {  # session 47: gem-large b512 once under the GDPA defaults of session 46 (needs an H200: ~106 GB peak)
   step bench_train_large 420 large_b512 train_gem-large_b512_s51a_bf16
 }
