@@ -947,6 +947,12 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s52b() {  # session 48: GDPA's forward from rested to sustained (4 s windows after 5 s idle), (b) K/V 256 alone
+  # and (a) L2048 s1.0 interleaved with JFA call by call, the SM clock logged
+  clock_log start
+  step gdpa_power_window 240 python -m benchmarks.diag.gdpa_power_window --out "$out/results"
+  clock_log stop
+}
 chain_s52a() {  # session 48: (b) with the compiled padded peer and (a) L2048 s1.0 against JFA, the SM clock logged:
   # the two bars that sit inside the power cap's spread (K/V 256 forward 400 TFLOP/s; forward 1.1x JFA)
   clock_log start

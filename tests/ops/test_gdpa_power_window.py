@@ -1,0 +1,38 @@
+"""The power-window diag's arithmetic (`window_medians`) on hand-made timelines; its GPU part runs in chain s52b."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+from benchmarks.diag.gdpa_power_window import window_medians
+
+
+def test_first_window_slices_and_sustained_half_are_read_by_start_time():
+    # 10 ms calls back to back for 1 s: 1.0 ms each in the first 300 ms (rested), then 1.5 ms (capped)
+    starts = [float(i * 10) for i in range(100)]
+    durations = [1.0 if s < 300 else 1.5 for s in starts]
+    stats = window_medians(starts, durations, slice_ms=250.0)
+    assert stats["first_window_ms"] == 1.0  # calls starting in the first 125 ms
+    assert stats["sustained_ms"] == 1.5  # calls starting in the second half (>= 495.75 ms)
+    assert stats["calls"] == 100 and stats["window_ms"] == pytest.approx(991.5)
+    assert [s[0] for s in stats["slices"]] == [0.0, 250.0, 500.0, 750.0]
+    assert [s[2] for s in stats["slices"]] == [25, 25, 25, 25]
+    assert stats["slices"][0][1] == 1.0
+    assert stats["slices"][1][1] == 1.5  # 250-300 ms rested (5 calls), 300-500 capped (20): the median is capped
+
+
+def test_a_window_shorter_than_the_benchmark_window_has_no_sustained_gap():
+    stats = window_medians([0.0, 40.0, 80.0], [30.0, 30.0, 30.0], slice_ms=50.0)
+    assert stats["first_window_ms"] == 30.0 and stats["sustained_ms"] == 30.0  # second half: the call at 80 ms
+
+
+@pytest.mark.parametrize("starts, durations, slice_ms, message", [
+    ([], [], 10.0, "at least one call"),
+    ([0.0, 1.0], [1.0], 10.0, "2 starts and 1 durations"),
+    ([0.0], [1.0], 0.0, "slice_ms must be > 0"),
+])
+def test_bad_timelines_are_refused(starts, durations, slice_ms, message):
+    with pytest.raises(ValueError, match=message):
+        window_medians(starts, durations, slice_ms)
