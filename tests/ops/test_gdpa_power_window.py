@@ -16,6 +16,7 @@ def test_first_window_slices_and_sustained_half_are_read_by_start_time():
     stats = window_medians(starts, durations, slice_ms=250.0)
     assert stats["first_window_ms"] == 1.0  # calls starting in the first 125 ms
     assert stats["sustained_ms"] == 1.5  # calls starting in the second half (>= 495.75 ms)
+    assert stats["sustained_mean_ms"] == 1.5
     assert stats["calls"] == 100 and stats["window_ms"] == pytest.approx(991.5)
     assert [s[0] for s in stats["slices"]] == [0.0, 250.0, 500.0, 750.0]
     assert [s[2] for s in stats["slices"]] == [25, 25, 25, 25]
@@ -26,6 +27,13 @@ def test_first_window_slices_and_sustained_half_are_read_by_start_time():
 def test_a_window_shorter_than_the_benchmark_window_has_no_sustained_gap():
     stats = window_medians([0.0, 40.0, 80.0], [30.0, 30.0, 30.0], slice_ms=50.0)
     assert stats["first_window_ms"] == 30.0 and stats["sustained_ms"] == 30.0  # second half: the call at 80 ms
+
+
+def test_the_sustained_mean_counts_the_dips_the_median_skips():
+    starts = [float(i) for i in range(40)]
+    durations = [2.0 if i % 4 == 1 else 1.0 for i in range(40)]  # every fourth call dipped; the second half: 20-39
+    stats = window_medians(starts, durations, slice_ms=10.0)
+    assert stats["sustained_ms"] == 1.0 and stats["sustained_mean_ms"] == pytest.approx(1.25)
 
 
 @pytest.mark.parametrize("starts, durations, slice_ms, message", [
