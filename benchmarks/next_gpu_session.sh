@@ -947,6 +947,13 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s52c() {  # session 48: the power window on all eight (a) rows (forward x JFA interleaved call by call, sustained)
+  # and (b) K/V 256 again, now with the sustained mean
+  clock_log start
+  step gdpa_power_window_a 420 python -m benchmarks.diag.gdpa_power_window \
+    --workloads "a self,b cross Q<=2048 KV=256" --seconds 2 --rest 3 --out "$out/results"
+  clock_log stop
+}
 chain_s52b() {  # session 48: GDPA's forward from rested to sustained (4 s windows after 5 s idle), (b) K/V 256 alone
   # and (a) L2048 s1.0 interleaved with JFA call by call, the SM clock logged
   clock_log start
