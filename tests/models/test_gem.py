@@ -280,6 +280,24 @@ def test_unknown_preset_and_bad_config_raise():
         GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, num_heads=3))
 
 
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_recent": -3}, "num_recent must be >= 0, got -3"),  # cut S_sum from 8 tokens to 1, silently
+    ({"num_summary_tokens": 0}, "num_summary_tokens must be >= 1, got 0"),  # a ZeroDivisionError at the forward
+    ({"num_heads": 0}, "num_heads must be >= 1, got 0"),  # a ZeroDivisionError in the divisibility check
+    ({"ffn_mult": -1}, "ffn_mult must be >= 0, got -1"),  # ran as 0
+    ({"num_seeds": 0}, "num_seeds must be >= 1, got 0"),
+    ({"head_dims": (64, 0)}, r"head_dims must be sizes >= 1, got \(64, 0\)"),
+])
+def test_bad_sizes_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message):
+        GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, **change))
+
+
+def test_seeds_are_not_checked_without_pooling():
+    model = GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, num_seeds=0, use_pooling=False))
+    assert model.config.num_seeds == 0
+
+
 def test_trainer_builds_gem_and_keeps_the_history_free_baseline():
     config = load_config("gem-tiny", None, ["architecture=gem", "gem.num_layers=3", "gem.self_attention=block"])
     learner = build_learner(config, config.model.history, torch.device("cpu"))

@@ -588,6 +588,8 @@ def test_hstu_attention_is_silu_over_max_len_with_the_mask():
     mask = attention_mask(8, causal=True, num_targets=2, contextual_len=1, window=3)
     scores = torch.nn.functional.silu(0.3 * q[:8, 0] @ k[:8, 0].T) / 10
     torch.testing.assert_close(out[:8, 0], (scores * mask) @ v[:8, 0])
+    with pytest.raises(ValueError, match="contextual_len must be a non-negative int, got -1"):
+        hstu_attention(q, k, v, offsets, 10, alpha=0.3, causal=False, contextual_len=-1)
 
 
 def test_op_compiles_fullgraph_on_cpu():
@@ -653,6 +655,10 @@ def test_visible_pairs_matches_the_mask(lengths, causal, window, contextual_len,
         ({"num_targets": torch.tensor([5, 0])}, "num_targets[0] = 5"),
         ({"max_len_k": 2}, "max_len_k = 2 is shorter"),
         ({"backend": "triton", "head_dim": 24}, "head_dim in"),
+        # no other mask option set: a negative contextual_len left the op unmasked and went unchecked
+        ({"contextual_len": -1}, "contextual_len must be a non-negative int, got -1"),
+        ({"contextual_len": -1, "cross": True}, "contextual_len must be a non-negative int, got -1"),
+        ({"window": -3}, "window must be None or a non-negative int, got -3"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, message):

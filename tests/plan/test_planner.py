@@ -90,3 +90,11 @@ def test_missing_cluster_file_and_cli_error(tmp_path, capsys):
         load_cluster(tmp_path / "none.toml")
     assert main(["plan", "--preset", "gem-small", "--gpus", "100000"]) == 2
     assert "the cluster h100 has 4096 GPUs" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flag", ["--gpus", "--local-batch", "--sparse-sync-every", "--top"])
+@pytest.mark.parametrize("value", ["0", "-5"])
+def test_plan_cli_refuses_counts_below_one(flag, value, capsys):
+    # 0 once meant "the default" for --gpus / --local-batch (a truthiness test), and -5 reached math.log
+    assert main(["plan", "--preset", "gem-small", flag, value]) == 2
+    assert f"{flag} must be >= 1, got {value}" in capsys.readouterr().err

@@ -27,6 +27,12 @@ def test_config_round_trips_through_a_dict():
         (["baseline=maybe"], "expected true or false"),
         (["steps"], "expects key=value"),
         (["model=3"], "is a section"),
+        (["lr=-1"], r"lr must be > 0, got -1.0"),
+        (["lr=nan"], r"lr must be > 0, got nan"),
+        (["embedding_lr=-1"], r"embedding_lr must be > 0, got -1.0"),  # trained without a word before
+        (["weight_decay=-1"], r"weight_decay must be >= 0, got -1.0"),
+        (["min_lr_ratio=5"], r"min_lr_ratio must be in \[0, 1\] \(a fraction of lr\), got 5.0"),
+        (["spike_factor=0.5"], r"spike_factor must be > 1"),
     ],
 )
 def test_bad_overrides_are_named(overrides, message):

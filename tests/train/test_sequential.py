@@ -3,6 +3,7 @@ training run on a synthetic .inter file whose next item is predictable."""
 
 import json
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -49,6 +50,27 @@ def test_presets_and_overrides() -> None:
         load_sequential_config("gru4rec")
     with pytest.raises(ValueError, match="unknown setting 'depth'"):
         load_sequential_config("hstu-ml100k", ["depth=3"])
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("temperature=0", "temperature must be > 0, got 0.0"),  # was a NaN loss reported with HR@10 = 1.0
+    ("lr=-1", "lr must be > 0, got -1.0"),
+    ("batch_size=0", "batch_size must be >= 1, got 0"),  # was a ZeroDivisionError
+    ("eval_every=0", "eval_every must be >= 1, got 0"),
+    ("max_len=0", "max_len must be >= 1, got 0"),
+    ("epochs=0", "epochs must be >= 1, got 0"),  # ran nothing and exited 0
+    ("uniform_negatives=-1", "uniform_negatives must be >= 0, got -1"),
+    ("weight_decay=-0.1", "weight_decay must be >= 0, got -0.1"),
+])
+def test_bad_settings_are_refused_by_name(override: str, message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        load_sequential_config("hstu-ml100k", [override])
+
+
+def test_a_run_needs_some_negatives() -> None:
+    with pytest.raises(ValueError, match="in_batch_negatives \\+ uniform_negatives must be >= 1"):
+        load_sequential_config("hstu-ml100k", ["in_batch_negatives=0", "uniform_negatives=0"])
+    assert load_sequential_config("hstu-ml100k", ["in_batch_negatives=0"]).uniform_negatives == 128
 
 
 def cyclic_inter(path: Path, users: int = 32, items: int = 40, length: int = 10, seed: int = 0) -> Path:

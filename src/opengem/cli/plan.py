@@ -28,12 +28,14 @@ def run_plan(args: argparse.Namespace) -> int:
     from opengem.plan.planner import LOCAL_BATCHES, Planner
     from opengem.plan.report import format_plan, plot, write_json
 
+    for flag, value in (("--gpus", args.gpus), ("--local-batch", args.local_batch),
+                        ("--sparse-sync-every", args.sparse_sync_every), ("--top", args.top)):
+        if value is not None and value < 1:  # None: the flag's default (the whole cluster, a searched batch)
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     cluster = load_cluster(args.cluster)
-    batches = (args.local_batch,) if args.local_batch else LOCAL_BATCHES
-    if args.sparse_sync_every < 1:
-        raise ValueError(f"--sparse-sync-every must be >= 1, got {args.sparse_sync_every}")
+    batches = LOCAL_BATCHES if args.local_batch is None else (args.local_batch,)
     start = time.perf_counter()
-    plan = Planner(args.preset, cluster, args.gpus or cluster.total_gpus, args.calibration).plan(
+    plan = Planner(args.preset, cluster, cluster.total_gpus if args.gpus is None else args.gpus, args.calibration).plan(
         batches, batch_shuffling=not args.no_batch_shuffling, sparse_sync_every=args.sparse_sync_every)
     print(format_plan(plan, args.top))
     print(f"planned in {time.perf_counter() - start:.1f} s")

@@ -49,6 +49,8 @@ class SequenceCTRModel(nn.Module):
         super().__init__()
         if config.history not in ("attention", "mean", "none"):
             raise ValueError(f"history must be attention, mean or none, got {config.history!r}")
+        if not config.mlp_dims or min(config.mlp_dims) < 1:  # the last size feeds the task heads
+            raise ValueError(f"mlp_dims must be one or more sizes >= 1, got {config.mlp_dims}")
         self.config = config
         self.sparse_names = [f.name for f in features if f.kind != "sequence"]
         uses_history = config.history != "none"

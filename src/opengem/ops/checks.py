@@ -67,14 +67,19 @@ def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
         raise ValueError(f"{name} = {max_len} is shorter than the longest sequence ({longest})")
 
 
-def check_mask_options(
-    offsets: torch.Tensor, num_targets: torch.Tensor | None, contextual_len: int, window: int | None
-) -> None:
-    """Validate the recommendation-mask options against the batch described by ``offsets``."""
+def check_mask_scalars(contextual_len: int, window: int | None) -> None:
+    """The mask options that need no batch: checked even where no mask applies, so a bad value is never ignored."""
     if not isinstance(contextual_len, int) or contextual_len < 0:
         raise ValueError(f"contextual_len must be a non-negative int, got {contextual_len!r}")
     if window is not None and (not isinstance(window, int) or window < 0):
         raise ValueError(f"window must be None or a non-negative int, got {window!r}")
+
+
+def check_mask_options(
+    offsets: torch.Tensor, num_targets: torch.Tensor | None, contextual_len: int, window: int | None
+) -> None:
+    """Validate the recommendation-mask options against the batch described by ``offsets``."""
+    check_mask_scalars(contextual_len, window)
     if num_targets is None:
         return
     batch = offsets.numel() - 1

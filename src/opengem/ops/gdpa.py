@@ -18,7 +18,7 @@ from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, visible_pairs
 from opengem.ops.autocast import cast_inputs
-from opengem.ops.checks import check_attention_inputs, check_mask_options, check_projection_bias
+from opengem.ops.checks import check_attention_inputs, check_mask_options, check_mask_scalars, check_projection_bias
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as gdpa_fp8_reference
@@ -170,6 +170,7 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)
     out_scale = float(post_scale) / _norm_value(norm, max_len_k)
+    check_mask_scalars(contextual_len, window)  # a negative contextual_len would not set `masked` below
     masked = causal or num_targets is not None or contextual_len > 0 or window is not None
     if broadcast_q:
         if q_offsets is not None:

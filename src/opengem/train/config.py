@@ -87,8 +87,15 @@ class TrainConfig:
         for name in ("warmup_steps", "num_workers", "numerics_every"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not self.numerics_bound > 0:
-            raise ValueError(f"numerics_bound must be > 0, got {self.numerics_bound}")
+        for name in ("lr", "embedding_lr", "numerics_bound"):
+            if not getattr(self, name) > 0:  # `not >`: NaN fails too
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {self.min_lr_ratio}")
+        if not self.spike_factor > 1:
+            raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {self.spike_factor}")
         if self.weight_shadows and self.precision != "bf16":
             raise ValueError(f"weight_shadows holds bf16 copies for precision=bf16, got precision={self.precision!r}")
         if self.fp32_weight_grads and not self.weight_shadows:

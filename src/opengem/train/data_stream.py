@@ -7,11 +7,13 @@ held-out set lives at a far index range the stream never reaches.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from opengem.data.layout import DataLayout
 from opengem.data.parquet import batches_from_table, make_loader
 from opengem.data.schema import Batch
 from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
@@ -54,13 +56,15 @@ def train_batches(config: TrainConfig, start_step: int, rank: int = 0, world_siz
     """Training batches from ``start_step`` on; rank ``rank`` of ``world_size`` gets its share of each.
 
     Parquet: each rank reads its own files, ``batch_size / world_size`` samples per batch, with Base
-    Batch Shuffling per rank when distributed.
+    Batch Shuffling per rank when distributed; a run longer than the files reads them again, pass after pass
+    (a warning at each new pass). The files must hold ``data_preset``'s features, which the model is built for.
     """
     if config.data_dir:
         loader = make_loader(config.data_dir, batch_size=config.batch_size // world_size, num_workers=config.num_workers,
                              pin_memory=torch.cuda.is_available(), batch_shuffling=world_size > 1, seed=config.seed,
                              rank=rank, world_size=world_size)
-        batches = iter(loader)
+        check_data_dir_layout(config, loader.dataset.layout)
+        batches = _passes(loader, config.data_dir, rank)
         for _ in range(start_step):  # exact resume: skip what the run already consumed
             next(batches)
         return batches
@@ -73,6 +77,45 @@ def train_batches(config: TrainConfig, start_step: int, rank: int = 0, world_siz
         persistent_workers=config.num_workers > 0,
     )
     return iter(loader)
+
+
+def _passes(loader: DataLoader, data_dir: str, rank: int) -> Iterator[Batch]:
+    """The loader's batches pass after pass (pass ``e`` calls ``set_epoch(e)``, which reshuffles where the loader
+    shuffles), for as many steps as the run takes; each new pass is announced with a warning."""
+    epoch = 0
+    while True:
+        loader.dataset.set_epoch(epoch)
+        count = 0
+        for batch in loader:
+            count += 1
+            yield batch
+        if count == 0:
+            raise ValueError(f"data_dir {data_dir!r}: rank {rank} got no batch from its files")
+        epoch += 1
+        warnings.warn(f"data_dir {data_dir!r}: pass {epoch} ended after {count} batches (rank {rank}); "
+                      f"reading the files again as pass {epoch + 1}", stacklevel=2)
+
+
+def check_data_dir_layout(config: TrainConfig, layout: DataLayout) -> None:
+    """The model is built for ``data_preset``'s features: refuse files written with other features or sizes."""
+    expected = SYNTHETIC_PRESETS[config.data_preset].layout(config.seed)  # the seed is not compared
+    if layout == expected:
+        return
+    found = {f.name: f for f in layout.features}
+    wanted = {f.name: f for f in expected.features}
+    if found.keys() != wanted.keys():
+        problem = (f"features {sorted(found.keys() - wanted.keys())} are not in it and "
+                   f"{sorted(wanted.keys() - found.keys())} are missing")
+    elif layout.dense_features != expected.dense_features:
+        problem = f"dense features {list(layout.dense_features)} differ from {list(expected.dense_features)}"
+    else:
+        name = next(n for n in wanted if found[n] != wanted[n])
+        problem = (f"feature {name!r} is {found[name].kind} with {found[name].num_embeddings} ids there and "
+                   f"{wanted[name].kind} with {wanted[name].num_embeddings} in the preset")
+    writer = layout.source_info.get("generator", {}).get("name")
+    hint = f"; the files were written for data preset {writer!r}: set data_preset={writer}" if writer else ""
+    raise ValueError(f"data_dir {config.data_dir!r} does not hold data_preset {config.data_preset!r}'s features: "
+                     f"{problem}{hint}")
 
 
 def eval_batches(config: TrainConfig, rank: int = 0, world_size: int = 1) -> list[Batch]:

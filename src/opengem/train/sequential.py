@@ -55,6 +55,21 @@ class SequentialConfig:
     seed: int = 0
     device: str = "auto"
 
+    def __post_init__(self) -> None:
+        for name in ("dim", "num_layers", "num_heads", "max_len", "batch_size", "epochs", "eval_every",
+                     "eval_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("in_batch_negatives", "uniform_negatives", "weight_decay"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.in_batch_negatives + self.uniform_negatives < 1:
+            raise ValueError("in_batch_negatives + uniform_negatives must be >= 1 (the sampled softmax needs "
+                             "negatives), got 0")
+        for name in ("temperature", "lr"):  # temperature 0 divided every logit by zero: a NaN loss
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+
     @property
     def run_name(self) -> str:
         return self.name or self.preset
