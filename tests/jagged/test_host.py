@@ -25,6 +25,20 @@ def test_registered_mirror_is_returned_without_reading_the_device():
     assert host_copy(device) is host
 
 
+def test_known_host_copy_never_reads_the_device():
+    from opengem.jagged.host import known_host_copy
+
+    cpu = torch.tensor([0, 2, 5])
+    assert known_host_copy(cpu) is cpu
+    device = torch.empty(3, dtype=torch.int64, device="meta")
+    assert known_host_copy(device) is None  # no mirror: None, where host_copy would read (here: raise)
+    host = torch.tensor([0, 2, 5])
+    register_host_copy(device, host)
+    assert known_host_copy(device) is host
+    device.add_(1)
+    assert known_host_copy(device) is None  # stale after an in-place change
+
+
 def test_in_place_change_invalidates_the_mirror():
     device = torch.empty(3, dtype=torch.int64, device="meta")
     register_host_copy(device, torch.tensor([0, 2, 5]))

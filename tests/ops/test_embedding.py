@@ -289,6 +289,67 @@ def test_bad_inputs_raise() -> None:
         ops.check_ids(ids, torch.tensor([0, 1, 1, 3]), 1, [4, 3, 2], ["a", "b", "c"])  # b is empty
 
 
+def _first_feature(p: Problem) -> int:
+    """The feature that owns ``p.ids[0]``."""
+    B = p.layout.batch_size
+    return next(f for f in range(len(MIXED["features"])) if int(p.offsets[(f + 1) * B]) > 0)
+
+
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+@pytest.mark.parametrize("bad_id", [-1, 99])
+def test_out_of_range_ids_are_named_on_the_cpu(monkeypatch, backend, bad_id) -> None:
+    # the Triton kernel had read a neighbouring table's row (or past the buffer) for such ids
+    monkeypatch.setenv("OPENGEM_EMBEDDING_BACKEND", backend)
+    p = make_problem(**MIXED, batch_size=2, max_len=3, seed=5)
+    f = _first_feature(p)
+    rows = MIXED["rows"][MIXED["features"][f][0]]
+    p.ids[0] = bad_id
+    with pytest.raises(ValueError, match=rf"feature '{f}': id {bad_id} at position 0 is out of range \[0, {rows}\)"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets)
+
+
+def test_offsets_that_do_not_fit_the_ids_are_named() -> None:
+    p = make_problem(**MIXED, batch_size=2, max_len=3, seed=5)
+    n = p.ids.numel()
+    with pytest.raises(ValueError, match=rf"offsets\[-1\] = {n} must equal the number of values, {n + 1}"):
+        ops.embedding_lookup(p.weights, p.layout, torch.cat([p.ids, p.ids[:1]]), p.offsets)  # a trailing id
+    shifted = p.offsets.clone()
+    shifted[0] = 1
+    with pytest.raises(ValueError, match=r"offsets\[0\] must be 0, got 1"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, shifted)
+    swapped = p.offsets.clone()
+    swapped[1], swapped[2] = int(p.offsets[2]) + 1, int(p.offsets[1])
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing: offsets\[2\]"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, swapped)
+
+
+def test_a_sequence_feature_with_more_ids_than_its_layout_is_refused() -> None:
+    p = make_problem(**MIXED, batch_size=2, max_len=3, seed=5)
+    B, tables = 2, [(0, 0, 4, 5), (20, 4, 7, 16), (132, 11, 9, 33)]
+    given = int(p.offsets[3 * B] - p.offsets[2 * B])  # feature 2 pools "none": one output row an id
+    lengths = [int(p.offsets[(f + 1) * B] - p.offsets[f * B]) for f in range(5)]
+    lengths[2] = given - 1 if given else 1
+    short = ops.LookupLayout.build(tables, [t for t, _ in MIXED["features"]], [q for _, q in MIXED["features"]],
+                                   lengths, B, "cpu")
+    with pytest.raises(ValueError, match=rf"feature 2 \(pooling 'none'\): the layout has rows for {lengths[2]} ids, "
+                                         rf"offsets give {given}"):
+        ops.embedding_lookup(p.weights, short, p.ids, p.offsets)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"feature_tables": [0, -1]}, r"feature_tables\[1\] = -1 must be in \[0, 2\)"),  # -1 wrapped to the last table
+    ({"feature_tables": [0, 2]}, r"feature_tables\[1\] = 2 must be in \[0, 2\)"),
+    ({"feature_pooling": ["sum", "max"]}, r"feature_pooling\[1\] must be one of \['mean', 'none', 'sum'\], got 'max'"),
+    ({"feature_lengths": [3, -1]}, r"feature_lengths\[1\] must be >= 0, got -1"),
+    ({"batch_size": -1}, "batch_size must be >= 0, got -1"),
+])
+def test_bad_layouts_are_refused_by_argument(change, message) -> None:
+    args = dict(tables=[(0, 0, 4, 8), (32, 4, 3, 8)], feature_tables=[0, 1], feature_pooling=["sum", "none"],
+                feature_lengths=[3, 2], batch_size=2, device="cpu")
+    with pytest.raises(ValueError, match=message):
+        ops.LookupLayout.build(**(args | change))
+
+
 @pytest.mark.parametrize(
     ("env", "is_cuda", "expected"),
     [(None, False, False), (None, True, True), ("triton", False, True), ("reference", True, False)],

@@ -64,6 +64,14 @@ def host_copy(tensor: torch.Tensor) -> torch.Tensor:
     return host
 
 
+def known_host_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """``tensor`` on the CPU, else its registered mirror; None where reading it would synchronize the device."""
+    if tensor.device.type == "cpu":
+        return tensor
+    entry = _entry(tensor)
+    return None if entry is None else entry[2]
+
+
 def offsets_summary(offsets: torch.Tensor) -> OffsetsSummary:
     """The :class:`OffsetsSummary` of a 1-D offsets tensor with at least one entry; computed once per mirrored
     device tensor (and version), each call for a CPU tensor (which may change in place without a mirror)."""

@@ -49,12 +49,14 @@ from dataclasses import dataclass
 import torch
 from torch.utils.flop_counter import register_flop_formula
 
-from opengem.jagged.host import to_device
+from opengem.jagged.host import known_host_copy, to_device
+from opengem.jagged.jagged import validate_offsets
 from opengem.ops.fp32_gemm import fp32_product
 from opengem.ops.reference import embedding as reference
 from opengem.ops.reference.embedding import (
     DIM,
     META_COLUMNS,
+    NUM_ROWS,
     OPT_ROWWISE_ADAGRAD,
     OPT_ROWWISE_ADAM,
     OPT_SGD,
@@ -62,6 +64,7 @@ from opengem.ops.reference.embedding import (
     POOL_MEAN,
     POOL_NONE,
     POOL_SUM,
+    POOLING,
 )
 
 POOLING_CODES = {"sum": POOL_SUM, "mean": POOL_MEAN, "none": POOL_NONE}
@@ -300,8 +303,16 @@ class LookupLayout:
         Feature f reads table ``feature_tables[f]`` with ``feature_pooling[f]`` ("sum", "mean", "none")
         and has ``feature_lengths[f]`` ids in the batch (sizes a sequence feature's output).
         """
+        if batch_size < 0:
+            raise ValueError(f"batch_size must be >= 0, got {batch_size}")
         rows, out, max_dim = [], 0, 0
-        for table, pooling, count in zip(feature_tables, feature_pooling, feature_lengths, strict=True):
+        for f, (table, pooling, count) in enumerate(zip(feature_tables, feature_pooling, feature_lengths, strict=True)):
+            if not 0 <= table < len(tables):  # a negative index would wrap to another table
+                raise ValueError(f"feature_tables[{f}] = {table} must be in [0, {len(tables)})")
+            if pooling not in POOLING_CODES:
+                raise ValueError(f"feature_pooling[{f}] must be one of {sorted(POOLING_CODES)}, got {pooling!r}")
+            if count < 0:
+                raise ValueError(f"feature_lengths[{f}] must be >= 0, got {count}")
             weight_offset, row_offset, num_rows, dim = tables[table]
             code = POOLING_CODES[pooling]
             rows.append((weight_offset, dim, code, out, row_offset, num_rows))
@@ -411,6 +422,27 @@ def check_ids(
     raise_bad_ids([IdCheck.start(ids, offsets, batch_size, num_rows, feature_names)])
 
 
+def _check_bags(layout: LookupLayout, ids: torch.Tensor, offsets: torch.Tensor) -> None:
+    """The offsets against the ids and the layout, and on the CPU the ids' ranges: wherever that needs no device
+    sync (CPU tensors, or offsets with a registered host mirror). The kernels read whatever the offsets and ids
+    point at, so a device caller without a mirror checks first (:func:`check_ids`, the jagged constructors)."""
+    host = known_host_copy(offsets)
+    if host is None:
+        return
+    validate_offsets(offsets, ids.numel(), "offsets")  # reads the mirror (and its cached summary), no sync
+    batch = layout.batch_size
+    for f, row in enumerate(layout.meta_rows):
+        if row[POOLING] != POOL_NONE:
+            continue
+        end = layout.meta_rows[f + 1][OUT_OFFSET] if f + 1 < len(layout.meta_rows) else layout.out_numel
+        sized, given = (end - row[OUT_OFFSET]) // row[DIM], int(host[(f + 1) * batch] - host[f * batch])
+        if sized != given:  # the kernel writes the layout's rows: extra ids would be dropped, missing ones unwritten
+            raise ValueError(f"feature {f} (pooling 'none'): the layout has rows for {sized} ids, offsets give {given}")
+    if ids.device.type == "cpu":
+        check_ids(ids, host, batch, [row[NUM_ROWS] for row in layout.meta_rows],
+                  [str(f) for f in range(len(layout.meta_rows))])  # "feature '2': id ..."
+
+
 def embedding_lookup(
     weights: torch.Tensor,
     layout: LookupLayout,
@@ -423,8 +455,10 @@ def embedding_lookup(
     Args:
         weights: flat ``[sum_t rows_t * dim_t]`` fp32/bf16/fp16 buffer of all tables.
         layout: the batch's :class:`LookupLayout` (``feature_meta`` on ``weights``' device).
-        ids: ``[N]`` int32/int64 ids, assumed in range (check with :func:`check_ids`).
-        offsets: ``[F * B + 1]`` int32/int64 bag offsets over ``ids``.
+        ids: ``[N]`` int32/int64 ids; checked against each table's rows on the CPU, read as in range on a
+            device (check them with :func:`check_ids` or :class:`IdCheck`: the op does not sync).
+        offsets: ``[F * B + 1]`` int32/int64 bag offsets over ``ids``; validated where a host copy is at hand
+            (CPU tensors, device tensors with a registered mirror, :mod:`opengem.jagged.host`).
         update: ``None`` -> plain autograd (a dense gradient of ``weights`` if it requires grad);
             a :class:`FusedUpdate` -> the optimizer step runs inside the backward and mutates
             ``weights`` and the state in place.
@@ -432,6 +466,8 @@ def embedding_lookup(
         ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.split_outputs`.
     """
     check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
+    if not torch.compiler.is_compiling():
+        _check_bags(layout, ids, offsets)
     sizes = (layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
     if update is None:
         return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)
