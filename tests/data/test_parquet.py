@@ -231,6 +231,10 @@ def test_synthesize_reports_bad_arguments(tmp_path):
 
     with pytest.raises(ValueError, match="unknown preset"):
         synthesize_to_parquet(tmp_path, 10, "gem-huge")
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("x")
+    with pytest.raises(ValueError, match="notes.txt' is a file, not a folder"):  # was a FileExistsError traceback
+        synthesize_to_parquet(a_file, 10, "gem-tiny", progress=False)
     assert not list(tmp_path.glob("*.tmp"))
     assert np.array_equal(
         pq.read_table(synthesize_to_parquet(tmp_path, 10, "gem-tiny", progress=False)).column("sample_id").to_numpy(),

@@ -172,6 +172,13 @@ def test_plot_rejects_a_file_that_is_not_a_train_result(tmp_path, capsys):
     assert "not an `opengem bench train` result" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("repeats", ["0", "-1"])
+def test_bench_layers_refuses_no_timed_runs(repeats, capsys):
+    assert main(["bench", "layers", *TINY, "--repeats", repeats]) == 2  # was an IndexError in the median
+    assert f"repeats must be >= 1 (the timed runs a layer's median is taken over), got {repeats}" in (
+        capsys.readouterr().err)
+
+
 def test_bench_layers_cover_the_model_flops(tmp_path):
     out = tmp_path / "layers.json"
     assert main(["bench", "layers", *TINY, "--repeats", "2", "--out", str(out)]) == 0

@@ -110,6 +110,36 @@ def test_failed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     assert not list((run / "checkpoints").glob(".tmp-*"))
 
 
+def test_resume_from_a_checkpoint_file_and_clear_errors_for_bad_manifests(tmp_path, capsys):
+    from opengem.cli.main import main
+
+    _train(tmp_path, "steps=3", "checkpoint_every=3")
+    checkpoint = latest_checkpoint(tmp_path / "gem-tiny")
+    # the --resume help says a checkpoint file will do: its folder is the checkpoint
+    assert main(["train", "--no-progress", "--resume", str(checkpoint / "state.pt"), "--steps", "4"]) == 0
+    assert max(_losses(tmp_path / "gem-tiny")) == 4
+    capsys.readouterr()
+    # the resumed run saved step 4 in the same folder; the step-3 checkpoint is edited below
+    manifest = checkpoint / "manifest.json"
+    saved = json.loads(manifest.read_text())
+    for edit, message in [
+        (lambda m: m.pop("config"), "has no 'config' section"),
+        (lambda m: m["config"].update(future_key=1), "saved config has settings this version does not know: future_key"),
+        (lambda m: m["config"]["model"].update(depth=2), "does not know: model.depth"),
+        (lambda m: m["config"].update(batch_size="abc"), "saved config holds a value of the wrong type"),
+    ]:
+        broken = json.loads(json.dumps(saved))
+        edit(broken)
+        manifest.write_text(json.dumps(broken))  # the checksum covers state.pt only
+        assert main(["train", "--no-progress", "--resume", str(checkpoint)]) == 2
+        error = capsys.readouterr().err
+        assert f"--resume {checkpoint}: " in error and message in error, error
+    manifest.write_text(json.dumps(saved))
+    assert main(["train", "--no-progress", "--resume", str(checkpoint), "--set", "model.d_model=32"]) == 2
+    assert "does not fit the 'model' learner built from the settings (did an override change its sizes?)" in (
+        capsys.readouterr().err)
+
+
 def _poison(steps_to_poison):
     original = trainer_module.train_batches
 

@@ -85,7 +85,11 @@ def _train(args: argparse.Namespace) -> int:
     if args.resume is not None:
         # a resumed run keeps the settings it was started with, plus explicit overrides
         args.resume = resolve_checkpoint(args.resume)  # settings and state from the same checkpoint
-        config = apply_overrides(config_from_dict(checkpoint_config(args.resume)), overrides)
+        try:
+            saved = config_from_dict(checkpoint_config(args.resume))
+        except ValueError as error:
+            raise ValueError(f"--resume {args.resume}: {error}") from error
+        config = apply_overrides(saved, overrides)
     else:
         config = load_config(args.preset, args.config, overrides)
     summary = train(config, resume=args.resume, progress=not args.no_progress, parallel=parallel)

@@ -55,6 +55,8 @@ def synthesize_to_parquet(
         raise ValueError("num_samples, rows_per_file and row_group_size must be >= 1")
     config = SYNTHETIC_PRESETS[preset]
     out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"out_dir {str(out)!r} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     schema = config.layout(seed).arrow_schema()
     paths = []

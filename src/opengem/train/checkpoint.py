@@ -112,9 +112,11 @@ def verify_checkpoint(folder: Path) -> str | None:
 
 
 def resolve_checkpoint(path: Path) -> Path:
-    """A run folder (its newest good checkpoint) or one checkpoint folder (verified)."""
+    """A run folder (its newest good checkpoint), one checkpoint folder, or a file in one (verified)."""
     if not path.exists():
         raise ValueError(f"--resume: no checkpoint at {path}")
+    if path.is_file():  # the checkpoint's state.pt or manifest: resume from its folder
+        path = path.parent
     if (path / MANIFEST_FILE).exists():
         problem = verify_checkpoint(path)
         if problem is not None:
@@ -135,8 +137,12 @@ def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
         raise ValueError(f"--resume: checkpoint {folder} has no state for {sorted(missing)}")
     for name, learner in learners.items():
         saved = state["learners"][name]
-        learner.model.load_state_dict(saved["model"])
-        learner.optimizer.load_state_dict(saved["optimizer"])
+        try:
+            learner.model.load_state_dict(saved["model"])
+            learner.optimizer.load_state_dict(saved["optimizer"])
+        except (RuntimeError, ValueError) as error:  # torch's size and key mismatches
+            raise ValueError(f"--resume: checkpoint {folder} does not fit the {name!r} learner built from the "
+                             f"settings (did an override change its sizes?): {error}") from error
         learner.scheduler.load_state_dict(saved["scheduler"])
     torch.set_rng_state(state["rng"])
     return int(state["step"])
@@ -144,7 +150,11 @@ def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
 
 def checkpoint_config(path: Path) -> dict[str, Any]:
     """The TrainConfig (as a dict) the checkpoint was written with, from its manifest."""
-    return json.loads((resolve_checkpoint(path) / MANIFEST_FILE).read_text())["config"]
+    manifest = resolve_checkpoint(path) / MANIFEST_FILE
+    config = json.loads(manifest.read_text()).get("config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{manifest} has no 'config' section (the settings the run was started with)")
+    return config
 
 
 def _read(folder: Path) -> dict[str, Any]:

@@ -176,14 +176,27 @@ def apply_overrides(config: TrainConfig, overrides: typing.Sequence[str]) -> Tra
 
 
 def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
-    """Rebuild a TrainConfig from ``dataclasses.asdict`` output (as stored in checkpoints)."""
+    """Rebuild a TrainConfig from ``dataclasses.asdict`` output (as stored in checkpoints); a setting this version
+    does not know, or a value of the wrong type, is a ``ValueError`` naming it."""
     sections = {"model": SequenceCTRConfig, "gem": GEMConfig}
-    rebuilt = {
-        name: kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
-        for name, kind in sections.items()
-        if name in saved  # checkpoints written before the gem section existed lack it
-    }
-    return replace(TrainConfig(**{k: v for k, v in saved.items() if k not in sections}), **rebuilt)
+    for name, kind in (("", TrainConfig), *sections.items()):
+        table = saved.get(name, {}) if name else saved
+        if not isinstance(table, dict):
+            raise ValueError(f"saved config's {name or 'top level'!r} must be a table, got {type(table).__name__}")
+        known = {f.name for f in dataclasses.fields(kind)}
+        unknown = sorted(set(table) - known)
+        if unknown:
+            raise ValueError(f"saved config has settings this version does not know: "
+                             f"{', '.join(f'{name}.{key}' if name else key for key in unknown)}")
+    try:
+        rebuilt = {
+            name: kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
+            for name, kind in sections.items()
+            if name in saved  # checkpoints written before the gem section existed lack it
+        }
+        return replace(TrainConfig(**{k: v for k, v in saved.items() if k not in sections}), **rebuilt)
+    except TypeError as error:  # a value of the wrong type met a comparison or an operator in __post_init__
+        raise ValueError(f"saved config holds a value of the wrong type: {error}") from error
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:

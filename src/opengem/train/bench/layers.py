@@ -42,6 +42,8 @@ class LayerCase:
 
 def bench_layers(options: TrainBenchOptions, repeats: int = 10) -> dict[str, Any]:
     """Time each layer type alone; ``options`` as for `bench train` (preset, batch size, precision, device)."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1 (the timed runs a layer's median is taken over), got {repeats}")
     config, device, precision = bench_config(options)
     if config.architecture != "gem":
         raise ValueError(f"bench layers covers the GEM architecture, got {config.architecture!r}")
