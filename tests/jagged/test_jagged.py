@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
+from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths, uniform_offsets
 
 
 @given(st.lists(st.integers(0, 7), min_size=0, max_size=6), st.integers(1, 3))
@@ -59,6 +59,17 @@ def test_from_padded_rejects_long_lengths():
 def test_negative_lengths_rejected():
     with pytest.raises(ValueError, match="non-negative"):
         offsets_from_lengths(torch.tensor([2, -1]))
+
+
+def test_float_lengths_and_negative_sizes_are_refused():
+    # the fractions were truncated by the cumsum into int64 offsets ([0, 1, 3] for [1.5, 2.0])
+    with pytest.raises(ValueError, match=r"lengths must be 1-D int32 or int64, got torch.float32 \(2,\)"):
+        offsets_from_lengths(torch.tensor([1.5, 2.0]))
+    with pytest.raises(ValueError, match="lengths must be int32 or int64, got torch.float32"):
+        KeyedJagged(("a", "b"), torch.arange(5), torch.tensor([2.5, 0.5, 1.0, 1.0]))
+    with pytest.raises(ValueError, match="batch and length must be >= 0, got 2 and -3"):
+        uniform_offsets(2, -3, "cpu")
+    assert uniform_offsets(2, 3, "cpu").tolist() == [0, 3, 6]
 
 
 def test_int32_offsets_accepted():

@@ -40,6 +40,8 @@ def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offset
 
 def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``[B]`` lengths -> ``[B + 1]`` offsets starting at 0 (with a host mirror when the lengths have one)."""
+    if lengths.dtype not in OFFSET_DTYPES or lengths.dim() != 1:  # float lengths were truncated by the cumsum
+        raise ValueError(f"lengths must be 1-D int32 or int64, got {lengths.dtype} {tuple(lengths.shape)}")
     host_lengths = host_copy(lengths)
     if bool((host_lengths < 0).any()):
         raise ValueError(f"lengths must be non-negative, got minimum {int(host_lengths.min())}")
@@ -52,6 +54,8 @@ def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64
 
 def uniform_offsets(batch: int, length: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``[B + 1]`` offsets of B sequences of ``length`` rows each, made on ``device`` with a host mirror."""
+    if batch < 0 or length < 0:
+        raise ValueError(f"batch and length must be >= 0, got {batch} and {length}")
     offsets = torch.arange(batch + 1, device=device, dtype=dtype) * length
     register_host_copy(offsets, torch.arange(batch + 1, dtype=dtype) * length)
     return offsets

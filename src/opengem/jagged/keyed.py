@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from opengem.jagged.host import host_copy, register_host_copy, to_device
-from opengem.jagged.jagged import Jagged, offsets_from_lengths
+from opengem.jagged.jagged import OFFSET_DTYPES, Jagged, offsets_from_lengths
 
 
 @dataclass(frozen=True)
@@ -30,6 +30,8 @@ class KeyedJagged:
             raise ValueError(f"values must be 1-D ids, got shape {tuple(self.values.shape)}")
         if self.lengths.dim() != 1:
             raise ValueError(f"lengths must be 1-D, got shape {tuple(self.lengths.shape)}")
+        if self.lengths.dtype not in OFFSET_DTYPES:  # float lengths summed right but made wrong offsets
+            raise ValueError(f"lengths must be int32 or int64, got {self.lengths.dtype}")
         if self.keys and self.lengths.numel() % len(self.keys) != 0:
             raise ValueError(
                 f"lengths has {self.lengths.numel()} entries, not a multiple of the {len(self.keys)} keys"
