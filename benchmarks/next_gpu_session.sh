@@ -947,6 +947,12 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s52d() {  # session 48: the GPU tests of what the bad-input checks touched (embedding_lookup's offsets and id
+  # checks, LookupLayout, GEM's config and batch checks, Parquet passes) and that the GEM step still runs without a sync
+  step embedding_data_sparse_tests 180 tests tests/gpu/test_embedding_gpu.py tests/gpu/test_data_gpu.py \
+    tests/gpu/test_sparse_gpu.py
+  step sync_gem_tests 240 tests tests/gpu/test_step_sync_gpu.py tests/gpu/test_gem_gpu.py
+}
 chain_s52c() {  # session 48: the power window on all eight (a) rows (forward x JFA interleaved call by call, sustained)
   # and (b) K/V 256 again, now with the sustained mean
   clock_log start

@@ -17,7 +17,7 @@ from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
 from opengem.jagged import Jagged, KeyedJagged
 from opengem.models.gem import GEM, GEMConfig, prepend_reversed
 from opengem.models.presets import GEM_PRESETS, describe, gem_flops
-from opengem.models.sequence_ctr import SequenceCTRModel
+from opengem.models.sequence_ctr import SequenceCTRConfig, SequenceCTRModel
 from opengem.nn.gem_layers import PersonalizedFFN, SeedPooling, SequenceSummary
 from opengem.nn.wukong import DenseExperts
 from opengem.train.bench.elementwise import ElementwiseBytes
@@ -291,6 +291,18 @@ def test_unknown_preset_and_bad_config_raise():
 def test_bad_sizes_are_refused_by_name(change, message):
     with pytest.raises(ValueError, match=message):
         GEM(DATA.feature_specs(), DATA.num_dense, dataclasses.replace(SMALL, **change))
+
+
+@pytest.mark.parametrize("model_kind", ["gem", "sequence_ctr"])
+def test_a_batch_the_model_cannot_read_is_named(batch, model_kind):
+    model = (GEM(DATA.feature_specs(), DATA.num_dense, SMALL) if model_kind == "gem"
+             else SequenceCTRModel(DATA.feature_specs(), DATA.num_dense, SequenceCTRConfig()))
+    narrow = dataclasses.replace(batch, dense=batch.dense[:, :-1])  # was "mat1 and mat2 shapes cannot be multiplied"
+    with pytest.raises(ValueError, match=rf"batch.dense must be \[B, {DATA.num_dense}\] \(the model's dense "
+                                         rf"features\), got \(48, {DATA.num_dense - 1}\)"):
+        model(narrow)
+    with pytest.raises(ValueError, match=r"the batch is empty \(B = 0\)"):  # was a reshape error deep inside
+        model(dataclasses.replace(batch, dense=batch.dense[:0]))
 
 
 def test_seeds_are_not_checked_without_pooling():

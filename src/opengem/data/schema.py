@@ -58,6 +58,15 @@ class Batch:
     def batch_size(self) -> int:
         return int(self.labels.shape[0])
 
+    def check_model_input(self, num_dense: int) -> None:
+        """Raise ``ValueError`` unless a model built for ``num_dense`` dense features can read this batch: at least
+        one sample (an empty batch failed deep in a reshape) and ``dense`` of ``[B, num_dense]``."""
+        if self.dense.dim() != 2 or self.dense.shape[1] != num_dense:
+            raise ValueError(f"batch.dense must be [B, {num_dense}] (the model's dense features), "
+                             f"got {tuple(self.dense.shape)}")
+        if self.dense.shape[0] == 0:
+            raise ValueError("the batch is empty (B = 0): a model's forward needs at least one sample")
+
     def num_history_tokens(self) -> int:
         return int(self.history_age.num_values)
 

@@ -213,6 +213,7 @@ class GEM(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits ``[B, len(TASKS)]``."""
+        batch.check_model_input(self.dense_proj.in_features)
         features = KeyedJagged.concat([batch.sparse, batch.sequence]) if self.sequence_names else batch.sparse
         embedded = self.embeddings(features)
         x = self._feature_tokens(batch, embedded)

@@ -89,6 +89,7 @@ class SequenceCTRModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         """Logits ``[B, len(TASKS)]``."""
+        batch.check_model_input(self.dense_proj.in_features)
         features = KeyedJagged.concat([batch.sparse, batch.sequence]) if self.sequence_names else batch.sparse
         embedded = self.embeddings(features)
         parts = [embedded[name] for name in self.sparse_names]
