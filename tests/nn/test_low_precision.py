@@ -176,6 +176,15 @@ def test_bad_recipe_names() -> None:
         convert_with_precision(Tower(), "auto")
 
 
+@pytest.mark.parametrize("recipe", ["fp8_rowwise", "bf16"])
+def test_an_input_the_layer_cannot_read_is_named(recipe) -> None:
+    layer = LowPrecisionLinear(32, 16, recipe=recipe)
+    with pytest.raises(ValueError, match=r"input must be floating point \[..., 32\], got torch.float32 \(4, 31\)"):
+        layer(torch.randn(4, 31))  # was a reshape error
+    with pytest.raises(ValueError, match="got torch.int64"):
+        layer(torch.ones(4, 32, dtype=torch.int64))  # fp8 had returned an int64 output
+
+
 def test_monitor_reports_warns_and_falls_back() -> None:
     torch.manual_seed(5)
     model = Tower()

@@ -202,6 +202,18 @@ def test_bad_inputs() -> None:
         scaled_gemm(quantize_operand(x, "fp8_rowwise"), quantize_operand(x, "mxfp8"), torch.float32)
     with pytest.raises(ValueError, match="contraction dims differ"):
         scaled_gemm(quantize_operand(x, "mxfp8"), quantize_operand(torch.randn(4, 64), "mxfp8"), torch.float32)
+    with pytest.raises(ValueError, match="x must be a floating-point tensor, got torch.int32"):
+        fp8_matmul(x.int(), x.int(), "fp8_rowwise")  # had returned an int32 "product"
+    with pytest.raises(ValueError, match="x must have K >= 1 columns"):
+        fp8_matmul(torch.zeros(4, 0), torch.zeros(8, 0), "fp8_rowwise")
+    with pytest.raises(ValueError, match="contraction dims differ: a has K=32, b has K=64"):
+        fp8_matmul(x, torch.randn(8, 64), "bf16")  # the same message as the quantized recipes'
+    qa, qb = quantize_operand(x, "fp8_rowwise"), quantize_operand(torch.randn(8, 32), "fp8_rowwise", weight=True)
+    for bias in (torch.zeros(3), torch.zeros(1)):  # [1] had been broadcast silently
+        with pytest.raises(ValueError, match=rf"bias must have shape \[8\] \(b's rows, N\), got \[{bias.numel()}\]"):
+            scaled_gemm(qa, qb, torch.float32, bias=bias)
+    with pytest.raises(ValueError, match="out_dtype must be a floating-point dtype"):
+        scaled_gemm(qa, qb, torch.int32)
 
 
 def test_blockwise_gemm_flop_formula() -> None:

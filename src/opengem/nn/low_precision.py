@@ -87,6 +87,8 @@ class LowPrecisionLinear(nn.Linear):
             self._weight_cache.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1:] != (self.in_features,) or not x.is_floating_point():  # was a reshape error, or int output
+            raise ValueError(f"input must be floating point [..., {self.in_features}], got {x.dtype} {tuple(x.shape)}")
         if self.recipe.is_bf16:
             bias = None if self.bias is None else self.bias.to(x.dtype)
             return F.linear(x, self.weight.to(x.dtype), bias)

@@ -114,6 +114,10 @@ def quantize_operand(
         raise ValueError("recipe 'bf16' has no quantized operand")
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+    if not x.is_floating_point():  # an int tensor came back as an int32 "product"
+        raise ValueError(f"x must be a floating-point tensor, got {x.dtype}")
+    if x.shape[1] == 0:
+        raise ValueError("x must have K >= 1 columns to take a scale over, got K = 0")
     if stochastic and recipe != "fp8_rowwise":
         raise ValueError(f"stochastic rounding is implemented for 'fp8_rowwise' only, got {recipe!r}")
     if recipe == "fp8_rowwise" and x.is_cuda and not stochastic:
@@ -259,6 +263,10 @@ def scaled_gemm(
         raise ValueError(f"operands quantized with different recipes: {a.recipe!r} and {b.recipe!r}")
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"contraction dims differ: a has K={a.data.shape[1]}, b has K={b.data.shape[1]}")
+    if not out_dtype.is_floating_point:
+        raise ValueError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
+    if bias is not None and tuple(bias.shape) != (b.data.shape[0],):  # [1] was broadcast silently
+        raise ValueError(f"bias must have shape [{b.data.shape[0]}] (b's rows, N), got {list(bias.shape)}")
     on_cuda = a.data.is_cuda
     if a.recipe == "fp8_rowwise" and on_cuda and a.data.shape[1] % 16 == 0 and b.data.shape[0] % 16 == 0:
         # any row count: torch._scaled_mm asks 16-multiples of K and N only; the rows' pad to 16 kept until session
@@ -350,6 +358,8 @@ def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, out_dtype: torch.d
     """``a [M, K] @ b [N, K]^T`` with both quantized by ``recipe`` (b as a weight); ``"bf16"`` multiplies as is."""
     _check_recipe(recipe)
     out_dtype = out_dtype or a.dtype
+    if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[1]:  # every recipe's message, bf16's too
+        raise ValueError(f"contraction dims differ: a has K={a.shape[1]}, b has K={b.shape[1]}")
     if recipe == "bf16":
         return (a @ b.t()).to(out_dtype)
     return scaled_gemm(quantize_operand(a, recipe), quantize_operand(b, recipe, weight=True), out_dtype)
