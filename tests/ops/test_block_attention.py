@@ -284,6 +284,14 @@ def test_bad_inputs_raise(overrides, message):
 def test_from_hidden_bad_weight():
     with pytest.raises(ValueError, match="w_qkv must have shape"):
         block_attention_from_hidden(torch.randn(5, 8), torch.randn(10, 8), _offsets([5]), 5, 2)
+    x, w = torch.randn(5, 8), torch.randn(12, 8)
+    with pytest.raises(ValueError, match="heads must be an int >= 1, got 0"):  # was a ZeroDivisionError
+        block_attention_from_hidden(x, w, _offsets([5]), 5, 0)
+    with pytest.raises(ValueError, match=r"x must have shape \[T, d_model\], got \(40,\)"):
+        block_attention_from_hidden(x.flatten(), w, _offsets([5]), 5, 2)
+    with pytest.raises(ValueError, match=r"bias must have shape \[12\] \(w_qkv's rows, 3 \* heads \* head_dim\), "
+                                         r"got \[5\]"):
+        block_attention_from_hidden(x, w, _offsets([5]), 5, 2, bias=torch.zeros(5))
 
 
 @pytest.mark.parametrize("activation", reference.ACTIVATIONS)

@@ -20,7 +20,7 @@ from torch.utils.flop_counter import register_flop_formula
 from opengem.jagged.host import host_copy
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.block_attention_fp8 import block_attention_fp8
-from opengem.ops.checks import check_attention_inputs
+from opengem.ops.checks import check_attention_inputs, check_projection_bias
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
 
@@ -158,12 +158,18 @@ def block_attention_from_hidden(
     Returns ``[T, heads * D]`` in x's dtype, ready for the output projection. Other options as in
     :func:`block_attention`.
     """
+    if not isinstance(heads, int) or heads < 1:  # 0 was a ZeroDivisionError
+        raise ValueError(f"heads must be an int >= 1, got {heads!r}")
+    if x.dim() != 2:
+        raise ValueError(f"x must have shape [T, d_model], got {tuple(x.shape)}")
     if w_qkv.dim() != 2 or w_qkv.shape[0] % (3 * heads) != 0 or w_qkv.shape[1] != x.shape[-1]:
         raise ValueError(
             f"w_qkv must have shape [3 * heads * head_dim, d_model] = [3 * {heads} * D, {x.shape[-1]}], "
             f"got {tuple(w_qkv.shape)}"
         )
     head_dim = w_qkv.shape[0] // (3 * heads)
+    if bias is not None:
+        check_projection_bias(bias, x, w_qkv.shape[0], "w_qkv's rows, 3 * heads * head_dim", name="bias")
     qkv = F.linear(x, w_qkv, bias).view(x.shape[0], 3, heads, head_dim)
     q, k, v = qkv.unbind(1)
     out = block_attention(

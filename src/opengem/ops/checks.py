@@ -50,13 +50,14 @@ def check_attention_inputs(
     check_max_len(k_offsets, max_len_k, "max_len_k")
 
 
-def check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, what: str) -> None:
-    """An op's ``projection_bias``: ``[size]`` (``what`` says what that size is), floating, on ``like``'s device."""
+def check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, what: str,
+                          name: str = "projection_bias") -> None:
+    """An op's projection bias ``name``: ``[size]`` (``what`` says what that size is), floating, on ``like``'s
+    device."""
     if bias.shape != (size,):
-        raise ValueError(f"projection_bias must have shape [{size}] ({what}), got {list(bias.shape)}")
+        raise ValueError(f"{name} must have shape [{size}] ({what}), got {list(bias.shape)}")
     if bias.device != like.device or not bias.is_floating_point():
-        raise ValueError(f"projection_bias must be a floating tensor on {like.device}, got {bias.dtype} on "
-                         f"{bias.device}")  # fmt: skip
+        raise ValueError(f"{name} must be a floating tensor on {like.device}, got {bias.dtype} on {bias.device}")
 
 
 def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
