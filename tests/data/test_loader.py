@@ -46,3 +46,13 @@ def test_shuffle_changes_with_epoch_and_keeps_every_sample(tiny_dir):
     assert not np.array_equal(first, second)
     assert np.array_equal(np.sort(first), np.sort(second))
     assert np.array_equal(np.sort(first), np.arange(dataset.num_rows))
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"batch_size": 8.0}, "batch_size must be an int, got 8.0"),  # failed deep in RowBlock.slice
+    ({"token_budget": 7.5}, "token_budget must be an int, got 7.5"),
+    ({"batch_size": 8, "shuffle_cost": "bogus"}, r"shuffle_cost must be one of \('tokens', 'squared'\), got 'bogus'"),
+])
+def test_loader_options_of_the_wrong_kind_are_named(tiny_dir, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_loader(tiny_dir, **kwargs)

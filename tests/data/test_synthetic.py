@@ -103,3 +103,16 @@ def test_bad_config_is_rejected():
         SyntheticConfig("bad", 10, 33, 32, 64, 4, 1, 8)
     with pytest.raises(ValueError, match="min_history"):
         SyntheticConfig("bad", 10, 32, 32, 64, 4, 9, 8)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"num_categories": 0}, "num_categories must be >= 1, got 0"),  # was a ZeroDivisionError
+    ({"num_users": 0}, "num_users must be >= 1, got 0"),
+    ({"interest_share": 1.5}, r"interest_share must be in \[0, 1\], got 1.5"),
+    ({"history_span_days": -1.0}, "history_span_days must be a positive number of days, got -1.0"),
+    ({"recency_days": 0.0}, "recency_days must be a positive number of days, got 0.0"),
+    ({"history_weight": float("nan")}, "history_weight must be finite, got nan"),  # NaN oracle probabilities
+])
+def test_bad_world_knobs_are_refused_by_name(change, message):
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(SYNTHETIC_PRESETS["gem-tiny"], **change)

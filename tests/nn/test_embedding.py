@@ -284,3 +284,23 @@ def test_bad_configs_raise() -> None:
         EmbeddingCollection([EmbeddingTableConfig("a", 3, 2, ("x",)), EmbeddingTableConfig("a", 3, 2, ("y",))])
     with pytest.raises(ValueError, match="pooling must be"):
         EmbeddingTableConfig("a", 3, 2, ("x",), pooling="max")
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"kind": "adam"}, r"kind must be one of \['rowwise_adagrad', 'rowwise_adam', 'sgd'\], got 'adam'"),
+    ({"lr": -1.0}, "lr must be > 0, got -1.0"),
+    ({"lr": 0.0}, "lr must be > 0, got 0.0"),
+    ({"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),
+    ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+])
+def test_bad_optimizer_settings_are_refused_when_made(kwargs, message) -> None:
+    # a bad kind had surfaced only at the first training backward (never under no_grad)
+    with pytest.raises(ValueError, match=message):
+        EmbeddingOptimizer(**kwargs)
+
+
+def test_table_sizes_must_be_ints() -> None:
+    with pytest.raises(ValueError, match="table 't': num_embeddings must be an int, got 4.5"):
+        EmbeddingTableConfig("t", 4.5, 8, ("a",))
+    with pytest.raises(ValueError, match="table 't': embedding_dim must be an int, got True"):
+        EmbeddingTableConfig("t", 4, True, ("a",))

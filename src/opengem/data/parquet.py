@@ -8,7 +8,9 @@ equal sequence lengths, ...) before its rows are batched. Errors name the file, 
 
 from __future__ import annotations
 
+import numbers
 import os
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -186,6 +188,12 @@ class BatchingOptions:
     def __post_init__(self) -> None:
         if self.batch_size is None and self.token_budget is None:
             raise ValueError("give batch_size or token_budget")
+        for name in ("batch_size", "token_budget"):  # 8.0 failed deep in a row slice
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+                raise ValueError(f"{name} must be an int, got {value!r}")
+        if self.shuffle_cost not in typing.get_args(CostKind):  # checked even where batch_shuffling is off
+            raise ValueError(f"shuffle_cost must be one of {typing.get_args(CostKind)}, got {self.shuffle_cost!r}")
         if self.batch_shuffling and (self.token_budget is not None or self.batch_size is None):
             raise ValueError("batch_shuffling builds fixed-size batches: give batch_size and no token_budget")
         if self.shuffle_buffer < 0:

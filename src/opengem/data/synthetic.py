@@ -109,6 +109,19 @@ class SyntheticConfig:
     conversion_bias: float = -2.6
 
     def __post_init__(self) -> None:
+        for name in ("num_users", "num_items", "num_categories", "num_ads", "num_advertisers", "num_ad_formats",
+                     "num_surfaces", "num_age_buckets", "num_genders", "num_countries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("interest_share", "targeting_share"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        for name in ("history_span_days", "recency_days"):  # a negative span put history after the impression
+            if not 0 < getattr(self, name) < math.inf:
+                raise ValueError(f"{name} must be a positive number of days, got {getattr(self, name)}")
+        for name in ("history_exponent", "history_weight", "click_bias", "conversion_bias"):
+            if not math.isfinite(getattr(self, name)):  # NaN had reached the oracle probabilities silently
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
         for name in ("num_items", "num_ads"):
             if getattr(self, name) % self.num_categories:
                 raise ValueError(f"{name} = {getattr(self, name)} must be a multiple of num_categories")

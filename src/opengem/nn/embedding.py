@@ -26,6 +26,8 @@ is read to the host once.)
 from __future__ import annotations
 
 import math
+import numbers
+import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -51,6 +53,10 @@ class EmbeddingTableConfig:
     init_std: float | None = None  # None: uniform(+-1/sqrt(num_embeddings))
 
     def __post_init__(self) -> None:
+        for name in ("num_embeddings", "embedding_dim"):  # 4.5 failed later in torch.empty
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"table {self.name!r}: {name} must be an int, got {value!r}")
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
             raise ValueError(f"table {self.name!r}: num_embeddings and embedding_dim must be positive")
         if self.pooling not in ("sum", "mean", "none"):
@@ -70,6 +76,18 @@ class EmbeddingOptimizer:
     eps: float = 1e-8
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
+
+    def __post_init__(self) -> None:
+        kinds = typing.get_args(typing.get_type_hints(EmbeddingOptimizer)["kind"])
+        if self.kind not in kinds:  # had surfaced only at the first training backward
+            raise ValueError(f"kind must be one of {sorted(kinds)}, got {self.kind!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be > 0, got {self.lr}")
+        for name in ("eps", "weight_decay"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
+            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
 
 
 @dataclass(frozen=True)
