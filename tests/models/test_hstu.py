@@ -108,3 +108,16 @@ def test_bad_configs_and_inputs() -> None:
     items, offsets, _ = batch([13])
     with pytest.raises(ValueError, match="max_len 13 exceeds the model's max_len 12"):
         m(items, offsets, 13)
+    items, offsets, longest = batch([5, 3])
+    for bad_id, position in ((NUM_ITEMS + 1, 4), (0, 0), (-2, 6)):  # was a bare IndexError of nn.Embedding
+        bad = items.clone()
+        bad[position] = bad_id
+        with pytest.raises(ValueError, match=rf"items must be ids in \[1, {NUM_ITEMS}\], got {bad_id} at position "
+                                             rf"{position}"):
+            m(bad, offsets, longest)
+    with pytest.raises(ValueError, match=r"offsets must be non-decreasing: offsets\[2\] = 4 < offsets\[1\] = 5"):
+        m(items, torch.tensor([0, 5, 4, 8]), longest)
+    with pytest.raises(ValueError, match=r"offsets\[-1\] = 7 must equal the number of values, 8"):
+        m(items, torch.tensor([0, 5, 7]), longest)
+    with pytest.raises(ValueError, match="items must be 1-D int32/int64 ids, got torch.float32"):
+        m(items.float(), offsets, longest)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opengem.jagged import validate_offsets
 from opengem.ops.gdpa import hstu_attention
 from opengem.ops.jagged_attention import jagged_attention
 
@@ -110,6 +111,15 @@ class SequentialRecommender(nn.Module):
     def forward(self, items: torch.Tensor, offsets: torch.Tensor, max_len: int) -> torch.Tensor:
         if max_len > self.config.max_len:
             raise ValueError(f"max_len {max_len} exceeds the model's max_len {self.config.max_len}")
+        if items.dim() != 1 or items.dtype not in (torch.int32, torch.int64):
+            raise ValueError(f"items must be 1-D int32/int64 ids, got {items.dtype} {tuple(items.shape)}")
+        validate_offsets(offsets, items.numel(), "offsets")  # the host mirror the attention op reads too
+        if items.device.type == "cpu":  # free here; on a device nn.Embedding's own assert stops a bad id
+            bad = torch.nonzero((items < 1) | (items > self.config.num_items)).flatten()
+            if bad.numel():
+                first = int(bad[0])
+                raise ValueError(f"items must be ids in [1, {self.config.num_items}], got {int(items[first])} at "
+                                 f"position {first}")
         lengths = offsets[1:] - offsets[:-1]
         positions = torch.arange(items.numel(), device=items.device) - torch.repeat_interleave(offsets[:-1], lengths)
         x = self.item_embedding(items) * math.sqrt(self.config.dim) + self.position_embedding(positions)
