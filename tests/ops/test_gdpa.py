@@ -659,6 +659,8 @@ def test_visible_pairs_matches_the_mask(lengths, causal, window, contextual_len,
         ({"contextual_len": -1}, "contextual_len must be a non-negative int, got -1"),
         ({"contextual_len": -1, "cross": True}, "contextual_len must be a non-negative int, got -1"),
         ({"window": -3}, "window must be None or a non-negative int, got -3"),
+        ({"q_offsets": [0, 4, 10]}, "q_offsets must be a torch.Tensor, got list"),  # was an AttributeError
+        ({"num_targets": [1, 1]}, "num_targets must be a torch.Tensor or None, got list"),
     ],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, message):

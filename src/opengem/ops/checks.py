@@ -37,6 +37,9 @@ def check_attention_inputs(
         raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({q.shape[1]}) for GQA/MQA")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    for name, offsets in (("q_offsets", q_offsets), ("k_offsets", k_offsets)):
+        if not isinstance(offsets, torch.Tensor):  # a list had failed on .device below
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
     devices = {t.device for t in (q, k, v, q_offsets, k_offsets)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v and offsets must be on one device, got {sorted(map(str, devices))}")
@@ -83,6 +86,8 @@ def check_mask_options(
     check_mask_scalars(contextual_len, window)
     if num_targets is None:
         return
+    if not isinstance(num_targets, torch.Tensor):
+        raise ValueError(f"num_targets must be a torch.Tensor or None, got {type(num_targets).__name__}")
     batch = offsets.numel() - 1
     if num_targets.shape != (batch,):
         raise ValueError(f"num_targets must have shape [{batch}], got {tuple(num_targets.shape)}")
