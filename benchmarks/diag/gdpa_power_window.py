@@ -1,20 +1,22 @@
 """Diagnostic (issue 4): GDPA's forward through a long window on a power-capped card, from rested to sustained.
 
-`benchmarks.gdpa` times each variant in `triton.testing.do_bench`'s window (25 ms of warm-up, 100 ms timed). On an
-H100 the heavy rows pull the card to its 700 W cap within ~0.7 s, and the SM clock then falls from 1,980 MHz to
-1,380-1,620 (session 47-48 clock logs). So a 125 ms window reads whatever state the previous work left: (b) K/V 256's
-forward read 403.1, 385.1 and 339.0 TFLOP/s in three runs of the one kernel (sessions 45, 46, 48), while the tuner's
-hot window in the third run gave 1.525 ms (~405). A training step meets the sustained state.
+`benchmarks.gdpa` times each variant in `triton.testing.do_bench`'s window (25 ms of warm-up, 100 ms timed). Under
+GDPA's heavy rows an H100 reaches its 700 W cap within ~0.2-0.7 s and then runs a ~1 s limiter cycle: ~0.6 s at
+1,740-1,770 MHz, ~0.4 s at 1,500-1,560 (session 48's clock logs), so one 250 ms slice in every second runs 15-17%
+slower. A 125 ms window reads wherever it lands: (b) K/V 256's forward read 403.1, 385.1 and 339.0 TFLOP/s in three
+runs of the one kernel (sessions 45, 46, 48). A training step meets the sustained state.
 
 Per workload, after ``--rest`` seconds idle, the op's forward runs back to back for ``--seconds`` (no grad), each call
 between two CUDA events. Reported: the median call in the first 125 ms (the benchmark window's length), in each
-``--slice-ms`` slice, and over the second half ("sustained"). For self-attention workloads JFA's forward runs
-interleaved call by call with GDPA's in a second window, so both meet the same clock, and the ratio of their
-sustained medians is issue 4's forward-against-JFA check in the sustained state. Start times are wall-clock
-(``time.time()`` at the first event plus the events' offsets) so they line up with the chain's clock log.
+``--slice-ms`` slice, and over the second half ("sustained": median and mean; the mean counts the dips). The host
+runs ahead by the launch queue, so a window outlasts ``--seconds`` (4.6-10.7 s for 4 s, session 48). For
+self-attention workloads JFA's forward runs interleaved call by call with GDPA's in a second window, so both meet the
+same clock, and the ratio of their sustained medians is issue 4's forward-against-JFA check in the sustained state.
+Start times are wall-clock (``time.time()`` at the first event plus the events' offsets) so they line up with the
+chain's clock log.
 
-    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_power_window [--workloads "b cross Q<=2048 KV=256,a self L=2048 s=1.0"]
-        [--seconds 4] [--rest 5] [--out DIR]
+    PYTHONPATH=src:. python -m benchmarks.diag.gdpa_power_window
+        [--workloads "b cross Q<=2048 KV=256,a self L=2048 s=1.0"] [--seconds 4] [--rest 5] [--out DIR]
 """
 
 from __future__ import annotations

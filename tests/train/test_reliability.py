@@ -124,7 +124,8 @@ def test_resume_from_a_checkpoint_file_and_clear_errors_for_bad_manifests(tmp_pa
     saved = json.loads(manifest.read_text())
     for edit, message in [
         (lambda m: m.pop("config"), "has no 'config' section"),
-        (lambda m: m["config"].update(future_key=1), "saved config has settings this version does not know: future_key"),
+        (lambda m: m["config"].update(future_key=1),
+         "saved config has settings this version does not know: future_key"),
         (lambda m: m["config"]["model"].update(depth=2), "does not know: model.depth"),
         (lambda m: m["config"].update(batch_size="abc"), "saved config holds a value of the wrong type"),
     ]:
