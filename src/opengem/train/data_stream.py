@@ -104,8 +104,8 @@ def check_data_dir_layout(config: TrainConfig, layout: DataLayout) -> None:
     found = {f.name: f for f in layout.features}
     wanted = {f.name: f for f in expected.features}
     if found.keys() != wanted.keys():
-        problem = (f"features {sorted(found.keys() - wanted.keys())} are not in it and "
-                   f"{sorted(wanted.keys() - found.keys())} are missing")
+        problem = (f"the files have features {sorted(found.keys() - wanted.keys())} the preset does not, and lack "
+                   f"{sorted(wanted.keys() - found.keys())}")
     elif layout.dense_features != expected.dense_features:
         problem = f"dense features {list(layout.dense_features)} differ from {list(expected.dense_features)}"
     else:
