@@ -947,6 +947,13 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s52e() {  # session 48: the two weakest (a) rows with JFA alone too: each kernel at the clock its own power
+  # draw sets, against both at one clock (call by call)
+  clock_log start
+  step gdpa_power_window_alone 240 python -m benchmarks.diag.gdpa_power_window \
+    --workloads "a self L=1024 s=1.0,a self L=2048 s=1.0" --seconds 2 --rest 3 --out "$out/results"
+  clock_log stop
+}
 chain_s52d() {  # session 48: the GPU tests of what the bad-input checks touched (embedding_lookup's offsets and id
   # checks, LookupLayout, GEM's config and batch checks, Parquet passes) and that the GEM step still runs without a sync
   step embedding_data_sparse_tests 180 tests tests/gpu/test_embedding_gpu.py tests/gpu/test_data_gpu.py \

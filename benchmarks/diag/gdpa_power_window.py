@@ -10,8 +10,9 @@ Per workload, after ``--rest`` seconds idle, the op's forward runs back to back 
 between two CUDA events. Reported: the median call in the first 125 ms (the benchmark window's length), in each
 ``--slice-ms`` slice, and over the second half ("sustained": median and mean; the mean counts the dips). The host
 runs ahead by the launch queue, so a window outlasts ``--seconds`` (4.6-10.7 s for 4 s, session 48). For
-self-attention workloads JFA's forward runs interleaved call by call with GDPA's in a second window, so both meet the
-same clock, and the ratio of their sustained medians is issue 4's forward-against-JFA check in the sustained state.
+self-attention workloads JFA's forward also runs alone (the clock its own power draw sets, as in a run of only that
+kernel), then interleaved call by call with GDPA's, so both meet one clock; the ratios of the sustained figures are
+issue 4's forward-against-JFA check in the sustained state.
 Start times are wall-clock (``time.time()`` at the first event plus the events' offsets) so they line up with the
 chain's clock log.
 
@@ -97,7 +98,9 @@ def _flops(w: Workload) -> float:
 
 
 def measure(w: Workload, seconds: float, rest: float, slice_ms: float) -> dict[str, Any]:
-    """GDPA's forward alone, then (self-attention) interleaved with JFA's, each window after ``rest`` s idle."""
+    """GDPA's forward alone, then (self-attention) JFA's alone and the two interleaved, each window after ``rest`` s
+    idle. Alone, each kernel meets the clock its own power draw sets, as a run of only that kernel would;
+    interleaved, both meet one clock."""
     t = _tensors(w, "cuda")
     fns = {"gdpa": _ours(w, t)}
     if w.self_attention:
@@ -109,6 +112,7 @@ def measure(w: Workload, seconds: float, rest: float, slice_ms: float) -> dict[s
     row: dict[str, Any] = {"workload": w.name, "fwd_flops": flops}
     windows = {"gdpa_alone": {"gdpa": fns["gdpa"]}}
     if "jfa" in fns:
+        windows["jfa_alone"] = {"jfa": fns["jfa"]}
         windows["interleaved"] = fns
     for window, chosen in windows.items():
         time.sleep(rest)
@@ -120,16 +124,20 @@ def measure(w: Workload, seconds: float, rest: float, slice_ms: float) -> dict[s
                 ms = stats[f"{key}_ms"]
                 stats[f"{key}_tflops"] = None if ms is None else flops / ms / 1e9
             row[window][name] = stats
-        if "jfa" in chosen:
+        if {"gdpa", "jfa"} <= set(chosen):  # the interleaved window
             gdpa, jfa = row[window]["gdpa"], row[window]["jfa"]
             row[window]["x_fwd_jfa_sustained"] = jfa["sustained_ms"] / gdpa["sustained_ms"]
             row[window]["x_fwd_jfa_first_window"] = jfa["first_window_ms"] / gdpa["first_window_ms"]
+    if "jfa_alone" in row:
+        gdpa, jfa = row["gdpa_alone"]["gdpa"], row["jfa_alone"]["jfa"]
+        row["x_fwd_jfa_alone_sustained"] = jfa["sustained_ms"] / gdpa["sustained_ms"]
+        row["x_fwd_jfa_alone_sustained_mean"] = jfa["sustained_mean_ms"] / gdpa["sustained_mean_ms"]
     return row
 
 
 def _summary(row: dict[str, Any]) -> str:
     lines = [row["workload"]]
-    for window in ("gdpa_alone", "interleaved"):
+    for window in ("gdpa_alone", "jfa_alone", "interleaved"):
         if window not in row:
             continue
         for name, stats in row[window].items():
@@ -142,6 +150,9 @@ def _summary(row: dict[str, Any]) -> str:
         if "x_fwd_jfa_sustained" in row[window]:
             lines.append(f"  forward x JFA: sustained {row[window]['x_fwd_jfa_sustained']:.3f}, first 125 ms "
                          f"{row[window]['x_fwd_jfa_first_window']:.3f}")
+    if "x_fwd_jfa_alone_sustained" in row:
+        lines.append(f"  forward x JFA, each alone: sustained median {row['x_fwd_jfa_alone_sustained']:.3f}, mean "
+                     f"{row['x_fwd_jfa_alone_sustained_mean']:.3f}")
     return "\n".join(lines)
 
 

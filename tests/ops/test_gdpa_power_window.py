@@ -44,3 +44,43 @@ def test_the_sustained_mean_counts_the_dips_the_median_skips():
 def test_bad_timelines_are_refused(starts, durations, slice_ms, message):
     with pytest.raises(ValueError, match=message):
         window_medians(starts, durations, slice_ms)
+
+
+class _HostEvent:
+    """A CUDA event stand-in on the host clock (the diag's control flow on the CPU)."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        import time
+
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, other: "_HostEvent") -> float:
+        return (other.t - self.t) * 1e3
+
+
+def test_measure_reports_each_window_and_the_ratios(monkeypatch):
+    import torch
+
+    from benchmarks import gdpa as bench
+    from benchmarks.diag import gdpa_power_window as diag
+
+    monkeypatch.setattr(diag.torch.cuda, "Event", _HostEvent)
+    monkeypatch.setattr(diag.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(diag, "_tensors", lambda w, device: bench._tensors(w, "cpu"))
+    lengths = torch.tensor([5, 9, 3])
+    row = diag.measure(bench.Workload("a tiny", lengths, lengths, "fast_gelu"), seconds=0.05, rest=0.0,
+                       slice_ms=10.0)
+    assert {"gdpa_alone", "jfa_alone", "interleaved"} <= set(row)
+    assert set(row["gdpa_alone"]) == {"wall_start", "gdpa"} and set(row["jfa_alone"]) == {"wall_start", "jfa"}
+    interleaved = row["interleaved"]
+    assert interleaved["gdpa"]["calls"] == interleaved["jfa"]["calls"] >= 1  # call by call, in turn
+    for key in ("x_fwd_jfa_alone_sustained", "x_fwd_jfa_alone_sustained_mean"):
+        assert row[key] > 0
+    assert interleaved["x_fwd_jfa_sustained"] > 0 and row["gdpa_alone"]["gdpa"]["sustained_tflops"] > 0
+    assert "forward x JFA, each alone" in diag._summary(row)
+    cross = diag.measure(bench.Workload("b tiny", lengths, torch.tensor([4, 4, 4]), "fast_gelu"), seconds=0.02,
+                         rest=0.0, slice_ms=10.0)
+    assert set(cross) == {"workload", "fwd_flops", "gdpa_alone"}  # no JFA peer for cross-attention
