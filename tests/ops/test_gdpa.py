@@ -661,6 +661,10 @@ def test_visible_pairs_matches_the_mask(lengths, causal, window, contextual_len,
         ({"window": -3}, "window must be None or a non-negative int, got -3"),
         ({"q_offsets": [0, 4, 10]}, "q_offsets must be a torch.Tensor, got list"),  # was an AttributeError
         ({"num_targets": [1, 1]}, "num_targets must be a torch.Tensor or None, got list"),
+        ({"causal": "yes"}, "causal must be a bool, got 'yes'"),  # reached torch's schema error
+        ({"pre_scale": "2"}, "pre_scale must be a number, got '2'"),  # was converted silently
+        ({"post_scale": None}, "post_scale must be a number, got None"),
+        ({"head_dim": 0}, "head_dim must be >= 1, got 0"),  # returned an empty [T, H, 0]
     ],
 )
 def test_bad_inputs_raise_clear_errors(kwargs, message):

@@ -172,6 +172,19 @@ def test_plot_rejects_a_file_that_is_not_a_train_result(tmp_path, capsys):
     assert "not an `opengem bench train` result" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["train", "layers"])
+def test_a_bad_peak_is_refused_before_anything_runs(command, capsys, monkeypatch):
+    from opengem.train.bench import layers, step
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the benchmark ran before its options were checked")
+
+    monkeypatch.setattr(step, "bench_train", must_not_run)
+    monkeypatch.setattr(layers, "bench_layers", must_not_run)
+    assert main(["bench", command, *TINY, "--peak-tflops", "-5"]) == 2
+    assert "peak_tflops must be positive, got -5.0" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("repeats", ["0", "-1"])
 def test_bench_layers_refuses_no_timed_runs(repeats, capsys):
     assert main(["bench", "layers", *TINY, "--repeats", repeats]) == 2  # was an IndexError in the median

@@ -22,7 +22,7 @@ def test_config_round_trips_through_a_dict():
     "overrides, message",
     [
         (["nope=1"], "unknown setting 'nope'"),
-        (["model.nope=1"], "unknown setting 'nope'"),
+        (["model.nope=1"], "unknown setting 'model.nope'"),
         (["steps=abc"], "steps"),
         (["baseline=maybe"], "expected true or false"),
         (["steps"], "expects key=value"),
@@ -47,3 +47,16 @@ def test_unknown_preset_and_bad_file(tmp_path):
     bad.write_text("steps = = 3")
     with pytest.raises(ValueError, match="cannot read config file .*bad.toml"):
         load_config(None, bad)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[model]\nnum_heads = "two"\n', "run.toml: model.num_heads"),  # the section's prefix was lost
+    ('[gem]\nnope = 1\n', "run.toml: unknown setting 'gem.nope'"),
+    ('preset = "gem-huge"\n', "run.toml: unknown preset 'gem-huge'"),  # did not name the file
+    ('lr = -1.0\n', "run.toml: lr must be > 0, got -1.0"),
+])
+def test_config_file_errors_name_the_file_and_the_full_key(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(None, path)

@@ -33,6 +33,8 @@ def check_attention_inputs(
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"q head_dim {q.shape[2]} != k head_dim {k.shape[2]}")
+    if q.shape[2] == 0:  # had returned an empty [T, H, 0] output
+        raise ValueError("head_dim must be >= 1, got 0")
     if k.shape[1] == 0 or q.shape[1] % k.shape[1] != 0:
         raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({q.shape[1]}) for GQA/MQA")
     if len({q.dtype, k.dtype, v.dtype}) != 1:

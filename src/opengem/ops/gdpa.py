@@ -9,6 +9,7 @@ Dispatch: CUDA tensors -> Triton (:mod:`opengem.ops.triton.gdpa`), CPU tensors -
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -167,6 +168,13 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8" and broadcast_q:
         raise ValueError("precision='fp8' runs self- and cross-attention, not broadcast_q")
+    if not torch.compiler.is_compiling():  # Dynamo may trace the scales as symbolic floats
+        for name, flag in (("causal", causal), ("broadcast_q", broadcast_q)):
+            if not isinstance(flag, bool):  # "yes" reached torch's schema check, which is not ours
+                raise ValueError(f"{name} must be a bool, got {flag!r}")
+        for name, scale in (("pre_scale", pre_scale), ("post_scale", post_scale)):
+            if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # "2" had been converted silently
+                raise ValueError(f"{name} must be a number, got {scale!r}")
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)
     out_scale = float(post_scale) / _norm_value(norm, max_len_k)

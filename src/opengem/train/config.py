@@ -159,7 +159,10 @@ def load_config(
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise ValueError(f"cannot read config file {path}: {error}") from error
         if preset is None and "preset" in table:
-            config = load_config(str(table["preset"]))
+            try:
+                config = load_config(str(table["preset"]))
+            except ValueError as error:
+                raise ValueError(f"{path}: {error}") from error
         config = _apply(config, _flatten(table), source=str(path))
     return apply_overrides(config, overrides)
 
@@ -209,7 +212,8 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _apply(config: Any, pairs: dict[str, Any], source: str) -> Any:
+def _apply(config: Any, pairs: dict[str, Any], source: str, prefix: str = "") -> Any:
+    """``pairs`` (dotted keys below ``prefix``, which errors name in full: ``model.num_heads``) onto ``config``."""
     nested: dict[str, dict[str, Any]] = {}
     changes: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(config)}
@@ -217,14 +221,17 @@ def _apply(config: Any, pairs: dict[str, Any], source: str) -> Any:
     for key, value in pairs.items():
         head, _, rest = key.partition(".")
         if head not in fields:
-            raise ValueError(f"{source}: unknown setting {key!r}; known: {sorted(fields)}")
+            raise ValueError(f"{source}: unknown setting {prefix + key!r}; known: {sorted(fields)}")
         if rest:
             nested.setdefault(head, {})[rest] = value
         else:
-            changes[head] = _convert(value, hints[head], f"{source}: {key}")
+            changes[head] = _convert(value, hints[head], f"{source}: {prefix + key}")
     for head, sub in nested.items():
-        changes[head] = _apply(getattr(config, head), sub, source)
-    return replace(config, **changes)
+        changes[head] = _apply(getattr(config, head), sub, source, f"{prefix}{head}.")
+    try:
+        return replace(config, **changes)
+    except ValueError as error:  # a __post_init__ check: say where the value came from
+        raise ValueError(f"{source}: {error}") from error
 
 
 def _convert(value: Any, hint: Any, where: str) -> Any:

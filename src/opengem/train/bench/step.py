@@ -69,6 +69,8 @@ class TrainBenchOptions:
         for name in ("warmup", "lead_steps", "max_tuning_steps"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.peak_tflops is not None and not self.peak_tflops > 0:  # was refused only after the whole run
+            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
         if self.profile_steps > self.steps:  # the profiled steps replay the window's first batches
             raise ValueError(f"profile_steps ({self.profile_steps}) must be <= steps ({self.steps})")
         if self.precision is not None and self.precision not in PRECISIONS:
