@@ -947,6 +947,11 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s52f() {  # session 48: the GPU tests of the later checks (FP8 GEMM operands and bias, LowPrecisionLinear's
+  # input, SequentialRecommender's offsets, block_attention_from_hidden, GDPA's argument types)
+  step lp_hstu_block_tests 240 tests tests/gpu/test_low_precision_gpu.py tests/gpu/test_hstu_gpu.py \
+    tests/gpu/test_block_attention_gpu.py
+}
 chain_s52e() {  # session 48: the two weakest (a) rows with JFA alone too: each kernel at the clock its own power
   # draw sets, against both at one clock (call by call)
   clock_log start

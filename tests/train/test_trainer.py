@@ -74,7 +74,7 @@ def test_cli_trains_and_resumes(tmp_path, capsys):
 
 def test_cli_reports_bad_input(tmp_path, capsys):
     assert main(["train", "--set", "model.nope=3"]) == 2
-    assert "unknown setting 'nope'" in capsys.readouterr().err
+    assert "unknown setting 'model.nope'" in capsys.readouterr().err  # the full dotted key
     assert main(["train", "--resume", str(tmp_path / "missing")]) == 2
     assert "no checkpoint" in capsys.readouterr().err
     (tmp_path / "broken" / "checkpoints").mkdir(parents=True)
