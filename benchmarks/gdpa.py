@@ -105,6 +105,13 @@ def workloads(quick: bool) -> list[Workload]:
     return out
 
 
+def workload_flops(w: Workload) -> tuple[float, float]:
+    """Useful (forward, backward) FLOPs of ``w`` (GEM_SPEC section 8: its visible pairs only)."""
+    q_lengths = w.q_lengths if not w.broadcast_q else torch.full_like(w.k_lengths, int(w.q_lengths[0]))
+    pairs = visible_pairs(q_lengths, w.k_lengths, masked=w.causal, causal=w.causal, num_targets=w.num_targets)
+    return attention_flops(pairs, HEADS, HEAD_DIM)
+
+
 def _tensors(w: Workload, device: str) -> dict[str, Any]:
     gen = torch.Generator(device=device).manual_seed(1)
     q_rows = int(w.q_lengths[0]) if w.broadcast_q else int(w.q_lengths.sum())
@@ -386,11 +393,7 @@ def run(quick: bool, device: str = "cuda", prefixes: list[str] | None = None,
     """Our kernel on every chosen workload, then each peer on every one (rows as they finish)."""
     results = Results(quick)
     chosen = by_name_prefix(workloads(quick), prefixes, "--workloads")
-    flops = {}
-    for w in chosen:
-        q_lengths = w.q_lengths if not w.broadcast_q else torch.full_like(w.k_lengths, int(w.q_lengths[0]))
-        pairs = visible_pairs(q_lengths, w.k_lengths, masked=w.causal, causal=w.causal, num_targets=w.num_targets)
-        flops[w.name] = attention_flops(pairs, HEADS, HEAD_DIM)
+    flops = {w.name: workload_flops(w) for w in chosen}
     for w in chosen:
         results.add(_measure_ours(w, flops[w.name], device))
     for impl in peers:

@@ -33,8 +33,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import by_name_prefix, environment
-from benchmarks.gdpa import HEAD_DIM, HEADS, Workload, _jfa_peer, _ours, _tensors, workloads
-from opengem.ops.attention_flops import attention_flops, visible_pairs
+from benchmarks.gdpa import Workload, _jfa_peer, _ours, _tensors, workload_flops, workloads
 
 BENCH_WINDOW_MS = 125.0  # do_bench's 25 ms of warm-up and 100 ms timed: what benchmarks.gdpa reads
 DEFAULT_WORKLOADS = "b cross Q<=2048 KV=256,a self L=2048 s=1.0"
@@ -92,11 +91,6 @@ def timeline(fns: dict[str, Callable[[], Any]], seconds: float) -> dict[str, tup
     return out
 
 
-def _flops(w: Workload) -> float:
-    pairs = visible_pairs(w.q_lengths, w.k_lengths, masked=w.causal, causal=w.causal, num_targets=w.num_targets)
-    return attention_flops(pairs, HEADS, HEAD_DIM)[0]
-
-
 def measure(w: Workload, seconds: float, rest: float, slice_ms: float) -> dict[str, Any]:
     """GDPA's forward alone, then (self-attention) JFA's alone and the two interleaved, each window after ``rest`` s
     idle. Alone, each kernel meets the clock its own power draw sets, as a run of only that kernel would;
@@ -108,7 +102,7 @@ def measure(w: Workload, seconds: float, rest: float, slice_ms: float) -> dict[s
     with torch.no_grad():
         for fn in fns.values():  # tune and compile outside the windows
             fn()
-    flops = _flops(w)
+    flops = workload_flops(w)[0]
     row: dict[str, Any] = {"workload": w.name, "fwd_flops": flops}
     windows = {"gdpa_alone": {"gdpa": fns["gdpa"]}}
     if "jfa" in fns:

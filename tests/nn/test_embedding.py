@@ -227,6 +227,18 @@ def test_out_of_range_id_names_feature_position_and_id() -> None:
         ec(KeyedJagged(keys, torch.tensor([-1, 2, 0, 3]), torch.tensor([1, 1, 1, 1])))
 
 
+def test_the_collection_checks_ids_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # its own IdCheck runs before any lookup; the op's CPU check of the same ids would be a second pass
+    import opengem.ops.embedding as ops_embedding
+
+    calls = []
+    real = ops_embedding.check_ids
+    monkeypatch.setattr(ops_embedding, "check_ids", lambda *args: calls.append(args) or real(*args))
+    ec = EmbeddingCollection(TABLES)
+    ec(KeyedJagged(("user", "friend", "history", "cat"), torch.tensor([1, 2, 0, 3, 3]), torch.tensor([1, 1, 2, 1])))
+    assert calls == []
+
+
 def test_bad_id_in_any_group_raises_before_any_lookup(monkeypatch: pytest.MonkeyPatch) -> None:
     """Two weight groups (fp32, bf16): every group's ids are checked before the first lookup runs."""
     from opengem.nn import embedding as module

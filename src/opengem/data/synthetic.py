@@ -69,6 +69,7 @@ import pyarrow as pa
 
 from opengem.data.layout import HISTORY_TIME, DataLayout, RowBlock, encode
 from opengem.data.schema import FeatureSpec
+from opengem.validation import require_at_least
 
 BLOCK_SIZE = 4096
 DENSE_FEATURES = ("log_bid", "user_activity", "ad_ctr_prior", "hour_of_day")
@@ -109,10 +110,8 @@ class SyntheticConfig:
     conversion_bias: float = -2.6
 
     def __post_init__(self) -> None:
-        for name in ("num_users", "num_items", "num_categories", "num_ads", "num_advertisers", "num_ad_formats",
-                     "num_surfaces", "num_age_buckets", "num_genders", "num_countries"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, ("num_users", "num_items", "num_categories", "num_ads", "num_advertisers",
+                                "num_ad_formats", "num_surfaces", "num_age_buckets", "num_genders", "num_countries"), 1)
         for name in ("interest_share", "targeting_share"):
             if not 0 <= getattr(self, name) <= 1:
                 raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")

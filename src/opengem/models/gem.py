@@ -37,6 +37,7 @@ from opengem.nn.layers import MLP
 from opengem.nn.wukong import DenseExperts, WukongLayer
 from opengem.ops.autocast import autocast_dtype
 from opengem.ops.embedding import few_row_grad
+from opengem.validation import require_at_least
 
 
 @dataclass(frozen=True)
@@ -156,13 +157,10 @@ class GEM(nn.Module):
             raise ValueError(f"domain_feature {config.domain_feature!r} must name a categorical feature")
         if config.use_sequence and by_name.get(config.event_type_feature, domain).kind != "sequence":
             raise ValueError(f"event_type_feature {config.event_type_feature!r} must name a sequence feature")
-        for name in ("embedding_dim", "d_model", "num_heads", "num_layers", "num_summary_tokens", "fm_rank",
-                     "wukong_hidden") + (("num_seeds",) if config.use_pooling else ()):
-            if getattr(config, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(config, name)}")
-        for name in ("num_recent", "ffn_mult", "num_cls"):  # a negative num_recent once cut S_sum's tokens silently
-            if getattr(config, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(config, name)}")
+        require_at_least(config, ("embedding_dim", "d_model", "num_heads", "num_layers", "num_summary_tokens",
+                                  "fm_rank", "wukong_hidden") + (("num_seeds",) if config.use_pooling else ()), 1)
+        # a negative num_recent once cut S_sum's tokens silently
+        require_at_least(config, ("num_recent", "ffn_mult", "num_cls"), 0)
         if any(dim < 1 for dim in config.head_dims):  # empty: a linear head
             raise ValueError(f"head_dims must be sizes >= 1, got {config.head_dims}")
         if not 0 <= config.bf16_attention_last_layers <= config.num_layers:

@@ -38,6 +38,7 @@ from torch import nn
 from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.embedding import FusedUpdate, IdCheck, LookupLayout, embedding_lookup, raise_bad_ids
+from opengem.validation import require_at_least, require_positive
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -81,11 +82,8 @@ class EmbeddingOptimizer:
         kinds = typing.get_args(typing.get_type_hints(EmbeddingOptimizer)["kind"])
         if self.kind not in kinds:  # had surfaced only at the first training backward
             raise ValueError(f"kind must be one of {sorted(kinds)}, got {self.kind!r}")
-        if not self.lr > 0:
-            raise ValueError(f"lr must be > 0, got {self.lr}")
-        for name in ("eps", "weight_decay"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        require_positive(self, ("lr",))
+        require_at_least(self, ("eps", "weight_decay"), 0)
         if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
             raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
 
@@ -235,7 +233,8 @@ class EmbeddingCollection(nn.Module):
         out: dict[str, torch.Tensor | Jagged] = {}
         for lookup in lookups:
             update = self._update(lookup.group, lookup.weights.device)
-            flat = embedding_lookup(lookup.weights, lookup.layout, lookup.ids, lookup.offsets, update)
+            flat = embedding_lookup(lookup.weights, lookup.layout, lookup.ids, lookup.offsets, update,
+                                    ids_checked=lookup.check is not None)  # checked above, with feature names
             for name, config, values in zip(lookup.feature_names, lookup.configs, lookup.layout.split_outputs(flat)):
                 out[name] = batch.jagged(name, values) if config.pooling == "none" else values
         return {name: out[name] for name in self.feature_table}

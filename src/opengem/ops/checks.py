@@ -39,14 +39,11 @@ def check_attention_inputs(
         raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({q.shape[1]}) for GQA/MQA")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    for name, offsets in (("q_offsets", q_offsets), ("k_offsets", k_offsets)):
-        if not isinstance(offsets, torch.Tensor):  # a list had failed on .device below
-            raise ValueError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    validate_offsets(q_offsets, q.shape[0], "q_offsets")  # first: it names offsets that are not tensors at all
+    validate_offsets(k_offsets, k.shape[0], "k_offsets")
     devices = {t.device for t in (q, k, v, q_offsets, k_offsets)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v and offsets must be on one device, got {sorted(map(str, devices))}")
-    validate_offsets(q_offsets, q.shape[0], "q_offsets")
-    validate_offsets(k_offsets, k.shape[0], "k_offsets")
     if q_offsets.numel() != k_offsets.numel():
         raise ValueError(
             f"q_offsets and k_offsets describe different batch sizes: {q_offsets.numel() - 1} vs {k_offsets.numel() - 1}"

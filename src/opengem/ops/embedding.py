@@ -422,10 +422,11 @@ def check_ids(
     raise_bad_ids([IdCheck.start(ids, offsets, batch_size, num_rows, feature_names)])
 
 
-def _check_bags(layout: LookupLayout, ids: torch.Tensor, offsets: torch.Tensor) -> None:
-    """The offsets against the ids and the layout, and on the CPU the ids' ranges: wherever that needs no device
-    sync (CPU tensors, or offsets with a registered host mirror). The kernels read whatever the offsets and ids
-    point at, so a device caller without a mirror checks first (:func:`check_ids`, the jagged constructors)."""
+def _check_bags(layout: LookupLayout, ids: torch.Tensor, offsets: torch.Tensor, ids_checked: bool) -> None:
+    """The offsets against the ids and the layout, and on the CPU the ids' ranges unless ``ids_checked``: wherever
+    that needs no device sync (CPU tensors, or offsets with a registered host mirror). The kernels read whatever the
+    offsets and ids point at, so a device caller without a mirror checks first (:func:`check_ids`, the jagged
+    constructors)."""
     host = known_host_copy(offsets)
     if host is None:
         return
@@ -438,7 +439,7 @@ def _check_bags(layout: LookupLayout, ids: torch.Tensor, offsets: torch.Tensor) 
         sized, given = (end - row[OUT_OFFSET]) // row[DIM], int(host[(f + 1) * batch] - host[f * batch])
         if sized != given:  # the kernel writes the layout's rows: extra ids would be dropped, missing ones unwritten
             raise ValueError(f"feature {f} (pooling 'none'): the layout has rows for {sized} ids, offsets give {given}")
-    if ids.device.type == "cpu":
+    if ids.device.type == "cpu" and not ids_checked:
         check_ids(ids, host, batch, [row[NUM_ROWS] for row in layout.meta_rows],
                   [str(f) for f in range(len(layout.meta_rows))])  # "feature '2': id ..."
 
@@ -449,6 +450,8 @@ def embedding_lookup(
     ids: torch.Tensor,
     offsets: torch.Tensor,
     update: FusedUpdate | None = None,
+    *,
+    ids_checked: bool = False,
 ) -> torch.Tensor:
     """Look up every feature of a KeyedJagged batch in one launch; returns the flat output (see module doc).
 
@@ -462,12 +465,14 @@ def embedding_lookup(
         update: ``None`` -> plain autograd (a dense gradient of ``weights`` if it requires grad);
             a :class:`FusedUpdate` -> the optimizer step runs inside the backward and mutates
             ``weights`` and the state in place.
+        ids_checked: the caller already ran :func:`check_ids` / :class:`IdCheck` on these ids (as an embedding
+            module does for all its lookups at once, before any runs): skip the op's own CPU check.
     Returns:
         ``[layout.out_numel]`` in ``weights.dtype``; split it with :meth:`LookupLayout.split_outputs`.
     """
     check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
     if not torch.compiler.is_compiling():
-        _check_bags(layout, ids, offsets)
+        _check_bags(layout, ids, offsets, ids_checked)
     sizes = (layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
     if update is None:
         return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)

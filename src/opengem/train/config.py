@@ -13,6 +13,7 @@ from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 from opengem.nn.low_precision_recipe import NAMED_RECIPES
+from opengem.validation import require_at_least, require_positive
 
 ARCHITECTURES = ("sequence_ctr", "gem")
 LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
@@ -74,24 +75,17 @@ class TrainConfig:
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
-                     "keep_checkpoints", "max_bad_steps", "low_precision_min_features"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        require_at_least(self, ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
+                                "keep_checkpoints", "max_bad_steps", "low_precision_min_features"), 1)
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.compile_mode not in COMPILE_MODES:
             raise ValueError(f"compile_mode must be one of {COMPILE_MODES}, got {self.compile_mode!r}")
         if self.low_precision_mlp not in LOW_PRECISION_MLPS:
             raise ValueError(f"low_precision_mlp must be one of {LOW_PRECISION_MLPS}, got {self.low_precision_mlp!r}")
-        for name in ("warmup_steps", "num_workers", "numerics_every"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        for name in ("lr", "embedding_lr", "numerics_bound"):
-            if not getattr(self, name) > 0:  # `not >`: NaN fails too
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not self.weight_decay >= 0:
-            raise ValueError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        require_at_least(self, ("warmup_steps", "num_workers", "numerics_every"), 0)
+        require_positive(self, ("lr", "embedding_lr", "numerics_bound"))
+        require_at_least(self, ("weight_decay",), 0)
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {self.min_lr_ratio}")
         if not self.spike_factor > 1:

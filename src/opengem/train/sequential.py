@@ -27,6 +27,7 @@ from opengem.models.hstu import SequentialModelConfig, SequentialRecommender
 from opengem.train.config import apply_overrides
 from opengem.train.metrics import hit_rate_and_ndcg
 from opengem.train.trainer import resolve_device
+from opengem.validation import require_at_least, require_positive
 
 TOP_K = (10, 50, 200)
 
@@ -56,19 +57,13 @@ class SequentialConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
-        for name in ("dim", "num_layers", "num_heads", "max_len", "batch_size", "epochs", "eval_every",
-                     "eval_batch_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("in_batch_negatives", "uniform_negatives", "weight_decay"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        require_at_least(self, ("dim", "num_layers", "num_heads", "max_len", "batch_size", "epochs", "eval_every",
+                                "eval_batch_size"), 1)
+        require_at_least(self, ("in_batch_negatives", "uniform_negatives", "weight_decay"), 0)
         if self.in_batch_negatives + self.uniform_negatives < 1:
             raise ValueError("in_batch_negatives + uniform_negatives must be >= 1 (the sampled softmax needs "
                              "negatives), got 0")
-        for name in ("temperature", "lr"):  # temperature 0 divided every logit by zero: a NaN loss
-            if not getattr(self, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        require_positive(self, ("temperature", "lr"))  # temperature 0 divided every logit by zero: a NaN loss
 
     @property
     def run_name(self) -> str:

@@ -38,6 +38,7 @@ from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, lo
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
 from opengem.train.trainer import Learner, build_learner, resolve_device
+from opengem.validation import require_at_least
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,8 @@ class TrainBenchOptions:
     trace: Path | None = None  # the profiled steps' CPU + GPU timeline (Chrome / Perfetto JSON; gzipped if .gz)
 
     def __post_init__(self) -> None:
-        for name in ("steps", "profile_steps", "loader_batches"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("warmup", "lead_steps", "max_tuning_steps"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        require_at_least(self, ("steps", "profile_steps", "loader_batches"), 1)
+        require_at_least(self, ("warmup", "lead_steps", "max_tuning_steps"), 0)
         if self.peak_tflops is not None and not self.peak_tflops > 0:  # was refused only after the whole run
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
         if self.profile_steps > self.steps:  # the profiled steps replay the window's first batches
