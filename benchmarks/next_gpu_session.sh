@@ -947,6 +947,16 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s53a() {  # session 49: the block-attention GPU tests session 48's call 11 did not reach, and the step-sync, GEM
+  # and data GPU tests under the batch's history-length check (host copies only: still no device sync)
+  step block_attention_tests 300 tests tests/gpu/test_block_attention_gpu.py
+  step sync_gem_data_tests 240 tests tests/gpu/test_step_sync_gpu.py tests/gpu/test_gem_gpu.py tests/gpu/test_data_gpu.py
+}
+chain_s53b() {  # session 49: gem-small b2048 with the bf16 sequence stream, as session 41's s42b (15.21% E2E MFU), after
+  # sessions 42-49's changes (tile order, the bad-input checks' host work in the step)
+  step bench_train_small_bf16_stream 540 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s53b_bf16_stream.json"
+}
 chain_s52f() {  # session 48: the GPU tests of the later checks (FP8 GEMM operands and bias, LowPrecisionLinear's
   # input, SequentialRecommender's offsets, block_attention_from_hidden, GDPA's argument types)
   step lp_hstu_block_tests 240 tests tests/gpu/test_low_precision_gpu.py tests/gpu/test_hstu_gpu.py \

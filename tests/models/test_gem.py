@@ -14,7 +14,7 @@ from opengem.cli.info import add_info_parser, run_info
 from opengem.data.parquet import batches_from_table
 from opengem.data.schema import TASKS, Batch
 from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
-from opengem.jagged import Jagged, KeyedJagged
+from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
 from opengem.models.gem import GEM, GEMConfig, prepend_reversed
 from opengem.models.presets import GEM_PRESETS, describe, gem_flops
 from opengem.models.sequence_ctr import SequenceCTRConfig, SequenceCTRModel
@@ -303,6 +303,16 @@ def test_a_batch_the_model_cannot_read_is_named(batch, model_kind):
         model(narrow)
     with pytest.raises(ValueError, match=r"the batch is empty \(B = 0\)"):  # was a reshape error deep inside
         model(dataclasses.replace(batch, dense=batch.dense[:0]))
+    ages = batch.history_age
+    lengths = ages.lengths_host().clone()
+    sample = int(torch.nonzero(lengths)[0])
+    lengths[sample] -= 1  # one event short: was "The size of tensor a (99) must match the size of tensor b (98)"
+    keep = torch.ones(ages.values.shape[0], dtype=torch.bool)
+    keep[int(ages.offsets_host[sample])] = False
+    short = Jagged.from_offsets(ages.values[keep], offsets_from_lengths(lengths))
+    with pytest.raises(ValueError, match=rf"sample {sample}: history feature '\w+' has {int(lengths[sample]) + 1} "
+                                         rf"events but history_age has {int(lengths[sample])}"):
+        model(dataclasses.replace(batch, history_age=short))
 
 
 def test_seeds_are_not_checked_without_pooling():

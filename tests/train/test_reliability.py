@@ -127,7 +127,10 @@ def test_resume_from_a_checkpoint_file_and_clear_errors_for_bad_manifests(tmp_pa
         (lambda m: m["config"].update(future_key=1),
          "saved config has settings this version does not know: future_key"),
         (lambda m: m["config"]["model"].update(depth=2), "does not know: model.depth"),
-        (lambda m: m["config"].update(batch_size="abc"), "saved config holds a value of the wrong type"),
+        (lambda m: m["config"].update(batch_size="abc"), "saved config's 'batch_size' must be an int, got 'abc'"),
+        # a string seed would have loaded (no __post_init__ compares it) and failed steps later
+        (lambda m: m["config"].update(seed="x"), "saved config's 'seed' must be an int, got 'x'"),
+        (lambda m: m["config"]["gem"].update(attention_precision="fp4"), "'gem.attention_precision' must be one of"),
     ]:
         broken = json.loads(json.dumps(saved))
         edit(broken)

@@ -7,7 +7,7 @@ from typing import Literal
 
 import torch
 
-from opengem.jagged import Jagged, KeyedJagged
+from opengem.jagged import Jagged, KeyedJagged, host_copy
 
 FeatureKind = Literal["categorical", "multi_hot", "sequence"]
 FEATURE_KINDS: tuple[str, ...] = ("categorical", "multi_hot", "sequence")
@@ -60,12 +60,29 @@ class Batch:
 
     def check_model_input(self, num_dense: int) -> None:
         """Raise ``ValueError`` unless a model built for ``num_dense`` dense features can read this batch: at least
-        one sample (an empty batch failed deep in a reshape) and ``dense`` of ``[B, num_dense]``."""
+        one sample (an empty batch failed deep in a reshape), ``dense`` of ``[B, num_dense]``, and history features and
+        ``history_age`` of the same lengths."""
         if self.dense.dim() != 2 or self.dense.shape[1] != num_dense:
             raise ValueError(f"batch.dense must be [B, {num_dense}] (the model's dense features), "
                              f"got {tuple(self.dense.shape)}")
         if self.dense.shape[0] == 0:
             raise ValueError("the batch is empty (B = 0): a model's forward needs at least one sample")
+        self._check_history_lengths()
+
+    def _check_history_lengths(self) -> None:
+        """Every history feature and ``history_age`` must give each sample the same number of events (a short
+        ``history_age`` had failed deep in the model as a size mismatch). Reads host copies, as the embedding
+        lookup does: no device sync where the batch came through ``to``."""
+        ages = self.history_age.lengths_host()
+        per_key = host_copy(self.sequence.lengths).view(len(self.sequence.keys), -1) if self.sequence.keys else ()
+        for key, lengths in zip(self.sequence.keys, per_key):
+            if lengths.shape != ages.shape:
+                raise ValueError(f"history feature {key!r} has {lengths.numel()} samples, history_age {ages.numel()}")
+            differ = torch.nonzero(lengths != ages)
+            if differ.numel():
+                sample = int(differ[0])
+                raise ValueError(f"sample {sample}: history feature {key!r} has {int(lengths[sample])} events but "
+                                 f"history_age has {int(ages[sample])}")
 
     def num_history_tokens(self) -> int:
         return int(self.history_age.num_values)

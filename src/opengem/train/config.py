@@ -185,15 +185,38 @@ def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
         if unknown:
             raise ValueError(f"saved config has settings this version does not know: "
                              f"{', '.join(f'{name}.{key}' if name else key for key in unknown)}")
-    try:
-        rebuilt = {
-            name: kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
-            for name, kind in sections.items()
-            if name in saved  # checkpoints written before the gem section existed lack it
-        }
-        return replace(TrainConfig(**{k: v for k, v in saved.items() if k not in sections}), **rebuilt)
-    except TypeError as error:  # a value of the wrong type met a comparison or an operator in __post_init__
-        raise ValueError(f"saved config holds a value of the wrong type: {error}") from error
+        hints = typing.get_type_hints(kind)
+        for key, value in table.items():
+            if not (name == "" and key in sections):
+                _check_saved_type(value, hints[key], f"{name}.{key}" if name else key)
+    rebuilt = {
+        name: kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
+        for name, kind in sections.items()
+        if name in saved  # checkpoints written before the gem section existed lack it
+    }
+    return replace(TrainConfig(**{k: v for k, v in saved.items() if k not in sections}), **rebuilt)
+
+
+def _check_saved_type(value: Any, hint: Any, key: str) -> None:
+    """A saved setting must hold its field's JSON type exactly (asdict wrote it): no string-to-number conversion, which
+    would let ``"seed": "x"`` load and fail steps later."""
+    origin = typing.get_origin(hint)
+    if origin is typing.Literal:
+        fits = value in typing.get_args(hint)
+    elif origin is tuple:
+        fits = isinstance(value, (list, tuple)) and all(type(item) is int for item in value)
+    elif hint is float:
+        fits = type(value) in (int, float)
+    else:
+        fits = type(value) is hint
+    if not fits:
+        raise ValueError(f"saved config's {key!r} must be {_type_name(hint)}, got {value!r}")
+
+
+def _type_name(hint: Any) -> str:
+    if typing.get_origin(hint) is typing.Literal:
+        return f"one of {typing.get_args(hint)}"
+    return {int: "an int", float: "a number", str: "a string", bool: "true or false"}.get(hint, "a list of ints")
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
