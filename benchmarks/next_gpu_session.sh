@@ -260,9 +260,12 @@ gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/status)
   local name=$1 cap=$2; shift 2
   local start=$SECONDS
+  # the host's load before the step: a step paced by a busy host reads slow (session 49, s53b: 191.67 ms, then
+  # 138.80 on a fresh machine, the same code)
+  local load; load=$(cut -d' ' -f1-3 /proc/loadavg)
   timeout "$cap" bash -c '"$@"' _ "$@" > "$out/logs/$name.log" 2>&1  # bash -c: the command may be a function
   local rc=$?
-  echo "rc=$rc $((SECONDS - start))s $name :: $(tail -n 1 "$out/logs/$name.log" | cut -c1-200)" >> "$out/status"
+  echo "rc=$rc $((SECONDS - start))s load=$load $name :: $(tail -n 1 "$out/logs/$name.log" | cut -c1-200)" >> "$out/status"
   tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null  # a call cut short keeps what finished
 }
 on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background when there are two)
@@ -947,6 +950,23 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+small_train_at() {  # small_train_at TREE NAME: small_train (bf16 stream) on the opengem sources under ab_src/TREE/src
+  # (git-ignored; made by `git archive COMMIT src/opengem | tar -x -C ab_src/TREE` and carried: old 7f92603, mid f2daa51)
+  local tree=$1 name=$2
+  PYTHONPATH=ab_src/$tree/src:. small_train --set gem.sequence_dtype=compute --out "$out/results/$name.json"
+}
+chain_s53c() {  # session 49: gem-small b2048 (bf16 stream) ran 191.67 ms in s53b with 60 ms of GPU idle a step (session
+  # 41: 141.59 ms, 3 ms idle): HEAD, then session 41's sources (7f92603) on the same machine
+  step bench_train_small_head 200 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s53c_head.json"
+  step bench_train_small_7f92603 330 small_train_at old train_gem-small_b2048_s53c_7f92603
+}
+chain_s53d() {  # session 49: the same, session 47's last sources (f2daa51: after the tile-order changes, before the
+  # bad-input checks), then HEAD again
+  step bench_train_small_f2daa51 300 small_train_at mid train_gem-small_b2048_s53d_f2daa51
+  step bench_train_small_head 200 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s53d_head.json"
+}
 chain_s53a() {  # session 49: the block-attention GPU tests session 48's call 11 did not reach, and the step-sync, GEM
   # and data GPU tests under the batch's history-length check (host copies only: still no device sync)
   step block_attention_tests 300 tests tests/gpu/test_block_attention_gpu.py
@@ -1118,7 +1138,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
+export -f tests train small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
