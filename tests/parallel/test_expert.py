@@ -32,13 +32,13 @@ def test_expert_parallel_matches_sum_of_experts(world2, expert_reference):
 
 
 def test_expert_parallel_bytes_match_padded_count(world2):
-    # Per call: sizes all-gather (2 x int64), forward all-gather of max(rows) x 2 ranks rows, forward
+    # Per call: sizes all-gather (2 ranks x 2 int64), forward all-gather of max(rows) x 2 ranks rows, forward
     # reduce-scatter of the same, and mirrored in backward; fp32, DIM features.
     padded_rows = max(scenarios.EXPERT_ROWS) * 2
     one_buffer = padded_rows * scenarios.DIM * 4
     for result in world2:
         assert result["expert"]["bytes"] == {
-            ("expert", "all_gather_sizes"): 2 * 8,
+            ("expert", "all_gather_sizes"): 2 * 2 * 8,  # each rank's size and layout checksum
             ("expert", "all_gather"): 2 * one_buffer,
             ("expert", "reduce_scatter"): 2 * one_buffer,
         }
@@ -50,7 +50,7 @@ def test_expert_parallel_inside_fsdp_counts_bytes(world4):
     one_buffer = rows * 2 * scenarios.DIM * 4
     for result in world4:
         assert result["ep2_fsdp2"]["expert_bytes"] == {
-            ("expert", "all_gather_sizes"): 2 * 8,
+            ("expert", "all_gather_sizes"): 2 * 2 * 8,  # each rank's size and layout checksum
             ("expert", "all_gather"): 2 * one_buffer,
             ("expert", "reduce_scatter"): 2 * one_buffer,
         }

@@ -49,19 +49,45 @@ def test_valid_layout_across_hosts_and_zones():
         (ParallelConfig(dense_shard=4, expert=3), Topology(8), 4, "expert=3 must divide dense_shard=4"),
         (ParallelConfig(dense_shard=8, expert=8), Topology(4, 2), 8, r"expert=8 must divide the GPUs per host \(4\)"),
         (ParallelConfig(sparse_group=2, sparse_replicate=4), Topology(2, 4), 8, "sparse_replicate=4 must divide"),
-        (ParallelConfig(dense_replicate=0, dense_shard=4), Topology(4), 4, "dense_replicate must be >= 1"),
         (ParallelConfig(dense_replicate=3), Topology(4), 4, "dense_shard=-1: dense_replicate=3 does not divide"),
-        (ParallelConfig(expert=0), Topology(4), 4, "expert must be >= 1"),
-        (ParallelConfig(prefetch=-1), Topology(4), 4, "prefetch must be >= 0"),
         (ParallelConfig(), Topology(4), 6, "not a whole number of hosts"),
         (ParallelConfig(dense_replicate=3, dense_shard=4), Topology(2, 3), 12, "straddles two zones"),
         (ParallelConfig(dense_replicate=2, dense_shard=12), Topology(2, 4), 24, "multiple of the GPUs per zone"),
-        (ParallelConfig(), Topology(0), 4, "topology degrees must be >= 1"),
     ],
 )
 def test_impossible_layouts_raise(config, topology, world, message):
     with pytest.raises(ValueError, match=message):
         validate_layout(config, topology, world)
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"dense_replicate": 0, "dense_shard": 4}, "dense_replicate must be >= 1"),
+    ({"expert": 0}, "expert must be >= 1"),
+    ({"expert": -1}, r"expert must be >= 1 \(or -1 where allowed\), got -1"),  # -1 fills dense_shard only
+    ({"prefetch": -1}, "prefetch must be >= 0"),
+    ({"collectives": "fast"}, "collectives must be one of"),
+    # were accepted: "false" meant resharding on, a float degree failed inside torch's mesh
+    ({"reshard_after_forward": "false"}, "reshard_after_forward must be a bool, got 'false'"),
+    ({"activation_checkpointing": 1}, "activation_checkpointing must be a bool, got 1"),
+    ({"dense_shard": 2.0}, "dense_shard must be an int, got 2.0"),
+    ({"prefetch": True}, "prefetch must be an int, got True"),
+])
+def test_bad_settings_are_refused_when_made(fields, message):
+    with pytest.raises(ValueError, match=message):
+        ParallelConfig(**fields)
+
+
+def test_a_topology_needs_a_gpu_a_host_and_a_host_a_zone():
+    with pytest.raises(ValueError, match="gpus_per_host must be >= 1, got 0"):  # divided by zero in clipped()
+        Topology(0)
+    with pytest.raises(ValueError, match="hosts_per_zone must be >= 1, got -2"):
+        Topology(8, -2)
+
+
+@pytest.mark.parametrize("text", ["dense_shard=1_6", "dense_shard=\uff12", "prefetch=1.5"])
+def test_parse_parallel_takes_plain_integers_only(text):
+    with pytest.raises(ValueError, match="expected an integer"):  # int() took "1_6" as 16
+        parse_parallel(text)
 
 
 def test_device_type_follows_backend():

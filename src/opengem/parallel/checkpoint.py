@@ -16,12 +16,14 @@ from typing import Any
 
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.optim import Optimizer
 
 PARTIAL_SUFFIX = ".partial"
+METADATA_FILE = ".metadata"  # DCP's index of a checkpoint: present once a save completed
 
 
 class ModelOptimizerState(Stateful):
@@ -71,11 +73,13 @@ def save_distributed(
 ) -> Path:
     """Save ``state`` (tensors, DTensors, ``Stateful`` objects such as ``ModelOptimizerState``) to ``directory``.
 
-    Every rank calls this. An existing ``directory`` is replaced only after the new one is complete.
-    ``on_complete``: rank 0 calls it with the temporary directory once every rank has written its part,
-    before the rename (e.g. to add a manifest). Returns the final path.
+    Every rank calls this. An existing ``directory`` is replaced only after the new one is complete, and only if it
+    is a distributed checkpoint (or empty): any other folder or a file there is refused before anything is written
+    (a run folder passed by mistake had been deleted). ``on_complete``: rank 0 calls it with the temporary directory
+    once every rank has written its part, before the rename (e.g. to add a manifest). Returns the final path.
     """
     final = Path(directory)
+    _check_replaceable(final)  # on the shared filesystem every rank sees the same, so all raise together
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
@@ -93,9 +97,26 @@ def save_distributed(
     return final
 
 
+def _check_replaceable(final: Path) -> None:
+    if final.is_dir() and any(final.iterdir()) and not (final / METADATA_FILE).is_file():
+        raise ValueError(f"save_distributed: {final} exists and is not a distributed checkpoint (no {METADATA_FILE}); "
+                         "refusing to replace it")
+    if final.exists() and not final.is_dir():
+        raise ValueError(f"save_distributed: {final} is a file, not a checkpoint directory")
+
+
 def load_distributed(state: dict[str, Any], directory: str | Path) -> None:
-    """Load ``directory`` into ``state`` in place, resharding to the current layout (every rank calls this)."""
+    """Load ``directory`` into ``state`` in place, resharding to the current layout (every rank calls this).
+
+    A checkpoint that does not fit ``state`` (other sizes or keys) or whose files are corrupt raises ``ValueError``
+    with the first failing rank's reason: DCP raises a ``CheckpointException``, a ``BaseException`` that
+    ``except Exception`` handlers (the CLI's among them) do not catch."""
     path = Path(directory)
-    if not (path / ".metadata").is_file():
-        raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no .metadata)")
-    dcp.load(state, checkpoint_id=str(path))
+    if not (path / METADATA_FILE).is_file():
+        raise FileNotFoundError(f"{path} is not a complete distributed checkpoint (no {METADATA_FILE})")
+    try:
+        dcp.load(state, checkpoint_id=str(path))
+    except CheckpointException as error:
+        rank, (cause, _) = min(error.failures.items())
+        raise ValueError(f"{path} does not load into this state (rank {rank}): "
+                         f"{type(cause).__name__}: {cause}") from error

@@ -53,6 +53,11 @@ class CollectivePlan:
     expert_all_gather: str  # PROCESS_GROUP or SYMM_MEM_COPY_ENGINE
     reason: str
 
+    @property
+    def is_default(self) -> bool:
+        """Whether this route is the default one (for ``copy_engine``: a fallback, which ``reason`` explains)."""
+        return not (self.nccl_zero_cta or self.fsdp_symm_mem) and self.expert_all_gather == PROCESS_GROUP
+
 
 def select_collectives(requested: str, caps: Capabilities) -> CollectivePlan:
     """Choose the collective route for ``requested`` (``"default"`` or ``"copy_engine"``).

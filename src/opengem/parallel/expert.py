@@ -5,13 +5,16 @@ activations along the batch, run the local expert on the whole gathered batch, r
 the outputs so every rank gets, for its own rows, the sum over all experts. Backward mirrors it:
 the gradient of an all-gather is a reduce-scatter and vice versa.
 
-Unequal per-rank batch sizes: the sizes are all-gathered first (one tiny collective per call); the
+Unequal per-rank batch sizes: the sizes are all-gathered first (one tiny collective per call, which also
+checks that every rank's activations have one trailing shape and dtype); the
 activations are padded to the largest size so that the fixed-size collectives (``all_gather_single``,
 ``reduce_scatter_single``) apply, and the padding rows are dropped again. The padded buffers are
 what travels, and what ``CommStats`` counts.
 """
 
 from __future__ import annotations
+
+import zlib
 
 import torch
 import torch.distributed as dist
@@ -30,14 +33,28 @@ EXPERT_DIM = "expert"
 
 
 def gather_batch_sizes(x: torch.Tensor, group: dist.ProcessGroup, stats: CommStats | None = None) -> list[int]:
-    """The batch size (``x.shape[0]``) of every rank of ``group``, in group-rank order."""
+    """The batch size (``x.shape[0]``) of every rank of ``group``, in group-rank order.
+
+    Each rank also sends a checksum of its ``x``'s trailing shape and dtype, so that ranks passing unlike tensors
+    raise ``ValueError`` (every rank, so none waits): the fixed-size collectives had reinterpreted the bytes
+    (float32 ones arriving as 1.4e-45) or aborted the process."""
     world = dist.get_world_size(group)
-    local = torch.tensor([x.shape[0]], dtype=torch.int64, device=x.device)
-    sizes = torch.empty(world, dtype=torch.int64, device=x.device)
-    all_gather_single(sizes, local, group)
+    local = torch.tensor([x.shape[0], _layout_checksum(x)], dtype=torch.int64, device=x.device)
+    gathered = torch.empty(world * 2, dtype=torch.int64, device=x.device)
+    all_gather_single(gathered, local, group)
     if stats is not None:
-        stats.record(EXPERT_DIM, "all_gather_sizes", sizes.numel() * sizes.element_size())
-    return sizes.tolist()
+        stats.record(EXPERT_DIM, "all_gather_sizes", gathered.numel() * gathered.element_size())
+    sizes, checksums = gathered.view(world, 2).t().tolist()
+    unlike = [rank for rank, checksum in enumerate(checksums) if checksum != checksums[dist.get_rank(group)]]
+    if unlike:
+        raise ValueError(f"rank {unlike[0]} of the group passes a tensor of another trailing shape or dtype than "
+                         f"rank {dist.get_rank(group)}'s [*, {', '.join(map(str, x.shape[1:]))}] {x.dtype}; every "
+                         "rank must pass the same")
+    return sizes
+
+
+def _layout_checksum(x: torch.Tensor) -> int:
+    return zlib.crc32(f"{tuple(x.shape[1:])} {x.dtype}".encode())  # the same in every process (hash() of str is not)
 
 
 def _pad_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
@@ -96,6 +113,8 @@ class _ReduceScatterAlongBatch(torch.autograd.Function):
 def _check_sizes(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, rows: int, name: str) -> None:
     if len(sizes) != dist.get_world_size(group):
         raise ValueError(f"sizes has {len(sizes)} entries, the group has {dist.get_world_size(group)} ranks")
+    if any(size < 0 for size in sizes):  # [-1, 3] summed right and failed inside torch's split
+        raise ValueError(f"sizes must be >= 0, got {sizes}")
     if x.shape[0] != rows:
         raise ValueError(f"{name} has {x.shape[0]} rows, expected {rows} from sizes={sizes}")
 

@@ -172,8 +172,12 @@ def parallelize(
     if config.expert > 1:
         if meshes.expert is None:
             raise ValueError("config.expert > 1 but meshes.expert is None; build the meshes with build_meshes")
+        expert_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, tuple(expert_types))]
+        if not expert_modules:  # every rank would have kept every expert, the layout saying otherwise
+            raise ValueError(f"config.expert={config.expert} but the model has no module of expert_types="
+                             f"{tuple(t.__name__ for t in expert_types)}; pass the model's experts module type")
         expert_mesh = _shard_mesh(meshes.expert, "replicate", "expert_shard")
-        for name, module in [(n, m) for n, m in model.named_modules() if isinstance(m, tuple(expert_types))]:
+        for name, module in expert_modules:
             parallel = ExpertParallel(module.experts, meshes.expert.get_group("expert"), stats, route)
             _replace(model, name, parallel)
             shard(name, parallel, expert_mesh, config.reshard_after_forward)
@@ -218,8 +222,17 @@ def data_parallel_loss(loss_sum: torch.Tensor, count: int | torch.Tensor) -> tor
     gradient of the global mean loss (a plain per-rank mean would overweight the smaller batches).
     Costs one scalar all-reduce (of ``count``) over the default group.
     """
+    if loss_sum.dim() != 0:
+        raise ValueError(f"loss_sum must be a scalar (this rank's summed loss), got shape {tuple(loss_sum.shape)}")
+    on_host = not isinstance(count, torch.Tensor) or count.device.type == "cpu"  # a device count: no sync to check
+    if isinstance(count, torch.Tensor) and count.dim() != 0:
+        raise ValueError(f"count must be a scalar, got shape {tuple(count.shape)}")
+    if on_host and not (float(count) >= 0 and float(count).is_integer()):  # a negative one had flipped the loss
+        raise ValueError(f"count must be a whole number of samples >= 0, got {count}")
     total = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).clone()
     dist.all_reduce(total)
+    if total.item() == 0:
+        raise ValueError("data_parallel_loss: the global sample count is 0 (every rank has an empty batch)")
     return loss_sum * (dist.get_world_size() / total.item())
 
 
@@ -274,6 +287,8 @@ def clip_grad_norm_(
     copies), and the experts of an ``ExpertParallel`` layer, different on each rank of its group, are
     summed over that group. Returns the total norm (a plain 0-dim tensor, identical on every rank).
     """
+    if not max_norm >= 0:  # a negative one had flipped the gradients' sign, NaN made them NaN
+        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
     expert_params = {id(p): m.group for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
     sparse_params = {id(p) for m in model.modules() if is_sparse(m, sparse_types) for p in m.parameters()}
     grads = []

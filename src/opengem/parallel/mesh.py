@@ -18,16 +18,23 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from opengem.validation import require_at_least
+
 FILL = -1
 """A degree of ``-1`` (allowed for ``dense_shard`` and ``sparse_group``) means "the rest of the world"."""
 
 DEVICE_TYPE_BY_BACKEND = {"gloo": "cpu", "nccl": "cuda"}
+DEGREE_NAMES = ("dense_replicate", "dense_shard", "expert", "sparse_group", "sparse_replicate")
+FILLABLE_NAMES = ("dense_shard", "sparse_group")
+BOOL_NAMES = ("reshard_after_forward", "activation_checkpointing")
+COLLECTIVES_CHOICES = ("default", "copy_engine")
 
 
 @dataclass(frozen=True)
@@ -53,6 +60,24 @@ class ParallelConfig:
     activation_checkpointing: bool = False
     collectives: str = "default"
 
+    def __post_init__(self) -> None:
+        """Types and ranges when made (``"false"`` had meant true, a float degree failed inside torch's mesh)."""
+        for name in (*DEGREE_NAMES, "prefetch"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"ParallelConfig: {name} must be an int, got {value!r}")
+        for name in BOOL_NAMES:
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ParallelConfig: {name} must be a bool, got {getattr(self, name)!r}")
+        for name in DEGREE_NAMES:
+            value = getattr(self, name)
+            if value < 1 and not (value == FILL and name in FILLABLE_NAMES):
+                raise ValueError(f"{name} must be >= 1 (or -1 where allowed), got {value}")
+        if self.prefetch < 0:
+            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        if self.collectives not in COLLECTIVES_CHOICES:
+            raise ValueError(f"collectives must be one of {COLLECTIVES_CHOICES}, got {self.collectives!r}")
+
     def resolved(self, world_size: int) -> ParallelConfig:
         """Replace a ``-1`` in ``dense_shard`` / ``sparse_group`` by what makes the product ``world_size``."""
         changes = {}
@@ -74,6 +99,9 @@ class Topology:
     gpus_per_host: int
     hosts_per_zone: int = 1
 
+    def __post_init__(self) -> None:
+        require_at_least(self, ("gpus_per_host", "hosts_per_zone"), 1)  # 0 had divided by zero in clipped()
+
     def clipped(self, world_size: int) -> Topology:
         """The topology seen by a job of ``world_size`` ranks (a 1-rank job on an 8-GPU host has 1 GPU per host)."""
         gpus = min(self.gpus_per_host, world_size)
@@ -81,9 +109,6 @@ class Topology:
         return Topology(gpus, hosts)
 
 
-DEGREE_NAMES = ("dense_replicate", "dense_shard", "expert", "sparse_group", "sparse_replicate")
-BOOL_NAMES = ("reshard_after_forward", "activation_checkpointing")
-COLLECTIVES_CHOICES = ("default", "copy_engine")
 
 
 def parse_parallel(spec: str) -> ParallelConfig:
@@ -118,10 +143,9 @@ def _parse_value(key: str, text: str) -> object:
         if text not in COLLECTIVES_CHOICES:
             raise ValueError(f"--parallel: collectives={text!r}: expected one of {', '.join(COLLECTIVES_CHOICES)}")
         return text
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"--parallel: {key}={text!r}: expected an integer") from None
+    if not re.fullmatch(r"[+-]?[0-9]+", text):  # int() also takes "1_6" (16) and non-ASCII digits
+        raise ValueError(f"--parallel: {key}={text!r}: expected an integer")
+    return int(text)
 
 
 def validate_layout(config: ParallelConfig, topology: Topology, world_size: int) -> ParallelConfig:
@@ -131,16 +155,7 @@ def validate_layout(config: ParallelConfig, topology: Topology, world_size: int)
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if topology.gpus_per_host < 1 or topology.hosts_per_zone < 1:
-        raise ValueError(f"topology degrees must be >= 1, got {topology}")
-    config = config.resolved(world_size)
-    for name in DEGREE_NAMES:
-        if getattr(config, name) < 1:
-            raise ValueError(f"{name} must be >= 1 (or -1 where allowed), got {getattr(config, name)}")
-    if config.prefetch < 0:
-        raise ValueError(f"prefetch must be >= 0, got {config.prefetch}")
-    if config.collectives not in COLLECTIVES_CHOICES:
-        raise ValueError(f"collectives must be one of {COLLECTIVES_CHOICES}, got {config.collectives!r}")
+    config = config.resolved(world_size)  # ParallelConfig checked each degree's range when made
     dense = config.dense_replicate * config.dense_shard
     if dense != world_size:
         raise ValueError(
@@ -249,6 +264,7 @@ def init_distributed(
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     setup_environment(config.collectives, probe_capabilities(backend))
     if not dist.is_initialized():
+        _check_launch_environment()
         for key, default in (("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29500")):
             os.environ.setdefault(key, default)
         device_id = None
@@ -257,5 +273,29 @@ def init_distributed(
             torch.cuda.set_device(device_id)
         dist.init_process_group(backend, device_id=device_id)
     if topology is None:  # torchrun's LOCAL_WORLD_SIZE: the ranks of one host
-        topology = Topology(gpus_per_host=int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())))
+        topology = Topology(gpus_per_host=_environment_int("LOCAL_WORLD_SIZE", dist.get_world_size()))
     return build_meshes(config, topology)
+
+
+def _environment_int(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"environment variable {name}={text!r} must be an integer") from None
+
+
+def _check_launch_environment() -> None:
+    """torchrun sets RANK and WORLD_SIZE together: one alone (left over from another tool) made a world whose
+    ranks wait for each other until the store's 30 min timeout."""
+    given = [name for name in ("RANK", "WORLD_SIZE") if name in os.environ]
+    if len(given) == 1:
+        other = "WORLD_SIZE" if given == ["RANK"] else "RANK"
+        raise ValueError(f"{given[0]}={os.environ[given[0]]} is set but {other} is not: launch with torchrun, or unset "
+                         f"{given[0]} for a 1-rank job")
+    if given:
+        rank, world = _environment_int("RANK", 0), _environment_int("WORLD_SIZE", 1)
+        if not 0 <= rank < world:
+            raise ValueError(f"RANK={rank} must be in [0, WORLD_SIZE={world})")

@@ -68,6 +68,7 @@ bytes sent by this rank, ``all_gather_sizes``) and ``sparse_replicate`` (``all_r
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -153,8 +154,10 @@ class ShardedEmbeddingCollection(nn.Module):
         if plan.world_size != self.world:
             raise ValueError(f"plan is for {plan.world_size} ranks but the sharding group has {self.world}")
         plan.validate(self.tables)
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1, got {sync_every}")
+        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+            raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
+        if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not 0 < grad_scale < math.inf:
+            raise ValueError(f"grad_scale must be a finite number > 0, got {grad_scale!r}")  # NaN, -1, "0.5" passed
         if fully_sharded and self.replica_group is None:
             raise ValueError("fully_sharded needs a replica_group of more than one rank")
         has_columns = any(s.sharding == "column_wise" for s in plan.tables.values())
@@ -290,6 +293,10 @@ class ShardedEmbeddingCollection(nn.Module):
 
     def load_full_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Copy each table's full ``[rows, dim]`` weights (same on every rank) into this rank's shards."""
+        names = {t.name for t in self.tables}
+        if set(weights) != names:  # a missing table had been a bare KeyError, an unknown one ignored
+            raise ValueError(f"weights must hold exactly the tables {sorted(names)}: missing "
+                             f"{sorted(names - set(weights))}, unknown {sorted(set(weights) - names)}")
         if self.fully_sharded:
             self._materialize()
         local = self.local_collection
@@ -414,10 +421,12 @@ def shard_embeddings(
     built from one seed); returns them by module path. ``options`` go to the constructor (``device``
     defaults to the collection's). ``plan`` must cover the tables of every collection it replaces.
     """
+    collections = [(name, m) for name, m in model.named_modules() if type(m) is EmbeddingCollection]
+    if not collections:
+        raise ValueError("shard_embeddings: the model has no EmbeddingCollection to shard")
+    plan.validate([t for _, m in collections for t in m.tables])  # a table the plan lacks had been a bare KeyError
     replaced = {}
-    for name, module in list(model.named_modules()):
-        if type(module) is not EmbeddingCollection:
-            continue
+    for name, module in collections:
         weights = [*module.fused_parameters(), *module.parameters()]
         device = weights[0].device if weights else None
         sub_plan = ShardingPlan(plan.world_size, {t.name: plan.tables[t.name] for t in module.tables})

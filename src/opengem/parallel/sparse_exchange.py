@@ -58,6 +58,8 @@ def read_batch(features: KeyedJagged, needed: tuple[str, ...], rows: dict[str, i
     missing = [f for f in needed if f not in features.keys]
     if missing:
         raise ValueError(f"features is missing keys {missing}; it has {list(features.keys)}")
+    if features.values.dtype not in (torch.int32, torch.int64):  # .long() below had truncated float ids
+        raise ValueError(f"feature ids must be int32 or int64, got {features.values.dtype}")
     batch_size = features.stride
     lengths_host = features.lengths.detach().cpu().long().view(len(features.keys), batch_size)
     if bool((lengths_host < 0).any()):

@@ -188,6 +188,21 @@ def _format_bytes(nbytes: int) -> str:
     return f"{nbytes} B"
 
 
+def _check_tables_and_counts(tables: Sequence[EmbeddingTableConfig], ids_per_step: Mapping[str, float]) -> None:
+    """Unique table names, and ids per step keyed by them: a count keyed by feature name had been ignored, so the hot
+    table cost nothing and was not split."""
+    names = [t.name for t in tables]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"tables must have unique names; given more than once: {twice}")
+    unknown = sorted(set(ids_per_step) - set(names))
+    if unknown:
+        raise ValueError(f"ids_per_step has keys that are not table names: {unknown} (tables: {sorted(names)})")
+    bad = {name: count for name, count in ids_per_step.items() if not (count >= 0 and math.isfinite(count))}
+    if bad:
+        raise ValueError(f"ids_per_step must be finite counts >= 0, got {bad}")
+
+
 def plan_sharding(
     tables: Sequence[EmbeddingTableConfig],
     world_size: int,
@@ -216,8 +231,11 @@ def plan_sharding(
     ``Topology(H // R)``. Raises ``ValueError`` when some
     table cannot be placed within the budget.
     """
+    _check_tables_and_counts(tables, ids_per_step)
+    if world_size < 1:  # before the topology, which divides by it
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
     gpus_per_host = topology.clipped(world_size).gpus_per_host if topology is not None else world_size
-    if world_size < 1 or memory_budget <= 0 or world_size % gpus_per_host:
+    if memory_budget <= 0 or world_size % gpus_per_host:
         raise ValueError(f"need world_size >= 1 divisible by gpus_per_host and a positive budget, got {world_size}, {gpus_per_host}, {memory_budget}")
     free = [memory_budget] * world_size
     cost = [0.0] * world_size

@@ -83,7 +83,7 @@ def expert_bytes(workload: Workload, config: ParallelConfig, rank_batch: int, ac
         gathered_out = config.expert * rank_batch * layer.output_elems * act_bytes
         counts[("expert", "all_gather")] += forwards * gathered_in + gathered_out  # backward: output grads
         counts[("expert", "reduce_scatter")] += forwards * gathered_out + gathered_in  # backward: input grads
-        counts[("expert", "all_gather_sizes")] += forwards * config.expert * INDEX_BYTES
+        counts[("expert", "all_gather_sizes")] += forwards * config.expert * 2 * INDEX_BYTES  # size and checksum
     return counts
 
 

@@ -70,7 +70,7 @@ def save_checkpoint(
             },
         }
         torch.save(state, tmp / STATE_FILE)
-        manifest = {"step": step, "sha256": _sha256(tmp / STATE_FILE), "config": state["config"]}
+        manifest = {"step": step, "sha256": sha256_of(tmp / STATE_FILE), "config": state["config"]}
         (tmp / MANIFEST_FILE).write_text(json.dumps(manifest))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -99,14 +99,17 @@ def verify_checkpoint(folder: Path) -> str | None:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as error:
         return f"unreadable manifest ({error})"
-    if manifest.get("format") == DISTRIBUTED_FORMAT:  # every rank's file, at the size written
+    if manifest.get("format") == DISTRIBUTED_FORMAT:  # every rank's file, at the size and checksum written
         for name, size in manifest.get("files", {}).items():
             if not (folder / name).is_file() or (folder / name).stat().st_size != size:
                 return f"{name} is missing or has the wrong size (truncated or corrupt)"
+        for name, digest in manifest.get("sha256", {}).items():  # manifests before session 49 have sizes only
+            if sha256_of(folder / name) != digest:
+                return f"{name} does not match its checksum (corrupt)"
         return None
     if not (folder / STATE_FILE).exists():
         return f"{STATE_FILE} is missing"
-    if _sha256(folder / STATE_FILE) != manifest.get("sha256"):
+    if sha256_of(folder / STATE_FILE) != manifest.get("sha256"):
         return f"{STATE_FILE} does not match its checksum (truncated or corrupt)"
     return None
 
@@ -167,7 +170,7 @@ def _read(folder: Path) -> dict[str, Any]:
     return state
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as file:
         for chunk in iter(lambda: file.read(1 << 20), b""):

@@ -123,11 +123,21 @@ class DistributedRun:
                 "torchrun, or with low_precision_mlp=none")
         self.config = config
         self.device = _rank_device(config.device)
-        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if config.activation_checkpointing and not parallel.activation_checkpointing:  # was dropped silently
+            parallel = dataclasses.replace(parallel, activation_checkpointing=True)
         self.owns_process_group = not dist.is_initialized()
         environment = set(os.environ)  # init_distributed fills in torchrun's variables for a 1-rank job
-        meshes = init_distributed(parallel, backend=backend)
+        try:
+            self._start(config, parallel)
+        except BaseException:  # a bad layout or setting: leave no process group or variables to a later train()
+            self.added_variables = set(os.environ) - environment
+            self.close()
+            raise
         self.added_variables = set(os.environ) - environment
+
+    def _start(self, config: TrainConfig, parallel: ParallelConfig) -> None:
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        meshes = init_distributed(parallel, backend=backend)
         self.layout = meshes.config
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
@@ -140,6 +150,9 @@ class DistributedRun:
             grad_scale=1.0 / self.layout.sparse_group, stats=stats,
         )  # fmt: skip
         route = select_collectives(self.layout.collectives, probe_capabilities(backend))
+        if self.layout.collectives != "default" and route.is_default and self.is_main:
+            warnings.warn(f"--parallel collectives={self.layout.collectives}: falling back to the default "
+                          f"collectives: {route.reason}", stacklevel=3)
         units = parallelize(model, meshes, expert_types=(DenseExperts,), plan=route, stats=stats)
         learner = make_learner(model, config, DistributedLearner)
         learner.stats = stats
@@ -163,7 +176,7 @@ class DistributedRun:
                 raise ValueError(f"--parallel expert={self.layout.expert} needs architecture=gem with "
                                  f"gem.num_experts={self.layout.expert} (one expert per rank), got {experts} experts")
         if config.baseline and self.is_main:
-            warnings.warn("distributed run: the history-free baseline is not trained", stacklevel=3)
+            warnings.warn("distributed run: the history-free baseline is not trained", stacklevel=4)
 
     def restore(self, checkpoint: Path) -> int:
         return load_distributed_checkpoint(checkpoint, self.learners["model"], self.sparse)
@@ -216,7 +229,7 @@ class DistributedRun:
     def close(self) -> None:
         """Leave the process as it was: no process group (when this run created it), no added variables
         (a later ``train`` in this process would otherwise see a torchrun job)."""
-        if self.owns_process_group:
+        if self.owns_process_group and dist.is_initialized():
             dist.destroy_process_group()
         for key in self.added_variables:
             os.environ.pop(key, None)

@@ -15,7 +15,7 @@ What is saved, independent of the layout it was written under:
 
 The manifest holds the step (the data position: the synthetic stream is keyed by step, the Parquet
 stream skips that many batches), the config, the layout and world size it was written under, the
-learning-rate schedule's state and every file's size (checked before resuming).
+learning-rate schedule's state and every file's size and SHA-256 (checked before resuming).
 """
 
 from __future__ import annotations
@@ -34,7 +34,13 @@ from opengem.parallel.checkpoint import ModelOptimizerState, load_distributed, s
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.parallel.sparse_state import empty_full_state, full_state, load_full_state
-from opengem.train.checkpoint import DISTRIBUTED_FORMAT, MANIFEST_FILE, checkpoints_dir, resolve_checkpoint
+from opengem.train.checkpoint import (
+    DISTRIBUTED_FORMAT,
+    MANIFEST_FILE,
+    checkpoints_dir,
+    resolve_checkpoint,
+    sha256_of,
+)
 from opengem.train.config import TrainConfig
 
 STEP_FOLDER = re.compile(r"step_\d{8}")
@@ -70,6 +76,8 @@ def save_distributed_checkpoint(
             "world_size": dist.get_world_size(),
             "scheduler": learner.scheduler.state_dict(),
             "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()},
+            # a same-size corruption passes the sizes: a flipped byte had loaded as a weight of 6.4e37
+            "sha256": {p.name: sha256_of(p) for p in sorted(folder.iterdir()) if p.is_file()},
         }
         (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
 
@@ -89,8 +97,15 @@ def load_distributed_checkpoint(path: Path, learner: Any, sparse: dict[str, Shar
     manifest = json.loads((folder / MANIFEST_FILE).read_text())
     if manifest.get("format") != DISTRIBUTED_FORMAT:
         raise ValueError(f"--resume: {folder} was written by a single-process run; resume it without --parallel")
+    missing = sorted({"step", "scheduler"} - set(manifest))
+    if missing:  # checked before the (long) load, not after it
+        raise ValueError(f"--resume: {folder / MANIFEST_FILE} has no {', '.join(map(repr, missing))}")
     state = _state(learner, sparse, {name: empty_full_state(module) for name, module in sparse.items()})
-    load_distributed(state, folder)
+    try:
+        load_distributed(state, folder)
+    except ValueError as error:  # other sizes or keys than the settings build (an override), or a corrupt shard
+        raise ValueError(f"--resume: checkpoint {folder} does not fit the model built from the settings (did an "
+                         f"override change its sizes?): {error}") from error
     for name, module in sparse.items():
         load_full_state(module, state["sparse"][name])
     torch.set_rng_state(state["rng"])
