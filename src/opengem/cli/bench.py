@@ -71,13 +71,20 @@ def run_bench(args: argparse.Namespace) -> int:
     if args.bench_command == "calibrate":
         return run_calibrate(args)
     if args.bench_command == "plot":
+        if args.out is not None:
+            step.require_file_name(args.out, "--out")
+            if args.out.suffix.lower() not in ("", ".png"):  # the file is PNG whatever its name says
+                raise ValueError(f"--out {args.out}: bench plot writes a PNG; give a name ending in .png")
         print(f"wrote {plot.plot_file(args.file, args.out)}")
         return 0
     common = {"preset": args.preset, "precision": args.precision, "device": args.device,
               "batch_size": args.batch_size, "peak_tflops": args.peak_tflops, "overrides": tuple(args.set)}
+    default_output = layers.default_output if args.bench_command == "layers" else step.default_output
+    out = default_output(args.preset) if args.out is None else args.out
+    step.require_file_name(out, "--out")  # before the run: the JSON is written after it
     if args.bench_command == "layers":
         payload = layers.bench_layers(step.TrainBenchOptions(**common), repeats=args.repeats)
-        path = write_json(args.out or layers.default_output(args.preset), payload)
+        path = write_json(out, payload)
         print(layers.format_report(payload))
         print(f"wrote {path}")
         return 0
@@ -87,8 +94,11 @@ def run_bench(args: argparse.Namespace) -> int:
         compile=args.compile, num_workers=args.num_workers, profile_steps=args.profile_steps, trace=args.trace,
         loader_batches=args.loader_batches, matmul_size=args.matmul_size,
     )  # fmt: skip
+    if out.with_suffix(".png") == out:
+        raise ValueError(f"--out {out} would be overwritten by its plot (the same name with .png); give a .json name")
+    step.require_file_name(out.with_suffix(".png"), "--out's plot")
     payload = step.bench_train(options)
-    path = write_json(args.out or step.default_output(args.preset), payload)
+    path = write_json(out, payload)
     print(step.format_report(payload))
     print(f"wrote {path}", flush=True)  # before the layers: a run cut short there keeps the step's figures
     if args.with_layers:
@@ -107,8 +117,10 @@ def run_calibrate(args: argparse.Namespace) -> int:
     from opengem.plan.calibration import load_calibration, table_from_measurements
     from opengem.train.bench import calibrate
     from opengem.train.bench.host_probe import HostProbe
+    from opengem.train.bench.step import require_file_name
 
-    base = load_calibration(args.base)  # a bad --base fails before minutes of measuring
+    base = load_calibration(args.base)  # a bad --base or --out fails before minutes of measuring
+    require_file_name(args.out, "--out")
     try:
         measured = calibrate.measure(calibrate.QUICK if args.quick else calibrate.FULL, args.peak_tflops, args.hbm_gbps,
                                      host_probe=None if args.no_host_probe else HostProbe())

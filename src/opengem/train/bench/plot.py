@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
+
+# What `plot_phases` reads of a result (key -> the keys it reads inside; None: a plain value)
+PLOTTED = {"phases_ms": (), "results": ("samples_per_s", "mfu"), "settings": ("precision", "batch_size"),
+           "preset": None, "environment": ("device",)}
+_JSON_KINDS = {list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+               type(None): "null"}
 
 
 def matplotlib_available() -> bool:
@@ -40,19 +46,43 @@ def plot_phases(payload: dict[str, Any], out: Path) -> Path:
     )
     figure.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(out, dpi=120)
+    figure.savefig(out, dpi=120, format="png")  # an explicit format: no ".png" appended to a name without it
     plt.close(figure)
     return out
 
 
+def check_result(payload: object, json_path: Path) -> None:
+    """Raise ``ValueError`` naming ``json_path`` and what is missing unless ``payload`` has every part of a `bench
+    train` result that the plot reads."""
+
+    def fail(why: str) -> NoReturn:
+        raise ValueError(f"{json_path} is not an `opengem bench train` result ({why})")
+
+    if not isinstance(payload, dict):
+        fail(f"the JSON is {_JSON_KINDS.get(type(payload), type(payload).__name__)}, not an object")
+    if payload.get("benchmark") != "train":
+        fail(f"'benchmark' is {payload.get('benchmark')!r}, not 'train'")
+    for key, inner in PLOTTED.items():
+        if key not in payload:
+            fail(f"missing {key!r}")
+        if inner is not None and not isinstance(payload[key], dict):
+            fail(f"{key!r} is not an object")
+        for name in inner or ():
+            if name not in payload[key]:
+                fail(f"missing '{key}.{name}'")
+    for name, ms in payload["phases_ms"].items():
+        if isinstance(ms, bool) or not isinstance(ms, int | float):
+            fail(f"phases_ms.{name} is not a number: {ms!r}")
+
+
 def plot_file(json_path: Path, out: Path | None = None) -> Path:
-    """Render ``json_path`` (a `bench train` result) to ``out`` (default: the same name with ``.png``)."""
+    """Render ``json_path`` (a `bench train` result) to ``out`` (default: the same name with ``.png``); returns the
+    path written, ``out`` itself (a PNG, whatever its suffix: the caller refuses other formats' names)."""
     try:
         payload = json.loads(json_path.read_text())
     except (OSError, json.JSONDecodeError) as error:
         raise ValueError(f"cannot read benchmark result {json_path}: {error}") from error
-    if payload.get("benchmark") != "train" or "phases_ms" not in payload:
-        raise ValueError(f"{json_path} is not an `opengem bench train` result (no phases_ms)")
+    check_result(payload, json_path)
     if not matplotlib_available():
         raise ValueError("plotting needs matplotlib: pip install 'opengem[plot]'")
-    return plot_phases(payload, out or json_path.with_suffix(".png"))
+    return plot_phases(payload, json_path.with_suffix(".png") if out is None else out)

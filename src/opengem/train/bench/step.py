@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import statistics
 import sys
 import time
@@ -68,6 +69,10 @@ class TrainBenchOptions:
         require_at_least(self, ("warmup", "lead_steps", "max_tuning_steps"), 0)
         if self.peak_tflops is not None and not self.peak_tflops > 0:  # was refused only after the whole run
             raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
+        if self.peak_tflops is not None and not math.isfinite(self.peak_tflops):  # an infinite peak: every MFU 0
+            raise ValueError(f"peak_tflops must be finite, got {self.peak_tflops}")
+        if self.matmul_size is not None:  # was a torch error after the whole run (-1), or 0 measured at 512
+            require_at_least(self, ("matmul_size",), 1)
         if self.profile_steps > self.steps:  # the profiled steps replay the window's first batches
             raise ValueError(f"profile_steps ({self.profile_steps}) must be <= steps ({self.steps})")
         if self.precision is not None and self.precision not in PRECISIONS:
@@ -92,15 +97,29 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
     # must see the benchmark's precision, not the preset's. --precision, else an explicit --set, else by device.
     settings = {key.strip(): value.strip() for key, _, value in (item.partition("=") for item in options.overrides)}
     device = resolve_device(settings.get("device", options.device))
-    precision = options.precision or settings.get("precision") or ("bf16" if device.type == "cuda" else "fp32")
+    precision = options.precision if options.precision is not None else settings.get("precision")
+    if precision is None:  # not `or`: an empty `--set precision=` must reach the config, which refuses it
+        precision = "bf16" if device.type == "cuda" else "fp32"
     config = load_config(options.preset, overrides=[*overrides, *options.overrides, f"precision={precision}"])
     return config, device, precision
+
+
+def require_file_name(path: Path, what: str) -> None:
+    """Raise ``ValueError`` (naming ``what``, e.g. ``--out``) when ``path`` cannot be written as a file: it is an
+    existing directory (a JSON write fails after the run; the profiler's trace lands in ``<path>.tmp`` without a
+    word) or sits under a file. Call it before the run."""
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory; give a file name")
+    parent = next((folder for folder in path.parents if folder.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise ValueError(f"{what} {path}: {parent} is a file, not a directory")
 
 
 def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     """Run the benchmark; returns the JSON payload (see `format_report` for what each figure is)."""
     config, device, precision = bench_config(options)
     if options.trace is not None:  # fail now, not after the run
+        require_file_name(options.trace, "trace")
         options.trace.parent.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
@@ -175,7 +194,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     if device.type == "cuda" or options.peak_tflops is not None:
         device_peak = device_peak_flops(device_name, "bf16", options.peak_tflops)
     matmul_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    matmul_size = options.matmul_size or (8192 if device.type == "cuda" else 512)
+    matmul_size = options.matmul_size if options.matmul_size is not None else 8192 if device.type == "cuda" else 512
     ceiling = measured_matmul_peak(device, matmul_dtype, matmul_size)
     results = {
         "step_ms": step_ms,
