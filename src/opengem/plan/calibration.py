@@ -20,6 +20,9 @@ training step, not measurable by kernels alone: ``table_from_measurements`` carr
 table, rescaling element-wise bytes and host times by this machine's microbenchmarks against the base's
 ``measured`` figures when it has them.
 
+Every number is finite; rates are positive and no TFLOP/s exceeds ``peak_bf16_tflops`` (efficiency <= 1),
+host figures are >= 0, ``sm_contention`` is in [0, 1); ``calibration_from_dict`` refuses anything else.
+
 Rates transfer to another GPU of the cluster as fractions: compute by ``peak_bf16_tflops``, memory-bound
 work by ``hbm_gbps`` (``Rates``).
 """
@@ -81,24 +84,77 @@ class Calibration:
         return path
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_rate(value: Any, key: str, source: str) -> None:
+    if not (_is_number(value) and value > 0 and math.isfinite(value)):  # written so that NaN fails too
+        raise ValueError(f"{source}: {key} must be a positive finite number, got {value!r}")
+
+
+def _check_points(points: Any, key: str, fields: str, rates: slice, peak: float, source: str) -> None:
+    """A non-empty list of positive finite ``[fields]`` points whose TFLOP/s (``rates``) do not exceed ``peak``:
+    a rate above the peak is an efficiency above 1, which the cost model would take as is."""
+    if not isinstance(points, list) or not points:
+        raise ValueError(f"{source}: {key} must be a non-empty list of [{fields}], got {points!r}")
+    width = fields.count(",") + 1
+    for i, point in enumerate(points):
+        if not (isinstance(point, list) and len(point) == width
+                and all(_is_number(x) and x > 0 and math.isfinite(x) for x in point)):
+            raise ValueError(f"{source}: {key}[{i}] must be [{fields}] of positive finite numbers, got {point!r}")
+        if max(point[rates]) > peak:
+            raise ValueError(f"{source}: {key}[{i}] = {point} exceeds peak_bf16_tflops {peak} (an efficiency above 1)")
+
+
 def calibration_from_dict(data: dict[str, Any], source: str) -> Calibration:
-    """Build a :class:`Calibration`; a missing or non-positive entry raises naming ``source`` and the key."""
+    """Build a :class:`Calibration`; a missing, unknown, mistyped or out-of-range entry raises naming ``source``
+    and the key."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{source}: a calibration table must be a JSON object, got {type(data).__name__}")
+    if "host" not in data:
+        raise ValueError(f"{source}: missing key 'host'")
+    for key in ("host", "attention", "notes", "measured"):
+        if key in data and not isinstance(data[key], dict):
+            raise ValueError(f"{source}: {key} must be an object, got {data[key]!r}")
     try:
         table = Calibration(**{**data, "host": HostCosts(**data["host"])})
     except (KeyError, TypeError) as error:
         raise ValueError(f"{source}: not a calibration table ({error})") from None
-    if not table.gemm or any(len(p) != 4 or min(p) <= 0 for p in table.gemm):
-        raise ValueError(f"{source}: gemm must be a non-empty list of positive [M, N, K, TFLOP/s]")
-    for family in ATTENTION_FAMILIES:
-        points = table.attention.get(family)
-        if not points or any(len(p) != 3 or min(p) <= 0 for p in points):
-            raise ValueError(f"{source}: attention.{family} must be a non-empty list of positive [keys, fwd, bwd]")
     for key in ("peak_bf16_tflops", "hbm_gbps", "embedding_gbps", "copy_gbps", "elementwise_bytes", "activation_bytes"):
-        if getattr(table, key) <= 0:
-            raise ValueError(f"{source}: {key} must be positive, got {getattr(table, key)}")
+        _check_rate(getattr(table, key), key, source)
+    peak = table.peak_bf16_tflops
+    _check_points(table.gemm, "gemm", "M, N, K, TFLOP/s", slice(3, 4), peak, source)
+    unknown = [family for family in table.attention if family not in ATTENTION_FAMILIES]
+    if unknown:  # a misspelt family would be ignored
+        raise ValueError(f"{source}: attention: unknown {', '.join(map(repr, unknown))} "
+                         f"(known: {', '.join(ATTENTION_FAMILIES)})")
+    for family in ATTENTION_FAMILIES:
+        _check_points(table.attention.get(family), f"attention.{family}", "keys, fwd, bwd", slice(1, 3), peak, source)
+    gbps = table.block_attention_gbps
+    if not isinstance(gbps, list) or len(gbps) != 2:
+        raise ValueError(f"{source}: block_attention_gbps must be [fwd, bwd], got {gbps!r}")
+    for i, value in enumerate(gbps):
+        _check_rate(value, f"block_attention_gbps[{i}]", source)
+    for entry in dataclasses.fields(HostCosts):
+        value = getattr(table.host, entry.name)
+        if value is None and entry.default is None:  # step_ms / layer_ms: absent from launch-model tables
+            continue
+        if not (_is_number(value) and value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{source}: host.{entry.name} must be a finite number >= 0, got {value!r}")
     measured_host = (table.host.step_ms, table.host.layer_ms)
-    if measured_host.count(None) == 1 or any(v is not None and v < 0 for v in measured_host):
+    if measured_host.count(None) == 1:
         raise ValueError(f"{source}: host.step_ms and host.layer_ms come together and are >= 0, got {measured_host}")
+    contention = table.sm_contention
+    if not (_is_number(contention) and 0 <= contention < 1):  # a slowdown fraction; NaN fails too
+        raise ValueError(f"{source}: sm_contention must be a number in [0, 1), got {contention!r}")
+    for key in ("device", "source"):
+        if not isinstance(getattr(table, key), str):
+            raise ValueError(f"{source}: {key} must be a string, got {getattr(table, key)!r}")
+    if not all(isinstance(v, str) for v in table.notes.values()):
+        raise ValueError(f"{source}: notes must map names to strings, got {table.notes!r}")
+    if not all(_is_number(v) and math.isfinite(v) for v in table.measured.values()):
+        raise ValueError(f"{source}: measured must map names to finite numbers, got {table.measured!r}")
     return table
 
 

@@ -31,6 +31,7 @@ from opengem.plan.calibration import Rates
 from opengem.plan.cluster import Cluster
 from opengem.plan.comm import collective_seconds, group_tier
 from opengem.plan.workload import Workload
+from opengem.validation import require_at_least
 
 BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = FP32 + FP32 + 2 * FP32  # fp32 master, fp32 gradient, two moments
@@ -46,6 +47,9 @@ class Layout:
     sparse_fully_sharded: bool = False
     batch_shuffling: bool = True
     sparse_sync_every: int = 1
+
+    def __post_init__(self) -> None:
+        require_at_least(self, ("local_batch", "sparse_sync_every"), 1)  # 0 divided by zero, < 0 reached math.log
 
     def describe(self) -> str:
         c = self.parallel

@@ -13,11 +13,12 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from dataclasses import dataclass
+from pathlib import Path
 
 from opengem.parallel.fsdp import fsdp_step_bytes
 from opengem.parallel.mesh import ParallelConfig, Topology, validate_layout
 from opengem.parallel.sparse_plan import ROW_SPLIT_TYPES, ShardingPlan, plan_sharding, state_bytes_per_row
-from opengem.plan.calibration import Rates, load_calibration
+from opengem.plan.calibration import SHIPPED as SHIPPED_CALIBRATIONS, Calibration, Rates, load_calibration
 from opengem.plan.cluster import Cluster
 from opengem.plan.comm import expert_bytes, fsdp_units, sparse_index_bytes
 from opengem.plan.cost import BF16, FRAMEWORK_RESERVE, Layout, Prediction, SparseCost, dense_memory, estimate
@@ -25,6 +26,17 @@ from opengem.plan.workload import Workload, workload
 
 LOCAL_BATCHES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 BUDGET_STEP = 4 * 2**30  # embedding budgets are rounded down to this, so sharding plans are shared
+
+
+def _cluster_calibration(cluster: Cluster) -> Calibration:
+    """The table the cluster file names (``load_cluster`` already pointed a relative path at its folder)."""
+    try:
+        return load_calibration(cluster.calibration)
+    except FileNotFoundError:
+        folder = Path(cluster.source).parent
+        looked = "" if Path(cluster.calibration).is_absolute() else f"looked in {folder} and the current directory; "
+        raise FileNotFoundError(f"{cluster.source}: calibration = {cluster.calibration!r} not found "
+                                f"({looked}shipped: {', '.join(SHIPPED_CALIBRATIONS)})") from None
 
 
 def divisors(n: int) -> list[int]:
@@ -47,11 +59,17 @@ class Plan:
 
 class Planner:
     def __init__(self, preset: str, cluster: Cluster, gpus: int, calibration: str | None = None) -> None:
+        if isinstance(gpus, bool) or not isinstance(gpus, int):
+            raise ValueError(f"--gpus must be an integer, got {gpus!r}")
         if gpus < 1 or gpus > cluster.total_gpus:
             raise ValueError(f"--gpus {gpus}: the cluster {cluster.name} has {cluster.total_gpus} GPUs")
+        host = cluster.gpus_per_host
+        if gpus > host and gpus % host:  # validate_layout's host rule: every layout would fail it
+            raise ValueError(f"--gpus {gpus}: not a whole number of hosts of {host} GPUs (cluster {cluster.name}); "
+                             f"use a multiple of {host} or at most {host}")
         self.workload: Workload = workload(preset)
         self.preset, self.cluster, self.gpus = preset, cluster, gpus
-        self.rates = Rates(load_calibration(calibration or cluster.calibration), cluster.gpu)
+        self.rates = Rates(load_calibration(calibration) if calibration else _cluster_calibration(cluster), cluster.gpu)
         self._plans: dict[tuple[int, int, int], ShardingPlan | None] = {}
         self._fsdp: dict[tuple, dict] = {}
 
@@ -62,10 +80,12 @@ class Planner:
         experts = sorted({1, w.model.num_experts} if w.experts else {1})
         found = []
         for shard, expert, sparse_replicate in itertools.product(divisors(n), experts, divisors(self.cluster.gpus_per_host)):
+            if n % sparse_replicate:
+                continue  # no whole sparse group (ParallelConfig refuses sparse_group 0 when made)
             for checkpointing, collectives, reshard in itertools.product((False, True), ("default", "copy_engine"), (True, False)):
                 if shard == 1 and (collectives != "default" or not reshard):
                     continue  # nothing is sharded: these options change nothing
-                config = ParallelConfig(n // shard, shard, expert, n // sparse_replicate if n % sparse_replicate == 0 else 0,
+                config = ParallelConfig(n // shard, shard, expert, n // sparse_replicate,
                                         sparse_replicate, reshard, 1, checkpointing, collectives)
                 try:
                     config = validate_layout(config, topology, n)
@@ -133,6 +153,11 @@ class Planner:
 
     def plan(self, local_batches: tuple[int, ...] = LOCAL_BATCHES, batch_shuffling: bool = True,
              sparse_sync_every: int = 1) -> Plan:
+        if not isinstance(local_batches, (tuple, list)) or not local_batches or any(
+                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in local_batches):
+            raise ValueError(f"local_batches must be non-empty integers >= 1, got {local_batches!r}")
+        if isinstance(sparse_sync_every, bool) or not isinstance(sparse_sync_every, int) or sparse_sync_every < 1:
+            raise ValueError(f"sparse_sync_every must be an integer >= 1, got {sparse_sync_every!r}")
         layouts = [dataclasses.replace(l, batch_shuffling=batch_shuffling, sparse_sync_every=sparse_sync_every)
                    for l in self.layouts(local_batches)]
         predictions = []
@@ -149,7 +174,8 @@ class Planner:
                 infeasible += 1
                 predictions.append(prediction)
         ranked = sorted((p for p in predictions if p.fits), key=lambda p: -p.e2e_mfu)
-        if not ranked:
+        if not ranked:  # the checks above leave at least one valid layout: here memory is what failed
             raise ValueError(f"no layout of {self.preset} fits {self.gpus} GPUs of {self.cluster.name} "
-                             f"({self.cluster.gpu.hbm_gib:.0f} GiB each)")
+                             f"({self.cluster.gpu.hbm_gib:.0f} GiB each): none of the {len(layouts)} layouts "
+                             f"evaluated fits in memory")
         return Plan(self.preset, self.cluster, self.gpus, ranked, len(layouts), infeasible)
