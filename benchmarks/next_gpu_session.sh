@@ -950,6 +950,12 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s53e() {  # session 49: the GPU tests of the second audit's fixes (NCCL world size 1: the launch-environment
+  # checks, DCP checksums, ParallelConfig when made; the expert collectives' layout checksum; bench's up-front checks)
+  step parallel_distributed_tests 330 tests tests/gpu/test_parallel_gpu.py tests/gpu/test_train_distributed_gpu.py \
+    tests/gpu/test_sparse_gpu.py tests/gpu/test_multi_gpu_gpu.py
+  step flops_calibrate_tests 220 tests tests/gpu/test_flops_gpu.py tests/gpu/test_calibrate_gpu.py
+}
 small_train_at() {  # small_train_at TREE NAME: small_train (bf16 stream) on the opengem sources under ab_src/TREE/src
   # (git-ignored; made by `git archive COMMIT src/opengem | tar -x -C ab_src/TREE` and carried: old 7f92603, mid f2daa51)
   local tree=$1 name=$2
