@@ -109,8 +109,6 @@ class Topology:
         return Topology(gpus, hosts)
 
 
-
-
 def parse_parallel(spec: str) -> ParallelConfig:
     """Parse ``--parallel`` text such as ``"dense_shard=2,expert=2"`` (empty text: all defaults).
 
