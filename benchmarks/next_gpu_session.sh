@@ -950,6 +950,13 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s53f() {  # session 49: issue 10's FP8 MLPs against BF16 on gem-small b2048 (bf16 stream) on the H100, one call
+  # (sessions 22-23 measured it on an H200 only: 0.994x); FP8 first, its compile cold
+  step bench_train_small_fp8 250 small_train_fp8_inductor --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s53f_fp8.json"
+  step bench_train_small_bf16 115 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s53f_bf16.json"
+}
 chain_s53e() {  # session 49: the GPU tests of the second audit's fixes (NCCL world size 1: the launch-environment
   # checks, DCP checksums, ParallelConfig when made; the expert collectives' layout checksum; bench's up-front checks)
   step parallel_distributed_tests 330 tests tests/gpu/test_parallel_gpu.py tests/gpu/test_train_distributed_gpu.py \
