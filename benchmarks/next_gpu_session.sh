@@ -950,6 +950,11 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s54a() {  # session 49's waiting list: where the host time of gem-small's compiled step goes (cProfile of three
+  # steps, kernels, syncs), bf16 sequence stream as issue 10's runs; on a host that paces the step this is its cost
+  step step_profile_host 420 python -m benchmarks.step_profile --steps 20 --out "$out/results" \
+    --runs gem-small:2048:bf16:compile:fresh:host:set=gem.sequence_dtype=compute
+}
 chain_s53f() {  # session 49: issue 10's FP8 MLPs against BF16 on gem-small b2048 (bf16 stream) on the H100, one call
   # (sessions 22-23 measured it on an H200 only: 0.994x); FP8 first, its compile cold
   step bench_train_small_fp8 250 small_train_fp8_inductor --set gem.sequence_dtype=compute \

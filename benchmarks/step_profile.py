@@ -3,7 +3,8 @@
     python -m benchmarks.step_profile --runs PRESET:BATCH:PRECISION[:FLAG...],... --out DIR
 
 Flags of a run: ``compile``, ``fresh`` (new batches every step), ``host`` (cProfile of the host side of three
-steps), ``noprofile`` (no kernel table), ``lp=RECIPE`` (``low_precision_mlp``, e.g. ``lp=fp8_rowwise``).
+steps), ``noprofile`` (no kernel table), ``lp=RECIPE`` (``low_precision_mlp``, e.g. ``lp=fp8_rowwise``),
+``set=KEY=VALUE`` (a training setting, e.g. ``set=gem.sequence_dtype=compute`` as issue 10's runs set it; repeatable).
 """
 
 from __future__ import annotations
@@ -21,20 +22,21 @@ from torch.utils.data import DataLoader
 from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.presets import GEM_PRESETS, gem_flops
 from opengem.nn.embedding import trust_ids
-from opengem.train.config import load_config
+from opengem.train.config import apply_overrides, load_config
 from opengem.train.data_stream import SyntheticBatches
 from opengem.train.trainer import build_learner
 
 PEAK_BF16 = 989e12  # H100 SXM / H200 dense BF16
 
 
-def config_for(preset: str, batch_size: int, precision: str, compile_: bool = False, low_precision_mlp: str = "none"):
+def config_for(preset: str, batch_size: int, precision: str, compile_: bool = False, low_precision_mlp: str = "none",
+               overrides: tuple[str, ...] = ()):
     base = "gem-small" if preset == "gem-small" else "gem-tiny"
     config = load_config(base, overrides=[f"batch_size={batch_size}", "architecture=gem", f"precision={precision}",
                                           "baseline=false", "num_workers=0", f"data_preset={preset}",
                                           f"compile={str(compile_).lower()}", f"low_precision_mlp={low_precision_mlp}"])
     import dataclasses
-    return dataclasses.replace(config, gem=GEM_PRESETS[preset].model)
+    return apply_overrides(dataclasses.replace(config, gem=GEM_PRESETS[preset].model), overrides)
 
 
 def syncs_in_step(learner, batch) -> list[str]:
@@ -59,8 +61,8 @@ def syncs_in_step(learner, batch) -> list[str]:
 
 
 def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: bool, steps: int, profile: bool,
-        host_profile: bool = False, low_precision_mlp: str = "none") -> dict:
-    config = config_for(preset, batch_size, precision, compile_, low_precision_mlp)
+        host_profile: bool = False, low_precision_mlp: str = "none", overrides: tuple[str, ...] = ()) -> dict:
+    config = config_for(preset, batch_size, precision, compile_, low_precision_mlp, overrides)
     device = torch.device("cuda")
     torch.manual_seed(0)
     learner = build_learner(config, config.model.history, device)
@@ -91,7 +93,7 @@ def run(preset: str, batch_size: int, precision: str, compile_: bool, fresh: boo
     elapsed = time.perf_counter() - t0
     result = {
         "preset": preset, "batch_size": batch_size, "precision": precision, "compile": compile_, "fresh": fresh, "steps": steps,
-        "low_precision_mlp": low_precision_mlp,
+        "low_precision_mlp": low_precision_mlp, "overrides": list(overrides),
         "warmup_s": warm_s, "step_ms": 1e3 * elapsed / steps, "samples_per_s": steps * batch_size / elapsed,
         "tflops": total_flops / elapsed / 1e12, "mfu_vs_989": total_flops / elapsed / PEAK_BF16,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
@@ -160,10 +162,11 @@ def main() -> None:
     for spec in args.runs.split(","):
         preset, batch_size, precision, *flags = spec.split(":")
         recipe = next((flag.removeprefix("lp=") for flag in flags if flag.startswith("lp=")), "none")
+        overrides = tuple(flag.removeprefix("set=") for flag in flags if flag.startswith("set="))
         try:
             results["runs"].append(run(preset, int(batch_size), precision, "compile" in flags, "fresh" in flags, args.steps,
                                        profile="noprofile" not in flags, host_profile="host" in flags,
-                                       low_precision_mlp=recipe))
+                                       low_precision_mlp=recipe, overrides=overrides))
         except Exception as error:  # keep going: the other runs still tell us something
             traceback.print_exc()
             results["runs"].append({"spec": spec, "error": repr(error)})
