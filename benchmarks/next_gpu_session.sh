@@ -265,7 +265,8 @@ step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/stat
   local load; load=$(cut -d' ' -f1-3 /proc/loadavg)
   timeout "$cap" bash -c '"$@"' _ "$@" > "$out/logs/$name.log" 2>&1  # bash -c: the command may be a function
   local rc=$?
-  echo "rc=$rc $((SECONDS - start))s load=$load $name :: $(tail -n 1 "$out/logs/$name.log" | cut -c1-200)" >> "$out/status"
+  local last; last=$(tail -n 1 "$out/logs/$name.log" | cut -c1-200)
+  echo "rc=$rc $((SECONDS - start))s load=$load $name :: $last" >> "$out/status"
   tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null  # a call cut short keeps what finished
 }
 on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background when there are two)
@@ -969,7 +970,8 @@ chain_s53e() {  # session 49: the GPU tests of the second audit's fixes (NCCL wo
   step flops_calibrate_tests 220 tests tests/gpu/test_flops_gpu.py tests/gpu/test_calibrate_gpu.py
 }
 small_train_at() {  # small_train_at TREE NAME: small_train (bf16 stream) on the opengem sources under ab_src/TREE/src
-  # (git-ignored; made by `git archive COMMIT src/opengem | tar -x -C ab_src/TREE` and carried: old 7f92603, mid f2daa51)
+  # (git-ignored; made by `git archive COMMIT src/opengem | tar -x -C ab_src/TREE` and carried: old 7f92603,
+  # mid f2daa51)
   local tree=$1 name=$2
   PYTHONPATH=ab_src/$tree/src:. small_train --set gem.sequence_dtype=compute --out "$out/results/$name.json"
 }
@@ -988,10 +990,11 @@ chain_s53d() {  # session 49: the same, session 47's last sources (f2daa51: afte
 chain_s53a() {  # session 49: the block-attention GPU tests session 48's call 11 did not reach, and the step-sync, GEM
   # and data GPU tests under the batch's history-length check (host copies only: still no device sync)
   step block_attention_tests 300 tests tests/gpu/test_block_attention_gpu.py
-  step sync_gem_data_tests 240 tests tests/gpu/test_step_sync_gpu.py tests/gpu/test_gem_gpu.py tests/gpu/test_data_gpu.py
+  step sync_gem_data_tests 240 tests tests/gpu/test_step_sync_gpu.py tests/gpu/test_gem_gpu.py \
+    tests/gpu/test_data_gpu.py
 }
-chain_s53b() {  # session 49: gem-small b2048 with the bf16 sequence stream, as session 41's s42b (15.21% E2E MFU), after
-  # sessions 42-49's changes (tile order, the bad-input checks' host work in the step)
+chain_s53b() {  # session 49: gem-small b2048 with the bf16 sequence stream, as session 41's s42b (15.21% E2E MFU),
+  # after sessions 42-49's changes (tile order, the bad-input checks' host work in the step)
   step bench_train_small_bf16_stream 540 small_train --set gem.sequence_dtype=compute \
     --out "$out/results/train_gem-small_b2048_s53b_bf16_stream.json"
 }
