@@ -1,11 +1,28 @@
-"""Range checks of settings objects (their dataclasses' ``__post_init__``), with one wording for every layer.
+"""Type and range checks of settings and arguments, with one wording for every layer.
 
 It imports nothing of opengem, so every package may use it (below ``jagged`` in DESIGN.md's layer picture)."""
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Iterable
 from typing import Any
+
+
+def is_int(value: Any) -> bool:
+    """An integer (Python's or numpy's), not a bool: ``True`` is an ``int`` to ``isinstance``, never a count here."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A real number (int or float, Python's or numpy's), not a bool, and not a string that would convert."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def is_positive_finite(value: Any) -> bool:
+    """A number above 0 and below infinity (NaN is neither)."""
+    return is_number(value) and 0 < value < math.inf
 
 
 def require_at_least(settings: Any, names: Iterable[str], low: int) -> None:
@@ -23,3 +40,13 @@ def require_positive(settings: Any, names: Iterable[str]) -> None:
         value = getattr(settings, name)
         if not value > 0:
             raise ValueError(f"{name} must be > 0, got {value}")
+
+
+def check_optional_positive_finite(**values: float | None) -> None:
+    """Raise ``ValueError("<name> must be positive, got <value>")``, or ``"... must be finite ..."`` for infinity, for
+    the first given value (None: not given) that is not a positive finite number (NaN fails as not positive)."""
+    for name, value in values.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+        if value is not None and not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")

@@ -8,7 +8,6 @@ equal sequence lengths, ...) before its rows are batched. Errors name the file, 
 
 from __future__ import annotations
 
-import numbers
 import os
 import typing
 from collections.abc import Iterator, Sequence
@@ -32,6 +31,7 @@ from opengem.data.batching import (
 from opengem.data.layout import DataError, DataLayout, RowBlock, decode
 from opengem.data.schema import Batch
 from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
+from opengem.validation import is_int
 
 DEFAULT_ROWS_PER_FILE = 262_144
 DEFAULT_ROW_GROUP_SIZE = 8_192
@@ -190,7 +190,7 @@ class BatchingOptions:
             raise ValueError("give batch_size or token_budget")
         for name in ("batch_size", "token_budget"):  # 8.0 failed deep in a row slice
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+            if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an int, got {value!r}")
         if self.shuffle_cost not in typing.get_args(CostKind):  # checked even where batch_shuffling is off
             raise ValueError(f"shuffle_cost must be one of {typing.get_args(CostKind)}, got {self.shuffle_cost!r}")

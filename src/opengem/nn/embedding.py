@@ -26,7 +26,6 @@ is read to the host once.)
 from __future__ import annotations
 
 import math
-import numbers
 import typing
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -38,7 +37,7 @@ from torch import nn
 from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.embedding import FusedUpdate, IdCheck, LookupLayout, embedding_lookup, raise_bad_ids
-from opengem.validation import require_at_least, require_positive
+from opengem.validation import is_int, require_at_least, require_positive
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -56,7 +55,7 @@ class EmbeddingTableConfig:
     def __post_init__(self) -> None:
         for name in ("num_embeddings", "embedding_dim"):  # 4.5 failed later in torch.empty
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_int(value):
                 raise ValueError(f"table {self.name!r}: {name} must be an int, got {value!r}")
         if self.num_embeddings <= 0 or self.embedding_dim <= 0:
             raise ValueError(f"table {self.name!r}: num_embeddings and embedding_dim must be positive")

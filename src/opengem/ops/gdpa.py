@@ -9,7 +9,6 @@ Dispatch: CUDA tensors -> Triton (:mod:`opengem.ops.triton.gdpa`), CPU tensors -
 
 from __future__ import annotations
 
-import numbers
 from typing import Sequence
 
 import torch
@@ -36,6 +35,7 @@ from opengem.ops.triton.gdpa import (
 )
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK as FP8_BLOCK
 from opengem.ops.triton.jagged_attention_fp8 import FP8_HEAD_DIMS
+from opengem.validation import is_number
 
 _BACKENDS = ("auto", "triton", "reference")
 PRECISIONS = ("bf16", "fp8", "mxfp8")
@@ -173,7 +173,7 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
             if not isinstance(flag, bool):  # "yes" reached torch's schema check, which is not ours
                 raise ValueError(f"{name} must be a bool, got {flag!r}")
         for name, scale in (("pre_scale", pre_scale), ("post_scale", post_scale)):
-            if isinstance(scale, bool) or not isinstance(scale, numbers.Real):  # "2" had been converted silently
+            if not is_number(scale):  # "2" had been converted silently
                 raise ValueError(f"{name} must be a number, got {scale!r}")
     heads = q.shape[1] if q.dim() == 3 else 0
     names = _head_activations(activation, head_activations, heads)

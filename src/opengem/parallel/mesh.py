@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from opengem.validation import require_at_least
+from opengem.validation import is_int, require_at_least
 
 FILL = -1
 """A degree of ``-1`` (allowed for ``dense_shard`` and ``sparse_group``) means "the rest of the world"."""
@@ -64,7 +64,7 @@ class ParallelConfig:
         """Types and ranges when made (``"false"`` had meant true, a float degree failed inside torch's mesh)."""
         for name in (*DEGREE_NAMES, "prefetch"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int):
+            if not is_int(value):
                 raise ValueError(f"ParallelConfig: {name} must be an int, got {value!r}")
         for name in BOOL_NAMES:
             if not isinstance(getattr(self, name), bool):

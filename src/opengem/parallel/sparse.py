@@ -68,7 +68,6 @@ bytes sent by this rank, ``all_gather_sizes``) and ``sparse_replicate`` (``all_r
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -92,6 +91,7 @@ from opengem.parallel.sparse_exchange import (
     route,
 )
 from opengem.parallel.sparse_plan import ROW_SPLIT_TYPES, Shard, ShardingPlan
+from opengem.validation import is_int, is_positive_finite
 
 GROUP_DIM, REPLICA_DIM = "sparse_group", "sparse_replicate"
 
@@ -154,9 +154,9 @@ class ShardedEmbeddingCollection(nn.Module):
         if plan.world_size != self.world:
             raise ValueError(f"plan is for {plan.world_size} ranks but the sharding group has {self.world}")
         plan.validate(self.tables)
-        if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        if not is_int(sync_every) or sync_every < 1:
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
-        if isinstance(grad_scale, bool) or not isinstance(grad_scale, (int, float)) or not 0 < grad_scale < math.inf:
+        if not is_positive_finite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number > 0, got {grad_scale!r}")  # NaN, -1, "0.5" passed
         if fully_sharded and self.replica_group is None:
             raise ValueError("fully_sharded needs a replica_group of more than one rank")

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from opengem.plan.cluster import GPUSpec, read_shipped_or_file
+from opengem.validation import is_number, is_positive_finite
 
 SHIPPED = ("h200",)
 ATTENTION_FAMILIES = ("jfa", "gdpa")
@@ -84,12 +85,8 @@ class Calibration:
         return path
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_rate(value: Any, key: str, source: str) -> None:
-    if not (_is_number(value) and value > 0 and math.isfinite(value)):  # written so that NaN fails too
+    if not is_positive_finite(value):
         raise ValueError(f"{source}: {key} must be a positive finite number, got {value!r}")
 
 
@@ -101,7 +98,7 @@ def _check_points(points: Any, key: str, fields: str, rates: slice, peak: float,
     width = fields.count(",") + 1
     for i, point in enumerate(points):
         if not (isinstance(point, list) and len(point) == width
-                and all(_is_number(x) and x > 0 and math.isfinite(x) for x in point)):
+                and all(is_positive_finite(x) for x in point)):
             raise ValueError(f"{source}: {key}[{i}] must be [{fields}] of positive finite numbers, got {point!r}")
         if max(point[rates]) > peak:
             raise ValueError(f"{source}: {key}[{i}] = {point} exceeds peak_bf16_tflops {peak} (an efficiency above 1)")
@@ -140,20 +137,20 @@ def calibration_from_dict(data: dict[str, Any], source: str) -> Calibration:
         value = getattr(table.host, entry.name)
         if value is None and entry.default is None:  # step_ms / layer_ms: absent from launch-model tables
             continue
-        if not (_is_number(value) and value >= 0 and math.isfinite(value)):
+        if not (is_number(value) and 0 <= value < math.inf):
             raise ValueError(f"{source}: host.{entry.name} must be a finite number >= 0, got {value!r}")
     measured_host = (table.host.step_ms, table.host.layer_ms)
     if measured_host.count(None) == 1:
         raise ValueError(f"{source}: host.step_ms and host.layer_ms come together and are >= 0, got {measured_host}")
     contention = table.sm_contention
-    if not (_is_number(contention) and 0 <= contention < 1):  # a slowdown fraction; NaN fails too
+    if not (is_number(contention) and 0 <= contention < 1):  # a slowdown fraction; NaN fails too
         raise ValueError(f"{source}: sm_contention must be a number in [0, 1), got {contention!r}")
     for key in ("device", "source"):
         if not isinstance(getattr(table, key), str):
             raise ValueError(f"{source}: {key} must be a string, got {getattr(table, key)!r}")
     if not all(isinstance(v, str) for v in table.notes.values()):
         raise ValueError(f"{source}: notes must map names to strings, got {table.notes!r}")
-    if not all(_is_number(v) and math.isfinite(v) for v in table.measured.values()):
+    if not all(is_number(v) and math.isfinite(v) for v in table.measured.values()):
         raise ValueError(f"{source}: measured must map names to finite numbers, got {table.measured!r}")
     return table
 

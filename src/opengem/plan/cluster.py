@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from opengem.parallel.mesh import Topology
+from opengem.validation import is_int, is_number, is_positive_finite
 
 TIERS = ("nvlink", "intra_zone", "cross_zone")
 SHIPPED = ("h100", "h200")
@@ -107,11 +108,10 @@ def _number(table: dict[str, Any], key: str, where: str, integer: bool = False) 
     if key not in table:
         raise ValueError(f"{where}: missing key {key!r}")
     value = table[key]
-    kinds = (int,) if integer else (int, float)
-    if isinstance(value, bool) or not isinstance(value, kinds):
+    if not (is_int(value) if integer else is_number(value)):
         expected = "an integer" if integer else "a number"
         raise ValueError(f"{where}: {key} must be {expected}, got {value!r}")
-    if not (value > 0 and math.isfinite(value)):  # written so that NaN fails too
+    if not is_positive_finite(value):
         expected = "a positive integer" if integer else "a positive finite number"
         raise ValueError(f"{where}: {key} must be {expected}, got {value!r}")
     return value

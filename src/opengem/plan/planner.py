@@ -23,6 +23,7 @@ from opengem.plan.cluster import Cluster
 from opengem.plan.comm import expert_bytes, fsdp_units, sparse_index_bytes
 from opengem.plan.cost import BF16, FRAMEWORK_RESERVE, Layout, Prediction, SparseCost, dense_memory, estimate
 from opengem.plan.workload import Workload, workload
+from opengem.validation import is_int
 
 LOCAL_BATCHES = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 BUDGET_STEP = 4 * 2**30  # embedding budgets are rounded down to this, so sharding plans are shared
@@ -59,7 +60,7 @@ class Plan:
 
 class Planner:
     def __init__(self, preset: str, cluster: Cluster, gpus: int, calibration: str | None = None) -> None:
-        if isinstance(gpus, bool) or not isinstance(gpus, int):
+        if not is_int(gpus):
             raise ValueError(f"--gpus must be an integer, got {gpus!r}")
         if gpus < 1 or gpus > cluster.total_gpus:
             raise ValueError(f"--gpus {gpus}: the cluster {cluster.name} has {cluster.total_gpus} GPUs")
@@ -154,9 +155,9 @@ class Planner:
     def plan(self, local_batches: tuple[int, ...] = LOCAL_BATCHES, batch_shuffling: bool = True,
              sparse_sync_every: int = 1) -> Plan:
         if not isinstance(local_batches, (tuple, list)) or not local_batches or any(
-                isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in local_batches):
+                not is_int(b) or b < 1 for b in local_batches):
             raise ValueError(f"local_batches must be non-empty integers >= 1, got {local_batches!r}")
-        if isinstance(sparse_sync_every, bool) or not isinstance(sparse_sync_every, int) or sparse_sync_every < 1:
+        if not is_int(sparse_sync_every) or sparse_sync_every < 1:
             raise ValueError(f"sparse_sync_every must be an integer >= 1, got {sparse_sync_every!r}")
         layouts = [dataclasses.replace(l, batch_shuffling=batch_shuffling, sparse_sync_every=sparse_sync_every)
                    for l in self.layouts(local_batches)]

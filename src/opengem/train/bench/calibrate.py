@@ -18,7 +18,6 @@ first checked against its reference on a small case in the same run (the run fai
 from __future__ import annotations
 
 import datetime
-import math
 import os
 import re
 import time
@@ -39,6 +38,7 @@ from opengem.ops.reference import embedding as embedding_reference
 from opengem.plan.calibration import Measurements
 from opengem.train.bench.host_probe import HostProbe, measure_host
 from opengem.train.flops import DEVICE_PEAKS, device_peak_flops
+from opengem.validation import check_optional_positive_finite
 
 DEVICE = "cuda"
 HEADS, HEAD_DIM, BLOCK = 4, 128, 64  # every GEM preset has 128-wide heads; block: BlockAttention's default
@@ -91,16 +91,6 @@ def nominal_hbm_gbps(device_name: str) -> float:
         if re.search(peak.pattern, device_name, flags=re.IGNORECASE) and name in NOMINAL_HBM_GBPS:
             return NOMINAL_HBM_GBPS[name]
     raise ValueError(f"unknown device {device_name!r}: no HBM bandwidth known; pass --hbm-gbps")
-
-
-def check_nominal(**figures: float | None) -> None:
-    """Raise ``ValueError("<name> must be positive, got <value>")`` (or "finite") for a given figure that is not a
-    positive finite number (NaN included): the table's peak and bandwidth, checked before anything is measured."""
-    for name, value in figures.items():
-        if value is not None and not value > 0:
-            raise ValueError(f"{name} must be positive, got {value}")
-        if value is not None and not math.isfinite(value):
-            raise ValueError(f"{name} must be finite, got {value}")
 
 
 class NoCudaDevice(RuntimeError):
@@ -370,7 +360,8 @@ def measure(sizes: Sizes, peak_tflops: float | None = None, hbm_gbps: float | No
     """Run every measurement on the current CUDA device; raises :class:`NoCudaDevice` without one,
     ``ValueError`` when an op misses its reference by more than ``TOLERANCE``. ``host_probe``: also time
     the host side of a training step (``opengem.train.bench.host_probe``)."""
-    check_nominal(peak_tflops=peak_tflops, hbm_gbps=hbm_gbps)  # first: even without CUDA, bad input is named
+    # first: even without CUDA, bad input is named
+    check_optional_positive_finite(peak_tflops=peak_tflops, hbm_gbps=hbm_gbps)
     if not torch.cuda.is_available():
         raise NoCudaDevice("opengem bench calibrate needs a CUDA device (torch.cuda.is_available() is False)")
     if not sizes.tune:  # read by the kernels' tuners at their first call

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any, NoReturn
 
+from opengem.validation import is_number
+
 # What `plot_phases` reads of a result (key -> the keys it reads inside; None: a plain value)
 PLOTTED = {"phases_ms": (), "results": ("samples_per_s", "mfu"), "settings": ("precision", "batch_size"),
            "preset": None, "environment": ("device",)}
@@ -71,7 +73,7 @@ def check_result(payload: object, json_path: Path) -> None:
             if name not in payload[key]:
                 fail(f"missing '{key}.{name}'")
     for name, ms in payload["phases_ms"].items():
-        if isinstance(ms, bool) or not isinstance(ms, int | float):
+        if not is_number(ms):
             fail(f"phases_ms.{name} is not a number: {ms!r}")
 
 

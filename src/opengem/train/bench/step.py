@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import statistics
 import sys
 import time
@@ -39,7 +38,7 @@ from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, lo
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
 from opengem.train.trainer import Learner, build_learner, resolve_device
-from opengem.validation import require_at_least
+from opengem.validation import check_optional_positive_finite, require_at_least
 
 
 @dataclass(frozen=True)
@@ -67,10 +66,8 @@ class TrainBenchOptions:
     def __post_init__(self) -> None:
         require_at_least(self, ("steps", "profile_steps", "loader_batches"), 1)
         require_at_least(self, ("warmup", "lead_steps", "max_tuning_steps"), 0)
-        if self.peak_tflops is not None and not self.peak_tflops > 0:  # was refused only after the whole run
-            raise ValueError(f"peak_tflops must be positive, got {self.peak_tflops}")
-        if self.peak_tflops is not None and not math.isfinite(self.peak_tflops):  # an infinite peak: every MFU 0
-            raise ValueError(f"peak_tflops must be finite, got {self.peak_tflops}")
+        # was refused only after the whole run; an infinite peak made every MFU 0
+        check_optional_positive_finite(peak_tflops=self.peak_tflops)
         if self.matmul_size is not None:  # was a torch error after the whole run (-1), or 0 measured at 512
             require_at_least(self, ("matmul_size",), 1)
         if self.profile_steps > self.steps:  # the profiled steps replay the window's first batches
