@@ -89,6 +89,22 @@ def test_corrupt_newest_checkpoint_falls_back_with_a_warning(tmp_path):
         assert latest_checkpoint(run).name == "step_00000003"
 
 
+def test_a_good_checkpoint_is_hashed_once_until_a_file_changes(tmp_path, monkeypatch):
+    """A resume resolved its checkpoint up to four times, hashing every state file each time."""
+    _train(tmp_path, "steps=3", "checkpoint_every=3")
+    checkpoint = latest_checkpoint(tmp_path / "gem-tiny")
+    hashed = []
+    real_sha256 = checkpoint_module.sha256_of
+    monkeypatch.setattr(checkpoint_module, "sha256_of", lambda path: hashed.append(path.name) or real_sha256(path))
+    assert verify_checkpoint(checkpoint) is None and verify_checkpoint(checkpoint) is None
+    assert hashed == []  # latest_checkpoint above verified it already
+    state = checkpoint / "state.pt"
+    data = bytearray(state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # the same size, a new modification time
+    state.write_bytes(bytes(data))
+    assert "checksum" in verify_checkpoint(checkpoint) and hashed == ["state.pt"]
+
+
 def test_failed_save_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
     _train(tmp_path, "steps=3", "checkpoint_every=3")
     run = tmp_path / "gem-tiny"

@@ -4,8 +4,8 @@ Layout: ``<run>/checkpoints/step_00000100/`` holding ``state.pt`` (every learner
 and scheduler state, the step, the config and the RNG state) and ``manifest.json`` (step, the
 SHA-256 of ``state.pt`` and the config, so reading the settings never loads the state). Distributed
 runs write the same folders with a DCP checkpoint inside (``opengem.train.distributed_checkpoint``);
-their manifest says ``"format": "dcp"`` and lists every file's size. A checkpoint is written into a temporary folder and renamed into place only
-when complete, so a crash or a full disk mid-save never leaves a half-written checkpoint where the
+their manifest says ``"format": "dcp"`` and lists every file's size and SHA-256. A checkpoint is written into a
+temporary folder and renamed into place only when complete, so a crash or a full disk mid-save never leaves a half-written checkpoint where the
 loader looks; the loader verifies the checksum and falls back to the previous good checkpoint, with a
 warning, when the newest one is corrupt.
 """
@@ -93,8 +93,33 @@ def latest_checkpoint(run_dir: Path) -> Path:
     raise ValueError(f"--resume: no usable checkpoint under {checkpoints_dir(run_dir)}")
 
 
+# folder -> the (name, size, mtime) of its files when last verified good: a resume resolves its checkpoint up to four
+# times (the CLI, its settings, the trainer, the loader), and each verification hashes every state file
+_VERIFIED: dict[Path, tuple[tuple[str, int, int], ...]] = {}
+
+
 def verify_checkpoint(folder: Path) -> str | None:
-    """None when ``folder`` holds a complete checkpoint whose state matches its manifest, else the reason."""
+    """None when ``folder`` holds a complete checkpoint whose state matches its manifest, else the reason. A folder
+    verified good before is not hashed again while none of its files changed (size and modification time)."""
+    key = folder.resolve()
+    signature = _file_signature(key)
+    if _VERIFIED.get(key) == signature:
+        return None
+    problem = _verify(folder)
+    if problem is None:
+        _VERIFIED[key] = signature
+    return problem
+
+
+def _file_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
+    try:
+        stats = [(p.name, p.stat()) for p in sorted(folder.iterdir()) if p.is_file()]
+    except OSError:
+        return ()
+    return tuple((name, stat.st_size, stat.st_mtime_ns) for name, stat in stats)
+
+
+def _verify(folder: Path) -> str | None:
     try:
         manifest = json.loads((folder / MANIFEST_FILE).read_text())
     except (OSError, ValueError) as error:

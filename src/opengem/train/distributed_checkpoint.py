@@ -68,6 +68,7 @@ def save_distributed_checkpoint(
     state = _state(learner, sparse, {path: full_state(module) for path, module in sparse.items()})
 
     def write_manifest(folder: Path) -> None:
+        files = [p for p in sorted(folder.iterdir()) if p.is_file()]
         manifest = {
             "format": DISTRIBUTED_FORMAT,
             "step": step,
@@ -75,9 +76,9 @@ def save_distributed_checkpoint(
             "layout": dataclasses.asdict(layout),
             "world_size": dist.get_world_size(),
             "scheduler": learner.scheduler.state_dict(),
-            "files": {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file()},
+            "files": {p.name: p.stat().st_size for p in files},
             # a same-size corruption passes the sizes: a flipped byte had loaded as a weight of 6.4e37
-            "sha256": {p.name: sha256_of(p) for p in sorted(folder.iterdir()) if p.is_file()},
+            "sha256": {p.name: sha256_of(p) for p in files},
         }
         (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
 
