@@ -5,9 +5,9 @@ and scheduler state, the step, the config and the RNG state) and ``manifest.json
 SHA-256 of ``state.pt`` and the config, so reading the settings never loads the state). Distributed
 runs write the same folders with a DCP checkpoint inside (``opengem.train.distributed_checkpoint``);
 their manifest says ``"format": "dcp"`` and lists every file's size and SHA-256. A checkpoint is written into a
-temporary folder and renamed into place only when complete, so a crash or a full disk mid-save never leaves a half-written checkpoint where the
-loader looks; the loader verifies the checksum and falls back to the previous good checkpoint, with a
-warning, when the newest one is corrupt.
+temporary folder and renamed into place only when complete, so a crash or a full disk mid-save never leaves a
+half-written checkpoint where the loader looks; the loader verifies the checksum and falls back to the previous
+good checkpoint, with a warning, when the newest one is corrupt.
 """
 
 from __future__ import annotations
