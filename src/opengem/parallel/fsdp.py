@@ -231,9 +231,10 @@ def data_parallel_loss(loss_sum: torch.Tensor, count: int | torch.Tensor) -> tor
         raise ValueError(f"count must be a whole number of samples >= 0, got {count}")
     total = torch.as_tensor(count, dtype=torch.float64, device=loss_sum.device).clone()
     dist.all_reduce(total)
-    if total.item() == 0:
+    global_count = total.item()  # one read (a device sync on CUDA), not one for the check and one for the scale
+    if global_count == 0:
         raise ValueError("data_parallel_loss: the global sample count is 0 (every rank has an empty batch)")
-    return loss_sum * (dist.get_world_size() / total.item())
+    return loss_sum * (dist.get_world_size() / global_count)
 
 
 def _padded_numel(param: nn.Parameter, shards: int) -> int:
