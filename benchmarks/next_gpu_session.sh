@@ -951,6 +951,13 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s55a() {  # session 50: which op and source line launch gem-small's 2,705 kernels a step (402 memsets, 154
+  # fp32 sums, ~120 eager copies in s53c), then s54a's host cProfile of the same step
+  step launch_sources 220 python -m benchmarks.diag.launch_sources --preset gem-small --batch-size 2048 --steps 2 \
+    --out "$out/results/launch_sources_gem-small_b2048.json"
+  step step_profile_host 300 python -m benchmarks.step_profile --steps 20 --out "$out/results" \
+    --runs gem-small:2048:bf16:compile:fresh:host:set=gem.sequence_dtype=compute
+}
 chain_s54a() {  # session 49's waiting list: where the host time of gem-small's compiled step goes (cProfile of three
   # steps, kernels, syncs), bf16 sequence stream as issue 10's runs; on a host that paces the step this is its cost
   step step_profile_host 420 python -m benchmarks.step_profile --steps 20 --out "$out/results" \

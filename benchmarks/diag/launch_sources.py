@@ -1,0 +1,159 @@
+"""Diagnostic (issue 10): which op and which source line launch each of a compiled step's device kernels.
+
+gem-small b2048 launches 2,705 kernels a step (session 49), among them 402 memsets, 154 fp32 ``reduce_kernel`` sums
+and ~120 eager copies, each a launch the host pays for whatever its GPU time. The kernel table names the kernels,
+not their callers. This profiles compiled steps (built and warmed as ``opengem bench train --compile``) with Python
+stacks and groups every device event by the kernel, the chain of ops around its launch (innermost first: e.g.
+``aten::fill_ < aten::zero_ < aten::zeros``) and the innermost source line of opengem or of Inductor's generated
+code. Autograd runs the backward on its own C++ thread, with Python frames only inside Python autograd functions:
+elsewhere the op chain (it reaches ``autograd::engine::evaluate_function: ...``) names the caller.
+
+On the CPU (no device events) every leaf op counts as a launch, so the grouping runs in the tests.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.launch_sources [--preset gem-small] [--batch-size 2048] [--steps 2]
+        [--out benchmarks/results/launch_sources_gem-small_b2048.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.autograd import DeviceType
+
+# Frames worth naming: our code, or the graphs Inductor generated (their files live under its cache folder).
+_SOURCE_MARKERS = ("opengem/", "torchinductor")
+_CHAIN_DEPTH = 5
+
+
+def kernel_kind(name: str) -> str:
+    """A short name for a device event: a memset / memcpy as such, a templated kernel by its name before ``<``."""
+    if name.startswith(("Memset", "Memcpy")):
+        return name
+    short = name.removeprefix("void ").split("<", 1)[0].split("(", 1)[0]
+    return short[:90]
+
+
+def _is_python(event: Any) -> bool:
+    return bool(getattr(event, "is_python_function", False))
+
+
+def op_chain(event: Any) -> str:
+    """The names of ``event`` and its enclosing ops, innermost first (up to five; Python frames and profiler step
+    markers left out)."""
+    names = []
+    while event is not None and len(names) < _CHAIN_DEPTH:
+        if not _is_python(event) and not event.name.startswith("ProfilerStep"):
+            names.append(event.name[:80])
+        event = event.cpu_parent
+    return " < ".join(names)
+
+
+def source_line(event: Any) -> str:
+    """The innermost frame of opengem's code or of Inductor's generated graphs around ``event``, else the innermost
+    Python frame (built-in methods aside); ``"(no Python frame: autograd thread)"`` when there is none. Frames come from the Python tracer
+    (enclosing events named ``file(line): function``, the line the function starts on) or, where a profiler
+    records them instead, from an op's ``stack``."""
+    fallback = None
+    while event is not None:
+        frames = [event.name] if _is_python(event) else list(event.stack)
+        for frame in frames:
+            if any(marker in frame for marker in _SOURCE_MARKERS):
+                return frame
+            if not frame.startswith("<built-in"):
+                fallback = fallback or frame
+        event = event.cpu_parent
+    return fallback or "(no Python frame: autograd thread)"
+
+
+def launch_groups(events: Iterable[Any], steps: int) -> list[dict[str, Any]]:
+    """Device events of ``steps`` profiled steps grouped by (kernel, op chain, source line), most launched first.
+
+    A CPU op's ``kernels`` are the device events whose launch the profiler linked to it (its innermost enclosing
+    op). With no device event at all (a CPU run), each leaf op (no child event; Python frames are not ops) counts as
+    one launch."""
+    if steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
+    events = [e for e in events if e.device_type == DeviceType.CPU]
+    launched = [(e, kernel) for e in events for kernel in e.kernels]
+    if launched:
+        rows = [(kernel_kind(kernel.name), e, kernel.duration) for e, kernel in launched]
+    else:
+        rows = [(e.name, e, 0.0) for e in events if not e.cpu_children and not _is_python(e)]
+    grouped: dict[tuple[str, str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for kind, event, duration_us in rows:
+        entry = grouped[kind, op_chain(event), source_line(event)]
+        entry[0] += 1
+        entry[1] += duration_us
+    table = [{"kernel": kind, "ops": chain, "source": source, "per_step": count / steps,
+              "device_ms_per_step": total_us / steps / 1e3}
+             for (kind, chain, source), (count, total_us) in grouped.items()]  # fmt: skip
+    return sorted(table, key=lambda row: (-row["per_step"], row["kernel"], row["ops"]))
+
+
+def launches_by_kind(groups: list[dict[str, Any]]) -> dict[str, float]:
+    """Launches a step per kernel kind, most first."""
+    totals: dict[str, float] = collections.Counter()
+    for row in groups:
+        totals[row["kernel"]] += row["per_step"]
+    return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
+
+
+def profile_launches(step: Callable[[], None], steps: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
+    """Run ``step`` ``steps`` times under the profiler with Python stacks; :func:`launch_groups` of them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities, with_stack=True) as profiler:
+        for _ in range(steps):
+            step()
+        sync()
+    return launch_groups(profiler.events(), steps)
+
+
+def main() -> None:
+    from benchmarks.common import environment
+    from benchmarks.diag.compiled_learner import compiled_learner
+    from opengem.train.bench.timing import warm_until_settled
+    from opengem.train.data_stream import train_batches
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gem-small")
+    parser.add_argument("--batch-size", type=int, default=2048)
+    parser.add_argument("--steps", type=int, default=2, help="profiled steps (after the warm-up)")
+    parser.add_argument("--top", type=int, default=60, help="groups printed (all are written)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/launch_sources_gem-small_b2048.json"))
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_sources groups device kernels by their callers: it needs a CUDA device")
+    options, config, device, learner = compiled_learner(args.preset, args.batch_size)
+    stream = train_batches(config, start_step=0)
+    warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
+                       options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
+    batches = [next(stream).to(device, non_blocking=True) for _ in range(args.steps)]
+    queue = iter(batches)
+    groups = profile_launches(lambda: learner.step(next(queue)), args.steps, torch.cuda.synchronize)
+    kinds = launches_by_kind(groups)
+    print(f"{sum(kinds.values()):.0f} device events a step in {len(groups)} groups; by kernel:")
+    for kind, count in list(kinds.items())[:25]:
+        print(f"  {count:7.1f}  {kind}")
+    print("per step, device ms, kernel | ops (innermost first) | source")
+    for row in groups[:args.top]:
+        print(f"{row['per_step']:6.1f} {row['device_ms_per_step']:7.3f}  {row['kernel']} | {row['ops']} | {row['source']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "launch_sources", "preset": args.preset, "batch_size": args.batch_size,
+               "steps": args.steps, "overrides": list(options.overrides), "environment": environment(),
+               "launches_by_kernel": kinds, "groups": groups}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
