@@ -3,10 +3,12 @@ import dataclasses
 import json
 import math
 
+import pyarrow.parquet as pq
 import pytest
 import torch
 
 from opengem.cli.main import main
+from opengem.data.synthetic import HOLDOUT_START
 from opengem.train.checkpoint import latest_checkpoint
 from opengem.train.config import apply_overrides, load_config
 from opengem.train.trainer import train
@@ -98,6 +100,18 @@ def test_cli_synth_then_train_from_parquet(tmp_path, capsys):
             "--set", f"out_dir={tmp_path}", "--set", "eval_every=3", "--set", f"data_dir={data_dir}"]
     assert main(args) == 0
     assert max(_losses(tmp_path / "gem-tiny")) == 3
+    # a held-out folder: the samples the training range never reaches, evaluated instead of generated ones
+    eval_dir = tmp_path / "held_out"
+    assert main(["data", "synth", "--out", str(eval_dir), "--samples", "200", "--preset", "gem-tiny", "--holdout"]) == 0
+    assert "wrote 200 held-out samples" in capsys.readouterr().out
+    ids = pq.read_table(eval_dir, columns=["sample_id"]).column("sample_id").to_pylist()
+    assert ids == list(range(HOLDOUT_START, HOLDOUT_START + 200))
+    with pytest.warns(UserWarning, match="holds 200 samples, fewer than eval_samples=1500"):
+        assert main([*args, "--set", f"eval_dir={eval_dir}", "--set", "name=with_eval_dir"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "with_eval_dir" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["eval_samples"] for r in records if "click/model/ne" in r] == [200]
+    assert main([*args, "--set", f"eval_dir={data_dir}"]) == 2
+    assert "is data_dir: the held-out set would be training samples" in capsys.readouterr().err
 
 
 def test_cli_synth_rejects_unknown_preset(tmp_path, capsys):

@@ -46,6 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     synth.add_argument("--samples", type=int, required=True)
     synth.add_argument("--preset", default="gem-tiny")
     synth.add_argument("--seed", type=int, default=0)
+    synth.add_argument("--holdout", action="store_true",
+                       help="write held-out samples (the range training never reads) for a run's eval_dir")
     add_movielens_parser(data_commands)
     add_info_parser(commands)
     add_bench_parser(commands)
@@ -114,11 +116,14 @@ def _train_sequential(args: argparse.Namespace, overrides: list[str]) -> int:
 
 def _synth(args: argparse.Namespace) -> int:
     from opengem.data.parquet import synthesize_to_parquet
+    from opengem.data.synthetic import HOLDOUT_START
 
     start = time.perf_counter()
-    paths = synthesize_to_parquet(args.out, args.samples, args.preset, seed=args.seed)
+    first_sample = HOLDOUT_START if args.holdout else 0
+    paths = synthesize_to_parquet(args.out, args.samples, args.preset, seed=args.seed, first_sample=first_sample)
     elapsed = time.perf_counter() - start
-    print(f"wrote {args.samples} samples in {len(paths)} files under {args.out} in {elapsed:.1f} s")
+    kind = "held-out samples" if args.holdout else "samples"
+    print(f"wrote {args.samples} {kind} in {len(paths)} files under {args.out} in {elapsed:.1f} s")
     return 0
 
 

@@ -45,8 +45,10 @@ def synthesize_to_parquet(
     rows_per_file: int = DEFAULT_ROWS_PER_FILE,
     row_group_size: int = DEFAULT_ROW_GROUP_SIZE,
     progress: bool = True,
+    first_sample: int = 0,
 ) -> list[Path]:
-    """Write samples ``[0, num_samples)`` of ``preset`` as ``part-00000.parquet``, ... under ``out_dir``.
+    """Write samples ``[first_sample, first_sample + num_samples)`` of ``preset`` as ``part-00000.parquet``, ...
+    under ``out_dir`` (``first_sample=HOLDOUT_START``: the held-out samples training evaluates on).
 
     Each file is written to a temporary name and renamed when complete, so a crashed run never leaves a
     file that looks finished. Returns the file paths in order.
@@ -55,6 +57,8 @@ def synthesize_to_parquet(
         raise ValueError(f"unknown preset {preset!r}; presets are {sorted(SYNTHETIC_PRESETS)}")
     if num_samples < 1 or rows_per_file < 1 or row_group_size < 1:
         raise ValueError("num_samples, rows_per_file and row_group_size must be >= 1")
+    if first_sample < 0:
+        raise ValueError(f"first_sample must be >= 0, got {first_sample}")
     config = SYNTHETIC_PRESETS[preset]
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -70,7 +74,8 @@ def synthesize_to_parquet(
             with pq.ParquetWriter(partial, schema, **parquet_write_options(schema)) as writer:
                 for start in range(file_start, file_end, row_group_size):
                     count = min(row_group_size, file_end - start)
-                    writer.write_table(generate(config, count, seed, start), row_group_size=row_group_size)
+                    table = generate(config, count, seed, first_sample + start)
+                    writer.write_table(table, row_group_size=row_group_size)
                     bar.update(count)
             partial.replace(path)
             paths.append(path)

@@ -72,6 +72,9 @@ from opengem.data.schema import FeatureSpec
 from opengem.validation import require_at_least
 
 BLOCK_SIZE = 4096
+# First sample index of the held-out set: the training stream (batch s holds samples [s B, (s + 1) B)) never
+# reaches it, and `opengem data synth --holdout` writes from it.
+HOLDOUT_START = 1 << 40
 DENSE_FEATURES = ("log_bid", "user_activity", "ad_ctr_prior", "hour_of_day")
 EVENT_TYPES = ("view", "click", "like", "purchase")
 EVENT_WEIGHTS = np.array([0.2, 1.0, 1.5, 3.0])

@@ -28,6 +28,9 @@ class TrainConfig:
     out_dir: str = "runs"
     data_preset: str = "gem-tiny"  # synthetic data preset (opengem.data.synthetic.SYNTHETIC_PRESETS)
     data_dir: str = ""  # Parquet folder written by `opengem data synth`; empty = stream synthetic data
+    # Parquet folder of held-out samples (`opengem data synth --holdout`, or any files in data_preset's layout); empty
+    # = the synthetic held-out range of the training data's world (data_dir's recorded generator seed, else seed)
+    eval_dir: str = ""
     seed: int = 0
     steps: int = 300
     batch_size: int = 256

@@ -2,24 +2,25 @@
 
 The synthetic stream is a pure function of (seed, sample index): batch ``s`` holds samples
 ``[s * B, (s + 1) * B)``, so a resumed run sees exactly the batches it would have seen, and the
-held-out set lives at a far index range the stream never reaches.
+held-out set lives at a far index range the stream never reaches (``HOLDOUT_START``). The held-out set comes
+from ``eval_dir`` when set, else from that range of the training data's world: files written by ``opengem data synth``
+record their generator seed, which need not be the run's.
 """
 
 from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from opengem.data.layout import DataLayout
-from opengem.data.parquet import batches_from_table, make_loader
+from opengem.data.layout import DataLayout, RowBlock
+from opengem.data.parquet import batches_from_table, inspect_files, make_loader, read_unit, resolve_paths
 from opengem.data.schema import Batch
-from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
+from opengem.data.synthetic import HOLDOUT_START, SYNTHETIC_PRESETS, generate, generate_rows
 from opengem.train.config import TrainConfig
-
-HOLDOUT_START = 1 << 40  # first sample index of the held-out set
 
 
 def rank_slice(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
@@ -63,7 +64,7 @@ def train_batches(config: TrainConfig, start_step: int, rank: int = 0, world_siz
         loader = make_loader(config.data_dir, batch_size=config.batch_size // world_size, num_workers=config.num_workers,
                              pin_memory=torch.cuda.is_available(), batch_shuffling=world_size > 1, seed=config.seed,
                              rank=rank, world_size=world_size)
-        check_data_dir_layout(config, loader.dataset.layout)
+        check_files_layout(config, loader.dataset.layout, "data_dir")
         batches = _passes(loader, config.data_dir, rank)
         for _ in range(start_step):  # exact resume: skip what the run already consumed
             next(batches)
@@ -96,8 +97,9 @@ def _passes(loader: DataLoader, data_dir: str, rank: int) -> Iterator[Batch]:
                       f"reading the files again as pass {epoch + 1}", stacklevel=2)
 
 
-def check_data_dir_layout(config: TrainConfig, layout: DataLayout) -> None:
-    """The model is built for ``data_preset``'s features: refuse files written with other features or sizes."""
+def check_files_layout(config: TrainConfig, layout: DataLayout, setting: str) -> None:
+    """The model is built for ``data_preset``'s features: refuse files (those of ``setting``, ``"data_dir"`` or
+    ``"eval_dir"``) written with other features or sizes."""
     expected = SYNTHETIC_PRESETS[config.data_preset].layout(config.seed)  # the seed is not compared
     if layout == expected:
         return
@@ -114,20 +116,70 @@ def check_data_dir_layout(config: TrainConfig, layout: DataLayout) -> None:
                    f"{wanted[name].kind} with {wanted[name].num_embeddings} in the preset")
     writer = layout.source_info.get("generator", {}).get("name")
     hint = f"; the files were written for data preset {writer!r}: set data_preset={writer}" if writer else ""
-    raise ValueError(f"data_dir {config.data_dir!r} does not hold data_preset {config.data_preset!r}'s features: "
-                     f"{problem}{hint}")
+    raise ValueError(f"{setting} {getattr(config, setting)!r} does not hold data_preset {config.data_preset!r}'s "
+                     f"features: {problem}{hint}")
 
 
 def eval_batches(config: TrainConfig, rank: int = 0, world_size: int = 1) -> list[Batch]:
-    """The held-out set in batches of ``batch_size``; rank ``rank`` of ``world_size`` gets its slice of each."""
-    data = SYNTHETIC_PRESETS[config.data_preset]
-    if world_size == 1:
-        table = generate(data, config.eval_samples, config.seed, start=HOLDOUT_START)
-        return list(batches_from_table(table, config.batch_size))
+    """The held-out set in batches of ``batch_size``; rank ``rank`` of ``world_size`` gets its slice of each.
+
+    From ``eval_dir``: its first ``eval_samples`` rows in file order (all of them, with a warning, when it holds
+    fewer). Otherwise ``eval_samples`` synthetic samples from ``HOLDOUT_START`` on, generated with the seed of the
+    training data's world: ``data_dir``'s recorded generator seed, or ``seed`` when streaming."""
+    if config.eval_dir:
+        rows, layout = _eval_dir_rows(config)
+    else:
+        data, seed = SYNTHETIC_PRESETS[config.data_preset], holdout_seed(config)
+        rows, layout = generate_rows(data, config.eval_samples, seed, start=HOLDOUT_START), data.layout(seed)
+    if rows.num_rows < world_size:
+        raise ValueError(f"the held-out set has {rows.num_rows} samples, fewer than the {world_size} ranks that "
+                         "evaluate it: raise eval_samples (or add samples to eval_dir)")
     batches = []
-    for first in range(0, config.eval_samples, config.batch_size):
-        size = min(config.batch_size, config.eval_samples - first)
+    for first in range(0, rows.num_rows, config.batch_size):
+        size = min(config.batch_size, rows.num_rows - first)
         start, stop = rank_slice(size, rank, world_size)
-        table = generate(data, stop - start, config.seed, start=HOLDOUT_START + first + start)
-        batches.extend(batches_from_table(table, stop - start))
+        if stop > start:  # a last batch smaller than the world leaves some ranks without a row of it
+            batches.extend(batches_from_table(rows.slice(first + start, first + stop), stop - start, layout=layout))
     return batches
+
+
+def holdout_seed(config: TrainConfig) -> int:
+    """The generator seed of the training data's world: ``seed`` when streaming synthetic data, else the one
+    ``data_dir``'s files record (``opengem data synth --seed``; a run's ``seed`` need not match it)."""
+    if not config.data_dir:
+        return config.seed
+    layout, _ = inspect_files(resolve_paths(config.data_dir))
+    seed = layout.source_info.get("seed")
+    if not isinstance(seed, int) or isinstance(seed, bool):
+        raise ValueError(f"data_dir {config.data_dir!r}: its files record no generator seed (not written by "
+                         "`opengem data synth`), so no held-out samples of their world can be generated; set "
+                         "eval_dir to a Parquet folder of held-out samples")
+    return seed
+
+
+def _eval_dir_rows(config: TrainConfig) -> tuple[RowBlock, DataLayout]:
+    """The first ``eval_samples`` rows of ``eval_dir`` (read row group by row group, checked as they decode)."""
+    if config.data_dir and _same_folder(config.data_dir, config.eval_dir):
+        raise ValueError(f"eval_dir {config.eval_dir!r} is data_dir: the held-out set would be training samples; "
+                         "write one with `opengem data synth --holdout`")
+    layout, units = inspect_files(resolve_paths(config.eval_dir))
+    check_files_layout(config, layout, "eval_dir")
+    blocks, count, files = [], 0, {}
+    for unit in units:
+        if count >= config.eval_samples:
+            break
+        blocks.append(read_unit(unit, layout, files))
+        count += blocks[-1].num_rows
+    rows = RowBlock.concat(blocks)
+    if rows.num_rows < config.eval_samples:
+        warnings.warn(f"eval_dir {config.eval_dir!r} holds {rows.num_rows} samples, fewer than eval_samples="
+                      f"{config.eval_samples}: evaluating on all {rows.num_rows}", stacklevel=3)
+        return rows, layout
+    return rows.slice(0, config.eval_samples), layout
+
+
+def _same_folder(first: str, second: str) -> bool:
+    try:
+        return Path(first).resolve() == Path(second).resolve()
+    except OSError:
+        return False

@@ -200,17 +200,9 @@ class DistributedRun:
         }
         everyone: list[dict[str, torch.Tensor]] = [None] * self.world  # type: ignore[list-item]
         dist.all_gather_object(everyone, mine)
-        merged = {key: self._in_sample_order([part[key] for part in everyone]) for key in mine}
+        merged = {key: in_sample_order([part[key] for part in everyone], self.config.batch_size) for key in mine}
         labels = merged.pop("labels")
         return merged, labels
-
-    def _in_sample_order(self, parts: list[torch.Tensor]) -> torch.Tensor:
-        """Rank-major pieces of every held-out batch back in the single-process order (batch-major)."""
-        sizes = [min(self.config.batch_size, self.config.eval_samples - first)
-                 for first in range(0, self.config.eval_samples, self.config.batch_size)]
-        pieces = [part.split([rank_slice(n, r, self.world)[1] - rank_slice(n, r, self.world)[0] for n in sizes])
-                  for r, part in enumerate(parts)]
-        return torch.cat([pieces[r][i] for i in range(len(sizes)) for r in range(self.world)])
 
     def sum_over_ranks(self, values: list[float]) -> list[float]:
         totals = torch.tensor(values, dtype=torch.float64, device=self.device)
@@ -233,3 +225,14 @@ class DistributedRun:
             dist.destroy_process_group()
         for key in self.added_variables:
             os.environ.pop(key, None)
+
+
+def in_sample_order(parts: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """Rank-major pieces of every held-out batch (rank r's part holds its ``rank_slice`` of each batch of
+    ``batch_size``, batch after batch) back in the single-process order. The held-out set's size is the parts'
+    total (an eval_dir may hold fewer than eval_samples)."""
+    world, total = len(parts), sum(part.shape[0] for part in parts)
+    sizes = [min(batch_size, total - first) for first in range(0, total, batch_size)]
+    pieces = [part.split([rank_slice(n, r, world)[1] - rank_slice(n, r, world)[0] for n in sizes])
+              for r, part in enumerate(parts)]
+    return torch.cat([pieces[r][i] for i in range(len(sizes)) for r in range(world)])

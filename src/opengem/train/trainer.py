@@ -350,7 +350,8 @@ def _loop(config: TrainConfig, run: LocalRun | Any, resume: Path | None, progres
                                 tokens_s=f"{record['tokens_per_s']:.0f}")
                 window_start, window_samples, window_tokens = time.perf_counter(), 0, 0
             if (step + 1) % config.eval_every == 0 or step + 1 == config.steps:
-                evaluation = {"step": step + 1, **evaluate(*run.predictions(holdout))}
+                predictions, labels = run.predictions(holdout)
+                evaluation = {"step": step + 1, "eval_samples": labels.shape[0], **evaluate(predictions, labels)}
                 evaluations.append(evaluation)
                 log.write(json.dumps(evaluation) + "\n")
                 log.flush()
