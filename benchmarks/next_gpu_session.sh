@@ -951,6 +951,14 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s55b() {  # session 50: issue 10's gem-large on its acceptance device (one H100) at batches that fit (b512 needs
+  # ~106 GB and has waited for an H200 since session 41): bf16 sequence stream, as large_b512
+  local batch
+  for batch in 256 320; do
+    step "bench_train_large_b$batch" 270 train bench train --preset gem-large --batch-size "$batch" --compile --steps 12 \
+      --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b${batch}_s55b.json"
+  done
+}
 chain_s55a() {  # session 50: which op and source line launch gem-small's 2,705 kernels a step (402 memsets, 154
   # fp32 sums, ~120 eager copies in s53c), then s54a's host cProfile of the same step
   step launch_sources 220 python -m benchmarks.diag.launch_sources --preset gem-small --batch-size 2048 --steps 2 \
