@@ -951,6 +951,14 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s55c() {  # session 50: gem-large b512 on one H100 with activation checkpointing (b512 needs ~106 GB without;
+  # recompute counts zero useful FLOPs), then b256 without it on the same machine (s55b: 169.05 ms, 22.7%)
+  step bench_train_large_b512_ac 330 train bench train --preset gem-large --batch-size 512 --compile --steps 12 \
+    --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --set activation_checkpointing=true \
+    --out "$out/results/train_gem-large_b512_ac_s55c.json"
+  step bench_train_large_b256 200 train bench train --preset gem-large --batch-size 256 --compile --steps 12 \
+    --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s55c.json"
+}
 chain_s55b() {  # session 50: issue 10's gem-large on its acceptance device (one H100) at batches that fit (b512 needs
   # ~106 GB and has waited for an H200 since session 41): bf16 sequence stream, as large_b512
   local batch
