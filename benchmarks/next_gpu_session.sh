@@ -263,6 +263,9 @@ step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/stat
   # the host's load before the step: a step paced by a busy host reads slow (session 49, s53b: 191.67 ms, then
   # 138.80 on a fresh machine, the same code)
   local load; load=$(cut -d' ' -f1-3 /proc/loadavg)
+  # what else is busy when the step starts (session 50: a second bench run on a machine idled the GPU 76 ms a step)
+  if command -v top > /dev/null; then top -b -n 1 -o %CPU | head -n 14; else ps -eo pcpu,etimes,comm --sort=-pcpu; fi \
+    > "$out/logs/$name.busy" 2>&1
   timeout "$cap" bash -c '"$@"' _ "$@" > "$out/logs/$name.log" 2>&1  # bash -c: the command may be a function
   local rc=$?
   local last; last=$(tail -n 1 "$out/logs/$name.log" | cut -c1-200)
@@ -950,6 +953,12 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small 280 small_train --out "$out/results/train_gem-small_b2048_s38a_bf16.json"
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
+}
+chain_s55d() {  # session 50: the NCCL train-and-resume GPU tests (the held-out predictions' new in_sample_order), then
+  # gem-large b256 as the machine's second process, with what else is busy logged (s55c's second run: 76 ms idle)
+  step train_distributed_tests 200 tests tests/gpu/test_train_distributed_gpu.py
+  step bench_train_large_b256 200 train bench train --preset gem-large --batch-size 256 --compile --steps 12 \
+    --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s55d.json"
 }
 chain_s55c() {  # session 50: gem-large b512 on one H100 with activation checkpointing (b512 needs ~106 GB without;
   # recompute counts zero useful FLOPs), then b256 without it on the same machine (s55b: 169.05 ms, 22.7%)
