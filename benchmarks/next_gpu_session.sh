@@ -954,6 +954,17 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+large_b256_cache() {  # large_b256_cache CACHE NAME: gem-large b256 (bf16 stream) with its compile caches under CACHE
+  TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton train bench train --preset gem-large --batch-size 256 \
+    --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/$2.json"
+}
+chain_s55e() {  # session 50: the machine's second process ran gem-large b256 host-paced in s55c and s55d (74-76 ms of GPU
+  # idle a step, kernels unchanged, nothing busy at its start). A first run, then a second one on a pristine copy of the
+  # carried compile cache: if the second is normal, what the first run wrote to the caches slows the next process
+  rm -rf pristine_cache && mkdir -p pristine_cache && tar xzf .compile_cache.tgz -C pristine_cache
+  step large_b256_first 160 large_b256_cache "$PWD/.compile_cache" train_gem-large_b256_s55e_first
+  step large_b256_pristine 160 large_b256_cache "$PWD/pristine_cache" train_gem-large_b256_s55e_pristine
+}
 chain_s55d() {  # session 50: the NCCL train-and-resume GPU tests (the held-out predictions' new in_sample_order), then
   # gem-large b256 as the machine's second process, with what else is busy logged (s55c's second run: 76 ms idle)
   step train_distributed_tests 200 tests tests/gpu/test_train_distributed_gpu.py
@@ -1191,7 +1202,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
+export -f tests train large_b256_cache small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
