@@ -954,6 +954,20 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s55f() {  # after session 50: which cache slows the next process (s55e: a second run on a pristine copy of the
+  # carried cache ran 166.6 ms, 20.9 ms idle; on the caches a first run wrote, 221.6-252.0 ms, 74-76 ms idle)
+  rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
+  step large_b256_first 160 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55f_first
+  cp -r cache_first cache_graphs_off
+  step large_b256_written 150 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55f_written
+  # the same written caches, but Inductor's FX graph and AOTAutograd caches off: every graph compiles again
+  step large_b256_graph_caches_off 250 env_large_b256 "$PWD/cache_graphs_off" train_gem-large_b256_s55f_graphs_off \
+    TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
+}
+env_large_b256() {  # env_large_b256 CACHE NAME VAR=VALUE...: large_b256_cache with those variables set
+  local cache=$1 name=$2; shift 2
+  (export "$@"; large_b256_cache "$cache" "$name")
+}
 large_b256_cache() {  # large_b256_cache CACHE NAME: gem-large b256 (bf16 stream) with its compile caches under CACHE
   TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton train bench train --preset gem-large --batch-size 256 \
     --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/$2.json"
@@ -1202,7 +1216,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_b256_cache small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
+export -f tests train large_b256_cache env_large_b256 small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
