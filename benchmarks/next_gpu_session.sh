@@ -964,13 +964,14 @@ chain_s55f() {  # after session 50: which cache slows the next process (s55e: a 
   step large_b256_graph_caches_off 250 env_large_b256 "$PWD/cache_graphs_off" train_gem-large_b256_s55f_graphs_off \
     TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
 }
-chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir and *.ttir files, and a
+chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir, *.ttir, *.ptx, *.source, and a
   # second process on it ran normally (s55e). A first run, then a second on the caches it wrote, repacked the way the
   # carry packs them: if this one is normal too, those IR files (or what reads them) slow the next process
   rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
   step large_b256_first 160 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55g_first
   rm -rf cache_repacked && mkdir -p cache_repacked
-  tar cf - -C cache_first --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' . | tar xf - -C cache_repacked
+  tar cf - -C cache_first --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.ptx' \
+    --exclude='*.source' . | tar xf - -C cache_repacked
   step large_b256_repacked 150 large_b256_cache "$PWD/cache_repacked" train_gem-large_b256_s55g_repacked
 }
 env_large_b256() {  # env_large_b256 CACHE NAME VAR=VALUE...: large_b256_cache with those variables set
