@@ -159,7 +159,7 @@ def holdout_seed(config: TrainConfig) -> int:
 
 def _eval_dir_rows(config: TrainConfig) -> tuple[RowBlock, DataLayout]:
     """The first ``eval_samples`` rows of ``eval_dir`` (read row group by row group, checked as they decode)."""
-    if config.data_dir and _same_folder(config.data_dir, config.eval_dir):
+    if config.data_dir and Path(config.data_dir).resolve() == Path(config.eval_dir).resolve():
         raise ValueError(f"eval_dir {config.eval_dir!r} is data_dir: the held-out set would be training samples; "
                          "write one with `opengem data synth --holdout`")
     layout, units = inspect_files(resolve_paths(config.eval_dir))
@@ -176,10 +176,3 @@ def _eval_dir_rows(config: TrainConfig) -> tuple[RowBlock, DataLayout]:
                       f"{config.eval_samples}: evaluating on all {rows.num_rows}", stacklevel=3)
         return rows, layout
     return rows.slice(0, config.eval_samples), layout
-
-
-def _same_folder(first: str, second: str) -> bool:
-    try:
-        return Path(first).resolve() == Path(second).resolve()
-    except OSError:
-        return False
