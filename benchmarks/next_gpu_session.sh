@@ -964,9 +964,9 @@ chain_s55f() {  # after session 50: which cache slows the next process (s55e: a 
   step large_b256_graph_caches_off 250 env_large_b256 "$PWD/cache_graphs_off" train_gem-large_b256_s55f_graphs_off \
     TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
 }
-chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir, *.ttir, *.ptx, *.source, and a
-  # second process on it ran normally (s55e). A first run, then a second on the caches it wrote, repacked the way the
-  # carry packs them: if this one is normal too, those IR files (or what reads them) slow the next process
+chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir, *.ttir, *.ptx and *.source
+  # files, and a second process on it ran normally (s55e). A first run, then a second on the caches it wrote, repacked
+  # the way the carry packs them: if this one is normal too, those files (or what reads them) slow the next process
   rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
   step large_b256_first 160 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55g_first
   rm -rf cache_repacked && mkdir -p cache_repacked
@@ -982,9 +982,10 @@ large_b256_cache() {  # large_b256_cache CACHE NAME: gem-large b256 (bf16 stream
   TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton train bench train --preset gem-large --batch-size 256 \
     --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/$2.json"
 }
-chain_s55e() {  # session 50: the machine's second process ran gem-large b256 host-paced in s55c and s55d (74-76 ms of GPU
-  # idle a step, kernels unchanged, nothing busy at its start). A first run, then a second one on a pristine copy of the
-  # carried compile cache: if the second is normal, what the first run wrote to the caches slows the next process
+chain_s55e() {  # session 50: the machine's second process ran gem-large b256 host-paced in s55c and s55d (74-76 ms of
+  # GPU idle a step, kernels unchanged, nothing busy at its start). A first run, then a second one on a pristine copy
+  # of the carried compile cache: if the second is normal, what the first run wrote to the caches slows the next
+  # process
   rm -rf pristine_cache && mkdir -p pristine_cache && tar xzf .compile_cache.tgz -C pristine_cache
   step large_b256_first 160 large_b256_cache "$PWD/.compile_cache" train_gem-large_b256_s55e_first
   step large_b256_pristine 160 large_b256_cache "$PWD/pristine_cache" train_gem-large_b256_s55e_pristine
@@ -1007,8 +1008,9 @@ chain_s55b() {  # session 50: issue 10's gem-large on its acceptance device (one
   # ~106 GB and has waited for an H200 since session 41): bf16 sequence stream, as large_b512
   local batch
   for batch in 256 320; do
-    step "bench_train_large_b$batch" 270 train bench train --preset gem-large --batch-size "$batch" --compile --steps 12 \
-      --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b${batch}_s55b.json"
+    step "bench_train_large_b$batch" 270 train bench train --preset gem-large --batch-size "$batch" --compile \
+      --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
+      --out "$out/results/train_gem-large_b${batch}_s55b.json"
   done
 }
 chain_s55a() {  # session 50: which op and source line launch gem-small's 2,705 kernels a step (402 memsets, 154
@@ -1226,7 +1228,9 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_b256_cache env_large_b256 small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
+export -f tests train large_b256_cache env_large_b256 small_train small_train_at small_train_fp8_inductor \
+  small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve \
+  bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;

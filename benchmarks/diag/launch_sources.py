@@ -56,9 +56,9 @@ def op_chain(event: Any) -> str:
 
 def source_line(event: Any) -> str:
     """The innermost frame of opengem's code or of Inductor's generated graphs around ``event``, else the innermost
-    Python frame (built-in methods aside); ``"(no Python frame: autograd thread)"`` when there is none. Frames come from the Python tracer
-    (enclosing events named ``file(line): function``, the line the function starts on) or, where a profiler
-    records them instead, from an op's ``stack``."""
+    Python frame (built-in methods aside); ``"(no Python frame: autograd thread)"`` when there is none. Frames come
+    from the Python tracer (enclosing events named ``file(line): function``, the line the function starts on) or,
+    where a profiler records them instead, from an op's ``stack``."""
     fallback = None
     while event is not None:
         frames = [event.name] if _is_python(event) else list(event.stack)
@@ -146,7 +146,8 @@ def main() -> None:
         print(f"  {count:7.1f}  {kind}")
     print("per step, device ms, kernel | ops (innermost first) | source")
     for row in groups[:args.top]:
-        print(f"{row['per_step']:6.1f} {row['device_ms_per_step']:7.3f}  {row['kernel']} | {row['ops']} | {row['source']}")
+        print(f"{row['per_step']:6.1f} {row['device_ms_per_step']:7.3f}  "
+              f"{row['kernel']} | {row['ops']} | {row['source']}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "launch_sources", "preset": args.preset, "batch_size": args.batch_size,
                "steps": args.steps, "overrides": list(options.overrides), "environment": environment(),

@@ -30,7 +30,8 @@ def event(name, parent=None, stack=(), kernels=(), children=(), python=False):
 
 
 def test_device_events_are_grouped_by_kernel_chain_and_nearest_recorded_source():
-    caller = event("src/opengem/ops/gdpa.py(88): schedule", parent=event("torch/nn/x.py(3): f", python=True), python=True)
+    caller = event("src/opengem/ops/gdpa.py(88): schedule", parent=event("torch/nn/x.py(3): f", python=True),
+                   python=True)
     outer = event("aten::zeros", parent=caller)
     inner = event("aten::zero_", parent=outer)
     fill = event("aten::fill_", parent=inner, kernels=[SimpleNamespace(name="Memset (Device)", duration=2.0)] * 4)
