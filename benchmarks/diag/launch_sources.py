@@ -5,8 +5,10 @@ and ~120 eager copies, each a launch the host pays for whatever its GPU time. Th
 not their callers. This profiles compiled steps (built and warmed as ``opengem bench train --compile``) with Python
 stacks and groups every device event by the kernel, the chain of ops around its launch (innermost first: e.g.
 ``aten::fill_ < aten::zero_ < aten::zeros``) and the innermost source line of opengem or of Inductor's generated
-code. Autograd runs the backward on its own C++ thread, with Python frames only inside Python autograd functions:
-elsewhere the op chain (it reaches ``autograd::engine::evaluate_function: ...``) names the caller.
+code. Where no Python frame is recorded the op chain names the caller: autograd's C++ thread runs the backward
+(``autograd::engine::evaluate_function: ...``), and a compiled region's launches sit under
+``## Call CompiledFxGraph <key> ##``, the key naming its entry in Inductor's cache (session 50, H100: no frames were
+recorded for them).
 
 On the CPU (no device events) every leaf op counts as a launch, so the grouping runs in the tests.
 
@@ -56,7 +58,7 @@ def op_chain(event: Any) -> str:
 
 def source_line(event: Any) -> str:
     """The innermost frame of opengem's code or of Inductor's generated graphs around ``event``, else the innermost
-    Python frame (built-in methods aside); ``"(no Python frame: autograd thread)"`` when there is none. Frames come
+    Python frame (built-in methods aside); ``"(no Python frame recorded)"`` when there is none. Frames come
     from the Python tracer (enclosing events named ``file(line): function``, the line the function starts on) or,
     where a profiler records them instead, from an op's ``stack``."""
     fallback = None
@@ -68,7 +70,7 @@ def source_line(event: Any) -> str:
             if not frame.startswith("<built-in"):
                 fallback = fallback or frame
         event = event.cpu_parent
-    return fallback or "(no Python frame: autograd thread)"
+    return fallback or "(no Python frame recorded)"
 
 
 def launch_groups(events: Iterable[Any], steps: int) -> list[dict[str, Any]]:
