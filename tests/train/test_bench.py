@@ -83,6 +83,17 @@ def test_report_gives_each_kernel_familys_launches(train_result):
     assert "    launches, total        444" in lines
 
 
+def test_report_says_when_the_host_paced_the_steps(train_result):
+    """A GPU idle above a fifth of the step is called out, with what can cause it; a small one is not."""
+    from opengem.train.bench.step import format_report
+
+    base = train_result[0]
+    reports = {idle: format_report({**base, "idle_gaps": {}, "results": {
+        **base["results"], "gpu_idle_ms_timed": idle, "timed_ms_of_profiled_batches": 169.0}})} for idle in (76.2, 20.7)}
+    assert "the host paced these steps (the GPU idled 45% of them)" in reports[76.2]
+    assert "the host paced" not in reports[20.7]
+
+
 def test_window_timer_laps_split_the_window(monkeypatch):
     """Each lap is the time from the previous mark; the window runs from start to the last lap (what follows the
     last step is not timed), or to stop without laps."""

@@ -368,6 +368,11 @@ def format_scaling(results: dict[str, Any]) -> str:
             f"{results['scaling_ratio']:.2f}")
 
 
+# GPU idle above this share of the step: the host paced it (gem-large b256 on an H100: 12-15% in a first process,
+# 29-34% in a second one on the compile caches the first wrote; session 50)
+HOST_PACED_IDLE_SHARE = 0.2
+
+
 def _format_idle(payload: dict[str, Any]) -> list[str]:
     r, gaps = payload["results"], payload.get("idle_gaps")
     if r.get("gpu_idle_ms_timed") is None:
@@ -376,6 +381,11 @@ def _format_idle(payload: dict[str, Any]) -> list[str]:
         return [f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (timed step - kernel time)"]
     lines = [f"  GPU idle in the timed steps {r['gpu_idle_ms_timed']:.2f} ms / step (the profiled batches' timed laps, "
              f"{r['timed_ms_of_profiled_batches']:.2f} ms, less their kernel time)"]
+    share = r["gpu_idle_ms_timed"] / r["timed_ms_of_profiled_batches"]
+    if share > HOST_PACED_IDLE_SHARE:
+        lines.append(f"  the host paced these steps (the GPU idled {100 * share:.0f}% of them): a busy host, or compile "
+                     "caches another process wrote on this machine, can do that (docs/performance.md); compare with "
+                     "a run on a fresh TORCHINDUCTOR_CACHE_DIR")
     if gaps:
         lines.append(f"  idle gaps (the same batches, kernels-only profile) {gaps['idle_ms_per_step']:.2f} ms / "
                      f"step, {gaps['spacing_ms_per_step']:.2f} of it in gaps under {gaps['min_gap_us']:g} us; the "
