@@ -88,8 +88,12 @@ def test_report_says_when_the_host_paced_the_steps(train_result):
     from opengem.train.bench.step import format_report
 
     base = train_result[0]
-    reports = {idle: format_report({**base, "idle_gaps": {}, "results": {
-        **base["results"], "gpu_idle_ms_timed": idle, "timed_ms_of_profiled_batches": 169.0}})} for idle in (76.2, 20.7)}
+
+    def report(idle_ms: float) -> str:
+        results = {**base["results"], "gpu_idle_ms_timed": idle_ms, "timed_ms_of_profiled_batches": 169.0}
+        return format_report({**base, "idle_gaps": {}, "results": results})
+
+    reports = {idle: report(idle) for idle in (76.2, 20.7)}
     assert "the host paced these steps (the GPU idled 45% of them)" in reports[76.2]
     assert "the host paced" not in reports[20.7]
 
