@@ -964,6 +964,16 @@ chain_s55f() {  # after session 50: which cache slows the next process (s55e: a 
   step large_b256_graph_caches_off 250 env_large_b256 "$PWD/cache_graphs_off" train_gem-large_b256_s55f_graphs_off \
     TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
 }
+chain_s55h() {  # after session 50: where a host-paced second process spends its host time. launch_sources (kernels by
+  # caller, self CPU by op and Python function) as a first process, then as a second on the caches the first wrote
+  rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
+  local run
+  for run in first second; do
+    step "launch_sources_$run" 150 env TORCHINDUCTOR_CACHE_DIR="$PWD/cache_first/inductor" \
+      TRITON_CACHE_DIR="$PWD/cache_first/triton" python -m benchmarks.diag.launch_sources --preset gem-large \
+      --batch-size 256 --steps 2 --out "$out/results/launch_sources_gem-large_b256_s55h_$run.json"
+  done
+}
 chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir, *.ttir, *.ptx and *.source
   # files, and a second process on it ran normally (s55e). A first run, then a second on the caches it wrote, repacked
   # the way the carry packs them: if this one is normal too, those files (or what reads them) slow the next process

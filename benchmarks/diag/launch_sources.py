@@ -10,6 +10,8 @@ code. Where no Python frame is recorded the op chain names the caller: autograd'
 ``## Call CompiledFxGraph <key> ##``, the key naming its entry in Inductor's cache (session 50, H100: no frames were
 recorded for them).
 
+It also reports each op's and each Python function's self CPU time a step: set against another process's, it says
+where a host-paced step spends its time (session 50: a second process on the compile caches a first one wrote).
 On the CPU (no device events) every leaf op counts as a launch, so the grouping runs in the tests.
 
     PYTHONPATH=src:. python -m benchmarks.diag.launch_sources [--preset gem-small] [--batch-size 2048] [--steps 2]
@@ -106,8 +108,21 @@ def launches_by_kind(groups: list[dict[str, Any]]) -> dict[str, float]:
     return dict(sorted(totals.items(), key=lambda kv: -kv[1]))
 
 
-def profile_launches(step: Callable[[], None], steps: int, sync: Callable[[], None]) -> list[dict[str, Any]]:
-    """Run ``step`` ``steps`` times under the profiler with Python stacks; :func:`launch_groups` of them."""
+def host_time(events: Iterable[Any], steps: int, top: int = 40) -> dict[str, dict[str, float]]:
+    """Self CPU ms a step of the ``top`` heaviest ops (``"ops"``) and Python functions (``"python"``): where the host
+    spends a step, to set one process against another (the Python tracer slows Python code, so compare shares)."""
+    totals: dict[str, dict[str, float]] = {"ops": collections.Counter(), "python": collections.Counter()}
+    for event in events:
+        if event.device_type == DeviceType.CPU:
+            totals["python" if _is_python(event) else "ops"][event.name[:120]] += event.self_cpu_time_total
+    return {kind: {name: us / steps / 1e3 for name, us in sorted(table.items(), key=lambda kv: -kv[1])[:top]}
+            for kind, table in totals.items()}
+
+
+def profile_launches(step: Callable[[], None], steps: int,
+                     sync: Callable[[], None]) -> tuple[list[dict[str, Any]], dict[str, dict[str, float]]]:
+    """Run ``step`` ``steps`` times under the profiler with Python stacks: :func:`launch_groups` and
+    :func:`host_time` of them."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -115,7 +130,8 @@ def profile_launches(step: Callable[[], None], steps: int, sync: Callable[[], No
         for _ in range(steps):
             step()
         sync()
-    return launch_groups(profiler.events(), steps)
+    events = profiler.events()
+    return launch_groups(events, steps), host_time(events, steps)
 
 
 def main() -> None:
@@ -141,7 +157,7 @@ def main() -> None:
                        options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
     batches = [next(stream).to(device, non_blocking=True) for _ in range(args.steps)]
     queue = iter(batches)
-    groups = profile_launches(lambda: learner.step(next(queue)), args.steps, torch.cuda.synchronize)
+    groups, host = profile_launches(lambda: learner.step(next(queue)), args.steps, torch.cuda.synchronize)
     kinds = launches_by_kind(groups)
     print(f"{sum(kinds.values()):.0f} device events a step in {len(groups)} groups; by kernel:")
     for kind, count in list(kinds.items())[:25]:
@@ -150,10 +166,14 @@ def main() -> None:
     for row in groups[:args.top]:
         print(f"{row['per_step']:6.1f} {row['device_ms_per_step']:7.3f}  "
               f"{row['kernel']} | {row['ops']} | {row['source']}")
+    for kind, table in host.items():
+        print(f"host self-CPU ms a step, heaviest {kind}:")
+        for name, ms in list(table.items())[:15]:
+            print(f"  {ms:8.3f}  {name}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     payload = {"benchmark": "launch_sources", "preset": args.preset, "batch_size": args.batch_size,
                "steps": args.steps, "overrides": list(options.overrides), "environment": environment(),
-               "launches_by_kernel": kinds, "groups": groups}  # fmt: skip
+               "launches_by_kernel": kinds, "groups": groups, "host_ms_per_step": host}  # fmt: skip
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
 

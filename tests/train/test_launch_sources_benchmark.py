@@ -1,5 +1,6 @@
 """benchmarks.diag.launch_sources on the CPU: a real profile of a small step groups its leaf ops by op chain and the
-source line that called them; kernel names are shortened; device events are grouped per step with their time."""
+source line that called them; kernel names are shortened; device events are grouped per step with their time; the
+host's self CPU time is summed per op and per Python function."""
 
 from types import SimpleNamespace
 
@@ -7,7 +8,14 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
-from benchmarks.diag.launch_sources import kernel_kind, launch_groups, launches_by_kind, op_chain, profile_launches
+from benchmarks.diag.launch_sources import (
+    host_time,
+    kernel_kind,
+    launch_groups,
+    launches_by_kind,
+    op_chain,
+    profile_launches,
+)
 
 
 def zero_filled_step() -> None:
@@ -16,12 +24,14 @@ def zero_filled_step() -> None:
 
 
 def test_a_real_cpu_profile_names_the_calling_line_of_each_leaf_op():
-    groups = profile_launches(zero_filled_step, steps=3, sync=lambda: None)
+    groups, host = profile_launches(zero_filled_step, steps=3, sync=lambda: None)
     zeros = [g for g in groups if "aten::zeros" in g["ops"]]
     assert zeros, [g["ops"] for g in groups]
     assert all("test_launch_sources_benchmark.py" in g["source"] for g in zeros)
     assert all(g["per_step"] == 1.0 for g in zeros)  # three steps, one zeros a step
     assert any(g["ops"] == "aten::fill_ < aten::sum" for g in groups)  # leaf ops, their callers after them
+    assert "aten::zeros" in host["ops"] and all(ms >= 0 for ms in host["ops"].values())
+    assert any("zero_filled_step" in name for name in host["python"])
 
 
 def event(name, parent=None, stack=(), kernels=(), children=(), python=False):
@@ -59,3 +69,11 @@ def test_kernel_names_and_chains_are_short():
     chain = event("e", parent=event("d", parent=event("c", parent=event("b", parent=event("a", parent=event("z"))))))
     assert op_chain(chain) == "e < d < c < b < a"
     assert op_chain(event("x", parent=event("ProfilerStep#3", parent=event("a.py(1): f", python=True)))) == "x"
+
+
+def test_host_time_sums_self_cpu_per_op_and_per_python_function_a_step():
+    events = [event("aten::mm"), event("aten::mm"), event("gdpa.py(10): backward", python=True), event("aten::add")]
+    for e, us in zip(events, (3000.0, 1000.0, 6000.0, 500.0), strict=True):
+        e.self_cpu_time_total = us
+    host = host_time(events, steps=2, top=1)
+    assert host == {"ops": {"aten::mm": 2.0}, "python": {"gdpa.py(10): backward": 3.0}}
