@@ -282,10 +282,18 @@ large_single() {  # large_single BATCH NAME [ARGS]: gem-large on one GPU with th
   local batch=$1 name=$2; shift 2
   multi 1 --preset gem-large --layouts single --batch-per-gpu "$batch" --warmup 6 --steps 10 --out "$out/results/$name.json" "$@"
 }
-large_b512() {  # large_b512 NAME [ARGS]: gem-large b512 under bench train (bf16 sequence stream), issue 10's steady state
-  local name=$1; shift
-  train bench train --preset gem-large --batch-size 512 --compile --steps 12 --warmup 6 --num-workers 12 \
+large_at() {  # large_at BATCH NAME [ARGS]: gem-large under bench train (bf16 sequence stream), issue 10's steady state
+  local batch=$1 name=$2; shift 2
+  train bench train --preset gem-large --batch-size "$batch" --compile --steps 12 --warmup 6 --num-workers 12 \
     --set gem.sequence_dtype=compute "$@" --out "$out/results/$name.json"
+}
+large_b512() { large_at 512 "$@"; }  # large_b512 NAME [ARGS]
+unpacked_cache() { rm -rf "$1" && mkdir -p "$1" && tar xzf .compile_cache.tgz -C "$1"; }  # a pristine copy of the carry
+with_cache() {  # with_cache CACHE [VAR=VALUE...] COMMAND...: COMMAND with its compile caches under CACHE
+  local cache=$1; shift
+  (export TORCHINDUCTOR_CACHE_DIR="$cache/inductor" TRITON_CACHE_DIR="$cache/triton"
+   while [[ $1 == *=* ]]; do export "$1"; shift; done
+   "$@")
 }
 predict() {  # predict CALIBRATION: the planner's 1-GPU step for the runs of part 1 (issue 13)
   local run
@@ -956,71 +964,56 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
 }
 chain_s55f() {  # after session 50: which cache slows the next process (s55e: a second run on a pristine copy of the
   # carried cache ran 166.6 ms, 20.9 ms idle; on the caches a first run wrote, 221.6-252.0 ms, 74-76 ms idle)
-  rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
-  step large_b256_first 160 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55f_first
+  unpacked_cache cache_first
+  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s55f_first
   cp -r cache_first cache_graphs_off
-  step large_b256_written 150 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55f_written
+  step large_b256_written 150 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s55f_written
   # the same written caches, but Inductor's FX graph and AOTAutograd caches off: every graph compiles again
-  step large_b256_graph_caches_off 250 env_large_b256 "$PWD/cache_graphs_off" train_gem-large_b256_s55f_graphs_off \
-    TORCHINDUCTOR_FX_GRAPH_CACHE=0 TORCHINDUCTOR_AUTOGRAD_CACHE=0
+  step large_b256_graph_caches_off 250 with_cache "$PWD/cache_graphs_off" TORCHINDUCTOR_FX_GRAPH_CACHE=0 \
+    TORCHINDUCTOR_AUTOGRAD_CACHE=0 large_at 256 train_gem-large_b256_s55f_graphs_off
 }
 chain_s55h() {  # after session 50: where a host-paced second process spends its host time. launch_sources (kernels by
   # caller, self CPU by op and Python function) as a first process, then as a second on the caches the first wrote
-  rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
+  unpacked_cache cache_first
   local run
   for run in first second; do
-    step "launch_sources_$run" 150 env TORCHINDUCTOR_CACHE_DIR="$PWD/cache_first/inductor" \
-      TRITON_CACHE_DIR="$PWD/cache_first/triton" python -m benchmarks.diag.launch_sources --preset gem-large \
-      --batch-size 256 --steps 2 --out "$out/results/launch_sources_gem-large_b256_s55h_$run.json"
+    step "launch_sources_$run" 150 with_cache "$PWD/cache_first" python -m benchmarks.diag.launch_sources \
+      --preset gem-large --batch-size 256 --steps 2 --out "$out/results/launch_sources_gem-large_b256_s55h_$run.json"
   done
 }
 chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir, *.ttir, *.ptx and *.source
   # files, and a second process on it ran normally (s55e). A first run, then a second on the caches it wrote, repacked
   # the way the carry packs them: if this one is normal too, those files (or what reads them) slow the next process
-  rm -rf cache_first && mkdir -p cache_first && tar xzf .compile_cache.tgz -C cache_first
-  step large_b256_first 160 large_b256_cache "$PWD/cache_first" train_gem-large_b256_s55g_first
+  unpacked_cache cache_first
+  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s55g_first
   rm -rf cache_repacked && mkdir -p cache_repacked
   tar cf - -C cache_first --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.ptx' \
     --exclude='*.source' . | tar xf - -C cache_repacked
-  step large_b256_repacked 150 large_b256_cache "$PWD/cache_repacked" train_gem-large_b256_s55g_repacked
-}
-env_large_b256() {  # env_large_b256 CACHE NAME VAR=VALUE...: large_b256_cache with those variables set
-  local cache=$1 name=$2; shift 2
-  (export "$@"; large_b256_cache "$cache" "$name")
-}
-large_b256_cache() {  # large_b256_cache CACHE NAME: gem-large b256 (bf16 stream) with its compile caches under CACHE
-  TORCHINDUCTOR_CACHE_DIR=$1/inductor TRITON_CACHE_DIR=$1/triton train bench train --preset gem-large --batch-size 256 \
-    --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/$2.json"
+  step large_b256_repacked 150 with_cache "$PWD/cache_repacked" large_at 256 train_gem-large_b256_s55g_repacked
 }
 chain_s55e() {  # session 50: the machine's second process ran gem-large b256 host-paced in s55c and s55d (74-76 ms of
   # GPU idle a step, kernels unchanged, nothing busy at its start). A first run, then a second one on a pristine copy
   # of the carried compile cache: if the second is normal, what the first run wrote to the caches slows the next
   # process
-  rm -rf pristine_cache && mkdir -p pristine_cache && tar xzf .compile_cache.tgz -C pristine_cache
-  step large_b256_first 160 large_b256_cache "$PWD/.compile_cache" train_gem-large_b256_s55e_first
-  step large_b256_pristine 160 large_b256_cache "$PWD/pristine_cache" train_gem-large_b256_s55e_pristine
+  unpacked_cache pristine_cache
+  step large_b256_first 160 with_cache "$PWD/.compile_cache" large_at 256 train_gem-large_b256_s55e_first
+  step large_b256_pristine 160 with_cache "$PWD/pristine_cache" large_at 256 train_gem-large_b256_s55e_pristine
 }
 chain_s55d() {  # session 50: the NCCL train-and-resume GPU tests (the held-out predictions' new in_sample_order), then
   # gem-large b256 as the machine's second process, with what else is busy logged (s55c's second run: 76 ms idle)
   step train_distributed_tests 200 tests tests/gpu/test_train_distributed_gpu.py
-  step bench_train_large_b256 200 train bench train --preset gem-large --batch-size 256 --compile --steps 12 \
-    --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s55d.json"
+  step bench_train_large_b256 200 large_at 256 train_gem-large_b256_s55d
 }
 chain_s55c() {  # session 50: gem-large b512 on one H100 with activation checkpointing (b512 needs ~106 GB without;
   # recompute counts zero useful FLOPs), then b256 without it on the same machine (s55b: 169.05 ms, 22.7%)
-  step bench_train_large_b512_ac 330 train bench train --preset gem-large --batch-size 512 --compile --steps 12 \
-    --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --set activation_checkpointing=true \
-    --out "$out/results/train_gem-large_b512_ac_s55c.json"
-  step bench_train_large_b256 200 train bench train --preset gem-large --batch-size 256 --compile --steps 12 \
-    --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s55c.json"
+  step bench_train_large_b512_ac 330 large_at 512 train_gem-large_b512_ac_s55c --set activation_checkpointing=true
+  step bench_train_large_b256 200 large_at 256 train_gem-large_b256_s55c
 }
 chain_s55b() {  # session 50: issue 10's gem-large on its acceptance device (one H100) at batches that fit (b512 needs
   # ~106 GB and has waited for an H200 since session 41): bf16 sequence stream, as large_b512
   local batch
   for batch in 256 320; do
-    step "bench_train_large_b$batch" 270 train bench train --preset gem-large --batch-size "$batch" --compile \
-      --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute \
-      --out "$out/results/train_gem-large_b${batch}_s55b.json"
+    step "bench_train_large_b$batch" 270 large_at "$batch" "train_gem-large_b${batch}_s55b"
   done
 }
 chain_s55a() {  # session 50: which op and source line launch gem-small's 2,705 kernels a step (402 memsets, 154
@@ -1238,7 +1231,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_b256_cache env_large_b256 small_train small_train_at small_train_fp8_inductor \
+export -f tests train large_at unpacked_cache with_cache small_train small_train_at small_train_fp8_inductor \
   small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve \
   bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
