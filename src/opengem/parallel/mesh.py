@@ -73,8 +73,7 @@ class ParallelConfig:
             value = getattr(self, name)
             if value < 1 and not (value == FILL and name in FILLABLE_NAMES):
                 raise ValueError(f"{name} must be >= 1 (or -1 where allowed), got {value}")
-        if self.prefetch < 0:
-            raise ValueError(f"prefetch must be >= 0, got {self.prefetch}")
+        require_at_least(self, ("prefetch",), 0)
         if self.collectives not in COLLECTIVES_CHOICES:
             raise ValueError(f"collectives must be one of {COLLECTIVES_CHOICES}, got {self.collectives!r}")
 
