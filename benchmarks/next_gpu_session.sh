@@ -962,6 +962,26 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s56a() {  # session 51: which cache slows the next process. The slow second runs of session 50 (s55c, s55d)
+  # followed a different workload on the machine; a second b256 on a pristine copy of the carry was normal (s55e).
+  # b256 first, the NCCL GPU tests (s55d's first process) on the same caches, then b256 on those caches as written and
+  # on a copy repacked without Triton's IR files (*.llir, *.ttgir, *.ttir, *.ptx, *.source), as the carry packs them
+  unpacked_cache cache_first
+  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56a_first
+  step train_distributed_tests 120 with_cache "$PWD/cache_first" tests tests/gpu/test_train_distributed_gpu.py
+  rm -rf cache_repacked cache_graphs_off && mkdir -p cache_repacked && cp -r cache_first cache_graphs_off
+  tar cf - -C cache_first --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.ptx' \
+    --exclude='*.source' . | tar xf - -C cache_repacked
+  step large_b256_written 150 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56a_written
+  step large_b256_repacked 150 with_cache "$PWD/cache_repacked" large_at 256 train_gem-large_b256_s56a_repacked
+}
+chain_s56b() {  # session 51: the caches as s56a's NCCL tests left them, Inductor's FX graph and AOTAutograd caches off
+  unpacked_cache cache_first
+  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56b_first
+  step train_distributed_tests 120 with_cache "$PWD/cache_first" tests tests/gpu/test_train_distributed_gpu.py
+  step large_b256_graph_caches_off 250 with_cache "$PWD/cache_first" TORCHINDUCTOR_FX_GRAPH_CACHE=0 \
+    TORCHINDUCTOR_AUTOGRAD_CACHE=0 large_at 256 train_gem-large_b256_s56b_graphs_off
+}
 chain_s55f() {  # after session 50: which cache slows the next process (s55e: a second run on a pristine copy of the
   # carried cache ran 166.6 ms, 20.9 ms idle; on the caches a first run wrote, 221.6-252.0 ms, 74-76 ms idle)
   unpacked_cache cache_first
