@@ -962,6 +962,11 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s56c() {  # session 51: gem-large b512 BF16 on an H200 (~106 GB peak; session 41: 30.93%), as s51a, now with
+  # the host's speed in the result; then b256 on the same machine
+  step bench_train_large 300 large_b512 train_gem-large_b512_s56c_bf16
+  step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s56c
+}
 chain_s56a() {  # session 51: which cache slows the next process. The slow second runs of session 50 (s55c, s55d)
   # followed a different workload on the machine; a second b256 on a pristine copy of the carry was normal (s55e).
   # b256 first, the NCCL GPU tests (s55d's first process) on the same caches, then b256 on those caches as written and

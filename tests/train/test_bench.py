@@ -54,6 +54,8 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["loader_samples_per_s"] > 0
     assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
     assert payload["environment"]["device"] == "cpu"
+    speed = results["host_speed"]  # measured before the run: the machine's own pace, to compare runs by
+    assert speed["launch_us"] > 0 and speed["python_ms"] > 0 and speed["cpus"] >= 1 and speed["cpu"]
     timed = payload["settings"]["host_events_while_timed"]  # no autotuner, no Triton kernel loads on CPU
     assert timed["autotuner_keys"] == 0 and timed["kernels_loaded"] == 0 and timed["kernels"] == []
     assert timed["gc_ms"] >= 0 and timed["device_mallocs"] == 0 and timed["alloc_retries"] == 0

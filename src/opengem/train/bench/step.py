@@ -29,6 +29,7 @@ from opengem.data.schema import Batch
 from opengem.nn.embedding import trust_ids
 from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.nn.low_precision_traced import compile_path
+from opengem.train.bench.host_speed import format_host_speed, host_speed
 from opengem.train.bench.kernels import family_split, idle_gaps, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
@@ -118,6 +119,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     if options.trace is not None:  # fail now, not after the run
         require_file_name(options.trace, "trace")
         options.trace.parent.mkdir(parents=True, exist_ok=True)
+    speed = host_speed(device)  # before the loader's workers start: the machine's own pace
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
     model = learner.model
@@ -222,6 +224,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "gpu_idle_ms_timed": (profiled_laps_ms - sum(kernel_figures["kernel_families_ms"].values())
                               if kernel_figures["kernel_families_ms"] else None),
         "last_loss": float(loss),
+        "host_speed": speed,
     }
     settings = {
         **{k: v for k, v in dataclasses.asdict(options).items() if k != "overrides"},
@@ -383,9 +386,8 @@ def _format_idle(payload: dict[str, Any]) -> list[str]:
              f"{r['timed_ms_of_profiled_batches']:.2f} ms, less their kernel time)"]
     share = r["gpu_idle_ms_timed"] / r["timed_ms_of_profiled_batches"]
     if share > HOST_PACED_IDLE_SHARE:
-        lines.append(f"  the host paced these steps (the GPU idled {100 * share:.0f}% of them): a busy host, or "
-                     "compile caches another process wrote on this machine, can do that (docs/performance.md); "
-                     "compare with a run on a fresh TORCHINDUCTOR_CACHE_DIR")
+        lines.append(f"  the host paced these steps (the GPU idled {100 * share:.0f}% of them): a slower or busier host "
+                     "does that (docs/performance.md); compare the host line with another run's")
     if gaps:
         lines.append(f"  idle gaps (the same batches, kernels-only profile) {gaps['idle_ms_per_step']:.2f} ms / "
                      f"step, {gaps['spacing_ms_per_step']:.2f} of it in gaps under {gaps['min_gap_us']:g} us; the "
@@ -415,6 +417,7 @@ def format_report(payload: dict[str, Any]) -> str:
         "  while timed       "
         + ", ".join(f"{k} {v}" for k, v in s["host_events_while_timed"].items() if k != "kernels"),
         _format_untuned(r),
+        *format_host_speed(r.get("host_speed")),
         f"  samples/s         {r['samples_per_s']:>12,.0f}",
         f"  tokens/s          {r['tokens_per_s']:>12,.0f}",
         (f"  train FLOPs       {r['train_flops_per_sample'] / 1e9:>12.3f} GFLOP / sample "
