@@ -962,6 +962,10 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s56e() {  # session 51: s56d on another machine: does the step follow the host probe across machines?
+  step bench_train_small 200 small_train --set gem.sequence_dtype=compute --out "$out/results/train_gem-small_b2048_s56e.json"
+  step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s56e
+}
 chain_s56d() {  # session 51: issue 10's two presets on one H100 with the host's speed recorded (s56a's machine:
   # gem-large b256 149.5-151.6 ms; gem-small b2048 session 49: 15.5%)
   step bench_train_small 200 small_train --set gem.sequence_dtype=compute --out "$out/results/train_gem-small_b2048_s56d.json"
