@@ -962,6 +962,11 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s56f() {  # session 51: where gem-large b256's host time goes (it idles the GPU 17-34 ms a step on H100 hosts):
+  # launch_sources' kernels by caller and self CPU by op and Python function, one process
+  step launch_sources 240 python -m benchmarks.diag.launch_sources --preset gem-large --batch-size 256 --steps 2 \
+    --out "$out/results/launch_sources_gem-large_b256_s56f.json"
+}
 chain_s56e() {  # session 51: s56d on another machine: does the step follow the host probe across machines?
   step bench_train_small 200 small_train --set gem.sequence_dtype=compute --out "$out/results/train_gem-small_b2048_s56e.json"
   step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s56e
