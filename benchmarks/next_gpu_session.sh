@@ -962,6 +962,12 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s56g() {  # session 51: each opengem op call's own host time in gem-large b256's compiled step (queue drained
+  # before each call, no stack-recording profiler), and the Python functions inside them (s56f: 1.7-1.9 ms of self CPU
+  # a backward call under the profiler)
+  step op_host_time 240 python -m benchmarks.diag.op_host_time --preset gem-large --batch-size 256 --steps 2 \
+    --out "$out/results/op_host_time_gem-large_b256_s56g.json"
+}
 chain_s56f() {  # session 51: where gem-large b256's host time goes (it idles the GPU 17-34 ms a step on H100 hosts):
   # launch_sources' kernels by caller and self CPU by op and Python function, one process
   step launch_sources 240 python -m benchmarks.diag.launch_sources --preset gem-large --batch-size 256 --steps 2 \

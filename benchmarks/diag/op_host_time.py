@@ -1,0 +1,139 @@
+"""Diagnostic (issue 10): the host time of each opengem custom-op call in a compiled training step, and where it goes.
+
+`launch_sources` put opengem's attention ops at 1.7-1.9 ms of self CPU a backward call and ~0.85 ms a forward call
+(gem-large b256, one H100, session 51), under a profiler that records Python stacks and so slows the host. This
+times the calls without that profiler. Every opengem custom op's implementation is wrapped: the device queue is
+drained before the call, so its launches never wait for the GPU, and the call is timed on the host. A cProfile
+that runs only inside those calls says which Python functions take the time.
+
+    PYTHONPATH=src:. python -m benchmarks.diag.op_host_time [--preset gem-large] [--batch-size 256] [--steps 2]
+        [--out benchmarks/results/op_host_time_gem-large_b256.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import json
+import pstats
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._library import custom_ops
+
+OPENGEM_OPS = "opengem::"
+
+
+@contextmanager
+def timed_ops(sync: Callable[[], None], profiler: cProfile.Profile | None = None,
+              prefix: str = OPENGEM_OPS) -> Iterator[dict[str, list[float]]]:
+    """While active, each call of a custom op whose name starts with ``prefix`` records its implementation's host
+    seconds (after ``sync`` drains the device queue) and runs under ``profiler`` when given. An op called inside
+    another is part of the outer call's time. The implementations are restored on exit."""
+    times: dict[str, list[float]] = collections.defaultdict(list)
+    depth = [0]
+    patched = []
+
+    def timed(name: str, implementation: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if depth[0]:
+                return implementation(*args, **kwargs)
+            sync()
+            depth[0] += 1
+            if profiler is not None:
+                profiler.enable()
+            start = time.perf_counter()
+            try:
+                return implementation(*args, **kwargs)
+            finally:
+                elapsed = time.perf_counter() - start
+                if profiler is not None:
+                    profiler.disable()
+                depth[0] -= 1
+                times[name].append(elapsed)
+        return call
+
+    for name, definition in custom_ops.OPDEFS.items():
+        if name.startswith(prefix):
+            for key, implementation in list(definition._backend_fns.items()):
+                definition._backend_fns[key] = timed(name, implementation)
+                patched.append((definition, key, implementation))
+    try:
+        yield times
+    finally:
+        for definition, key, implementation in patched:
+            definition._backend_fns[key] = implementation
+
+
+def per_op(times: dict[str, list[float]], steps: int) -> list[dict[str, Any]]:
+    """Each op's calls a step, mean and median host us a call and host ms a step, heaviest first."""
+    rows = [{"op": name, "calls_per_step": len(calls) / steps, "mean_us": 1e6 * statistics.fmean(calls),
+             "median_us": 1e6 * statistics.median(calls), "ms_per_step": 1e3 * sum(calls) / steps}
+            for name, calls in times.items() if calls]  # fmt: skip
+    return sorted(rows, key=lambda row: -row["ms_per_step"])
+
+
+def heaviest_functions(profiler: cProfile.Profile, steps: int, top: int = 30) -> list[dict[str, Any]]:
+    """The Python functions (and C calls) with the most own time inside the timed calls: ms a step."""
+    stats = pstats.Stats(profiler).stats  # {(file, line, name): (calls, primitive, own s, cumulative s, callers)}
+    rows = [{"function": f"{Path(file).name}:{line}({name})", "calls_per_step": calls / steps,
+             "own_ms_per_step": 1e3 * own / steps, "cumulative_ms_per_step": 1e3 * cumulative / steps}
+            for (file, line, name), (_, calls, own, cumulative, _) in stats.items()]  # fmt: skip
+    return sorted(rows, key=lambda row: -row["own_ms_per_step"])[:top]
+
+
+def main() -> None:
+    from benchmarks.common import environment
+    from benchmarks.diag.compiled_learner import compiled_learner
+    from opengem.train.bench.host_speed import host_speed
+    from opengem.train.bench.timing import warm_until_settled
+    from opengem.train.data_stream import train_batches
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gem-large")
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=2, help="timed steps (after the warm-up)")
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/op_host_time_gem-large_b256.json"))
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    if not torch.cuda.is_available():
+        raise SystemExit("op_host_time drains the CUDA queue before each op call: it needs a CUDA device")
+    options, config, device, learner = compiled_learner(args.preset, args.batch_size)
+    speed = host_speed(device)
+    stream = train_batches(config, start_step=0)
+    warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
+                       options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
+    batches = [next(stream).to(device, non_blocking=True) for _ in range(args.steps)]
+    torch.cuda.synchronize()
+    profiler = cProfile.Profile()
+    with timed_ops(torch.cuda.synchronize, profiler) as times:
+        for batch in batches:
+            learner.step(batch)
+        torch.cuda.synchronize()
+    ops, functions = per_op(times, args.steps), heaviest_functions(profiler, args.steps)
+    print(f"host {speed['launch_us']:.2f} us / launch, {speed['python_ms']:.1f} ms of fixed Python")
+    print(f"opengem ops, host ms a step (queue drained before each call): {sum(r['ms_per_step'] for r in ops):.2f}")
+    for row in ops:
+        print(f"  {row['ms_per_step']:8.3f} ms  {row['calls_per_step']:5.1f} calls  {row['mean_us']:8.1f} us mean  "
+              f"{row['median_us']:8.1f} median  {row['op']}")
+    print("inside them, own ms a step (cumulative), calls a step:")
+    for row in functions:
+        print(f"  {row['own_ms_per_step']:8.3f} ({row['cumulative_ms_per_step']:8.3f})  {row['calls_per_step']:7.1f}  "
+              f"{row['function']}")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    payload = {"benchmark": "op_host_time", "preset": args.preset, "batch_size": args.batch_size,
+               "steps": args.steps, "overrides": list(options.overrides), "environment": environment(),
+               "host_speed": speed, "ops": ops, "functions": functions}  # fmt: skip
+    args.out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
