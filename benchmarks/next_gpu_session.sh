@@ -1000,42 +1000,6 @@ chain_s56a() {  # session 51: which cache slows the next process. The slow secon
   step large_b256_written 150 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56a_written
   step large_b256_repacked 150 with_cache "$PWD/cache_repacked" large_at 256 train_gem-large_b256_s56a_repacked
 }
-chain_s56b() {  # session 51: the caches as s56a's NCCL tests left them, Inductor's FX graph and AOTAutograd caches off
-  unpacked_cache cache_first
-  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56b_first
-  step train_distributed_tests 120 with_cache "$PWD/cache_first" tests tests/gpu/test_train_distributed_gpu.py
-  step large_b256_graph_caches_off 250 with_cache "$PWD/cache_first" TORCHINDUCTOR_FX_GRAPH_CACHE=0 \
-    TORCHINDUCTOR_AUTOGRAD_CACHE=0 large_at 256 train_gem-large_b256_s56b_graphs_off
-}
-chain_s55f() {  # after session 50: which cache slows the next process (s55e: a second run on a pristine copy of the
-  # carried cache ran 166.6 ms, 20.9 ms idle; on the caches a first run wrote, 221.6-252.0 ms, 74-76 ms idle)
-  unpacked_cache cache_first
-  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s55f_first
-  cp -r cache_first cache_graphs_off
-  step large_b256_written 150 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s55f_written
-  # the same written caches, but Inductor's FX graph and AOTAutograd caches off: every graph compiles again
-  step large_b256_graph_caches_off 250 with_cache "$PWD/cache_graphs_off" TORCHINDUCTOR_FX_GRAPH_CACHE=0 \
-    TORCHINDUCTOR_AUTOGRAD_CACHE=0 large_at 256 train_gem-large_b256_s55f_graphs_off
-}
-chain_s55h() {  # after session 50: where a host-paced second process spends its host time. launch_sources (kernels by
-  # caller, self CPU by op and Python function) as a first process, then as a second on the caches the first wrote
-  unpacked_cache cache_first
-  local run
-  for run in first second; do
-    step "launch_sources_$run" 150 with_cache "$PWD/cache_first" python -m benchmarks.diag.launch_sources \
-      --preset gem-large --batch-size 256 --steps 2 --out "$out/results/launch_sources_gem-large_b256_s55h_$run.json"
-  done
-}
-chain_s55g() {  # after session 50: the carried cache leaves out Triton's *.llir, *.ttgir, *.ttir, *.ptx and *.source
-  # files, and a second process on it ran normally (s55e). A first run, then a second on the caches it wrote, repacked
-  # the way the carry packs them: if this one is normal too, those files (or what reads them) slow the next process
-  unpacked_cache cache_first
-  step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s55g_first
-  rm -rf cache_repacked && mkdir -p cache_repacked
-  tar cf - -C cache_first --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.ptx' \
-    --exclude='*.source' . | tar xf - -C cache_repacked
-  step large_b256_repacked 150 with_cache "$PWD/cache_repacked" large_at 256 train_gem-large_b256_s55g_repacked
-}
 chain_s55e() {  # session 50: the machine's second process ran gem-large b256 host-paced in s55c and s55d (74-76 ms of
   # GPU idle a step, kernels unchanged, nothing busy at its start). A first run, then a second one on a pristine copy
   # of the carried compile cache: if the second is normal, what the first run wrote to the caches slows the next
