@@ -974,12 +974,14 @@ chain_s56f() {  # session 51: where gem-large b256's host time goes (it idles th
     --out "$out/results/launch_sources_gem-large_b256_s56f.json"
 }
 chain_s56e() {  # session 51: s56d on another machine: does the step follow the host probe across machines?
-  step bench_train_small 200 small_train --set gem.sequence_dtype=compute --out "$out/results/train_gem-small_b2048_s56e.json"
+  step bench_train_small 200 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s56e.json"
   step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s56e
 }
 chain_s56d() {  # session 51: issue 10's two presets on one H100 with the host's speed recorded (s56a's machine:
   # gem-large b256 149.5-151.6 ms; gem-small b2048 session 49: 15.5%)
-  step bench_train_small 200 small_train --set gem.sequence_dtype=compute --out "$out/results/train_gem-small_b2048_s56d.json"
+  step bench_train_small 200 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s56d.json"
   step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s56d
 }
 chain_s56c() {  # session 51: gem-large b512 BF16 on an H200 (~106 GB peak; session 41: 30.93%), as s51a, now with

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
+import json
+from typing import Any
+
 import torch
 
 from opengem.nn.embedding import trust_ids
@@ -23,3 +27,27 @@ def compiled_learner(preset: str, batch_size: int) -> tuple[TrainBenchOptions, T
     trust_ids(learner.model)
     compile_regions(learner.model, mode=config.compile_mode)
     return options, config, device, learner
+
+
+def warmed_learner(preset: str, batch_size: int, staged: int) -> tuple[TrainBenchOptions, torch.device, Learner, list]:
+    """:func:`compiled_learner`, run until no step tunes or compiles, and the stream's next ``staged`` batches already
+    on the device (so what a diagnostic then measures is the steps, not the loader)."""
+    from opengem.train.bench.timing import warm_until_settled
+    from opengem.train.data_stream import train_batches
+
+    options, config, device, learner = compiled_learner(preset, batch_size)
+    stream = train_batches(config, start_step=0)
+    warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
+                       options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
+    return options, device, learner, [next(stream).to(device, non_blocking=True) for _ in range(staged)]
+
+
+def write_diagnostic(name: str, args: argparse.Namespace, options: TrainBenchOptions, **figures: Any) -> None:
+    """``figures`` as JSON at ``args.out``, with the run's preset, batch size, steps, overrides and environment."""
+    from benchmarks.common import environment
+
+    payload = {"benchmark": name, "preset": args.preset, "batch_size": args.batch_size, "steps": args.steps,
+               "overrides": list(options.overrides), "environment": environment(), **figures}  # fmt: skip
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(payload, indent=1))
+    print(f"wrote {args.out}")

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -135,10 +134,7 @@ def profile_launches(step: Callable[[], None], steps: int,
 
 
 def main() -> None:
-    from benchmarks.common import environment
-    from benchmarks.diag.compiled_learner import compiled_learner
-    from opengem.train.bench.timing import warm_until_settled
-    from opengem.train.data_stream import train_batches
+    from benchmarks.diag.compiled_learner import warmed_learner, write_diagnostic
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gem-small")
@@ -151,11 +147,7 @@ def main() -> None:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
     if not torch.cuda.is_available():
         raise SystemExit("launch_sources groups device kernels by their callers: it needs a CUDA device")
-    options, config, device, learner = compiled_learner(args.preset, args.batch_size)
-    stream = train_batches(config, start_step=0)
-    warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
-                       options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
-    batches = [next(stream).to(device, non_blocking=True) for _ in range(args.steps)]
+    options, _, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
     queue = iter(batches)
     groups, host = profile_launches(lambda: learner.step(next(queue)), args.steps, torch.cuda.synchronize)
     kinds = launches_by_kind(groups)
@@ -170,12 +162,7 @@ def main() -> None:
         print(f"host self-CPU ms a step, heaviest {kind}:")
         for name, ms in list(table.items())[:15]:
             print(f"  {ms:8.3f}  {name}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "launch_sources", "preset": args.preset, "batch_size": args.batch_size,
-               "steps": args.steps, "overrides": list(options.overrides), "environment": environment(),
-               "launches_by_kernel": kinds, "groups": groups, "host_ms_per_step": host}  # fmt: skip
-    args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out}")
+    write_diagnostic("launch_sources", args, options, launches_by_kernel=kinds, groups=groups, host_ms_per_step=host)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import collections
 import cProfile
-import json
 import pstats
 import statistics
 import time
@@ -89,11 +88,8 @@ def heaviest_functions(profiler: cProfile.Profile, steps: int, top: int = 30) ->
 
 
 def main() -> None:
-    from benchmarks.common import environment
-    from benchmarks.diag.compiled_learner import compiled_learner
+    from benchmarks.diag.compiled_learner import warmed_learner, write_diagnostic
     from opengem.train.bench.host_speed import host_speed
-    from opengem.train.bench.timing import warm_until_settled
-    from opengem.train.data_stream import train_batches
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gem-large")
@@ -105,12 +101,8 @@ def main() -> None:
         raise SystemExit(f"--steps must be >= 1, got {args.steps}")
     if not torch.cuda.is_available():
         raise SystemExit("op_host_time drains the CUDA queue before each op call: it needs a CUDA device")
-    options, config, device, learner = compiled_learner(args.preset, args.batch_size)
-    speed = host_speed(device)
-    stream = train_batches(config, start_step=0)
-    warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
-                       options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
-    batches = [next(stream).to(device, non_blocking=True) for _ in range(args.steps)]
+    speed = host_speed(torch.device("cuda"))  # before the loader's workers start, as `bench train` measures it
+    options, _, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     with timed_ops(torch.cuda.synchronize, profiler) as times:
@@ -127,12 +119,7 @@ def main() -> None:
     for row in functions:
         print(f"  {row['own_ms_per_step']:8.3f} ({row['cumulative_ms_per_step']:8.3f})  {row['calls_per_step']:7.1f}  "
               f"{row['function']}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    payload = {"benchmark": "op_host_time", "preset": args.preset, "batch_size": args.batch_size,
-               "steps": args.steps, "overrides": list(options.overrides), "environment": environment(),
-               "host_speed": speed, "ops": ops, "functions": functions}  # fmt: skip
-    args.out.write_text(json.dumps(payload, indent=1))
-    print(f"wrote {args.out}")
+    write_diagnostic("op_host_time", args, options, host_speed=speed, ops=ops, functions=functions)
 
 
 if __name__ == "__main__":

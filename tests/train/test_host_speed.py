@@ -26,5 +26,6 @@ def test_report_line_names_cpu_load_and_both_probes():
     assert set(speed) == {"cpu", "cpus", "load_avg", "launch_us", "python_ms"}
     (line,) = format_host_speed({"cpu": "Xeon 8480", "cpus": 16, "load_avg": [0.22, 0.1, 0.0], "launch_us": 4.513,
                                  "python_ms": 12.34})
-    assert line == "  host                      4.51 us / launch, 12.3 ms of fixed Python (Xeon 8480, 16 CPUs, load 0.22)"
+    assert line == ("  host                      4.51 us / launch, 12.3 ms of fixed Python "
+                    "(Xeon 8480, 16 CPUs, load 0.22)")
     assert format_host_speed(None) == []  # a result written before the probe existed

@@ -386,8 +386,8 @@ def _format_idle(payload: dict[str, Any]) -> list[str]:
              f"{r['timed_ms_of_profiled_batches']:.2f} ms, less their kernel time)"]
     share = r["gpu_idle_ms_timed"] / r["timed_ms_of_profiled_batches"]
     if share > HOST_PACED_IDLE_SHARE:
-        lines.append(f"  the host paced these steps (the GPU idled {100 * share:.0f}% of them): a slower or busier host "
-                     "does that (docs/performance.md): compare with a baseline run on this machine, not another's")
+        lines.append(f"  the host paced these steps (the GPU idled {100 * share:.0f}% of them): a slower or busier "
+                     "host does that (docs/performance.md): compare with a baseline run on this machine, not another's")
     if gaps:
         lines.append(f"  idle gaps (the same batches, kernels-only profile) {gaps['idle_ms_per_step']:.2f} ms / "
                      f"step, {gaps['spacing_ms_per_step']:.2f} of it in gaps under {gaps['min_gap_us']:g} us; the "
