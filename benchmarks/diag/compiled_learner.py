@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,3 +52,26 @@ def write_diagnostic(name: str, args: argparse.Namespace, options: TrainBenchOpt
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
+
+
+def diagnostic_parser(description: str, preset: str, batch_size: int, steps_help: str,
+                      out: str) -> argparse.ArgumentParser:
+    """The flags every step diagnostic takes (``--preset``, ``--batch-size``, ``--steps``, ``--out``), with its
+    defaults; add its own, then :func:`parse_diagnostic_args`."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--preset", default=preset)
+    parser.add_argument("--batch-size", type=int, default=batch_size)
+    parser.add_argument("--steps", type=int, default=2, help=steps_help)
+    parser.add_argument("--out", type=Path, default=Path(out))
+    return parser
+
+
+def parse_diagnostic_args(parser: argparse.ArgumentParser, needs_cuda: str) -> argparse.Namespace:
+    """The parsed flags; exits naming the problem on ``--steps`` under 1, or without CUDA (``needs_cuda``: why the
+    diagnostic needs it)."""
+    args = parser.parse_args()
+    if args.steps < 1:
+        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{needs_cuda}: it needs a CUDA device")
+    return args

@@ -11,7 +11,9 @@ code. Where no Python frame is recorded the op chain names the caller: autograd'
 recorded for them).
 
 It also reports each op's and each Python function's self CPU time a step: set against another process's, it says
-where a host-paced step spends its time (gem-large b256 idles the GPU 4-76 ms a step, by the machine's host).
+where a host-paced step spends its time (gem-large b256 idles the GPU 4-76 ms a step, by the machine's host). On
+the H100 (session 51, torch 2.11) the Python-function table came back empty, while it fills on the CPU: the op table
+is the one to read there, and `benchmarks.diag.op_host_time` names the Python functions inside opengem's ops.
 On the CPU (no device events) every leaf op counts as a launch, so the grouping runs in the tests.
 
     PYTHONPATH=src:. python -m benchmarks.diag.launch_sources [--preset gem-small] [--batch-size 2048] [--steps 2]
@@ -20,10 +22,8 @@ On the CPU (no device events) every leaf op counts as a launch, so the grouping 
 
 from __future__ import annotations
 
-import argparse
 import collections
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -134,19 +134,17 @@ def profile_launches(step: Callable[[], None], steps: int,
 
 
 def main() -> None:
-    from benchmarks.diag.compiled_learner import warmed_learner, write_diagnostic
+    from benchmarks.diag.compiled_learner import (
+        diagnostic_parser,
+        parse_diagnostic_args,
+        warmed_learner,
+        write_diagnostic,
+    )
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="gem-small")
-    parser.add_argument("--batch-size", type=int, default=2048)
-    parser.add_argument("--steps", type=int, default=2, help="profiled steps (after the warm-up)")
+    parser = diagnostic_parser(__doc__.splitlines()[0], "gem-small", 2048, "profiled steps (after the warm-up)",
+                               "benchmarks/results/launch_sources_gem-small_b2048.json")  # fmt: skip
     parser.add_argument("--top", type=int, default=60, help="groups printed (all are written)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/launch_sources_gem-small_b2048.json"))
-    args = parser.parse_args()
-    if args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-    if not torch.cuda.is_available():
-        raise SystemExit("launch_sources groups device kernels by their callers: it needs a CUDA device")
+    args = parse_diagnostic_args(parser, "launch_sources groups device kernels by their callers")
     options, _, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
     queue = iter(batches)
     groups, host = profile_launches(lambda: learner.step(next(queue)), args.steps, torch.cuda.synchronize)

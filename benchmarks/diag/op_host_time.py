@@ -12,7 +12,6 @@ that runs only inside those calls says which Python functions take the time.
 
 from __future__ import annotations
 
-import argparse
 import collections
 import cProfile
 import pstats
@@ -88,19 +87,17 @@ def heaviest_functions(profiler: cProfile.Profile, steps: int, top: int = 30) ->
 
 
 def main() -> None:
-    from benchmarks.diag.compiled_learner import warmed_learner, write_diagnostic
+    from benchmarks.diag.compiled_learner import (
+        diagnostic_parser,
+        parse_diagnostic_args,
+        warmed_learner,
+        write_diagnostic,
+    )
     from opengem.train.bench.host_speed import host_speed
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--preset", default="gem-large")
-    parser.add_argument("--batch-size", type=int, default=256)
-    parser.add_argument("--steps", type=int, default=2, help="timed steps (after the warm-up)")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/op_host_time_gem-large_b256.json"))
-    args = parser.parse_args()
-    if args.steps < 1:
-        raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-    if not torch.cuda.is_available():
-        raise SystemExit("op_host_time drains the CUDA queue before each op call: it needs a CUDA device")
+    parser = diagnostic_parser(__doc__.splitlines()[0], "gem-large", 256, "timed steps (after the warm-up)",
+                               "benchmarks/results/op_host_time_gem-large_b256.json")  # fmt: skip
+    args = parse_diagnostic_args(parser, "op_host_time drains the CUDA queue before each op call")
     speed = host_speed(torch.device("cuda"))  # before the loader's workers start, as `bench train` measures it
     options, _, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
     torch.cuda.synchronize()

@@ -12,7 +12,7 @@ import torch
 from opengem.data.parquet import batches_from_table, synthesize_to_parquet
 from opengem.data.synthetic import HOLDOUT_START, SYNTHETIC_PRESETS, generate
 from opengem.train.config import PRESETS
-from opengem.train.data_stream import eval_batches, holdout_seed, train_batches
+from opengem.train.data_stream import eval_batches, holdout_seed, in_sample_order, train_batches
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +115,6 @@ def test_bad_eval_dirs_are_refused_by_name(tmp_path, tiny_dir, holdout_dir):
 
 
 def test_ranks_held_out_pieces_go_back_in_sample_order_whatever_the_set_size(holdout_dir):
-    from opengem.train.distributed import in_sample_order
-
     config = _config("", eval_dir=str(holdout_dir), eval_samples=20000)  # batches of 16
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # 50 samples, fewer than eval_samples: tested above

@@ -143,6 +143,17 @@ def eval_batches(config: TrainConfig, rank: int = 0, world_size: int = 1) -> lis
     return batches
 
 
+def in_sample_order(parts: list[torch.Tensor], batch_size: int) -> torch.Tensor:
+    """:func:`eval_batches`' slicing undone: rank r's part (its ``rank_slice`` of each held-out batch of
+    ``batch_size``, batch after batch) put back with the other ranks' in the single-process order. The held-out
+    set's size is the parts' total (an eval_dir may hold fewer than eval_samples)."""
+    world, total = len(parts), sum(part.shape[0] for part in parts)
+    sizes = [min(batch_size, total - first) for first in range(0, total, batch_size)]
+    pieces = [part.split([stop - start for start, stop in (rank_slice(n, r, world) for n in sizes)])
+              for r, part in enumerate(parts)]
+    return torch.cat([pieces[r][i] for i in range(len(sizes)) for r in range(world)])
+
+
 def holdout_seed(config: TrainConfig) -> int:
     """The generator seed of the training data's world: ``seed`` when streaming synthetic data, else the one
     ``data_dir``'s files record (``opengem data synth --seed``; a run's ``seed`` need not match it)."""

@@ -48,7 +48,7 @@ from opengem.parallel.mesh import ParallelConfig, init_distributed
 from opengem.parallel.sparse import shard_embeddings
 from opengem.parallel.sparse_plan import ShardingPlan, plan_sharding, state_bytes_per_row
 from opengem.train.config import TrainConfig
-from opengem.train.data_stream import eval_batches, rank_slice, train_batches
+from opengem.train.data_stream import eval_batches, in_sample_order, train_batches
 from opengem.train.distributed_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from opengem.train.trainer import Learner, build_model, make_learner, resolve_device
 
@@ -226,13 +226,3 @@ class DistributedRun:
         for key in self.added_variables:
             os.environ.pop(key, None)
 
-
-def in_sample_order(parts: list[torch.Tensor], batch_size: int) -> torch.Tensor:
-    """Rank-major pieces of every held-out batch (rank r's part holds its ``rank_slice`` of each batch of
-    ``batch_size``, batch after batch) back in the single-process order. The held-out set's size is the parts'
-    total (an eval_dir may hold fewer than eval_samples)."""
-    world, total = len(parts), sum(part.shape[0] for part in parts)
-    sizes = [min(batch_size, total - first) for first in range(0, total, batch_size)]
-    pieces = [part.split([rank_slice(n, r, world)[1] - rank_slice(n, r, world)[0] for n in sizes])
-              for r, part in enumerate(parts)]
-    return torch.cat([pieces[r][i] for i in range(len(sizes)) for r in range(world)])

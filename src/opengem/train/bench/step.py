@@ -371,8 +371,8 @@ def format_scaling(results: dict[str, Any]) -> str:
             f"{results['scaling_ratio']:.2f}")
 
 
-# GPU idle above this share of the step: the host paced it (gem-large b256 on an H100: 12-15% in a first process,
-# 29-34% in a second one on the compile caches the first wrote; session 50)
+# GPU idle above this share of the step: the host paced it (gem-large b256 on H100s: 3-20% in sessions 50-51, 29-34%
+# on the two slowest hosts of session 50)
 HOST_PACED_IDLE_SHARE = 0.2
 
 
