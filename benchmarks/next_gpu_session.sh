@@ -962,6 +962,15 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s57c() {  # session 52: s57b with shorter caps (under 500 s of device time were left)
+  clock_log start
+  step gdpa_power_window_fp32 110 env OPENGEM_GDPA_PACKED_GELU=0 python -m benchmarks.diag.gdpa_power_window \
+    --seconds 2 --rest 3 --out "$out/results/pw_fp32"
+  step gdpa_power_window_packed 110 env OPENGEM_GDPA_PACKED_GELU=1 python -m benchmarks.diag.gdpa_power_window \
+    --seconds 2 --rest 3 --out "$out/results/pw_packed"
+  clock_log stop
+  step gdpa_gpu_tests 90 tests tests/gpu/test_gdpa_gpu.py -k "packed or fast_gelu or self_attention_full"
+}
 chain_s57b() {  # session 52: s57a without s56g (device time ran short after failed starts): the power windows, fp32
   # then packed weights, and the GDPA GPU tests that run the packed forward
   clock_log start
