@@ -962,38 +962,6 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
-chain_s57c() {  # session 52: s57b with shorter caps (under 500 s of device time were left)
-  clock_log start
-  step gdpa_power_window_fp32 110 env OPENGEM_GDPA_PACKED_GELU=0 python -m benchmarks.diag.gdpa_power_window \
-    --seconds 2 --rest 3 --out "$out/results/pw_fp32"
-  step gdpa_power_window_packed 110 env OPENGEM_GDPA_PACKED_GELU=1 python -m benchmarks.diag.gdpa_power_window \
-    --seconds 2 --rest 3 --out "$out/results/pw_packed"
-  clock_log stop
-  step gdpa_gpu_tests 90 tests tests/gpu/test_gdpa_gpu.py -k "packed or fast_gelu or self_attention_full"
-}
-chain_s57b() {  # session 52: s57a without s56g (device time ran short after failed starts): the power windows, fp32
-  # then packed weights, and the GDPA GPU tests that run the packed forward
-  clock_log start
-  step gdpa_power_window_fp32 130 env OPENGEM_GDPA_PACKED_GELU=0 python -m benchmarks.diag.gdpa_power_window \
-    --seconds 2 --rest 3 --out "$out/results/pw_fp32"
-  step gdpa_power_window_packed 130 env OPENGEM_GDPA_PACKED_GELU=1 python -m benchmarks.diag.gdpa_power_window \
-    --seconds 2 --rest 3 --out "$out/results/pw_packed"
-  clock_log stop
-  step gdpa_gpu_tests 120 tests tests/gpu/test_gdpa_gpu.py -k "packed or fast_gelu or self_attention_full or cross"
-}
-chain_s57a() {  # session 52: fast_gelu's forward weights in packed bf16 math (sm_90 SASS of the resident forward
-  # 1,336 -> 1,144 instructions a thread): issue 4's (b) K/V 256 and (a) L2048 s1.0 forward in the sustained state,
-  # the fp32 weights then the packed ones, each kernel alone and GDPA x JFA interleaved; then the GDPA GPU tests and
-  # s56g's host times (both unchanged by the toggle's order)
-  clock_log start
-  step gdpa_power_window_fp32 130 env OPENGEM_GDPA_PACKED_GELU=0 python -m benchmarks.diag.gdpa_power_window \
-    --seconds 2 --rest 3 --out "$out/results/pw_fp32"
-  step gdpa_power_window_packed 130 env OPENGEM_GDPA_PACKED_GELU=1 python -m benchmarks.diag.gdpa_power_window \
-    --seconds 2 --rest 3 --out "$out/results/pw_packed"
-  clock_log stop
-  step gdpa_gpu_tests 150 tests tests/gpu/test_gdpa_gpu.py
-  chain_s56g
-}
 chain_s56g() {  # session 51: each opengem op call's own host time in gem-large b256's compiled step (queue drained
   # before each call, no stack-recording profiler), and the Python functions inside them (s56f: 1.7-1.9 ms of self CPU
   # a backward call under the profiler)

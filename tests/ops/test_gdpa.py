@@ -1046,23 +1046,3 @@ def test_gluon_work_items_list_every_query_tile_once_longest_first():
         firsts.append([r[0] for r in rows])
         assert firsts[-1] == [int(q_start[b] + t * 128) for b, t in zip(work_b.tolist(), work_t.tolist())]
     assert firsts[0] != firsts[1]  # the two orders differ on these lengths, so both were checked
-
-
-def test_packed_gelu_only_for_bf16_fast_gelu_on_every_head(monkeypatch):
-    """The forward computes fast_gelu's weights in packed bf16 math only where P V's operands are bf16, one fast_gelu
-    serves every head, the fast (compiled) activations are on and P is not MX-quantized; the setting turns it off."""
-    from opengem.ops.triton import gdpa as triton_gdpa
-
-    q = torch.zeros(4, 2, 16, dtype=torch.bfloat16)
-    flags = {"ACT": ACTIVATIONS.index("fast_gelu"), "FAST_ACT": True}
-
-    def packed(q=q, p_mx=False, **changes):
-        return triton_gdpa._packed_gelu(q, {"constexprs": flags | changes}, p_mx)
-
-    monkeypatch.delenv("OPENGEM_GDPA_PACKED_GELU", raising=False)
-    assert packed()
-    assert not packed(q=q.half()) and not packed(q=q.float())
-    assert not packed(ACT=ACTIVATIONS.index("silu")) and not packed(ACT=-1)  # -1: per-head activations
-    assert not packed(FAST_ACT=False) and not packed(p_mx=True)
-    monkeypatch.setenv("OPENGEM_GDPA_PACKED_GELU", "0")
-    assert not packed()

@@ -48,17 +48,6 @@ def _fast_gelu_smoothstep(x):
 
 
 @triton.jit
-def fast_gelu_unscaled_bf16(s, scale):
-    """``fast_gelu(scale * s) / scale`` as bf16, for a ``P V`` dot whose accumulator is then multiplied by ``scale``
-    (linear in P): ``s * gate`` with ``v = sat(scale * s / 3.76 + 1/2)`` from one fp32 FFMA.SAT (the radius exact)
-    and the gate ``v^2 (3 - 2 v)`` times s in packed bf16x2 math (HMUL2/HFMA2: two scores an instruction). sm_90
-    SASS: 4 instructions a score against 5.5 for the fp32 form then its bf16 pack; the scale stays out of the bf16
-    constants (3 and -2 are exact), so no bias. p rounds 5 times in bf16 instead of once."""
-    v = _fma_sat(s, scale * (0.5 / 1.88), 0.5).to(tl.bfloat16)
-    return s.to(tl.bfloat16) * (v * v * tl.fma(v, -2.0, 3.0))
-
-
-@triton.jit
 def activation_value_and_grad(x, act, FAST: tl.constexpr = False):
     """``(phi(x), phi'(x))`` in fp32 for activation id ``act``."""
     if act == 0:

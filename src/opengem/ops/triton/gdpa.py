@@ -249,21 +249,6 @@ def fast_activations() -> bool:
     return os.environ.get("OPENGEM_GDPA_FAST_ACT", "1") != "0" and not interpreting()
 
 
-def packed_gelu_enabled() -> bool:
-    """fast_gelu's forward weights in packed bf16 math (:func:`~opengem.ops.triton.activations.fast_gelu_unscaled_bf16`:
-    4 sm_90 instructions a score against 5.5); ``OPENGEM_GDPA_PACKED_GELU=0`` keeps the fp32 form. Read at every
-    call, and part of the forward's tuning key."""
-    return os.environ.get("OPENGEM_GDPA_PACKED_GELU", "1") != "0"
-
-
-def _packed_gelu(q: torch.Tensor, common: dict, p_mx: bool) -> bool:
-    """Whether the forward computes fast_gelu's weights in packed bf16 math: bf16 inputs (P V's operand type), one
-    fast_gelu for all heads, the fast activations, and P not quantized (MX scales are taken from the scaled P)."""
-    flags = common["constexprs"]
-    return (q.dtype == torch.bfloat16 and flags["ACT"] == 3 and flags["FAST_ACT"] and not p_mx
-            and packed_gelu_enabled())
-
-
 GLUON_FORWARD_SETTINGS = ("auto", "off", "only")
 
 
@@ -611,7 +596,6 @@ def gdpa_forward(
     kind = "causal_q" if masked and args.causal else "full"
     tma = _tma_possible("fwd", q, k, v)
     order = work_order_setting()  # once a call: every launch (the tuner's too) lists its tiles in one order
-    packed_gelu = _packed_gelu(q, common, p_mx)
 
     def launch(config: Config) -> None:
         if config.gluon:
@@ -636,7 +620,7 @@ def gdpa_forward(
             GROUP=heads // k.shape[1], D=head_dim, BLOCK_M=config.block_m, BLOCK_N=block_n,
             TILES=config.tiles if resident else 1, BROADCAST_Q=args.broadcast_q, KV_RESIDENT=resident,
             USE_TMA=use_tma, num_warps=config.num_warps, num_stages=config.num_stages, **common["constexprs"],
-            P_MX=p_mx, EXACT=interpret, PACKED_GELU=packed_gelu, **_register_cap(config),
+            P_MX=p_mx, EXACT=interpret, **_register_cap(config),
         )
 
     if interpret:
@@ -649,8 +633,7 @@ def gdpa_forward(
         setting = gluon_forward_setting()
         if setting != "off" and gluon_forward_unsupported(q, k, v, out, args, common, lengths, p_mx) is None:
             candidates = (_GLUON_FWD,) if setting == "only" else (*candidates, _GLUON_FWD)
-        config = _tuned(_tune_key("fwd", q, k, args, common, lengths) + (resident_fits, p_mx, packed_gelu), candidates,
-                        launch)
+        config = _tuned(_tune_key("fwd", q, k, args, common, lengths) + (resident_fits, p_mx), candidates, launch)
     launch(config)
     return out
 

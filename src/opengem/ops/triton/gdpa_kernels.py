@@ -23,12 +23,7 @@ dK/dV measured faster so: the descriptor's reshape made k, v register operands).
 import triton
 import triton.language as tl
 
-from opengem.ops.triton.activations import (
-    activation_value,
-    activation_value_and_grad,
-    fast_gelu_unscaled_bf16,
-    scaled_activation_value,
-)
+from opengem.ops.triton.activations import activation_value, activation_value_and_grad, scaled_activation_value
 from opengem.ops.triton.masks import key_range, tile_mask
 from opengem.ops.triton.mx import mx_e4m3_rows
 from opengem.ops.triton.ragged_tiles import ragged_tile
@@ -96,15 +91,11 @@ def _sample_bounds(Q_OFF, K_OFF, TARGETS, b, bcast_len, HAS_TARGETS: tl.constexp
 
 
 @triton.jit
-def _weights(dot, pre_scale, act, ACT: tl.constexpr, FAST_ACT: tl.constexpr, PACKED_GELU: tl.constexpr = False):
+def _weights(dot, pre_scale, act, ACT: tl.constexpr, FAST_ACT: tl.constexpr):
     """``phi_h(pre_scale * dot)``. One activation for all heads (``ACT >= 0``) may take the scale into its constants
     (fast_gelu); per-head ones (``act`` a runtime id) multiply first: Triton 3.6's software pipeliner fails on the
-    forward's key loop with the folded form inside a runtime branch ("TritonGPUPipeline" pass, sm_90).
-    ``PACKED_GELU`` (bf16 fast_gelu for all heads): ``phi(pre_scale * dot) / pre_scale`` in bf16, the caller scaling
-    its ``P V`` accumulator by ``pre_scale`` (:func:`fast_gelu_unscaled_bf16`)."""
-    if PACKED_GELU:
-        p = fast_gelu_unscaled_bf16(dot, pre_scale)
-    elif ACT >= 0:
+    forward's key loop with the folded form inside a runtime branch ("TritonGPUPipeline" pass, sm_90)."""
+    if ACT >= 0:
         p = scaled_activation_value(dot, pre_scale, act, FAST_ACT)
     else:
         p = activation_value(dot * pre_scale, act, FAST_ACT)
@@ -120,12 +111,10 @@ def gdpa_fwd_kernel(
     ACT: tl.constexpr, MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_TARGETS: tl.constexpr,
     HAS_WINDOW: tl.constexpr, HAS_CONTEXT: tl.constexpr, BROADCAST_Q: tl.constexpr,
     KV_RESIDENT: tl.constexpr, USE_TMA: tl.constexpr, PRECISION: tl.constexpr, FAST_ACT: tl.constexpr,
-    P_MX: tl.constexpr = False, EXACT: tl.constexpr = False, PACKED_GELU: tl.constexpr = False,
+    P_MX: tl.constexpr = False, EXACT: tl.constexpr = False,
 ):
     """``P_MX``: P quantized to MX-E4M3 per row in blocks of 32 keys before ``P V`` (``precision="mxfp8"``,
-    :mod:`opengem.ops.reference.gdpa_mxfp8`; key tiles are multiples of 32 from the sample's first key).
-    ``PACKED_GELU``: fast_gelu's weights in packed bf16 math, unscaled (:func:`_weights`); the output takes the
-    pre-scale."""
+    :mod:`opengem.ops.reference.gdpa_mxfp8`; key tiles are multiples of 32 from the sample's first key)."""
     pid = tl.program_id(0)
     h = pid % num_heads
     item = pid // num_heads
@@ -154,10 +143,6 @@ def gdpa_fwd_kernel(
                             other=0.0)
             v_res = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :], mask=offs_n[:, None] < k_len,
                             other=0.0)
-    if PACKED_GELU:
-        acc_scale = out_scale * pre_scale
-    else:
-        acc_scale = out_scale
     m_stop = tl.minimum((first_tile + TILES) * BLOCK_M, q_len)
     # software pipelining across the item's Q tiles: the loads of the next tile overlap this tile's math
     for m_start in range(first_tile * BLOCK_M, m_stop, BLOCK_M):
@@ -167,7 +152,7 @@ def gdpa_fwd_kernel(
         else:
             q = tl.load(q_base + offs_m[:, None] * stride_qt + offs_d[None, :], mask=offs_m[:, None] < q_len, other=0.0)
         if KV_RESIDENT:
-            p = _weights(tl.dot(q, k_res, input_precision=PRECISION), pre_scale, act, ACT, FAST_ACT, PACKED_GELU)
+            p = _weights(tl.dot(q, k_res, input_precision=PRECISION), pre_scale, act, ACT, FAST_ACT)
             if MASKED:
                 p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
                                        CAUSAL, HAS_WINDOW, HAS_CONTEXT), p, 0.0)
@@ -193,7 +178,7 @@ def gdpa_fwd_kernel(
                                  mask=offs_n[None, :] < k_len, other=0.0)
                     v = tl.load(v_base + offs_n[:, None] * stride_vt + offs_d[None, :],
                                 mask=offs_n[:, None] < k_len, other=0.0)
-                p = _weights(tl.dot(q, kt, input_precision=PRECISION), pre_scale, act, ACT, FAST_ACT, PACKED_GELU)
+                p = _weights(tl.dot(q, kt, input_precision=PRECISION), pre_scale, act, ACT, FAST_ACT)
                 if MASKED:
                     if not tile_fully_visible(m_start, n_start, hist_len, window, BLOCK_M, BLOCK_N, CAUSAL, HAS_WINDOW):
                         p = tl.where(tile_mask(offs_m, offs_n, k_len, hist_len, contextual_len, window,
@@ -201,7 +186,7 @@ def gdpa_fwd_kernel(
                 if P_MX:
                     p = mx_e4m3_rows(p, BLOCK_M, BLOCK_N, EXACT)
                 acc += tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        out = (acc * acc_scale).to(O.dtype.element_ty)
+        out = (acc * out_scale).to(O.dtype.element_ty)
         tl.store(o_base + offs_m[:, None] * stride_ot + offs_d[None, :], out, mask=offs_m[:, None] < q_len)
 
 
