@@ -1,6 +1,13 @@
 import pytest
 
-from opengem.parallel.mesh import ParallelConfig, Topology, device_type_for_backend, parse_parallel, validate_layout
+from opengem.parallel.mesh import (
+    ParallelConfig,
+    Topology,
+    check_whole_hosts,
+    device_type_for_backend,
+    parse_parallel,
+    validate_layout,
+)
 
 
 def test_parse_parallel_reads_every_kind_of_value():
@@ -134,3 +141,12 @@ def test_init_distributed_without_torchrun_is_one_rank(monkeypatch):
         assert __import__("os").environ["NCCL_NVLS_ENABLE"] == "0"
     finally:
         dist.destroy_process_group()
+
+
+def test_whole_hosts_or_part_of_one():
+    """A job fits inside one host or fills whole hosts; the planner and validate_layout share this rule."""
+    for world_size in (1, 3, 8, 16, 64):
+        check_whole_hosts(Topology(8, 4), world_size)
+    for world_size in (9, 12, 20):
+        with pytest.raises(ValueError, match=f"world size {world_size} is not a whole number of hosts of 8 GPUs"):
+            check_whole_hosts(Topology(8, 4), world_size)

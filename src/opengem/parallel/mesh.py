@@ -145,6 +145,13 @@ def _parse_value(key: str, text: str) -> object:
     return int(text)
 
 
+def check_whole_hosts(topology: Topology, world_size: int) -> None:
+    """``ValueError`` unless ``world_size`` ranks fit in one host of ``topology`` or fill whole hosts (every layout
+    needs that; the planner refuses such a GPU count before searching)."""
+    if world_size % topology.clipped(world_size).gpus_per_host:
+        raise ValueError(f"world size {world_size} is not a whole number of hosts of {topology.gpus_per_host} GPUs")
+
+
 def validate_layout(config: ParallelConfig, topology: Topology, world_size: int) -> ParallelConfig:
     """Check that ``config`` fits ``world_size`` ranks on ``topology``; return it with ``-1`` degrees resolved.
 
@@ -167,9 +174,8 @@ def validate_layout(config: ParallelConfig, topology: Topology, world_size: int)
         )
     if config.dense_shard % config.expert:
         raise ValueError(f"expert={config.expert} must divide dense_shard={config.dense_shard} (EP is a sub-dimension of the FSDP shard)")
+    check_whole_hosts(topology, world_size)
     local = topology.clipped(world_size)
-    if world_size % local.gpus_per_host:
-        raise ValueError(f"world size {world_size} is not a whole number of hosts of {topology.gpus_per_host} GPUs")
     if local.gpus_per_host % config.expert:
         raise ValueError(
             f"expert={config.expert} must divide the GPUs per host ({local.gpus_per_host}): an expert group stays inside a host"

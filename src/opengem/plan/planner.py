@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from opengem.parallel.fsdp import fsdp_step_bytes
-from opengem.parallel.mesh import ParallelConfig, Topology, validate_layout
+from opengem.parallel.mesh import ParallelConfig, Topology, check_whole_hosts, validate_layout
 from opengem.parallel.sparse_plan import ROW_SPLIT_TYPES, ShardingPlan, plan_sharding, state_bytes_per_row
 from opengem.plan.calibration import SHIPPED as SHIPPED_CALIBRATIONS, Calibration, Rates, load_calibration
 from opengem.plan.cluster import Cluster
@@ -64,10 +64,12 @@ class Planner:
             raise ValueError(f"--gpus must be an integer, got {gpus!r}")
         if gpus < 1 or gpus > cluster.total_gpus:
             raise ValueError(f"--gpus {gpus}: the cluster {cluster.name} has {cluster.total_gpus} GPUs")
-        host = cluster.gpus_per_host
-        if gpus > host and gpus % host:  # validate_layout's host rule: every layout would fail it
+        try:  # validate_layout's host rule: every layout would fail it
+            check_whole_hosts(cluster.topology, gpus)
+        except ValueError:
+            host = cluster.gpus_per_host
             raise ValueError(f"--gpus {gpus}: not a whole number of hosts of {host} GPUs (cluster {cluster.name}); "
-                             f"use a multiple of {host} or at most {host}")
+                             f"use a multiple of {host} or at most {host}") from None
         self.workload: Workload = workload(preset)
         self.preset, self.cluster, self.gpus = preset, cluster, gpus
         self.rates = Rates(load_calibration(calibration) if calibration else _cluster_calibration(cluster), cluster.gpu)
