@@ -30,7 +30,7 @@ def compiled_learner(preset: str, batch_size: int) -> tuple[TrainBenchOptions, T
     return options, config, device, learner
 
 
-def warmed_learner(preset: str, batch_size: int, staged: int) -> tuple[TrainBenchOptions, torch.device, Learner, list]:
+def warmed_learner(preset: str, batch_size: int, staged: int) -> tuple[TrainBenchOptions, Learner, list]:
     """:func:`compiled_learner`, run until no step tunes or compiles, and the stream's next ``staged`` batches already
     on the device (so what a diagnostic then measures is the steps, not the loader)."""
     from opengem.train.bench.timing import warm_until_settled
@@ -40,7 +40,7 @@ def warmed_learner(preset: str, batch_size: int, staged: int) -> tuple[TrainBenc
     stream = train_batches(config, start_step=0)
     warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
                        options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
-    return options, device, learner, [next(stream).to(device, non_blocking=True) for _ in range(staged)]
+    return options, learner, [next(stream).to(device, non_blocking=True) for _ in range(staged)]
 
 
 def write_diagnostic(name: str, args: argparse.Namespace, options: TrainBenchOptions, **figures: Any) -> None:

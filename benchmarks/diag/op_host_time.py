@@ -99,7 +99,7 @@ def main() -> None:
                                "benchmarks/results/op_host_time_gem-large_b256.json")  # fmt: skip
     args = parse_diagnostic_args(parser, "op_host_time drains the CUDA queue before each op call")
     speed = host_speed(torch.device("cuda"))  # before the loader's workers start, as `bench train` measures it
-    options, _, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
+    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
     torch.cuda.synchronize()
     profiler = cProfile.Profile()
     with timed_ops(torch.cuda.synchronize, profiler) as times:
