@@ -996,7 +996,7 @@ chain_s56a() {  # session 51: which cache slows the next process. The slow secon
   unpacked_cache cache_first
   step large_b256_first 160 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56a_first
   step train_distributed_tests 120 with_cache "$PWD/cache_first" tests tests/gpu/test_train_distributed_gpu.py
-  rm -rf cache_repacked cache_graphs_off && mkdir -p cache_repacked && cp -r cache_first cache_graphs_off
+  rm -rf cache_repacked && mkdir -p cache_repacked
   tar cf - -C cache_first --exclude='*.llir' --exclude='*.ttgir' --exclude='*.ttir' --exclude='*.ptx' \
     --exclude='*.source' . | tar xf - -C cache_repacked
   step large_b256_written 150 with_cache "$PWD/cache_first" large_at 256 train_gem-large_b256_s56a_written
