@@ -962,6 +962,20 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s58a() {  # session 53: the cached Triton launcher (GDPA's kernels): GPU tests, then each op call's host time
+  # with the queue drained, no cProfile, cached launches and Triton's own path (s56g: 14.8 of 51 ms a step profiled)
+  step launcher_gpu_tests 240 tests tests/gpu/test_gdpa_gpu.py tests/ops/test_launcher.py
+  step op_host_time_cached 170 python -m benchmarks.diag.op_host_time --preset gem-large --batch-size 256 --steps 3 \
+    --no-profile --out "$out/results/op_host_time_gem-large_b256_s58a_cached.json"
+  step op_host_time_triton 170 env OPENGEM_TRITON_LAUNCH=triton python -m benchmarks.diag.op_host_time \
+    --preset gem-large --batch-size 256 --steps 3 --no-profile \
+    --out "$out/results/op_host_time_gem-large_b256_s58a_triton.json"
+}
+chain_s58b() {  # session 53: gem-large b256 under bench train, Triton's launch path first, then the cached launcher
+  step bench_train_large_b256_triton 200 env OPENGEM_TRITON_LAUNCH=triton \
+    bash -c 'large_at 256 train_gem-large_b256_s58b_triton'
+  step bench_train_large_b256_cached 200 large_at 256 train_gem-large_b256_s58b_cached
+}
 chain_s56g() {  # session 51: each opengem op call's own host time in gem-large b256's compiled step (queue drained
   # before each call, no stack-recording profiler), and the Python functions inside them (s56f: 1.7-1.9 ms of self CPU
   # a backward call under the profiler)

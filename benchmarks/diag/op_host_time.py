@@ -7,11 +7,16 @@ drained before the call, so its launches never wait for the GPU, and the call is
 that runs only inside those calls says which Python functions take the time.
 
     PYTHONPATH=src:. python -m benchmarks.diag.op_host_time [--preset gem-large] [--batch-size 256] [--steps 2]
-        [--out benchmarks/results/op_host_time_gem-large_b256.json]
+        [--no-profile] [--top 30] [--out benchmarks/results/op_host_time_gem-large_b256.json]
+
+cProfile roughly doubles the time of code made of many small Python calls, so ``--no-profile`` times the calls
+alone (the function table is then empty). ``OPENGEM_TRITON_LAUNCH`` (recorded in the result) picks how opengem
+launches its Triton kernels (:mod:`opengem.ops.triton.launcher`).
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
 import cProfile
 import pstats
@@ -93,20 +98,25 @@ def main() -> None:
         warmed_learner,
         write_diagnostic,
     )
+    from opengem.ops.triton.launcher import launch_mode_setting
     from opengem.train.bench.host_speed import host_speed
 
     parser = diagnostic_parser(__doc__.splitlines()[0], "gem-large", 256, "timed steps (after the warm-up)",
                                "benchmarks/results/op_host_time_gem-large_b256.json")  # fmt: skip
+    parser.add_argument("--profile", action=argparse.BooleanOptionalAction, default=True,
+                        help="cProfile inside the timed calls (default); --no-profile times them alone")
+    parser.add_argument("--top", type=int, default=30, help="Python functions listed, by own time")
     args = parse_diagnostic_args(parser, "op_host_time drains the CUDA queue before each op call")
     speed = host_speed(torch.device("cuda"))  # before the loader's workers start, as `bench train` measures it
     options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
     torch.cuda.synchronize()
-    profiler = cProfile.Profile()
+    profiler = cProfile.Profile() if args.profile else None
     with timed_ops(torch.cuda.synchronize, profiler) as times:
         for batch in batches:
             learner.step(batch)
         torch.cuda.synchronize()
-    ops, functions = per_op(times, args.steps), heaviest_functions(profiler, args.steps)
+    ops = per_op(times, args.steps)
+    functions = heaviest_functions(profiler, args.steps, args.top) if profiler is not None else []
     print(f"host {speed['launch_us']:.2f} us / launch, {speed['python_ms']:.1f} ms of fixed Python")
     print(f"opengem ops, host ms a step (queue drained before each call): {sum(r['ms_per_step'] for r in ops):.2f}")
     for row in ops:
@@ -116,7 +126,8 @@ def main() -> None:
     for row in functions:
         print(f"  {row['own_ms_per_step']:8.3f} ({row['cumulative_ms_per_step']:8.3f})  {row['calls_per_step']:7.1f}  "
               f"{row['function']}")
-    write_diagnostic("op_host_time", args, options, host_speed=speed, ops=ops, functions=functions)
+    write_diagnostic("op_host_time", args, options, host_speed=speed, profiled=args.profile,
+                     triton_launch=launch_mode_setting(), ops=ops, functions=functions)
 
 
 if __name__ == "__main__":

@@ -18,8 +18,10 @@ from opengem.ops.activations import ACTIVATIONS, activation_grad, activation_val
 from opengem.ops.gdpa import gdpa, gdpa_packed_kv, hstu_attention
 from opengem.ops.reference import gdpa as reference
 from opengem.ops.triton import gdpa as triton_gdpa
+from opengem.ops.triton import launcher as launcher_module
 from opengem.ops.triton.activations import activation_value_and_grad, scaled_activation_value
 from opengem.ops.triton.gdpa import GdpaArgs, gdpa_backward, gdpa_forward
+from opengem.ops.triton.gdpa_kernels import gdpa_fwd_kernel
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -355,3 +357,25 @@ def test_dkdv_query_chunks_with_every_candidate(monkeypatch, index):
         grad_out, q, k, v, _offsets(q_lengths), _offsets(k_lengths), None, args, "kv")
     want = torch.stack([dk.float().sum(0), dv.float().sum(0)])
     assert _rel(sums, want) < 1e-2, _rel(sums, want)
+
+
+def test_repeat_launches_skip_triton_with_the_same_bits(monkeypatch):
+    """The cached launcher (:mod:`opengem.ops.triton.launcher`): a repeat call skips Triton's launch path and gives
+    the bits Triton's own path gives."""
+    gen = torch.Generator().manual_seed(0)
+    lengths = [300, 17, 0, 129]
+    offsets = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(DEVICE)
+    q, k, v = (torch.randn(sum(lengths), 2, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(3))
+
+    def run() -> list[torch.Tensor]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = gdpa(*leaves, offsets, offsets, 300, 300, activation="fast_gelu", backend="triton")
+        out.backward(torch.ones_like(out))
+        return [out.detach(), *(t.grad for t in leaves)]
+
+    cached = run()  # compiles and tunes through Triton
+    forward = launcher_module.launcher(gdpa_fwd_kernel)
+    before = forward.through_triton
+    assert torch.equal(torch.stack(run()), torch.stack(cached)) and forward.through_triton == before
+    monkeypatch.setattr(launcher_module, "CACHED", False)
+    assert torch.equal(torch.stack(run()), torch.stack(cached))  # Triton's own path, the same bits

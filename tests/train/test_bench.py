@@ -496,3 +496,13 @@ def test_bench_train_records_the_recipe_an_override_sets(tmp_path):
     settings = json.loads(out.read_text())["settings"]
     assert settings["low_precision_mlp"] == "fp8_rowwise"  # gem-tiny has no layer large enough to convert
     assert settings["fp8_compile_path"] in ("custom_op", "inductor")
+
+
+def test_environment_records_the_opengem_settings_of_an_ab_run(monkeypatch):
+    from opengem.train.bench.timing import environment
+
+    monkeypatch.setenv("OPENGEM_TRITON_LAUNCH", "triton")
+    monkeypatch.setenv("OPENGEM_GIT_COMMIT", "abc1234")
+    env = environment(torch.device("cpu"))
+    assert env["opengem_settings"]["OPENGEM_TRITON_LAUNCH"] == "triton"
+    assert "OPENGEM_GIT_COMMIT" not in env["opengem_settings"] and env["git_commit"] == "abc1234"

@@ -50,6 +50,7 @@ from opengem.ops.triton.gdpa_kernels import (
     gdpa_fwd_kernel,
 )
 from opengem.ops.triton.jagged_attention import TUNING_BUCKET_CAP
+from opengem.ops.triton.launcher import launcher
 from opengem.ops.triton.ragged_tiles import last_dim_contiguous, ragged_descriptor, tma_ok, tma_passes
 from opengem.ops.triton.tuning import ConfirmingAutotuner, close_finalists
 
@@ -613,7 +614,7 @@ def gdpa_forward(
         if work_b.numel() == 0:
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (k, block_n), (v, block_n)))
-        gdpa_fwd_kernel[(work_b.numel() * heads,)](
+        launcher(gdpa_fwd_kernel)[(work_b.numel() * heads,)](
             q, k, v, out, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2], *out.stride()[:2],
             heads, args.pre_scale, args.out_scale, args.contextual_len, args.window or 0, _broadcast_len(q, args),
@@ -738,7 +739,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
             return
         descs, use_tma = _tile_descriptors(config, ((q, config.block_m), (grad_out, config.block_m)))
         programs = work_b.numel() * kv_heads
-        gdpa_bwd_dkdv_kernel[(programs,)](
+        launcher(gdpa_bwd_dkdv_kernel)[(programs,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t,
             *descs, sums_buffer("kv", programs, (2, head_dim)), work_b if chunks is None else chunks.bounds, partial,
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
@@ -749,7 +750,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
             num_stages=config.num_stages, **common["constexprs"],
         )
         if chunks is not None:
-            gdpa_bwd_dkdv_chunk_sum_kernel[(chunks.groups.shape[0] * kv_heads,)](
+            launcher(gdpa_bwd_dkdv_chunk_sum_kernel)[(chunks.groups.shape[0] * kv_heads,)](
                 partial, dk, dv, chunks.groups, *dk.stride()[:2], *dv.stride()[:2], kv_heads,
                 BLOCK_N=config.block_n, D=head_dim, num_warps=4,
             )
@@ -759,7 +760,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
         if work_b.numel() == 0:
             return
         programs = work_b.numel() * kv_heads
-        gdpa_bwd_dkdv_short_q_kernel[(programs,)](
+        launcher(gdpa_bwd_dkdv_short_q_kernel)[(programs,)](
             q, k, v, grad_out, dk, dv, q_offsets, k_offsets, common["head_act"], work_b, work_t,
             sums_buffer("kv", programs, (2, head_dim)),
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
@@ -787,7 +788,7 @@ def _backward(grad_out, q, k, v, q_offsets, k_offsets, num_targets, args: GdpaAr
             return
         descs, use_tma = _tile_descriptors(config, ((q, block_m), (k, block_n), (v, block_n), (grad_out, block_m)))
         programs = work_b.numel() * heads
-        gdpa_bwd_dq_kernel[(programs,)](
+        launcher(gdpa_bwd_dq_kernel)[(programs,)](
             q, k, v, grad_out, dq, q_offsets, k_offsets, common["targets"], common["head_act"], work_b, work_t, *descs,
             sums_buffer("q", programs, (head_dim,)),
             *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
@@ -854,7 +855,7 @@ def _launch_dq_broadcast(
     chunks = triton.cdiv(tokens, keys_per_chunk)
     chunk_samples = key_chunks(k_lengths, summary.first, keys_per_chunk, chunks, str(q.device))
     partial = torch.empty((chunks, seeds, heads, head_dim), dtype=torch.float32, device=q.device)
-    gdpa_bwd_dq_broadcast_kernel[(chunks * num_q_tiles * heads,)](
+    launcher(gdpa_bwd_dq_broadcast_kernel)[(chunks * num_q_tiles * heads,)](
         q, k, v, grad_out, partial, k_offsets, common["head_act"], chunk_samples,
         *q.stride()[:2], *k.stride()[:2], *v.stride()[:2],
         *grad_out.stride()[:2], partial.stride(0), partial.stride(1), partial.stride(2),

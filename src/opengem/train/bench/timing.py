@@ -107,7 +107,8 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeat
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Date, versions, device name and git commit (``OPENGEM_GIT_COMMIT`` when the tree has no .git)."""
+    """Date, versions, device name, git commit (``OPENGEM_GIT_COMMIT`` when the tree has no .git) and the
+    ``OPENGEM_*`` settings of the environment (kernel tuning, launch path: what an A/B of two runs differs in)."""
     commit = os.environ.get("OPENGEM_GIT_COMMIT", "")
     if not commit:
         try:
@@ -120,6 +121,8 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": commit or "unknown",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "opengem_settings": {name: value for name, value in sorted(os.environ.items())
+                             if name.startswith("OPENGEM_") and name != "OPENGEM_GIT_COMMIT"},
     }
 
 
