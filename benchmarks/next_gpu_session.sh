@@ -962,6 +962,13 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s58c() {  # session 53: cached launcher against Triton's path in one process, ABBA rounds on staged batches
+  # (s58b's two processes: 210.9 cached against 175.1 ms, the host's pace drifting between them)
+  step launch_ab_large 220 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
+    --rounds 8 --out "$out/results/launch_ab_gem-large_b256_s58c.json"
+  step launch_ab_small 200 python -m benchmarks.diag.launch_ab --preset gem-small --batch-size 2048 --steps 4 \
+    --rounds 8 --out "$out/results/launch_ab_gem-small_b2048_s58c.json"
+}
 chain_s58a() {  # session 53: the cached Triton launcher (GDPA's kernels): GPU tests, then each op call's host time
   # with the queue drained, no cProfile, cached launches and Triton's own path (s56g: 14.8 of 51 ms a step profiled)
   step launcher_gpu_tests 240 tests tests/gpu/test_gdpa_gpu.py tests/ops/test_launcher.py
