@@ -962,6 +962,16 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s58d() {  # session 53: does the loader beside the step slow gem-large b256? staged against streamed batches
+  # in one process, ABBA (s58c: 141.0 ms a step staged, the kernels' time; bench train 150-210 ms), then with a
+  # shorter GIL hand-off (the pin-memory thread shares the launching thread's interpreter), then with 4 workers
+  step loader_ab 200 python -m benchmarks.diag.loader_ab --preset gem-large --batch-size 256 --steps 4 --rounds 6 \
+    --out "$out/results/loader_ab_gem-large_b256_s58d.json"
+  step loader_ab_switch 200 python -m benchmarks.diag.loader_ab --preset gem-large --batch-size 256 --steps 4 \
+    --rounds 6 --switch-interval-ms 0.5 --out "$out/results/loader_ab_gem-large_b256_s58d_switch05.json"
+  step loader_ab_w4 200 python -m benchmarks.diag.loader_ab --preset gem-large --batch-size 256 --steps 4 \
+    --rounds 6 --num-workers 4 --out "$out/results/loader_ab_gem-large_b256_s58d_w4.json"
+}
 chain_s58c() {  # session 53: cached launcher against Triton's path in one process, ABBA rounds on staged batches
   # (s58b's two processes: 210.9 cached against 175.1 ms, the host's pace drifting between them)
   step launch_ab_large 220 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \

@@ -54,6 +54,14 @@ def write_diagnostic(name: str, args: argparse.Namespace, options: TrainBenchOpt
     print(f"wrote {args.out}")
 
 
+def abba(rounds: int, modes: tuple[str, str]) -> list[tuple[str, str]]:
+    """The two ``modes``' order in each of ``rounds`` rounds, flipped every round (ABBA), so that each runs first in
+    half the rounds and a drift of the host's pace falls on both alike."""
+    if rounds < 2 or rounds % 2:
+        raise ValueError(f"rounds must be an even number >= 2 (ABBA), got {rounds}")
+    return [modes if r % 2 == 0 else modes[::-1] for r in range(rounds)]
+
+
 def diagnostic_parser(description: str, preset: str, batch_size: int, steps_help: str,
                       out: str) -> argparse.ArgumentParser:
     """The flags every step diagnostic takes (``--preset``, ``--batch-size``, ``--steps``, ``--out``), with its

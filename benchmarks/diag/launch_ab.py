@@ -18,14 +18,9 @@ from typing import Any
 
 import torch
 
+from benchmarks.diag.compiled_learner import abba
+
 PATHS = ("triton", "cached")
-
-
-def round_orders(rounds: int) -> list[tuple[str, str]]:
-    """ABBA: the paths' order flips every round, so each path runs first in half the rounds."""
-    if rounds < 2 or rounds % 2:
-        raise ValueError(f"rounds must be an even number >= 2 (ABBA), got {rounds}")
-    return [PATHS if r % 2 == 0 else PATHS[::-1] for r in range(rounds)]
 
 
 def summary(step_ms: dict[str, Sequence[float]]) -> dict[str, Any]:
@@ -40,7 +35,7 @@ def time_rounds(run_steps: Callable[[], None], set_path: Callable[[str], None], 
                 sync: Callable[[], None]) -> dict[str, list[float]]:
     """ms a step of each round's ``steps`` steps, by path."""
     step_ms: dict[str, list[float]] = {path: [] for path in PATHS}
-    for order in round_orders(rounds):
+    for order in abba(rounds, PATHS):
         for path in order:
             set_path(path)
             sync()
@@ -65,7 +60,7 @@ def main() -> None:
                                "benchmarks/results/launch_ab_gem-large_b256.json")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=8, help="ABBA rounds (even)")
     args = parse_diagnostic_args(parser, "launch_ab times GPU training steps")
-    round_orders(args.rounds)  # a bad --rounds fails before the warm-up
+    abba(args.rounds, PATHS)  # a bad --rounds fails before the warm-up
     speed = host_speed(torch.device("cuda"))
     options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
 
