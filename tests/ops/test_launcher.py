@@ -13,7 +13,7 @@ from triton.runtime.jit import KernelParam
 from triton.tools.tensor_descriptor import TensorDescriptor
 
 from opengem.ops.triton import launcher as launcher_module
-from opengem.ops.triton.launcher import CachedLauncher, _Unkeyed, arg_key, launch_mode_setting
+from opengem.ops.triton.launcher import CachedLauncher, _Unkeyed, arg_key, cached_launches_enabled, launch_mode_setting
 
 
 def _params(source: str) -> list[KernelParam]:
@@ -128,6 +128,12 @@ def test_launch_mode_setting(monkeypatch):
     monkeypatch.setenv("OPENGEM_TRITON_LAUNCH", "fast")
     with pytest.raises(ValueError, match="OPENGEM_TRITON_LAUNCH must be one of"):
         launch_mode_setting()
+
+
+def test_cached_launches_need_the_setting_and_a_triton_whose_rules_the_key_was_checked_against():
+    assert cached_launches_enabled("3.6.0", "cached")
+    assert not cached_launches_enabled("3.6.0", "triton")
+    assert not cached_launches_enabled("3.9.0", "cached")  # its specialization may key on more: Triton's path
 
 
 def test_launcher_leaves_interpreted_kernels_and_the_triton_setting_to_triton(monkeypatch):

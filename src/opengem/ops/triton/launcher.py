@@ -7,8 +7,13 @@ for ~123 launches. :func:`launcher` keys each call on everything Triton's specia
 than Triton's own key, which only costs extra entries), sends a key's first call through Triton (compile,
 specialize, launch) and keeps the compiled kernel it returns; the key's later calls go to that kernel's launcher.
 
-``OPENGEM_TRITON_LAUNCH=triton`` (read at import) sends every call through Triton, as does the interpreter and any
-launch while a Triton launch hook is set (profilers and launch counters see every launch).
+``OPENGEM_TRITON_LAUNCH=triton`` (read at import) sends every call through Triton, as do the interpreter, Triton
+versions whose specialization rules the key was not checked against (:data:`VERIFIED_TRITON`) and any launch while
+a Triton launch hook is set (profilers and launch counters see every launch).
+
+Measured (session 53, gem-large b256 on one H100, both paths in one process, `benchmarks.diag.launch_ab`): on a
+fast host, where the GPU paces the step, 1.000x; on a slow host, where the host paces it, 0.948x the step time by
+the median of 8 rounds (0.989x by the mean), inside that host's +-10% drift between rounds.
 """
 
 from __future__ import annotations
@@ -33,7 +38,16 @@ def launch_mode_setting() -> str:
     return setting
 
 
-CACHED = launch_mode_setting() == "cached"
+# Triton's specialization rules that arg_key was checked against: the GPU image's Triton (its native
+# specialize_impl: tensors by dtype and 16-byte alignment, ints by == 1, % 16 and width, constexprs by value)
+VERIFIED_TRITON = ("3.6.",)
+
+
+def cached_launches_enabled(triton_version: str, setting: str) -> bool:
+    return setting == "cached" and triton_version.startswith(VERIFIED_TRITON)
+
+
+CACHED = cached_launches_enabled(triton.__version__, launch_mode_setting())
 
 
 class _Unkeyed(Exception):
