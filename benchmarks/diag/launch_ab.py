@@ -72,12 +72,12 @@ def main() -> None:
         launcher.CACHED = path == "cached"
 
     run_steps()  # the first cached launches of each key go through Triton: not timed
-    before = {kernel.fn.__name__: cached.through_triton for kernel, cached in launcher._LAUNCHERS.items()}
+    before = {name: cached.through_triton for name, cached in launcher.cached_launchers().items()}
     step_ms = time_rounds(run_steps, set_path, args.rounds, args.steps, torch.cuda.synchronize)
     result = summary(step_ms)
     # what each cached kernel sent through Triton while timed (0 when every key repeats) and its keys in all
-    kernels = {kernel.fn.__name__: {"through_triton": cached.through_triton - before.get(kernel.fn.__name__, 0),
-                                    "keys": len(cached._compiled)} for kernel, cached in launcher._LAUNCHERS.items()}
+    kernels = {name: {"through_triton": cached.through_triton - before.get(name, 0), "keys": cached.keys}
+               for name, cached in launcher.cached_launchers().items()}
     print(f"host {speed['launch_us']:.2f} us / launch, {speed['python_ms']:.1f} ms of fixed Python")
     for path in PATHS:
         print(f"  {path:7s} median {result['median_ms'][path]:8.2f} ms  mean {result['mean_ms'][path]:8.2f} ms  "

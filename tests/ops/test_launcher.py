@@ -61,7 +61,7 @@ def test_repeat_calls_of_a_key_skip_triton_and_pass_every_argument_in_signature_
     assert len(kernel.calls) == 1 and cached.through_triton == 1
     x2 = torch.ones(64)  # another tensor of the same dtype and alignment, another int of the same class
     again = cached[(5, 2)](x2, 48, 0.25, True, BLOCK=32, num_warps=4)
-    assert again is first and len(kernel.calls) == 1 and cached.through_triton == 1
+    assert again is first and len(kernel.calls) == 1 and cached.through_triton == 1 and cached.keys == 1
     (run,) = first.runs
     assert run[:9] == (5, 2, 1, 103, "compiled1-function", "compiled1-meta", None, None, None)
     assert run[9] is x2 and run[10:] == (48, 0.25, True, None, 32)  # y's default, then BLOCK from the kwargs
@@ -142,3 +142,14 @@ def test_launcher_leaves_interpreted_kernels_and_the_triton_setting_to_triton(mo
     monkeypatch.setattr(launcher_module, "CACHED", False)
     assert launcher_module.launcher(kernel) is kernel
 
+
+
+def test_cached_launchers_name_each_launcher_by_its_kernel(monkeypatch):
+    kernel, cached = _launcher()
+
+    def my_kernel():  # the Python function a JITFunction wraps
+        pass
+
+    kernel.fn = my_kernel
+    monkeypatch.setattr(launcher_module, "_LAUNCHERS", {kernel: cached})
+    assert launcher_module.cached_launchers() == {"my_kernel": cached}

@@ -93,7 +93,7 @@ class CachedLauncher:
         self._device, self._stream = device, stream
         self.through_triton = 0  # calls sent through kernel[grid] (first calls of a key, hooks, unknown types)
 
-    def __getitem__(self, grid: Sequence[int]) -> Callable[..., None]:
+    def __getitem__(self, grid: Sequence[int]) -> Callable[..., Any]:
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
     def _key(self, args: tuple, kwargs: dict) -> Hashable:
@@ -129,6 +129,11 @@ class CachedLauncher:
                      None, None, *values)
         return compiled
 
+    @property
+    def keys(self) -> int:
+        """Argument keys with a compiled kernel kept."""
+        return len(self._compiled)
+
     def _hooked(self) -> bool:
         """A launch hook or pre-run hook is set: Triton's own path calls them."""
         return bool(triton_runtime.launch_enter_hook.calls or triton_runtime.launch_exit_hook.calls
@@ -146,3 +151,8 @@ def launcher(kernel: JITFunction) -> Any:
     if cached is None:
         cached = _LAUNCHERS[kernel] = CachedLauncher(kernel)
     return cached
+
+
+def cached_launchers() -> dict[str, CachedLauncher]:
+    """The launchers made so far, by kernel name (diagnostics read their ``through_triton`` and ``keys``)."""
+    return {kernel.fn.__name__: cached for kernel, cached in _LAUNCHERS.items()}
