@@ -962,6 +962,11 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
+  # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
+  step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
+    --rounds 16 --out "$out/results/launch_ab_gem-large_b256_s58e_16.json"
+}
 chain_s58d() {  # session 53: does the loader beside the step slow gem-large b256? staged against streamed batches
   # in one process, ABBA (s58c: 141.0 ms a step staged, the kernels' time; bench train 150-210 ms), then with a
   # shorter GIL hand-off (the pin-memory thread shares the launching thread's interpreter), then with 4 workers
