@@ -96,3 +96,68 @@ def test_bad_shardings_raise():
         ShardingPlan(2, {"t": uneven}).validate([t])
     with pytest.raises(ValueError, match=r"must be distinct and in \[0, 2\)"):
         ShardingPlan(2, {"t": shard_table(t, "table_wise", [2])}).validate([t])
+
+
+# ---------------------------------------------------------------- the planner's scale (session 53)
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from opengem.parallel.sparse_plan import _by_load, _fewest_ranks, _hosts_by_load, _Load  # noqa: E402
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 40), st.data())
+def test_lazy_load_orders_are_the_stable_sorts_of_every_rank_and_host(world_size, data):
+    load = _Load(world_size, 100)
+    for rank in data.draw(st.lists(st.integers(0, world_size - 1), max_size=60)):
+        load.free[rank] -= data.draw(st.integers(0, 3))  # 0: placed, yet its key unchanged
+        load.cost[rank] += data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]))
+        load.changed.add(rank)
+    want = sorted(range(world_size), key=lambda r: (load.cost[r], -load.free[r]))
+    assert list(_by_load(load)) == want
+    assert load.most_free() == max(load.free)
+    for gpus_per_host in (1, 2, 4):
+        if world_size % gpus_per_host == 0:
+            hosts = sorted(range(0, world_size, gpus_per_host), key=lambda h: sum(load.cost[h:h + gpus_per_host]))
+            idle = [h for h in hosts if not load.changed & set(range(h, h + gpus_per_host))]
+            kept = [h for h in hosts if h not in idle[1:]]  # of the hosts nothing was placed on, the first
+            assert _hosts_by_load(load, gpus_per_host) == kept
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), min_size=1, max_size=12), st.integers(12, 60))
+def test_fewest_ranks_skips_only_rank_sets_too_small_for_the_table(free, rows):  # (rows >= ranks: a row each)
+    t = table("t", rows, 1)  # 4 bytes a row, no optimizer state
+    fits = lambda sharding, tbl: all(shard_bytes(tbl, s, None) <= free[s.rank] for s in sharding.shards)  # noqa: E731
+    by_load = list(range(len(free)))
+    brute = next((c for parts in range(2, len(free) + 1)
+                  if fits(c := shard_table(t, "row_wise", by_load[:parts]), t)), None)
+    assert _fewest_ranks(t, "row_wise", by_load, 4 * rows, free, fits) == brute
+
+
+def test_most_loaded_rank_without_a_list_of_every_rank():
+    tables = [table("a", 100, 16), table("b", 10, 8)]
+    plan = ShardingPlan(6, {"a": shard_table(tables[0], "row_wise", [0, 2]), "b": shard_table(tables[1], "table_wise", [2])})
+    ids = {"a": 10.0, "b": 3.0}
+    assert plan.max_rank_bytes(tables, None) == max(plan.rank_bytes(tables, None)) == 50 * 64 + 10 * 32
+    assert plan.max_rank_cost(tables, ids) == max(plan.rank_cost(tables, ids)) == 5.0 * 16 + 3.0 * 8
+    assert plan.rank_bytes(tables, None)[1] == 0 and plan.rank_cost(tables, ids)[5] == 0.0
+
+
+def test_a_million_rank_group_is_planned_on_its_least_loaded_ranks():
+    tables = [table(f"t{i}", 1000, 16) for i in range(6)] + [table("huge", 10**6, 16)]
+    ids = {t.name: 10.0 * (i + 1) for i, t in enumerate(tables)}
+    plan = plan_sharding(tables, 2**20, memory_budget=2 * 10**6, ids_per_step=ids, topology=Topology(8))
+    plan.validate(tables)
+    # 68 bytes a row (row-wise Adagrad's state included): 68 MB takes 35 ranks of 2 MB in an even row split
+    assert plan.tables["huge"].sharding == "row_wise" and len(plan.tables["huge"].shards) == 35
+    placed = sorted(r for s in plan.tables.values() for r in s.ranks)
+    assert placed == list(range(len(placed)))  # each table on the next least loaded (untouched) ranks
+
+
+def test_a_table_no_split_can_hold_is_named_with_the_room_there_is():
+    with pytest.raises(ValueError, match=r"table 'big' \(680 B\) does not fit: the most free of the 128 ranks has 4 bytes"):
+        plan_sharding([table("big", 10, 16)], 128, memory_budget=4, ids_per_step={"big": 1.0})
+    with pytest.raises(ValueError, match=r"does not fit: free bytes per rank \[4, 4\]"):
+        plan_sharding([table("big", 10, 16)], 2, memory_budget=4, ids_per_step={"big": 1.0})

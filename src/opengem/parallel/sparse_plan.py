@@ -22,8 +22,9 @@ Adagrad / Adam's second moment, plus 4 bytes per element for Adam's first moment
 
 from __future__ import annotations
 
+import itertools
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -138,19 +139,43 @@ class ShardingPlan:
 
     def rank_bytes(self, tables: Sequence[EmbeddingTableConfig], optimizer: EmbeddingOptimizer | None) -> list[int]:
         """Weights + optimizer state bytes held by each rank of the group."""
-        totals = [0] * self.world_size
-        for table in tables:
-            for shard in self.tables[table.name].shards:
-                totals[shard.rank] += shard_bytes(table, shard, optimizer)
-        return totals
+        return self._every_rank(self._bytes_by_rank(tables, optimizer), 0)
 
     def rank_cost(self, tables: Sequence[EmbeddingTableConfig], ids_per_step: Mapping[str, float]) -> list[float]:
         """Estimated ids x dim per step on each rank."""
-        totals = [0.0] * self.world_size
+        return self._every_rank(self._cost_by_rank(tables, ids_per_step), 0.0)
+
+    def max_rank_bytes(self, tables: Sequence[EmbeddingTableConfig], optimizer: EmbeddingOptimizer | None) -> int:
+        """``max(rank_bytes(...))`` without a list of every rank (the planner asks for thousands of layouts, and a
+        group may have a million ranks): ranks without a shard hold 0."""
+        return max(self._bytes_by_rank(tables, optimizer).values(), default=0)
+
+    def max_rank_cost(self, tables: Sequence[EmbeddingTableConfig], ids_per_step: Mapping[str, float]) -> float:
+        """``max(rank_cost(...))``, as :meth:`max_rank_bytes` computes it."""
+        return max(self._cost_by_rank(tables, ids_per_step).values(), default=0.0)
+
+    def _bytes_by_rank(self, tables: Sequence[EmbeddingTableConfig],
+                       optimizer: EmbeddingOptimizer | None) -> dict[int, int]:  # fmt: skip
+        totals: dict[int, int] = {}
+        for table in tables:
+            for shard in self.tables[table.name].shards:
+                totals[shard.rank] = totals.get(shard.rank, 0) + shard_bytes(table, shard, optimizer)
+        return totals
+
+    def _cost_by_rank(self, tables: Sequence[EmbeddingTableConfig],
+                      ids_per_step: Mapping[str, float]) -> dict[int, float]:  # fmt: skip
+        totals: dict[int, float] = {}
         for table in tables:
             sharding = self.tables[table.name]
             for shard in sharding.shards:
-                totals[shard.rank] += shard_ids_per_step(table, sharding, shard, ids_per_step.get(table.name, 0.0)) * shard.dim
+                ids = shard_ids_per_step(table, sharding, shard, ids_per_step.get(table.name, 0.0))
+                totals[shard.rank] = totals.get(shard.rank, 0.0) + ids * shard.dim
+        return totals
+
+    def _every_rank(self, by_rank: Mapping[int, float], zero: float) -> list:
+        totals = [zero] * self.world_size
+        for rank, value in by_rank.items():
+            totals[rank] = value
         return totals
 
     def explain(
@@ -237,8 +262,8 @@ def plan_sharding(
     gpus_per_host = topology.clipped(world_size).gpus_per_host if topology is not None else world_size
     if memory_budget <= 0 or world_size % gpus_per_host:
         raise ValueError(f"need world_size >= 1 divisible by gpus_per_host and a positive budget, got {world_size}, {gpus_per_host}, {memory_budget}")
-    free = [memory_budget] * world_size
-    cost = [0.0] * world_size
+    load = _Load(world_size, memory_budget)
+    free, cost = load.free, load.cost
     total_cost = sum(ids_per_step.get(t.name, 0.0) * t.embedding_dim for t in tables)
     average = total_cost / world_size
     chosen: dict[str, TableSharding] = {}
@@ -250,54 +275,117 @@ def plan_sharding(
         for s in sharding.shards:
             free[s.rank] -= shard_bytes(table, s, optimizer)
             cost[s.rank] += shard_ids_per_step(table, sharding, s, ids_per_step.get(table.name, 0.0)) * s.dim
+            load.changed.add(s.rank)
         chosen[table.name] = sharding
 
     order = sorted(tables, key=lambda t: (ids_per_step.get(t.name, 0.0) * t.embedding_dim, t.num_embeddings * t.embedding_dim), reverse=True)
     for table in order:
-        by_load = sorted(range(world_size), key=lambda r: (cost[r], -free[r]))
         table_cost = ids_per_step.get(table.name, 0.0) * table.embedding_dim
         whole = shard_table(table, "table_wise", [0]).shards[0]
-        fits_one_rank = any(shard_bytes(table, whole, optimizer) <= f for f in free)
-        sharding = None if fits_one_rank else _row_split(table, world_size, gpus_per_host, free, cost, fits)
+        whole_bytes = shard_bytes(table, whole, optimizer)
+        fits_one_rank = whole_bytes <= load.most_free()
+        sharding = None if fits_one_rank else _row_split(table, whole_bytes, gpus_per_host, load, fits)
         if fits_one_rank and average > 0 and table_cost > average and world_size > 1:
             wanted = min(world_size, math.ceil(table_cost / average))
             parts = max((k for k in range(2, wanted + 1) if table.embedding_dim % k == 0), default=None)
             if parts is not None:
-                candidate = shard_table(table, "column_wise", sorted(by_load[:parts]))
+                least_loaded = itertools.islice(_by_load(load), parts)
+                candidate = shard_table(table, "column_wise", sorted(least_loaded))
                 sharding = candidate if fits(candidate, table) else None
         if sharding is None and fits_one_rank:
-            sharding = next((c for r in by_load if fits(c := shard_table(table, "table_wise", [r]), table)), None)
+            sharding = next((c for r in _by_load(load)
+                             if fits(c := shard_table(table, "table_wise", [r]), table)), None)
         if sharding is None:
             raise ValueError(
                 f"table {table.name!r} ({_format_bytes(shard_bytes(table, whole, optimizer))}) "
-                f"does not fit: free bytes per rank {free}"
+                "does not fit: " + (f"free bytes per rank {free}" if world_size <= 64 else
+                                     f"the most free of the {world_size} ranks has {load.most_free()} bytes")
             )
         commit(table, sharding)
     return ShardingPlan(world_size, {t.name: chosen[t.name] for t in tables})
 
 
+@dataclass
+class _Load:
+    """What :func:`plan_sharding` has placed so far: free bytes and cost per rank, and the ranks it changed (the
+    others keep the whole ``budget`` and cost 0)."""
+
+    world_size: int
+    budget: int
+    free: list[int] = field(init=False)
+    cost: list[float] = field(init=False)
+    changed: set[int] = field(default_factory=set, init=False)
+
+    def __post_init__(self) -> None:
+        self.free, self.cost = [self.budget] * self.world_size, [0.0] * self.world_size
+
+    def most_free(self) -> int:
+        """``max(free)`` without reading every rank."""
+        if len(self.changed) < self.world_size:
+            return self.budget
+        return max(self.free[r] for r in self.changed)
+
+
+def _by_load(load: _Load) -> Iterator[int]:
+    """The ranks in the order of ``sorted(range(world_size), key=lambda r: (cost[r], -free[r]))``, lazily.
+
+    A rank no table was placed on keeps cost 0 and the whole budget, the smallest key there is (costs and used bytes
+    are >= 0); so the stable sort lists those ranks first, in index order, then the changed ones by key. The plan's
+    callers take the first few, and a full sort of a million ranks a table made a 1M-GPU plan take hours.
+    """
+    free, cost, lowest = load.free, load.cost, (0.0, -load.budget)  # (the untouched ranks' key)
+    moved = sorted((r for r in load.changed if (cost[r], -free[r]) != lowest), key=lambda r: (cost[r], -free[r], r))
+    skipped = set(moved)
+    yield from (r for r in range(load.world_size) if r not in skipped)
+    yield from moved
+
+
 def _row_split(
     table: EmbeddingTableConfig,
-    world_size: int,
+    table_bytes: int,
     gpus_per_host: int,
-    free: list[int],
-    cost: list[float],
+    load: _Load,
     fits: Callable[[TableSharding, EmbeddingTableConfig], bool],
 ) -> TableSharding | None:
-    """Fewest ranks holding an even row split: inside the least loaded host first, else across hosts."""
-    hosts = sorted(
-        (list(range(h, h + gpus_per_host)) for h in range(0, world_size, gpus_per_host)),
-        key=lambda ranks: sum(cost[r] for r in ranks),
-    )
-    for host in hosts:
-        by_load = sorted(host, key=lambda r: (cost[r], -free[r]))
-        for parts in range(2, len(host) + 1):
-            candidate = shard_table(table, "table_row_wise", sorted(by_load[:parts]))
-            if fits(candidate, table):
+    """Fewest ranks holding an even row split: inside the least loaded host first, else across hosts.
+
+    The shards of a row split hold ``table_bytes`` between them (every shard keeps whole rows), so ranks whose free
+    bytes sum to less cannot hold one: such hosts and rank counts are skipped without building the split, which
+    changes no result (on a 65,536-GPU plan the host loop had built ~4M candidate splits, session 53).
+    """
+    free, cost = load.free, load.cost
+    for first in _hosts_by_load(load, gpus_per_host):
+        host = range(first, first + gpus_per_host)
+        if sum(free[r] for r in host) >= table_bytes:
+            candidate = _fewest_ranks(table, "table_row_wise", sorted(host, key=lambda r: (cost[r], -free[r])),
+                                      table_bytes, free, fits)
+            if candidate is not None:
                 return candidate
-    by_load = sorted(range(world_size), key=lambda r: (cost[r], -free[r]))
-    for parts in range(2, world_size + 1):
-        candidate = shard_table(table, "row_wise", sorted(by_load[:parts]))
+    return _fewest_ranks(table, "row_wise", _by_load(load), table_bytes, free, fits)
+
+
+def _hosts_by_load(load: _Load, gpus_per_host: int) -> list[int]:
+    """The first ranks of the hosts in the order of a stable sort by their ranks' summed cost, keeping of the hosts
+    no table was placed on only the first: they are alike (every rank free, cost 0), so where it fails all fail,
+    and the sort puts it before the others (their sum, 0, is the least there is)."""
+    touched = {r - r % gpus_per_host for r in load.changed}
+    summed = {h: sum(load.cost[r] for r in range(h, h + gpus_per_host)) for h in touched}
+    untouched = next((h for h in range(0, load.world_size, gpus_per_host) if h not in touched), None)
+    idle = sorted([h for h, total in summed.items() if total == 0.0] + ([] if untouched is None else [untouched]))
+    return idle + sorted((h for h, total in summed.items() if total > 0.0), key=lambda h: (summed[h], h))
+
+
+def _fewest_ranks(table: EmbeddingTableConfig, sharding: ShardingType, by_load: Iterable[int], table_bytes: int,
+                  free: list[int], fits: Callable[[TableSharding, EmbeddingTableConfig], bool]) -> TableSharding | None:
+    """The row split over the first 2, 3, ... ranks of ``by_load`` that first fits, or None."""
+    taken: list[int] = []
+    held = 0
+    for rank in by_load:
+        taken.append(rank)
+        held += free[rank]
+        if len(taken) < 2 or held < table_bytes:  # these ranks cannot hold the table between them
+            continue
+        candidate = shard_table(table, sharding, sorted(taken))
         if fits(candidate, table):
             return candidate
     return None

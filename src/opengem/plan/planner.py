@@ -121,9 +121,7 @@ class Planner:
             return None
         # the plan was made with ids per sample; per step the group looks up G x b samples
         scale = c.sparse_group * b
-        rank_bytes = plan.rank_bytes(list(w.tables), w.embedding_optimizer)
-        costs = plan.rank_cost(list(w.tables), {k: v * scale for k, v in w.ids_per_sample.items()})
-        busiest = max(costs)
+        busiest = plan.max_rank_cost(list(w.tables), {k: v * scale for k, v in w.ids_per_sample.items()})
         element = max(t.dtype.itemsize for t in w.tables)
         shards = {name: len(s.shards) for name, s in plan.tables.items()}
         row_split = {name: s.sharding in ROW_SPLIT_TYPES for name, s in plan.tables.items()}
@@ -131,7 +129,7 @@ class Planner:
         a2a = {coll: n for (dim, coll), n in index.items()}
         a2a["all_to_all_embeddings"] = busiest * element
         a2a["all_to_all_embedding_grads"] = busiest * element
-        held = max(rank_bytes)
+        held = plan.max_rank_bytes(list(w.tables), w.embedding_optimizer)
         replica: dict[str, float] = {}
         if c.sparse_replicate > 1 and layout.sparse_fully_sharded:
             replica = {"all_gather": held, "reduce_scatter": held}

@@ -80,6 +80,8 @@ class Workload:
     blocks: tuple[tuple[str, tuple[nn.Parameter, ...]], ...]  # FSDP blocks (meta parameters)
     root_params: tuple[nn.Parameter, ...]
     experts: tuple[ExpertShape, ...]
+    # block_params by expert_parallel: the planner asks once a layout, thousands of times a plan
+    _block_params: dict[bool, int] = dataclasses.field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -87,8 +89,11 @@ class Workload:
 
     def block_params(self, expert_parallel: bool) -> int:
         """Parameters of the largest FSDP block (gathered at once), experts left out under EP."""
-        taken = {id(p) for e in self.experts for p in e.all_params} if expert_parallel else set()
-        return max((sum(p.numel() for p in params if id(p) not in taken) for _, params in self.blocks), default=0)
+        if expert_parallel not in self._block_params:
+            taken = {id(p) for e in self.experts for p in e.all_params} if expert_parallel else set()
+            self._block_params[expert_parallel] = max(
+                (sum(p.numel() for p in params if id(p) not in taken) for _, params in self.blocks), default=0)
+        return self._block_params[expert_parallel]
 
 
 def _attention_split(config: GEMConfig, data: SyntheticConfig, lengths: list[int]) -> dict[str, np.ndarray]:
