@@ -138,7 +138,8 @@ def test_fewest_ranks_skips_only_rank_sets_too_small_for_the_table(free, rows): 
 
 def test_most_loaded_rank_without_a_list_of_every_rank():
     tables = [table("a", 100, 16), table("b", 10, 8)]
-    plan = ShardingPlan(6, {"a": shard_table(tables[0], "row_wise", [0, 2]), "b": shard_table(tables[1], "table_wise", [2])})
+    plan = ShardingPlan(6, {"a": shard_table(tables[0], "row_wise", [0, 2]),
+                            "b": shard_table(tables[1], "table_wise", [2])})
     ids = {"a": 10.0, "b": 3.0}
     assert plan.max_rank_bytes(tables, None) == max(plan.rank_bytes(tables, None)) == 50 * 64 + 10 * 32
     assert plan.max_rank_cost(tables, ids) == max(plan.rank_cost(tables, ids)) == 5.0 * 16 + 3.0 * 8
@@ -157,7 +158,8 @@ def test_a_million_rank_group_is_planned_on_its_least_loaded_ranks():
 
 
 def test_a_table_no_split_can_hold_is_named_with_the_room_there_is():
-    with pytest.raises(ValueError, match=r"table 'big' \(680 B\) does not fit: the most free of the 128 ranks has 4 bytes"):
+    most_free = r"table 'big' \(680 B\) does not fit: the most free of the 128 ranks has 4 bytes"
+    with pytest.raises(ValueError, match=most_free):
         plan_sharding([table("big", 10, 16)], 128, memory_budget=4, ids_per_step={"big": 1.0})
     with pytest.raises(ValueError, match=r"does not fit: free bytes per rank \[4, 4\]"):
         plan_sharding([table("big", 10, 16)], 2, memory_budget=4, ids_per_step={"big": 1.0})
