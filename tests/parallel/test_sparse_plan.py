@@ -163,3 +163,5 @@ def test_a_table_no_split_can_hold_is_named_with_the_room_there_is():
         plan_sharding([table("big", 10, 16)], 128, memory_budget=4, ids_per_step={"big": 1.0})
     with pytest.raises(ValueError, match=r"does not fit: free bytes per rank \[4, 4\]"):
         plan_sharding([table("big", 10, 16)], 2, memory_budget=4, ids_per_step={"big": 1.0})
+    with pytest.raises(ValueError, match=r"table 'row' \(68 B\) does not fit: free bytes per rank \[40, 40, 40\]"):
+        plan_sharding([table("row", 1, 16)], 3, memory_budget=40, ids_per_step={"row": 1.0})  # one row, not split

@@ -383,6 +383,8 @@ def _fewest_ranks(table: EmbeddingTableConfig, sharding: ShardingType, by_load: 
     for rank in by_load:
         taken.append(rank)
         held += free[rank]
+        if len(taken) > table.num_embeddings:  # a row is not split: no more ranks can help
+            return None
         if len(taken) < 2 or held < table_bytes:  # these ranks cannot hold the table between them
             continue
         candidate = shard_table(table, sharding, sorted(taken))
