@@ -1,9 +1,12 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from opengem.nn.embedding import EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.parallel.mesh import Topology
 from opengem.parallel.sparse_plan import Shard, ShardingPlan, TableSharding, plan_sharding, shard_bytes, shard_table
+from opengem.parallel.sparse_plan import _by_load, _fewest_ranks, _hosts_by_load, _Load
 
 
 def table(name: str, rows: int, dim: int, dtype: torch.dtype = torch.float32) -> EmbeddingTableConfig:
@@ -99,11 +102,6 @@ def test_bad_shardings_raise():
 
 
 # ---------------------------------------------------------------- the planner's scale (session 53)
-
-from hypothesis import given, settings  # noqa: E402
-from hypothesis import strategies as st  # noqa: E402
-
-from opengem.parallel.sparse_plan import _by_load, _fewest_ranks, _hosts_by_load, _Load  # noqa: E402
 
 
 @settings(max_examples=200, deadline=None)
