@@ -109,9 +109,8 @@ def test_bad_shardings_raise():
 def test_lazy_load_orders_are_the_stable_sorts_of_every_rank_and_host(world_size, data):
     load = _Load(world_size, 100)
     for rank in data.draw(st.lists(st.integers(0, world_size - 1), max_size=60)):
-        load.free[rank] -= data.draw(st.integers(0, 3))  # 0: placed, yet its key unchanged
-        load.cost[rank] += data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.0]))
-        load.changed.add(rank)
+        # 0 bytes and cost 0: placed, yet its key unchanged
+        load.place(rank, data.draw(st.integers(0, 3)), data.draw(st.sampled_from([0.0, 0.5, 1.0, 2.0])))
     want = sorted(range(world_size), key=lambda r: (load.cost[r], -load.free[r]))
     assert list(_by_load(load)) == want
     assert load.most_free() == max(load.free)

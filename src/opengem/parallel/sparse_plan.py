@@ -263,19 +263,17 @@ def plan_sharding(
     if memory_budget <= 0 or world_size % gpus_per_host:
         raise ValueError(f"need world_size >= 1 divisible by gpus_per_host and a positive budget, got {world_size}, {gpus_per_host}, {memory_budget}")
     load = _Load(world_size, memory_budget)
-    free, cost = load.free, load.cost
     total_cost = sum(ids_per_step.get(t.name, 0.0) * t.embedding_dim for t in tables)
     average = total_cost / world_size
     chosen: dict[str, TableSharding] = {}
 
     def fits(sharding: TableSharding, table: EmbeddingTableConfig) -> bool:
-        return all(shard_bytes(table, s, optimizer) <= free[s.rank] for s in sharding.shards)
+        return all(shard_bytes(table, s, optimizer) <= load.free[s.rank] for s in sharding.shards)
 
     def commit(table: EmbeddingTableConfig, sharding: TableSharding) -> None:
         for s in sharding.shards:
-            free[s.rank] -= shard_bytes(table, s, optimizer)
-            cost[s.rank] += shard_ids_per_step(table, sharding, s, ids_per_step.get(table.name, 0.0)) * s.dim
-            load.changed.add(s.rank)
+            ids = shard_ids_per_step(table, sharding, s, ids_per_step.get(table.name, 0.0))
+            load.place(s.rank, shard_bytes(table, s, optimizer), ids * s.dim)
         chosen[table.name] = sharding
 
     order = sorted(tables, key=lambda t: (ids_per_step.get(t.name, 0.0) * t.embedding_dim, t.num_embeddings * t.embedding_dim), reverse=True)
@@ -297,8 +295,8 @@ def plan_sharding(
                              if fits(c := shard_table(table, "table_wise", [r]), table)), None)
         if sharding is None:
             raise ValueError(
-                f"table {table.name!r} ({_format_bytes(shard_bytes(table, whole, optimizer))}) "
-                "does not fit: " + (f"free bytes per rank {free}" if world_size <= 64 else
+                f"table {table.name!r} ({_format_bytes(whole_bytes)}) "
+                "does not fit: " + (f"free bytes per rank {load.free}" if world_size <= 64 else
                                      f"the most free of the {world_size} ranks has {load.most_free()} bytes")
             )
         commit(table, sharding)
@@ -318,6 +316,12 @@ class _Load:
 
     def __post_init__(self) -> None:
         self.free, self.cost = [self.budget] * self.world_size, [0.0] * self.world_size
+
+    def place(self, rank: int, nbytes: int, cost: float) -> None:
+        """A shard of ``nbytes`` and ``cost`` goes on ``rank`` (the one way the load changes, so ``changed`` holds)."""
+        self.free[rank] -= nbytes
+        self.cost[rank] += cost
+        self.changed.add(rank)
 
     def most_free(self) -> int:
         """``max(free)`` without reading every rank."""
