@@ -40,6 +40,11 @@ def _cluster_calibration(cluster: Cluster) -> Calibration:
                                 f"({looked}shipped: {', '.join(SHIPPED_CALIBRATIONS)})") from None
 
 
+def _plan_key(group: int, replicas: int, budget: float) -> tuple[int, int, int]:
+    """Layouts whose sparse group, replicas and embedding budget (rounded down to BUDGET_STEP) agree share a plan."""
+    return group, replicas, int(budget // BUDGET_STEP)
+
+
 def divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
@@ -75,6 +80,7 @@ class Planner:
         self.rates = Rates(load_calibration(calibration) if calibration else _cluster_calibration(cluster), cluster.gpu)
         self._plans: dict[tuple[int, int, int], ShardingPlan | None] = {}
         self._fsdp: dict[tuple, dict] = {}
+        self._busiest: dict[tuple, tuple[int, float]] = {}
 
     # --- pieces --------------------------------------------------------------------------------------------
 
@@ -100,7 +106,7 @@ class Planner:
 
     def sparse_plan(self, group: int, replicas: int, budget: float) -> ShardingPlan | None:
         w = self.workload
-        key = (group, replicas, int(budget // BUDGET_STEP))
+        key = _plan_key(group, replicas, budget)
         if key not in self._plans:
             budget = key[2] * BUDGET_STEP
             total = sum(t.num_embeddings * (t.embedding_dim * t.dtype.itemsize + state_bytes_per_row(t.embedding_dim, w.embedding_optimizer)) for t in w.tables)
@@ -119,9 +125,14 @@ class Planner:
         plan = self.sparse_plan(c.sparse_group, c.sparse_replicate, budget)
         if plan is None:
             return None
-        # the plan was made with ids per sample; per step the group looks up G x b samples
-        scale = c.sparse_group * b
-        busiest = plan.max_rank_cost(list(w.tables), {k: v * scale for k, v in w.ids_per_sample.items()})
+        # the busiest rank's bytes and ids x dim a step: the same for every layout of one plan and batch
+        key = (*_plan_key(c.sparse_group, c.sparse_replicate, budget), b)
+        if key not in self._busiest:
+            scale = c.sparse_group * b  # the plan was made with ids per sample; a step looks up G x b samples
+            tables = list(w.tables)
+            self._busiest[key] = (plan.max_rank_bytes(tables, w.embedding_optimizer),
+                                  plan.max_rank_cost(tables, {k: v * scale for k, v in w.ids_per_sample.items()}))
+        held, busiest = self._busiest[key]
         element = max(t.dtype.itemsize for t in w.tables)
         shards = {name: len(s.shards) for name, s in plan.tables.items()}
         row_split = {name: s.sharding in ROW_SPLIT_TYPES for name, s in plan.tables.items()}
@@ -129,7 +140,6 @@ class Planner:
         a2a = {coll: n for (dim, coll), n in index.items()}
         a2a["all_to_all_embeddings"] = busiest * element
         a2a["all_to_all_embedding_grads"] = busiest * element
-        held = plan.max_rank_bytes(list(w.tables), w.embedding_optimizer)
         replica: dict[str, float] = {}
         if c.sparse_replicate > 1 and layout.sparse_fully_sharded:
             replica = {"all_gather": held, "reduce_scatter": held}
