@@ -107,17 +107,14 @@ class CachedLauncher:
             driver = triton.runtime.driver.active
             self._device, self._stream = driver.get_current_device, driver.get_current_stream
         if callable(grid):  # a grid of the bound arguments: Triton binds them
-            self.through_triton += 1
-            return self.kernel[grid](*args, **kwargs)
+            return self._through_triton(grid, args, kwargs)
         try:
             key = self._key(args, kwargs)
             compiled = self._compiled.get(key)
         except (_Unkeyed, TypeError):  # an unknown argument type, or an unhashable constexpr
-            self.through_triton += 1
-            return self.kernel[grid](*args, **kwargs)
+            return self._through_triton(grid, args, kwargs)
         if compiled is None or self._hooked():
-            self.through_triton += 1
-            compiled = self.kernel[grid](*args, **kwargs)
+            compiled = self._through_triton(grid, args, kwargs)
             if compiled is not None:
                 self._compiled[key] = compiled
             return compiled
@@ -128,6 +125,10 @@ class CachedLauncher:
         compiled.run(grid_x, grid_y, grid_z, self._stream(key[0]), compiled.function, compiled.packed_metadata, None,
                      None, None, *values)
         return compiled
+
+    def _through_triton(self, grid: Any, args: tuple, kwargs: dict) -> Any:
+        self.through_triton += 1
+        return self.kernel[grid](*args, **kwargs)
 
     @property
     def keys(self) -> int:
