@@ -20,7 +20,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from opengem.jagged.host import to_device
-from opengem.train.bench.timing import WindowTimer
+from opengem.train.bench.timing import WindowTimer, opengem_settings
 
 RESULTS_DIR = Path(__file__).parent / "results"
 H100_BF16_PEAK_TFLOPS = 989.0  # dense BF16 peak of H100 SXM / H200 (GEM_SPEC section 8)
@@ -277,6 +277,7 @@ def environment() -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": commit or "unknown",
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "opengem_settings": opengem_settings(),
     }
     try:
         import triton

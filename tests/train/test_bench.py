@@ -506,3 +506,10 @@ def test_environment_records_the_opengem_settings_of_an_ab_run(monkeypatch):
     env = environment(torch.device("cpu"))
     assert env["opengem_settings"]["OPENGEM_TRITON_LAUNCH"] == "triton"
     assert "OPENGEM_GIT_COMMIT" not in env["opengem_settings"] and env["git_commit"] == "abc1234"
+
+
+def test_the_benchmarks_environment_records_the_same_opengem_settings(monkeypatch):
+    from benchmarks.common import environment as benchmark_environment
+
+    monkeypatch.setenv("OPENGEM_TRITON_LAUNCH", "triton")
+    assert benchmark_environment()["opengem_settings"]["OPENGEM_TRITON_LAUNCH"] == "triton"

@@ -107,8 +107,8 @@ def time_ms(fn: Callable[[], Any], device: torch.device, warmup: int = 3, repeat
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Date, versions, device name, git commit (``OPENGEM_GIT_COMMIT`` when the tree has no .git) and the
-    ``OPENGEM_*`` settings of the environment (kernel tuning, launch path: what an A/B of two runs differs in)."""
+    """Date, versions, device name, git commit (``OPENGEM_GIT_COMMIT`` when the tree has no .git) and
+    :func:`opengem_settings`."""
     commit = os.environ.get("OPENGEM_GIT_COMMIT", "")
     if not commit:
         try:
@@ -121,9 +121,15 @@ def environment(device: torch.device) -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": commit or "unknown",
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "opengem_settings": {name: value for name, value in sorted(os.environ.items())
-                             if name.startswith("OPENGEM_") and name != "OPENGEM_GIT_COMMIT"},
+        "opengem_settings": opengem_settings(),
     }
+
+
+def opengem_settings() -> dict[str, str]:
+    """The ``OPENGEM_*`` variables of the environment but the commit: the kernel tuning and launch settings that
+    two runs of an A/B differ in (``benchmarks.common.environment`` records them too)."""
+    return {name: value for name, value in sorted(os.environ.items())
+            if name.startswith("OPENGEM_") and name != "OPENGEM_GIT_COMMIT"}
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
