@@ -10,8 +10,9 @@ that runs only inside those calls says which Python functions take the time.
         [--no-profile] [--top 30] [--out benchmarks/results/op_host_time_gem-large_b256.json]
 
 ``--no-profile`` times the calls without the cProfile (the function table is then empty); in gem-large b256 it
-changed little (session 53: 48.7-50.1 ms a step without, 51.8 with, 7.3 of which the profiler's own). ``OPENGEM_TRITON_LAUNCH`` (recorded in the result) picks how opengem
-launches its Triton kernels (:mod:`opengem.ops.triton.launcher`).
+changed little (session 53: 48.7-50.1 ms a step without, 51.8 with, 7.3 of which the profiler's own).
+``OPENGEM_TRITON_LAUNCH`` (recorded in the result) picks how opengem launches its Triton kernels
+(:mod:`opengem.ops.triton.launcher`).
 """
 
 from __future__ import annotations
