@@ -962,6 +962,25 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
+py_spy_from_wheel() {  # py-spy (not on the GPU image) from the carried .whl/ into /tmp/site; prints its binary's path
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    .whl/py_spy-*.whl >&2 && echo /tmp/site/bin/py-spy
+}
+host_samples_at() {  # host_samples_at PRESET BATCH NAME [ARGS]: py-spy's samples of steady staged steps (20 s)
+  local preset=$1 batch=$2 name=$3; shift 3
+  python -m benchmarks.diag.host_samples --preset "$preset" --batch-size "$batch" --steps 4 --seconds 20 \
+    --py-spy "${PY_SPY:?installed by py_spy_from_wheel}" --out "$out/results/$name.json" "$@"
+}
+chain_s59a() {  # session 54: where the host's time goes in steady steps, sampled by py-spy from outside (cProfile
+  # slowed the Python it timed: session 53), gem-large b256 and gem-small b2048 on staged batches; then bench train
+  # gem-large b256 at HEAD (not rerun on a fast host since session 51); then gem-large sampled with native frames
+  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
+  export PY_SPY
+  step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
+  step host_samples_small 170 host_samples_at gem-small 2048 host_samples_gem-small_b2048_s59a
+  step bench_train_large_b256 200 large_at 256 train_gem-large_b256_s59a
+  step host_samples_large_native 150 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a_native --native
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
@@ -1278,7 +1297,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_at unpacked_cache with_cache small_train small_train_at small_train_fp8_inductor \
+export -f tests train large_at host_samples_at unpacked_cache with_cache small_train small_train_at small_train_fp8_inductor \
   small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve \
   bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in

@@ -1,0 +1,111 @@
+"""benchmarks.diag.host_samples on the CPU: py-spy's raw output parsed, each stack put in its part of the step, the
+parts summed per thread and step, and py-spy attached to this very process."""
+
+import time
+
+import pytest
+
+from benchmarks.diag.host_samples import (
+    PARTS,
+    Frame,
+    check_py_spy,
+    find_py_spy,
+    parse_raw,
+    part_of,
+    sample_self,
+    summarize,
+)
+
+GENERATED = "/tmp/torchinductor_root"
+SITE = "/usr/lib/python3.12/site-packages"
+
+
+def _stack(*frames: tuple[str, str]) -> tuple[Frame, ...]:
+    return tuple(Frame(function, file, 1) for function, file in frames)
+
+
+STEP = ("Learner.step", "/src/opengem/train/trainer.py")
+WRAPPER = ("runtime_wrapper", f"{SITE}/torch/_functorch/_aot_autograd/runtime_wrappers.py")
+GENERATED_CALL = ("call", f"{GENERATED}/ab/cabcdef.py")
+GDPA = ("gdpa_forward", "/src/opengem/ops/gdpa.py")
+
+
+@pytest.mark.parametrize("frames, part", [
+    ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("CachedLauncher.__call__", "/src/opengem/ops/triton/launcher.py")),
+     "opengem op: launch"),
+    ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("JITFunction.run", f"{SITE}/triton/runtime/jit.py")), "opengem op: launch"),
+    ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("host_copy", "/src/opengem/jagged/host.py")), "opengem op: own lines"),
+    ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("OpOverload.__call__", f"{SITE}/torch/_ops.py")),
+     "opengem op: torch python"),
+    ((STEP, WRAPPER, GENERATED_CALL, ("CachingAutotuner.run", f"{SITE}/torch/_inductor/runtime/triton_heuristics.py")),
+     "inductor: launch"),
+    ((STEP, WRAPPER, GENERATED_CALL), "inductor: generated lines"),
+    ((STEP, WRAPPER), "compiled-region wrappers"),
+    ((STEP, ("AdamW.step", f"{SITE}/torch/optim/adamw.py")), "optimizer"),
+    ((STEP, ("clip_grad_norm_", f"{SITE}/torch/nn/utils/clip_grad.py")), "optimizer"),
+    ((STEP,), "opengem python"),
+    ((("main", "/benchmarks/diag/host_samples.py"),), "other"),
+    ((STEP, WRAPPER, ("compile_fx", f"{SITE}/torch/_inductor/compile_fx.py")), "compile or tuning"),
+    ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("do_bench", f"{SITE}/triton/testing.py")), "compile or tuning"),
+])
+def test_part_of_puts_a_stack_in_the_innermost_component_it_runs_in(frames, part):
+    assert part in PARTS
+    assert part_of(_stack(*frames), GENERATED) == part
+
+
+def test_parse_raw_reads_threads_frames_and_counts_and_names_a_bad_line():
+    lines = [
+        f"thread (0x7F01): MainThread;main ({SITE}/x.py:12);call ({GENERATED}/ab/c.py:340) 7",
+        "thread (4242);cuLaunchKernel (libcuda.so.1) 3",
+        "",
+    ]
+    stacks = parse_raw(lines)
+    assert stacks[0] == ("MainThread", (Frame("main", f"{SITE}/x.py", 12), Frame("call", f"{GENERATED}/ab/c.py", 340)), 7)
+    assert stacks[1] == ("thread 4242", (Frame("cuLaunchKernel", "libcuda.so.1", 0),), 3)
+    assert str(stacks[0][1][1]) == f"call ({GENERATED}/ab/c.py:340)"
+    with pytest.raises(ValueError, match="line 2 is not"):
+        parse_raw(["thread (1): MainThread;f (a.py:1) 2", "f (a.py:1);g (b.py:2) 5"])
+
+
+def test_summarize_gives_each_thread_its_active_ms_a_step_by_part():
+    main = _stack(STEP, WRAPPER, GENERATED_CALL)
+    backward = _stack(WRAPPER, GENERATED_CALL, GDPA)
+    stacks = [("MainThread", main, 40), ("MainThread", _stack(STEP), 10), ("autograd", backward, 30)]
+    result = summarize(stacks, rate=100, steps=5, generated_code_dir=GENERATED)
+    # 100 samples a second over 5 steps: one sample is 2 ms of a step
+    assert result["threads"]["MainThread"] == {
+        "active_ms_per_step": 100.0,
+        "parts_ms_per_step": {"inductor: generated lines": 80.0, "opengem python": 20.0},
+    }
+    assert result["threads"]["autograd"]["parts_ms_per_step"] == {"opengem op: own lines": 60.0}
+    assert list(result["threads"]) == ["MainThread", "autograd"]  # the busiest first
+    assert result["parts_ms_per_step"]["inductor: generated lines"] == 80.0
+    assert result["top_lines"]["opengem op: own lines"] == [
+        {"line": "gdpa_forward (/src/opengem/ops/gdpa.py:1)", "ms_per_step": 60.0}]
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        summarize(stacks, rate=100, steps=0, generated_code_dir=GENERATED)
+
+
+def _busy_step() -> None:
+    end = time.perf_counter() + 0.02
+    while time.perf_counter() < end:
+        sum(range(1000))
+
+
+def test_sample_self_attaches_py_spy_to_this_process_while_the_steps_run():
+    syncs = []
+    stacks, steps, elapsed = sample_self(_busy_step, lambda: syncs.append(1), find_py_spy(None), seconds=1, rate=100)
+    assert syncs == [1, 1] and steps >= 10 and elapsed >= 0.9, (syncs, steps, elapsed)
+    busy = sum(count for _, frames, count in stacks if any(f.function == "_busy_step" for f in frames))
+    assert 30 <= busy <= 130, stacks  # ~100 samples a second of a thread that is always busy
+
+
+def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(tmp_path):
+    with pytest.raises(SystemExit, match="py-spy not found .*no-such-py-spy"):
+        find_py_spy("no-such-py-spy")
+    check_py_spy(find_py_spy(None))  # this process may be read: no error
+    refusing = tmp_path / "py-spy"
+    refusing.write_text("#!/bin/sh\necho 'Permission Denied: try running again with elevated permissions' >&2\nexit 1\n")
+    refusing.chmod(0o755)
+    with pytest.raises(SystemExit, match="cannot sample this process .*Permission Denied"):
+        check_py_spy(str(refusing))
