@@ -963,7 +963,7 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
 py_spy_from_wheel() {  # py-spy (not on the GPU image) from the carried .whl/ into /tmp/site; prints its binary's path
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/py_spy-*.whl >&2 && echo /tmp/site/bin/py-spy
 }
 host_samples_at() {  # host_samples_at PRESET BATCH NAME [ARGS]: py-spy's samples of steady staged steps (20 s)
