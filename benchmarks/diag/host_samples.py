@@ -36,20 +36,21 @@ _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
 _FRAME = re.compile(r"^(?P<function>.*?) \((?P<file>.*?)(?::(?P<line>\d+))?\)$")
 _THREAD = re.compile(r"^thread \((?P<tid>0x[0-9a-fA-F]+|\d+)\)(?:: (?P<name>.*))?$")
 
-# The parts of a step, checked in this order; a sample belongs to the first whose test its stack passes.
+# The parts of a step. Inside an opengem op (ops are called from Inductor's generated code, so they are checked
+# first) the innermost frame says which; elsewhere the innermost frame of a known component does.
 PARTS = (
     "compile or tuning",  # a steady step compiles and times nothing: samples here mean the warm-up did not settle
     "opengem op: launch",  # inside an opengem custom op, in Triton's or opengem's launcher
     "opengem op: own lines",  # an opengem op's Python (work lists, tuner lookups, checks) and the C calls it makes
-    "opengem op: torch python",  # inside an opengem op, in torch's Python (dispatch, tensor methods written in Python)
+    "opengem op: library python",  # inside an opengem op, in torch's or another library's Python (dispatch, numpy)
     "inductor: launch",  # Inductor's generated code launching its Triton kernels
     "inductor: generated lines",  # the generated code's own lines and their C calls: cuBLAS, allocations, views
     "compiled-region wrappers",  # dynamo's guards and AOT autograd's runtime wrappers around the generated code
-    "optimizer",
-    "opengem python",  # the model's and trainer's own Python outside the ops (Jagged, embeddings, the step loop)
+    "optimizer",  # torch.optim (zero_grad, the fused AdamW's Python) and gradient clipping
+    "autograd engine",  # backward() and the engine's own work (eager backward nodes) below it
+    "model and trainer (eager)",  # opengem's Python outside the ops and the eager torch calls it makes
     "other",
 )
-
 
 @dataclass(frozen=True)
 class Frame:
@@ -78,7 +79,8 @@ def parse_raw(lines: Iterable[str]) -> list[tuple[str, tuple[Frame, ...], int]]:
         frames = []
         for text in parts[1:]:
             frame = _FRAME.match(text)
-            frames.append(Frame(frame["function"], frame["file"], int(frame["line"] or 0)) if frame else Frame(text, ""))
+            frames.append(Frame(frame["function"], frame["file"], int(frame["line"] or 0)) if frame
+                          else Frame(text, ""))
         name = thread["name"] or f"thread {thread['tid']}"
         stacks.append((name, tuple(frames), int(match["count"])))
     return stacks
@@ -104,18 +106,29 @@ def part_of(frames: tuple[Frame, ...], generated_code_dir: str) -> str:
             return "opengem op: launch"
         if _in(leaf, "/opengem/"):
             return "opengem op: own lines"
-        return "opengem op: torch python"
-    if generated_code_dir and any(f.file.startswith(generated_code_dir) for f in frames):
-        if _in(leaf, "/triton/", "/torch/_inductor/runtime/"):
-            return "inductor: launch"
-        return "inductor: generated lines"
-    if any(_in(f, "/torch/_dynamo/", "/torch/_functorch/", "/torch/autograd/function.py") for f in frames):
-        return "compiled-region wrappers"
-    if any(_in(f, "/torch/optim/", "/torch/nn/utils/clip_grad") for f in frames):
-        return "optimizer"
-    if any(_in(f, "/opengem/") for f in frames):
-        return "opengem python"
+        return "opengem op: library python"
+    for frame in reversed(frames):
+        if generated_code_dir and frame.file.startswith(generated_code_dir):
+            launching = _in(leaf, "/triton/", "/torch/_inductor/runtime/")
+            return "inductor: launch" if launching else "inductor: generated lines"
+        part = _component(frame)
+        if part is not None:
+            return part
     return "other"
+
+
+def _component(frame: Frame) -> str | None:
+    """The part a frame outside the ops and the generated code belongs to, if any (the innermost such frame wins)."""
+    if _in(frame, "/torch/optim/", "/torch/nn/utils/clip_grad"):
+        return "optimizer"
+    if _in(frame, "/torch/_dynamo/", "/torch/_functorch/", "/torch/autograd/function.py"):
+        return "compiled-region wrappers"
+    if frame.function.endswith(("_engine_run_backward", "Tensor.backward")) or (
+            _in(frame, "/torch/autograd/__init__.py") and frame.function == "backward"):
+        return "autograd engine"
+    if _in(frame, "/opengem/"):
+        return "model and trainer (eager)"
+    return None
 
 
 def summarize(stacks: list[tuple[str, tuple[Frame, ...], int]], rate: float, steps: int, generated_code_dir: str,

@@ -36,14 +36,21 @@ GDPA = ("gdpa_forward", "/src/opengem/ops/gdpa.py")
     ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("JITFunction.run", f"{SITE}/triton/runtime/jit.py")), "opengem op: launch"),
     ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("host_copy", "/src/opengem/jagged/host.py")), "opengem op: own lines"),
     ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("OpOverload.__call__", f"{SITE}/torch/_ops.py")),
-     "opengem op: torch python"),
+     "opengem op: library python"),
     ((STEP, WRAPPER, GENERATED_CALL, ("CachingAutotuner.run", f"{SITE}/torch/_inductor/runtime/triton_heuristics.py")),
      "inductor: launch"),
     ((STEP, WRAPPER, GENERATED_CALL), "inductor: generated lines"),
     ((STEP, WRAPPER), "compiled-region wrappers"),
     ((STEP, ("AdamW.step", f"{SITE}/torch/optim/adamw.py")), "optimizer"),
+    # torch.optim's step runs under dynamo's disable wrapper: the innermost component names it
+    ((STEP, ("_fn", f"{SITE}/torch/_dynamo/eval_frame.py"), ("_fused_adam", f"{SITE}/torch/optim/adam.py")),
+     "optimizer"),
+    ((STEP, ("Tensor.backward", f"{SITE}/torch/_tensor.py"), ("backward", f"{SITE}/torch/autograd/__init__.py"),
+      ("_engine_run_backward", f"{SITE}/torch/autograd/graph.py")), "autograd engine"),
+    ((STEP, ("_engine_run_backward", f"{SITE}/torch/autograd/graph.py"),
+      ("_PlaceRows.backward", "/src/opengem/models/gem.py")), "model and trainer (eager)"),
     ((STEP, ("clip_grad_norm_", f"{SITE}/torch/nn/utils/clip_grad.py")), "optimizer"),
-    ((STEP,), "opengem python"),
+    ((STEP,), "model and trainer (eager)"),
     ((("main", "/benchmarks/diag/host_samples.py"),), "other"),
     ((STEP, WRAPPER, ("compile_fx", f"{SITE}/torch/_inductor/compile_fx.py")), "compile or tuning"),
     ((STEP, WRAPPER, GENERATED_CALL, GDPA, ("do_bench", f"{SITE}/triton/testing.py")), "compile or tuning"),
@@ -60,7 +67,8 @@ def test_parse_raw_reads_threads_frames_and_counts_and_names_a_bad_line():
         "",
     ]
     stacks = parse_raw(lines)
-    assert stacks[0] == ("MainThread", (Frame("main", f"{SITE}/x.py", 12), Frame("call", f"{GENERATED}/ab/c.py", 340)), 7)
+    frames = (Frame("main", f"{SITE}/x.py", 12), Frame("call", f"{GENERATED}/ab/c.py", 340))
+    assert stacks[0] == ("MainThread", frames, 7)
     assert stacks[1] == ("thread 4242", (Frame("cuLaunchKernel", "libcuda.so.1", 0),), 3)
     assert str(stacks[0][1][1]) == f"call ({GENERATED}/ab/c.py:340)"
     with pytest.raises(ValueError, match="line 2 is not"):
@@ -75,7 +83,7 @@ def test_summarize_gives_each_thread_its_active_ms_a_step_by_part():
     # 100 samples a second over 5 steps: one sample is 2 ms of a step
     assert result["threads"]["MainThread"] == {
         "active_ms_per_step": 100.0,
-        "parts_ms_per_step": {"inductor: generated lines": 80.0, "opengem python": 20.0},
+        "parts_ms_per_step": {"inductor: generated lines": 80.0, "model and trainer (eager)": 20.0},
     }
     assert result["threads"]["autograd"]["parts_ms_per_step"] == {"opengem op: own lines": 60.0}
     assert list(result["threads"]) == ["MainThread", "autograd"]  # the busiest first
@@ -105,7 +113,7 @@ def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(
         find_py_spy("no-such-py-spy")
     check_py_spy(find_py_spy(None))  # this process may be read: no error
     refusing = tmp_path / "py-spy"
-    refusing.write_text("#!/bin/sh\necho 'Permission Denied: try running again with elevated permissions' >&2\nexit 1\n")
+    refusing.write_text("#!/bin/sh\necho 'Permission Denied: run with elevated permissions' >&2\nexit 1\n")
     refusing.chmod(0o755)
     with pytest.raises(SystemExit, match="cannot sample this process .*Permission Denied"):
         check_py_spy(str(refusing))
