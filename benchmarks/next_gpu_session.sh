@@ -981,6 +981,12 @@ chain_s59a() {  # session 54: where the host's time goes in steady steps, sample
   step bench_train_large_b256 200 large_at 256 train_gem-large_b256_s59a
   step host_samples_large_native 150 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a_native --native
 }
+chain_s59b() {  # s59a's samples alone (no machine came for s59a's longer call): gem-large b256, gem-small b2048
+  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
+  export PY_SPY
+  step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
+  step host_samples_small 170 host_samples_at gem-small 2048 host_samples_gem-small_b2048_s59a
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
