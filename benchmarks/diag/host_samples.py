@@ -7,7 +7,8 @@ host-paced step keeps its pace. After the warm-up (compiled, batches staged on t
 process attaches py-spy to itself for ``--seconds`` and runs steps until py-spy detaches. py-spy records a thread
 only while it is active (not waiting), so each sample is ``1 / rate`` s of that thread's active time. Each sample
 goes into one part of the step by its stack (:func:`part_of`), per thread: the forward and the optimizer run on the
-main thread, the backward on autograd's device thread.
+main thread, the backward on autograd's device thread. A thread waiting for the GPU inside the CUDA driver may spin
+rather than sleep, and then counts as active at the line that waits (the top lines of each part name them).
 
     PYTHONPATH=src:. python -m benchmarks.diag.host_samples [--preset gem-large] [--batch-size 256] [--steps 4]
         [--seconds 20] [--rate 200] [--py-spy PATH] [--out benchmarks/results/host_samples_gem-large_b256.json]
