@@ -981,6 +981,11 @@ chain_s59a() {  # session 54: where the host's time goes in steady steps, sample
   step bench_train_large_b256 200 large_at 256 train_gem-large_b256_s59a
   step host_samples_large_native 150 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a_native --native
 }
+chain_s59c() {  # s59a's gem-large samples alone (the device budget left for one short call)
+  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
+  export PY_SPY
+  step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
+}
 chain_s59b() {  # s59a's samples alone (no machine came for s59a's longer call): gem-large b256, gem-small b2048
   PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
   export PY_SPY
