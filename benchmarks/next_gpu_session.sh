@@ -971,26 +971,27 @@ host_samples_at() {  # host_samples_at PRESET BATCH NAME [ARGS]: py-spy's sample
   python -m benchmarks.diag.host_samples --preset "$preset" --batch-size "$batch" --steps 4 --seconds 20 \
     --py-spy "${PY_SPY:?installed by py_spy_from_wheel}" --out "$out/results/$name.json" "$@"
 }
+with_py_spy() {  # with_py_spy: py-spy installed from the carried wheel and exported as PY_SPY, or a status line
+  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return 1; }
+  export PY_SPY
+}
 chain_s59a() {  # session 54: where the host's time goes in steady steps, sampled by py-spy from outside (cProfile
-  # slowed the Python it timed: session 53), gem-large b256 and gem-small b2048 on staged batches; then bench train
-  # gem-large b256 at HEAD (not rerun on a fast host since session 51); then gem-large sampled with native frames
-  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
-  export PY_SPY
+  # slowed the Python it timed: session 53), gem-large b256 and gem-small b2048 on staged batches, then gem-large's
+  # samples of the thread holding the interpreter lock (--gil: summed near the step's ms, Python paces the step)
+  with_py_spy || return
   step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
   step host_samples_small 170 host_samples_at gem-small 2048 host_samples_gem-small_b2048_s59a
-  step bench_train_large_b256 200 large_at 256 train_gem-large_b256_s59a
-  step host_samples_large_native 150 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a_native --native
+  step host_samples_large_gil 170 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a_gil --gil
 }
-chain_s59c() {  # s59a's gem-large samples alone (the device budget left for one short call)
-  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
-  export PY_SPY
-  step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
+chain_s59d() {  # session 54, after s59a: bench train gem-large b256 at HEAD (not rerun on a fast host since session
+  # 51), then gem-large's samples with native frames (the CUDA driver's share of the launches)
+  with_py_spy || return
+  step bench_train_large_b256 220 large_at 256 train_gem-large_b256_s59d
+  step host_samples_large_native 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59d_native --native
 }
-chain_s59b() {  # s59a's samples alone (no machine came for s59a's longer call): gem-large b256, gem-small b2048
-  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return; }
-  export PY_SPY
+chain_s59c() {  # s59a's gem-large samples alone (for a device budget that fits one short call)
+  with_py_spy || return
   step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
-  step host_samples_small 170 host_samples_at gem-small 2048 host_samples_gem-small_b2048_s59a
 }
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch

@@ -11,7 +11,8 @@ main thread, the backward on autograd's device thread. A thread waiting for the 
 rather than sleep, and then counts as active at the line that waits (the top lines of each part name them).
 
     PYTHONPATH=src:. python -m benchmarks.diag.host_samples [--preset gem-large] [--batch-size 256] [--steps 4]
-        [--seconds 20] [--rate 200] [--py-spy PATH] [--out benchmarks/results/host_samples_gem-large_b256.json]
+        [--seconds 20] [--rate 200] [--native] [--gil] [--py-spy PATH]
+        [--out benchmarks/results/host_samples_gem-large_b256.json]
 
 py-spy (the ``test`` extra installs it) needs the right to read this process's memory (``ptrace``), which
 containers without ``CAP_SYS_PTRACE`` may refuse: the error then says so.
@@ -26,7 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -184,17 +185,16 @@ def check_py_spy(py_spy: str) -> None:
 
 
 def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: str, seconds: float, rate: int,
-                native: bool = False) -> tuple[list[tuple[str, tuple[Frame, ...], int]], int, float]:
+                flags: Sequence[str] = ()) -> tuple[list[tuple[str, tuple[Frame, ...], int]], int, float]:
     """Runs ``run_step`` while py-spy samples this process for ``seconds``: ``(stacks, steps run, seconds they
-    took)``, timed from py-spy's start to the end of the last step (``sync`` drains the device queue)."""
+    took)``, timed from py-spy's start to the end of the last step (``sync`` drains the device queue). ``flags``:
+    py-spy's own (``--native``: C/C++ frames too; ``--gil``: only the thread holding the interpreter lock)."""
     import os
 
     with tempfile.TemporaryDirectory() as scratch:
         raw = Path(scratch) / "samples.txt"
         command = [py_spy, "record", "--pid", str(os.getpid()), "--duration", str(int(seconds)), "--rate", str(rate),
-                   "--format", "raw", "--threads", "--full-filenames", "--nonblocking", "--output", str(raw)]
-        if native:
-            command.append("--native")
+                   "--format", "raw", "--threads", "--full-filenames", "--nonblocking", "--output", str(raw), *flags]
         sync()
         spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         start = time.perf_counter()
@@ -230,6 +230,9 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=20, help="how long py-spy samples")
     parser.add_argument("--rate", type=int, default=200, help="samples a second")
     parser.add_argument("--native", action="store_true", help="py-spy also unwinds C/C++ frames")
+    parser.add_argument("--gil", action="store_true",
+                        help="only the thread holding the interpreter lock: its ms a step, summed over the threads, "
+                             "near the step's ms say the host's Python paces the step")
     parser.add_argument("--py-spy", default=None, help="the py-spy executable (default: the one on PATH)")
     parser.add_argument("--top", type=int, default=15, help="lines kept per part")
     args = parse_diagnostic_args(parser, "host_samples samples GPU training steps")
@@ -254,8 +257,8 @@ def main() -> None:
         return 1e3 * (time.perf_counter() - start) / steps
 
     before = timed_unsampled(2 * len(batches))
-    stacks, steps, elapsed = sample_self(run_step, torch.cuda.synchronize, py_spy, args.seconds, args.rate,
-                                         args.native)  # fmt: skip
+    flags = [flag for flag, wanted in (("--native", args.native), ("--gil", args.gil)) if wanted]
+    stacks, steps, elapsed = sample_self(run_step, torch.cuda.synchronize, py_spy, args.seconds, args.rate, flags)
     after = timed_unsampled(2 * len(batches))
     result = summarize(stacks, args.rate, steps, str(cache_dir()), args.top)
     step_ms = {"unsampled_before": before, "sampled": 1e3 * elapsed / steps, "unsampled_after": after}
@@ -268,7 +271,7 @@ def main() -> None:
     for part, lines in result["top_lines"].items():
         print(f"{part}: " + "; ".join(f"{line['line']} {line['ms_per_step']:.2f}" for line in lines[:5]))
     write_diagnostic("host_samples", args, options, host_speed=speed, step_ms=step_ms, sampled_steps=steps,
-                     rate=args.rate, seconds=args.seconds, native=args.native,
+                     rate=args.rate, seconds=args.seconds, py_spy_flags=flags,
                      step_ms_unsampled=statistics.fmean([before, after]), **result)  # fmt: skip
 
 

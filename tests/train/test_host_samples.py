@@ -1,6 +1,7 @@
 """benchmarks.diag.host_samples on the CPU: py-spy's raw output parsed, each stack put in its part of the step, the
 parts summed per thread and step, and py-spy attached to this very process."""
 
+import threading
 import time
 
 import pytest
@@ -106,6 +107,31 @@ def test_sample_self_attaches_py_spy_to_this_process_while_the_steps_run():
     assert syncs == [1, 1] and steps >= 10 and elapsed >= 0.9, (syncs, steps, elapsed)
     busy = sum(count for _, frames, count in stacks if any(f.function == "_busy_step" for f in frames))
     assert 30 <= busy <= 130, stacks  # ~100 samples a second of a thread that is always busy
+
+
+def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_lock():
+    import torch
+
+    stop = threading.Event()
+    matrix = torch.randn(384, 384)
+
+    def multiply() -> None:  # torch releases the interpreter lock inside the product
+        while not stop.is_set():
+            torch.mm(matrix, matrix)
+
+    def worker_samples(flags: list[str]) -> int:
+        stacks, _, _ = sample_self(lambda: time.sleep(0.01), lambda: None, find_py_spy(None), seconds=1, rate=100,
+                                   flags=flags)  # fmt: skip
+        return sum(count for thread, _, count in stacks if thread == "multiplier")
+
+    worker = threading.Thread(target=multiply, name="multiplier")
+    worker.start()
+    try:
+        active, holding = worker_samples([]), worker_samples(["--gil"])
+    finally:
+        stop.set()
+        worker.join()
+    assert active >= 50 and holding <= active / 4, (active, holding)
 
 
 def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(tmp_path):
