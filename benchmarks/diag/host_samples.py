@@ -208,7 +208,10 @@ def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: 
         if spy.returncode != 0 or not raw.exists():
             raise RuntimeError(f"py-spy failed (exit {spy.returncode}); it needs ptrace rights on this process "
                                f"(CAP_SYS_PTRACE in a container). Its output:\n{output}")  # fmt: skip
-        return parse_raw(raw.read_text().splitlines()), steps, elapsed
+        stacks = parse_raw(raw.read_text().splitlines())
+        if not stacks:
+            raise RuntimeError(f"py-spy recorded no samples of this process in {seconds} s. Its output:\n{output}")
+        return stacks, steps, elapsed
 
 
 def main() -> None:

@@ -95,8 +95,8 @@ def test_summarize_gives_each_thread_its_active_ms_a_step_by_part():
         summarize(stacks, rate=100, steps=0, generated_code_dir=GENERATED)
 
 
-def _busy_step() -> None:
-    end = time.perf_counter() + 0.02
+def _busy_step(seconds: float = 0.02) -> None:
+    end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         sum(range(1000))
 
@@ -119,8 +119,12 @@ def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_l
         while not stop.is_set():
             torch.mm(matrix, matrix)
 
+    def short_busy_step() -> None:  # holds the lock a fifth of the time: py-spy --gil has samples to write
+        _busy_step(0.002)
+        time.sleep(0.008)
+
     def worker_samples(flags: list[str]) -> int:
-        stacks, _, _ = sample_self(lambda: time.sleep(0.01), lambda: None, find_py_spy(None), seconds=1, rate=100,
+        stacks, _, _ = sample_self(short_busy_step, lambda: None, find_py_spy(None), seconds=1, rate=100,
                                    flags=flags)  # fmt: skip
         return sum(count for thread, _, count in stacks if thread == "multiplier")
 
@@ -132,6 +136,14 @@ def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_l
         stop.set()
         worker.join()
     assert active >= 50 and holding <= active / 4, (active, holding)
+
+
+def test_sample_self_names_a_run_without_samples(tmp_path):
+    silent = tmp_path / "py-spy"  # exits 0 and writes an empty raw file, as py-spy would if it saw nothing
+    silent.write_text('#!/bin/sh\nwhile [ "$1" != "--output" ]; do shift; done\n: > "$2"\n')
+    silent.chmod(0o755)
+    with pytest.raises(RuntimeError, match="recorded no samples"):
+        sample_self(lambda: None, lambda: None, str(silent), seconds=1, rate=100)
 
 
 def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(tmp_path):
