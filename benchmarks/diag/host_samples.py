@@ -21,8 +21,10 @@ containers without ``CAP_SYS_PTRACE`` may refuse: the error then says so.
 from __future__ import annotations
 
 import collections
+import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -53,6 +55,7 @@ PARTS = (
     "model and trainer (eager)",  # opengem's Python outside the ops and the eager torch calls it makes
     "other",
 )
+
 
 @dataclass(frozen=True)
 class Frame:
@@ -176,8 +179,6 @@ def find_py_spy(path: str | None) -> str:
 
 def check_py_spy(py_spy: str) -> None:
     """Fails at once, with py-spy's own words, where it may not read this process (before a long warm-up)."""
-    import os
-
     done = subprocess.run([py_spy, "dump", "--pid", str(os.getpid()), "--nonblocking"], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"py-spy cannot sample this process (exit {done.returncode}; in a container it needs "
@@ -189,8 +190,6 @@ def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: 
     """Runs ``run_step`` while py-spy samples this process for ``seconds``: ``(stacks, steps run, seconds they
     took)``, timed from py-spy's start to the end of the last step (``sync`` drains the device queue). ``flags``:
     py-spy's own (``--native``: C/C++ frames too; ``--gil``: only the thread holding the interpreter lock)."""
-    import os
-
     with tempfile.TemporaryDirectory() as scratch:
         raw = Path(scratch) / "samples.txt"
         command = [py_spy, "record", "--pid", str(os.getpid()), "--duration", str(int(seconds)), "--rate", str(rate),
@@ -199,10 +198,15 @@ def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: 
         spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         start = time.perf_counter()
         steps = 0
-        while spy.poll() is None:
-            run_step()
-            steps += 1
-        sync()
+        try:
+            while spy.poll() is None:
+                run_step()
+                steps += 1
+            sync()
+        except BaseException:
+            spy.kill()  # a failed step ends the sampling too
+            spy.wait()
+            raise
         elapsed = time.perf_counter() - start
         output = spy.stdout.read() if spy.stdout else ""
         if spy.returncode != 0 or not raw.exists():
@@ -215,8 +219,6 @@ def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: 
 
 
 def main() -> None:
-    import statistics
-
     import torch
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
@@ -236,7 +238,8 @@ def main() -> None:
     parser.add_argument("--gil", action="store_true",
                         help="only the thread holding the interpreter lock: its ms a step, summed over the threads, "
                              "near the step's ms say the host's Python paces the step")
-    parser.add_argument("--py-spy", default=None, help="the py-spy executable (default: the one on PATH)")
+    parser.add_argument("--py-spy", default=None,
+                        help="the py-spy executable (default: the one on PATH or beside this Python)")
     parser.add_argument("--top", type=int, default=15, help="lines kept per part")
     args = parse_diagnostic_args(parser, "host_samples samples GPU training steps")
     if args.seconds < 1 or args.rate < 1:

@@ -1,8 +1,10 @@
 """benchmarks.diag.host_samples on the CPU: py-spy's raw output parsed, each stack put in its part of the step, the
 parts summed per thread and step, and py-spy attached to this very process."""
 
+import os
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -144,6 +146,30 @@ def test_sample_self_names_a_run_without_samples(tmp_path):
     silent.chmod(0o755)
     with pytest.raises(RuntimeError, match="recorded no samples"):
         sample_self(lambda: None, lambda: None, str(silent), seconds=1, rate=100)
+
+
+def test_sample_self_stops_py_spy_when_a_step_fails():
+    def failing_step() -> None:
+        raise RuntimeError("step failed")
+
+    def samplers_of_this_process() -> list[str]:
+        mine = f"--pid\0{os.getpid()}\0".encode()
+        found = []
+        for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                text = cmdline.read_bytes()
+            except OSError:  # the process ended while listed
+                continue
+            if b"py-spy" in text and mine in text:
+                found.append(cmdline.parent.name)
+        return found
+
+    with pytest.raises(RuntimeError, match="step failed"):
+        sample_self(failing_step, lambda: None, find_py_spy(None), seconds=30, rate=100)
+    deadline = time.perf_counter() + 5
+    while samplers_of_this_process() and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    assert samplers_of_this_process() == []  # stopped, not left sampling for its 30 s
 
 
 def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(tmp_path):
