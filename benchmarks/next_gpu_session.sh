@@ -1310,9 +1310,8 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
 }
 export out
 export -f tests train large_at host_samples_at unpacked_cache with_cache small_train small_train_at \
-  small_train_fp8_inductor \
-  small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve bf16_repeat_curve \
-  bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
+  small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
+  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
