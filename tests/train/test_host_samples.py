@@ -181,3 +181,42 @@ def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(
     refusing.chmod(0o755)
     with pytest.raises(SystemExit, match="cannot sample this process .*Permission Denied"):
         check_py_spy(str(refusing))
+
+
+def test_main_samples_the_warmed_steps_and_writes_every_figure(tmp_path, monkeypatch):
+    """The diagnostic's wiring on the CPU: the GPU-only pieces (the warmed learner, the host probe, CUDA's sync and
+    name) stand in, the steps are a busy Python loop, and py-spy samples them for real."""
+    import json
+    import sys
+
+    import torch
+
+    import benchmarks.diag.compiled_learner as compiled_learner
+    import opengem.train.bench.host_speed as host_speed_module
+    from benchmarks.diag import host_samples
+
+    class BusyLearner:
+        steps = 0
+
+        def step(self, batch: int) -> None:
+            _busy_step(0.01)
+            self.steps += 1
+
+    learner = BusyLearner()
+    options = compiled_learner.TrainBenchOptions(preset="gem-tiny", compile=True, batch_size=8)
+    monkeypatch.setattr(compiled_learner, "warmed_learner", lambda preset, batch, staged: (options, learner, [0, 1]))
+    monkeypatch.setattr(host_speed_module, "host_speed", lambda device: {"launch_us": 5.0, "python_ms": 20.0})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stand-in")
+    out = tmp_path / "samples.json"
+    monkeypatch.setattr(sys, "argv", ["host_samples", "--preset", "gem-tiny", "--batch-size", "8", "--seconds", "1",
+                                      "--rate", "100", "--out", str(out)])  # fmt: skip
+    host_samples.main()
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "host_samples" and result["py_spy_flags"] == []
+    assert result["sampled_steps"] >= 10 and learner.steps >= result["sampled_steps"] + 8  # 2 x 2 unsampled, twice
+    assert set(result["step_ms"]) == {"unsampled_before", "sampled", "unsampled_after"}
+    main_thread = result["threads"]["MainThread"]
+    assert main_thread["active_ms_per_step"] > 3  # ~10 ms of busy Python a step, sampled at 100 Hz
+    assert set(main_thread["parts_ms_per_step"]) <= set(PARTS)
