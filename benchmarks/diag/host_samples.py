@@ -34,6 +34,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+from benchmarks.diag.compiled_learner import (
+    diagnostic_parser,
+    parse_diagnostic_args,
+    warmed_learner,
+    write_diagnostic,
+)
+from opengem.train.bench.host_speed import host_speed
+
 # A raw (collapsed) py-spy line with --threads: "thread (TID): NAME;frame;frame ... COUNT", a frame "function
 # (file:line)"; native frames (--native) may carry no file.
 _LINE = re.compile(r"^(?P<stack>.*) (?P<count>\d+)$")
@@ -219,17 +230,6 @@ def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: 
 
 
 def main() -> None:
-    import torch
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    from benchmarks.diag.compiled_learner import (
-        diagnostic_parser,
-        parse_diagnostic_args,
-        warmed_learner,
-        write_diagnostic,
-    )
-    from opengem.train.bench.host_speed import host_speed
-
     parser = diagnostic_parser(__doc__.splitlines()[0], "gem-large", 256, "staged batches, run in turn",
                                "benchmarks/results/host_samples_gem-large_b256.json")  # fmt: skip
     parser.add_argument("--seconds", type=int, default=20, help="how long py-spy samples")

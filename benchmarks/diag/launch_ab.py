@@ -18,7 +18,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.diag.compiled_learner import abba
+from benchmarks.diag.compiled_learner import (
+    abba,
+    diagnostic_parser,
+    parse_diagnostic_args,
+    warmed_learner,
+    write_diagnostic,
+)
+from opengem.ops.triton import launcher
+from opengem.train.bench.host_speed import host_speed
 
 PATHS = ("triton", "cached")
 
@@ -47,15 +55,6 @@ def time_rounds(run_steps: Callable[[], None], set_path: Callable[[str], None], 
 
 
 def main() -> None:
-    from benchmarks.diag.compiled_learner import (
-        diagnostic_parser,
-        parse_diagnostic_args,
-        warmed_learner,
-        write_diagnostic,
-    )
-    from opengem.ops.triton import launcher
-    from opengem.train.bench.host_speed import host_speed
-
     parser = diagnostic_parser(__doc__.splitlines()[0], "gem-large", 256, "staged steps a round and path",
                                "benchmarks/results/launch_ab_gem-large_b256.json")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=8, help="ABBA rounds (even)")

@@ -23,7 +23,17 @@ from typing import Any
 
 import torch
 
-from benchmarks.diag.compiled_learner import abba
+from benchmarks.diag.compiled_learner import (
+    abba,
+    diagnostic_parser,
+    parse_diagnostic_args,
+    warmed_learner,
+    write_diagnostic,
+)
+from opengem.train.bench.host_speed import host_speed
+from opengem.train.bench.step import bench_config
+from opengem.train.data_stream import train_batches
+from opengem.train.flops import device_peak_flops, train_flops
 
 MODES = ("staged", "stream")
 
@@ -49,17 +59,6 @@ def time_round(steps: Callable[[], list[float]], sync: Callable[[], None]) -> tu
 
 
 def main() -> None:
-    from benchmarks.diag.compiled_learner import (
-        diagnostic_parser,
-        parse_diagnostic_args,
-        warmed_learner,
-        write_diagnostic,
-    )
-    from opengem.train.bench.host_speed import host_speed
-    from opengem.train.bench.step import bench_config
-    from opengem.train.data_stream import train_batches
-    from opengem.train.flops import device_peak_flops, train_flops
-
     parser = diagnostic_parser(__doc__.splitlines()[0], "gem-large", 256, "steps a round and mode",
                                "benchmarks/results/loader_ab_gem-large_b256.json")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=6, help="ABBA rounds (even)")

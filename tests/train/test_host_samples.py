@@ -192,9 +192,8 @@ def test_main_samples_the_warmed_steps_and_writes_every_figure(tmp_path, monkeyp
 
     import torch
 
-    import benchmarks.diag.compiled_learner as compiled_learner
-    import opengem.train.bench.host_speed as host_speed_module
     from benchmarks.diag import host_samples
+    from opengem.train.bench.step import TrainBenchOptions
 
     class BusyLearner:
         steps = 0
@@ -204,9 +203,9 @@ def test_main_samples_the_warmed_steps_and_writes_every_figure(tmp_path, monkeyp
             self.steps += 1
 
     learner = BusyLearner()
-    options = compiled_learner.TrainBenchOptions(preset="gem-tiny", compile=True, batch_size=8)
-    monkeypatch.setattr(compiled_learner, "warmed_learner", lambda preset, batch, staged: (options, learner, [0, 1]))
-    monkeypatch.setattr(host_speed_module, "host_speed", lambda device: {"launch_us": 5.0, "python_ms": 20.0})
+    options = TrainBenchOptions(preset="gem-tiny", compile=True, batch_size=8)
+    monkeypatch.setattr(host_samples, "warmed_learner", lambda preset, batch, staged: (options, learner, [0, 1]))
+    monkeypatch.setattr(host_samples, "host_speed", lambda device: {"launch_us": 5.0, "python_ms": 20.0})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stand-in")
