@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -52,6 +54,19 @@ def write_diagnostic(name: str, args: argparse.Namespace, options: TrainBenchOpt
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(payload, indent=1))
     print(f"wrote {args.out}")
+
+
+Result = TypeVar("Result")
+
+
+def timed(run: Callable[[], Result], sync: Callable[[], None]) -> tuple[float, Result]:
+    """``(seconds, result)`` of ``run``, timed on the host between two ``sync`` calls that drain the device queue
+    (so the time is the work's, queued before and after alike)."""
+    sync()
+    start = time.perf_counter()
+    result = run()
+    sync()
+    return time.perf_counter() - start, result
 
 
 def abba(rounds: int, modes: tuple[str, str]) -> list[tuple[str, str]]:

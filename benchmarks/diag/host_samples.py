@@ -40,6 +40,7 @@ from torch._inductor.runtime.cache_dir_utils import cache_dir
 from benchmarks.diag.compiled_learner import (
     diagnostic_parser,
     parse_diagnostic_args,
+    timed,
     warmed_learner,
     write_diagnostic,
 )
@@ -254,18 +255,18 @@ def main() -> None:
         learner.step(batches[turn[0] % len(batches)])
         turn[0] += 1
 
-    def timed_unsampled(steps: int) -> float:
-        torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            run_step()
-        torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - start) / steps
+    def unsampled_step_ms(steps: int) -> float:
+        def run_steps() -> None:
+            for _ in range(steps):
+                run_step()
 
-    before = timed_unsampled(2 * len(batches))
+        seconds, _ = timed(run_steps, torch.cuda.synchronize)
+        return 1e3 * seconds / steps
+
+    before = unsampled_step_ms(2 * len(batches))
     flags = [flag for flag, wanted in (("--native", args.native), ("--gil", args.gil)) if wanted]
     stacks, steps, elapsed = sample_self(run_step, torch.cuda.synchronize, py_spy, args.seconds, args.rate, flags)
-    after = timed_unsampled(2 * len(batches))
+    after = unsampled_step_ms(2 * len(batches))
     result = summarize(stacks, args.rate, steps, str(cache_dir()), args.top)
     step_ms = {"unsampled_before": before, "sampled": 1e3 * elapsed / steps, "unsampled_after": after}
     print(f"host {speed['launch_us']:.2f} us / launch, {speed['python_ms']:.1f} ms of fixed Python")

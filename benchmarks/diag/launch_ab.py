@@ -12,7 +12,6 @@ round runs the staged steps once per path (:data:`opengem.ops.triton.launcher.CA
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -22,6 +21,7 @@ from benchmarks.diag.compiled_learner import (
     abba,
     diagnostic_parser,
     parse_diagnostic_args,
+    timed,
     warmed_learner,
     write_diagnostic,
 )
@@ -46,11 +46,8 @@ def time_rounds(run_steps: Callable[[], None], set_path: Callable[[str], None], 
     for order in abba(rounds, PATHS):
         for path in order:
             set_path(path)
-            sync()
-            start = time.perf_counter()
-            run_steps()
-            sync()
-            step_ms[path].append(1e3 * (time.perf_counter() - start) / steps)
+            seconds, _ = timed(run_steps, sync)
+            step_ms[path].append(1e3 * seconds / steps)
     return step_ms
 
 

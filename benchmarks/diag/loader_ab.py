@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import sys
-import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -27,6 +26,7 @@ from benchmarks.diag.compiled_learner import (
     abba,
     diagnostic_parser,
     parse_diagnostic_args,
+    timed,
     warmed_learner,
     write_diagnostic,
 )
@@ -51,11 +51,8 @@ def mode_summary(rows: list[dict[str, Any]], peak_tflops: float) -> dict[str, di
 
 def time_round(steps: Callable[[], list[float]], sync: Callable[[], None]) -> tuple[float, float]:
     """(seconds, FLOPs) of one round: ``steps`` runs the round's steps and returns each step's useful FLOPs."""
-    sync()
-    start = time.perf_counter()
-    flops = steps()
-    sync()
-    return time.perf_counter() - start, sum(flops)
+    seconds, flops = timed(steps, sync)
+    return seconds, sum(flops)
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 import pytest
 
-from benchmarks.diag.compiled_learner import abba
+from benchmarks.diag.compiled_learner import abba, timed
 from benchmarks.diag.launch_ab import summary, time_rounds
 from benchmarks.diag.loader_ab import mode_summary, time_round
 
@@ -12,6 +12,12 @@ def test_abba_flips_the_order_every_round_and_needs_an_even_count():
     for bad in (0, 3):
         with pytest.raises(ValueError, match="rounds must be an even number"):
             abba(bad, ("a", "b"))
+
+
+def test_timed_runs_between_two_syncs_and_returns_the_result():
+    events = []
+    seconds, result = timed(lambda: events.append("run") or 7, lambda: events.append("sync"))
+    assert events == ["sync", "run", "sync"] and result == 7 and seconds >= 0
 
 
 def test_time_rounds_sets_each_path_before_its_steps_and_summary_compares_them():
