@@ -962,18 +962,18 @@ chain_s38a() {  # next session: gem-small b2048 as it stands (session 23: 139.8 
   step bench_train_small_shadows 280 small_train --set weight_shadows=true \
     --out "$out/results/train_gem-small_b2048_s38a_shadows_bf16.json"
 }
-py_spy_from_wheel() {  # py-spy (not on the GPU image) from the carried .whl/ into /tmp/site; prints its binary's path
-  python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/py_spy-*.whl >&2 && echo /tmp/site/bin/py-spy
-}
 host_samples_at() {  # host_samples_at PRESET BATCH NAME [ARGS]: py-spy's samples of steady staged steps (20 s)
   local preset=$1 batch=$2 name=$3; shift 3
   python -m benchmarks.diag.host_samples --preset "$preset" --batch-size "$batch" --steps 4 --seconds 20 \
-    --py-spy "${PY_SPY:?installed by py_spy_from_wheel}" --out "$out/results/$name.json" "$@"
+    --py-spy "${PY_SPY:?installed by with_py_spy}" --out "$out/results/$name.json" "$@"
 }
-with_py_spy() {  # with_py_spy: py-spy installed from the carried wheel and exported as PY_SPY, or a status line
-  PY_SPY=$(py_spy_from_wheel) || { echo "rc=1 py-spy install failed" >> "$out/status"; return 1; }
-  export PY_SPY
+with_py_spy() {  # py-spy (not on the GPU image) from the carried .whl/ into /tmp/site, exported as PY_SPY
+  if ! python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/py_spy-*.whl; then
+    echo "rc=1 py-spy install failed" >> "$out/status"
+    return 1
+  fi
+  export PY_SPY=/tmp/site/bin/py-spy
 }
 chain_s59a() {  # session 54: where the host's time goes in steady steps, sampled by py-spy from outside (cProfile
   # slowed the Python it timed: session 53), gem-large b256 and gem-small b2048 on staged batches, then gem-large's
