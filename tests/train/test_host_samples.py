@@ -1,13 +1,17 @@
 """benchmarks.diag.host_samples on the CPU: py-spy's raw output parsed, each stack put in its part of the step, the
 parts summed per thread and step, and py-spy attached to this very process."""
 
+import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch
 
+from benchmarks.diag import host_samples
 from benchmarks.diag.host_samples import (
     PARTS,
     Frame,
@@ -18,6 +22,7 @@ from benchmarks.diag.host_samples import (
     sample_self,
     summarize,
 )
+from opengem.train.bench.step import TrainBenchOptions
 
 GENERATED = "/tmp/torchinductor_root"
 SITE = "/usr/lib/python3.12/site-packages"
@@ -113,8 +118,6 @@ def test_sample_self_attaches_py_spy_to_this_process_while_the_steps_run():
 
 
 def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_lock():
-    import torch
-
     stop = threading.Event()
     matrix = torch.randn(384, 384)
 
@@ -187,14 +190,6 @@ def test_find_py_spy_names_the_missing_program_and_check_py_spy_names_a_refusal(
 def test_main_samples_the_warmed_steps_and_writes_every_figure(tmp_path, monkeypatch):
     """The diagnostic's wiring on the CPU: the GPU-only pieces (the warmed learner, the host probe, CUDA's sync and
     name) stand in, the steps are a busy Python loop, and py-spy samples them for real."""
-    import json
-    import sys
-
-    import torch
-
-    from benchmarks.diag import host_samples
-    from opengem.train.bench.step import TrainBenchOptions
-
     class BusyLearner:
         steps = 0
 
