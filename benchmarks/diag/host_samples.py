@@ -3,12 +3,13 @@
 cProfile and the torch profiler run inside the process and slow its Python, so they move the time they measure
 (session 53: 51.8 ms of opengem op calls a gem-large step under cProfile, 7.3 ms of it the profiler's own). py-spy
 reads the process's stacks from outside at a fixed rate and, with ``--nonblocking``, never pauses it, so a
-host-paced step keeps its pace. After the warm-up (compiled, batches staged on the device, as ``launch_ab``), the
-process attaches py-spy to itself for ``--seconds`` and runs steps until py-spy detaches. py-spy records a thread
-only while it is active (not waiting), so each sample is ``1 / rate`` s of that thread's active time. Each sample
-goes into one part of the step by its stack (:func:`part_of`), per thread: the forward and the optimizer run on the
-main thread, the backward on autograd's device thread. A thread waiting for the GPU inside the CUDA driver may spin
-rather than sleep, and then counts as active at the line that waits (the top lines of each part name them).
+host-paced step keeps its pace (``--native`` excepted: see :func:`sample_self`). After the warm-up (compiled,
+batches staged on the device, as ``launch_ab``), the process attaches py-spy to itself for ``--seconds`` and runs
+steps until py-spy detaches. py-spy records a thread only while it is active (not waiting), so each sample is
+``1 / rate`` s of that thread's active time. Each sample goes into one part of the step by its stack
+(:func:`part_of`), per thread: the forward and the optimizer run on the main thread, the backward on autograd's
+device thread. A thread waiting for the GPU inside the CUDA driver may spin rather than sleep, and then counts as
+active at the line that waits (the top lines of each part name them; ``--native`` names the library).
 
     PYTHONPATH=src:. python -m benchmarks.diag.host_samples [--preset gem-large] [--batch-size 256] [--steps 4]
         [--seconds 20] [--rate 200] [--native] [--gil] [--py-spy PATH]
@@ -148,19 +149,44 @@ def _component(frame: Frame) -> str | None:
     return None
 
 
+def is_python(frame: Frame) -> bool:
+    """A Python frame (a ``.py`` file, or code made from a string such as Triton's launchers), not a native one."""
+    return frame.file.endswith(".py") or frame.file.startswith("<")
+
+
+def native_library(frames: tuple[Frame, ...]) -> str | None:
+    """The shared library (``libcuda.so``, ``libcublasLt.so``, ...) of the innermost frame when it is native code
+    below the innermost Python frame (``--native`` samples), ``"(Python)"`` when the leaf is Python, None when the
+    stack has no native frame at all (samples taken without ``--native``)."""
+    if not frames or all(is_python(frame) for frame in frames):
+        return None
+    leaf = frames[-1]
+    if is_python(leaf):
+        return "(Python)"
+    name = leaf.file.rsplit("/", 1)[-1] or leaf.function
+    return re.sub(r"(\.so)(\.[\d.]+)$", r"\1", name)  # libcuda.so.1 -> libcuda.so
+
+
 def summarize(stacks: list[tuple[str, tuple[Frame, ...], int]], rate: float, steps: int, generated_code_dir: str,
               top: int = 15) -> dict[str, Any]:
-    """Per thread: its active ms a step, by part, and the lines (innermost frames) with the most samples in each
-    part; the parts' ms a step over all threads."""
+    """Per thread: its active ms a step, by part, and the lines (innermost Python frames) with the most samples in
+    each part; the parts' ms a step over all threads. Stacks with native frames (``--native``) go into their parts by
+    their Python frames alone, so the parts read as without ``--native``; ``native_libraries`` then splits each part
+    by the library its samples were running in."""
     if steps < 1:
         raise ValueError(f"steps must be >= 1 to put samples per step, got {steps}")
     ms_per_sample = 1e3 / rate / steps
     threads: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     leaves: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
+    libraries: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     for thread, frames, count in stacks:
-        part = part_of(frames, generated_code_dir)
+        python = tuple(frame for frame in frames if is_python(frame))
+        part = part_of(python, generated_code_dir)
         threads[thread][part] += count
-        leaves[part][str(frames[-1]) if frames else "(no Python frame)"] += count
+        leaves[part][str(python[-1]) if python else "(no Python frame)"] += count
+        library = native_library(frames)
+        if library is not None:
+            libraries[part][library] += count
     by_thread = {
         thread: {"active_ms_per_step": ms_per_sample * sum(parts.values()),
                  "parts_ms_per_step": {part: ms_per_sample * parts[part] for part in PARTS if parts[part]}}
@@ -174,6 +200,8 @@ def summarize(stacks: list[tuple[str, tuple[Frame, ...], int]], rate: float, ste
         "parts_ms_per_step": {part: ms_per_sample * totals[part] for part in PARTS if totals[part]},
         "top_lines": {part: [{"line": line, "ms_per_step": ms_per_sample * count}
                              for line, count in leaves[part].most_common(top)] for part in PARTS if leaves[part]},
+        "native_libraries": {part: {library: ms_per_sample * count for library, count in libraries[part].most_common()}
+                             for part in PARTS if libraries[part]},
     }  # fmt: skip
 
 
@@ -201,11 +229,15 @@ def sample_self(run_step: Callable[[], None], sync: Callable[[], None], py_spy: 
                 flags: Sequence[str] = ()) -> tuple[list[tuple[str, tuple[Frame, ...], int]], int, float]:
     """Runs ``run_step`` while py-spy samples this process for ``seconds``: ``(stacks, steps run, seconds they
     took)``, timed from py-spy's start to the end of the last step (``sync`` drains the device queue). ``flags``:
-    py-spy's own (``--native``: C/C++ frames too; ``--gil``: only the thread holding the interpreter lock)."""
+    py-spy's own (``--native``: C/C++ frames too; ``--gil``: only the thread holding the interpreter lock).
+    ``--native`` cannot unwind a running process, so py-spy then pauses it for each sample (``--nonblocking`` is
+    left out): the sampled steps run slower, by what the caller's unsampled steps show."""
+    pausing = "--native" in flags
     with tempfile.TemporaryDirectory() as scratch:
         raw = Path(scratch) / "samples.txt"
         command = [py_spy, "record", "--pid", str(os.getpid()), "--duration", str(int(seconds)), "--rate", str(rate),
-                   "--format", "raw", "--threads", "--full-filenames", "--nonblocking", "--output", str(raw), *flags]
+                   "--format", "raw", "--threads", "--full-filenames", *([] if pausing else ["--nonblocking"]),
+                   "--output", str(raw), *flags]  # fmt: skip
         sync()
         spy = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         start = time.perf_counter()
@@ -277,6 +309,8 @@ def main() -> None:
             print(f"  {part:28s} {ms:8.2f} ms")
     for part, lines in result["top_lines"].items():
         print(f"{part}: " + "; ".join(f"{line['line']} {line['ms_per_step']:.2f}" for line in lines[:5]))
+    for part, libraries in result["native_libraries"].items():
+        print(f"{part}, native: " + "; ".join(f"{library} {ms:.2f}" for library, ms in list(libraries.items())[:5]))
     write_diagnostic("host_samples", args, options, host_speed=speed, step_ms=step_ms, sampled_steps=steps,
                      rate=args.rate, seconds=args.seconds, py_spy_flags=flags,
                      step_ms_unsampled=statistics.fmean([before, after]), **result)  # fmt: skip

@@ -1,6 +1,7 @@
 """benchmarks.diag.host_samples on the CPU: py-spy's raw output parsed, each stack put in its part of the step, the
 parts summed per thread and step, and py-spy attached to this very process."""
 
+import collections
 import json
 import os
 import sys
@@ -17,6 +18,7 @@ from benchmarks.diag.host_samples import (
     Frame,
     check_py_spy,
     find_py_spy,
+    native_library,
     parse_raw,
     part_of,
     sample_self,
@@ -102,6 +104,24 @@ def test_summarize_gives_each_thread_its_active_ms_a_step_by_part():
         summarize(stacks, rate=100, steps=0, generated_code_dir=GENERATED)
 
 
+def test_summarize_puts_native_samples_in_their_python_part_and_splits_it_by_library():
+    driver = Frame("cuLaunchKernel", "/usr/lib/x86_64-linux-gnu/libcuda.so.575.57.08", 0)
+    interpreter = Frame("_PyEval_EvalFrameDefault", "/usr/lib/libpython3.12.so.1.0", 0)
+    launch = _stack(STEP, WRAPPER, GENERATED_CALL)
+    # py-spy --native interleaves the interpreter's own frames with the Python ones, and ends in native code
+    in_driver = (interpreter, launch[0], interpreter, *launch[1:], Frame("at::mm", "/torch/lib/libtorch_cuda.so"),
+                 driver)  # fmt: skip
+    in_python = (interpreter, *launch)  # the leaf is the generated line itself
+    stacks = [("MainThread", in_driver, 30), ("MainThread", in_python, 10), ("MainThread", (driver,), 5)]
+    result = summarize(stacks, rate=100, steps=5, generated_code_dir=GENERATED)
+    assert result["threads"]["MainThread"]["parts_ms_per_step"] == {"inductor: generated lines": 80.0, "other": 10.0}
+    assert result["native_libraries"] == {"inductor: generated lines": {"libcuda.so": 60.0, "(Python)": 20.0},
+                                          "other": {"libcuda.so": 10.0}}  # fmt: skip
+    assert result["top_lines"]["inductor: generated lines"][0]["line"] == str(launch[-1])  # the Python line
+    assert native_library(launch) is None  # sampled without --native: no split
+    assert summarize([("MainThread", launch, 1)], 100, 1, GENERATED)["native_libraries"] == {}
+
+
 def _busy_step(seconds: float = 0.02) -> None:
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
@@ -142,6 +162,34 @@ def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_l
         stop.set()
         worker.join()
     assert active >= 50 and holding <= active / 4, (active, holding)
+
+
+def test_sample_self_with_native_pauses_the_process_and_reads_the_library_a_thread_runs_in():
+    stop = threading.Event()
+    matrix = torch.randn(384, 384)
+
+    def multiply() -> None:
+        while not stop.is_set():
+            torch.mm(matrix, matrix)
+
+    worker = threading.Thread(target=multiply, name="multiplier")
+    worker.start()
+    try:  # py-spy refuses --native with --nonblocking: sample_self leaves that flag out
+        stacks, steps, _ = sample_self(_busy_step, lambda: None, find_py_spy(None), seconds=1, rate=100,
+                                       flags=["--native"])  # fmt: skip
+    finally:
+        stop.set()
+        worker.join()
+    libraries = collections.Counter()
+    for thread, frames, count in stacks:
+        if thread == "multiplier":
+            libraries[native_library(frames)] += count
+    total = sum(libraries.values())
+    # native frames on every stack; the product runs in torch's libraries, its OpenMP threads or the C library,
+    # below the Python line that called it
+    assert steps >= 5 and total >= 30 and None not in libraries, libraries
+    assert total - libraries["(Python)"] >= total / 2, libraries
+    assert any(library.startswith(("libtorch", "libgomp")) for library in libraries), libraries
 
 
 def test_sample_self_names_a_run_without_samples(tmp_path):

@@ -496,3 +496,23 @@ def test_learner_computes_from_its_weight_shadows():
             pairs = learner.weight_shadows
             assert all(torch.equal(shadow, parameter.to(torch.bfloat16)) for parameter, shadow in pairs)
             assert torch.equal(learner.forward(batches[0]), plain_out)
+
+
+def test_step_trains_after_predict_and_keeps_a_submodule_the_user_froze_in_eval():
+    """``Learner.step`` puts the model back in training mode after ``predict`` (which leaves it in eval), without a
+    walk of every module each step: a submodule the user put in eval mode on purpose stays there."""
+    from opengem.train.data_stream import train_batches
+    from opengem.train.trainer import build_learner
+
+    config = load_config("gem-tiny", None, [*SMALL, "architecture=gem", "gem.num_layers=2"])
+    stream = train_batches(config, 0)
+    learner = build_learner(config, config.model.history, torch.device("cpu"))
+    learner.step(next(stream))
+    frozen = learner.model.layers[0]
+    frozen.eval()
+    learner.step(next(stream))
+    assert learner.model.training and not frozen.training and not any(m.training for m in frozen.modules())
+    learner.predict([next(stream)])
+    assert not any(m.training for m in learner.model.modules())
+    learner.step(next(stream))
+    assert all(m.training for m in learner.model.modules())  # back in training mode, the frozen layer included

@@ -83,7 +83,8 @@ class Learner:
         the backward) and handed to the fused AdamW as ``found_inf``, so the step has no host sync. Otherwise
         the loss is read on the host first and the backward is not run.
         """
-        self.model.train()
+        if not self.model.training:  # after predict(); a walk of every module each step costs ~1-2 ms of Python
+            self.model.train()  # (gem-large, session 55's samples), and would undo a submodule the user froze in eval
         with self._shadows():
             return self._step(batch)
 
