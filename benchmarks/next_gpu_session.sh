@@ -993,12 +993,15 @@ chain_s59c() {  # s59a's gem-large samples alone (for a device budget that fits 
   with_py_spy || return
   step host_samples_large 200 host_samples_at gem-large 256 host_samples_gem-large_b256_s59a
 }
-chain_s60a() {  # session 55: s59d's native samples again (py-spy refuses --native with --nonblocking; the diag now
-  # pauses the process for them, so fewer samples: 100 a second for 10 s), then s58e's 16 ABBA rounds
+chain_s60a() {  # session 55: s60b, then s58e's 16 ABBA rounds
+  chain_s60b
+  chain_s58e
+}
+chain_s60b() {  # session 55: s59d's native samples again (py-spy refuses --native with --nonblocking; the diag now
+  # pauses the process for them, so fewer samples: 100 a second for 10 s)
   with_py_spy || return
   step host_samples_large_native 160 host_samples_at gem-large 256 host_samples_gem-large_b256_s60a_native --native \
     --seconds 10 --rate 100
-  chain_s58e
 }
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
