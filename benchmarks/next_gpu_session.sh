@@ -1003,6 +1003,15 @@ chain_s60b() {  # session 55: s59d's native samples again (py-spy refuses --nati
   step host_samples_large_native 160 host_samples_at gem-large 256 host_samples_gem-large_b256_s60a_native --native \
     --seconds 10 --rate 100
 }
+chain_s60c() {  # session 55: Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1: the generated code launches its
+  # kernels and calls cuBLAS from C++; s59a: 45 of 75 ms under the interpreter lock a gem-large step were Inductor's
+  # Python launches and lines). bench train (a cold compile of every graph, the wrappers in C++), then --gil samples
+  step bench_train_large_b256_cpp_wrapper 480 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
+    large_at 256 train_gem-large_b256_s60c_cpp_wrapper
+  with_py_spy || return
+  step host_samples_large_gil_cpp_wrapper 170 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
+    host_samples_at gem-large 256 host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \

@@ -12,7 +12,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "next_gpu_session.sh"
 FAKE_PYTHON = """#!/bin/bash
 if [ "$1" = "-c" ]; then echo 1; exit 0; fi  # one GPU
-echo "tuning=${OPENGEM_GDPA_TUNE:-on} python $*" >> "$RECORD"
+echo "cpp_wrapper=${TORCHINDUCTOR_CPP_WRAPPER:-0} tuning=${OPENGEM_GDPA_TUNE:-on} python $*" >> "$RECORD"
 echo "python $*"
 """
 
@@ -75,6 +75,18 @@ def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, ex
     assert len(commands) == len(expected)
     for command, pattern in zip(commands, expected):
         assert re.search(pattern, command), (command, pattern)
+
+
+def test_the_cpp_wrapper_chain_sets_inductors_switch_for_its_steps_only(tmp_path):
+    """``s60c`` runs bench train and the --gil samples with Inductor's C++ wrapper; py-spy's install, between them,
+    runs without it."""
+    _, commands = run_part("s60c", tmp_path)
+    assert len(commands) == 3, commands
+    assert re.search(r"^cpp_wrapper=1 .* -m opengem\.cli\.main bench train --preset gem-large --batch-size 256 ",
+                     commands[0]), commands[0]  # fmt: skip
+    assert re.search(r"^cpp_wrapper=0 .* -m pip install .*py_spy", commands[1]), commands[1]
+    assert re.search(r"^cpp_wrapper=1 .* -m benchmarks\.diag\.host_samples --preset gem-large .* --gil$",
+                     commands[2]), commands[2]  # fmt: skip
 
 
 def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
