@@ -1005,11 +1005,13 @@ chain_s60b() {  # session 55: s59d's native samples again (py-spy refuses --nati
 }
 chain_s60c() {  # session 55: Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1: the generated code launches its
   # kernels and calls cuBLAS from C++; s59a: 45 of 75 ms under the interpreter lock a gem-large step were Inductor's
-  # Python launches and lines). bench train (a cold compile of every graph, the wrappers in C++), then --gil samples
+  # Python launches and lines): bench train, a cold compile of every graph with the wrappers in C++
   step bench_train_large_b256_cpp_wrapper 480 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
     large_at 256 train_gem-large_b256_s60c_cpp_wrapper
+}
+chain_s60d() {  # after s60c on the same machine (its compile cache warm): the --gil samples with the C++ wrapper
   with_py_spy || return
-  step host_samples_large_gil_cpp_wrapper 170 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
+  step host_samples_large_gil_cpp_wrapper 300 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
     host_samples_at gem-large 256 host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil
 }
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:

@@ -77,16 +77,17 @@ def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, ex
         assert re.search(pattern, command), (command, pattern)
 
 
-def test_the_cpp_wrapper_chain_sets_inductors_switch_for_its_steps_only(tmp_path):
-    """``s60c`` runs bench train and the --gil samples with Inductor's C++ wrapper; py-spy's install, between them,
-    runs without it."""
+def test_the_cpp_wrapper_chains_set_inductors_switch_for_their_steps_only(tmp_path):
+    """``s60c`` runs bench train and ``s60d`` the --gil samples with Inductor's C++ wrapper; py-spy's install runs
+    without it."""
     _, commands = run_part("s60c", tmp_path)
-    assert len(commands) == 3, commands
-    assert re.search(r"^cpp_wrapper=1 .* -m opengem\.cli\.main bench train --preset gem-large --batch-size 256 ",
-                     commands[0]), commands[0]  # fmt: skip
-    assert re.search(r"^cpp_wrapper=0 .* -m pip install .*py_spy", commands[1]), commands[1]
+    bench = r"^cpp_wrapper=1 .* -m opengem\.cli\.main bench train --preset gem-large --batch-size 256 "
+    assert len(commands) == 1 and re.search(bench, commands[0]), commands
+    _, commands = run_part("s60d", tmp_path)
+    assert len(commands) == 2, commands
+    assert re.search(r"^cpp_wrapper=0 .* -m pip install .*py_spy", commands[0]), commands[0]
     assert re.search(r"^cpp_wrapper=1 .* -m benchmarks\.diag\.host_samples --preset gem-large .* --gil$",
-                     commands[2]), commands[2]  # fmt: skip
+                     commands[1]), commands[1]  # fmt: skip
 
 
 def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
