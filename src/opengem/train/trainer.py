@@ -82,6 +82,9 @@ class Learner:
         is written into the embedding collections' ``update_skip`` (read by the fused update kernels in
         the backward) and handed to the fused AdamW as ``found_inf``, so the step has no host sync. Otherwise
         the loss is read on the host first and the backward is not run.
+
+        A model left in eval mode (by ``predict``) is put back in training mode, every submodule with it; a submodule
+        the caller sets to eval while the model trains (a frozen block) stays in eval until then.
         """
         if not self.model.training:  # after predict(); a walk of every module each step costs ~1-2 ms of Python
             self.model.train()  # (gem-large, session 55's samples), and would undo a submodule the user froze in eval
