@@ -22,6 +22,7 @@ containers without ``CAP_SYS_PTRACE`` may refuse: the error then says so.
 from __future__ import annotations
 
 import collections
+import itertools
 import os
 import re
 import shutil
@@ -281,18 +282,13 @@ def main() -> None:
     check_py_spy(py_spy)
     speed = host_speed(torch.device("cuda"))
     options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
-    turn = [0]
+    staged = itertools.cycle(batches)
 
     def run_step() -> None:
-        learner.step(batches[turn[0] % len(batches)])
-        turn[0] += 1
+        learner.step(next(staged))
 
     def unsampled_step_ms(steps: int) -> float:
-        def run_steps() -> None:
-            for _ in range(steps):
-                run_step()
-
-        seconds, _ = timed(run_steps, torch.cuda.synchronize)
+        seconds, _ = timed(lambda: [run_step() for _ in range(steps)], torch.cuda.synchronize)
         return 1e3 * seconds / steps
 
     before = unsampled_step_ms(2 * len(batches))
