@@ -86,8 +86,8 @@ class Learner:
         A model left in eval mode (by ``predict``) is put back in training mode, every submodule with it; a submodule
         the caller sets to eval while the model trains (a frozen block) stays in eval until then.
         """
-        if not self.model.training:  # after predict(); a walk of every module each step costs ~1-2 ms of Python
-            self.model.train()  # (gem-large, session 55's samples), and would undo a submodule the user froze in eval
+        if not self.model.training:  # after predict(); a walk of every module each step took 1.9 ms (0.96 under the
+            self.model.train()  # lock; gem-large, session 55's samples) and undid a submodule the user froze in eval
         with self._shadows():
             return self._step(batch)
 
