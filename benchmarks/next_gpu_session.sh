@@ -1015,6 +1015,11 @@ chain_s60d() {  # after s60c on the same machine (its compile cache warm): the -
   step host_samples_large_gil_cpp_wrapper 300 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
     host_samples_at gem-large 256 host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil
 }
+chain_s60e() {  # session 56: after s60c on the same machine, when it is not an H100: the plain b256 baseline of that
+  # machine (its cache warm from the carry), then s60d
+  step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s60e_baseline
+  chain_s60d
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
