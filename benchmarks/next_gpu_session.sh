@@ -1007,13 +1007,25 @@ chain_s60c() {  # session 55: Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=
   # kernels and calls cuBLAS from C++; s59a: 45 of 75 ms under the interpreter lock a gem-large step were Inductor's
   # Python launches and lines): bench train, a cold compile of every graph with the wrappers in C++ (g++ on each
   # graph's wrapper: minutes; the cache comes back for a second call if the cap cuts it)
-  step bench_train_large_b256_cpp_wrapper 560 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
+  cpp_wrapper_bench 560
+}
+cpp_wrapper_bench() {  # cpp_wrapper_bench CAP: s60c's bench train with the C++ wrapper
+  step bench_train_large_b256_cpp_wrapper "$1" with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
     large_at 256 train_gem-large_b256_s60c_cpp_wrapper
+}
+cpp_wrapper_samples() {  # cpp_wrapper_samples CAP: s60d's --gil samples with the C++ wrapper (after with_py_spy)
+  step host_samples_large_gil_cpp_wrapper "$1" with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
+    host_samples_at gem-large 256 host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil
 }
 chain_s60d() {  # after s60c on the same machine (its compile cache warm): the --gil samples with the C++ wrapper
   with_py_spy || return
-  step host_samples_large_gil_cpp_wrapper 300 with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
-    host_samples_at gem-large 256 host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil
+  cpp_wrapper_samples 300
+}
+chain_s60f() {  # session 56, when one call is all the device time allows: s60d's samples first (they pay the cold
+  # compile; their unsampled laps give the step time too), then s60c's bench on the cache they filled
+  with_py_spy || return
+  cpp_wrapper_samples 420
+  cpp_wrapper_bench 135
 }
 chain_s60e() {  # session 56: after s60c on the same machine, when it is not an H100: the plain b256 baseline of that
   # machine (its cache warm from the carry), then s60d

@@ -78,16 +78,19 @@ def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, ex
 
 
 def test_the_cpp_wrapper_chains_set_inductors_switch_for_their_steps_only(tmp_path):
-    """``s60c`` runs bench train and ``s60d`` the --gil samples with Inductor's C++ wrapper; py-spy's install runs
-    without it."""
+    """``s60c`` runs bench train and ``s60d`` the --gil samples with Inductor's C++ wrapper (``s60f`` both, samples
+    first); py-spy's install runs without it."""
     _, commands = run_part("s60c", tmp_path)
     bench = r"^cpp_wrapper=1 .* -m opengem\.cli\.main bench train --preset gem-large --batch-size 256 "
     assert len(commands) == 1 and re.search(bench, commands[0]), commands
     _, commands = run_part("s60d", tmp_path)
     assert len(commands) == 2, commands
     assert re.search(r"^cpp_wrapper=0 .* -m pip install .*py_spy", commands[0]), commands[0]
-    assert re.search(r"^cpp_wrapper=1 .* -m benchmarks\.diag\.host_samples --preset gem-large .* --gil$",
-                     commands[1]), commands[1]  # fmt: skip
+    samples = r"^cpp_wrapper=1 .* -m benchmarks\.diag\.host_samples --preset gem-large .* --gil$"
+    assert re.search(samples, commands[1]), commands[1]
+    _, commands = run_part("s60f", tmp_path)  # both in one call: the samples pay the cold compile, then the bench
+    assert len(commands) == 3, commands
+    assert re.search(samples, commands[1]) and re.search(bench, commands[2]), commands
 
 
 def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
