@@ -53,6 +53,9 @@ class TrainConfig:
     precision: str = "fp32"  # one of PRECISIONS
     compile: bool = False  # torch.compile the dense blocks (opengem.train.compile); worth it on GPUs
     compile_mode: str = "default"  # one of COMPILE_MODES; max-autotune times Inductor's kernel choices
+    # Inductor's C++ wrapper for the compiled blocks (opengem.train.compile): kernels launched from C++, not generated
+    # Python lines; needs compile=true (or bench train --compile) and a C++ compiler (plus the CUDA toolkit on GPUs)
+    compile_cpp_wrapper: bool = False
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     # bf16 copies of the plain Linear layers' weights, cast once a step (opengem.nn.weight_shadows) instead of at each
     # use under autocast: the same numbers, fewer small kernels; precision="bf16", one process

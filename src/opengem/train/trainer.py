@@ -211,7 +211,7 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
                              "mixed precision instead")
         shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads)
     if config.compile:
-        compile_regions(model, mode=config.compile_mode)
+        compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
     parameters = list(model.parameters())
     # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
     # parameters and sharded embedding collections take the host-checked path)
@@ -293,6 +293,8 @@ def train(
     """
     if config.data_preset not in SYNTHETIC_PRESETS:
         raise ValueError(f"unknown data preset {config.data_preset!r}; choose one of {sorted(SYNTHETIC_PRESETS)}")
+    if config.compile_cpp_wrapper and not config.compile:
+        raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well")
     from opengem.train import distributed
 
     if resume is not None:

@@ -99,6 +99,8 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
     if precision is None:  # not `or`: an empty `--set precision=` must reach the config, which refuses it
         precision = "bf16" if device.type == "cuda" else "fp32"
     config = load_config(options.preset, overrides=[*overrides, *options.overrides, f"precision={precision}"])
+    if config.compile_cpp_wrapper and not options.compile:
+        raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: add --compile")
     return config, device, precision
 
 
@@ -126,7 +128,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     trust_ids(model)  # synthetic ids: no id check, no sync per step
     converted = [name for name, module in model.named_modules() if isinstance(module, LowPrecisionLinear)]
     if options.compile:  # after the low-precision conversion (in build_learner), so the compiled blocks include it
-        compile_regions(model, mode=config.compile_mode)
+        compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
