@@ -1029,8 +1029,11 @@ chain_s60f() {  # session 56, when one call is all the device time allows: s60d'
 }
 chain_s60e() {  # session 56: after s60c on the same machine, when it is not an H100: the plain b256 baseline of that
   # machine (its cache warm from the carry), then s60d
-  step bench_train_large_b256 160 large_at 256 train_gem-large_b256_s60e_baseline
+  chain_s60g
   chain_s60d
+}
+chain_s60g() {  # session 56: after s60f on the same machine: the plain b256 baseline (cache warm from the carry)
+  step bench_train_large_b256 150 large_at 256 train_gem-large_b256_s60e_baseline
 }
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
