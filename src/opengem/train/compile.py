@@ -9,6 +9,8 @@ changes every batch. The attention ops are custom ops, opaque to the compiler.
 
 from __future__ import annotations
 
+from typing import Any
+
 from torch import nn
 from torch._inductor import list_mode_options
 from torch.distributed.fsdp import FSDPModule
@@ -35,13 +37,13 @@ def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "de
     """
     if cpp_wrapper and backend != "inductor":
         raise ValueError(f"cpp_wrapper is an Inductor option; backend {backend!r} has no C++ wrapper")
-    # torch.compile takes a mode or options, not both: the mode's own options, plus the wrapper
-    settings = {"options": {**list_mode_options(mode), "cpp_wrapper": True}} if cpp_wrapper else {
-        "mode": None if mode == "default" else mode}
+    settings: dict[str, Any] = {"mode": None if mode == "default" else mode}
+    if cpp_wrapper:  # torch.compile takes a mode or options, not both: the mode's own options, plus the wrapper
+        settings = {"options": {**list_mode_options(mode), "cpp_wrapper": True}}
     return _compile_regions(model, backend, settings)
 
 
-def _compile_regions(model: nn.Module, backend: str, settings: dict) -> int:
+def _compile_regions(model: nn.Module, backend: str, settings: dict[str, Any]) -> int:
     count = 0
     for child in model.children():
         if isinstance(child, REGIONS):
