@@ -1032,6 +1032,11 @@ chain_s60e() {  # session 56: after s60c on the same machine, when it is not an 
   chain_s60g
   chain_s60d
 }
+chain_s60h() {  # session 56, for ~400 s of device time: s60d's samples alone, paying the cold compile (their unsampled
+  # laps give the step time; the cache comes back for s60c)
+  with_py_spy || return
+  cpp_wrapper_samples 370
+}
 chain_s60g() {  # session 56: after s60f on the same machine: the plain b256 baseline (cache warm from the carry)
   step bench_train_large_b256 150 large_at 256 train_gem-large_b256_s60e_baseline
 }
