@@ -1009,13 +1009,13 @@ chain_s60c() {  # session 55: Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=
   # graph's wrapper: minutes; the cache comes back for a second call if the cap cuts it)
   cpp_wrapper_bench 560
 }
-cpp_wrapper_bench() {  # cpp_wrapper_bench CAP: s60c's bench train with the C++ wrapper
-  step bench_train_large_b256_cpp_wrapper "$1" with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
-    large_at 256 train_gem-large_b256_s60c_cpp_wrapper
+cpp_wrapper_bench() {  # cpp_wrapper_bench CAP: s60c's bench train with the C++ wrapper (the setting, session 56)
+  step bench_train_large_b256_cpp_wrapper "$1" large_at 256 train_gem-large_b256_s60c_cpp_wrapper \
+    --set compile_cpp_wrapper=true
 }
 cpp_wrapper_samples() {  # cpp_wrapper_samples CAP: s60d's --gil samples with the C++ wrapper (after with_py_spy)
-  step host_samples_large_gil_cpp_wrapper "$1" with_cache "$PWD/.compile_cache" TORCHINDUCTOR_CPP_WRAPPER=1 \
-    host_samples_at gem-large 256 host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil
+  step host_samples_large_gil_cpp_wrapper "$1" host_samples_at gem-large 256 \
+    host_samples_gem-large_b256_s60c_gil_cpp_wrapper --gil --set compile_cpp_wrapper=true
 }
 chain_s60d() {  # after s60c on the same machine (its compile cache warm): the --gil samples with the C++ wrapper
   with_py_spy || return

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -18,27 +18,29 @@ from opengem.train.config import TrainConfig
 from opengem.train.trainer import Learner, build_learner
 
 
-def compiled_learner(preset: str, batch_size: int) -> tuple[TrainBenchOptions, TrainConfig, torch.device, Learner]:
+def compiled_learner(preset: str, batch_size: int, overrides: Sequence[str] = ()
+                     ) -> tuple[TrainBenchOptions, TrainConfig, torch.device, Learner]:
     """``preset`` at ``batch_size`` with the sequence stream in the compute dtype (as the GPU session's large_b512
-    runs), seeded, ids trusted and its regions compiled: the same Inductor settings, so one compile cache serves
-    both."""
+    runs) and ``overrides`` (``bench train``'s ``--set``), seeded, ids trusted and its regions compiled: the same
+    Inductor settings, so one compile cache serves both."""
     options = TrainBenchOptions(preset=preset, compile=True, batch_size=batch_size,
-                                overrides=("gem.sequence_dtype=compute",))  # fmt: skip
+                                overrides=("gem.sequence_dtype=compute", *overrides))  # fmt: skip
     config, device, _ = bench_config(options)
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
     trust_ids(learner.model)
-    compile_regions(learner.model, mode=config.compile_mode)
+    compile_regions(learner.model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
     return options, config, device, learner
 
 
-def warmed_learner(preset: str, batch_size: int, staged: int) -> tuple[TrainBenchOptions, Learner, list]:
+def warmed_learner(preset: str, batch_size: int, staged: int, overrides: Sequence[str] = ()
+                   ) -> tuple[TrainBenchOptions, Learner, list]:
     """:func:`compiled_learner`, run until no step tunes or compiles, and the stream's next ``staged`` batches already
     on the device (so what a diagnostic then measures is the steps, not the loader)."""
     from opengem.train.bench.timing import warm_until_settled
     from opengem.train.data_stream import train_batches
 
-    options, config, device, learner = compiled_learner(preset, batch_size)
+    options, config, device, learner = compiled_learner(preset, batch_size, overrides)
     stream = train_batches(config, start_step=0)
     warm_until_settled(lambda: learner.step(next(stream).to(device, non_blocking=True)), options.warmup,
                        options.max_tuning_steps, sync=torch.cuda.synchronize)  # fmt: skip
@@ -79,13 +81,15 @@ def abba(rounds: int, modes: tuple[str, str]) -> list[tuple[str, str]]:
 
 def diagnostic_parser(description: str, preset: str, batch_size: int, steps_help: str,
                       out: str) -> argparse.ArgumentParser:
-    """The flags every step diagnostic takes (``--preset``, ``--batch-size``, ``--steps``, ``--out``), with its
-    defaults; add its own, then :func:`parse_diagnostic_args`."""
+    """The flags every step diagnostic takes (``--preset``, ``--batch-size``, ``--steps``, ``--out``, ``--set``),
+    with its defaults; add its own, then :func:`parse_diagnostic_args`."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--preset", default=preset)
     parser.add_argument("--batch-size", type=int, default=batch_size)
     parser.add_argument("--steps", type=int, default=2, help=steps_help)
     parser.add_argument("--out", type=Path, default=Path(out))
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="a training setting, as bench train's --set (e.g. compile_cpp_wrapper=true)")
     return parser
 
 

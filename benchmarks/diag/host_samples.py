@@ -281,7 +281,7 @@ def main() -> None:
     py_spy = find_py_spy(args.py_spy)
     check_py_spy(py_spy)
     speed = host_speed(torch.device("cuda"))
-    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
+    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps, args.overrides)
     staged = itertools.cycle(batches)
 
     def run_step() -> None:

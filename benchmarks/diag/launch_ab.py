@@ -58,7 +58,7 @@ def main() -> None:
     args = parse_diagnostic_args(parser, "launch_ab times GPU training steps")
     abba(args.rounds, PATHS)  # a bad --rounds fails before the warm-up
     speed = host_speed(torch.device("cuda"))
-    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
+    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps, args.overrides)
 
     def run_steps() -> None:
         for batch in batches:

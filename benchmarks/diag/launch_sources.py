@@ -145,7 +145,7 @@ def main() -> None:
                                "benchmarks/results/launch_sources_gem-small_b2048.json")  # fmt: skip
     parser.add_argument("--top", type=int, default=60, help="groups printed (all are written)")
     args = parse_diagnostic_args(parser, "launch_sources groups device kernels by their callers")
-    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
+    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps, args.overrides)
     queue = iter(batches)
     groups, host = profile_launches(lambda: learner.step(next(queue)), args.steps, torch.cuda.synchronize)
     kinds = launches_by_kind(groups)

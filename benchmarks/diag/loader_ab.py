@@ -67,7 +67,7 @@ def main() -> None:
     if args.switch_interval_ms is not None:
         sys.setswitchinterval(args.switch_interval_ms / 1e3)
     speed = host_speed(torch.device("cuda"))
-    options, learner, staged = warmed_learner(args.preset, args.batch_size, args.steps)
+    options, learner, staged = warmed_learner(args.preset, args.batch_size, args.steps, args.overrides)
     config, device, _ = bench_config(dataclasses.replace(options, num_workers=args.num_workers))
     staged_flops = [train_flops(learner.model, b.history_age.lengths_host()).train for b in staged]
     stream: Iterator = train_batches(config, start_step=10_000)  # batches the warm-up did not see

@@ -109,7 +109,7 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=30, help="Python functions listed, by own time")
     args = parse_diagnostic_args(parser, "op_host_time drains the CUDA queue before each op call")
     speed = host_speed(torch.device("cuda"))  # before the loader's workers start, as `bench train` measures it
-    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps)
+    options, learner, batches = warmed_learner(args.preset, args.batch_size, args.steps, args.overrides)
     torch.cuda.synchronize()
     profiler = cProfile.Profile() if args.profile else None
     with timed_ops(torch.cuda.synchronize, profiler) as times:

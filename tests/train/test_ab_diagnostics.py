@@ -1,4 +1,4 @@
-"""benchmarks.diag.launch_ab and loader_ab on the CPU: ABBA rounds, the timing loops and their summaries."""
+"""benchmarks.diag on the CPU: the shared learner's settings, launch_ab's and loader_ab's ABBA rounds, timing loops and summaries."""
 
 import pytest
 
@@ -43,3 +43,17 @@ def test_loader_ab_times_a_round_and_summarizes_each_mode_by_its_median():
     result = mode_summary(rows, 1000.0)
     assert result["staged"] == {"step_ms": 141.0, "tflops": 269.0, "mfu": 0.269}
     assert result["stream"] == {"step_ms": 160.0, "tflops": 240.0, "mfu": 0.24}
+
+
+def test_compiled_learner_takes_the_settings_of_set_and_compiles_with_them(monkeypatch):
+    """The diagnostics' ``--set`` (here the C++ wrapper) reaches the config and the regions' compile; without it the
+    config is bench train's."""
+    from benchmarks.diag import compiled_learner as module
+
+    asked = []
+    monkeypatch.setattr(module, "compile_regions", lambda model, mode, cpp_wrapper: asked.append((mode, cpp_wrapper)))
+    options, config, _, _ = module.compiled_learner("gem-tiny", 8, ["compile_cpp_wrapper=true"])
+    assert options.overrides == ("gem.sequence_dtype=compute", "compile_cpp_wrapper=true")
+    assert config.compile_cpp_wrapper and asked == [("default", True)]
+    _, config, _, _ = module.compiled_learner("gem-tiny", 8)
+    assert not config.compile_cpp_wrapper and asked[1] == ("default", False)

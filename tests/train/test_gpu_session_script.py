@@ -77,16 +77,19 @@ def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, ex
         assert re.search(pattern, command), (command, pattern)
 
 
-def test_the_cpp_wrapper_chains_set_inductors_switch_for_their_steps_only(tmp_path):
-    """``s60c`` runs bench train and ``s60d`` the --gil samples with Inductor's C++ wrapper (``s60f`` both, samples
-    first); py-spy's install runs without it."""
+def test_the_cpp_wrapper_chains_pass_the_setting_to_their_steps_only(tmp_path):
+    """``s60c`` runs bench train and ``s60d`` the --gil samples with ``compile_cpp_wrapper=true`` (``s60f`` both,
+    samples first), the setting users get rather than Inductor's global switch; py-spy's install runs without it."""
     _, commands = run_part("s60c", tmp_path)
-    bench = r"^cpp_wrapper=1 .* -m opengem\.cli\.main bench train --preset gem-large --batch-size 256 "
+    bench = (r"^cpp_wrapper=0 .* -m opengem\.cli\.main bench train --preset gem-large --batch-size 256 .*"
+             r"--set compile_cpp_wrapper=true --out ")
     assert len(commands) == 1 and re.search(bench, commands[0]), commands
     _, commands = run_part("s60d", tmp_path)
     assert len(commands) == 2, commands
     assert re.search(r"^cpp_wrapper=0 .* -m pip install .*py_spy", commands[0]), commands[0]
-    samples = r"^cpp_wrapper=1 .* -m benchmarks\.diag\.host_samples --preset gem-large .* --gil$"
+    assert "compile_cpp_wrapper" not in commands[0], commands[0]
+    samples = (r"^cpp_wrapper=0 .* -m benchmarks\.diag\.host_samples --preset gem-large .* "
+               r"--gil --set compile_cpp_wrapper=true$")
     assert re.search(samples, commands[1]), commands[1]
     _, commands = run_part("s60f", tmp_path)  # both in one call: the samples pay the cold compile, then the bench
     assert len(commands) == 3, commands

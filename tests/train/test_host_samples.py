@@ -247,15 +247,18 @@ def test_main_samples_the_warmed_steps_and_writes_every_figure(tmp_path, monkeyp
 
     learner = BusyLearner()
     options = TrainBenchOptions(preset="gem-tiny", compile=True, batch_size=8)
-    monkeypatch.setattr(host_samples, "warmed_learner", lambda preset, batch, staged: (options, learner, [0, 1]))
+    asked = []
+    monkeypatch.setattr(host_samples, "warmed_learner",
+                        lambda *args: asked.append(args) or (options, learner, [0, 1]))  # fmt: skip
     monkeypatch.setattr(host_samples, "host_speed", lambda device: {"launch_us": 5.0, "python_ms": 20.0})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda: "stand-in")
     out = tmp_path / "samples.json"
     monkeypatch.setattr(sys, "argv", ["host_samples", "--preset", "gem-tiny", "--batch-size", "8", "--seconds", "1",
-                                      "--rate", "100", "--out", str(out)])  # fmt: skip
+                                      "--rate", "100", "--out", str(out), "--set", "compile_cpp_wrapper=true"])
     host_samples.main()
+    assert asked == [("gem-tiny", 8, 2, ["compile_cpp_wrapper=true"])]  # --set reaches the learner
     result = json.loads(out.read_text())
     assert result["benchmark"] == "host_samples" and result["py_spy_flags"] == []
     assert result["sampled_steps"] >= 10 and learner.steps >= result["sampled_steps"] + 8  # 2 x 2 unsampled, twice
