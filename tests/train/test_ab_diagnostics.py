@@ -1,4 +1,4 @@
-"""benchmarks.diag on the CPU: the shared learner's settings, launch_ab's and loader_ab's ABBA rounds, timing loops and summaries."""
+"""benchmarks.diag on the CPU: the shared learner's settings; launch_ab's and loader_ab's ABBA rounds and summaries."""
 
 import pytest
 
