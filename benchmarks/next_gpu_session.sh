@@ -1003,7 +1003,7 @@ chain_s60b() {  # session 55: s59d's native samples again (py-spy refuses --nati
   step host_samples_large_native 160 host_samples_at gem-large 256 host_samples_gem-large_b256_s60a_native --native \
     --seconds 10 --rate 100
 }
-chain_s60c() {  # session 55: Inductor's C++ wrapper (TORCHINDUCTOR_CPP_WRAPPER=1: the generated code launches its
+chain_s60c() {  # session 55: Inductor's C++ wrapper (compile_cpp_wrapper=true: the generated code launches its
   # kernels and calls cuBLAS from C++; s59a: 45 of 75 ms under the interpreter lock a gem-large step were Inductor's
   # Python launches and lines): bench train, a cold compile of every graph with the wrappers in C++ (g++ on each
   # graph's wrapper: minutes; the cache comes back for a second call if the cap cuts it)
