@@ -13,7 +13,7 @@ import torch
 
 from opengem.nn.embedding import trust_ids
 from opengem.train.bench.step import TrainBenchOptions, bench_config
-from opengem.train.compile import compile_regions
+from opengem.train.compile import compile_as_configured
 from opengem.train.config import TrainConfig
 from opengem.train.trainer import Learner, build_learner
 
@@ -29,7 +29,7 @@ def compiled_learner(preset: str, batch_size: int, overrides: Sequence[str] = ()
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
     trust_ids(learner.model)
-    compile_regions(learner.model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
+    compile_as_configured(learner.model, config)
     return options, config, device, learner
 
 

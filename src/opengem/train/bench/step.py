@@ -34,7 +34,7 @@ from opengem.train.bench.kernels import family_split, idle_gaps, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import allocator_counts, events_report, host_events
-from opengem.train.compile import compile_regions
+from opengem.train.compile import compile_as_configured
 from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
@@ -128,7 +128,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     trust_ids(model)  # synthetic ids: no id check, no sync per step
     converted = [name for name, module in model.named_modules() if isinstance(module, LowPrecisionLinear)]
     if options.compile:  # after the low-precision conversion (in build_learner), so the compiled blocks include it
-        compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
+        compile_as_configured(model, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
