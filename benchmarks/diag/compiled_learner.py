@@ -13,7 +13,6 @@ import torch
 
 from opengem.nn.embedding import trust_ids
 from opengem.train.bench.step import TrainBenchOptions, bench_config
-from opengem.train.compile import compile_as_configured
 from opengem.train.config import TrainConfig
 from opengem.train.trainer import Learner, build_learner
 
@@ -28,8 +27,7 @@ def compiled_learner(preset: str, batch_size: int, overrides: Sequence[str] = ()
     config, device, _ = bench_config(options)
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
-    trust_ids(learner.model)
-    compile_as_configured(learner.model, config)
+    trust_ids(learner.model)  # (the blocks compile on their first call, so after this)
     return options, config, device, learner
 
 

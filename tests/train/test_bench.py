@@ -242,6 +242,29 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
         TrainBenchOptions("gem-small", steps=0)
 
 
+def test_bench_compile_is_the_configs_so_the_learner_compiles_the_blocks_once(monkeypatch):
+    """``--compile`` sets the config's ``compile``: ``build_learner`` compiles the blocks once, with the config's
+    settings, as the trainer does (the C++ wrapper included); a ``--set compile=...`` after it wins, and the report's
+    ``compile`` is the config's."""
+    from opengem.train import compile as compile_module
+    from opengem.train.bench import step
+
+    asked = []
+    monkeypatch.setattr(compile_module, "compile_regions",
+                        lambda model, mode, cpp_wrapper: asked.append((mode, cpp_wrapper)) or 1)  # fmt: skip
+    config, device, _ = bench_config(TrainBenchOptions("gem-tiny", device="cpu", compile=True,
+                                                       overrides=("compile_cpp_wrapper=true",)))
+    assert config.compile and config.compile_cpp_wrapper
+    step.build_learner(config, config.model.history, device)
+    assert asked == [("default", True)]
+    plain = bench_config(TrainBenchOptions("gem-tiny", device="cpu"))[0]
+    step.build_learner(plain, plain.model.history, device)
+    assert not plain.compile and asked == [("default", True)]
+    assert bench_config(TrainBenchOptions("gem-tiny", device="cpu", overrides=("compile=true",)))[0].compile
+    assert not bench_config(TrainBenchOptions("gem-tiny", device="cpu", compile=True,
+                                              overrides=("compile=false",)))[0].compile
+
+
 def test_gpu_busy_time_counts_overlaps_once():
     from opengem.train.bench.phases import _union_length
 

@@ -41,10 +41,11 @@ def test_matmul_size_below_one_is_refused_before_the_run(size: str, nothing_runs
 
 def test_the_cpp_wrapper_without_compile_is_refused(capsys, monkeypatch: pytest.MonkeyPatch) -> None:
     """The C++ wrapper is a setting of the compiled blocks: without --compile it would be dropped without a word.
-    (Checked in `bench_train`'s config, before the learner is built.)"""
+    (Checked by the config itself, before the learner is built.)"""
     monkeypatch.setattr(step, "build_learner", must_not_run)
     assert main(["bench", "train", *TINY, *SHORT, "--set", "compile_cpp_wrapper=true"]) == 2
-    assert "compile_cpp_wrapper=true is a setting of the compiled blocks: add --compile" in capsys.readouterr().err
+    message = "compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well (bench train: --compile)"
+    assert message in capsys.readouterr().err
 
 
 def test_an_infinite_peak_is_refused(nothing_runs: None, capsys) -> None:

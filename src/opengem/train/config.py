@@ -54,7 +54,7 @@ class TrainConfig:
     compile: bool = False  # torch.compile the dense blocks (opengem.train.compile); worth it on GPUs
     compile_mode: str = "default"  # one of COMPILE_MODES; max-autotune times Inductor's kernel choices
     # Inductor's C++ wrapper for the compiled blocks (opengem.train.compile): kernels launched from C++, not generated
-    # Python lines; needs compile=true (or bench train --compile) and a C++ compiler (plus the CUDA toolkit on GPUs)
+    # Python lines; needs compile=true (bench train: --compile) and a C++ compiler (plus the CUDA toolkit on GPUs)
     compile_cpp_wrapper: bool = False
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
     # bf16 copies of the plain Linear layers' weights, cast once a step (opengem.nn.weight_shadows) instead of at each
@@ -98,6 +98,9 @@ class TrainConfig:
             raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {self.spike_factor}")
         if self.weight_shadows and self.precision != "bf16":
             raise ValueError(f"weight_shadows holds bf16 copies for precision=bf16, got precision={self.precision!r}")
+        if self.compile_cpp_wrapper and not self.compile:
+            raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well "
+                             "(bench train: --compile)")
         if self.fp32_weight_grads and not self.weight_shadows:
             raise ValueError("fp32_weight_grads computes the weight-shadowed layers' gradients: "
                              "set weight_shadows=true")

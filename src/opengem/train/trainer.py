@@ -293,8 +293,6 @@ def train(
     """
     if config.data_preset not in SYNTHETIC_PRESETS:
         raise ValueError(f"unknown data preset {config.data_preset!r}; choose one of {sorted(SYNTHETIC_PRESETS)}")
-    if config.compile_cpp_wrapper and not config.compile:
-        raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well")
     from opengem.train import distributed
 
     if resume is not None:

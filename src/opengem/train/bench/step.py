@@ -34,7 +34,6 @@ from opengem.train.bench.kernels import family_split, idle_gaps, top_kernels
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, ForwardRange, phase_split_us
 from opengem.train.bench.timing import FLOP_CONVENTION, WindowTimer, environment, synchronize, warm_until_settled
 from opengem.train.bench.watch import allocator_counts, events_report, host_events
-from opengem.train.compile import compile_as_configured
 from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
@@ -81,8 +80,9 @@ class TrainBenchOptions:
 
 def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device, str]:
     """The preset's TrainConfig with the GEM architecture and the benchmark's settings; device; precision."""
-    # compile=false: the benchmark compiles itself (--compile), after any low-precision conversion
-    overrides = ["architecture=gem", f"device={options.device}", "baseline=false", "compile=false",
+    # --compile: build_learner compiles the blocks, as the trainer does (after the low-precision conversion and the
+    # weight shadows), with the config's compile settings
+    overrides = ["architecture=gem", f"device={options.device}", "baseline=false", f"compile={options.compile}",
                  f"low_precision_mlp={options.low_precision_mlp}"]  # converted by build_learner, before compiling
     if options.batch_size is not None:
         overrides.append(f"batch_size={options.batch_size}")
@@ -99,8 +99,6 @@ def bench_config(options: TrainBenchOptions) -> tuple[TrainConfig, torch.device,
     if precision is None:  # not `or`: an empty `--set precision=` must reach the config, which refuses it
         precision = "bf16" if device.type == "cuda" else "fp32"
     config = load_config(options.preset, overrides=[*overrides, *options.overrides, f"precision={precision}"])
-    if config.compile_cpp_wrapper and not options.compile:
-        raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: add --compile")
     return config, device, precision
 
 
@@ -127,8 +125,6 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
     model = learner.model
     trust_ids(model)  # synthetic ids: no id check, no sync per step
     converted = [name for name, module in model.named_modules() if isinstance(module, LowPrecisionLinear)]
-    if options.compile:  # after the low-precision conversion (in build_learner), so the compiled blocks include it
-        compile_as_configured(model, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     stream = train_batches(config, start_step=0)
@@ -233,6 +229,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "overrides": list(options.overrides),
         "trace": None if options.trace is None else str(options.trace),
         "precision": precision,
+        "compile": config.compile,  # --compile, or a `--set compile=...` after it
         "batch_size": config.batch_size,
         "num_workers": config.num_workers,
         # the config's recipe: a `--set low_precision_mlp=...` override wins over the option
