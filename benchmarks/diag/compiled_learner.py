@@ -27,7 +27,7 @@ def compiled_learner(preset: str, batch_size: int, overrides: Sequence[str] = ()
     config, device, _ = bench_config(options)
     torch.manual_seed(config.seed)
     learner = build_learner(config, config.model.history, device)
-    trust_ids(learner.model)  # (the blocks compile on their first call, so after this)
+    trust_ids(learner.model)  # before the first step, when the blocks build_learner compiled are traced
     return options, config, device, learner
 
 

@@ -119,7 +119,8 @@ def compiled_learner(preset: str, batch_size: int, device: str, overrides: Seque
                      backend: Callable[..., Any]) -> tuple[Learner, Iterator[Batch], torch.device]:
     """The benchmark's learner (bf16, the bf16 sequence stream, ``overrides`` on top) with its regions compiled by
     ``backend``, its batch stream and its device."""
-    options = TrainBenchOptions(preset=preset, compile=True, batch_size=batch_size, device=device,
+    # compile=False: the learner is built uncompiled, and ``backend`` compiles its regions below
+    options = TrainBenchOptions(preset=preset, compile=False, batch_size=batch_size, device=device,
                                 precision="bf16", overrides=("gem.sequence_dtype=compute", *overrides))  # fmt: skip
     config, torch_device, _ = bench_config(options)
     # fresh compiles: a process that compiled other models of these classes before (a test run) would otherwise count

@@ -244,8 +244,7 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
 
 def test_bench_compile_is_the_configs_so_the_learner_compiles_the_blocks_once(monkeypatch):
     """``--compile`` sets the config's ``compile``: ``build_learner`` compiles the blocks once, with the config's
-    settings, as the trainer does (the C++ wrapper included); a ``--set compile=...`` after it wins, and the report's
-    ``compile`` is the config's."""
+    settings, as the trainer does (the C++ wrapper included); a ``--set compile=...`` after it wins."""
     from opengem.train import compile as compile_module
     from opengem.train.bench import step
 

@@ -44,7 +44,8 @@ def test_the_cpp_wrapper_without_compile_is_refused(capsys, monkeypatch: pytest.
     (Checked by the config itself, before the learner is built.)"""
     monkeypatch.setattr(step, "build_learner", must_not_run)
     assert main(["bench", "train", *TINY, *SHORT, "--set", "compile_cpp_wrapper=true"]) == 2
-    message = "compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well (bench train: --compile)"
+    message = ("compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well "
+               "(bench train: --compile)")
     assert message in capsys.readouterr().err
 
 
