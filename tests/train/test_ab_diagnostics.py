@@ -49,10 +49,10 @@ def test_compiled_learner_takes_the_settings_of_set_and_compiles_with_them(monke
     """The diagnostics' ``--set`` (here the C++ wrapper) reaches the config and the regions' compile; without it the
     config is bench train's."""
     from benchmarks.diag import compiled_learner as module
-    from opengem.train import compile as compile_module
+    from opengem.train import trainer
 
     asked = []
-    monkeypatch.setattr(compile_module, "compile_regions",
+    monkeypatch.setattr(trainer, "compile_regions",
                         lambda model, mode, cpp_wrapper: asked.append((mode, cpp_wrapper)))  # fmt: skip
     options, config, _, _ = module.compiled_learner("gem-tiny", 8, ["compile_cpp_wrapper=true"])
     assert options.overrides == ("gem.sequence_dtype=compute", "compile_cpp_wrapper=true")

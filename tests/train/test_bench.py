@@ -245,11 +245,11 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
 def test_bench_compile_is_the_configs_so_the_learner_compiles_the_blocks_once(monkeypatch):
     """``--compile`` sets the config's ``compile``: ``build_learner`` compiles the blocks once, with the config's
     settings, as the trainer does (the C++ wrapper included); a ``--set compile=...`` after it wins."""
-    from opengem.train import compile as compile_module
+    from opengem.train import trainer
     from opengem.train.bench import step
 
     asked = []
-    monkeypatch.setattr(compile_module, "compile_regions",
+    monkeypatch.setattr(trainer, "compile_regions",
                         lambda model, mode, cpp_wrapper: asked.append((mode, cpp_wrapper)) or 1)  # fmt: skip
     config, device, _ = bench_config(TrainBenchOptions("gem-tiny", device="cpu", compile=True,
                                                        overrides=("compile_cpp_wrapper=true",)))

@@ -18,7 +18,6 @@ from torch.distributed.fsdp import FSDPModule
 from opengem.models.gem import GEMLayer, SequenceTokens
 from opengem.nn.gem_layers import TokenSummary
 from opengem.nn.layers import JaggedTransformerLayer
-from opengem.train.config import TrainConfig
 
 REGIONS: tuple[type[nn.Module], ...] = (GEMLayer, SequenceTokens, TokenSummary, JaggedTransformerLayer)
 
@@ -42,12 +41,6 @@ def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "de
     if cpp_wrapper:  # torch.compile takes a mode or options, not both: the mode's own options, plus the wrapper
         settings = {"options": {**list_mode_options(mode), "cpp_wrapper": True}}
     return _compile_regions(model, backend, settings)
-
-
-def compile_as_configured(model: nn.Module, config: TrainConfig) -> int:
-    """:func:`compile_regions` with the config's Inductor settings (``compile_mode``, ``compile_cpp_wrapper``): the
-    one call of the trainer, ``bench train`` and the step diagnostics, so all three compile alike (one cache)."""
-    return compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
 
 
 def _compile_regions(model: nn.Module, backend: str, settings: dict[str, Any]) -> int:

@@ -39,7 +39,7 @@ from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
-from opengem.train.compile import compile_as_configured
+from opengem.train.compile import compile_regions
 from opengem.train.config import ARCHITECTURES, TrainConfig
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.guards import StepGuard
@@ -210,8 +210,8 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
             raise ValueError("weight_shadows is for the single-process trainer: sharded parameters are cast by FSDP's "
                              "mixed precision instead")
         shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads)
-    if config.compile:
-        compile_as_configured(model, config)
+    if config.compile:  # the one place the blocks are compiled with the config's settings (train, bench, diagnostics)
+        compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
     parameters = list(model.parameters())
     # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
     # parameters and sharded embedding collections take the host-checked path)
