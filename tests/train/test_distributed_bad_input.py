@@ -46,6 +46,13 @@ def test_activation_checkpointing_is_honoured_in_a_distributed_run(tmp_path, por
     assert _left_as_before()
 
 
+def test_a_memory_budget_beside_the_layouts_checkpointing_is_refused(tmp_path, port):
+    config = dataclasses.replace(_config(tmp_path), compile=True, activation_memory_budget=0.5)
+    with pytest.raises(ValueError, match="activation_checkpointing recomputes whole blocks; activation_memory_budget"):
+        DistributedRun(config, ParallelConfig(activation_checkpointing=True))
+    assert _left_as_before()
+
+
 def test_a_failed_start_leaves_no_process_group_behind(tmp_path, port):
     with pytest.raises(ValueError, match="dense_replicate \\* dense_shard = 1 \\* 2 = 2 != world size 1"):
         DistributedRun(_config(tmp_path), ParallelConfig(dense_shard=2))

@@ -5,9 +5,21 @@ Shared by every attention family's FLOP formula and benchmark, so counts agree a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from opengem.jagged.host import host_copy
+
+
+def counted_or_bound(offsets: torch.Tensor, bound: int, count: Callable[[], int]) -> int:
+    """``count()``, the pairs the offsets' lengths give, for a FLOP formula. Tensors without data (fake or meta: a
+    trace, or the compiler's activation memory budget, which runs the formulas on fake tensors to rank what to
+    recompute) have no lengths to read: then ``bound``, the pairs if every query saw ``max_len`` keys."""
+    if isinstance(offsets, FakeTensor) or offsets.is_meta:
+        return bound
+    return count()
 
 
 def visible_pairs(

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import host_copy
+from opengem.ops.attention_flops import counted_or_bound
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.block_attention_fp8 import block_attention_fp8
 from opengem.ops.checks import check_attention_inputs, check_projection_bias
@@ -338,10 +339,15 @@ def block_pairs(offsets: torch.Tensor, block_size: int) -> int:
 @register_flop_formula(torch.ops.opengem.block_attention_fwd, get_raw=True)
 def _forward_flops(q, k, v, offsets, block_size, *args, out_val=None, **kwargs) -> int:
     """GEM_SPEC section 8: ``4 H D`` per unmasked pair (QK^T and PV)."""
-    return 4 * q.shape[1] * q.shape[2] * block_pairs(offsets, block_size)
+    return 4 * q.shape[1] * q.shape[2] * _pairs(q, offsets, block_size)
 
 
 @register_flop_formula(torch.ops.opengem.block_attention_bwd, get_raw=True)
 def _backward_flops(grad_out, q, k, v, offsets, block_size, *args, out_val=None, **kwargs) -> int:
     """2.5x the forward (GEM_SPEC section 8; the recompute of S is not counted)."""
-    return 10 * q.shape[1] * q.shape[2] * block_pairs(offsets, block_size)
+    return 10 * q.shape[1] * q.shape[2] * _pairs(q, offsets, block_size)
+
+
+def _pairs(q: torch.Tensor, offsets: torch.Tensor, block_size: int) -> int:
+    """On fake offsets, the bound of every query seeing a whole block."""
+    return counted_or_bound(offsets, q.shape[0] * block_size, lambda: block_pairs(offsets, block_size))

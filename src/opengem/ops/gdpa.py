@@ -16,7 +16,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import ACTIVATIONS, activation_id
-from opengem.ops.attention_flops import attention_flops, visible_pairs
+from opengem.ops.attention_flops import attention_flops, counted_or_bound, visible_pairs
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options, check_mask_scalars, check_projection_bias
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
@@ -461,7 +461,15 @@ def _backward(ctx, grad_out):
 gdpa_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q) -> int:
+def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q,
+           max_len_k: int) -> int:
+    queries = q.shape[0] * (k_offsets.shape[0] - 1) if broadcast_q else q.shape[0]
+    return counted_or_bound(k_offsets, queries * max_len_k, lambda: _counted_pairs(
+        q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q))
+
+
+def _counted_pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q
+                   ) -> int:
     k_host = host_copy(k_offsets)
     k_len = k_host[1:] - k_host[:-1]
     if broadcast_q:
@@ -478,7 +486,7 @@ def _pairs(q: torch.Tensor, q_offsets, k_offsets, num_targets, causal, contextua
 def _gdpa_fwd_flops(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts, pre_scale,
                     out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16",
                     projection_bias=None, *, out_val=None, **kwargs) -> int:
-    pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
+    pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q, max_len_k)
     return attention_flops(pairs, q.shape[1], q.shape[2])[0]
 
 
@@ -486,7 +494,7 @@ def _gdpa_fwd_flops(q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_l
 def _gdpa_bwd_flops(grad_out, q, k, v, q_offsets, k_offsets, num_targets, max_len_q, max_len_k, head_acts,
                     pre_scale, out_scale, causal, contextual_len, window, broadcast_q, use_triton, precision="bf16",
                     column_sums="", *, out_val=None, **kwargs) -> int:
-    pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q)
+    pairs = _pairs(q, q_offsets, k_offsets, num_targets, causal, contextual_len, window, broadcast_q, max_len_k)
     return attention_flops(pairs, q.shape[1], q.shape[2])[1]
 
 

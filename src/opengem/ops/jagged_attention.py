@@ -17,6 +17,7 @@ import torch
 from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import host_copy
+from opengem.ops.attention_flops import counted_or_bound
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.checks import check_attention_inputs, check_mask_options, check_projection_bias
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
@@ -227,24 +228,27 @@ def _backward(ctx, dout, dlse):
 _jagged_attention_fwd.register_autograd(_backward, setup_context=_setup_context)
 
 
-def forward_flops(heads: int, head_dim: int, offsets, num_targets, causal, contextual_len, window) -> int:
+def forward_flops(heads: int, head_dim: int, offsets, num_targets, causal, contextual_len, window, tokens: int,
+                  max_len: int) -> int:
     """4 * H * D per unmasked pair (two GEMMs, GEM_SPEC section 8); the backward is 2.5x that. ``window`` as the
-    registered ops take it (-1: none)."""
+    registered ops take it (-1: none); on fake offsets the bound of ``tokens`` queries seeing ``max_len`` keys."""
     window = None if window == _NO_WINDOW else window
-    pairs = attention_pairs(offsets, causal=causal, num_targets=num_targets, contextual_len=contextual_len,
-                            window=window)  # fmt: skip
+    pairs = counted_or_bound(offsets, tokens * max_len, lambda: attention_pairs(
+        offsets, causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window))
     return 4 * heads * head_dim * pairs
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_fwd, get_raw=True)
 def _fwd_flops(q, k, v, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
-    return forward_flops(q.shape[1], q.shape[2], offsets, num_targets, causal, contextual_len, window)
+    return forward_flops(q.shape[1], q.shape[2], offsets, num_targets, causal, contextual_len, window, q.shape[0],
+                         max_len)
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_bwd, get_raw=True)
 def _bwd_flops(dout, q, k, v, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", out_val=None):  # fmt: skip
     """2.5x the forward (five GEMMs with recompute not counted, GEM_SPEC section 8)."""
-    return 5 * forward_flops(q.shape[1], q.shape[2], offsets, num_targets, causal, contextual_len, window) // 2
+    return 5 * forward_flops(q.shape[1], q.shape[2], offsets, num_targets, causal, contextual_len, window, q.shape[0],
+                             max_len) // 2
 
 
 # The packed ops: q, k, v = qkv.unbind(1) of one [T, 3, H, D] tensor (a fused QKV projection's output). The
@@ -350,12 +354,14 @@ _jagged_attention_packed_fwd.register_autograd(_packed_backward, setup_context=_
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_packed_fwd, get_raw=True)
 def _packed_fwd_flops(qkv, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", projection_bias=None, out_val=None):  # fmt: skip
-    return forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window)
+    return forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window,
+                         qkv.shape[0], max_len)
 
 
 @register_flop_formula(torch.ops.opengem.jagged_attention_packed_bwd, get_raw=True)
 def _packed_bwd_flops(dout, qkv, out, lse, offsets, num_targets, max_len, causal, contextual_len, window, scale, use_triton, precision="bf16", column_sums=False, out_val=None):  # fmt: skip
-    return 5 * forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window) // 2
+    return 5 * forward_flops(qkv.shape[2], qkv.shape[3], offsets, num_targets, causal, contextual_len, window,
+                             qkv.shape[0], max_len) // 2
 
 
 def jagged_attention(

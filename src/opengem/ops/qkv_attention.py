@@ -88,7 +88,8 @@ def _fwd_flops(x, weight, bias, heads, offsets, num_targets, max_len, causal, co
     """The projection's GEMM (2 T d 3HD) and the attention's 4 H D per unmasked pair."""
     head_dim = weight.shape[0] // (3 * heads)
     projection = 2 * x.shape[0] * x.shape[1] * weight.shape[0]
-    return projection + forward_flops(heads, head_dim, offsets, num_targets, causal, contextual_len, window)
+    return projection + forward_flops(heads, head_dim, offsets, num_targets, causal, contextual_len, window,
+                                     x.shape[0], max_len)
 
 
 def qkv_attention(

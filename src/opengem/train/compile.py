@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch._inductor import list_mode_options
 from torch.distributed.fsdp import FSDPModule
@@ -22,8 +23,8 @@ from opengem.nn.layers import JaggedTransformerLayer
 REGIONS: tuple[type[nn.Module], ...] = (GEMLayer, SequenceTokens, TokenSummary, JaggedTransformerLayer)
 
 
-def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "default", cpp_wrapper: bool = False
-                    ) -> int:
+def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "default", cpp_wrapper: bool = False,
+                    memory_budget: float = 1.0) -> int:
     """Compile, in place, the outermost submodules of ``model`` that are instances of :data:`REGIONS`.
 
     Returns how many were compiled. ``fullgraph=True``: a graph break inside a block is a bug to fix,
@@ -34,16 +35,44 @@ def compile_regions(model: nn.Module, backend: str = "inductor", mode: str = "de
     ``cpp_wrapper``: Inductor writes each graph's wrapper in C++ (compiled with the host's C++ compiler), so the
     blocks launch their kernels and call cuBLAS and our custom ops from C++ instead of generated Python lines, which
     held the interpreter lock for 45 of 75 ms a gem-large step (session 55's samples). Inductor only.
+
+    ``memory_budget``: the share, in [0, 1], of the activations that the compiler's partitioner saves by default that
+    each block may keep for its backward (PyTorch's activation memory budget); the rest is recomputed there, the
+    cheapest first by FLOPs, so the norms, casts and activations go before any GEMM. 1 keeps the default partition;
+    0 recomputes the block's whole forward, as ``activation_checkpointing`` does. Inductor only.
     """
-    if cpp_wrapper and backend != "inductor":
-        raise ValueError(f"cpp_wrapper is an Inductor option; backend {backend!r} has no C++ wrapper")
+    if backend != "inductor" and (cpp_wrapper or memory_budget != 1):
+        raise ValueError(f"cpp_wrapper and memory_budget are Inductor settings; backend {backend!r} has neither")
+    if not 0 <= memory_budget <= 1:
+        raise ValueError(f"memory_budget must be in [0, 1] (a share of the default saved activations), "
+                         f"got {memory_budget}")
+    if memory_budget != 1:  # Inductor's own wrapper, which takes the mode and the options together
+        options = {"cpp_wrapper": True} if cpp_wrapper else None
+        return _compile_regions(model, BudgetedInductor(memory_budget, mode, options), {})
     settings: dict[str, Any] = {"mode": None if mode == "default" else mode}
     if cpp_wrapper:  # torch.compile takes a mode or options, not both: the mode's own options, plus the wrapper
         settings = {"options": {**list_mode_options(mode), "cpp_wrapper": True}}
     return _compile_regions(model, backend, settings)
 
 
-def _compile_regions(model: nn.Module, backend: str, settings: dict[str, Any]) -> int:
+class BudgetedInductor(torch._TorchCompileInductorWrapper):
+    """torch.compile's Inductor backend with the partitioner's activation memory budget set while it splits each
+    graph into forward and backward (a block's recompiles too), instead of process-wide; the budget is part of
+    the AOTAutograd cache key, so a cached partition of another budget is not reused."""
+
+    def __init__(self, budget: float, mode: str, options: dict[str, Any] | None) -> None:
+        super().__init__(mode=mode, options=options, dynamic=True)
+        self.budget = budget
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with torch._functorch.config.patch(activation_memory_budget=self.budget):
+            return super().__call__(*args, **kwargs)
+
+    def __eq__(self, other: object) -> bool:
+        return super().__eq__(other) and self.budget == getattr(other, "budget", None)
+
+
+def _compile_regions(model: nn.Module, backend: str | BudgetedInductor, settings: dict[str, Any]) -> int:
     count = 0
     for child in model.children():
         if isinstance(child, REGIONS):

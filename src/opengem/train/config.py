@@ -21,6 +21,13 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
 
+def refuse_two_recompute_policies(activation_checkpointing: bool, activation_memory_budget: float) -> None:
+    """Whole-block checkpointing leaves the compiler nothing to choose: one recompute policy at a time."""
+    if activation_checkpointing and activation_memory_budget != 1:
+        raise ValueError(f"activation_checkpointing recomputes whole blocks; activation_memory_budget="
+                         f"{activation_memory_budget} chooses what to recompute inside them: set one of the two")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     preset: str = "gem-tiny"
@@ -57,6 +64,10 @@ class TrainConfig:
     # Python lines; needs compile=true (bench train: --compile) and a C++ compiler (plus the CUDA toolkit on GPUs)
     compile_cpp_wrapper: bool = False
     activation_checkpointing: bool = False  # recompute each block's activations in the backward (memory)
+    # the compiled blocks keep this share of the activations the compiler saves by default and recompute the rest,
+    # cheapest (element-wise) first (opengem.train.compile; PyTorch's activation memory budget): between 1 (off) and
+    # activation_checkpointing's whole-block recompute; needs compile=true
+    activation_memory_budget: float = 1.0
     # bf16 copies of the plain Linear layers' weights, cast once a step (opengem.nn.weight_shadows) instead of at each
     # use under autocast: the same numbers, fewer small kernels; precision="bf16", one process
     weight_shadows: bool = False
@@ -101,6 +112,13 @@ class TrainConfig:
         if self.compile_cpp_wrapper and not self.compile:
             raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well "
                              "(bench train: --compile)")
+        if not 0 <= self.activation_memory_budget <= 1:
+            raise ValueError(f"activation_memory_budget must be in [0, 1] (a share of the activations the compiled "
+                             f"blocks save by default), got {self.activation_memory_budget}")
+        if self.activation_memory_budget != 1 and not self.compile:
+            raise ValueError("activation_memory_budget is a setting of the compiled blocks: set compile=true as well "
+                             "(bench train: --compile)")
+        refuse_two_recompute_policies(self.activation_checkpointing, self.activation_memory_budget)
         if self.fp32_weight_grads and not self.weight_shadows:
             raise ValueError("fp32_weight_grads computes the weight-shadowed layers' gradients: "
                              "set weight_shadows=true")

@@ -47,7 +47,7 @@ from opengem.parallel.fsdp import data_parallel_loss, fsdp_step_bytes, paralleli
 from opengem.parallel.mesh import ParallelConfig, init_distributed
 from opengem.parallel.sparse import shard_embeddings
 from opengem.parallel.sparse_plan import ShardingPlan, plan_sharding, state_bytes_per_row
-from opengem.train.config import TrainConfig
+from opengem.train.config import TrainConfig, refuse_two_recompute_policies
 from opengem.train.data_stream import eval_batches, in_sample_order, train_batches
 from opengem.train.distributed_checkpoint import load_distributed_checkpoint, save_distributed_checkpoint
 from opengem.train.trainer import Learner, build_model, make_learner, resolve_device
@@ -125,6 +125,7 @@ class DistributedRun:
         self.device = _rank_device(config.device)
         if config.activation_checkpointing and not parallel.activation_checkpointing:  # was dropped silently
             parallel = dataclasses.replace(parallel, activation_checkpointing=True)
+        refuse_two_recompute_policies(parallel.activation_checkpointing, config.activation_memory_budget)
         self.owns_process_group = not dist.is_initialized()
         environment = set(os.environ)  # init_distributed fills in torchrun's variables for a 1-rank job
         try:

@@ -211,7 +211,8 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
                              "mixed precision instead")
         shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads)
     if config.compile:  # the one place the blocks are compiled with the config's settings (train, bench, diagnostics)
-        compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper)
+        compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper,
+                        memory_budget=config.activation_memory_budget)
     parameters = list(model.parameters())
     # fused AdamW skips a step on a device flag (found_inf); kept to plain tensors (sharded DTensor
     # parameters and sharded embedding collections take the host-checked path)
