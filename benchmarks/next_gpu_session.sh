@@ -1040,6 +1040,13 @@ chain_s60h() {  # session 56, for ~400 s of device time: s60d's samples alone, p
 chain_s60g() {  # session 56: after s60f on the same machine: the plain b256 baseline (cache warm from the carry)
   step bench_train_large_b256 150 large_at 256 train_gem-large_b256_s60e_baseline
 }
+chain_s61a() {  # session 58: the plain b256 baseline (as s60g), then gem-large b512 with activation_memory_budget=0.35
+  # on the same machine: the compiled blocks recompute the cheapest 65% of what they save (s55c's full
+  # checkpointing at b512: 48.0 GB, 367.99 ms; none: ~106 GB); the new partition compiles cold
+  chain_s60g
+  step bench_train_large_b512_budget 380 large_at 512 train_gem-large_b512_budget035_s61a \
+    --set activation_memory_budget=0.35
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
