@@ -1047,6 +1047,10 @@ chain_s61a() {  # session 58: the plain b256 baseline (as s60g), then gem-large 
   step bench_train_large_b512_budget 380 large_at 512 train_gem-large_b512_budget035_s61a \
     --set activation_memory_budget=0.35
 }
+chain_s61b() {  # session 58, after s61a (b512 at budget 0.35: 350.23 ms, 65.0 GB): budget 0.5 (~72 GB predicted)
+  step bench_train_large_b512_budget05 380 large_at 512 train_gem-large_b512_budget05_s61b \
+    --set activation_memory_budget=0.5
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
