@@ -1051,6 +1051,13 @@ chain_s61b() {  # session 58, after s61a (b512 at budget 0.35: 350.23 ms, 65.0 G
   step bench_train_large_b512_budget05 380 large_at 512 train_gem-large_b512_budget05_s61b \
     --set activation_memory_budget=0.5
 }
+chain_s61c() {  # session 58: s61a's b512 budget 0.35 ran JFA's forward twice a step (the partitioner took our custom
+  # ops for free to recompute); with them ranked by their FLOP formulas, 0.35 again and then 0.45 (0.5 ran out of memory)
+  step bench_train_large_b512_budget035 200 large_at 512 train_gem-large_b512_budget035_s61c \
+    --set activation_memory_budget=0.35
+  step bench_train_large_b512_budget045 200 large_at 512 train_gem-large_b512_budget045_s61c \
+    --set activation_memory_budget=0.45
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \

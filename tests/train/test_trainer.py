@@ -488,10 +488,11 @@ def test_a_memory_budget_saves_fewer_activations_for_the_same_gradients():
     assert saved_bytes[0.0] < saved_bytes[0.3] < saved_bytes[1.0], saved_bytes
 
 
-def test_a_gem_model_compiled_with_a_memory_budget_trains_as_eager():
-    """The budget's partitioner ranks recompute candidates by running FLOP formulas on fake tensors; GEM's GDPA
-    formula read fake offsets and failed the compile (budget 0.5; 0 and 1 skip the ranking). One real compile of a
-    one-layer gem-tiny (~20 s on the CI machine): the loss and every dense gradient are eager's."""
+def test_a_gem_model_compiled_with_a_memory_budget_trains_as_eager_and_keeps_the_attention():
+    """One real compile of a one-layer gem-tiny (~20 s on the CI machine) at budget 0.5: the loss and every dense
+    gradient are eager's, and JFA's forward runs once a step. The budget's partitioner ranks recompute candidates by
+    FLOP formulas run on fake tensors, where GDPA's read fake offsets and failed the compile; and it took the custom
+    ops for free to recompute (gem-large b512 ran JFA's forward twice, session 58)."""
     from opengem.train.data_stream import train_batches
     from opengem.train.trainer import build_learner
 
@@ -500,8 +501,14 @@ def test_a_gem_model_compiled_with_a_memory_budget_trains_as_eager():
         config = load_config("gem-tiny", None, ["architecture=gem", "batch_size=32", "gem.num_layers=1", *extra])
         torch.manual_seed(0)
         learner = build_learner(config, config.model.history, torch.device("cpu"))
-        loss, value = learner.loss(next(train_batches(config, 0)))
-        loss.backward()
+        batch = next(train_batches(config, 0))
+        learner.loss(batch)[0].backward()  # the compile
+        learner.model.zero_grad()
+        with torch.profiler.profile() as profile:
+            loss, value = learner.loss(batch)
+            loss.backward()
+        calls = [event.name for event in profile.events()]
+        assert calls.count("opengem::jagged_attention_packed_fwd") == 1, extra
         grads = {name: p.grad for name, p in learner.model.named_parameters() if p.grad is not None}
         results.append((value, grads))
     (want, want_grads), (got, got_grads) = results
