@@ -46,16 +46,17 @@ def test_loader_ab_times_a_round_and_summarizes_each_mode_by_its_median():
 
 
 def test_compiled_learner_takes_the_settings_of_set_and_compiles_with_them(monkeypatch):
-    """The diagnostics' ``--set`` (here the C++ wrapper) reaches the config and the regions' compile; without it the
-    config is bench train's."""
+    """The diagnostics' ``--set`` (here the C++ wrapper and a memory budget) reaches the config and the regions'
+    compile; without it the config is bench train's."""
     from benchmarks.diag import compiled_learner as module
     from opengem.train import trainer
 
     asked = []
-    monkeypatch.setattr(trainer, "compile_regions",
-                        lambda model, mode, cpp_wrapper: asked.append((mode, cpp_wrapper)))  # fmt: skip
-    options, config, _, _ = module.compiled_learner("gem-tiny", 8, ["compile_cpp_wrapper=true"])
-    assert options.overrides == ("gem.sequence_dtype=compute", "compile_cpp_wrapper=true")
-    assert config.compile_cpp_wrapper and asked == [("default", True)]
+    monkeypatch.setattr(trainer, "compile_regions", lambda model, mode, cpp_wrapper, memory_budget: asked.append(
+        (mode, cpp_wrapper, memory_budget)))
+    settings = ["compile_cpp_wrapper=true", "activation_memory_budget=0.5"]
+    options, config, _, _ = module.compiled_learner("gem-tiny", 8, settings)
+    assert options.overrides == ("gem.sequence_dtype=compute", *settings)
+    assert config.compile_cpp_wrapper and asked == [("default", True, 0.5)]
     _, config, _, _ = module.compiled_learner("gem-tiny", 8)
-    assert not config.compile_cpp_wrapper and asked[1] == ("default", False)
+    assert not config.compile_cpp_wrapper and asked[1] == ("default", False, 1.0)

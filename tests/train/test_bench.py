@@ -244,21 +244,22 @@ def test_bench_config_uses_the_gem_architecture_and_settings():
 
 def test_bench_compile_is_the_configs_so_the_learner_compiles_the_blocks_once(monkeypatch):
     """``--compile`` sets the config's ``compile``: ``build_learner`` compiles the blocks once, with the config's
-    settings, as the trainer does (the C++ wrapper included); a ``--set compile=...`` after it wins."""
+    settings, as the trainer does (the C++ wrapper and the memory budget included); a ``--set compile=...`` after it
+    wins."""
     from opengem.train import trainer
     from opengem.train.bench import step
 
     asked = []
-    monkeypatch.setattr(trainer, "compile_regions",
-                        lambda model, mode, cpp_wrapper: asked.append((mode, cpp_wrapper)) or 1)  # fmt: skip
-    config, device, _ = bench_config(TrainBenchOptions("gem-tiny", device="cpu", compile=True,
-                                                       overrides=("compile_cpp_wrapper=true",)))
+    monkeypatch.setattr(trainer, "compile_regions", lambda model, mode, cpp_wrapper, memory_budget: asked.append(
+        (mode, cpp_wrapper, memory_budget)))
+    overrides = ("compile_cpp_wrapper=true", "activation_memory_budget=0.4")
+    config, device, _ = bench_config(TrainBenchOptions("gem-tiny", device="cpu", compile=True, overrides=overrides))
     assert config.compile and config.compile_cpp_wrapper
     step.build_learner(config, config.model.history, device)
-    assert asked == [("default", True)]
+    assert asked == [("default", True, 0.4)]
     plain = bench_config(TrainBenchOptions("gem-tiny", device="cpu"))[0]
     step.build_learner(plain, plain.model.history, device)
-    assert not plain.compile and asked == [("default", True)]
+    assert not plain.compile and asked == [("default", True, 0.4)]
     assert bench_config(TrainBenchOptions("gem-tiny", device="cpu", overrides=("compile=true",)))[0].compile
     assert not bench_config(TrainBenchOptions("gem-tiny", device="cpu", compile=True,
                                               overrides=("compile=false",)))[0].compile
