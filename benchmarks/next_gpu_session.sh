@@ -1053,8 +1053,14 @@ chain_s61b() {  # session 58, after s61a (b512 at budget 0.35: 350.23 ms, 65.0 G
 }
 chain_s61c() {  # session 58: s61a's b512 budget 0.35 ran JFA's forward twice a step (the partitioner took our custom
   # ops for free to recompute); with them ranked by their FLOP formulas, 0.35 again and then 0.45 (0.5 ran out of memory)
+  chain_s61d
+  chain_s61e
+}
+chain_s61d() {  # s61c's first half, for a call with less device time
   step bench_train_large_b512_budget035 200 large_at 512 train_gem-large_b512_budget035_s61c \
     --set activation_memory_budget=0.35
+}
+chain_s61e() {  # s61c's second half
   step bench_train_large_b512_budget045 200 large_at 512 train_gem-large_b512_budget045_s61c \
     --set activation_memory_budget=0.45
 }
