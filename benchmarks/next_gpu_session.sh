@@ -1052,7 +1052,8 @@ chain_s61b() {  # session 58, after s61a (b512 at budget 0.35: 350.23 ms, 65.0 G
     --set activation_memory_budget=0.5
 }
 chain_s61c() {  # session 58: s61a's b512 budget 0.35 ran JFA's forward twice a step (the partitioner took our custom
-  # ops for free to recompute); with them ranked by their FLOP formulas, 0.35 again and then 0.45 (0.5 ran out of memory)
+  # ops for free to recompute); with them ranked by their FLOP formulas, 0.35 again and then 0.45 (0.5: out of
+  # memory)
   chain_s61d
   chain_s61e
 }
