@@ -42,6 +42,15 @@ def require_positive(settings: Any, names: Iterable[str]) -> None:
             raise ValueError(f"{name} must be > 0, got {value}")
 
 
+def require_fraction(settings: Any, names: Iterable[str]) -> None:
+    """Raise ``ValueError("<name> must be in [0, 1], got <value>")`` for the first of ``names`` outside [0, 1] (NaN
+    too)."""
+    for name in names:
+        value = getattr(settings, name)
+        if not 0 <= value <= 1:
+            raise ValueError(f"{name} must be in [0, 1], got {value}")
+
+
 def check_optional_positive_finite(**values: float | None) -> None:
     """Raise ``ValueError("<name> must be positive, got <value>")``, or ``"... must be finite ..."`` for infinity, for
     the first given value (None: not given) that is not a positive finite number (NaN fails as not positive)."""

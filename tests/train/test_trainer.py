@@ -434,8 +434,8 @@ def test_activation_memory_budget_reaches_every_region_through_inductor(monkeypa
     assert isinstance(backend, BudgetedInductor) and backend.budget == 0.4 and "mode" not in seen[0]
     assert backend.config == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp_wrapper": True}
     assert backend != BudgetedInductor(0.5, "max-autotune-no-cudagraphs", {"cpp_wrapper": True})
-    for bad, message in [("2", "must be in \\[0, 1\\]"), ("-0.1", "must be in \\[0, 1\\]")]:
-        with pytest.raises(ValueError, match=f"activation_memory_budget {message}"):
+    for bad in ("2", "-0.1"):
+        with pytest.raises(ValueError, match="activation_memory_budget must be in \\[0, 1\\]"):
             load_config("gem-tiny", None, [*SMALL, "compile=true", f"activation_memory_budget={bad}"])
     with pytest.raises(ValueError, match="activation_memory_budget is a setting of the compiled blocks: set compile"):
         load_config("gem-tiny", None, [*SMALL, "activation_memory_budget=0.5"])

@@ -69,7 +69,7 @@ import pyarrow as pa
 
 from opengem.data.layout import HISTORY_TIME, DataLayout, RowBlock, encode
 from opengem.data.schema import FeatureSpec
-from opengem.validation import require_at_least
+from opengem.validation import require_at_least, require_fraction
 
 BLOCK_SIZE = 4096
 # First sample index of the held-out set: the training stream (batch s holds samples [s B, (s + 1) B)) never
@@ -115,9 +115,7 @@ class SyntheticConfig:
     def __post_init__(self) -> None:
         require_at_least(self, ("num_users", "num_items", "num_categories", "num_ads", "num_advertisers",
                                 "num_ad_formats", "num_surfaces", "num_age_buckets", "num_genders", "num_countries"), 1)
-        for name in ("interest_share", "targeting_share"):
-            if not 0 <= getattr(self, name) <= 1:
-                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
+        require_fraction(self, ("interest_share", "targeting_share"))
         for name in ("history_span_days", "recency_days"):  # a negative span put history after the impression
             if not 0 < getattr(self, name) < math.inf:
                 raise ValueError(f"{name} must be a positive number of days, got {getattr(self, name)}")

@@ -13,7 +13,7 @@ from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 from opengem.nn.low_precision_recipe import NAMED_RECIPES
-from opengem.validation import require_at_least, require_positive
+from opengem.validation import require_at_least, require_fraction, require_positive
 
 ARCHITECTURES = ("sequence_ctr", "gem")
 LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
@@ -109,15 +109,12 @@ class TrainConfig:
             raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {self.spike_factor}")
         if self.weight_shadows and self.precision != "bf16":
             raise ValueError(f"weight_shadows holds bf16 copies for precision=bf16, got precision={self.precision!r}")
-        if self.compile_cpp_wrapper and not self.compile:
-            raise ValueError("compile_cpp_wrapper=true is a setting of the compiled blocks: set compile=true as well "
-                             "(bench train: --compile)")
-        if not 0 <= self.activation_memory_budget <= 1:
-            raise ValueError(f"activation_memory_budget must be in [0, 1] (a share of the activations the compiled "
-                             f"blocks save by default), got {self.activation_memory_budget}")
-        if self.activation_memory_budget != 1 and not self.compile:
-            raise ValueError("activation_memory_budget is a setting of the compiled blocks: set compile=true as well "
-                             "(bench train: --compile)")
+        require_fraction(self, ("activation_memory_budget",))
+        for setting, in_use in (("compile_cpp_wrapper=true", self.compile_cpp_wrapper),
+                                ("activation_memory_budget", self.activation_memory_budget != 1)):
+            if in_use and not self.compile:
+                raise ValueError(f"{setting} is a setting of the compiled blocks: set compile=true as well "
+                                 "(bench train: --compile)")
         refuse_two_recompute_policies(self.activation_checkpointing, self.activation_memory_budget)
         if self.fp32_weight_grads and not self.weight_shadows:
             raise ValueError("fp32_weight_grads computes the weight-shadowed layers' gradients: "
