@@ -1057,12 +1057,12 @@ chain_s61c() {  # session 58: s61a's b512 budget 0.35 ran JFA's forward twice a 
   chain_s61d
   chain_s61e
 }
-chain_s61d() {  # s61c's first half, for a call with less device time
-  step bench_train_large_b512_budget035 200 large_at 512 train_gem-large_b512_budget035_s61c \
+chain_s61d() {  # s61c's first half, for a call with less device time (caps for a cold compile cache: session 59)
+  step bench_train_large_b512_budget035 280 large_at 512 train_gem-large_b512_budget035_s61c \
     --set activation_memory_budget=0.35
 }
 chain_s61e() {  # s61c's second half
-  step bench_train_large_b512_budget045 200 large_at 512 train_gem-large_b512_budget045_s61c \
+  step bench_train_large_b512_budget045 240 large_at 512 train_gem-large_b512_budget045_s61c \
     --set activation_memory_budget=0.45
 }
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
