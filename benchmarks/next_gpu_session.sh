@@ -1065,6 +1065,17 @@ chain_s61e() {  # s61c's second half
   step bench_train_large_b512_budget045 240 large_at 512 train_gem-large_b512_budget045_s61c \
     --set activation_memory_budget=0.45
 }
+chain_s62a() {  # session 59: gem-large b256 plain, then with weight_shadows + shadow_adamw (AdamW reads the shadows'
+  # bf16 gradients and writes the shadows: 28 B a parameter a step instead of 40), one call, caps for a cold cache
+  step bench_train_large_b256 250 large_at 256 train_gem-large_b256_s62a_plain
+  step bench_train_large_b256_shadow_adamw 250 large_at 256 train_gem-large_b256_s62a_shadow_adamw \
+    --set weight_shadows=true --set shadow_adamw=true
+}
+chain_s62b() {  # session 59: the shadow AdamW's GPU tests (the kernel against fused AdamW; a compiled gem-small
+  # learner against weight_shadows alone), then its benchmark at gem-large's Linear parameters
+  step tests_shadow_adamw 240 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py
+  step optimizer_large 120 python -m benchmarks.optimizer --preset gem-large
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \

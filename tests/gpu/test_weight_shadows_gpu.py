@@ -1,6 +1,7 @@
 """bf16 weight shadows (``weight_shadows=true``) on the GPU: a compiled GEM learner trains to the plain learner's
 losses and launches fewer kernels a step (autocast's per-use weight casts gone); with ``fp32_weight_grads=true`` the
-weight gradients come from fp32-output GEMMs, fewer kernels again.
+weight gradients come from fp32-output GEMMs, fewer kernels again; with ``shadow_adamw=true`` the optimizer reads the
+shadows' bf16 gradients and writes the shadows (no gradient casts, no refresh).
 
 Not bit for bit, as the layers are eagerly (``tests/nn/test_weight_shadows.py``): each setting compiles its own graph,
 and Inductor fuses and picks GEMM kernels per graph, so sums run in other orders. Session 39 (H100): first losses
@@ -23,7 +24,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 SETTINGS = {"plain": {}, "shadows": {"weight_shadows": True},
-            "fp32_grads": {"weight_shadows": True, "fp32_weight_grads": True}}  # fmt: skip
+            "fp32_grads": {"weight_shadows": True, "fp32_weight_grads": True},
+            "shadow_adamw": {"weight_shadows": True, "shadow_adamw": True}}  # fmt: skip
 
 
 def _losses_and_kernels(name: str) -> tuple[list[float], int]:
@@ -55,6 +57,14 @@ def test_fp32_weight_grads_keep_the_first_loss_and_launch_fewer_kernels_than_sha
     assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)
     assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-2)
     assert fp32_kernels < shadow_kernels, (fp32_kernels, shadow_kernels)
+
+
+def test_shadow_adamw_keeps_the_first_loss_and_launches_fewer_kernels_than_shadows():
+    (want_losses, shadow_kernels), (got_losses, adamw_kernels) = map(_losses_and_kernels, ("shadows", "shadow_adamw"))
+    # the same forward and gradients; AdamW's arithmetic in another kernel (within an ulp a step)
+    assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)
+    assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-3)
+    assert adamw_kernels < shadow_kernels, (adamw_kernels, shadow_kernels)  # no gradient casts, no refresh
 
 
 def test_fp32_product_is_one_fp32_output_gemm_eager_and_compiled():

@@ -16,6 +16,10 @@ another order (on an H100, session 39: first losses 2e-6 apart relative). The
 shadows are non-persistent buffers (not in ``state_dict``); refresh them after the parameters change and before they
 are read (``opengem.train.trainer.Learner`` does at the start of each step).
 
+With ``shadow_grads`` the shadows are autograd leaves the layers compute from directly: each weight's gradient stays
+on its shadow in bf16, as the GEMM wrote it, and the fp32 parameter gets none; an optimizer that reads them and writes
+the shadows as it updates (`opengem.train.shadow_adamw`) saves the gradient's cast and the next refresh.
+
 With ``fp32_grads`` the shadowed layers' weight gradient comes from a GEMM that writes fp32 (``torch.mm(...,
 out_dtype=torch.float32)`` on CUDA: bf16 operands, fp32 sums, as cuBLAS accumulates anyway) and the bias gradient from
 an fp32 sum. That drops the bf16 rounding of both gradients and the cast kernel after each (one a weight and one a
@@ -88,6 +92,7 @@ class ShadowedLinear(nn.Linear):
     weight_shadow: torch.Tensor
     bias_shadow: torch.Tensor | None
     fp32_grads: bool
+    shadow_grads: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear_forward(self, x)
@@ -99,6 +104,10 @@ def linear_forward(linear: nn.Linear, x: torch.Tensor, bias_gradient: bool = Tru
     bias = linear.bias if bias_gradient or linear.bias is None else linear.bias.detach()
     if not (_IN_USE and isinstance(linear, ShadowedLinear)):
         return F.linear(x, linear.weight, bias)
+    if linear.shadow_grads:
+        if linear.bias_shadow is not None and not bias_gradient:
+            return F.linear(x, linear.weight_shadow, linear.bias_shadow.detach())
+        return F.linear(x, linear.weight_shadow, linear.bias_shadow)
     if linear.fp32_grads:
         return _LinearWithFp32Grads.apply(x, linear.weight, linear.weight_shadow, bias, linear.bias_shadow)
     if bias is not None:
@@ -107,21 +116,27 @@ def linear_forward(linear: nn.Linear, x: torch.Tensor, bias_gradient: bool = Tru
 
 
 def shadow_linear_weights(
-    model: nn.Module, dtype: torch.dtype = torch.bfloat16, fp32_grads: bool = False
+    model: nn.Module, dtype: torch.dtype = torch.bfloat16, fp32_grads: bool = False, shadow_grads: bool = False
 ) -> list[tuple[torch.Tensor, ...]]:
     """Makes every plain ``nn.Linear`` of ``model`` a :class:`ShadowedLinear` (in place: same parameters, same
-    ``state_dict``) with ``dtype`` shadows (and ``fp32_grads``); returns the ``(parameter, shadow)`` pairs for
-    :func:`refresh_shadows`, already refreshed. Other Linear subclasses (the low-precision layers) keep their own
-    weight handling."""
+    ``state_dict``) with ``dtype`` shadows (and ``fp32_grads`` or ``shadow_grads``: the module docstring); returns
+    the ``(parameter, shadow)`` pairs for :func:`refresh_shadows`, already refreshed. Other Linear subclasses (the
+    low-precision layers) keep their own weight handling."""
+    if fp32_grads and shadow_grads:
+        raise ValueError("fp32_grads gives the fp32 parameters their gradients, shadow_grads gives them to the bf16 "
+                         "shadows: choose one")
     pairs: list[tuple[torch.Tensor, ...]] = []
     for module in model.modules():
         if type(module) is not nn.Linear:
             continue
         module.__class__ = ShadowedLinear
         module.fp32_grads = fp32_grads
+        module.shadow_grads = shadow_grads
         for name in ("weight", "bias"):
             parameter = getattr(module, name)
             shadow = None if parameter is None else torch.empty_like(parameter, dtype=dtype)
+            if shadow is not None and shadow_grads:
+                shadow.requires_grad_(parameter.requires_grad)
             module.register_buffer(f"{name}_shadow", shadow, persistent=False)
             if parameter is not None:
                 pairs.append((parameter, shadow))

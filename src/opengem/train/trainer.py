@@ -44,6 +44,7 @@ from opengem.train.config import ARCHITECTURES, TrainConfig
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.guards import StepGuard
 from opengem.train.metrics import binary_metrics
+from opengem.train.shadow_adamw import ShadowAdamW
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype
 
@@ -96,7 +97,8 @@ class Learner:
         in use for the block (the backward's recomputed activations included)."""
         if self.weight_shadows is None:
             return contextlib.nullcontext()
-        refresh_shadows(self.weight_shadows)
+        if not (isinstance(self.optimizer, ShadowAdamW) and self.optimizer.shadows_fresh()):
+            refresh_shadows(self.weight_shadows)
         return shadows_in_use()
 
     def _step(self, batch: Batch) -> torch.Tensor:
@@ -209,7 +211,7 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
         if sharded or kind is not Learner:
             raise ValueError("weight_shadows is for the single-process trainer: sharded parameters are cast by FSDP's "
                              "mixed precision instead")
-        shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads)
+        shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads, shadow_grads=config.shadow_adamw)
     if config.compile:  # the one place the blocks are compiled with the config's settings (train, bench, diagnostics)
         compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper,
                         memory_budget=config.activation_memory_budget)
@@ -218,7 +220,11 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     # parameters and sharded embedding collections take the host-checked path)
     fused = bool(parameters) and not sharded and len({p.device for p in parameters}) == 1
     fused = fused and parameters[0].device.type in ("cuda", "cpu")
-    optimizer = torch.optim.AdamW(parameters, lr=config.lr, weight_decay=config.weight_decay, fused=fused or None)
+    adamw = {"lr": config.lr, "weight_decay": config.weight_decay, "fused": fused or None}
+    if config.shadow_adamw:
+        optimizer: torch.optim.Optimizer = ShadowAdamW(parameters, shadows, **adamw)
+    else:
+        optimizer = torch.optim.AdamW(parameters, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))
     return kind(model, optimizer, scheduler, COMPUTE_DTYPES[config.precision], skip_on_device=fused,
                 weight_shadows=shadows)

@@ -1,0 +1,131 @@
+"""AdamW on low-precision gradients that also writes the low-precision copies of the weights the next step reads.
+
+Under bf16 autocast a Linear layer's weight gradient comes out of its GEMM in bf16 and is cast to fp32 for the
+optimizer, and the next forward casts the updated fp32 weight back to bf16. With the copies kept as tensors of their
+own (`opengem.nn.weight_shadows`), :func:`shadow_adamw_update` reads each copy's bf16 gradient where autograd left it,
+updates the fp32 weight and moments, and writes the new copy in the same pass: per parameter 28 B moved instead of
+AdamW's 28 plus the two casts' 12. The gradient is widened exactly, so the update is AdamW's on autocast's gradient.
+
+Formula: `opengem.ops.reference.adamw`. CUDA tensors run the Triton kernel (one launch for all tensors), CPU
+tensors the reference; ``backend="triton"`` (or ``OPENGEM_ADAMW_BACKEND=triton``) forces the kernel, e.g. under
+``TRITON_INTERPRET=1``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+import torch
+
+from opengem.ops.reference.adamw import shadow_adamw_update as shadow_adamw_reference
+
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+class ShadowAdamWTensors:
+    """What :func:`shadow_adamw_update` updates: fp32 ``params`` with their fp32 moments, their low-precision
+    ``shadows`` (bf16 or fp16, one dtype) and 0-d fp32 ``steps`` counters, one of each a parameter, all contiguous on
+    one device. Checked once here; the kernel's address tables are made once and kept (the tensors must stay the
+    same objects: make a new instance after replacing any, e.g. after loading a checkpoint)."""
+
+    def __init__(
+        self, params: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],
+        shadows: list[torch.Tensor], steps: list[torch.Tensor],
+    ) -> None:
+        lists = {"params": params, "exp_avgs": exp_avgs, "exp_avg_sqs": exp_avg_sqs, "shadows": shadows, "steps": steps}
+        if len({len(tensors) for tensors in lists.values()}) != 1:
+            raise ValueError(f"one of each a parameter: got {', '.join(f'{len(v)} {k}' for k, v in lists.items())}")
+        devices = {t.device for tensors in lists.values() for t in tensors}
+        if len(devices) > 1:
+            raise ValueError(f"every tensor must be on one device, got {sorted(map(str, devices))}")
+        half = {s.dtype for s in shadows}
+        if len(half) > 1 or not half <= set(HALF_DTYPES):
+            raise ValueError(f"shadows must all be bf16 or all fp16, got {sorted(map(str, half))}")
+        for i, (param, exp_avg, exp_avg_sq, shadow, step) in enumerate(zip(*lists.values())):
+            for name, tensor, dtype in (("params", param, torch.float32), ("exp_avgs", exp_avg, torch.float32),
+                                        ("exp_avg_sqs", exp_avg_sq, torch.float32), ("shadows", shadow, shadow.dtype)):
+                if tensor.dtype != dtype or tensor.shape != param.shape or not tensor.is_contiguous():
+                    raise ValueError(f"{name}[{i}] must be a contiguous {dtype} tensor of params[{i}]'s shape "
+                                     f"{tuple(param.shape)}, got {tensor.dtype} {tuple(tensor.shape)}"
+                                     f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
+            if step.dtype != torch.float32 or step.dim() != 0:
+                raise ValueError(f"steps[{i}] must be a 0-d fp32 tensor, got {step.dtype} {tuple(step.shape)}")
+        self.params, self.exp_avgs, self.exp_avg_sqs, self.shadows, self.steps = params, exp_avgs, exp_avg_sqs, \
+            shadows, steps
+        self.device = devices.pop() if devices else torch.device("cpu")
+        self.half_dtype = half.pop() if half else torch.bfloat16
+        self._launch_plans: dict[tuple[bool, ...], tuple] = {}  # by which tensors have a gradient
+
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def launch_plan(self, present: tuple[bool, ...]) -> tuple:
+        """The kernel's work list and address tables for the tensors marked present (made on first use)."""
+        if present not in self._launch_plans:
+            from opengem.ops.triton.adamw import address_table, work_items  # triton only where the kernel runs
+
+            kept = [i for i, here in enumerate(present) if here]
+            numels = [self.params[i].numel() for i in kept]
+            tables = {name: address_table([tensors[i] for i in kept], self.device) for name, tensors in (
+                ("param", self.params), ("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs),
+                ("shadow", self.shadows), ("step", self.steps))}
+            sizes = torch.tensor(numels, dtype=torch.int64).to(self.device)
+            self._launch_plans[present] = (work_items(numels, self.device), sizes, tables)
+        return self._launch_plans[present]
+
+
+def shadow_adamw_update(
+    tensors: ShadowAdamWTensors, grads: list[torch.Tensor | None], *, lr: float, betas: tuple[float, float],
+    eps: float, weight_decay: float, skip: torch.Tensor | None = None, backend: str | None = None,
+) -> None:
+    """One AdamW step of every parameter of ``tensors`` whose ``grads`` entry (its shadow's gradient: the shadow's
+    dtype and shape) is not None; the others are left as they are, their step counters too (as ``torch.optim.AdamW``
+    leaves parameters without a gradient). Each updated step counter is incremented first and the bias corrections
+    read it. ``skip``: a one-element tensor on the device; where non-zero, nothing changes (steps included), decided
+    on the device without a host sync (``torch.optim.AdamW``'s ``found_inf``)."""
+    if len(grads) != len(tensors):
+        raise ValueError(f"one gradient (or None) a parameter: got {len(grads)} for {len(tensors)} parameters")
+    for name, value, low in (("lr", lr, 0.0), ("eps", eps, 0.0), ("weight_decay", weight_decay, 0.0),
+                             ("betas[0]", betas[0], 0.0), ("betas[1]", betas[1], 0.0)):
+        if not math.isfinite(value) or value < low or (name.startswith("betas") and value >= 1):
+            raise ValueError(f"{name} must be finite and >= 0{' and < 1' if name.startswith('betas') else ''}, "
+                             f"got {value}")
+    if skip is not None and (skip.numel() != 1 or skip.device != tensors.device):
+        raise ValueError(f"skip must be one element on {tensors.device}, got {tuple(skip.shape)} on {skip.device}")
+    use_triton = _use_triton(tensors.device, backend)
+    present = tuple(g is not None for g in grads)
+    kept = [i for i, here in enumerate(present) if here]
+    for i in kept:
+        grad, shadow = grads[i], tensors.shadows[i]
+        if grad.dtype != shadow.dtype or grad.shape != shadow.shape or grad.device != shadow.device:
+            raise ValueError(f"grads[{i}] must be the gradient of shadows[{i}] ({shadow.dtype} "
+                             f"{tuple(shadow.shape)} on {shadow.device}), got {grad.dtype} {tuple(grad.shape)} on "
+                             f"{grad.device}")
+    if not kept:
+        return
+    steps = [tensors.steps[i] for i in kept]
+    torch._foreach_add_(steps, 1.0)
+    if skip is not None:
+        torch._foreach_sub_(steps, [skip.reshape(())] * len(steps))
+    hyper = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
+    kept_grads = [grads[i].contiguous() for i in kept]  # kept alive until the kernel is queued: the table holds
+    # their addresses (autograd's gradients follow the shadows' contiguous layout, so this copies nothing)
+    if not use_triton:
+        shadow_adamw_reference([tensors.params[i] for i in kept], kept_grads,
+                               [tensors.exp_avgs[i] for i in kept], [tensors.exp_avg_sqs[i] for i in kept],
+                               [tensors.shadows[i] for i in kept], steps, skip=skip, **hyper)
+        return
+    from opengem.ops.triton.adamw import address_table, shadow_adamw_launch
+
+    items, numels, tables = tensors.launch_plan(present)
+    log2_betas = tuple(math.log2(b) if b > 0 else -math.inf for b in betas)
+    shadow_adamw_launch(items, numels, tables, address_table(kept_grads, tensors.device), skip,
+                        log2_betas=log2_betas, half_is_bf16=tensors.half_dtype == torch.bfloat16, **hyper)
+
+
+def _use_triton(device: torch.device, backend: str | None) -> bool:
+    backend = backend or os.environ.get("OPENGEM_ADAMW_BACKEND", "auto")
+    if backend not in ("auto", "triton", "reference"):
+        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
+    return backend == "triton" or (backend == "auto" and device.type == "cuda")

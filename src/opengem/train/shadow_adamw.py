@@ -1,0 +1,99 @@
+"""AdamW that takes the weight-shadowed layers' gradients in bf16 from their shadows and writes the shadows as it
+updates (``TrainConfig.shadow_adamw``).
+
+With ``opengem.nn.weight_shadows``' ``shadow_grads`` the shadowed Linear layers compute from their bf16 shadows as
+autograd leaves, so each weight's bf16 gradient stays on its shadow (no cast to fp32) and the fp32 weight gets none.
+:class:`ShadowAdamW` updates those weights from the shadows' gradients and writes the new shadows in the same pass
+(`opengem.ops.adamw`), and runs ``torch.optim.AdamW`` for every other parameter. The arithmetic is AdamW's on
+autocast's gradients (the bf16 gradient widened exactly), its state the same (``step``, ``exp_avg``,
+``exp_avg_sq`` under each fp32 parameter), so checkpoints load into either optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+
+from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
+
+
+class ShadowAdamW(torch.optim.AdamW):
+    """``torch.optim.AdamW(params, **kwargs)``; ``pairs``: the ``(fp32 parameter, shadow)`` pairs of
+    `opengem.nn.weight_shadows.shadow_linear_weights` (made with ``shadow_grads=True``), the parameters among
+    ``params``. A parameter whose gradient reached the fp32 tensor instead (a bias handed to an attention op) is
+    stepped by AdamW and its shadow refreshed after."""
+
+    def __init__(self, params: Iterable[torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]],
+                 **kwargs: object) -> None:
+        if kwargs.get("amsgrad") or kwargs.get("maximize") or kwargs.get("capturable") or kwargs.get("differentiable"):
+            raise ValueError("ShadowAdamW updates as plain AdamW: amsgrad, maximize, capturable and differentiable "
+                             "are not supported")
+        super().__init__(params, **kwargs)  # type: ignore[arg-type]
+        self._shadow_of = {master: shadow for master, shadow in pairs}
+        grouped = {p for group in self.param_groups for p in group["params"]}
+        missing = [tuple(master.shape) for master in self._shadow_of if master not in grouped]
+        if missing:
+            raise ValueError(f"every shadowed parameter must be among params: {len(missing)} are not "
+                             f"(shapes {missing[:4]})")
+        self._tensors: list[ShadowAdamWTensors] | None = None  # a group's shadowed state, made at the first step
+        self._versions: list[int] | None = None  # the shadowed parameters' versions when their shadows were written
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for shadow in self._shadow_of.values():
+            if shadow.grad is not None:
+                if set_to_none:
+                    shadow.grad = None
+                else:
+                    shadow.grad.zero_()
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        both = [tuple(m.shape) for m, s in self._shadow_of.items() if m.grad is not None and s.grad is not None]
+        if both:
+            raise RuntimeError(f"{len(both)} shadowed parameters got a gradient both on the fp32 tensor and on the "
+                               f"shadow (shapes {both[:4]}): use each layer through its shadows only")
+        tensors = self._shadowed_tensors()
+        super().step()  # the parameters whose gradients reached them (shadowed ones have none)
+        skip = getattr(self, "found_inf", None)
+        for group, group_tensors in zip(self.param_groups, tensors):
+            shadow_adamw_update(group_tensors, [s.grad for s in group_tensors.shadows], lr=float(group["lr"]),
+                                betas=(float(group["betas"][0]), float(group["betas"][1])), eps=group["eps"],
+                                weight_decay=group["weight_decay"], skip=skip)
+        stepped_here = [(m, s) for m, s in self._shadow_of.items() if m.grad is not None]
+        if stepped_here:
+            torch._foreach_copy_([s for _, s in stepped_here], [m for m, _ in stepped_here])
+        self._versions = [m._version for m in self._shadow_of]
+        return loss
+
+    def shadows_fresh(self) -> bool:
+        """Whether every shadow holds its parameter as this optimizer last wrote it: no step yet, or a parameter
+        changed in place since (a loaded checkpoint), says no."""
+        return self._versions == [m._version for m in self._shadow_of]
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._tensors = None  # the loaded state tensors replace the ones the kernel's tables point at
+        self._versions = None
+
+    def _shadowed_tensors(self) -> list[ShadowAdamWTensors]:
+        """Each group's shadowed parameters with their state, made (as ``torch.optim.AdamW`` makes it) if missing."""
+        if self._tensors is None:
+            self._tensors = []
+            for group in self.param_groups:
+                masters = [p for p in group["params"] if p in self._shadow_of]
+                for master in masters:
+                    state = self.state[master]
+                    if not state:
+                        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                    state["step"] = state.get("step", torch.zeros(())).to(master.device, torch.float32)
+                self._tensors.append(ShadowAdamWTensors(
+                    masters, [self.state[m]["exp_avg"] for m in masters], [self.state[m]["exp_avg_sq"] for m in masters],
+                    [self._shadow_of[m] for m in masters], [self.state[m]["step"] for m in masters]))
+        return self._tensors

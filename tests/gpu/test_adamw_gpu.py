@@ -1,0 +1,15 @@
+"""The shadow AdamW kernel on the GPU in bf16 (its shadows rounded to nearest even, as ``Tensor.to`` rounds) against
+``torch.optim.AdamW(fused=True)`` on the widened gradients: `tests/ops/test_adamw.py`'s check."""
+
+import pytest
+import torch
+
+from tests.ops.test_adamw import run_against_adamw
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case", [{}, {"skip_at": 1}, {"absent": 1}])
+def test_kernel_steps_as_fused_adamw(half, case):
+    run_against_adamw("cuda", half, "auto", **case)

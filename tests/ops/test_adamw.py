@@ -1,0 +1,117 @@
+"""The AdamW update on low-precision gradients that writes the weights' low-precision shadows (`opengem.ops.adamw`):
+the reference and the Triton kernel (interpreter, fp16: its bf16 casts do not round to nearest even) against
+``torch.optim.AdamW`` stepping the same fp32 parameters on the widened gradients."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
+
+SHAPES = [(7, 5), (4100,), (3,), (2, 4096)]  # a tensor over one BLOCK (4096) and one ending inside the next
+HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
+
+
+def run_against_adamw(device: str, half: torch.dtype, backend: str, updates: int = 3, skip_at: int | None = None,
+                      absent: int | None = None) -> None:
+    """``updates`` updates of SHAPES' tensors with fresh gradients (``absent``: that tensor never gets one;
+    ``skip_at``: that step is skipped on the device) against ``torch.optim.AdamW(fused=True)``."""
+    torch.manual_seed(0)
+    params = [torch.randn(shape, device=device) for shape in SHAPES]
+    want = [p.clone().requires_grad_() for p in params]
+    adamw = torch.optim.AdamW(want, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
+                              weight_decay=HYPER["weight_decay"], fused=True)
+    shadows = [p.to(half) for p in params]
+    steps = [torch.zeros((), device=device) for _ in params]
+    tensors = ShadowAdamWTensors(params, [torch.zeros_like(p) for p in params],
+                                 [torch.zeros_like(p) for p in params], shadows, steps)
+    for step in range(updates):
+        grads = [None if i == absent else torch.randn(shape, device=device).to(half) for i, shape in enumerate(SHAPES)]
+        skip = torch.tensor(float(step == skip_at), device=device)
+        for parameter, grad in zip(want, grads):
+            parameter.grad = None if grad is None else grad.float()
+        adamw.found_inf = skip
+        adamw.step()
+        shadow_adamw_update(tensors, grads, skip=skip, backend=backend, **HYPER)
+    for i, (got, expected) in enumerate(zip(params, want)):
+        # the same formula in fp32; the bias corrections' powers and the order of a few products differ by an ulp
+        torch.testing.assert_close(got, expected.detach(), rtol=2e-6, atol=1e-7, msg=f"tensor {i}")
+        assert torch.equal(shadows[i], got.to(half)), f"shadow {i} is not its parameter rounded"
+        state_step = adamw.state[expected]["step"] if i != absent else torch.zeros(())
+        assert float(steps[i]) == float(state_step), f"step counter {i}"
+
+
+@pytest.mark.parametrize("skip_at", [None, 1])
+def test_reference_steps_as_adamw_on_the_widened_gradients(skip_at):
+    for half in (torch.bfloat16, torch.float16):
+        run_against_adamw("cpu", half, "reference", skip_at=skip_at)
+
+
+def test_reference_leaves_a_tensor_without_gradient_alone():
+    run_against_adamw("cpu", torch.bfloat16, "reference", absent=1)
+
+
+def test_kernel_in_the_interpreter_steps_as_adamw():
+    """In a subprocess: the interpreter is chosen when Triton is imported."""
+    code = ("from tests.ops.test_adamw import run_against_adamw; import torch\n"
+            "run_against_adamw('cpu', torch.float16, 'triton', skip_at=1)\n"
+            "run_against_adamw('cpu', torch.float16, 'triton', absent=2)\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def _tensors(n: int = 2) -> ShadowAdamWTensors:
+    params = [torch.zeros(4, 3) for _ in range(n)]
+    return ShadowAdamWTensors(params, [torch.zeros_like(p) for p in params], [torch.zeros_like(p) for p in params],
+                              [p.bfloat16() for p in params], [torch.zeros(()) for _ in params])
+
+
+def test_bad_tensors_are_refused_by_name():
+    p = torch.zeros(4, 3)
+    ok = {"params": [p], "exp_avgs": [torch.zeros_like(p)], "exp_avg_sqs": [torch.zeros_like(p)],
+          "shadows": [p.bfloat16()], "steps": [torch.zeros(())]}
+    cases = [
+        ({"exp_avgs": []}, "one of each a parameter"),
+        ({"exp_avg_sqs": [torch.zeros(3, 4)]}, r"exp_avg_sqs\[0\] must be a contiguous torch.float32 tensor"),
+        ({"exp_avgs": [torch.zeros(3, 4).t()]}, r"exp_avgs\[0\].*not contiguous"),
+        ({"params": [p.double()]}, r"params\[0\] must be a contiguous torch.float32"),
+        ({"shadows": [p.float()]}, "shadows must all be bf16 or all fp16"),
+        ({"steps": [torch.zeros(1)]}, r"steps\[0\] must be a 0-d fp32 tensor"),
+    ]
+    for change, message in cases:
+        with pytest.raises(ValueError, match=message):
+            ShadowAdamWTensors(**{**ok, **change})
+
+
+def test_bad_gradients_and_settings_are_refused_by_name():
+    tensors = _tensors()
+    grad = torch.zeros(4, 3, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="one gradient .or None. a parameter: got 1 for 2"):
+        shadow_adamw_update(tensors, [grad], **HYPER)
+    with pytest.raises(ValueError, match=r"grads\[1\] must be the gradient of shadows\[1\]"):
+        shadow_adamw_update(tensors, [grad, grad.float()], **HYPER)
+    with pytest.raises(ValueError, match=r"grads\[0\] must be the gradient of shadows\[0\]"):
+        shadow_adamw_update(tensors, [torch.zeros(3, 4, dtype=torch.bfloat16), None], **HYPER)
+    for name, value in (("lr", -1.0), ("eps", float("nan")), ("weight_decay", -0.1)):
+        with pytest.raises(ValueError, match=f"{name} must be finite and >= 0"):
+            shadow_adamw_update(tensors, [grad, grad], **{**HYPER, name: value})
+    with pytest.raises(ValueError, match=r"betas\[1\] must be finite and >= 0 and < 1"):
+        shadow_adamw_update(tensors, [grad, grad], **{**HYPER, "betas": (0.9, 1.0)})
+    with pytest.raises(ValueError, match="skip must be one element"):
+        shadow_adamw_update(tensors, [grad, grad], skip=torch.zeros(2), **HYPER)
+    with pytest.raises(ValueError, match="backend must be"):
+        shadow_adamw_update(tensors, [grad, grad], backend="cuda", **HYPER)
+    assert all(float(s) == 0 for s in tensors.steps)  # nothing refused moved a counter
+
+
+def test_benchmark_takes_every_linear_parameter_and_checks_one_update():
+    from benchmarks.optimizer import check_one_update, linear_shapes
+
+    shapes = linear_shapes("gem-large")
+    assert sum(s.numel() for s in shapes) == 1_112_740_296  # 99.8% of gem-large's 1.1146B dense parameters
+    check = check_one_update(linear_shapes("gem-tiny"), "cpu")
+    assert check["shadows_rounded"] and check["max_param_rel_error"] < 1e-6, check
