@@ -83,6 +83,13 @@ def check_one_update(shapes: list[torch.Size], device: str) -> dict[str, float]:
     return {"max_param_rel_error": worst, "shadows_rounded": rounded}
 
 
+def copy_bandwidth_gbps(device: str) -> float:
+    """GB/s of a 1 GiB device-to-device copy (bytes read plus written)."""
+    source = torch.empty(2**28, device=device)
+    target = torch.empty_like(source)
+    return 2 * source.numel() * 4 / bench_ms(lambda: target.copy_(source)) / 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", default="gem-large", choices=sorted(GEM_PRESETS))
@@ -96,11 +103,7 @@ def main() -> None:
     print(f"check: {check}")
     torch.cuda.empty_cache()
     setup = Setup(shapes, device)
-    source = torch.empty(2**28, device=device)  # 1 GiB
-    target = torch.empty_like(source)
-    copy_ms = bench_ms(lambda: target.copy_(source))
-    copy_gbps = 2 * source.numel() * 4 / copy_ms / 1e6
-    del source, target
+    copy_gbps = copy_bandwidth_gbps(device)
     times = interleaved_ms({"shadow_adamw": setup.shadow_adamw, "adamw+casts": setup.adamw_with_casts,
                             "adamw": setup.adamw}, rounds=args.rounds)
     rows = []
