@@ -1,0 +1,125 @@
+"""``shadow_adamw=true``: AdamW reads the weight shadows' bf16 gradients and writes the shadows as it updates
+(`opengem.train.shadow_adamw`), on the CPU (the reference update; the kernel: tests/ops/test_adamw.py)."""
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from opengem.nn.weight_shadows import shadow_linear_weights, shadows_in_use
+from opengem.train.config import load_config
+from opengem.train.data_stream import train_batches
+from opengem.train.shadow_adamw import ShadowAdamW
+from opengem.train.trainer import build_learner, train
+from tests.train.test_trainer import SMALL, _config, _final_weights, _losses
+
+GEM_BF16 = [*SMALL, "architecture=gem", "gem.num_layers=2", "precision=bf16"]
+SHADOW_ADAMW = {"weight_shadows": True, "shadow_adamw": True}
+
+
+def _runs(settings: dict[str, dict], steps: int = 3) -> dict[str, tuple[list[float], dict, object]]:
+    config = load_config("gem-tiny", None, GEM_BF16)
+    stream = train_batches(config, 0)
+    batches = [next(stream) for _ in range(steps)]
+    runs = {}
+    for name, extra in settings.items():
+        torch.manual_seed(0)
+        learner = build_learner(dataclasses.replace(config, **extra), config.model.history, torch.device("cpu"))
+        losses = [float(learner.step(batch)) for batch in batches]
+        runs[name] = (losses, {n: p.detach().clone() for n, p in learner.model.named_parameters()}, learner)
+    return runs
+
+
+def test_one_step_updates_every_weight_as_adamw_on_autocasts_gradients():
+    """The same gradients (autocast's bf16 weight gradients, widened) and AdamW's formula: after one step every
+    weight is within an ulp-scale tolerance of the plain run's, and every shadow is its weight rounded (the biases
+    handed to the attention ops, whose gradients reach the fp32 tensors, among them)."""
+    runs = _runs({"plain": {}, "shadow_adamw": SHADOW_ADAMW}, steps=1)
+    (want_loss, want, _), (got_loss, got, learner) = runs["plain"], runs["shadow_adamw"]
+    assert got_loss == want_loss
+    for name, weight in want.items():
+        torch.testing.assert_close(got[name], weight, rtol=1e-6, atol=1e-7, msg=name)
+    optimizer = learner.optimizer
+    assert isinstance(optimizer, ShadowAdamW) and learner.weight_shadows
+    for master, shadow in learner.weight_shadows:
+        assert torch.equal(shadow, master.detach().bfloat16())
+    assert optimizer.shadows_fresh()
+    stepped = [m for m, s in learner.weight_shadows if float(optimizer.state[m]["step"]) == 1]
+    assert len(stepped) == len(learner.weight_shadows)  # every shadowed weight and bias took its step
+
+
+def test_training_stays_close_to_the_plain_run():
+    runs = _runs({"plain": {}, "shadow_adamw": SHADOW_ADAMW}, steps=4)
+    assert runs["shadow_adamw"][0] == pytest.approx(runs["plain"][0], rel=2e-3)
+
+
+def test_resume_continues_exactly_and_the_state_loads_into_plain_adamw(tmp_path):
+    """A resumed run refreshes the shadows from the loaded weights and continues bit for bit; the optimizer state
+    has AdamW's keys, so a plain run resumes from it too."""
+    straight = _config(tmp_path, "steps=4", "eval_every=2", "checkpoint_every=2", "name=straight", "architecture=gem",
+                       "precision=bf16", "weight_shadows=true", "shadow_adamw=true")
+    train(straight, progress=False)
+    middle = tmp_path / "straight" / "checkpoints" / "step_00000002"
+    train(dataclasses.replace(straight, name="resumed"), resume=middle, progress=False)
+    expected = {step: loss for step, loss in _losses(tmp_path / "straight").items() if step > 2}
+    assert _losses(tmp_path / "resumed") == expected
+    for key, weight in _final_weights(tmp_path / "straight").items():
+        assert torch.equal(_final_weights(tmp_path / "resumed")[key], weight), key
+    plain = dataclasses.replace(straight, name="plain", weight_shadows=False, shadow_adamw=False)
+    train(plain, resume=middle, progress=False)
+    assert _losses(tmp_path / "plain").keys() == expected.keys()
+
+
+def test_a_skipped_step_changes_nothing_and_zero_grad_clears_the_shadows():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 1), nn.LayerNorm(1))
+    pairs = shadow_linear_weights(model, shadow_grads=True)
+    optimizer = ShadowAdamW(list(model.parameters()), pairs, lr=0.01, fused=True)
+    x = torch.randn(32, 8)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with shadows_in_use(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()
+    assert all(s.grad is not None and s.grad.dtype == torch.bfloat16 for _, s in pairs)
+    assert all(m.grad is None for m, _ in pairs)
+    optimizer.found_inf = torch.ones(())
+    optimizer.step()
+    for name, weight in model.named_parameters():
+        assert torch.equal(weight, before[name]), name
+    assert all(float(optimizer.state[m]["step"]) == 0 for m, _ in pairs)
+    optimizer.found_inf = torch.zeros(())
+    optimizer.step()
+    assert all(float(optimizer.state[m]["step"]) == 1 for m, _ in pairs)
+    assert not torch.equal(model[0].weight, before["0.weight"])
+    optimizer.zero_grad()
+    assert all(s.grad is None for _, s in pairs) and model[3].weight.grad is None
+
+
+def test_a_gradient_on_both_the_weight_and_its_shadow_is_refused():
+    model = nn.Linear(4, 2)
+    pairs = shadow_linear_weights(model, shadow_grads=True)
+    optimizer = ShadowAdamW(model.parameters(), pairs, lr=0.01)
+    model.weight.grad = torch.zeros_like(model.weight)
+    pairs[0][1].grad = torch.zeros_like(pairs[0][1])
+    with pytest.raises(RuntimeError, match="both on the fp32 tensor and on the shadow"):
+        optimizer.step()
+
+
+def test_bad_construction_is_refused_by_name():
+    model = nn.Linear(4, 2)
+    pairs = shadow_linear_weights(model, shadow_grads=True)
+    with pytest.raises(ValueError, match="every shadowed parameter must be among params: 1 are not"):
+        ShadowAdamW([model.bias], pairs, lr=0.01)
+    with pytest.raises(ValueError, match="amsgrad, maximize, capturable and differentiable are not supported"):
+        ShadowAdamW(model.parameters(), pairs, lr=0.01, amsgrad=True)
+    with pytest.raises(ValueError, match="fp32_grads gives the fp32 parameters their gradients"):
+        shadow_linear_weights(nn.Linear(4, 2), fp32_grads=True, shadow_grads=True)
+
+
+def test_config_refuses_shadow_adamw_without_shadows_or_beside_fp32_grads():
+    with pytest.raises(ValueError, match="shadow_adamw computes the weight-shadowed layers' gradients: set "
+                                         "weight_shadows=true"):
+        load_config("gem-tiny", None, ["precision=bf16", "shadow_adamw=true"])
+    with pytest.raises(ValueError, match="fp32_weight_grads gives the fp32 weights fp32 gradients and shadow_adamw"):
+        load_config("gem-tiny", None, ["precision=bf16", "weight_shadows=true", "shadow_adamw=true",
+                                       "fp32_weight_grads=true"])
