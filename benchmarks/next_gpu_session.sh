@@ -1076,6 +1076,12 @@ chain_s62b() {  # session 59: the shadow AdamW's GPU tests (the kernel against f
   step tests_shadow_adamw 240 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py
   step optimizer_large 120 python -m benchmarks.optimizer --preset gem-large
 }
+chain_s62c() {  # session 59, when starts are scarce: s62a's A/B, then the kernel's GPU tests and its benchmark (what
+  # the call's 600 s cut off still comes back in results.tgz, written after each step)
+  chain_s62a
+  step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
