@@ -56,7 +56,7 @@ class Setup:
         self.peer_shadows = [p.bfloat16() for p in self.params]
         for p in self.peer:
             p.grad = torch.empty_like(p)
-        self.adamw = torch.optim.AdamW(self.peer, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
+        self.fused_adamw = torch.optim.AdamW(self.peer, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
                                        weight_decay=HYPER["weight_decay"], fused=True)
 
     def shadow_adamw(self) -> None:
@@ -65,11 +65,11 @@ class Setup:
     def adamw_with_casts(self) -> None:
         grads = [p.grad for p in self.peer]
         torch._foreach_copy_(grads, self.grads)
-        self.adamw.step()
+        self.fused_adamw.step()
         torch._foreach_copy_(self.peer_shadows, self.peer)
 
     def adamw(self) -> None:
-        self.adamw.step()
+        self.fused_adamw.step()
 
 
 def check_one_update(shapes: list[torch.Size], device: str) -> dict[str, float]:

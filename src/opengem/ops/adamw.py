@@ -56,9 +56,17 @@ class ShadowAdamWTensors:
         self.device = devices.pop() if devices else torch.device("cpu")
         self.half_dtype = half.pop() if half else torch.bfloat16
         self._launch_plans: dict[tuple[bool, ...], tuple] = {}  # by which tensors have a gradient
+        self._log2_betas: tuple[tuple[float, float], torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.params)
+
+    def log2_betas(self, betas: tuple[float, float]) -> torch.Tensor:
+        """fp64 ``[log2(beta1), log2(beta2)]`` on the device for the kernel's bias corrections (made once a pair)."""
+        if self._log2_betas is None or self._log2_betas[0] != betas:
+            values = [math.log2(b) if b > 0 else -math.inf for b in betas]
+            self._log2_betas = (betas, torch.tensor(values, dtype=torch.float64).to(self.device))
+        return self._log2_betas[1]
 
     def launch_plan(self, present: tuple[bool, ...]) -> tuple:
         """The kernel's work list and address tables for the tensors marked present (made on first use)."""
@@ -119,9 +127,8 @@ def shadow_adamw_update(
     from opengem.ops.triton.adamw import address_table, shadow_adamw_launch
 
     items, numels, tables = tensors.launch_plan(present)
-    log2_betas = tuple(math.log2(b) if b > 0 else -math.inf for b in betas)
     shadow_adamw_launch(items, numels, tables, address_table(kept_grads, tensors.device), skip,
-                        log2_betas=log2_betas, half_is_bf16=tensors.half_dtype == torch.bfloat16, **hyper)
+                        tensors.log2_betas(betas), half_is_bf16=tensors.half_dtype == torch.bfloat16, **hyper)
 
 
 def _use_triton(device: torch.device, backend: str | None) -> bool:

@@ -2,8 +2,8 @@
 
 Formula and order: `opengem.ops.reference.adamw`. One launch updates every tensor of a list: the tensors' addresses
 sit in int64 tables on the device (the moments', weights', copies' and step counters' once, the gradients' each
-call, since autograd makes new ones every step), and each program takes BLOCK elements of one tensor, named by a
-precomputed (tensor, block) work list. Each element is read and written once: 4 B of weight, 2 of gradient and 8 of
+call, since autograd makes new ones every step), and each program takes BLOCKS_PER_ITEM x BLOCK elements of one
+tensor, named by a precomputed (tensor, first block) work list. Each element is read and written once: 4 B of weight, 2 of gradient and 8 of
 moments read; 4 + 8 B and 2 B of copy written (28 B; PyTorch's fused AdamW on fp32 gradients also moves 28 B, but
 the gradients' and the copies' casts add 6 B each around it).
 """
@@ -14,55 +14,59 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096  # elements a program (16 a thread at 8 warps: 64-byte fp32 accesses)
+BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: 64-byte fp32 accesses)
+BLOCKS_PER_ITEM = 8  # a program's share: its table reads and bias corrections paid once per 32768 elements
 NUM_WARPS = 8
 
 
 @triton.jit
 def _shadow_adamw_kernel(
     item_tensor, item_block, numels, param_table, grad_table, exp_avg_table, exp_avg_sq_table, shadow_table,
-    step_table, skip, lr, beta1, beta2, eps, weight_decay, log2_beta1, log2_beta2,
-    HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    step_table, skip, log2_betas, lr, beta1, beta2, eps, weight_decay,
+    HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
 ):
     item = tl.program_id(0)
     t = tl.load(item_tensor + item)
-    offsets = tl.load(item_block + item).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    first = tl.load(item_block + item).to(tl.int64) * BLOCK
     numel = tl.load(numels + t)
     if HAS_SKIP:  # a skipped step writes nothing
         numel = tl.where(tl.load(skip) == 0, numel, 0)
-    mask = offsets < numel
     half: tl.constexpr = tl.bfloat16 if HALF_IS_BF16 else tl.float16
     param_ptr = tl.load(param_table + t).to(tl.pointer_type(tl.float32))
     grad_ptr = tl.load(grad_table + t).to(tl.pointer_type(half))
     exp_avg_ptr = tl.load(exp_avg_table + t).to(tl.pointer_type(tl.float32))
     exp_avg_sq_ptr = tl.load(exp_avg_sq_table + t).to(tl.pointer_type(tl.float32))
     shadow_ptr = tl.load(shadow_table + t).to(tl.pointer_type(half))
-    step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32)))
-    bias_correction1 = 1 - tl.exp2(step * log2_beta1)
-    bias_correction2_sqrt = tl.sqrt_rn(1 - tl.exp2(step * log2_beta2))
-
-    param = tl.load(param_ptr + offsets, mask=mask)
-    grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
-    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
-    param = param - lr * weight_decay * param
-    exp_avg = beta1 * exp_avg + (1 - beta1) * grad
-    exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
-    # IEEE square roots and quotients (tl.sqrt and / are approximate): the kernel is memory-bound either way
-    denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
-    param = param - tl.div_rn(tl.div_rn(lr, bias_correction1) * exp_avg, denom)
-    tl.store(param_ptr + offsets, param, mask=mask)
-    tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-    tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-    tl.store(shadow_ptr + offsets, param.to(half, fp_downcast_rounding="rtne"), mask=mask)
+    # bias corrections in fp64 from the betas' fp64 logarithms, as PyTorch's fused AdamW computes them in double
+    # (fp32's approximate exp2 moved 1 - beta2 ** step by ~1e-4 relative at step 1)
+    step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
+    step_size = (lr / (1 - tl.exp2(step * tl.load(log2_betas)))).to(tl.float32)
+    bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(step * tl.load(log2_betas + 1))).to(tl.float32)
+    for i in range(BLOCKS_PER_ITEM):
+        offsets = first + i * BLOCK + tl.arange(0, BLOCK)
+        mask = offsets < numel
+        param = tl.load(param_ptr + offsets, mask=mask)
+        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+        param = param - lr * weight_decay * param
+        exp_avg = beta1 * exp_avg + (1 - beta1) * grad
+        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+        # IEEE square root and quotients (tl.sqrt and / are approximate): the kernel is memory-bound either way
+        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+        param = param - tl.div_rn(step_size * exp_avg, denom)
+        tl.store(param_ptr + offsets, param, mask=mask)
+        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+        tl.store(shadow_ptr + offsets, param.to(half, fp_downcast_rounding="rtne"), mask=mask)
 
 
 def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tensor index, block index)`` of every BLOCK-element piece, as two int32 device tensors."""
-    blocks = torch.tensor([triton.cdiv(n, BLOCK) for n in numels], dtype=torch.int64)
+    """``(tensor index, first block)`` of every program's BLOCKS_PER_ITEM x BLOCK elements, two int32 device tensors."""
+    blocks = torch.tensor([triton.cdiv(n, BLOCK * BLOCKS_PER_ITEM) for n in numels], dtype=torch.int64)
     tensors = torch.repeat_interleave(torch.arange(len(numels)), blocks)
     starts = torch.cumsum(blocks, 0) - blocks
-    within = torch.arange(tensors.numel()) - starts[tensors]
+    within = (torch.arange(tensors.numel()) - starts[tensors]) * BLOCKS_PER_ITEM
     return tensors.to(device, torch.int32), within.to(device, torch.int32)
 
 
@@ -76,15 +80,16 @@ def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
 
 def shadow_adamw_launch(
     items: tuple[torch.Tensor, torch.Tensor], numels: torch.Tensor, tables: dict[str, torch.Tensor],
-    grad_table: torch.Tensor, skip: torch.Tensor | None, *, lr: float, beta1: float, beta2: float, eps: float,
-    weight_decay: float, log2_betas: tuple[float, float], half_is_bf16: bool,
+    grad_table: torch.Tensor, skip: torch.Tensor | None, log2_betas: torch.Tensor, *, lr: float, beta1: float,
+    beta2: float, eps: float, weight_decay: float, half_is_bf16: bool,
 ) -> None:
+    """``log2_betas``: fp64 ``[log2(beta1), log2(beta2)]`` on the device."""
     item_tensor, item_block = items
     if item_tensor.numel() == 0:
         return
     _shadow_adamw_kernel[(item_tensor.numel(),)](
         item_tensor, item_block, numels, tables["param"], grad_table, tables["exp_avg"], tables["exp_avg_sq"],
-        tables["shadow"], tables["step"], skip if skip is not None else numels, lr, beta1, beta2, eps,
-        weight_decay, log2_betas[0], log2_betas[1], HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16,
-        BLOCK=BLOCK, num_warps=NUM_WARPS,
+        tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, lr, beta1, beta2, eps,
+        weight_decay, HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, BLOCK=BLOCK,
+        BLOCKS_PER_ITEM=BLOCKS_PER_ITEM, num_warps=NUM_WARPS,
     )
