@@ -1086,11 +1086,11 @@ chain_s62d() {  # session 59, after s62c (its plain run paced by the host: 59.6 
   # fp64 bias corrections and 8-block programs tested and benchmarked, then plain / shadow AdamW / plain b256 on one
   # machine (ABA: a drifting host lands on both sides), the compile cache carried from s62c
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
-  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step bench_train_large_b256_a1 170 large_at 256 train_gem-large_b256_s62d_plain_a1
   step bench_train_large_b256_shadow_adamw 170 large_at 256 train_gem-large_b256_s62d_shadow_adamw \
     --set weight_shadows=true --set shadow_adamw=true
   step bench_train_large_b256_a2 170 large_at 256 train_gem-large_b256_s62d_plain_a2
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
 }
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
