@@ -38,7 +38,7 @@ def run_against_adamw(device: str, half: torch.dtype, backend: str, updates: int
         shadow_adamw_update(tensors, grads, skip=skip, backend=backend, **HYPER)
     for i, (got, expected) in enumerate(zip(params, want)):
         # the same formula in fp32; the bias corrections' powers and the order of a few products differ by an ulp
-        torch.testing.assert_close(got, expected.detach(), rtol=2e-6, atol=1e-7, msg=f"tensor {i}")
+        torch.testing.assert_close(got, expected.detach(), rtol=2e-6, atol=1e-7, msg=lambda m, i=i: f"tensor {i}: {m}")
         assert torch.equal(shadows[i], got.to(half)), f"shadow {i} is not its parameter rounded"
         state_step = adamw.state[expected]["step"] if i != absent else torch.zeros(())
         assert float(steps[i]) == float(state_step), f"step counter {i}"
@@ -124,7 +124,8 @@ from triton.compiler import ASTSource
 from opengem.ops.triton import adamw as a
 
 names = [n for n in a._shadow_adamw_kernel.arg_names if n not in ("HAS_SKIP", "HALF_IS_BF16", "BLOCK", "BLOCKS_PER_ITEM")]
-types = {"item_tensor": "*i32", "item_block": "*i32", "numels": "*i64", "skip": "*fp32", "log2_betas": "*fp64"}
+types = {"item_tensor": "*i32", "item_block": "*i32", "numels": "*i64", "skip": "*fp32", "log2_betas": "*fp64",
+         "hyper": "*fp32"}
 signature = {n: types.get(n, "*i64" if n.endswith("_table") else "fp32") for n in names}
 for half_is_bf16 in (True, False):
     constexprs = dict(HAS_SKIP=True, HALF_IS_BF16=half_is_bf16, BLOCK=a.BLOCK, BLOCKS_PER_ITEM=a.BLOCKS_PER_ITEM)

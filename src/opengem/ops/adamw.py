@@ -124,11 +124,12 @@ def shadow_adamw_update(
                                [tensors.exp_avgs[i] for i in kept], [tensors.exp_avg_sqs[i] for i in kept],
                                [tensors.shadows[i] for i in kept], steps, skip=skip, **hyper)
         return
-    from opengem.ops.triton.adamw import address_table, shadow_adamw_launch
+    from opengem.ops.triton.adamw import address_table, hyperparameters, shadow_adamw_launch
 
     items, numels, tables = tensors.launch_plan(present)
     shadow_adamw_launch(items, numels, tables, address_table(kept_grads, tensors.device), skip,
-                        tensors.log2_betas(betas), half_is_bf16=tensors.half_dtype == torch.bfloat16, **hyper)
+                        tensors.log2_betas(betas), hyperparameters(**hyper, device=tensors.device),
+                        half_is_bf16=tensors.half_dtype == torch.bfloat16)
 
 
 def _use_triton(device: torch.device, backend: str | None) -> bool:

@@ -22,7 +22,7 @@ NUM_WARPS = 8
 @triton.jit
 def _shadow_adamw_kernel(
     item_tensor, item_block, numels, param_table, grad_table, exp_avg_table, exp_avg_sq_table, shadow_table,
-    step_table, skip, log2_betas, lr, beta1, beta2, eps, weight_decay,
+    step_table, skip, log2_betas, hyper,
     HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
 ):
     item = tl.program_id(0)
@@ -39,6 +39,9 @@ def _shadow_adamw_kernel(
     shadow_ptr = tl.load(shadow_table + t).to(tl.pointer_type(half))
     # bias corrections in fp64 from the betas' fp64 logarithms, as PyTorch's fused AdamW computes them in double
     # (fp32's approximate exp2 moved 1 - beta2 ** step by ~1e-4 relative at step 1)
+    lr, beta1, one_minus_beta1 = tl.load(hyper), tl.load(hyper + 1), tl.load(hyper + 2)
+    beta2, one_minus_beta2 = tl.load(hyper + 3), tl.load(hyper + 4)
+    eps, lr_weight_decay = tl.load(hyper + 5), tl.load(hyper + 6)
     step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
     step_size = (lr / (1 - tl.exp2(step * tl.load(log2_betas)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(step * tl.load(log2_betas + 1))).to(tl.float32)
@@ -49,9 +52,9 @@ def _shadow_adamw_kernel(
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
         exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
-        param = param - lr * weight_decay * param
-        exp_avg = beta1 * exp_avg + (1 - beta1) * grad
-        exp_avg_sq = beta2 * exp_avg_sq + (1 - beta2) * grad * grad
+        param = param - lr_weight_decay * param
+        exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+        exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
         # IEEE square root and quotients (tl.sqrt and / are approximate): the kernel is memory-bound either way
         denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
         param = param - tl.div_rn(step_size * exp_avg, denom)
@@ -71,8 +74,23 @@ def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, t
 
 
 def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensors' addresses as an int64 device tensor (copied from pinned memory without a host wait on CUDA)."""
-    host = torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+    """The tensors' addresses as an int64 device tensor."""
+    return to_device([t.data_ptr() for t in tensors], torch.int64, device)
+
+
+def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
+                    device: torch.device) -> torch.Tensor:
+    """The kernel's fp32 ``hyper`` tensor: ``lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, lr * weight_decay``, the
+    differences and product taken in double first, as PyTorch's fused AdamW takes them (``1 - 0.999`` in fp32
+    arithmetic is off by 1.3e-5 relative: 0.999 rounds to 0.99900001; the H100's test caught it, session 59). A
+    tensor, not scalar arguments, so the interpreter reads the same fp32 values as the GPU (it kept scalar
+    arguments in double)."""
+    return to_device([lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, lr * weight_decay], torch.float32, device)
+
+
+def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on the device (from pinned memory without a host wait on CUDA)."""
+    host = torch.tensor(values, dtype=dtype)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host.to(device)
@@ -80,16 +98,16 @@ def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Te
 
 def shadow_adamw_launch(
     items: tuple[torch.Tensor, torch.Tensor], numels: torch.Tensor, tables: dict[str, torch.Tensor],
-    grad_table: torch.Tensor, skip: torch.Tensor | None, log2_betas: torch.Tensor, *, lr: float, beta1: float,
-    beta2: float, eps: float, weight_decay: float, half_is_bf16: bool,
+    grad_table: torch.Tensor, skip: torch.Tensor | None, log2_betas: torch.Tensor, hyper: torch.Tensor,
+    half_is_bf16: bool,
 ) -> None:
-    """``log2_betas``: fp64 ``[log2(beta1), log2(beta2)]`` on the device."""
+    """``log2_betas``: fp64 ``[log2(beta1), log2(beta2)]`` on the device; ``hyper``: :func:`hyperparameters`."""
     item_tensor, item_block = items
     if item_tensor.numel() == 0:
         return
     _shadow_adamw_kernel[(item_tensor.numel(),)](
         item_tensor, item_block, numels, tables["param"], grad_table, tables["exp_avg"], tables["exp_avg_sq"],
-        tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, lr, beta1, beta2, eps,
-        weight_decay, HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, BLOCK=BLOCK,
-        BLOCKS_PER_ITEM=BLOCKS_PER_ITEM, num_warps=NUM_WARPS,
+        tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, hyper,
+        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, BLOCK=BLOCK, BLOCKS_PER_ITEM=BLOCKS_PER_ITEM,
+        num_warps=NUM_WARPS,
     )
