@@ -123,7 +123,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from opengem.ops.triton import adamw as a
 
-names = [n for n in a._shadow_adamw_kernel.arg_names if n not in ("HAS_SKIP", "HALF_IS_BF16", "BLOCK", "BLOCKS_PER_ITEM")]
+constexpr_names = ("HAS_SKIP", "HALF_IS_BF16", "BLOCK", "BLOCKS_PER_ITEM")
+names = [n for n in a._shadow_adamw_kernel.arg_names if n not in constexpr_names]
 types = {"item_tensor": "*i32", "item_block": "*i32", "numels": "*i64", "skip": "*fp32", "log2_betas": "*fp64",
          "hyper": "*fp32"}
 signature = {n: types.get(n, "*i64" if n.endswith("_table") else "fp32") for n in names}

@@ -51,8 +51,8 @@ class ShadowAdamWTensors:
                                      f"{'' if tensor.is_contiguous() else ' (not contiguous)'}")
             if step.dtype != torch.float32 or step.dim() != 0:
                 raise ValueError(f"steps[{i}] must be a 0-d fp32 tensor, got {step.dtype} {tuple(step.shape)}")
-        self.params, self.exp_avgs, self.exp_avg_sqs, self.shadows, self.steps = params, exp_avgs, exp_avg_sqs, \
-            shadows, steps
+        self.params, self.exp_avgs, self.exp_avg_sqs = params, exp_avgs, exp_avg_sqs
+        self.shadows, self.steps = shadows, steps
         self.device = devices.pop() if devices else torch.device("cpu")
         self.half_dtype = half.pop() if half else torch.bfloat16
         self._launch_plans: dict[tuple[bool, ...], tuple] = {}  # by which tensors have a gradient
@@ -94,11 +94,11 @@ def shadow_adamw_update(
     on the device without a host sync (``torch.optim.AdamW``'s ``found_inf``)."""
     if len(grads) != len(tensors):
         raise ValueError(f"one gradient (or None) a parameter: got {len(grads)} for {len(tensors)} parameters")
-    for name, value, low in (("lr", lr, 0.0), ("eps", eps, 0.0), ("weight_decay", weight_decay, 0.0),
-                             ("betas[0]", betas[0], 0.0), ("betas[1]", betas[1], 0.0)):
-        if not math.isfinite(value) or value < low or (name.startswith("betas") and value >= 1):
-            raise ValueError(f"{name} must be finite and >= 0{' and < 1' if name.startswith('betas') else ''}, "
-                             f"got {value}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("betas[0]", betas[0]),
+                        ("betas[1]", betas[1])):
+        is_beta = name.startswith("betas")
+        if not math.isfinite(value) or value < 0 or (is_beta and value >= 1):
+            raise ValueError(f"{name} must be finite and >= 0{' and < 1' if is_beta else ''}, got {value}")
     if skip is not None and (skip.numel() != 1 or skip.device != tensors.device):
         raise ValueError(f"skip must be one element on {tensors.device}, got {tuple(skip.shape)} on {skip.device}")
     use_triton = _use_triton(tensors.device, backend)

@@ -93,7 +93,8 @@ class ShadowAdamW(torch.optim.AdamW):
                         state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                         state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
                     state["step"] = state.get("step", torch.zeros(())).to(master.device, torch.float32)
+                states = [self.state[m] for m in masters]
                 self._tensors.append(ShadowAdamWTensors(
-                    masters, [self.state[m]["exp_avg"] for m in masters], [self.state[m]["exp_avg_sq"] for m in masters],
-                    [self._shadow_of[m] for m in masters], [self.state[m]["step"] for m in masters]))
+                    masters, [st["exp_avg"] for st in states], [st["exp_avg_sq"] for st in states],
+                    [self._shadow_of[m] for m in masters], [st["step"] for st in states]))
         return self._tensors

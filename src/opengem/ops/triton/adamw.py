@@ -3,9 +3,9 @@
 Formula and order: `opengem.ops.reference.adamw`. One launch updates every tensor of a list: the tensors' addresses
 sit in int64 tables on the device (the moments', weights', copies' and step counters' once, the gradients' each
 call, since autograd makes new ones every step), and each program takes BLOCKS_PER_ITEM x BLOCK elements of one
-tensor, named by a precomputed (tensor, first block) work list. Each element is read and written once: 4 B of weight, 2 of gradient and 8 of
-moments read; 4 + 8 B and 2 B of copy written (28 B; PyTorch's fused AdamW on fp32 gradients also moves 28 B, but
-the gradients' and the copies' casts add 6 B each around it).
+tensor, named by a precomputed (tensor, first block) work list. Each element is read and written once: 4 B of
+weight, 2 of gradient and 8 of moments read; 4 + 8 B and 2 B of copy written (28 B; PyTorch's fused AdamW on fp32
+gradients also moves 28 B, but the gradients' and the copies' casts add 6 B each around it).
 """
 
 from __future__ import annotations
