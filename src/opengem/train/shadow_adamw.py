@@ -72,8 +72,9 @@ class ShadowAdamW(torch.optim.AdamW):
         return loss
 
     def shadows_fresh(self) -> bool:
-        """Whether every shadow holds its parameter as this optimizer last wrote it: no step yet, or a parameter
-        changed in place since (a loaded checkpoint), says no."""
+        """Whether every shadow holds its parameter as this optimizer last wrote it. No step yet, or a parameter changed
+        in place since (a loaded checkpoint: its version counter moved), says no; a write through ``.data`` is not
+        seen (it leaves the counter), so refresh the shadows after one (`opengem.nn.weight_shadows.refresh_shadows`)."""
         return self._versions == [m._version for m in self._shadow_of]
 
     def load_state_dict(self, state_dict: dict) -> None:
