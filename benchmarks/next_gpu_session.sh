@@ -1092,6 +1092,15 @@ chain_s62d() {  # session 59, after s62c (its plain run paced by the host: 59.6 
   step bench_train_large_b256_a2 170 large_at 256 train_gem-large_b256_s62d_plain_a2
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
 }
+chain_s62e() {  # session 59, after s62b passes: gem-small b2048 (bf16 stream) plain / shadow AdamW / plain on one
+  # machine (ABA), the step where launches and parameter bytes weigh more than in gem-large's (the default's question)
+  step bench_train_small_a1 230 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s62e_plain_a1.json"
+  step bench_train_small_shadow_adamw 230 small_train --set gem.sequence_dtype=compute --set weight_shadows=true \
+    --set shadow_adamw=true --out "$out/results/train_gem-small_b2048_s62e_shadow_adamw.json"
+  step bench_train_small_a2 120 small_train --set gem.sequence_dtype=compute \
+    --out "$out/results/train_gem-small_b2048_s62e_plain_a2.json"
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
