@@ -1101,6 +1101,10 @@ chain_s62e() {  # session 59, after s62b passes: gem-small b2048 (bf16 stream) p
   step bench_train_small_a2 120 small_train --set gem.sequence_dtype=compute \
     --out "$out/results/train_gem-small_b2048_s62e_plain_a2.json"
 }
+chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
+  step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+}
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
