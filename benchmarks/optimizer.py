@@ -19,6 +19,7 @@ ulp-scale tolerance and every shadow equals its parameter rounded to bf16. Optim
 from __future__ import annotations
 
 import argparse
+import statistics
 
 import torch
 from torch import nn
@@ -108,7 +109,7 @@ def main() -> None:
                             "adamw": setup.adamw}, rounds=args.rounds)
     rows = []
     for name, each in times.items():
-        ms = sorted(each)[len(each) // 2]
+        ms = statistics.median(each)
         gbps = BYTES_PER_PARAMETER[name] * numel / ms / 1e6
         rows.append({"impl": name, "ms": ms, "ms_each_round": each, "GBps": gbps, "pct_of_copy": 100 * gbps / copy_gbps,
                      "bytes_per_parameter": BYTES_PER_PARAMETER[name]})

@@ -18,6 +18,7 @@ import os
 
 import torch
 
+from opengem.jagged.host import to_device
 from opengem.ops.reference.adamw import shadow_adamw_update as shadow_adamw_reference
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -65,7 +66,7 @@ class ShadowAdamWTensors:
         """fp64 ``[log2(beta1), log2(beta2)]`` on the device for the kernel's bias corrections (made once a pair)."""
         if self._log2_betas is None or self._log2_betas[0] != betas:
             values = [math.log2(b) if b > 0 else -math.inf for b in betas]
-            self._log2_betas = (betas, torch.tensor(values, dtype=torch.float64).to(self.device))
+            self._log2_betas = (betas, to_device(torch.tensor(values, dtype=torch.float64), self.device))
         return self._log2_betas[1]
 
     def launch_plan(self, present: tuple[bool, ...]) -> tuple:
@@ -78,7 +79,7 @@ class ShadowAdamWTensors:
             tables = {name: address_table([tensors[i] for i in kept], self.device) for name, tensors in (
                 ("param", self.params), ("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs),
                 ("shadow", self.shadows), ("step", self.steps))}
-            sizes = torch.tensor(numels, dtype=torch.int64).to(self.device)
+            sizes = to_device(torch.tensor(numels, dtype=torch.int64), self.device)
             self._launch_plans[present] = (work_items(numels, self.device), sizes, tables)
         return self._launch_plans[present]
 

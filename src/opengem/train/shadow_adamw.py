@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
+from opengem.nn.weight_shadows import refresh_shadows
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
 
 
@@ -54,7 +55,8 @@ class ShadowAdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        both = [tuple(m.shape) for m, s in self._shadow_of.items() if m.grad is not None and s.grad is not None]
+        stepped_here = [(m, s) for m, s in self._shadow_of.items() if m.grad is not None]  # by AdamW, below
+        both = [tuple(m.shape) for m, s in stepped_here if s.grad is not None]
         if both:
             raise RuntimeError(f"{len(both)} shadowed parameters got a gradient both on the fp32 tensor and on the "
                                f"shadow (shapes {both[:4]}): use each layer through its shadows only")
@@ -65,9 +67,7 @@ class ShadowAdamW(torch.optim.AdamW):
             shadow_adamw_update(group_tensors, [s.grad for s in group_tensors.shadows], lr=float(group["lr"]),
                                 betas=(float(group["betas"][0]), float(group["betas"][1])), eps=group["eps"],
                                 weight_decay=group["weight_decay"], skip=skip)
-        stepped_here = [(m, s) for m, s in self._shadow_of.items() if m.grad is not None]
-        if stepped_here:
-            torch._foreach_copy_([s for _, s in stepped_here], [m for m, _ in stepped_here])
+        refresh_shadows(stepped_here)
         self._versions = [m._version for m in self._shadow_of]
         return loss
 

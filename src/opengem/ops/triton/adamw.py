@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from opengem.jagged.host import to_device
+
 BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: 64-byte fp32 accesses)
 BLOCKS_PER_ITEM = 8  # a program's share: its table reads and bias corrections paid once per 32768 elements
 NUM_WARPS = 8
@@ -75,7 +77,7 @@ def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, t
 
 def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The tensors' addresses as an int64 device tensor."""
-    return to_device([t.data_ptr() for t in tensors], torch.int64, device)
+    return to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
 
 
 def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -85,15 +87,8 @@ def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_de
     arithmetic is off by 1.3e-5 relative: 0.999 rounds to 0.99900001; the H100's test caught it, session 59). A
     tensor, not scalar arguments, so the interpreter reads the same fp32 values as the GPU (it kept scalar
     arguments in double)."""
-    return to_device([lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, lr * weight_decay], torch.float32, device)
-
-
-def to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A small host list on the device (from pinned memory without a host wait on CUDA)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
+    values = [lr, beta1, 1 - beta1, beta2, 1 - beta2, eps, lr * weight_decay]
+    return to_device(torch.tensor(values, dtype=torch.float32), device)
 
 
 def shadow_adamw_launch(
