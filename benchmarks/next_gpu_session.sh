@@ -1101,6 +1101,11 @@ chain_s62e() {  # session 59, after s62b passes: gem-small b2048 (bf16 stream) p
   step bench_train_small_a2 120 small_train --set gem.sequence_dtype=compute \
     --out "$out/results/train_gem-small_b2048_s62e_plain_a2.json"
 }
+chain_s63a() {  # session 60: s62b's GPU tests (without the optimizer benchmark, measured in session 59's calls 8
+  # and 9), then s62e's gem-small ABA
+  step tests_shadow_adamw 240 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py
+  chain_s62e
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
