@@ -1106,6 +1106,14 @@ chain_s63a() {  # session 60: s62b's GPU tests (without the optimizer benchmark,
   step tests_shadow_adamw 240 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py
   chain_s62e
 }
+chain_s63b() {  # session 60: weight_shadows + shadow_adamw on by default for bf16 in one process on a GPU: the GPU
+  # tests that build default learners, then gem-large b256 as it now runs by default and plain after it (AB, the
+  # tests first: the machine's first process was host-paced in session 59)
+  step tests_default_shadows 300 tests tests/gpu/test_weight_shadows_gpu.py tests/gpu/test_step_sync_gpu.py \
+    tests/gpu/test_flops_gpu.py
+  step bench_train_large_b256_default 200 large_at 256 train_gem-large_b256_s63b_default
+  step bench_train_large_b256_plain 200 large_at 256 train_gem-large_b256_s63b_plain --set weight_shadows=false
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large

@@ -47,15 +47,16 @@ def test_gem_forward_backward_without_sync(self_attention):
 
 
 def test_learner_step_without_sync():
-    """The whole optimizer step (forward, loss, backward, fused embedding update, fused AdamW, schedule):
-    a non-finite loss is skipped on the device, so the step never reads the GPU back."""
+    """The whole optimizer step (forward, loss, backward, fused embedding update, the default shadow AdamW and fused
+    AdamW, schedule): a non-finite loss is skipped on the device, so the step never reads the GPU back."""
     from opengem.train.config import load_config
+    from opengem.train.shadow_adamw import ShadowAdamW
     from opengem.train.trainer import build_learner
 
     config = load_config("gem-small", None, ["architecture=gem", "precision=bf16", "gem.num_layers=2",
                                              "batch_size=256", "device=cuda", "compile=false"])
     learner = build_learner(config, config.model.history, torch.device("cuda"))
-    assert learner.skip_on_device
+    assert learner.skip_on_device and isinstance(learner.optimizer, ShadowAdamW)  # bf16 on a GPU: the default
     for module in learner.model.modules():
         if isinstance(module, EmbeddingCollection):
             module.validate_ids = False

@@ -1,7 +1,8 @@
-"""bf16 weight shadows (``weight_shadows=true``) on the GPU: a compiled GEM learner trains to the plain learner's
-losses and launches fewer kernels a step (autocast's per-use weight casts gone); with ``fp32_weight_grads=true`` the
-weight gradients come from fp32-output GEMMs, fewer kernels again; with ``shadow_adamw=true`` the optimizer reads the
-shadows' bf16 gradients and writes the shadows (no gradient casts, no refresh).
+"""bf16 weight shadows (``weight_shadows=true``; with ``shadow_adamw``, the default for bf16 on a GPU) on the GPU: a
+compiled GEM learner trains to the plain learner's losses and launches fewer kernels a step (autocast's per-use weight
+casts gone); with ``fp32_weight_grads=true`` the weight gradients come from fp32-output GEMMs, fewer kernels again;
+with ``shadow_adamw=true`` the optimizer reads the shadows' bf16 gradients and writes the shadows (no gradient casts,
+no refresh).
 
 Not bit for bit, as the layers are eagerly (``tests/nn/test_weight_shadows.py``): each setting compiles its own graph,
 and Inductor fuses and picks GEMM kernels per graph, so sums run in other orders. Session 39 (H100): first losses
@@ -18,25 +19,31 @@ from opengem.data.synthetic import generate
 from opengem.models.presets import GEM_PRESETS
 from opengem.ops.fp32_gemm import fp32_product
 from opengem.train.config import load_config
-from opengem.train.trainer import build_learner
+from opengem.train.shadow_adamw import ShadowAdamW
+from opengem.train.trainer import Learner, build_learner
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-SETTINGS = {"plain": {}, "shadows": {"weight_shadows": True},
+SETTINGS = {"plain": {"weight_shadows": False}, "shadows": {"weight_shadows": True, "shadow_adamw": False},
             "fp32_grads": {"weight_shadows": True, "fp32_weight_grads": True},
-            "shadow_adamw": {"weight_shadows": True, "shadow_adamw": True}}  # fmt: skip
+            "shadow_adamw": {"weight_shadows": True, "shadow_adamw": True},
+            "default": {}}  # fmt: skip
+
+
+def _learner(name: str) -> Learner:
+    """A compiled 2-layer gem-small learner with ``SETTINGS[name]``."""
+    config = load_config("gem-small", None, ["architecture=gem", "precision=bf16", "gem.num_layers=2",
+                                             "batch_size=256", "device=cuda", "compile=true"])
+    return build_learner(dataclasses.replace(config, **SETTINGS[name]), config.model.history, torch.device("cuda"))
 
 
 def _losses_and_kernels(name: str) -> tuple[list[float], int]:
-    """A compiled 2-layer gem-small learner with ``SETTINGS[name]``: its first 3 losses, and the kernels its 4th step
-    launches."""
-    config = load_config("gem-small", None, ["architecture=gem", "precision=bf16", "gem.num_layers=2",
-                                             "batch_size=256", "device=cuda", "compile=true"])
+    """``_learner(name)``'s first 3 losses, and the kernels its 4th step launches."""
     table = generate(GEM_PRESETS["gem-small"].data, 4 * 256, seed=5)
     batches = [b.to("cuda") for b in batches_from_table(table, 256)]
     torch.manual_seed(0)
-    learner = build_learner(dataclasses.replace(config, **SETTINGS[name]), config.model.history, torch.device("cuda"))
+    learner = _learner(name)
     losses = [float(learner.step(batch)) for batch in batches[:3]]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as profile:
         learner.step(batches[3])
@@ -65,6 +72,14 @@ def test_shadow_adamw_keeps_the_first_loss_and_launches_fewer_kernels_than_shado
     assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)
     assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-3)
     assert adamw_kernels < shadow_kernels, (adamw_kernels, shadow_kernels)  # no gradient casts, no refresh
+
+
+def test_the_default_bf16_learner_on_a_gpu_uses_shadows_and_the_shadow_adamw():
+    """weight_shadows and shadow_adamw default to auto, which is on here: bf16, one process, a GPU."""
+    learner = _learner("default")
+    assert learner.weight_shadows and isinstance(learner.optimizer, ShadowAdamW)
+    plain = _learner("plain")
+    assert plain.weight_shadows is None and type(plain.optimizer) is torch.optim.AdamW
 
 
 def test_fp32_product_is_one_fp32_output_gemm_eager_and_compiled():

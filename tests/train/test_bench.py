@@ -9,7 +9,7 @@ import torch
 from opengem.cli.main import main
 from opengem.models.presets import GEM_PRESETS
 from opengem.train.bench.phases import DATA_RANGE, HOST_TO_DEVICE_RANGE, PHASES
-from opengem.train.bench.step import TrainBenchOptions, bench_config
+from opengem.train.bench.step import TrainBenchOptions, bench_config, format_report
 from opengem.train.config import load_config
 
 TINY = ["--preset", "gem-tiny", "--batch-size", "24", "--device", "cpu", "--precision", "fp32"]
@@ -43,6 +43,7 @@ def test_bench_train_reports_every_figure(train_result):
     payload, _ = train_result
     results = payload["results"]
     assert payload["settings"]["batch_size"] == 24 and payload["settings"]["precision"] == "fp32"
+    assert (payload["settings"]["weight_shadows"], payload["settings"]["shadow_adamw"]) == (False, False)  # fp32
     assert results["samples_per_s"] > 0 and results["tokens_per_s"] > results["samples_per_s"]
     assert results["step_ms"] == pytest.approx(1e3 * 24 / results["samples_per_s"])
     assert results["flops_per_s"] == pytest.approx(results["train_flops_per_sample"] * results["samples_per_s"])
@@ -75,8 +76,6 @@ def test_bench_train_reports_every_figure(train_result):
 
 def test_report_gives_each_kernel_familys_launches(train_result):
     """A GPU run's report: each family's ms and its kernels launched per step, and the total launched."""
-    from opengem.train.bench.step import format_report
-
     payload = {**train_result[0], "kernel_families_ms": {"gemm": 81.66, "copy": 5.7},
                "kernel_launches_per_step": {"gemm": 412.0, "copy": 31.5, "total": 443.5}}  # fmt: skip
     lines = format_report(payload).splitlines()
@@ -87,7 +86,7 @@ def test_report_gives_each_kernel_familys_launches(train_result):
 
 def test_report_says_when_the_host_paced_the_steps(train_result):
     """A GPU idle above a fifth of the step is called out, with what can cause it; a small one is not."""
-    from opengem.train.bench.step import format_report
+
 
     base = train_result[0]
 
@@ -519,6 +518,18 @@ def test_bench_train_records_the_recipe_an_override_sets(tmp_path):
     settings = json.loads(out.read_text())["settings"]
     assert settings["low_precision_mlp"] == "fp8_rowwise"  # gem-tiny has no layer large enough to convert
     assert settings["fp8_compile_path"] in ("custom_op", "inductor")
+
+
+def test_bench_train_records_the_weight_shadows_the_run_applied(tmp_path):
+    """The shadow settings as the run resolved them (auto on the CPU: off; here asked for), in the JSON and the
+    report's first line."""
+    out = tmp_path / "train.json"
+    argv = ["bench", "train", *TINY, "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--loader-batches", "1",
+            "--precision", "bf16", "--set", "weight_shadows=true", "--out", str(out)]
+    assert main(argv) == 0
+    payload = json.loads(out.read_text())
+    assert (payload["settings"]["weight_shadows"], payload["settings"]["shadow_adamw"]) == (True, True)
+    assert format_report(payload).splitlines()[0].endswith(", weight shadows + shadow AdamW")
 
 
 def test_environment_records_the_opengem_settings_of_an_ab_run(monkeypatch):

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from opengem.nn.weight_shadows import shadow_linear_weights, shadows_in_use
-from opengem.train.config import load_config
+from opengem.train.config import config_from_dict, load_config, shadow_settings
 from opengem.train.data_stream import train_batches
 from opengem.train.shadow_adamw import ShadowAdamW
 from opengem.train.trainer import build_learner, train
@@ -16,6 +16,7 @@ from tests.train.test_trainer import SMALL, _config, _final_weights, _losses
 
 GEM_BF16 = [*SMALL, "architecture=gem", "gem.num_layers=2", "precision=bf16"]
 SHADOW_ADAMW = {"weight_shadows": True, "shadow_adamw": True}
+PLAIN = {"weight_shadows": False, "shadow_adamw": False}
 
 
 def _runs(settings: dict[str, dict], steps: int = 3) -> dict[str, tuple[list[float], dict, object]]:
@@ -35,7 +36,7 @@ def test_one_step_updates_every_weight_as_adamw_on_autocasts_gradients():
     """The same gradients (autocast's bf16 weight gradients, widened) and AdamW's formula: after one step every
     weight is within an ulp-scale tolerance of the plain run's, and every shadow is its weight rounded (the biases
     handed to the attention ops, whose gradients reach the fp32 tensors, among them)."""
-    runs = _runs({"plain": {}, "shadow_adamw": SHADOW_ADAMW}, steps=1)
+    runs = _runs({"plain": PLAIN, "shadow_adamw": SHADOW_ADAMW}, steps=1)
     (want_loss, want, _), (got_loss, got, learner) = runs["plain"], runs["shadow_adamw"]
     assert got_loss == want_loss
     for name, weight in want.items():
@@ -50,7 +51,7 @@ def test_one_step_updates_every_weight_as_adamw_on_autocasts_gradients():
 
 
 def test_training_stays_close_to_the_plain_run():
-    runs = _runs({"plain": {}, "shadow_adamw": SHADOW_ADAMW}, steps=4)
+    runs = _runs({"plain": PLAIN, "shadow_adamw": SHADOW_ADAMW}, steps=4)
     assert runs["shadow_adamw"][0] == pytest.approx(runs["plain"][0], rel=2e-3)
 
 
@@ -117,9 +118,52 @@ def test_bad_construction_is_refused_by_name():
 
 
 def test_config_refuses_shadow_adamw_without_shadows_or_beside_fp32_grads():
-    with pytest.raises(ValueError, match="shadow_adamw computes the weight-shadowed layers' gradients: set "
-                                         "weight_shadows=true"):
-        load_config("gem-tiny", None, ["precision=bf16", "shadow_adamw=true"])
+    with pytest.raises(ValueError, match="shadow_adamw computes the weight-shadowed layers' gradients: it needs "
+                                         "precision=bf16 and weight_shadows true or auto, got precision='bf16', "
+                                         "weight_shadows=false"):
+        load_config("gem-tiny", None, ["precision=bf16", "weight_shadows=false", "shadow_adamw=true"])
+    with pytest.raises(ValueError, match="fp32_weight_grads computes .* got precision='fp32', weight_shadows=auto"):
+        load_config("gem-tiny", None, ["fp32_weight_grads=true"])
     with pytest.raises(ValueError, match="fp32_weight_grads gives the fp32 weights fp32 gradients and shadow_adamw"):
         load_config("gem-tiny", None, ["precision=bf16", "weight_shadows=true", "shadow_adamw=true",
                                        "fp32_weight_grads=true"])
+
+
+def test_auto_turns_shadows_and_shadow_adamw_on_for_bf16_in_one_process_on_a_gpu():
+    """Both settings default to auto (None): on for precision=bf16 where the parameters sit on a GPU in the
+    single-process trainer; an explicit true or false wins; fp32_weight_grads keeps the shadows and plain AdamW."""
+    bf16 = load_config("gem-tiny", None, ["precision=bf16"])
+    assert (bf16.weight_shadows, bf16.shadow_adamw) == (None, None)
+    assert shadow_settings(bf16, single_process_gpu=True) == (True, True)
+    assert shadow_settings(bf16, single_process_gpu=False) == (False, False)  # CPU, or sharded / distributed
+    assert shadow_settings(load_config("gem-tiny"), single_process_gpu=True) == (False, False)  # fp32
+    fp32_grads = dataclasses.replace(bf16, fp32_weight_grads=True)
+    assert shadow_settings(fp32_grads, single_process_gpu=True) == (True, False)
+    assert shadow_settings(dataclasses.replace(bf16, shadow_adamw=False), single_process_gpu=True) == (True, False)
+    assert shadow_settings(dataclasses.replace(bf16, weight_shadows=False), single_process_gpu=True) == (False, False)
+    assert shadow_settings(dataclasses.replace(bf16, weight_shadows=True), single_process_gpu=False) == (True, True)
+    explicit = load_config("gem-tiny", None, ["precision=bf16", "weight_shadows=true", "shadow_adamw=auto"])
+    assert (explicit.weight_shadows, explicit.shadow_adamw) == (True, None)
+    with pytest.raises(ValueError, match="--set: weight_shadows: expected true, false or auto, got 'maybe'"):
+        load_config("gem-tiny", None, ["weight_shadows=maybe"])
+
+
+def test_auto_leaves_a_cpu_learner_plain_and_refuses_shadow_settings_it_cannot_serve():
+    """On the CPU auto keeps autocast's casts and torch's AdamW (the speed was measured on GPUs); a shadow setting
+    that needs the shadows, with weight_shadows left auto there, is refused by name, not dropped."""
+    config = load_config("gem-tiny", None, GEM_BF16)
+    learner = build_learner(config, config.model.history, torch.device("cpu"))
+    assert learner.weight_shadows is None and type(learner.optimizer) is torch.optim.AdamW
+    for setting in ("shadow_adamw", "fp32_weight_grads"):
+        with pytest.raises(ValueError, match="weight_shadows=auto leaves the shadows off here"):
+            build_learner(dataclasses.replace(config, **{setting: True}), config.model.history, torch.device("cpu"))
+
+
+def test_saved_configs_keep_auto_and_refuse_other_values():
+    """A checkpoint's config stores auto as null (JSON) and loads it back; an old one with false loads as false."""
+    config = load_config("gem-tiny", None, ["precision=bf16"])
+    saved = dataclasses.asdict(config)
+    assert saved["weight_shadows"] is None and config_from_dict(saved) == config
+    assert config_from_dict({**saved, "weight_shadows": False}).weight_shadows is False
+    with pytest.raises(ValueError, match="saved config's 'shadow_adamw' must be true, false or null, got 'auto'"):
+        config_from_dict({**saved, "shadow_adamw": "auto"})

@@ -547,12 +547,12 @@ def test_checkpoint_blocks_wraps_every_gem_layer():
 
 
 def test_weight_shadows_train_bit_for_bit_like_autocast(tmp_path):
-    """``weight_shadows=true`` (bf16 copies of the Linear weights cast once a step) trains the GEM model and its
-    baseline to the same losses and final weights as autocast's per-use casts."""
+    """``weight_shadows=true`` (bf16 copies of the Linear weights cast once a step) with AdamW (``shadow_adamw=false``)
+    trains the GEM model and its baseline to the same losses and final weights as autocast's per-use casts."""
     runs = {}
     for shadows in ("false", "true"):
         config = _config(tmp_path, "steps=3", "eval_every=3", "eval_samples=500", "architecture=gem",
-                         "precision=bf16", f"weight_shadows={shadows}", f"name=shadows_{shadows}")
+                         "precision=bf16", f"weight_shadows={shadows}", "shadow_adamw=false", f"name=shadows_{shadows}")
         train(config, progress=False)
         runs[shadows] = (_losses(tmp_path / f"shadows_{shadows}"), _final_weights(tmp_path / f"shadows_{shadows}"))
     (want_losses, want_weights), (got_losses, got_weights) = runs["false"], runs["true"]
@@ -572,7 +572,8 @@ def test_fp32_weight_grads_train_close_to_autocast_from_the_same_first_loss():
     stream = train_batches(config, 0)
     batches = [next(stream) for _ in range(3)]
     runs = {}
-    for name, settings in (("plain", {}), ("fp32", {"weight_shadows": True, "fp32_weight_grads": True})):
+    for name, settings in (("plain", {"weight_shadows": False}),
+                           ("fp32", {"weight_shadows": True, "fp32_weight_grads": True})):
         torch.manual_seed(0)
         learner = build_learner(dataclasses.replace(config, **settings), config.model.history, torch.device("cpu"))
         losses = [float(learner.step(batch)) for batch in batches]
@@ -629,7 +630,8 @@ def test_learner_computes_from_its_weight_shadows():
     stream = train_batches(config, 0)
     batches = [next(stream) for _ in range(2)]
     losses = {}
-    for name, settings in (("plain", {}), ("shadows", {"weight_shadows": True})):
+    shadows_with_adamw = {"weight_shadows": True, "shadow_adamw": False}
+    for name, settings in (("plain", {"weight_shadows": False}), ("shadows", shadows_with_adamw)):
         torch.manual_seed(0)
         learner = build_learner(dataclasses.replace(config, **settings), config.model.history, torch.device("cpu"))
         losses[name] = [float(learner.step(batch)) for batch in batches]

@@ -18,6 +18,7 @@ from opengem.validation import require_at_least, require_fraction, require_posit
 ARCHITECTURES = ("sequence_ctr", "gem")
 LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes of the dense blocks
+AUTO_BOOL = bool | None  # a setting that is true, false or auto (None: the run decides; spelled "auto" in --set)
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
 
@@ -69,15 +70,18 @@ class TrainConfig:
     # activation_checkpointing's whole-block recompute; needs compile=true
     activation_memory_budget: float = 1.0
     # bf16 copies of the plain Linear layers' weights, cast once a step (opengem.nn.weight_shadows) instead of at each
-    # use under autocast: the same numbers, fewer small kernels; precision="bf16", one process
-    weight_shadows: bool = False
+    # use under autocast: the same numbers, fewer small kernels; precision="bf16", one process. None ("auto", the
+    # default): on where both measured faster (docs/performance.md), precision="bf16" in the single-process trainer on
+    # a GPU; off elsewhere (see shadow_settings)
+    weight_shadows: bool | None = None
     # with weight_shadows: the shadowed layers' weight and bias gradients in fp32 straight from the GEMM and the sum
     # (no bf16 rounding of them, no cast kernel after each); no longer bit for bit autocast's
     fp32_weight_grads: bool = False
     # with weight_shadows: the shadowed weights' bf16 gradients stay on the shadows and AdamW reads them there and
     # writes the next shadows as it updates (opengem.train.shadow_adamw): per parameter 28 B moved a step instead of 40
-    # (no gradient cast, no refresh); AdamW's arithmetic on autocast's gradients
-    shadow_adamw: bool = False
+    # (no gradient cast, no refresh); AdamW's arithmetic on autocast's gradients. None ("auto", the default): on
+    # wherever weight_shadows is, unless fp32_weight_grads
+    shadow_adamw: bool | None = None
     # one of LOW_PRECISION_MLPS: the large Linear layers in that FP8 / MX recipe (opengem.nn.low_precision's
     # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16,
     # "auto" gives each the fastest recipe whose output error on one training batch is <= numerics_bound
@@ -121,8 +125,10 @@ class TrainConfig:
                                  "(bench train: --compile)")
         refuse_two_recompute_policies(self.activation_checkpointing, self.activation_memory_budget)
         for setting, in_use in (("fp32_weight_grads", self.fp32_weight_grads), ("shadow_adamw", self.shadow_adamw)):
-            if in_use and not self.weight_shadows:
-                raise ValueError(f"{setting} computes the weight-shadowed layers' gradients: set weight_shadows=true")
+            if in_use and (self.weight_shadows is False or self.precision != "bf16"):
+                raise ValueError(f"{setting} computes the weight-shadowed layers' gradients: it needs precision=bf16 "
+                                 f"and weight_shadows true or auto, got precision={self.precision!r}, "
+                                 f"weight_shadows={_setting_text(self.weight_shadows)}")
         if self.fp32_weight_grads and self.shadow_adamw:
             raise ValueError("fp32_weight_grads gives the fp32 weights fp32 gradients and shadow_adamw reads bf16 ones "
                              "from the shadows: choose one")
@@ -134,6 +140,24 @@ class TrainConfig:
     @property
     def run_name(self) -> str:
         return self.name or self.preset
+
+
+def shadow_settings(config: TrainConfig, single_process_gpu: bool) -> tuple[bool, bool]:
+    """``(weight_shadows, shadow_adamw)`` as a run applies them. An explicit true or false is kept; auto (None) turns
+    the shadows on for precision="bf16" when ``single_process_gpu`` (the single-process trainer, parameters on a GPU:
+    where they measured faster), and the shadow AdamW on wherever the shadows are, unless fp32_weight_grads."""
+    weight_shadows = config.weight_shadows
+    if weight_shadows is None:
+        weight_shadows = config.precision == "bf16" and single_process_gpu
+    shadow_adamw = config.shadow_adamw
+    if shadow_adamw is None:
+        shadow_adamw = weight_shadows and not config.fp32_weight_grads
+    return weight_shadows, shadow_adamw
+
+
+def _setting_text(value: bool | None) -> str:
+    """A tri-state setting as ``--set`` spells it."""
+    return "auto" if value is None else str(value).lower()
 
 
 _GEM_SMALL = TrainConfig(
@@ -234,6 +258,8 @@ def _check_saved_type(value: Any, hint: Any, key: str) -> None:
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
         fits = value in typing.get_args(hint)
+    elif hint == AUTO_BOOL:
+        fits = value is None or type(value) is bool
     elif origin is tuple:
         fits = isinstance(value, (list, tuple)) and all(type(item) is int for item in value)
     elif hint is float:
@@ -247,7 +273,8 @@ def _check_saved_type(value: Any, hint: Any, key: str) -> None:
 def _type_name(hint: Any) -> str:
     if typing.get_origin(hint) is typing.Literal:
         return f"one of {typing.get_args(hint)}"
-    return {int: "an int", float: "a number", str: "a string", bool: "true or false"}.get(hint, "a list of ints")
+    names = {int: "an int", float: "a number", str: "a string", bool: "true or false", AUTO_BOOL: "true, false or null"}
+    return names.get(hint, "a list of ints")
 
 
 def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -287,12 +314,14 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
         raise ValueError(f"{where} is a section; set its fields with dotted keys")
     origin = typing.get_origin(hint)
     try:
-        if hint is bool:
+        if hint == AUTO_BOOL and (value is None or str(value).lower() == "auto"):
+            return None
+        if hint in (bool, AUTO_BOOL):
             if isinstance(value, bool):
                 return value
             lowered = str(value).lower()
             if lowered not in ("true", "false", "1", "0"):
-                raise ValueError(f"expected true or false, got {value!r}")
+                raise ValueError(f"expected true, false{' or auto' if hint == AUTO_BOOL else ''}, got {value!r}")
             return lowered in ("true", "1")
         if origin is typing.Literal:
             if str(value) not in typing.get_args(hint):

@@ -40,7 +40,7 @@ from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
 from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
 from opengem.train.compile import compile_regions
-from opengem.train.config import ARCHITECTURES, TrainConfig
+from opengem.train.config import ARCHITECTURES, TrainConfig, shadow_settings
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.guards import StepGuard
 from opengem.train.metrics import binary_metrics
@@ -199,19 +199,28 @@ def _select_low_precision(
 def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:
     """AdamW on the dense parameters (the embedding tables have their own fused optimizer) and the schedule.
 
-    With ``config.compile`` the dense blocks are compiled here, after any parallel wrapping; with
+    With weight shadows (``config.shadow_settings``; by default on for bf16 in this single-process trainer on a GPU)
+    the plain Linear layers compute from bf16 shadows, and with the shadow AdamW (by default wherever the shadows are)
+    the optimizer is ``opengem.train.shadow_adamw.ShadowAdamW``. With ``config.compile`` the dense blocks are compiled here, after any parallel wrapping; with
     ``config.activation_checkpointing`` a single-process model's blocks are checkpointed first (the
     distributed trainer checkpoints them in ``parallelize``).
     """
     sharded = _is_sharded(model)
     if config.activation_checkpointing and not sharded:
         checkpoint_blocks(model)
+    single_process = not sharded and kind is Learner
+    on_gpu = any(p.is_cuda for p in model.parameters())
+    weight_shadows, shadow_adamw = shadow_settings(config, single_process and on_gpu)
+    if not weight_shadows and (config.fp32_weight_grads or shadow_adamw):
+        raise ValueError("fp32_weight_grads and shadow_adamw compute the weight-shadowed layers' gradients, and "
+                         "weight_shadows=auto leaves the shadows off here (on for the single-process trainer on a "
+                         "GPU): set weight_shadows=true or drop them")
     shadows = None
-    if config.weight_shadows:  # before compiling: the compiled blocks read the shadows
-        if sharded or kind is not Learner:
+    if weight_shadows:  # before compiling: the compiled blocks read the shadows
+        if not single_process:
             raise ValueError("weight_shadows is for the single-process trainer: sharded parameters are cast by FSDP's "
                              "mixed precision instead")
-        shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads, shadow_grads=config.shadow_adamw)
+        shadows = shadow_linear_weights(model, fp32_grads=config.fp32_weight_grads, shadow_grads=shadow_adamw)
     if config.compile:  # the one place the blocks are compiled with the config's settings (train, bench, diagnostics)
         compile_regions(model, mode=config.compile_mode, cpp_wrapper=config.compile_cpp_wrapper,
                         memory_budget=config.activation_memory_budget)
@@ -221,7 +230,7 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     fused = bool(parameters) and not sharded and len({p.device for p in parameters}) == 1
     fused = fused and parameters[0].device.type in ("cuda", "cpu")
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay, "fused": fused or None}
-    if config.shadow_adamw:
+    if shadow_adamw:
         optimizer: torch.optim.Optimizer = ShadowAdamW(parameters, shadows, **adamw)
     else:
         optimizer = torch.optim.AdamW(parameters, **adamw)

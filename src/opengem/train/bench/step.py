@@ -37,6 +37,7 @@ from opengem.train.bench.watch import allocator_counts, events_report, host_even
 from opengem.train.config import LOW_PRECISION_MLPS, PRECISIONS, TrainConfig, load_config
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
+from opengem.train.shadow_adamw import ShadowAdamW
 from opengem.train.trainer import Learner, build_learner, resolve_device
 from opengem.validation import check_optional_positive_finite, require_at_least
 
@@ -236,6 +237,9 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "low_precision_mlp": config.low_precision_mlp,
         "fp8_compile_path": compile_path() if config.low_precision_mlp != "none" else None,
         "low_precision_layers": converted,
+        # as the run applied them (the config's auto resolved: opengem.train.config.shadow_settings)
+        "weight_shadows": learner.weight_shadows is not None,
+        "shadow_adamw": isinstance(learner.optimizer, ShadowAdamW),
         "device": str(device),
         "tuning_steps": tuning_steps,  # warm-up steps past ``warmup + steps`` (something compiled, or slow steps)
         # any count > 0: seconds of host work (tuning, compiling, collecting) inside the timed steps
@@ -396,6 +400,13 @@ def _format_idle(payload: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _format_shadows(settings: dict[str, Any]) -> str:
+    """", weight shadows + shadow AdamW" and the like; empty for runs without them (or written before session 60)."""
+    names = [name for key, name in (("weight_shadows", "weight shadows"), ("shadow_adamw", "shadow AdamW"))
+             if settings.get(key)]
+    return f", {' + '.join(names)}" if names else ""
+
+
 def format_report(payload: dict[str, Any]) -> str:
     r, s = payload["results"], payload["settings"]
 
@@ -407,7 +418,8 @@ def format_report(payload: dict[str, Any]) -> str:
     fp8_path = "" if s.get("fp8_compile_path") is None else f" ({s['fp8_compile_path']})"  # absent before session 22
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
-         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}{fp8_path}, compile {s['compile']}"),
+         f"{s['precision']}, low-precision MLP {s['low_precision_mlp']}{fp8_path}, compile {s['compile']}"
+         f"{_format_shadows(s)}"),
         (f"  step              {r['step_ms']:>12.2f} ms   ({s['steps']} steps after {s['warmup']} + "
          f"{s.get('lead_steps', 0) + s['steps']} + {s['tuning_steps']} warm-up, the window's batches among them, "
          f"and {s.get('lead_steps', 0)} on the restarted loader)"),
