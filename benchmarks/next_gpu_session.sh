@@ -1114,6 +1114,14 @@ chain_s63b() {  # session 60: weight_shadows + shadow_adamw on by default for bf
   step bench_train_large_b256_default 200 large_at 256 train_gem-large_b256_s63b_default
   step bench_train_large_b256_plain 200 large_at 256 train_gem-large_b256_s63b_plain --set weight_shadows=false
 }
+chain_s63c() {  # session 60: call 3's host ran 10 us a launch and paced the default step (183.79 ms against 136 of
+  # kernels; plain 220.96): Inductor's combo kernels (independent small kernels launched as one) on gem-large b256 by
+  # default, then the default alone; the variant first, so a fresh machine's slow first process counts against it
+  step bench_train_large_b256_combo 300 python -m benchmarks.diag.with_inductor_config combo_kernels=True -- bench \
+    train --preset gem-large --batch-size 256 --compile --steps 12 --warmup 6 --num-workers 12 \
+    --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s63c_combo.json"
+  step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s63c_default
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
