@@ -199,11 +199,11 @@ def _select_low_precision(
 def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Learner) -> Learner:
     """AdamW on the dense parameters (the embedding tables have their own fused optimizer) and the schedule.
 
-    With weight shadows (``config.shadow_settings``; by default on for bf16 in this single-process trainer on a GPU)
-    the plain Linear layers compute from bf16 shadows, and with the shadow AdamW (by default wherever the shadows are)
-    the optimizer is ``opengem.train.shadow_adamw.ShadowAdamW``. With ``config.compile`` the dense blocks are compiled here, after any parallel wrapping; with
-    ``config.activation_checkpointing`` a single-process model's blocks are checkpointed first (the
-    distributed trainer checkpoints them in ``parallelize``).
+    With weight shadows (``opengem.train.config.shadow_settings``; by default on for bf16 in this single-process
+    trainer on a GPU) the plain Linear layers compute from bf16 shadows, and with the shadow AdamW (by default wherever
+    the shadows are) the optimizer is ``opengem.train.shadow_adamw.ShadowAdamW``. With ``config.compile`` the dense
+    blocks are compiled here, after any parallel wrapping; with ``config.activation_checkpointing`` a single-process
+    model's blocks are checkpointed first (the distributed trainer checkpoints them in ``parallelize``).
     """
     sharded = _is_sharded(model)
     if config.activation_checkpointing and not sharded:
