@@ -50,6 +50,27 @@ def test_one_step_updates_every_weight_as_adamw_on_autocasts_gradients():
     assert len(stepped) == len(learner.weight_shadows)  # every shadowed weight and bias took its step
 
 
+def test_fp8_mlp_layers_keep_their_own_weights_beside_the_shadowed_ones():
+    """With FP8 MLPs (as a GPU run now gets them beside the default shadows) the low-precision layers are not
+    shadowed: AdamW steps their fp32 weights, from the gradients of the FP8 run without shadows, and the shadow AdamW
+    the plain layers'."""
+    from opengem.nn.low_precision import LowPrecisionLinear
+
+    fp8 = {"low_precision_mlp": "fp8_rowwise", "low_precision_min_features": 128}
+    runs = _runs({"plain": {**PLAIN, **fp8}, "shadow_adamw": {**SHADOW_ADAMW, **fp8}}, steps=1)
+    (want_loss, want, _), (got_loss, got, learner) = runs["plain"], runs["shadow_adamw"]
+    assert got_loss == want_loss
+    fp8_layers = {n for n, m in learner.model.named_modules() if isinstance(m, LowPrecisionLinear)}
+    assert fp8_layers  # gem-tiny's layers with both dims >= 128
+    shadowed = {id(master) for master, _ in learner.weight_shadows}
+    assert shadowed and isinstance(learner.optimizer, ShadowAdamW)
+    for name in fp8_layers:
+        weight = learner.model.get_submodule(name).weight
+        assert id(weight) not in shadowed and weight.grad is not None  # AdamW's, through the FP8 GEMM
+        assert float(learner.optimizer.state[weight]["step"]) == 1
+        torch.testing.assert_close(got[f"{name}.weight"], want[f"{name}.weight"], rtol=1e-6, atol=1e-7)
+
+
 def test_training_stays_close_to_the_plain_run():
     runs = _runs({"plain": PLAIN, "shadow_adamw": SHADOW_ADAMW}, steps=4)
     assert runs["shadow_adamw"][0] == pytest.approx(runs["plain"][0], rel=2e-3)
