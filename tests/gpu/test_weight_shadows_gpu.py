@@ -17,6 +17,7 @@ from torch.autograd import DeviceType
 from opengem.data.parquet import batches_from_table
 from opengem.data.synthetic import generate
 from opengem.models.presets import GEM_PRESETS
+from opengem.nn.low_precision import LowPrecisionLinear
 from opengem.ops.fp32_gemm import fp32_product
 from opengem.train.config import load_config
 from opengem.train.shadow_adamw import ShadowAdamW
@@ -28,7 +29,8 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SETTINGS = {"plain": {"weight_shadows": False}, "shadows": {"weight_shadows": True, "shadow_adamw": False},
             "fp32_grads": {"weight_shadows": True, "fp32_weight_grads": True},
             "shadow_adamw": {"weight_shadows": True, "shadow_adamw": True},
-            "default": {}}  # fmt: skip
+            "default": {}, "fp8_plain": {"weight_shadows": False, "low_precision_mlp": "fp8_rowwise"},
+            "fp8_default": {"low_precision_mlp": "fp8_rowwise"}}  # fmt: skip
 
 
 def _learner(name: str) -> Learner:
@@ -80,6 +82,18 @@ def test_the_default_bf16_learner_on_a_gpu_uses_shadows_and_the_shadow_adamw():
     assert learner.weight_shadows and isinstance(learner.optimizer, ShadowAdamW)
     plain = _learner("plain")
     assert plain.weight_shadows is None and type(plain.optimizer) is torch.optim.AdamW
+
+
+def test_default_shadows_beside_fp8_mlps_train_as_the_fp8_run_without_them():
+    """FP8 MLPs with the default shadows: the FP8 layers keep their own weights (AdamW's), the plain ones are shadowed
+    (the shadow AdamW's), and the losses follow the FP8 run without shadows."""
+    (want_losses, _), (got_losses, _) = map(_losses_and_kernels, ("fp8_plain", "fp8_default"))
+    assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-4)  # the same weights; each graph its own kernels
+    assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-2)
+    learner = _learner("fp8_default")
+    fp8_weights = {id(m.weight) for m in learner.model.modules() if isinstance(m, LowPrecisionLinear)}
+    assert fp8_weights and isinstance(learner.optimizer, ShadowAdamW)
+    assert not fp8_weights & {id(master) for master, _ in learner.weight_shadows}
 
 
 def test_fp32_product_is_one_fp32_output_gemm_eager_and_compiled():
