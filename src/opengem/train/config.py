@@ -321,7 +321,8 @@ def _convert(value: Any, hint: Any, where: str) -> Any:
                 return value
             lowered = str(value).lower()
             if lowered not in ("true", "false", "1", "0"):
-                raise ValueError(f"expected true{', false or auto' if hint == AUTO_BOOL else ' or false'}, got {value!r}")
+                choices = "true, false or auto" if hint == AUTO_BOOL else "true or false"
+                raise ValueError(f"expected {choices}, got {value!r}")
             return lowered in ("true", "1")
         if origin is typing.Literal:
             if str(value) not in typing.get_args(hint):
