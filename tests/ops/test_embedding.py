@@ -15,6 +15,7 @@ from hypothesis import strategies as st  # noqa: E402
 from torch.utils.flop_counter import FlopCounterMode  # noqa: E402
 
 from opengem.ops import embedding as ops  # noqa: E402
+from opengem.ops.backend import triton_chosen  # noqa: E402
 from opengem.ops.reference import embedding as reference  # noqa: E402
 from opengem.ops.triton import embedding as kernels  # noqa: E402
 
@@ -360,8 +361,8 @@ def test_backend_environment_variable_overrides_the_device(monkeypatch, env, is_
         monkeypatch.delenv("OPENGEM_EMBEDDING_BACKEND", raising=False)
     else:
         monkeypatch.setenv("OPENGEM_EMBEDDING_BACKEND", env)
-    tensor = SimpleNamespace(is_cuda=is_cuda)  # the dispatch reads only .is_cuda; no GPU needed
-    assert ops._use_triton(tensor) is expected
+    device = torch.device("cuda" if is_cuda else "cpu")  # the dispatch reads only the device's type; no GPU needed
+    assert triton_chosen(device, env="OPENGEM_EMBEDDING_BACKEND") is expected
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

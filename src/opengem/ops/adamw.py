@@ -14,11 +14,11 @@ tensors the reference; ``backend="triton"`` (or ``OPENGEM_ADAMW_BACKEND=triton``
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
 from opengem.jagged.host import to_device
+from opengem.ops.backend import triton_chosen
 from opengem.ops.reference.adamw import shadow_adamw_update as shadow_adamw_reference
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -102,7 +102,7 @@ def shadow_adamw_update(
             raise ValueError(f"{name} must be finite and >= 0{' and < 1' if is_beta else ''}, got {value}")
     if skip is not None and (skip.numel() != 1 or skip.device != tensors.device):
         raise ValueError(f"skip must be one element on {tensors.device}, got {tuple(skip.shape)} on {skip.device}")
-    use_triton = _use_triton(tensors.device, backend)
+    triton = triton_chosen(tensors.device, backend, "OPENGEM_ADAMW_BACKEND")
     present = tuple(g is not None for g in grads)
     kept = [i for i, here in enumerate(present) if here]
     for i in kept:
@@ -120,7 +120,7 @@ def shadow_adamw_update(
     hyper = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
     kept_grads = [grads[i].contiguous() for i in kept]  # kept alive until the kernel is queued: the table holds
     # their addresses (autograd's gradients follow the shadows' contiguous layout, so this copies nothing)
-    if not use_triton:
+    if not triton:
         shadow_adamw_reference([tensors.params[i] for i in kept], kept_grads,
                                [tensors.exp_avgs[i] for i in kept], [tensors.exp_avg_sqs[i] for i in kept],
                                [tensors.shadows[i] for i in kept], steps, skip=skip, **hyper)
@@ -132,9 +132,3 @@ def shadow_adamw_update(
                         tensors.log2_betas(betas), hyperparameters(**hyper, device=tensors.device),
                         half_is_bf16=tensors.half_dtype == torch.bfloat16)
 
-
-def _use_triton(device: torch.device, backend: str | None) -> bool:
-    backend = backend or os.environ.get("OPENGEM_ADAMW_BACKEND", "auto")
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    return backend == "triton" or (backend == "auto" and device.type == "cuda")

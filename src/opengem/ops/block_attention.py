@@ -20,6 +20,7 @@ from torch.utils.flop_counter import register_flop_formula
 from opengem.jagged.host import host_copy
 from opengem.ops.attention_flops import counted_or_bound
 from opengem.ops.autocast import cast_inputs
+from opengem.ops.backend import triton_chosen
 from opengem.ops.block_attention_fp8 import block_attention_fp8
 from opengem.ops.checks import check_attention_inputs, check_projection_bias
 from opengem.ops.reference import block_attention as reference
@@ -27,7 +28,6 @@ from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_p
 
 BLOCK_SIZES = (16, 32, 64, 128)
 TRITON_HEAD_DIMS = (32, 64, 128, 256)
-BACKENDS = ("auto", "triton", "reference")
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 # Rotary modes passed to the custom op (and to the kernels as a constexpr).
 ROTARY_NONE, ROTARY_SEQUENCE_POSITION, ROTARY_POSITIONS, ROTARY_TIME_GAPS = 0, 1, 2, 3
@@ -185,8 +185,6 @@ def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, bac
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if activation not in reference.ACTIVATIONS:
         raise ValueError(f"activation must be one of {reference.ACTIVATIONS}, got {activation!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if _use_triton(q, backend) and q.shape[-1] not in TRITON_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {TRITON_HEAD_DIMS} for the Triton kernel, got {q.shape[-1]}")
     if _use_triton(q, backend) and block_size * q.shape[-1] > 128 * 128:
@@ -214,7 +212,7 @@ def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, bac
 
 
 def _use_triton(q: torch.Tensor, backend: str) -> bool:
-    return backend == "triton" or (backend == "auto" and q.is_cuda)
+    return triton_chosen(q.device, backend)
 
 
 @functools.lru_cache(maxsize=32)

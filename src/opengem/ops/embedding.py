@@ -36,13 +36,13 @@ Low-precision weights are updated in fp32 and rounded to nearest once per step.
 
 Dispatch: CUDA tensors run the Triton kernels; CPU tensors run the PyTorch reference; the environment
 variable ``OPENGEM_EMBEDDING_BACKEND=triton`` forces Triton (for interpreter tests), ``=reference`` the
-reference (also on CUDA: the reference-kernel training run of ``benchmarks/gem_curves.py``).
+reference (also on CUDA: the reference-kernel training run of ``benchmarks/gem_curves.py``); another value is an
+error naming the variable (``opengem.ops.backend``).
 """
 
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +51,7 @@ from torch.utils.flop_counter import register_flop_formula
 
 from opengem.jagged.host import known_host_copy, to_device
 from opengem.jagged.jagged import validate_offsets
+from opengem.ops.backend import triton_chosen
 from opengem.ops.fp32_gemm import fp32_product
 from opengem.ops.reference import embedding as reference
 from opengem.ops.reference.embedding import (
@@ -73,13 +74,6 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
-def _use_triton(tensor: torch.Tensor) -> bool:
-    backend = os.environ.get("OPENGEM_EMBEDDING_BACKEND")
-    if backend in ("triton", "reference"):
-        return backend == "triton"
-    return tensor.is_cuda
-
-
 def _triton():  # imported lazily: CPU-only installs need no Triton
     from opengem.ops.triton import embedding as triton_embedding
 
@@ -89,7 +83,7 @@ def _triton():  # imported lazily: CPU-only installs need no Triton
 def _lookup_impl(
     weights, feature_meta, ids, offsets, batch_size: int, out_numel: int, max_dim: int, dim_align: int
 ) -> torch.Tensor:
-    if _use_triton(weights):
+    if triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND"):
         return _triton().embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align)
     return reference.embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
 
@@ -128,7 +122,7 @@ def _dense_grad_op(
     max_dim: int,
     dim_align: int,
 ) -> torch.Tensor:
-    if _use_triton(weights):
+    if triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND"):
         return _triton().embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim, dim_align)
     return reference.embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size)
 
@@ -176,7 +170,7 @@ def _fused_update_op(
 ) -> None:
     state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
     hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
-    if _use_triton(weights):
+    if triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND"):
         _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper, skip=skip)
     else:
         reference.embedding_fused_update_(*state, *hyper, skip=skip)

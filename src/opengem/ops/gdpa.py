@@ -18,6 +18,7 @@ from opengem.jagged.host import host_copy, to_device
 from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, counted_or_bound, visible_pairs
 from opengem.ops.autocast import cast_inputs
+from opengem.ops.backend import triton_chosen
 from opengem.ops.checks import check_attention_inputs, check_mask_options, check_mask_scalars, check_projection_bias
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
@@ -37,7 +38,6 @@ from opengem.ops.triton.jagged_attention_fp8 import BLOCK as FP8_BLOCK
 from opengem.ops.triton.jagged_attention_fp8 import FP8_HEAD_DIMS
 from opengem.validation import is_number
 
-_BACKENDS = ("auto", "triton", "reference")
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 
 
@@ -162,8 +162,7 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
                 post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
                 precision) -> tuple:  # fmt: skip
     """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`gdpa`)."""
-    if backend not in _BACKENDS:
-        raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+    triton = triton_chosen(q.device, backend)  # checks the name first
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8" and broadcast_q:
@@ -192,14 +191,13 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
     if not torch.compiler.is_compiling():
         _check_contents(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, broadcast_q, masked,
                         num_targets, contextual_len, window)
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda)
-    if use_triton:
+    if triton:
         check_triton_head_dim(q.shape[2])
         if precision == "fp8" and q.shape[2] not in FP8_HEAD_DIMS:
             raise ValueError(f"precision='fp8' needs head_dim in {FP8_HEAD_DIMS}, got {q.shape[2]}")
     return (k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
             [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
-            -1 if window is None else window, broadcast_q, use_triton, precision)  # fmt: skip
+            -1 if window is None else window, broadcast_q, triton, precision)  # fmt: skip
 
 
 def hstu_attention(

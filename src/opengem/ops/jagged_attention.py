@@ -11,7 +11,6 @@ environment variable ``OPENGEM_JFA_BACKEND=triton``) forces the kernels, e.g. un
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 from torch.utils.flop_counter import register_flop_formula
@@ -19,6 +18,7 @@ from torch.utils.flop_counter import register_flop_formula
 from opengem.jagged.host import host_copy
 from opengem.ops.attention_flops import counted_or_bound
 from opengem.ops.autocast import cast_inputs
+from opengem.ops.backend import triton_chosen
 from opengem.ops.checks import check_attention_inputs, check_mask_options, check_projection_bias
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
@@ -74,10 +74,8 @@ def attention_pairs(
 
 
 def _use_triton(q: torch.Tensor, backend: str | None) -> bool:
-    backend = backend or os.environ.get("OPENGEM_JFA_BACKEND") or ("triton" if q.is_cuda else "reference")
-    if backend not in ("triton", "reference"):
-        raise ValueError(f"backend must be 'triton' or 'reference', got {backend!r}")
-    return backend == "triton"
+    """JFA's choice (``opengem.ops.backend``), also read by the fused QKV attention."""
+    return triton_chosen(q.device, backend, "OPENGEM_JFA_BACKEND")
 
 
 def _problem(q, offsets, num_targets, max_len, causal, contextual_len, window, scale):
@@ -398,7 +396,8 @@ def jagged_attention(
             ``|p - j| <= w``.
         scale: logit scale, default ``1 / sqrt(D)``.
         normalize_by_max_len: further divide the logits by ``max_len`` (FBGEMM ``sll``'s option).
-        backend: ``"triton"`` or ``"reference"``; default Triton for CUDA tensors, the reference on CPU.
+        backend: ``"auto"``, ``"triton"`` or ``"reference"`` (``opengem.ops.backend``); default
+            ``OPENGEM_JFA_BACKEND`` when set, else auto: Triton for CUDA tensors, the reference on CPU.
         precision: the forward's arithmetic. ``"bf16"``: the inputs' dtype with fp32 accumulation.
             ``"fp8"``: Q and K rotated along D by a randomized Hadamard matrix (``Q K^T`` unchanged, outlier
             channels spread out), then Q, K and V quantized to E4M3 with one fp32 scale per (block of 128 rows

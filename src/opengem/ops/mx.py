@@ -7,11 +7,11 @@ CUDA tensors run the Triton kernel, CPU tensors the fp32 reference; ``backend="t
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
+from opengem.ops.backend import triton_chosen
 from opengem.ops.reference.mx import ELEM_FORMATS, MX_BLOCK, mx_dequantize_reference, mx_quantize_reference
 
 SCALE_RULES = ("rceil", "floor")
@@ -82,13 +82,6 @@ def _normalize_block(block: int | tuple[int, int], ndim: int) -> tuple[int, ...]
     raise ValueError(f"block must be 32 or (32, 32), got {block!r}")
 
 
-def _use_triton(x: torch.Tensor, backend: str | None) -> bool:
-    backend = backend or os.environ.get("OPENGEM_MX_BACKEND", "auto")
-    if backend not in ("auto", "triton", "reference"):
-        raise ValueError(f"backend must be 'auto', 'triton' or 'reference', got {backend!r}")
-    return backend == "triton" or (backend == "auto" and x.is_cuda)
-
-
 def mx_quantize(
     x: torch.Tensor,
     block: int | tuple[int, int] = 32,
@@ -118,7 +111,8 @@ def mx_quantize(
     blk = _normalize_block(block, x.dim())
     axis = axis % x.dim()
     moved = x if len(blk) == 2 or axis == x.dim() - 1 else x.movedim(axis, -1)
-    data, scales = _mx_quantize_op(moved, list(blk), elem, scale_rule, _use_triton(x, backend))
+    triton = triton_chosen(x.device, backend, "OPENGEM_MX_BACKEND")
+    data, scales = _mx_quantize_op(moved, list(blk), elem, scale_rule, triton)
     if moved is not x:
         data, scales = data.movedim(-1, axis), scales.movedim(-1, axis)
     return MXTensor(data, scales, elem, blk, x.dim() - 1 if len(blk) == 2 else axis, x.dtype)
