@@ -1125,6 +1125,12 @@ chain_s63c() {  # session 60: call 3's host ran 10 us a launch and paced the def
 chain_s63d() {  # session 60: FP8 MLPs beside the default shadows (never run together on a GPU before the default)
   step tests_fp8_default_shadows 200 tests tests/gpu/test_weight_shadows_gpu.py -k fp8
 }
+chain_s64a() {  # after session 60 (no device time was left for its last CPU changes): the ops' one backend switch
+  # (opengem.ops.backend) and linear_forward's branch order on a GPU, then gem-large b256 by default
+  step tests_backend_switch 300 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py \
+    tests/gpu/test_embedding_gpu.py
+  step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s64a_default
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
