@@ -1131,6 +1131,25 @@ chain_s64a() {  # after session 60 (no device time was left for its last CPU cha
     tests/gpu/test_embedding_gpu.py
   step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s64a_default
 }
+gpu_idle_ms() {  # gpu_idle_ms RESULT.json: a bench train run's timed GPU idle a step (0 when it cannot be read)
+  local ms
+  ms=$(python -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["results"]["gpu_idle_ms_timed"] or 0))' \
+    "$1" 2> /dev/null)
+  [[ "$ms" =~ ^[0-9]+$ ]] && echo "$ms" || echo 0
+}
+chain_s64b() {  # after session 60 (waiting list item 2): gem-large b256 by default; if its host paced it (over 30 ms
+  # of GPU idle a step, as session 60's call 3 at 62.9), combo kernels and the default again (ABA on that host)
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s64b_default_a1
+  if [ "$(gpu_idle_ms "$out/results/train_gem-large_b256_s64b_default_a1.json")" -gt 30 ]; then
+    step bench_train_large_b256_combo 300 python -m benchmarks.diag.with_inductor_config combo_kernels=True -- bench \
+      train --preset gem-large --batch-size 256 --compile --steps 12 --warmup 6 --num-workers 12 \
+      --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s64b_combo.json"
+    step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64b_default_a2
+  else
+    echo "the default idled the GPU at most 30 ms a step: a GPU-paced host, the A/B left for a slow one" \
+      > "$out/logs/s64b_ab_skipped.log"
+  fi
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
