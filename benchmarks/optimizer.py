@@ -6,9 +6,9 @@ parameters, 99.8% of its dense parameters), fp32, with bf16 shadows and bf16 gra
 Timed in interleaved rounds (`benchmarks.common.interleaved_ms`, median of each):
 
 - ``shadow_adamw``: one `shadow_adamw_update` (reads the bf16 gradients, writes the bf16 shadows): 28 B a parameter;
-- ``adamw+casts``: what ``weight_shadows=true`` does around the same update today: the bf16 gradients cast to fp32
-  (one multi-tensor copy), ``torch.optim.AdamW(fused=True)``, the shadows refreshed from the parameters (one
-  multi-tensor copy): 40 B a parameter;
+- ``adamw+casts``: what ``weight_shadows=true shadow_adamw=false`` does around the same update: the bf16 gradients
+  cast to fp32 (one multi-tensor copy), ``torch.optim.AdamW(fused=True)``, the shadows refreshed from the parameters
+  (one multi-tensor copy): 40 B a parameter;
 - ``adamw``: the fused AdamW step alone on fp32 gradients (28 B a parameter: the floor for AdamW's own traffic).
 
 GB/s counts those bytes; ``pct_of_copy`` against a 1 GiB device-to-device copy timed in the same run (read + write).
@@ -58,7 +58,7 @@ class Setup:
         for p in self.peer:
             p.grad = torch.empty_like(p)
         self.fused_adamw = torch.optim.AdamW(self.peer, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
-                                       weight_decay=HYPER["weight_decay"], fused=True)
+                                             weight_decay=HYPER["weight_decay"], fused=True)
 
     def shadow_adamw(self) -> None:
         shadow_adamw_update(self.tensors, self.grads, **HYPER)

@@ -101,12 +101,13 @@ class ShadowedLinear(nn.Linear):
 def linear_forward(linear: nn.Linear, x: torch.Tensor, bias_gradient: bool = True) -> torch.Tensor:
     """``linear(x)``: from a shadowed layer's shadows while :func:`shadows_in_use`, else from its parameters (which
     autocast casts at the use). Without ``bias_gradient`` the bias is added but gets no gradient from here."""
-    if _IN_USE and isinstance(linear, ShadowedLinear) and linear.shadow_grads:
+    shadowed = _IN_USE and isinstance(linear, ShadowedLinear)
+    if shadowed and linear.shadow_grads:
         if linear.bias_shadow is not None and not bias_gradient:
             return F.linear(x, linear.weight_shadow, linear.bias_shadow.detach())
         return F.linear(x, linear.weight_shadow, linear.bias_shadow)
     bias = linear.bias if bias_gradient or linear.bias is None else linear.bias.detach()
-    if not (_IN_USE and isinstance(linear, ShadowedLinear)):
+    if not shadowed:
         return F.linear(x, linear.weight, bias)
     if linear.fp32_grads:
         return _LinearWithFp32Grads.apply(x, linear.weight, linear.weight_shadow, bias, linear.bias_shadow)

@@ -114,9 +114,8 @@ def shadow_adamw_update(
     if not kept:
         return
     steps = [tensors.steps[i] for i in kept]
-    torch._foreach_add_(steps, 1.0)
-    if skip is not None:
-        torch._foreach_sub_(steps, [skip.reshape(())] * len(steps))
+    # one multi-tensor add: 1, or 1 - skip (0 on a skipped step) without reading the flag on the host
+    torch._foreach_add_(steps, 1.0 if skip is None else 1 - skip.reshape(()))
     hyper = {"lr": lr, "beta1": betas[0], "beta2": betas[1], "eps": eps, "weight_decay": weight_decay}
     kept_grads = [grads[i].contiguous() for i in kept]  # kept alive until the kernel is queued: the table holds
     # their addresses (autograd's gradients follow the shadows' contiguous layout, so this copies nothing)
@@ -131,4 +130,3 @@ def shadow_adamw_update(
     shadow_adamw_launch(items, numels, tables, address_table(kept_grads, tensors.device), skip,
                         tensors.log2_betas(betas), hyperparameters(**hyper, device=tensors.device),
                         half_is_bf16=tensors.half_dtype == torch.bfloat16)
-

@@ -74,6 +74,10 @@ WEIGHT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 
 
+def _use_triton(weights: torch.Tensor) -> bool:
+    return triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND")
+
+
 def _triton():  # imported lazily: CPU-only installs need no Triton
     from opengem.ops.triton import embedding as triton_embedding
 
@@ -83,7 +87,7 @@ def _triton():  # imported lazily: CPU-only installs need no Triton
 def _lookup_impl(
     weights, feature_meta, ids, offsets, batch_size: int, out_numel: int, max_dim: int, dim_align: int
 ) -> torch.Tensor:
-    if triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND"):
+    if _use_triton(weights):
         return _triton().embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align)
     return reference.embedding_lookup(weights, feature_meta, ids, offsets, batch_size, out_numel)
 
@@ -122,7 +126,7 @@ def _dense_grad_op(
     max_dim: int,
     dim_align: int,
 ) -> torch.Tensor:
-    if triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND"):
+    if _use_triton(weights):
         return _triton().embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size, max_dim, dim_align)
     return reference.embedding_dense_grad(grad_out, weights, feature_meta, ids, offsets, batch_size)
 
@@ -170,7 +174,7 @@ def _fused_update_op(
 ) -> None:
     state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
     hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
-    if triton_chosen(weights.device, env="OPENGEM_EMBEDDING_BACKEND"):
+    if _use_triton(weights):
         _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper, skip=skip)
     else:
         reference.embedding_fused_update_(*state, *hyper, skip=skip)

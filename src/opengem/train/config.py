@@ -145,13 +145,20 @@ class TrainConfig:
 def shadow_settings(config: TrainConfig, single_process_gpu: bool) -> tuple[bool, bool]:
     """``(weight_shadows, shadow_adamw)`` as a run applies them. An explicit true or false is kept; auto (None) turns
     the shadows on for precision="bf16" when ``single_process_gpu`` (the single-process trainer, parameters on a GPU:
-    where they measured faster), and the shadow AdamW on wherever the shadows are, unless fp32_weight_grads."""
+    where they measured faster), and the shadow AdamW on wherever the shadows are, unless fp32_weight_grads. A setting
+    that needs the shadows where auto leaves them off is a ``ValueError`` naming it."""
     weight_shadows = config.weight_shadows
     if weight_shadows is None:
         weight_shadows = config.precision == "bf16" and single_process_gpu
     shadow_adamw = config.shadow_adamw
     if shadow_adamw is None:
         shadow_adamw = weight_shadows and not config.fp32_weight_grads
+    needs_shadows = [name for name, on in (("fp32_weight_grads", config.fp32_weight_grads),
+                                           ("shadow_adamw", shadow_adamw)) if on]
+    if needs_shadows and not weight_shadows:
+        raise ValueError(f"{' and '.join(needs_shadows)}=true computes the weight-shadowed layers' gradients, and "
+                         "weight_shadows=auto leaves the shadows off here (on for the single-process trainer on a "
+                         "GPU): set weight_shadows=true or drop it")
     return weight_shadows, shadow_adamw
 
 

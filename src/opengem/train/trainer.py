@@ -211,12 +211,6 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     single_process = not sharded and kind is Learner
     on_gpu = any(p.is_cuda for p in model.parameters())
     weight_shadows, shadow_adamw = shadow_settings(config, single_process and on_gpu)
-    needs_shadows = [name for name, on in (("fp32_weight_grads", config.fp32_weight_grads),
-                                           ("shadow_adamw", shadow_adamw)) if on]
-    if needs_shadows and not weight_shadows:
-        raise ValueError(f"{' and '.join(needs_shadows)}=true computes the weight-shadowed layers' gradients, and "
-                         "weight_shadows=auto leaves the shadows off here (on for the single-process trainer on a "
-                         "GPU): set weight_shadows=true or drop it")
     shadows = None
     if weight_shadows:  # before compiling: the compiled blocks read the shadows
         if not single_process:
