@@ -175,7 +175,7 @@ def test_sample_self_with_native_pauses_the_process_and_reads_the_library_a_thre
     worker = threading.Thread(target=multiply, name="multiplier")
     worker.start()
     try:  # py-spy refuses --native with --nonblocking: sample_self leaves that flag out
-        stacks, steps, _ = sample_self(_busy_step, lambda: None, find_py_spy(None), seconds=1, rate=100,
+        stacks, steps, _ = sample_self(_busy_step, lambda: None, find_py_spy(None), seconds=2, rate=100,
                                        flags=["--native"])  # fmt: skip
     finally:
         stop.set()
@@ -186,8 +186,9 @@ def test_sample_self_with_native_pauses_the_process_and_reads_the_library_a_thre
             libraries[native_library(frames)] += count
     total = sum(libraries.values())
     # native frames on every stack; the product runs in torch's libraries, its OpenMP threads or the C library,
-    # below the Python line that called it
-    assert steps >= 5 and total >= 30 and None not in libraries, libraries
+    # below the Python line that called it. Each sample pauses and unwinds the whole process: on a loaded 2-core CI
+    # machine that took 24 of the 100 a second asked, so the floor is 10 in 2 s
+    assert steps >= 5 and total >= 10 and None not in libraries, libraries
     assert total - libraries["(Python)"] >= total / 2, libraries
     assert any(library.startswith(("libtorch", "libgomp")) for library in libraries), libraries
 
