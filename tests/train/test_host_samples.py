@@ -150,7 +150,7 @@ def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_l
         time.sleep(0.008)
 
     def worker_samples(flags: list[str]) -> int:
-        stacks, _, _ = sample_self(short_busy_step, lambda: None, find_py_spy(None), seconds=1, rate=100,
+        stacks, _, _ = sample_self(short_busy_step, lambda: None, find_py_spy(None), seconds=2, rate=100,
                                    flags=flags)  # fmt: skip
         return sum(count for thread, _, count in stacks if thread == "multiplier")
 
@@ -161,6 +161,7 @@ def test_sample_self_with_gil_leaves_out_a_thread_busy_outside_the_interpreter_l
     finally:
         stop.set()
         worker.join()
+    # ~200 samples asked of the worker: 2 s, so a loaded CI machine's slower sampling still clears the floor
     assert active >= 50 and holding <= active / 4, (active, holding)
 
 
