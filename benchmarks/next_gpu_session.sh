@@ -1131,6 +1131,15 @@ chain_s64a() {  # after session 60 (no device time was left for its last CPU cha
     tests/gpu/test_embedding_gpu.py
   step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s64a_default
 }
+chain_s64c() {  # after session 61: the shadow AdamW with bf16 moments (shadow_adamw_moments=bf16; its GPU tests are
+  # in s64a's files): the optimizer alone (20 against 28 B a parameter), then gem-large b256 default / bf16 moments /
+  # default on one host (ABA; the same compiled graphs: the optimizer is not compiled)
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s64c_default_a1
+  step bench_train_large_b256_bf16_moments 150 large_at 256 train_gem-large_b256_s64c_bf16_moments \
+    --set shadow_adamw_moments=bf16
+  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64c_default_a2
+}
 gpu_idle_ms() {  # gpu_idle_ms RESULT.json: a bench train run's timed GPU idle a step (0 when it cannot be read)
   local ms
   ms=$(python -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["results"]["gpu_idle_ms_timed"] or 0))' \

@@ -6,6 +6,8 @@ parameters, 99.8% of its dense parameters), fp32, with bf16 shadows and bf16 gra
 Timed in interleaved rounds (`benchmarks.common.interleaved_ms`, median of each):
 
 - ``shadow_adamw``: one `shadow_adamw_update` (reads the bf16 gradients, writes the bf16 shadows): 28 B a parameter;
+- ``shadow_adamw_bf16_moments``: the same with bf16 moments, rounded stochastically
+  (``shadow_adamw_moments=bf16``): 20 B a parameter;
 - ``adamw+casts``: what ``weight_shadows=true shadow_adamw=false`` does around the same update: the bf16 gradients
   cast to fp32 (one multi-tensor copy), ``torch.optim.AdamW(fused=True)``, the shadows refreshed from the parameters
   (one multi-tensor copy): 40 B a parameter;
@@ -13,7 +15,8 @@ Timed in interleaved rounds (`benchmarks.common.interleaved_ms`, median of each)
 
 GB/s counts those bytes; ``pct_of_copy`` against a 1 GiB device-to-device copy timed in the same run (read + write).
 Correctness in the same run: one update of each from the same state and gradients; the parameters agree within an
-ulp-scale tolerance and every shadow equals its parameter rounded to bf16. Optimizers count zero FLOPs.
+ulp-scale tolerance (with bf16 moments: within their rounding, the largest error reported) and every shadow equals its
+parameter rounded to bf16. Optimizers count zero FLOPs.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from opengem.models.presets import GEM_PRESETS
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
 
 HYPER = {"lr": 1e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
-BYTES_PER_PARAMETER = {"shadow_adamw": 28, "adamw+casts": 40, "adamw": 28}
+BYTES_PER_PARAMETER = {"shadow_adamw": 28, "shadow_adamw_bf16_moments": 20, "adamw+casts": 40, "adamw": 28}
 
 
 def linear_shapes(preset: str) -> list[torch.Size]:
@@ -42,8 +45,8 @@ def linear_shapes(preset: str) -> list[torch.Size]:
 
 
 class Setup:
-    """fp32 parameters, moments, bf16 shadows and gradients for the shadow AdamW, and a copy of the same parameters
-    with fp32 gradients under ``torch.optim.AdamW(fused=True)``."""
+    """fp32 parameters, moments, bf16 shadows and gradients for the shadow AdamW, a copy of the parameters with bf16
+    moments for it, and a copy with fp32 gradients under ``torch.optim.AdamW(fused=True)``."""
 
     def __init__(self, shapes: list[torch.Size], device: str, seed: int = 0) -> None:
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -53,6 +56,12 @@ class Setup:
         self.tensors = ShadowAdamWTensors(self.params, [torch.zeros_like(p) for p in self.params],
                                           [torch.zeros_like(p) for p in self.params], self.shadows,
                                           [torch.zeros((), device=device) for _ in self.params])
+        self.narrow_params = [p.clone() for p in self.params]
+        self.narrow_shadows = [p.bfloat16() for p in self.params]
+        self.narrow = ShadowAdamWTensors(self.narrow_params,
+                                         [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.params],
+                                         [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.params],
+                                         self.narrow_shadows, [torch.zeros((), device=device) for _ in self.params])
         self.peer = [p.clone().requires_grad_() for p in self.params]
         self.peer_shadows = [p.bfloat16() for p in self.params]
         for p in self.peer:
@@ -62,6 +71,9 @@ class Setup:
 
     def shadow_adamw(self) -> None:
         shadow_adamw_update(self.tensors, self.grads, **HYPER)
+
+    def shadow_adamw_bf16_moments(self) -> None:
+        shadow_adamw_update(self.narrow, self.grads, **HYPER)
 
     def adamw_with_casts(self) -> None:
         grads = [p.grad for p in self.peer]
@@ -78,10 +90,13 @@ def check_one_update(shapes: list[torch.Size], device: str) -> dict[str, float]:
     whether every shadow is its parameter rounded."""
     setup = Setup(shapes, device, seed=1)
     setup.shadow_adamw()
+    setup.shadow_adamw_bf16_moments()
     setup.adamw_with_casts()
     worst = max(relative_error(p, q.detach()) for p, q in zip(setup.params, setup.peer))
-    rounded = all(torch.equal(s, p.bfloat16()) for s, p in zip(setup.shadows, setup.params))
-    return {"max_param_rel_error": worst, "shadows_rounded": rounded}
+    narrow = max(relative_error(p, q.detach()) for p, q in zip(setup.narrow_params, setup.peer))
+    rounded = all(torch.equal(s, p.bfloat16()) for s, p in zip(setup.shadows + setup.narrow_shadows,
+                                                               setup.params + setup.narrow_params))
+    return {"max_param_rel_error": worst, "bf16_moments_max_param_rel_error": narrow, "shadows_rounded": rounded}
 
 
 def copy_bandwidth_gbps(device: str) -> float:
@@ -105,8 +120,9 @@ def main() -> None:
     torch.cuda.empty_cache()
     setup = Setup(shapes, device)
     copy_gbps = copy_bandwidth_gbps(device)
-    times = interleaved_ms({"shadow_adamw": setup.shadow_adamw, "adamw+casts": setup.adamw_with_casts,
-                            "adamw": setup.adamw}, rounds=args.rounds)
+    times = interleaved_ms({"shadow_adamw": setup.shadow_adamw,
+                            "shadow_adamw_bf16_moments": setup.shadow_adamw_bf16_moments,
+                            "adamw+casts": setup.adamw_with_casts, "adamw": setup.adamw}, rounds=args.rounds)
     rows = []
     for name, each in times.items():
         ms = statistics.median(each)

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 SETTINGS = {"plain": {"weight_shadows": False}, "shadows": {"weight_shadows": True, "shadow_adamw": False},
             "fp32_grads": {"weight_shadows": True, "fp32_weight_grads": True},
             "shadow_adamw": {"weight_shadows": True, "shadow_adamw": True},
+            "bf16_moments": {"shadow_adamw_moments": "bf16"},
             "default": {}, "fp8_plain": {"weight_shadows": False, "low_precision_mlp": "fp8_rowwise"},
             "fp8_default": {"low_precision_mlp": "fp8_rowwise"}}  # fmt: skip
 
@@ -74,6 +75,15 @@ def test_shadow_adamw_keeps_the_first_loss_and_launches_fewer_kernels_than_shado
     assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)
     assert got_losses[1:] == pytest.approx(want_losses[1:], rel=1e-3)
     assert adamw_kernels < shadow_kernels, (adamw_kernels, shadow_kernels)  # no gradient casts, no refresh
+
+
+def test_bf16_moments_keep_the_first_loss_and_the_kernel_count_of_the_default():
+    """shadow_adamw_moments=bf16: the same launches (the shadow AdamW's one kernel, narrower state) and losses within
+    the moments' rounding of the default's (fp32 moments)."""
+    (want_losses, want_kernels), (got_losses, got_kernels) = map(_losses_and_kernels, ("default", "bf16_moments"))
+    assert got_losses[0] == pytest.approx(want_losses[0], rel=1e-5)
+    assert got_losses[1:] == pytest.approx(want_losses[1:], rel=2e-3)
+    assert got_kernels == want_kernels
 
 
 def test_the_default_bf16_learner_on_a_gpu_uses_shadows_and_the_shadow_adamw():

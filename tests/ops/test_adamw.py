@@ -115,6 +115,7 @@ def test_benchmark_takes_every_linear_parameter_and_checks_one_update():
     assert sum(s.numel() for s in shapes) == 1_112_740_296  # 99.8% of gem-large's 1.1146B dense parameters
     check = check_one_update(linear_shapes("gem-tiny"), "cpu")
     assert check["shadows_rounded"] and check["max_param_rel_error"] < 1e-6, check
+    assert check["bf16_moments_max_param_rel_error"] < 1e-3, check  # within the moments' rounding
 
 
 _COMPILE_SCRIPT = r"""
@@ -123,19 +124,23 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from opengem.ops.triton import adamw as a
 
-constexpr_names = ("HAS_SKIP", "HALF_IS_BF16", "BLOCK", "BLOCKS_PER_ITEM")
+constexpr_names = ("HAS_SKIP", "HALF_IS_BF16", "MOMENTS_BF16", "BLOCK", "BLOCKS_PER_ITEM")
 names = [n for n in a._shadow_adamw_kernel.arg_names if n not in constexpr_names]
 types = {"item_tensor": "*i32", "item_block": "*i32", "numels": "*i64", "skip": "*fp32", "log2_betas": "*fp64",
-         "hyper": "*fp32"}
+         "hyper": "*fp32", "rounding_seed": "i64"}
 signature = {n: types.get(n, "*i64" if n.endswith("_table") else "fp32") for n in names}
-for half_is_bf16 in (True, False):
-    constexprs = dict(HAS_SKIP=True, HALF_IS_BF16=half_is_bf16, BLOCK=a.BLOCK, BLOCKS_PER_ITEM=a.BLOCKS_PER_ITEM)
+for half_is_bf16, moments_bf16 in ((True, False), (False, False), (True, True), (False, True)):
+    constexprs = dict(HAS_SKIP=True, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, BLOCK=a.BLOCK,
+                      BLOCKS_PER_ITEM=a.BLOCKS_PER_ITEM)
     ptx = triton.compile(ASTSource(a._shadow_adamw_kernel, {**signature, **{k: "constexpr" for k in constexprs}},
                                    constexprs), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=a.NUM_WARPS)).asm["ptx"]
     assert "sqrt.rn.f32" in ptx and "div.rn.f32" in ptx  # IEEE, not the approximate forms
     assert "ex2.approx" not in ptx  # the bias corrections' powers in fp64 (libdevice), not the fp32 approximation
-    assert ("cvt.rn.bf16.f32" in ptx or "cvt.rn.bf16x2.f32" in ptx) == half_is_bf16  # shadows rounded to nearest
+    rounds_to_bf16 = "cvt.rn.bf16.f32" in ptx or "cvt.rn.bf16x2.f32" in ptx
+    # shadows rounded to nearest; the stochastically rounded moments' casts are exact (their low half cleared)
+    assert rounds_to_bf16 == (half_is_bf16 or moments_bf16)
+    assert ("mul.lo" in ptx) == moments_bf16  # the rounding bits' hash: 32-bit products that wrap
 print("compiled")
 """
 

@@ -525,11 +525,16 @@ def test_bench_train_records_the_weight_shadows_the_run_applied(tmp_path):
     report's first line."""
     out = tmp_path / "train.json"
     argv = ["bench", "train", *TINY, "--steps", "1", "--warmup", "1", "--profile-steps", "1", "--loader-batches", "1",
-            "--precision", "bf16", "--set", "weight_shadows=true", "--out", str(out)]
+            "--precision", "bf16", "--set", "weight_shadows=true", "--set", "shadow_adamw_moments=bf16",
+            "--out", str(out)]
     assert main(argv) == 0
     payload = json.loads(out.read_text())
-    assert (payload["settings"]["weight_shadows"], payload["settings"]["shadow_adamw"]) == (True, True)
-    assert format_report(payload).splitlines()[0].endswith(", weight shadows + shadow AdamW")
+    settings = payload["settings"]
+    assert settings["weight_shadows"] is True and settings["shadow_adamw"] is True
+    assert settings["shadow_adamw_moments"] == "bf16"
+    assert format_report(payload).splitlines()[0].endswith(", weight shadows + shadow AdamW (bf16 moments)")
+    fp32_moments = {**payload, "settings": {**settings, "shadow_adamw_moments": "fp32"}}
+    assert format_report(fp32_moments).splitlines()[0].endswith(", weight shadows + shadow AdamW")
 
 
 def test_environment_records_the_opengem_settings_of_an_ab_run(monkeypatch):

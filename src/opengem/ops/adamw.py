@@ -5,6 +5,8 @@ optimizer, and the next forward casts the updated fp32 weight back to bf16. With
 own (`opengem.nn.weight_shadows`), :func:`shadow_adamw_update` reads each copy's bf16 gradient where autograd left it,
 updates the fp32 weight and moments, and writes the new copy in the same pass: per parameter 28 B moved instead of
 AdamW's 28 plus the two casts' 12. The gradient is widened exactly, so the update is AdamW's on autocast's gradient.
+The moments may be bf16 instead of fp32 (8 B a parameter less, kept and moved): computed in fp32 and stored rounded
+stochastically, so that they stay unbiased (`opengem.ops.reference.adamw`).
 
 Formula: `opengem.ops.reference.adamw`. CUDA tensors run the Triton kernel (one launch for all tensors), CPU
 tensors the reference; ``backend="triton"`` (or ``OPENGEM_ADAMW_BACKEND=triton``) forces the kernel, e.g. under
@@ -22,12 +24,13 @@ from opengem.ops.backend import triton_chosen
 from opengem.ops.reference.adamw import shadow_adamw_update as shadow_adamw_reference
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 
 class ShadowAdamWTensors:
-    """What :func:`shadow_adamw_update` updates: fp32 ``params`` with their fp32 moments, their low-precision
-    ``shadows`` (bf16 or fp16, one dtype) and 0-d fp32 ``steps`` counters, one of each a parameter, all contiguous on
-    one device. Checked once here; the kernel's address tables are made once and kept (the tensors must stay the
+    """What :func:`shadow_adamw_update` updates: fp32 ``params`` with their moments (all fp32 or all bf16), their
+    low-precision ``shadows`` (bf16 or fp16, one dtype) and 0-d fp32 ``steps`` counters, one of each a parameter, all
+    contiguous on one device. Checked once here; the kernel's address tables are made once and kept (the tensors must stay the
     same objects: make a new instance after replacing any, e.g. after loading a checkpoint)."""
 
     def __init__(
@@ -43,9 +46,13 @@ class ShadowAdamWTensors:
         half = {s.dtype for s in shadows}
         if len(half) > 1 or not half <= set(HALF_DTYPES):
             raise ValueError(f"shadows must all be bf16 or all fp16, got {sorted(map(str, half))}")
+        moments = {m.dtype for m in exp_avgs + exp_avg_sqs}
+        if len(moments) > 1 or not moments <= set(MOMENT_DTYPES):
+            raise ValueError(f"the moments must all be fp32 or all bf16, got {sorted(map(str, moments))}")
+        moment_dtype = moments.pop() if moments else torch.float32
         for i, (param, exp_avg, exp_avg_sq, shadow, step) in enumerate(zip(*lists.values())):
-            for name, tensor, dtype in (("params", param, torch.float32), ("exp_avgs", exp_avg, torch.float32),
-                                        ("exp_avg_sqs", exp_avg_sq, torch.float32), ("shadows", shadow, shadow.dtype)):
+            for name, tensor, dtype in (("params", param, torch.float32), ("exp_avgs", exp_avg, moment_dtype),
+                                        ("exp_avg_sqs", exp_avg_sq, moment_dtype), ("shadows", shadow, shadow.dtype)):
                 if tensor.dtype != dtype or tensor.shape != param.shape or not tensor.is_contiguous():
                     raise ValueError(f"{name}[{i}] must be a contiguous {dtype} tensor of params[{i}]'s shape "
                                      f"{tuple(param.shape)}, got {tensor.dtype} {tuple(tensor.shape)}"
@@ -56,6 +63,7 @@ class ShadowAdamWTensors:
         self.shadows, self.steps = shadows, steps
         self.device = devices.pop() if devices else torch.device("cpu")
         self.half_dtype = half.pop() if half else torch.bfloat16
+        self.moment_dtype = moment_dtype
         self._launch_plans: dict[tuple[bool, ...], tuple] = {}  # by which tensors have a gradient
         self._log2_betas: tuple[tuple[float, float], torch.Tensor] | None = None
 
@@ -87,12 +95,15 @@ class ShadowAdamWTensors:
 def shadow_adamw_update(
     tensors: ShadowAdamWTensors, grads: list[torch.Tensor | None], *, lr: float, betas: tuple[float, float],
     eps: float, weight_decay: float, skip: torch.Tensor | None = None, backend: str | None = None,
+    rounding_seed: int = 0,
 ) -> None:
     """One AdamW step of every parameter of ``tensors`` whose ``grads`` entry (its shadow's gradient: the shadow's
     dtype and shape) is not None; the others are left as they are, their step counters too (as ``torch.optim.AdamW``
     leaves parameters without a gradient). Each updated step counter is incremented first and the bias corrections
     read it. ``skip``: a one-element tensor on the device; where non-zero, nothing changes (steps included), decided
-    on the device without a host sync (``torch.optim.AdamW``'s ``found_inf``)."""
+    on the device without a host sync (``torch.optim.AdamW``'s ``found_inf``). ``rounding_seed`` (0 to 2 ** 32 - 1)
+    keys the stochastic rounding of bf16 moments, with the step and the tensor: a run that passes the same seed
+    rounds the same way, resumed or not."""
     if len(grads) != len(tensors):
         raise ValueError(f"one gradient (or None) a parameter: got {len(grads)} for {len(tensors)} parameters")
     for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("betas[0]", betas[0]),
@@ -100,6 +111,8 @@ def shadow_adamw_update(
         is_beta = name.startswith("betas")
         if not math.isfinite(value) or value < 0 or (is_beta and value >= 1):
             raise ValueError(f"{name} must be finite and >= 0{' and < 1' if is_beta else ''}, got {value}")
+    if not 0 <= rounding_seed < 2**32:
+        raise ValueError(f"rounding_seed must be in [0, 2 ** 32), got {rounding_seed}")
     if skip is not None and (skip.numel() != 1 or skip.device != tensors.device):
         raise ValueError(f"skip must be one element on {tensors.device}, got {tuple(skip.shape)} on {skip.device}")
     triton = triton_chosen(tensors.device, backend, "OPENGEM_ADAMW_BACKEND")
@@ -122,11 +135,13 @@ def shadow_adamw_update(
     if not triton:
         shadow_adamw_reference([tensors.params[i] for i in kept], kept_grads,
                                [tensors.exp_avgs[i] for i in kept], [tensors.exp_avg_sqs[i] for i in kept],
-                               [tensors.shadows[i] for i in kept], steps, skip=skip, **hyper)
+                               [tensors.shadows[i] for i in kept], steps, skip=skip, rounding_seed=rounding_seed,
+                               **hyper)
         return
     from opengem.ops.triton.adamw import address_table, hyperparameters, shadow_adamw_launch
 
     items, numels, tables = tensors.launch_plan(present)
     shadow_adamw_launch(items, numels, tables, address_table(kept_grads, tensors.device), skip,
                         tensors.log2_betas(betas), hyperparameters(**hyper, device=tensors.device),
-                        half_is_bf16=tensors.half_dtype == torch.bfloat16)
+                        half_is_bf16=tensors.half_dtype == torch.bfloat16,
+                        moments_bf16=tensors.moment_dtype == torch.bfloat16, rounding_seed=rounding_seed)

@@ -19,6 +19,7 @@ ARCHITECTURES = ("sequence_ctr", "gem")
 LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
 COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes of the dense blocks
 AUTO_BOOL = bool | None  # a setting that is true, false or auto (None: the run decides; spelled "auto" in --set)
+SHADOW_ADAMW_MOMENTS = ("fp32", "bf16")  # the shadow AdamW's moments (TrainConfig.shadow_adamw_moments)
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
 
 
@@ -82,6 +83,9 @@ class TrainConfig:
     # (no gradient cast, no refresh); AdamW's arithmetic on autocast's gradients. None ("auto", the default): on
     # wherever weight_shadows is, unless fp32_weight_grads
     shadow_adamw: bool | None = None
+    # with shadow_adamw: the dtype of the moments it keeps for the shadowed weights, "fp32" or "bf16" (8 B a parameter
+    # less to keep and to move a step; stored rounded stochastically, so they stay unbiased: opengem.ops.adamw)
+    shadow_adamw_moments: str = "fp32"
     # one of LOW_PRECISION_MLPS: the large Linear layers in that FP8 / MX recipe (opengem.nn.low_precision's
     # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16,
     # "auto" gives each the fastest recipe whose output error on one training batch is <= numerics_bound
@@ -124,7 +128,16 @@ class TrainConfig:
                 raise ValueError(f"{setting} is a setting of the compiled blocks: set compile=true as well "
                                  "(bench train: --compile)")
         refuse_two_recompute_policies(self.activation_checkpointing, self.activation_memory_budget)
-        for setting, in_use in (("fp32_weight_grads", self.fp32_weight_grads), ("shadow_adamw", self.shadow_adamw)):
+        if self.shadow_adamw_moments not in SHADOW_ADAMW_MOMENTS:
+            raise ValueError(f"shadow_adamw_moments must be one of {SHADOW_ADAMW_MOMENTS}, got "
+                             f"{self.shadow_adamw_moments!r}")
+        if self.shadow_adamw_moments != "fp32" and (self.shadow_adamw is False or self.fp32_weight_grads):
+            raise ValueError(f"shadow_adamw_moments={self.shadow_adamw_moments} is the shadow AdamW's state: it needs "
+                             f"shadow_adamw true or auto and fp32_weight_grads false, got shadow_adamw="
+                             f"{_setting_text(self.shadow_adamw)}, fp32_weight_grads={self.fp32_weight_grads}")
+        bf16_moments = self.shadow_adamw_moments != "fp32"
+        for setting, in_use in (("fp32_weight_grads", self.fp32_weight_grads), ("shadow_adamw", self.shadow_adamw),
+                                ("shadow_adamw_moments", bf16_moments)):
             if in_use and (self.weight_shadows is False or self.precision != "bf16"):
                 raise ValueError(f"{setting} computes the weight-shadowed layers' gradients: it needs precision=bf16 "
                                  f"and weight_shadows true or auto, got precision={self.precision!r}, "
@@ -159,6 +172,10 @@ def shadow_settings(config: TrainConfig, single_process_gpu: bool) -> tuple[bool
         raise ValueError(f"{' and '.join(needs_shadows)}=true computes the weight-shadowed layers' gradients, and "
                          "weight_shadows=auto leaves the shadows off here (on for the single-process trainer on a "
                          "GPU): set weight_shadows=true or drop it")
+    if config.shadow_adamw_moments != "fp32" and not shadow_adamw:
+        raise ValueError(f"shadow_adamw_moments={config.shadow_adamw_moments} is the shadow AdamW's state, and auto "
+                         "leaves the shadows and the shadow AdamW off here (on for the single-process trainer on a "
+                         "GPU): set weight_shadows=true shadow_adamw=true or drop it")
     return weight_shadows, shadow_adamw
 
 

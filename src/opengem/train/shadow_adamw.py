@@ -6,7 +6,11 @@ autograd leaves, so each weight's bf16 gradient stays on its shadow (no cast to 
 :class:`ShadowAdamW` updates those weights from the shadows' gradients and writes the new shadows in the same pass
 (`opengem.ops.adamw`), and runs ``torch.optim.AdamW`` for every other parameter. The arithmetic is AdamW's on
 autocast's gradients (the bf16 gradient widened exactly), its state the same (``step``, ``exp_avg``,
-``exp_avg_sq`` under each fp32 parameter), so checkpoints load into either optimizer.
+``exp_avg_sq`` under each fp32 parameter), so checkpoints load into either optimizer. With ``moments_dtype=bfloat16``
+(``TrainConfig.shadow_adamw_moments="bf16"``) the shadow-stepped parameters' moments are kept in bf16, rounded
+stochastically (8 B a parameter less to keep and to move a step); a checkpoint of them loads into either optimizer
+too (``torch.optim.Optimizer.load_state_dict`` widens them to the parameter's fp32, and this optimizer narrows them
+back at its next step, exactly).
 """
 
 from __future__ import annotations
@@ -16,21 +20,28 @@ from collections.abc import Callable, Iterable
 import torch
 
 from opengem.nn.weight_shadows import refresh_shadows
-from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
+from opengem.ops.adamw import MOMENT_DTYPES, ShadowAdamWTensors, shadow_adamw_update
 
 
 class ShadowAdamW(torch.optim.AdamW):
     """``torch.optim.AdamW(params, **kwargs)``; ``pairs``: the ``(fp32 parameter, shadow)`` pairs of
     `opengem.nn.weight_shadows.shadow_linear_weights` (made with ``shadow_grads=True``), the parameters among
     ``params``. A parameter whose gradient reached the fp32 tensor instead (a bias handed to an attention op) is
-    stepped by AdamW and its shadow refreshed after."""
+    stepped by AdamW and its shadow refreshed after. ``moments_dtype``: the shadow-stepped parameters' moments, fp32
+    or bf16 (rounded stochastically, keyed by ``rounding_seed`` in [0, 2 ** 32)); the AdamW-stepped ones keep fp32
+    moments, as AdamW makes them."""
 
     def __init__(self, params: Iterable[torch.Tensor], pairs: list[tuple[torch.Tensor, torch.Tensor]],
-                 **kwargs: object) -> None:
+                 moments_dtype: torch.dtype = torch.float32, rounding_seed: int = 0, **kwargs: object) -> None:
         if kwargs.get("amsgrad") or kwargs.get("maximize") or kwargs.get("capturable") or kwargs.get("differentiable"):
             raise ValueError("ShadowAdamW updates as plain AdamW: amsgrad, maximize, capturable and differentiable "
                              "are not supported")
+        if moments_dtype not in MOMENT_DTYPES:
+            raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
+        if not 0 <= rounding_seed < 2**32:
+            raise ValueError(f"rounding_seed must be in [0, 2 ** 32), got {rounding_seed}")
         super().__init__(params, **kwargs)  # type: ignore[arg-type]
+        self._moments_dtype, self._rounding_seed = moments_dtype, rounding_seed
         self._shadow_of = {master: shadow for master, shadow in pairs}
         grouped = {p for group in self.param_groups for p in group["params"]}
         missing = [tuple(master.shape) for master in self._shadow_of if master not in grouped]
@@ -38,6 +49,7 @@ class ShadowAdamW(torch.optim.AdamW):
             raise ValueError(f"every shadowed parameter must be among params: {len(missing)} are not "
                              f"(shapes {missing[:4]})")
         self._tensors: list[ShadowAdamWTensors] | None = None  # a group's shadowed state, made at the first step
+        self._kernel_stepped: set[torch.Tensor] = set()  # the parameters in those tensors
         self._versions: list[int] | None = None  # the shadowed parameters' versions when their shadows were written
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -60,13 +72,20 @@ class ShadowAdamW(torch.optim.AdamW):
         if both:
             raise RuntimeError(f"{len(both)} shadowed parameters got a gradient both on the fp32 tensor and on the "
                                f"shadow (shapes {both[:4]}): use each layer through its shadows only")
-        tensors = self._shadowed_tensors()
+        tensors = self._shadowed_tensors({m for m, _ in stepped_here})
+        if self._moments_dtype != torch.float32:  # the two kinds of state cannot trade places
+            moved = [tuple(m.shape) for m, s in self._shadow_of.items()
+                     if (m.grad if m in self._kernel_stepped else s.grad) is not None]
+            if moved:
+                raise RuntimeError(f"{len(moved)} shadowed parameters (shapes {moved[:4]}) took their gradient on the "
+                                   "other tensor (fp32 weight or shadow) than at the first step: with bf16 moments each "
+                                   "must keep to one, as their moments' dtypes were chosen then")
         super().step()  # the parameters whose gradients reached them (shadowed ones have none)
         skip = getattr(self, "found_inf", None)
         for group, group_tensors in zip(self.param_groups, tensors):
             shadow_adamw_update(group_tensors, [s.grad for s in group_tensors.shadows], lr=float(group["lr"]),
                                 betas=(float(group["betas"][0]), float(group["betas"][1])), eps=group["eps"],
-                                weight_decay=group["weight_decay"], skip=skip)
+                                weight_decay=group["weight_decay"], skip=skip, rounding_seed=self._rounding_seed)
         refresh_shadows(stepped_here)
         self._versions = [m._version for m in self._shadow_of]
         return loss
@@ -82,17 +101,22 @@ class ShadowAdamW(torch.optim.AdamW):
         self._tensors = None  # the loaded state tensors replace the ones the kernel's tables point at
         self._versions = None
 
-    def _shadowed_tensors(self) -> list[ShadowAdamWTensors]:
-        """Each group's shadowed parameters with their state, made (as ``torch.optim.AdamW`` makes it) if missing."""
+    def _shadowed_tensors(self, adamw_stepped: set[torch.Tensor]) -> list[ShadowAdamWTensors]:
+        """Each group's shadowed parameters with their state, made (as ``torch.optim.AdamW`` makes it, in the moments'
+        dtype) if missing. With bf16 moments, those ``adamw_stepped`` now are left to AdamW and its fp32 state."""
         if self._tensors is None:
             self._tensors = []
+            narrow = self._moments_dtype != torch.float32
+            self._kernel_stepped = {m for m in self._shadow_of if not (narrow and m in adamw_stepped)}
             for group in self.param_groups:
-                masters = [p for p in group["params"] if p in self._shadow_of]
+                masters = [p for p in group["params"] if p in self._kernel_stepped]
                 for master in masters:
                     state = self.state[master]
                     if not state:
-                        state["exp_avg"] = torch.zeros_like(master, memory_format=torch.preserve_format)
-                        state["exp_avg_sq"] = torch.zeros_like(master, memory_format=torch.preserve_format)
+                        state["exp_avg"] = torch.zeros_like(master, dtype=self._moments_dtype)
+                        state["exp_avg_sq"] = torch.zeros_like(master, dtype=self._moments_dtype)
+                    for name in ("exp_avg", "exp_avg_sq"):  # a loaded state comes widened to the parameter's fp32
+                        state[name] = state[name].to(self._moments_dtype)
                     state["step"] = state.get("step", torch.zeros(())).to(master.device, torch.float32)
                 states = [self.state[m] for m in masters]
                 self._tensors.append(ShadowAdamWTensors(

@@ -227,7 +227,9 @@ def make_learner(model: nn.Module, config: TrainConfig, kind: type[Learner] = Le
     fused = fused and parameters[0].device.type in ("cuda", "cpu")
     adamw = {"lr": config.lr, "weight_decay": config.weight_decay, "fused": fused or None}
     if shadow_adamw:
-        optimizer: torch.optim.Optimizer = ShadowAdamW(parameters, shadows, **adamw)
+        moments = torch.bfloat16 if config.shadow_adamw_moments == "bf16" else torch.float32
+        optimizer: torch.optim.Optimizer = ShadowAdamW(parameters, shadows, moments_dtype=moments,
+                                                       rounding_seed=config.seed % 2**32, **adamw)
     else:
         optimizer = torch.optim.AdamW(parameters, **adamw)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, partial(lr_factor, config=config))

@@ -5,7 +5,9 @@ sit in int64 tables on the device (the moments', weights', copies' and step coun
 call, since autograd makes new ones every step), and each program takes BLOCKS_PER_ITEM x BLOCK elements of one
 tensor, named by a precomputed (tensor, first block) work list. Each element is read and written once: 4 B of
 weight, 2 of gradient and 8 of moments read; 4 + 8 B and 2 B of copy written (28 B; PyTorch's fused AdamW on fp32
-gradients also moves 28 B, but the gradients' and the copies' casts add 6 B each around it).
+gradients also moves 28 B, but the gradients' and the copies' casts add 6 B each around it). With bf16 moments
+(``MOMENTS_BF16``) the moments move 4 B each instead of 8: 20 B; they are stored rounded stochastically with the
+reference's counter hash (`opengem.ops.reference.adamw.stochastic_round_bf16`), bit for bit.
 """
 
 from __future__ import annotations
@@ -22,10 +24,29 @@ NUM_WARPS = 8
 
 
 @triton.jit
+def _mix32(x):
+    """``lowbias32`` on uint32 (`opengem.ops.reference.adamw.mix32`); the products wrap at 32 bits."""
+    x = x ^ (x >> 16)
+    x = x * 0x7FEB352D
+    x = x ^ (x >> 15)
+    x = x * 0x846CA68B
+    return x ^ (x >> 16)
+
+
+@triton.jit
+def _store_rounded_bf16(pointer, x, counters, key, mask):
+    """fp32 ``x`` stored as bf16, rounded stochastically by 16 bits of the hash of ``counters ^ key``."""
+    bits = _mix32(counters ^ key) & 0xFFFF
+    pattern = (x.to(tl.uint32, bitcast=True) + bits) & 0xFFFF0000
+    tl.store(pointer, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)  # exact: the low half is 0
+
+
+@triton.jit(do_not_specialize=["rounding_seed"])
 def _shadow_adamw_kernel(
     item_tensor, item_block, numels, param_table, grad_table, exp_avg_table, exp_avg_sq_table, shadow_table,
-    step_table, skip, log2_betas, hyper,
-    HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
+    step_table, skip, log2_betas, hyper, rounding_seed,
+    HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr, BLOCK: tl.constexpr,
+    BLOCKS_PER_ITEM: tl.constexpr,
 ):
     item = tl.program_id(0)
     t = tl.load(item_tensor + item)
@@ -36,8 +57,9 @@ def _shadow_adamw_kernel(
     half: tl.constexpr = tl.bfloat16 if HALF_IS_BF16 else tl.float16
     param_ptr = tl.load(param_table + t).to(tl.pointer_type(tl.float32))
     grad_ptr = tl.load(grad_table + t).to(tl.pointer_type(half))
-    exp_avg_ptr = tl.load(exp_avg_table + t).to(tl.pointer_type(tl.float32))
-    exp_avg_sq_ptr = tl.load(exp_avg_sq_table + t).to(tl.pointer_type(tl.float32))
+    moment: tl.constexpr = tl.bfloat16 if MOMENTS_BF16 else tl.float32
+    exp_avg_ptr = tl.load(exp_avg_table + t).to(tl.pointer_type(moment))
+    exp_avg_sq_ptr = tl.load(exp_avg_sq_table + t).to(tl.pointer_type(moment))
     shadow_ptr = tl.load(shadow_table + t).to(tl.pointer_type(half))
     # bias corrections in fp64 from the betas' fp64 logarithms, as PyTorch's fused AdamW computes them in double
     # (fp32's approximate exp2 moved 1 - beta2 ** step by ~1e-4 relative at step 1)
@@ -47,13 +69,16 @@ def _shadow_adamw_kernel(
     step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
     step_size = (lr / (1 - tl.exp2(step * tl.load(log2_betas)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(step * tl.load(log2_betas + 1))).to(tl.float32)
+    if MOMENTS_BF16:  # rounding_key(seed, step, t) of the reference
+        inner = _mix32(t.to(tl.uint32)) ^ step.to(tl.uint32)
+        key = _mix32(_mix32(inner) ^ rounding_seed.to(tl.uint32))
     for i in range(BLOCKS_PER_ITEM):
         offsets = first + i * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
         param = tl.load(param_ptr + offsets, mask=mask)
         grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask)
+        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
         param = param - lr_weight_decay * param
         exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
         exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
@@ -61,8 +86,13 @@ def _shadow_adamw_kernel(
         denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
         param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(param_ptr + offsets, param, mask=mask)
-        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+        if MOMENTS_BF16:  # counters 2i and 2i + 1, as the reference's two streams
+            counters = 2 * offsets.to(tl.uint32)
+            _store_rounded_bf16(exp_avg_ptr + offsets, exp_avg, counters, key, mask)
+            _store_rounded_bf16(exp_avg_sq_ptr + offsets, exp_avg_sq, counters + 1, key, mask)
+        else:
+            tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+            tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
         tl.store(shadow_ptr + offsets, param.to(half, fp_downcast_rounding="rtne"), mask=mask)
 
 
@@ -94,15 +124,17 @@ def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_de
 def shadow_adamw_launch(
     items: tuple[torch.Tensor, torch.Tensor], numels: torch.Tensor, tables: dict[str, torch.Tensor],
     grad_table: torch.Tensor, skip: torch.Tensor | None, log2_betas: torch.Tensor, hyper: torch.Tensor,
-    half_is_bf16: bool,
+    half_is_bf16: bool, moments_bf16: bool = False, rounding_seed: int = 0,
 ) -> None:
-    """``log2_betas``: fp64 ``[log2(beta1), log2(beta2)]`` on the device; ``hyper``: :func:`hyperparameters`."""
+    """``log2_betas``: fp64 ``[log2(beta1), log2(beta2)]`` on the device; ``hyper``: :func:`hyperparameters`;
+    ``rounding_seed`` (uint32) keys the bf16 moments' rounding."""
     item_tensor, item_block = items
     if item_tensor.numel() == 0:
         return
     _shadow_adamw_kernel[(item_tensor.numel(),)](
         item_tensor, item_block, numels, tables["param"], grad_table, tables["exp_avg"], tables["exp_avg_sq"],
-        tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, hyper,
-        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, BLOCK=BLOCK, BLOCKS_PER_ITEM=BLOCKS_PER_ITEM,
+        tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, hyper, rounding_seed,
+        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, BLOCK=BLOCK,
+        BLOCKS_PER_ITEM=BLOCKS_PER_ITEM,
         num_warps=NUM_WARPS,
     )

@@ -240,6 +240,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         # as the run applied them (the config's auto resolved: opengem.train.config.shadow_settings)
         "weight_shadows": learner.weight_shadows is not None,
         "shadow_adamw": isinstance(learner.optimizer, ShadowAdamW),
+        "shadow_adamw_moments": config.shadow_adamw_moments if isinstance(learner.optimizer, ShadowAdamW) else None,
         "device": str(device),
         "tuning_steps": tuning_steps,  # warm-up steps past ``warmup + steps`` (something compiled, or slow steps)
         # any count > 0: seconds of host work (tuning, compiling, collecting) inside the timed steps
@@ -404,6 +405,8 @@ def _format_shadows(settings: dict[str, Any]) -> str:
     """", weight shadows + shadow AdamW" and the like; empty for runs without them (or written before session 60)."""
     names = [name for key, name in (("weight_shadows", "weight shadows"), ("shadow_adamw", "shadow AdamW"))
              if settings.get(key)]
+    if settings.get("shadow_adamw_moments") == "bf16":
+        names[-1] += " (bf16 moments)"
     return f", {' + '.join(names)}" if names else ""
 
 
