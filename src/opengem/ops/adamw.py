@@ -5,8 +5,8 @@ optimizer, and the next forward casts the updated fp32 weight back to bf16. With
 own (`opengem.nn.weight_shadows`), :func:`shadow_adamw_update` reads each copy's bf16 gradient where autograd left it,
 updates the fp32 weight and moments, and writes the new copy in the same pass: per parameter 28 B moved instead of
 AdamW's 28 plus the two casts' 12. The gradient is widened exactly, so the update is AdamW's on autocast's gradient.
-The moments may be bf16 instead of fp32 (8 B a parameter less, kept and moved): computed in fp32 and stored rounded
-stochastically, so that they stay unbiased (`opengem.ops.reference.adamw`).
+The moments may be bf16 instead of fp32 (4 B a parameter less kept, 8 B less moved a step): computed in fp32,
+stored rounded stochastically, so that they stay unbiased (`opengem.ops.reference.adamw`).
 
 Formula: `opengem.ops.reference.adamw`. CUDA tensors run the Triton kernel (one launch for all tensors), CPU
 tensors the reference; ``backend="triton"`` (or ``OPENGEM_ADAMW_BACKEND=triton``) forces the kernel, e.g. under
@@ -30,8 +30,8 @@ MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 class ShadowAdamWTensors:
     """What :func:`shadow_adamw_update` updates: fp32 ``params`` with their moments (all fp32 or all bf16), their
     low-precision ``shadows`` (bf16 or fp16, one dtype) and 0-d fp32 ``steps`` counters, one of each a parameter, all
-    contiguous on one device. Checked once here; the kernel's address tables are made once and kept (the tensors must stay the
-    same objects: make a new instance after replacing any, e.g. after loading a checkpoint)."""
+    contiguous on one device. Checked once here; the kernel's address tables are made once and kept (the tensors must
+    stay the same objects: make a new instance after replacing any, e.g. after loading a checkpoint)."""
 
     def __init__(
         self, params: list[torch.Tensor], exp_avgs: list[torch.Tensor], exp_avg_sqs: list[torch.Tensor],

@@ -83,8 +83,8 @@ class TrainConfig:
     # (no gradient cast, no refresh); AdamW's arithmetic on autocast's gradients. None ("auto", the default): on
     # wherever weight_shadows is, unless fp32_weight_grads
     shadow_adamw: bool | None = None
-    # with shadow_adamw: the dtype of the moments it keeps for the shadowed weights, "fp32" or "bf16" (8 B a parameter
-    # less to keep and to move a step; stored rounded stochastically, so they stay unbiased: opengem.ops.adamw)
+    # with shadow_adamw: the dtype of the moments it keeps for the shadowed weights, "fp32" or "bf16" (4 B a parameter
+    # less kept, 8 B less moved a step; stored rounded stochastically, so they stay unbiased: opengem.ops.adamw)
     shadow_adamw_moments: str = "fp32"
     # one of LOW_PRECISION_MLPS: the large Linear layers in that FP8 / MX recipe (opengem.nn.low_precision's
     # default filter: not the heads, the last layer or layers under 512 features), "none" keeps them BF16,

@@ -8,7 +8,7 @@ autograd leaves, so each weight's bf16 gradient stays on its shadow (no cast to 
 autocast's gradients (the bf16 gradient widened exactly), its state the same (``step``, ``exp_avg``,
 ``exp_avg_sq`` under each fp32 parameter), so checkpoints load into either optimizer. With ``moments_dtype=bfloat16``
 (``TrainConfig.shadow_adamw_moments="bf16"``) the shadow-stepped parameters' moments are kept in bf16, rounded
-stochastically (8 B a parameter less to keep and to move a step); a checkpoint of them loads into either optimizer
+stochastically (4 B a parameter less kept, 8 B less moved a step); a checkpoint of them loads into either optimizer
 too (``torch.optim.Optimizer.load_state_dict`` widens them to the parameter's fp32, and this optimizer narrows them
 back at its next step, exactly).
 """
@@ -78,8 +78,8 @@ class ShadowAdamW(torch.optim.AdamW):
                      if (m.grad if m in self._kernel_stepped else s.grad) is not None]
             if moved:
                 raise RuntimeError(f"{len(moved)} shadowed parameters (shapes {moved[:4]}) took their gradient on the "
-                                   "other tensor (fp32 weight or shadow) than at the first step: with bf16 moments each "
-                                   "must keep to one, as their moments' dtypes were chosen then")
+                                   "other tensor (fp32 weight or shadow) than at the first step: with bf16 moments "
+                                   "each must keep to one, as their moments' dtypes were chosen then")
         super().step()  # the parameters whose gradients reached them (shadowed ones have none)
         skip = getattr(self, "found_inf", None)
         for group, group_tensors in zip(self.param_groups, tensors):

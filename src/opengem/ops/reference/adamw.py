@@ -12,7 +12,7 @@ One tensor's update, in fp32, in the order of PyTorch's fused AdamW (``torch.opt
 
 ``grad`` is the bf16 / fp16 gradient widened exactly to fp32.
 
-With bf16 moments (``exp_avgs`` and ``exp_avg_sqs`` in bf16: 8 B a parameter less to keep and to move a step) the
+With bf16 moments (``exp_avgs`` and ``exp_avg_sqs`` in bf16: 4 B a parameter less kept, 8 B less moved a step) the
 moments are widened, updated in fp32 as above, and stored rounded stochastically (:func:`stochastic_round_bf16`):
 rounded to nearest, ``beta2 * v`` with beta2 = 0.999 moves ``v`` by less than half a bf16 ulp (2 ** -9 relative), so
 ``v`` could never decay; rounded up with the probability of the discarded fraction it decays in expectation. The
