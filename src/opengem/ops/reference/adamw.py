@@ -78,7 +78,7 @@ def shadow_adamw_update(
     for place, (param, grad, exp_avg, exp_avg_sq, shadow, step) in enumerate(lists):
         count = float(step.item())
         widened = grad.float()
-        first, second = exp_avg.float(), exp_avg_sq.float()
+        first, second = exp_avg.float(), exp_avg_sq.float()  # fp32 moments: the tensors themselves, updated in place
         param.sub_(param * (lr * weight_decay))
         first.mul_(beta1).add_(widened, alpha=1 - beta1)
         second.mul_(beta2).addcmul_(widened, widened, value=1 - beta2)
@@ -89,6 +89,3 @@ def shadow_adamw_update(
             key = rounding_key(rounding_seed, int(count), place)
             exp_avg.copy_(stochastic_round_bf16(first, rounding_bits(first.numel(), key, 0, first.device)))
             exp_avg_sq.copy_(stochastic_round_bf16(second, rounding_bits(second.numel(), key, 1, first.device)))
-        else:
-            exp_avg.copy_(first)
-            exp_avg_sq.copy_(second)
