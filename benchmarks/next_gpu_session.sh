@@ -1140,6 +1140,16 @@ chain_s64c() {  # after session 61: the shadow AdamW with bf16 moments (shadow_a
     --set shadow_adamw_moments=bf16
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64c_default_a2
 }
+bf16_moments_curve() {  # issue 6's 2000 gem-small steps with the shadow AdamW's bf16 moments, resumable
+  untuned_curve --variant none --label bf16_moments --set shadow_adamw_moments=bf16 \
+    --checkpoint-dir runs/curve_bf16_moments "$@"
+}
+chain_s64d() { step lp_curve_bf16_moments_part1 560 bf16_moments_curve --stop-after 420; }
+chain_s64e() {  # on s64d's machine (its runs/ folder): the rest, then the final NE against session 20's BF16 repeat
+  step lp_curve_bf16_moments_part2 400 bf16_moments_curve --resume
+  step lp_curves_bf16_moments_vs_repeat 30 untuned_curve --compare --variant none --label bf16_moments \
+    --baseline bf16_repeat --bar 0.003
+}
 gpu_idle_ms() {  # gpu_idle_ms RESULT.json: a bench train run's timed GPU idle a step (0 when it cannot be read)
   local ms
   ms=$(python -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["results"]["gpu_idle_ms_timed"] or 0))' \
@@ -1481,7 +1491,8 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
 export out
 export -f tests train large_at host_samples_at unpacked_cache with_cache small_train small_train_at \
   small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
-  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve multi large_single large_b512 curves_single predict
+  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve multi large_single large_b512 \
+  curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
