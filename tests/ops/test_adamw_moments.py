@@ -1,5 +1,6 @@
 """The shadow AdamW with bf16 moments (`opengem.ops.adamw`): stochastic rounding in the reference (unbiased, keyed
-for exact resumes), the Triton kernel (interpreter) bit for bit against it, and AdamW's trajectory kept."""
+for exact resumes), the Triton kernel (interpreter) against it with the same rounding bits, and AdamW's trajectory
+kept."""
 
 import os
 import subprocess
