@@ -1125,11 +1125,12 @@ chain_s63c() {  # session 60: call 3's host ran 10 us a launch and paced the def
 chain_s63d() {  # session 60: FP8 MLPs beside the default shadows (never run together on a GPU before the default)
   step tests_fp8_default_shadows 200 tests tests/gpu/test_weight_shadows_gpu.py -k fp8
 }
-chain_s64a() {  # after session 60 (no device time was left for its last CPU changes): the ops' one backend switch
-  # (opengem.ops.backend) and linear_forward's branch order on a GPU, then gem-large b256 by default
-  step tests_backend_switch 300 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py \
+chain_s64a() {  # after sessions 60-61 (no device time was left for their last CPU changes): the ops' one backend
+  # switch (opengem.ops.backend), linear_forward's branch order and the shadow AdamW's bf16 moments on a GPU. The
+  # weight-shadow file compiles 9 gem-small learners, two with FP8 MLPs (session 60: 128 s for one FP8 test), so the
+  # tests take the call; gem-large by default runs in s64c
+  step tests_backend_switch_bf16_moments 540 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py \
     tests/gpu/test_embedding_gpu.py
-  step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s64a_default
 }
 chain_s64c() {  # after session 61: the shadow AdamW with bf16 moments (shadow_adamw_moments=bf16; its GPU tests are
   # in s64a's files): the optimizer alone (20 against 28 B a parameter), then gem-large b256 default / bf16 moments /
