@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
-from opengem.ops.reference.adamw import rounding_bits, rounding_key, stochastic_round_bf16
+from opengem.ops.reference.rounding import rounding_bits, rounding_key, stochastic_round_bf16
 from tests.ops.test_adamw import HYPER, SHAPES
 
 

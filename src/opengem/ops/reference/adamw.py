@@ -13,7 +13,7 @@ One tensor's update, in fp32, in the order of PyTorch's fused AdamW (``torch.opt
 ``grad`` is the bf16 / fp16 gradient widened exactly to fp32.
 
 With bf16 moments (``exp_avgs`` and ``exp_avg_sqs`` in bf16: 4 B a parameter less kept, 8 B less moved a step) the
-moments are widened, updated in fp32 as above, and stored rounded stochastically (:func:`stochastic_round_bf16`):
+moments are widened, updated in fp32 as above, and stored rounded stochastically (`opengem.ops.reference.rounding`):
 rounded to nearest, ``beta2 * v`` with beta2 = 0.999 moves ``v`` by less than half a bf16 ulp (2 ** -9 relative), so
 ``v`` could never decay; rounded up with the probability of the discarded fraction it decays in expectation. The
 random bits come from a counter hash of (seed, step, tensor, element) that the kernel computes alike, bit for bit, so
@@ -26,41 +26,7 @@ import math
 
 import torch
 
-
-_U32 = 0xFFFFFFFF
-
-
-def mix32(x: torch.Tensor) -> torch.Tensor:
-    """The ``lowbias32`` integer hash of uint32 values held in int64 (each product's low 32 bits kept, as uint32
-    arithmetic wraps in the kernel)."""
-    x = x ^ (x >> 16)
-    x = (x * 0x7FEB352D) & _U32
-    x = x ^ (x >> 15)
-    x = (x * 0x846CA68B) & _U32
-    return x ^ (x >> 16)
-
-
-def rounding_key(seed: int, step: int, tensor: int) -> int:
-    """The per-(seed, step, tensor) key of the rounding bits; ``tensor`` is the tensor's place among those updated."""
-    inner = mix32(torch.tensor(tensor & _U32, dtype=torch.int64)) ^ (step & _U32)
-    return int(mix32(mix32(inner) ^ (seed & _U32)))
-
-
-def rounding_bits(numel: int, key: int, stream: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """16 random bits (int64 in [0, 2 ** 16)) for each of ``numel`` elements: stream 0 rounds the first moment,
-    1 the second."""
-    counters = (2 * torch.arange(numel, dtype=torch.int64, device=device) + stream) & _U32
-    return mix32(counters ^ key) & 0xFFFF
-
-
-def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
-    """fp32 ``x`` to bf16, rounded away from zero with the probability of the 16 discarded bits' fraction (``bits``:
-    16-bit random integers of ``x``'s size): add them to the fp32 pattern and keep its upper half, which bf16 holds
-    exactly. Unbiased: ``E[result] = x``. An infinity stays one; a value within one bf16 ulp of the largest rounds
-    up to infinity with that probability."""
-    pattern = x.float().contiguous().view(torch.int32).to(torch.int64) & _U32
-    rounded = ((pattern + bits.reshape(x.shape)) & 0xFFFF0000).to(torch.int32)  # the cast wraps bit 31 back
-    return rounded.view(torch.float32).to(torch.bfloat16)
+from opengem.ops.reference.rounding import rounding_bits, rounding_key, stochastic_round_bf16
 
 
 @torch.no_grad()

@@ -17,28 +17,11 @@ import triton
 import triton.language as tl
 
 from opengem.jagged.host import to_device
+from opengem.ops.triton.rounding import rounding_key, store_rounded_bf16
 
 BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: 64-byte fp32 accesses)
 BLOCKS_PER_ITEM = 8  # a program's share: its table reads and bias corrections paid once per 32768 elements
 NUM_WARPS = 8
-
-
-@triton.jit
-def _mix32(x):
-    """``lowbias32`` on uint32 (`opengem.ops.reference.adamw.mix32`); the products wrap at 32 bits."""
-    x = x ^ (x >> 16)
-    x = x * 0x7FEB352D
-    x = x ^ (x >> 15)
-    x = x * 0x846CA68B
-    return x ^ (x >> 16)
-
-
-@triton.jit
-def _store_rounded_bf16(pointer, x, counters, key, mask):
-    """fp32 ``x`` stored as bf16, rounded stochastically by 16 bits of the hash of ``counters ^ key``."""
-    bits = _mix32(counters ^ key) & 0xFFFF
-    pattern = (x.to(tl.uint32, bitcast=True) + bits) & 0xFFFF0000
-    tl.store(pointer, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)  # exact: the low half is 0
 
 
 @triton.jit(do_not_specialize=["rounding_seed"])
@@ -69,9 +52,8 @@ def _shadow_adamw_kernel(
     step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
     step_size = (lr / (1 - tl.exp2(step * tl.load(log2_betas)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(step * tl.load(log2_betas + 1))).to(tl.float32)
-    if MOMENTS_BF16:  # rounding_key(seed, step, t) of the reference
-        inner = _mix32(t.to(tl.uint32)) ^ step.to(tl.uint32)
-        key = _mix32(_mix32(inner) ^ rounding_seed.to(tl.uint32))
+    if MOMENTS_BF16:  # the reference's key: the seed, the step and the tensor's place
+        key = rounding_key(rounding_seed, step, t)
     for i in range(BLOCKS_PER_ITEM):
         offsets = first + i * BLOCK + tl.arange(0, BLOCK)
         mask = offsets < numel
@@ -88,8 +70,8 @@ def _shadow_adamw_kernel(
         tl.store(param_ptr + offsets, param, mask=mask)
         if MOMENTS_BF16:  # counters 2i and 2i + 1, as the reference's two streams
             counters = 2 * offsets.to(tl.uint32)
-            _store_rounded_bf16(exp_avg_ptr + offsets, exp_avg, counters, key, mask)
-            _store_rounded_bf16(exp_avg_sq_ptr + offsets, exp_avg_sq, counters + 1, key, mask)
+            store_rounded_bf16(exp_avg_ptr + offsets, exp_avg, counters, key, mask)
+            store_rounded_bf16(exp_avg_sq_ptr + offsets, exp_avg_sq, counters + 1, key, mask)
         else:
             tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
             tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
