@@ -204,10 +204,12 @@ def test_triton_update_hot_rows_in_segments(kind: str, segment: int) -> None:
 @pytest.mark.parametrize("segment", [3, kernels.SEGMENT])
 def test_triton_dense_grad_hot_rows_in_segments(segment: int) -> None:
     p = make_hot_problem(hot_share=0.9, seed=12)
-    grad_out = torch.randn(p.layout.out_numel)
+    grad_out = torch.randn(p.layout.out_numel, generator=torch.Generator().manual_seed(0))
     args = (grad_out, p.weights, p.layout.feature_meta, p.ids, p.offsets, p.layout.batch_size)
     got = kernels.embedding_dense_grad(*args, p.layout.max_dim, p.layout.dim_align, segment=segment)
-    torch.testing.assert_close(got, reference.embedding_dense_grad(*args), rtol=1e-5, atol=1e-5)
+    # the hot row sums ~90% of the contributions, in another order than index_add_: over 300 random draws at segment
+    # 3 the error passed rtol = atol = 1e-5 twice (1.36x at most), a CI failure while the draw was unseeded
+    torch.testing.assert_close(got, reference.embedding_dense_grad(*args), rtol=1e-5, atol=4e-5)
 
 
 def test_triton_update_single_row_table() -> None:
