@@ -1,4 +1,5 @@
-"""The embedding forward, FP8 attention and FP8 row-quantizer kernels compile for Hopper (sm_90) on a CPU-only machine.
+"""The embedding forward and bf16 row update, FP8 attention and FP8 row-quantizer kernels compile for Hopper
+(sm_90) on a CPU-only machine.
 
 The interpreter runs kernels as Python and misses compile-time errors: a non-constexpr global in the FP8
 attention's quantize pass compiled on no GPU until the first GPU run (session 3). Triton's frontend and
@@ -24,6 +25,18 @@ def compile_sm90(fn, signature, constexprs, num_warps=4, num_stages=2, maxnreg=N
     options = dict(num_warps=num_warps, num_stages=num_stages) | ({"maxnreg": maxnreg} if maxnreg else {})
     return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", 90, 32), options=options)
 
+
+update = {**{name: "*i64" for name in ("step", "sorted_keys", "run_ends", "pieces_before", "grad_starts",
+                                        "weight_starts", "dims")},
+          **{name: "*fp32" for name in ("grad_out", "partials", "row_state", "elem_state", "corrections", "skip",
+                                         "grad_scales")},
+          **{name: "fp32" for name in ("lr", "eps", "beta1", "beta2", "weight_decay", "one_minus_beta1",
+                                        "one_minus_beta2")}, "weights": "*bf16", "rounding_seed": "i32"}
+for stochastic in (False, True):  # a bf16 table's row update, rounded to nearest or stochastically
+    ptx = compile_sm90(e._aggregate_update_kernel, update, dict(OPTIMIZER=1, SEGMENT=64, ALIGN=8, ROWS=16, UNROLL=4,
+                                                                 BLOCK_D=128, STOCHASTIC=stochastic)).asm["ptx"]
+    assert ("mul.lo" in ptx) == stochastic  # the rounding bits' hash: 32-bit products that wrap
+    assert ("cvt.rn.bf16" in ptx) or stochastic  # to nearest (the stochastic path's cast is exact either way)
 
 lookup = {"weights": "*fp32", "meta": "*i64", "ids": "*i64", "offsets": "*i64", "out": "*fp32"}
 for block_n, num_warps in e._LOOKUP_TILES:  # every tuning candidate of the lookup, fp32 and bf16 tables

@@ -76,6 +76,9 @@ class EmbeddingOptimizer:
     eps: float = 1e-8
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
+    # bf16 tables store their updated rows rounded stochastically (fbgemm's default for half-precision tables): to
+    # nearest, a row's updates under half a bf16 ulp (a hot row's late Adagrad steps) would be lost
+    stochastic_rounding: bool = True
 
     def __post_init__(self) -> None:
         kinds = typing.get_args(typing.get_type_hints(EmbeddingOptimizer)["kind"])
@@ -214,6 +217,7 @@ class EmbeddingCollection(nn.Module):
             eps=opt.eps,
             betas=opt.betas,
             weight_decay=opt.weight_decay,
+            stochastic_rounding=opt.stochastic_rounding,
         )
 
     # --- forward ---------------------------------------------------------------------------------------

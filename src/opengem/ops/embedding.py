@@ -171,13 +171,15 @@ def _fused_update_op(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    stochastic_rounding: bool,
 ) -> None:
     state = (grad_out, weights, row_state, elem_state, step, feature_meta, ids, offsets, batch_size)
     hyper = (optimizer, lr, eps, beta1, beta2, weight_decay)
     if _use_triton(weights):
-        _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper, skip=skip)
+        _triton().embedding_fused_update_(*state, max_dim, dim_align, *hyper, skip=skip,
+                                          stochastic_rounding=stochastic_rounding)  # fmt: skip
     else:
-        reference.embedding_fused_update_(*state, *hyper, skip=skip)
+        reference.embedding_fused_update_(*state, *hyper, skip=skip, stochastic_rounding=stochastic_rounding)
 
 
 @_fused_update_op.register_fake
@@ -207,6 +209,7 @@ def _fused_lookup_op(
     beta1: float,
     beta2: float,
     weight_decay: float,
+    stochastic_rounding: bool,
 ) -> torch.Tensor:
     return _lookup_impl(weights, feature_meta, ids, offsets, batch_size, out_numel, max_dim, dim_align)
 
@@ -232,7 +235,7 @@ def _fused_backward(ctx, grad_out):
         grad_out.contiguous(), weights, row_state, elem_state, step, skip, feature_meta, ids, offsets,
         *ctx.sizes, *ctx.hyper,
     )  # fmt: skip
-    return (None, None, None, None, None, torch.zeros_like(anchor)) + (None,) * 13
+    return (None, None, None, None, None, torch.zeros_like(anchor)) + (None,) * 14
 
 
 _fused_lookup_op.register_autograd(_fused_backward, setup_context=_fused_setup)
@@ -258,6 +261,8 @@ class FusedUpdate:
     the output to autograd (the weights themselves are not autograd leaves) and receives a zero gradient.
     ``skip``: optional ``[1]`` flag read on the device when the backward runs: nonzero leaves the tables,
     the state and ``step`` untouched (the trainer sets it from ``isfinite(loss)``, without a host sync).
+    ``stochastic_rounding``: bf16 tables store their updated rows rounded stochastically, keyed by ``step``
+    (`opengem.ops.reference.embedding`); fp32 and fp16 tables round to nearest either way.
     """
 
     kind: str
@@ -270,6 +275,7 @@ class FusedUpdate:
     betas: tuple[float, float] = (0.9, 0.999)
     weight_decay: float = 0.0
     skip: torch.Tensor | None = None
+    stochastic_rounding: bool = True
 
 
 @dataclass(frozen=True)
@@ -480,7 +486,7 @@ def embedding_lookup(
     return _fused_lookup_op(
         weights, update.row_state, update.elem_state, update.step, skip, update.anchor, layout.feature_meta, ids, offsets,
         *sizes, OPTIMIZER_CODES[update.kind], update.lr, update.eps, update.betas[0], update.betas[1],
-        update.weight_decay,
+        update.weight_decay, update.stochastic_rounding,
     )  # fmt: skip
 
 

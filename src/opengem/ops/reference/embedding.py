@@ -8,18 +8,25 @@ Layout (shared with the Triton kernels, described in full in `opengem.ops.embedd
   the table's first row in the row-wise state, number of rows).
 - ``ids`` ``[N]`` and ``offsets`` ``[F * B + 1]``: the KeyedJagged layout (feature-major bags).
 
-Everything is computed in fp32 and rounded to the weights' dtype once at the end.
+Everything is computed in fp32 and rounded to the weights' dtype once at the end: to nearest, or for bf16 tables
+with ``stochastic_rounding`` (fbgemm's default for half-precision tables) stochastically
+(`opengem.ops.reference.rounding`), so that updates under half a bf16 ulp (a hot row's late Adagrad steps) still
+move the row in expectation. The bits are keyed by the step count and counted by each element's index in
+``weights``; fp16 tables round to nearest.
 """
 
 from __future__ import annotations
 
 import torch
 
+from opengem.ops.reference.rounding import counter_bits, mix32, rounding_key, stochastic_round_bf16
+
 # Columns of ``feature_meta`` and pooling codes (imported by the op and the kernels).
 WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS = range(6)
 META_COLUMNS = 6
 POOL_SUM, POOL_MEAN, POOL_NONE = 0, 1, 2
 OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM = 0, 1, 2
+EMBEDDING_ROUNDING_SEED = 0x5EED  # the tables' rounding key, with the step (the AdamW shadows' keys use the run's seed)
 
 
 def _table_view(weights: torch.Tensor, meta: list[int]) -> torch.Tensor:
@@ -107,6 +114,7 @@ def embedding_fused_update_(
     beta2: float,
     weight_decay: float,
     skip: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
 ) -> None:
     """Aggregate the gradient of each unique row of the batch, then apply one optimizer step to it, in place.
 
@@ -114,11 +122,14 @@ def embedding_fused_update_(
     ``elem_state`` (fp32, shaped like ``weights``; empty unless Adam): Adam's first moment.
     ``step`` (int64 ``[1]``): the number of optimizer steps, incremented here (Adam's bias correction).
     ``skip`` (``[1]``, optional): nonzero -> nothing changes (the step of a non-finite loss).
+    ``stochastic_rounding``: a bf16 ``weights`` takes its updated rows rounded stochastically (module doc).
     """
     if skip is not None and bool(skip.item() != 0):
         return
     step += 1
     t = float(step.item()) if optimizer == OPT_ROWWISE_ADAM else 0.0
+    stochastic = stochastic_rounding and weights.dtype == torch.bfloat16
+    bits_key = rounding_key(EMBEDDING_ROUNDING_SEED, int(step.item()), 0) if stochastic else 0
     metas = {m[ROW_OFFSET]: m for m in feature_meta.tolist()}
     for key, (table_ids, grads) in per_id_gradients(grad_out, feature_meta, ids, offsets, batch_size).items():
         if table_ids.numel() == 0:
@@ -144,4 +155,9 @@ def embedding_fused_update_(
             row_state[rows] = v
             m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
             w = w - lr * m_hat / (v_hat.sqrt()[:, None] + eps)
-        table[unique] = w.to(weights.dtype)
+        if stochastic:  # counted by the flat element index, its high half folded in as the kernel folds it
+            index = meta[WEIGHT_OFFSET] + unique[:, None] * meta[DIM] + torch.arange(meta[DIM], device=w.device)
+            counters = (index & 0xFFFFFFFF) ^ mix32(index >> 32)
+            table[unique] = stochastic_round_bf16(w, counter_bits(counters, bits_key))
+        else:
+            table[unique] = w.to(weights.dtype)

@@ -47,7 +47,9 @@ from opengem.ops.reference.embedding import (
     POOLING,
     ROW_OFFSET,
     WEIGHT_OFFSET,
+    EMBEDDING_ROUNDING_SEED,
 )
+from opengem.ops.triton.rounding import mix32, rounding_key, store_rounded_bf16
 from opengem.ops.triton.tuning import autotune
 
 DENSE_GRAD = 3  # "optimizer" code of the unfused path: write the aggregated row gradient out
@@ -186,13 +188,13 @@ def _segment_sum_kernel(
     tl.store(partials + slots[:, None] * BLOCK_D + columns[None, :], total, mask=row_mask)
 
 
-@triton.jit(do_not_specialize=["num_positions"])
+@triton.jit(do_not_specialize=["num_positions", "rounding_seed"])
 def _aggregate_update_kernel(
-    grad_out, partials, weights, row_state, elem_state, corrections, skip,
+    grad_out, partials, weights, row_state, elem_state, corrections, skip, step,
     sorted_keys, run_ends, pieces_before, grad_starts, grad_scales, weight_starts, dims, num_positions,
-    lr, eps, beta1, beta2, weight_decay, one_minus_beta1, one_minus_beta2,
+    lr, eps, beta1, beta2, weight_decay, one_minus_beta1, one_minus_beta2, rounding_seed,
     OPTIMIZER: tl.constexpr, SEGMENT: tl.constexpr, ALIGN: tl.constexpr, ROWS: tl.constexpr, UNROLL: tl.constexpr,
-    BLOCK_D: tl.constexpr,
+    BLOCK_D: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):  # fmt: skip
     # ROWS consecutive positions of the sorted index; a position that starts a run of equal rows owns
     # that row (runs are contiguous after sorting), the others are masked out.
@@ -245,7 +247,13 @@ def _aggregate_update_kernel(
             m_hat = m / tl.load(corrections + 0)
             v_hat = v / tl.load(corrections + 1)
             w = w - lr * m_hat / (tl.sqrt(v_hat)[:, None] + eps)
-        tl.store(row_ptrs, w.to(weights.dtype.element_ty), mask=row_mask)
+        if STOCHASTIC:  # bf16 tables: the reference's bits, keyed by the step, counted by the flat element index
+            key = rounding_key(rounding_seed, tl.load(step), rounding_seed * 0)
+            index = weight_start[:, None] + columns[None, :]
+            counters = index.to(tl.uint32) ^ mix32((index >> 32).to(tl.uint32))
+            store_rounded_bf16(row_ptrs, w, counters, key, row_mask)
+        else:
+            tl.store(row_ptrs, w.to(weights.dtype.element_ty), mask=row_mask)
 
 
 def embedding_lookup(
@@ -335,7 +343,10 @@ def _aggregate_update(
     optimizer: int,
     hyper: tuple[float, float, float, float, float],
     segment: int,
+    step: torch.Tensor | None = None,
 ) -> None:
+    """``step`` (the optimizer's counter, after this step's increment): given for a bf16 ``target``, its rows are
+    stored rounded stochastically, keyed by it (`opengem.ops.reference.embedding`)."""
     if ids.numel() == 0:
         return
     if segment < 1:
@@ -353,11 +364,11 @@ def _aggregate_update(
             grad_out, partials, piece_starts, parts["run_ends"], *contributions, parts["dims"], piece_starts.numel(), **sizes
         )  # fmt: skip
     _aggregate_update_kernel[(triton.cdiv(ids.numel(), rows),)](
-        grad_out, partials, target, row_state, elem_state, corrections, skip,
+        grad_out, partials, target, row_state, elem_state, corrections, skip, skip if step is None else step,
         parts["sorted_keys"], parts["run_ends"], pieces_before, *contributions,
         parts["weight_starts"], parts["dims"], ids.numel(), *hyper,
         1.0 - hyper[2], 1.0 - hyper[3],  # in float64 here: 1 - 0.999 computed in fp32 is off by 1.3e-5
-        OPTIMIZER=optimizer, **sizes,
+        EMBEDDING_ROUNDING_SEED, OPTIMIZER=optimizer, STOCHASTIC=step is not None, **sizes,
     )  # fmt: skip
 
 
@@ -402,9 +413,11 @@ def embedding_fused_update_(
     weight_decay: float,
     segment: int = SEGMENT,
     skip: torch.Tensor | None = None,
+    stochastic_rounding: bool = False,
 ) -> None:
     """``skip`` (``[1]`` on the device, optional): when nonzero the step leaves every table, state and the
-    step count untouched; read by the kernel, so a non-finite loss skips the update without a host sync."""
+    step count untouched; read by the kernel, so a non-finite loss skips the update without a host sync.
+    ``stochastic_rounding``: bf16 tables store their updated rows rounded stochastically (the reference's bits)."""
     if optimizer not in (OPT_SGD, OPT_ROWWISE_ADAGRAD, OPT_ROWWISE_ADAM):
         raise ValueError(f"unknown optimizer code {optimizer}")
     skip = torch.zeros(1, device=weights.device) if skip is None else skip
@@ -418,4 +431,5 @@ def embedding_fused_update_(
     _aggregate_update(
         grad_out, weights, row_state, elem_state, corrections, skip, feature_meta, ids, offsets, batch_size, max_dim,
         dim_align, optimizer, (lr, eps, beta1, beta2, weight_decay), segment,
+        step if stochastic_rounding and weights.dtype == torch.bfloat16 else None,
     )  # fmt: skip
