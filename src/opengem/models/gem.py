@@ -40,6 +40,9 @@ from opengem.ops.embedding import few_row_grad
 from opengem.validation import require_at_least
 
 
+TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GEMConfig.embedding_dtype
+
+
 @dataclass(frozen=True)
 class GEMConfig:
     """Defaults: the gem-tiny CPU demo (``opengem.models.presets.GEM_PRESETS`` has the larger sizes)."""
@@ -75,6 +78,9 @@ class GEMConfig:
     # element-wise traffic of the sequence branch: on CPU, gem-small at batch 256 moved 25.7 GB in its
     # non-GEMM ops per step instead of 48.5 GB (eager; benchmarks/diag/elementwise_bytes.py).
     sequence_dtype: Literal["fp32", "compute"] = "fp32"
+    # the embedding tables' dtype: bf16 halves their memory (gem-large: 5.4B sparse parameters, 21.6 GB in fp32);
+    # their updated rows are rounded stochastically (opengem.nn.embedding.EmbeddingOptimizer.stochastic_rounding)
+    embedding_dtype: Literal["fp32", "bf16"] = "fp32"
     use_sequence: bool = True
     use_pffn: bool = True
     use_pooling: bool = True
@@ -170,6 +176,8 @@ class GEM(nn.Module):
             raise ValueError(f"d_model {config.d_model} must be divisible by num_heads {config.num_heads}")
         if config.sequence_dtype not in ("fp32", "compute"):
             raise ValueError(f"sequence_dtype must be 'fp32' or 'compute', got {config.sequence_dtype!r}")
+        if config.embedding_dtype not in TABLE_DTYPES:
+            raise ValueError(f"embedding_dtype must be one of {sorted(TABLE_DTYPES)}, got {config.embedding_dtype!r}")
         if config.use_sequence and config.num_cls < 1:
             raise ValueError("num_cls must be >= 1 with use_sequence (the CLS tokens carry the sequence summary)")
         self.num_domains = domain.num_embeddings
@@ -178,6 +186,7 @@ class GEM(nn.Module):
             EmbeddingTableConfig(
                 name=f.name, num_embeddings=f.num_embeddings, embedding_dim=e, feature_names=(f.name,),
                 pooling="none" if f.kind == "sequence" else ("mean" if f.kind == "multi_hot" else "sum"),
+                dtype=TABLE_DTYPES[config.embedding_dtype],
             )
             for f in features
             if f.kind != "sequence" or config.use_sequence
@@ -227,10 +236,15 @@ class GEM(nn.Module):
         return torch.cat([self.heads[task](hidden).gather(1, domain) for task in TASKS], dim=1)
 
     def _feature_tokens(self, batch: Batch, embedded: dict[str, torch.Tensor | Jagged]) -> torch.Tensor:
-        stacked = torch.stack([embedded[name] for name in self.sparse_names], dim=1)  # [B, F, e]
+        stacked = self._widened(torch.stack([embedded[name] for name in self.sparse_names], dim=1))  # [B, F, e]
         tokens = torch.einsum("bfe,fed->bfd", stacked, self.feature_proj) + self.feature_bias
         dense = self.dense_proj(batch.dense).unsqueeze(1)
         return self.token_norm(torch.cat([tokens, dense], dim=1))
+
+    def _widened(self, rows: torch.Tensor) -> torch.Tensor:
+        """Looked-up rows of bf16 tables in the parameters' dtype where no autocast casts them (an fp32 run); a
+        no-op for fp32 tables."""
+        return rows if autocast_dtype(rows) is not None else rows.to(self.feature_proj.dtype)
 
     def _sequence_tokens(
         self, batch: Batch, embedded: dict[str, torch.Tensor | Jagged], x: torch.Tensor
@@ -238,7 +252,7 @@ class GEM(nn.Module):
         """The ``[CLS | newest-first history]`` sequence and each row's event age (0 on CLS rows)."""
         history: Jagged = embedded[self.sequence_names[0]]
         ages = batch.history_age.values
-        tokens = self.sequence_tokens([embedded[n].values for n in self.sequence_names],
+        tokens = self.sequence_tokens([self._widened(embedded[n].values) for n in self.sequence_names],
                                       batch.sequence[self.config.event_type_feature].values, ages)
         cls = self.cls + self.cls_proj(self.cls_summary(x).flatten(1)).view(x.shape[0], self.config.num_cls, -1)
         return prepend_reversed(history, tokens, cls, ages.float())  # the CLS rows take the tokens' dtype
