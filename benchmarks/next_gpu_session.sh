@@ -1141,12 +1141,13 @@ chain_s64c() {  # after session 61: the shadow AdamW with bf16 moments (shadow_a
     --set shadow_adamw_moments=bf16
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64c_default_a2
 }
-chain_s64f() {  # after session 61: what the 4.45 GB that bf16 moments free buys: gem-large at b320 (b256 peaks at
-  # 68.7 GB by default, ~0.114 GB a sample of activations over ~39 GB of tables and dense state) beside b256, one host
-  step bench_train_large_b256_bf16_moments 150 large_at 256 train_gem-large_b256_s64f_bf16_moments \
-    --set shadow_adamw_moments=bf16
-  step bench_train_large_b320_bf16_moments 200 large_at 320 train_gem-large_b320_s64f_bf16_moments \
-    --set shadow_adamw_moments=bf16
+chain_s64f() {  # after session 61: what bf16 moments (4.45 GB) and bf16 tables (10.8 GB) free buys: gem-large at
+  # b384 (b256 by default peaks at 68.7 GB: ~39 GB of tables and dense state, ~0.114 GB a sample of activations)
+  # beside b256 with the same settings, one host (run after s64c on its machine: s64c's b256 runs are the default)
+  step bench_train_large_b256_narrow 150 large_at 256 train_gem-large_b256_s64f_narrow \
+    --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+  step bench_train_large_b384_narrow 240 large_at 384 train_gem-large_b384_s64f_narrow \
+    --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
 }
 bf16_moments_curve() {  # issue 6's 2000 gem-small steps with the shadow AdamW's bf16 moments, resumable
   untuned_curve --variant none --label bf16_moments --set shadow_adamw_moments=bf16 \
