@@ -37,6 +37,7 @@ import triton.language as tl
 
 from opengem.ops.reference.embedding import (
     DIM,
+    EMBEDDING_ROUNDING_SEED,
     META_COLUMNS,
     OPT_ROWWISE_ADAGRAD,
     OPT_ROWWISE_ADAM,
@@ -47,7 +48,6 @@ from opengem.ops.reference.embedding import (
     POOLING,
     ROW_OFFSET,
     WEIGHT_OFFSET,
-    EMBEDDING_ROUNDING_SEED,
 )
 from opengem.ops.triton.rounding import mix32, rounding_key, store_rounded_bf16
 from opengem.ops.triton.tuning import autotune
