@@ -131,11 +131,11 @@ class TrainConfig:
         if self.shadow_adamw_moments not in SHADOW_ADAMW_MOMENTS:
             raise ValueError(f"shadow_adamw_moments must be one of {SHADOW_ADAMW_MOMENTS}, got "
                              f"{self.shadow_adamw_moments!r}")
-        if self.shadow_adamw_moments != "fp32" and (self.shadow_adamw is False or self.fp32_weight_grads):
+        bf16_moments = self.shadow_adamw_moments != "fp32"
+        if bf16_moments and (self.shadow_adamw is False or self.fp32_weight_grads):
             raise ValueError(f"shadow_adamw_moments={self.shadow_adamw_moments} is the shadow AdamW's state: it needs "
                              f"shadow_adamw true or auto and fp32_weight_grads false, got shadow_adamw="
                              f"{_setting_text(self.shadow_adamw)}, fp32_weight_grads={self.fp32_weight_grads}")
-        bf16_moments = self.shadow_adamw_moments != "fp32"
         for setting, in_use in (("fp32_weight_grads", self.fp32_weight_grads), ("shadow_adamw", self.shadow_adamw),
                                 ("shadow_adamw_moments", bf16_moments)):
             if in_use and (self.weight_shadows is False or self.precision != "bf16"):

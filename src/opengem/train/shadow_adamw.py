@@ -72,7 +72,7 @@ class ShadowAdamW(torch.optim.AdamW):
         if both:
             raise RuntimeError(f"{len(both)} shadowed parameters got a gradient both on the fp32 tensor and on the "
                                f"shadow (shapes {both[:4]}): use each layer through its shadows only")
-        tensors = self._shadowed_tensors({m for m, _ in stepped_here})
+        tensors = self._shadowed_tensors(stepped_here)
         if self._moments_dtype != torch.float32:  # the two kinds of state cannot trade places
             moved = [tuple(m.shape) for m, s in self._shadow_of.items()
                      if (m.grad if m in self._kernel_stepped else s.grad) is not None]
@@ -101,13 +101,13 @@ class ShadowAdamW(torch.optim.AdamW):
         self._tensors = None  # the loaded state tensors replace the ones the kernel's tables point at
         self._versions = None
 
-    def _shadowed_tensors(self, adamw_stepped: set[torch.Tensor]) -> list[ShadowAdamWTensors]:
+    def _shadowed_tensors(self, adamw_stepped: list[tuple[torch.Tensor, torch.Tensor]]) -> list[ShadowAdamWTensors]:
         """Each group's shadowed parameters with their state, made (as ``torch.optim.AdamW`` makes it, in the moments'
-        dtype) if missing. With bf16 moments, those ``adamw_stepped`` now are left to AdamW and its fp32 state."""
+        dtype) if missing. With bf16 moments, the pairs ``adamw_stepped`` now are left to AdamW and its fp32 state."""
         if self._tensors is None:
             self._tensors = []
-            narrow = self._moments_dtype != torch.float32
-            self._kernel_stepped = {m for m in self._shadow_of if not (narrow and m in adamw_stepped)}
+            left = {m for m, _ in adamw_stepped} if self._moments_dtype != torch.float32 else set()
+            self._kernel_stepped = {m for m in self._shadow_of if m not in left}
             for group in self.param_groups:
                 masters = [p for p in group["params"] if p in self._kernel_stepped]
                 for master in masters:

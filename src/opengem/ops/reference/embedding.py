@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from opengem.ops.reference.rounding import counter_bits, mix32, rounding_key, stochastic_round_bf16
+from opengem.ops.reference.rounding import counter_bits, element_counters, step_key, stochastic_round_bf16
 
 # Columns of ``feature_meta`` and pooling codes (imported by the op and the kernels).
 WEIGHT_OFFSET, DIM, POOLING, OUT_OFFSET, ROW_OFFSET, NUM_ROWS = range(6)
@@ -129,7 +129,7 @@ def embedding_fused_update_(
     step += 1
     t = float(step.item()) if optimizer == OPT_ROWWISE_ADAM else 0.0
     stochastic = stochastic_rounding and weights.dtype == torch.bfloat16
-    bits_key = rounding_key(EMBEDDING_ROUNDING_SEED, int(step.item()), 0) if stochastic else 0
+    bits_key = step_key(EMBEDDING_ROUNDING_SEED, int(step.item())) if stochastic else 0
     metas = {m[ROW_OFFSET]: m for m in feature_meta.tolist()}
     for key, (table_ids, grads) in per_id_gradients(grad_out, feature_meta, ids, offsets, batch_size).items():
         if table_ids.numel() == 0:
@@ -155,9 +155,8 @@ def embedding_fused_update_(
             row_state[rows] = v
             m_hat, v_hat = m / (1 - beta1**t), v / (1 - beta2**t)
             w = w - lr * m_hat / (v_hat.sqrt()[:, None] + eps)
-        if stochastic:  # counted by the flat element index, its high half folded in as the kernel folds it
+        if stochastic:  # counted by the flat element index
             index = meta[WEIGHT_OFFSET] + unique[:, None] * meta[DIM] + torch.arange(meta[DIM], device=w.device)
-            counters = (index & 0xFFFFFFFF) ^ mix32(index >> 32)
-            table[unique] = stochastic_round_bf16(w, counter_bits(counters, bits_key))
+            table[unique] = stochastic_round_bf16(w, counter_bits(element_counters(index), bits_key))
         else:
             table[unique] = w.to(weights.dtype)

@@ -30,6 +30,17 @@ def rounding_key(seed: int, step: int, tensor: int) -> int:
     return int(mix32(mix32(inner) ^ (seed & _U32)))
 
 
+def step_key(seed: int, step: int) -> int:
+    """:func:`rounding_key` of tensor 0: the key of a buffer rounded whole each step (an embedding table's rows)."""
+    return rounding_key(seed, step, 0)
+
+
+def element_counters(index: torch.Tensor) -> torch.Tensor:
+    """uint32 counters of int64 element indices: the low half, with the high half's hash folded in (a buffer of over
+    2 ** 32 elements does not repeat its bits)."""
+    return (index & _U32) ^ mix32(index >> 32)
+
+
 def counter_bits(counters: torch.Tensor, key: int) -> torch.Tensor:
     """16 random bits (int64 in [0, 2 ** 16)) for each uint32 counter (int64 values in [0, 2 ** 32))."""
     return mix32(counters ^ key) & 0xFFFF

@@ -49,7 +49,7 @@ from opengem.ops.reference.embedding import (
     ROW_OFFSET,
     WEIGHT_OFFSET,
 )
-from opengem.ops.triton.rounding import mix32, rounding_key, store_rounded_bf16
+from opengem.ops.triton.rounding import element_counters, step_key, store_rounded_bf16
 from opengem.ops.triton.tuning import autotune
 
 DENSE_GRAD = 3  # "optimizer" code of the unfused path: write the aggregated row gradient out
@@ -248,10 +248,8 @@ def _aggregate_update_kernel(
             v_hat = v / tl.load(corrections + 1)
             w = w - lr * m_hat / (tl.sqrt(v_hat)[:, None] + eps)
         if STOCHASTIC:  # bf16 tables: the reference's bits, keyed by the step, counted by the flat element index
-            key = rounding_key(rounding_seed, tl.load(step), rounding_seed * 0)
-            index = weight_start[:, None] + columns[None, :]
-            counters = index.to(tl.uint32) ^ mix32((index >> 32).to(tl.uint32))
-            store_rounded_bf16(row_ptrs, w, counters, key, row_mask)
+            counters = element_counters(weight_start[:, None] + columns[None, :])
+            store_rounded_bf16(row_ptrs, w, counters, step_key(rounding_seed, tl.load(step)), row_mask)
         else:
             tl.store(row_ptrs, w.to(weights.dtype.element_ty), mask=row_mask)
 

@@ -25,6 +25,18 @@ def rounding_key(seed, step, tensor):
 
 
 @triton.jit
+def step_key(seed, step):
+    """`opengem.ops.reference.rounding.step_key`: ``rounding_key(seed, step, 0)``, whose hash of tensor 0 is 0."""
+    return mix32(mix32(step.to(tl.uint32)) ^ seed.to(tl.uint32))
+
+
+@triton.jit
+def element_counters(index):
+    """`opengem.ops.reference.rounding.element_counters` of int64 indices."""
+    return index.to(tl.uint32) ^ mix32((index >> 32).to(tl.uint32))
+
+
+@triton.jit
 def store_rounded_bf16(pointer, x, counters, key, mask):
     """fp32 ``x`` stored as bf16, rounded stochastically by 16 bits of the hash of ``counters ^ key`` (uint32)."""
     bits = mix32(counters ^ key) & 0xFFFF

@@ -225,6 +225,7 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "last_loss": float(loss),
         "host_speed": speed,
     }
+    shadow_adamw = isinstance(learner.optimizer, ShadowAdamW)
     settings = {
         **{k: v for k, v in dataclasses.asdict(options).items() if k != "overrides"},
         "overrides": list(options.overrides),
@@ -239,8 +240,8 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "low_precision_layers": converted,
         # as the run applied them (the config's auto resolved: opengem.train.config.shadow_settings)
         "weight_shadows": learner.weight_shadows is not None,
-        "shadow_adamw": isinstance(learner.optimizer, ShadowAdamW),
-        "shadow_adamw_moments": config.shadow_adamw_moments if isinstance(learner.optimizer, ShadowAdamW) else None,
+        "shadow_adamw": shadow_adamw,
+        "shadow_adamw_moments": config.shadow_adamw_moments if shadow_adamw else None,
         "device": str(device),
         "tuning_steps": tuning_steps,  # warm-up steps past ``warmup + steps`` (something compiled, or slow steps)
         # any count > 0: seconds of host work (tuning, compiling, collecting) inside the timed steps
