@@ -51,8 +51,9 @@ def test_an_unknown_embedding_dtype_is_refused_by_name():
 
 def test_a_resumed_run_with_bf16_tables_continues_bit_for_bit(tmp_path):
     """The rows' rounding bits are keyed by the tables' step count, which the checkpoint keeps."""
-    from tests.train.test_shadow_adamw import resume_matches_the_straight_run
+    from tests.train.test_trainer import resume_matches_the_straight_run
 
-    straight, middle, _ = resume_matches_the_straight_run(tmp_path, "gem.embedding_dtype=bf16")
+    straight, middle, _ = resume_matches_the_straight_run(tmp_path, "architecture=gem", "precision=bf16",
+                                                          "gem.embedding_dtype=bf16")
     state = torch.load(middle / "state.pt", weights_only=True)["learners"]["model"]["model"]
     assert state["embeddings.weights_bfloat16"].dtype == torch.bfloat16 and straight.gem.embedding_dtype == "bf16"

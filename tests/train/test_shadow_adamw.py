@@ -2,21 +2,21 @@
 (`opengem.train.shadow_adamw`), on the CPU (the reference update; the kernel: tests/ops/test_adamw.py)."""
 
 import dataclasses
-from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from opengem.nn.weight_shadows import shadow_linear_weights, shadows_in_use
-from opengem.train.config import TrainConfig, config_from_dict, load_config, shadow_settings
+from opengem.train.config import config_from_dict, load_config, shadow_settings
 from opengem.train.data_stream import train_batches
 from opengem.train.shadow_adamw import ShadowAdamW
 from opengem.train.trainer import build_learner, train
-from tests.train.test_trainer import SMALL, _config, _final_weights, _losses
+from tests.train.test_trainer import SMALL, _losses, resume_matches_the_straight_run
 
 GEM_BF16 = [*SMALL, "architecture=gem", "gem.num_layers=2", "precision=bf16"]
 SHADOW_ADAMW = {"weight_shadows": True, "shadow_adamw": True}
+GEM_SHADOW_ADAMW = ("architecture=gem", "precision=bf16", "weight_shadows=true", "shadow_adamw=true")
 PLAIN = {"weight_shadows": False, "shadow_adamw": False}
 
 
@@ -77,26 +77,10 @@ def test_training_stays_close_to_the_plain_run():
     assert runs["shadow_adamw"][0] == pytest.approx(runs["plain"][0], rel=2e-3)
 
 
-def resume_matches_the_straight_run(tmp_path, *settings: str) -> tuple[TrainConfig, Path, dict[int, float]]:
-    """A gem run of 4 steps with ``settings`` (and bf16), checkpointed at step 2, then resumed from there: the resumed
-    run's losses after step 2 and its final weights equal the straight run's, bit for bit. Returns the straight run's
-    config, the checkpoint and those losses."""
-    straight = _config(tmp_path, "steps=4", "eval_every=2", "checkpoint_every=2", "name=straight", "architecture=gem",
-                       "precision=bf16", *settings)
-    train(straight, progress=False)
-    middle = tmp_path / "straight" / "checkpoints" / "step_00000002"
-    train(dataclasses.replace(straight, name="resumed"), resume=middle, progress=False)
-    expected = {step: loss for step, loss in _losses(tmp_path / "straight").items() if step > 2}
-    assert _losses(tmp_path / "resumed") == expected
-    for key, weight in _final_weights(tmp_path / "straight").items():
-        assert torch.equal(_final_weights(tmp_path / "resumed")[key], weight), key
-    return straight, middle, expected
-
-
 def test_resume_continues_exactly_and_the_state_loads_into_plain_adamw(tmp_path):
     """A resumed run refreshes the shadows from the loaded weights and continues bit for bit; the optimizer state
     has AdamW's keys, so a plain run resumes from it too."""
-    straight, middle, expected = resume_matches_the_straight_run(tmp_path, "weight_shadows=true", "shadow_adamw=true")
+    straight, middle, expected = resume_matches_the_straight_run(tmp_path, *GEM_SHADOW_ADAMW)
     plain = dataclasses.replace(straight, name="plain", weight_shadows=False, shadow_adamw=False)
     train(plain, resume=middle, progress=False)
     assert _losses(tmp_path / "plain").keys() == expected.keys()

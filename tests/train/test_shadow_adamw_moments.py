@@ -12,8 +12,8 @@ from opengem.nn.weight_shadows import shadow_linear_weights, shadows_in_use
 from opengem.train.config import load_config
 from opengem.train.shadow_adamw import ShadowAdamW
 from opengem.train.trainer import build_learner, train
-from tests.train.test_shadow_adamw import GEM_BF16, SHADOW_ADAMW, _runs, resume_matches_the_straight_run
-from tests.train.test_trainer import _losses
+from tests.train.test_shadow_adamw import GEM_BF16, GEM_SHADOW_ADAMW, SHADOW_ADAMW, _runs
+from tests.train.test_trainer import _losses, resume_matches_the_straight_run
 
 BF16_MOMENTS = {**SHADOW_ADAMW, "shadow_adamw_moments": "bf16"}
 
@@ -34,7 +34,7 @@ def test_bf16_moments_train_close_to_fp32_moments_and_keep_bf16_state():
 def test_resume_rounds_as_the_uninterrupted_run_and_loads_into_fp32_moments(tmp_path):
     """The rounding bits are keyed by the config's seed, the step and the tensor: a resumed run continues bit for
     bit. The checkpoint's bf16 moments load widened into fp32-moment runs too."""
-    straight, middle, expected = resume_matches_the_straight_run(tmp_path, "weight_shadows=true", "shadow_adamw=true",
+    straight, middle, expected = resume_matches_the_straight_run(tmp_path, *GEM_SHADOW_ADAMW,
                                                                  "shadow_adamw_moments=bf16")
     state = torch.load(middle / "state.pt", weights_only=True)["learners"]["model"]["optimizer"]["state"]
     assert torch.bfloat16 in {s["exp_avg"].dtype for s in state.values()}

@@ -2,6 +2,7 @@ import contextlib
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -10,7 +11,7 @@ import torch
 from opengem.cli.main import main
 from opengem.data.synthetic import HOLDOUT_START
 from opengem.train.checkpoint import latest_checkpoint
-from opengem.train.config import apply_overrides, load_config
+from opengem.train.config import TrainConfig, apply_overrides, load_config
 from opengem.train.trainer import train
 
 SMALL = [
@@ -51,18 +52,28 @@ def test_training_improves_held_out_ne(tmp_path):
     assert summary["final"]["step"] == 60
 
 
-def test_resume_continues_exactly(tmp_path):
-    straight = _config(tmp_path, "steps=6", "eval_every=3", "checkpoint_every=3", "name=straight")
+def resume_matches_the_straight_run(tmp_path, *settings: str, steps: int = 4) -> tuple[TrainConfig, Path, dict]:
+    """A run of ``steps`` with ``settings``, checkpointed halfway, then resumed from there: the resumed run's later
+    losses and its final weights equal the straight run's, bit for bit. Returns the straight run's config, the
+    checkpoint and those losses."""
+    half = steps // 2
+    straight = _config(tmp_path, f"steps={steps}", f"eval_every={half}", f"checkpoint_every={half}", "name=straight",
+                       *settings)
     train(straight, progress=False)
-    middle = tmp_path / "straight" / "checkpoints" / "step_00000003"
+    middle = tmp_path / "straight" / "checkpoints" / f"step_{half:08d}"
     train(apply_overrides(straight, ["name=resumed"]), resume=middle, progress=False)
-    expected = {step: loss for step, loss in _losses(tmp_path / "straight").items() if step > 3}
+    expected = {step: loss for step, loss in _losses(tmp_path / "straight").items() if step > half}
     assert _losses(tmp_path / "resumed") == expected
     a = _final_weights(tmp_path / "straight")
     b = _final_weights(tmp_path / "resumed")
     assert a.keys() == b.keys()
     for key in a:
         assert torch.equal(a[key], b[key]), key
+    return straight, middle, expected
+
+
+def test_resume_continues_exactly(tmp_path):
+    resume_matches_the_straight_run(tmp_path, steps=6)
 
 
 def test_cli_trains_and_resumes(tmp_path, capsys):
