@@ -1178,6 +1178,18 @@ chain_s64b() {  # after session 60 (waiting list item 2): gem-large b256 by defa
       > "$out/logs/s64b_ab_skipped.log"
   fi
 }
+large_expandable_at() {  # large_at with the caching allocator growing segments (b384 fragmented without it, s64f)
+  PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True large_at "$@"
+}
+chain_s65a() {  # session 62: s64f's b384 with bf16 moments and tables ran out of memory on fragmentation (67.1 GB
+  # allocated, 11.0 GB reserved and unallocated) while s64c's host paced the default (48-83 ms of GPU idle a step).
+  # The default first (is this host slow?), then b256 and b384 with both narrowings and expandable segments (one host)
+  step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s65a_default
+  step bench_train_large_b256_narrow_expandable 150 large_expandable_at 256 \
+    train_gem-large_b256_s65a_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+  step bench_train_large_b384_narrow_expandable 240 large_expandable_at 384 \
+    train_gem-large_b384_s65a_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
@@ -1498,7 +1510,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_at host_samples_at unpacked_cache with_cache small_train small_train_at \
+export -f tests train large_at large_expandable_at host_samples_at unpacked_cache with_cache small_train small_train_at \
   small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
   bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve multi large_single large_b512 \
   curves_single predict
