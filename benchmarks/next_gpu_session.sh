@@ -1190,6 +1190,13 @@ chain_s65a() {  # session 62: s64f's b384 with bf16 moments and tables ran out o
   step bench_train_large_b384_narrow_expandable 240 large_expandable_at 384 \
     train_gem-large_b384_s65a_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
 }
+chain_s65b() {  # session 62: the bf16 moments drew two hashes an element and streamed at 70.5% of a copy (10.51 ms
+  # against fp32 moments' 11.30, s64c); now one hash gives both moments' bits. Its GPU tests, the optimizer, then the
+  # kernel's launch shapes (block, blocks a program, warps) for both moment dtypes
+  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large

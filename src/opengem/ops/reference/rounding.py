@@ -47,10 +47,11 @@ def counter_bits(counters: torch.Tensor, key: int) -> torch.Tensor:
 
 
 def rounding_bits(numel: int, key: int, stream: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The bits of ``numel`` consecutive elements on one of two streams (counters ``2 i + stream``): two tensors of
-    one element each, as AdamW's two moments, draw apart."""
-    counters = (2 * torch.arange(numel, dtype=torch.int64, device=device) + stream) & _U32
-    return counter_bits(counters, key)
+    """The bits of ``numel`` consecutive elements on one of two streams: one hash of each element's counter ``i``
+    gives both, stream 0 its low half and stream 1 its high half, so two tensors of one element each (AdamW's two
+    moments) draw apart for the price of one hash."""
+    hashed = mix32(torch.arange(numel, dtype=torch.int64, device=device) ^ key)
+    return (hashed >> (16 * stream)) & 0xFFFF
 
 
 def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

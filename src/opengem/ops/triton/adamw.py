@@ -7,7 +7,7 @@ tensor, named by a precomputed (tensor, first block) work list. Each element is 
 weight, 2 of gradient and 8 of moments read; 4 + 8 B and 2 B of copy written (28 B; PyTorch's fused AdamW on fp32
 gradients also moves 28 B, but the gradients' and the copies' casts add 6 B each around it). With bf16 moments
 (``MOMENTS_BF16``) the moments move 4 B each instead of 8: 20 B; they are stored rounded stochastically with the
-reference's random bits (`opengem.ops.reference.adamw.stochastic_round_bf16`: the same counter hash, bit for bit).
+reference's random bits (`opengem.ops.reference.rounding.rounding_bits`: one counter hash an element, bit for bit).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from opengem.jagged.host import to_device
-from opengem.ops.triton.rounding import rounding_key, store_rounded_bf16
+from opengem.ops.triton.rounding import mix32, rounding_key, store_bf16_rounded_by
 
 BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: 64-byte fp32 accesses)
 BLOCKS_PER_ITEM = 8  # a program's share: its table reads and bias corrections paid once per 32768 elements
@@ -68,10 +68,10 @@ def _shadow_adamw_kernel(
         denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
         param = param - tl.div_rn(step_size * exp_avg, denom)
         tl.store(param_ptr + offsets, param, mask=mask)
-        if MOMENTS_BF16:  # counters 2i and 2i + 1, as the reference's two streams
-            counters = 2 * offsets.to(tl.uint32)
-            store_rounded_bf16(exp_avg_ptr + offsets, exp_avg, counters, key, mask)
-            store_rounded_bf16(exp_avg_sq_ptr + offsets, exp_avg_sq, counters + 1, key, mask)
+        if MOMENTS_BF16:  # one hash an element, its halves the reference's two streams
+            hashed = mix32(offsets.to(tl.uint32) ^ key)
+            store_bf16_rounded_by(exp_avg_ptr + offsets, exp_avg, hashed & 0xFFFF, mask)
+            store_bf16_rounded_by(exp_avg_sq_ptr + offsets, exp_avg_sq, hashed >> 16, mask)
         else:
             tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
             tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)

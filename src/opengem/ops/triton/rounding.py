@@ -39,6 +39,11 @@ def element_counters(index):
 @triton.jit
 def store_rounded_bf16(pointer, x, counters, key, mask):
     """fp32 ``x`` stored as bf16, rounded stochastically by 16 bits of the hash of ``counters ^ key`` (uint32)."""
-    bits = mix32(counters ^ key) & 0xFFFF
+    store_bf16_rounded_by(pointer, x, mix32(counters ^ key) & 0xFFFF, mask)
+
+
+@triton.jit
+def store_bf16_rounded_by(pointer, x, bits, mask):
+    """fp32 ``x`` stored as bf16, rounded stochastically by ``bits`` (uint32 in [0, 2 ** 16))."""
     pattern = (x.to(tl.uint32, bitcast=True) + bits) & 0xFFFF0000
     tl.store(pointer, pattern.to(tl.float32, bitcast=True).to(tl.bfloat16), mask=mask)  # exact: the low half is 0

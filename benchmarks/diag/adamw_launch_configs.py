@@ -1,0 +1,113 @@
+"""The shadow AdamW kernel's launch shape (elements a loop iteration, iterations a program, warps) on a preset's
+Linear parameters, with fp32 and with bf16 moments, beside the device copy bandwidth.
+
+Session 62 read the bf16 moments at 70.5% of a copy's bandwidth against 91.9% for fp32 moments (10.51 against 11.30
+ms on gem-large): fewer bytes an element in flight and the rounding hash's integer work between a program's loads.
+Each shape is checked first (one update against the shipped shape's, on the same state: the same bits, since the
+rounding counters are element indices whatever the tiling), then timed in interleaved rounds.
+
+Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.adamw_launch_configs [--preset gem-large]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from benchmarks.common import interleaved_ms, print_table, write_results
+from benchmarks.optimizer import HYPER, copy_bandwidth_gbps, linear_shapes
+from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
+from opengem.ops.triton import adamw as kernel
+
+SHAPES = list(itertools.product((2048, 4096, 8192), (4, 8), (4, 8, 16)))  # (BLOCK, BLOCKS_PER_ITEM, NUM_WARPS)
+
+
+@contextmanager
+def launch_shape(block: int, blocks_per_item: int, num_warps: int) -> Iterator[None]:
+    """The kernel module's launch constants set for the calls inside (a new ShadowAdamWTensors plans its work items
+    from them on its first update)."""
+    saved = kernel.BLOCK, kernel.BLOCKS_PER_ITEM, kernel.NUM_WARPS
+    kernel.BLOCK, kernel.BLOCKS_PER_ITEM, kernel.NUM_WARPS = block, blocks_per_item, num_warps
+    try:
+        yield
+    finally:
+        kernel.BLOCK, kernel.BLOCKS_PER_ITEM, kernel.NUM_WARPS = saved
+
+
+class Learner:
+    """Parameters, moments of one dtype, bf16 shadows and gradients, and a pristine copy to restart from."""
+
+    def __init__(self, shapes: list[torch.Size], moments: torch.dtype, device: str, seed: int = 0) -> None:
+        generator = torch.Generator(device=device).manual_seed(seed)
+        self.initial = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
+        self.grads = [torch.randn(s, device=device, generator=generator).bfloat16() * 1e-3 for s in shapes]
+        self.params = [p.clone() for p in self.initial]
+        self.exp_avgs = [torch.zeros_like(p, dtype=moments) for p in self.initial]
+        self.exp_avg_sqs = [torch.zeros_like(p, dtype=moments) for p in self.initial]
+        self.shadows = [p.bfloat16() for p in self.initial]
+        self.steps = [torch.zeros((), device=device) for _ in shapes]
+
+    def restart(self) -> None:
+        torch._foreach_copy_(self.params, self.initial)
+        for tensor in (*self.exp_avgs, *self.exp_avg_sqs, *self.steps):
+            tensor.zero_()
+
+    def updater(self):
+        """A fresh ShadowAdamWTensors over the same buffers (its launch plan made under the current shape)."""
+        tensors = ShadowAdamWTensors(self.params, self.exp_avgs, self.exp_avg_sqs, self.shadows, self.steps)
+        return lambda: shadow_adamw_update(tensors, self.grads, **HYPER)
+
+    def state(self) -> list[torch.Tensor]:
+        return [*self.params, *self.exp_avgs, *self.exp_avg_sqs, *self.shadows]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="gem-large")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--device", default="cuda", help="cpu: a smoke run in Triton's interpreter "
+                        "(TRITON_INTERPRET=1 OPENGEM_ADAMW_BACKEND=triton)")
+    args = parser.parse_args()
+    shapes = linear_shapes(args.preset)
+    numel = sum(s.numel() for s in shapes)
+    copy_gbps = copy_bandwidth_gbps(args.device)
+    shipped = (kernel.BLOCK, kernel.BLOCKS_PER_ITEM, kernel.NUM_WARPS)
+    rows = []
+    for moments, bytes_per_parameter in ((torch.bfloat16, 20), (torch.float32, 28)):
+        learner = Learner(shapes, moments, args.device)
+        with launch_shape(*shipped):
+            learner.updater()()
+        expected = [t.clone() for t in learner.state()]
+        calls = {}
+        for shape in SHAPES:
+            learner.restart()
+            with launch_shape(*shape):
+                update = learner.updater()
+                update()  # plans and compiles under this shape
+            same = all(torch.equal(a, b) for a, b in zip(learner.state(), expected))
+            calls[shape] = (update, same)
+        times = interleaved_ms({shape: update for shape, (update, _) in calls.items()}, rounds=args.rounds)
+        for shape, each in times.items():
+            ms = statistics.median(each)
+            gbps = bytes_per_parameter * numel / ms / 1e6
+            rows.append({"moments": str(moments).removeprefix("torch."), "block": shape[0],
+                         "blocks_per_item": shape[1], "num_warps": shape[2], "shipped": shape == shipped, "ms": ms,
+                         "ms_each_round": each, "GBps": gbps, "pct_of_copy": 100 * gbps / copy_gbps,
+                         "same_update_as_shipped": calls[shape][1]})
+        del learner, calls, times
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    print_table(rows, ["moments", "block", "blocks_per_item", "num_warps", "shipped", "ms", "pct_of_copy",
+                       "same_update_as_shipped"])
+    path = write_results(f"adamw_launch_configs_{args.preset}", rows,
+                         {"preset": args.preset, "parameters": numel, "copy_GBps": copy_gbps})
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
