@@ -1197,6 +1197,10 @@ chain_s65b() {  # session 62: the bf16 moments drew two hashes an element and st
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
+chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constants over other shapes' work items (the
+  # module's constants restored before the timing); each update now sets its shape
+  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large

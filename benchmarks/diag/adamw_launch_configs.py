@@ -24,7 +24,7 @@ from benchmarks.optimizer import HYPER, copy_bandwidth_gbps, linear_shapes
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
 from opengem.ops.triton import adamw as kernel
 
-SHAPES = list(itertools.product((2048, 4096, 8192), (4, 8), (4, 8, 16)))  # (BLOCK, BLOCKS_PER_ITEM, NUM_WARPS)
+SHAPES = list(itertools.product((2048, 4096, 8192), (4, 8, 16), (4, 8, 16)))  # (BLOCK, BLOCKS_PER_ITEM, NUM_WARPS)
 
 
 @contextmanager
@@ -57,10 +57,16 @@ class Learner:
         for tensor in (*self.exp_avgs, *self.exp_avg_sqs, *self.steps):
             tensor.zero_()
 
-    def updater(self):
-        """A fresh ShadowAdamWTensors over the same buffers (its launch plan made under the current shape)."""
+    def updater(self, shape: tuple[int, int, int]):
+        """Updates under ``shape``: a fresh ShadowAdamWTensors over the same buffers, its work items planned and the
+        kernel launched with the shape's constants (both read the module's: a launch outside the shape would run
+        the shipped tiling over work items planned for another)."""
         tensors = ShadowAdamWTensors(self.params, self.exp_avgs, self.exp_avg_sqs, self.shadows, self.steps)
-        return lambda: shadow_adamw_update(tensors, self.grads, **HYPER)
+
+        def update() -> None:
+            with launch_shape(*shape):
+                shadow_adamw_update(tensors, self.grads, **HYPER)
+        return update
 
     def state(self) -> list[torch.Tensor]:
         return [*self.params, *self.exp_avgs, *self.exp_avg_sqs, *self.shadows]
@@ -80,15 +86,13 @@ def main() -> None:
     rows = []
     for moments, bytes_per_parameter in ((torch.bfloat16, 20), (torch.float32, 28)):
         learner = Learner(shapes, moments, args.device)
-        with launch_shape(*shipped):
-            learner.updater()()
+        learner.updater(shipped)()
         expected = [t.clone() for t in learner.state()]
         calls = {}
         for shape in SHAPES:
             learner.restart()
-            with launch_shape(*shape):
-                update = learner.updater()
-                update()  # plans and compiles under this shape
+            update = learner.updater(shape)
+            update()  # plans and compiles under this shape
             same = all(torch.equal(a, b) for a, b in zip(learner.state(), expected))
             calls[shape] = (update, same)
         times = interleaved_ms({shape: update for shape, (update, _) in calls.items()}, rounds=args.rounds)
