@@ -1198,7 +1198,11 @@ chain_s65b() {  # session 62: the bf16 moments drew two hashes an element and st
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
 chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constants over other shapes' work items (the
-  # module's constants restored before the timing); each update now sets its shape
+  # module's constants restored before the timing); each update now sets its shape. Since s65b the kernel also
+  # vectorizes (16-byte accesses where every address is aligned; it had taken one access an element, 252-255
+  # registers under Triton 3.6): its GPU tests (a misaligned case added), the optimizer, then the shapes
+  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark

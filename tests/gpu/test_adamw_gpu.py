@@ -12,7 +12,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case", [{}, {"skip_at": 1}, {"absent": 1}])
+@pytest.mark.parametrize("case", [{}, {"skip_at": 1}, {"absent": 1}, {"misaligned": True}])
 def test_kernel_steps_as_fused_adamw(half, case):
     run_against_adamw("cuda", half, "auto", **case)
 

@@ -16,11 +16,14 @@ HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
 
 def run_against_adamw(device: str, half: torch.dtype, backend: str, updates: int = 3, skip_at: int | None = None,
-                      absent: int | None = None) -> None:
+                      absent: int | None = None, misaligned: bool = False) -> None:
     """``updates`` updates of SHAPES' tensors with fresh gradients (``absent``: that tensor never gets one;
-    ``skip_at``: that step is skipped on the device) against ``torch.optim.AdamW(fused=True)``."""
+    ``skip_at``: that step is skipped on the device; ``misaligned``: the parameters are views one element into
+    their storage, so the kernel takes its per-element accesses) against ``torch.optim.AdamW(fused=True)``."""
     torch.manual_seed(0)
     params = [torch.randn(shape, device=device) for shape in SHAPES]
+    if misaligned:
+        params = [torch.cat([p.new_zeros(1), p.flatten()])[1:].view(p.shape) for p in params]
     want = [p.clone().requires_grad_() for p in params]
     adamw = torch.optim.AdamW(want, lr=HYPER["lr"], betas=HYPER["betas"], eps=HYPER["eps"],
                               weight_decay=HYPER["weight_decay"], fused=True)
@@ -58,10 +61,20 @@ def test_kernel_in_the_interpreter_steps_as_adamw():
     """In a subprocess: the interpreter is chosen when Triton is imported."""
     code = ("from tests.ops.test_adamw import run_against_adamw; import torch\n"
             "run_against_adamw('cpu', torch.float16, 'triton', skip_at=1)\n"
-            "run_against_adamw('cpu', torch.float16, 'triton', absent=2)\n")
+            "run_against_adamw('cpu', torch.float16, 'triton', absent=2)\n"
+            "run_against_adamw('cpu', torch.float16, 'triton', misaligned=True)\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+
+
+def test_address_table_says_whether_every_tensor_is_16_byte_aligned():
+    from opengem.ops.triton.adamw import address_table
+
+    buffer = torch.zeros(64)
+    table, aligned = address_table([buffer[:8], buffer[4:12]], torch.device("cpu"))
+    assert aligned and table.tolist() == [buffer.data_ptr(), buffer.data_ptr() + 16]
+    assert not address_table([buffer[:8], buffer[1:9]], torch.device("cpu"))[1]  # 4 bytes in
 
 
 def _tensors(n: int = 2) -> ShadowAdamWTensors:
@@ -124,14 +137,15 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from opengem.ops.triton import adamw as a
 
-constexpr_names = ("HAS_SKIP", "HALF_IS_BF16", "MOMENTS_BF16", "BLOCK", "BLOCKS_PER_ITEM")
+constexpr_names = ("HAS_SKIP", "HALF_IS_BF16", "MOMENTS_BF16", "ALIGNED", "BLOCK", "BLOCKS_PER_ITEM")
 names = [n for n in a._shadow_adamw_kernel.arg_names if n not in constexpr_names]
 types = {"item_tensor": "*i32", "item_block": "*i32", "numels": "*i64", "skip": "*fp32", "log2_betas": "*fp64",
          "hyper": "*fp32", "rounding_seed": "i64"}
 signature = {n: types.get(n, "*i64" if n.endswith("_table") else "fp32") for n in names}
-for half_is_bf16, moments_bf16 in ((True, False), (False, False), (True, True), (False, True)):
-    constexprs = dict(HAS_SKIP=True, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, BLOCK=a.BLOCK,
-                      BLOCKS_PER_ITEM=a.BLOCKS_PER_ITEM)
+for half_is_bf16, moments_bf16, aligned in ((True, False, True), (False, False, True), (True, True, True),
+                                            (False, True, True), (True, False, False), (True, True, False)):
+    constexprs = dict(HAS_SKIP=True, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, ALIGNED=aligned,
+                      BLOCK=a.BLOCK, BLOCKS_PER_ITEM=a.BLOCKS_PER_ITEM)
     ptx = triton.compile(ASTSource(a._shadow_adamw_kernel, {**signature, **{k: "constexpr" for k in constexprs}},
                                    constexprs), target=GPUTarget("cuda", 90, 32),
                          options=dict(num_warps=a.NUM_WARPS)).asm["ptx"]
@@ -141,6 +155,8 @@ for half_is_bf16, moments_bf16 in ((True, False), (False, False), (True, True), 
     # shadows rounded to nearest; the stochastically rounded moments' casts are exact (their low half cleared)
     assert rounds_to_bf16 == (half_is_bf16 or moments_bf16)
     assert ("mul.lo" in ptx) == moments_bf16  # the rounding bits' hash: 32-bit products that wrap
+    # 16-byte loads and stores where every address is aligned (session 62: one access an element before)
+    assert ("ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx) == aligned
 print("compiled")
 """
 

@@ -87,8 +87,10 @@ class ShadowAdamWTensors:
             tables = {name: address_table([tensors[i] for i in kept], self.device) for name, tensors in (
                 ("param", self.params), ("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs),
                 ("shadow", self.shadows), ("step", self.steps))}
+            aligned = all(aligned for name, (_, aligned) in tables.items() if name != "step")  # a scalar read
             sizes = to_device(torch.tensor(numels, dtype=torch.int64), self.device)
-            self._launch_plans[present] = (work_items(numels, self.device), sizes, tables)
+            self._launch_plans[present] = (work_items(numels, self.device), sizes,
+                                           {name: table for name, (table, _) in tables.items()}, aligned)
         return self._launch_plans[present]
 
 
@@ -140,8 +142,10 @@ def shadow_adamw_update(
         return
     from opengem.ops.triton.adamw import address_table, hyperparameters, shadow_adamw_launch
 
-    items, numels, tables = tensors.launch_plan(present)
-    shadow_adamw_launch(items, numels, tables, address_table(kept_grads, tensors.device), skip,
-                        tensors.log2_betas(betas), hyperparameters(**hyper, device=tensors.device),
+    items, numels, tables, aligned = tensors.launch_plan(present)
+    grad_table, grads_aligned = address_table(kept_grads, tensors.device)
+    shadow_adamw_launch(items, numels, tables, grad_table, skip, tensors.log2_betas(betas),
+                        hyperparameters(**hyper, device=tensors.device),
                         half_is_bf16=tensors.half_dtype == torch.bfloat16,
-                        moments_bf16=tensors.moment_dtype == torch.bfloat16, rounding_seed=rounding_seed)
+                        moments_bf16=tensors.moment_dtype == torch.bfloat16, rounding_seed=rounding_seed,
+                        aligned=aligned and grads_aligned)

@@ -22,14 +22,44 @@ from opengem.ops.triton.rounding import mix32, rounding_key, store_bf16_rounded_
 BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: 64-byte fp32 accesses)
 BLOCKS_PER_ITEM = 8  # a program's share: its table reads and bias corrections paid once per 32768 elements
 NUM_WARPS = 8
+ALIGNMENT = 16  # bytes: the kernel's vector accesses where every tensor starts on such an address
+
+
+@triton.jit
+def _update_block(
+    offsets, mask, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr, lr_weight_decay, beta1,
+    one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt, key,
+    HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr,
+):
+    """One block of elements (``mask`` None for a full block: unmasked accesses vectorize)."""
+    half: tl.constexpr = tl.bfloat16 if HALF_IS_BF16 else tl.float16
+    param = tl.load(param_ptr + offsets, mask=mask)
+    grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
+    exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
+    param = param - lr_weight_decay * param
+    exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
+    exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
+    # IEEE square root and quotients (tl.sqrt and / are approximate): the kernel is memory-bound either way
+    denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
+    param = param - tl.div_rn(step_size * exp_avg, denom)
+    tl.store(param_ptr + offsets, param, mask=mask)
+    if MOMENTS_BF16:  # one hash an element, its halves the reference's two streams
+        hashed = mix32(offsets.to(tl.uint32) ^ key)
+        store_bf16_rounded_by(exp_avg_ptr + offsets, exp_avg, hashed & 0xFFFF, mask)
+        store_bf16_rounded_by(exp_avg_sq_ptr + offsets, exp_avg_sq, hashed >> 16, mask)
+    else:
+        tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
+        tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
+    tl.store(shadow_ptr + offsets, param.to(half, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rounding_seed"])
 def _shadow_adamw_kernel(
     item_tensor, item_block, numels, param_table, grad_table, exp_avg_table, exp_avg_sq_table, shadow_table,
     step_table, skip, log2_betas, hyper, rounding_seed,
-    HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr, BLOCK: tl.constexpr,
-    BLOCKS_PER_ITEM: tl.constexpr,
+    HAS_SKIP: tl.constexpr, HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr, ALIGNED: tl.constexpr,
+    BLOCK: tl.constexpr, BLOCKS_PER_ITEM: tl.constexpr,
 ):
     item = tl.program_id(0)
     t = tl.load(item_tensor + item)
@@ -44,6 +74,12 @@ def _shadow_adamw_kernel(
     exp_avg_ptr = tl.load(exp_avg_table + t).to(tl.pointer_type(moment))
     exp_avg_sq_ptr = tl.load(exp_avg_sq_table + t).to(tl.pointer_type(moment))
     shadow_ptr = tl.load(shadow_table + t).to(tl.pointer_type(half))
+    if ALIGNED:  # every address 16-byte aligned (checked on the host): 16-byte accesses, not one per element
+        param_ptr = tl.multiple_of(param_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
+        exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
+        shadow_ptr = tl.multiple_of(shadow_ptr, 16)
     # bias corrections in fp64 from the betas' fp64 logarithms, as PyTorch's fused AdamW computes them in double
     # (fp32's approximate exp2 moved 1 - beta2 ** step by ~1e-4 relative at step 1)
     lr, beta1, one_minus_beta1 = tl.load(hyper), tl.load(hyper + 1), tl.load(hyper + 2)
@@ -52,30 +88,20 @@ def _shadow_adamw_kernel(
     step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))).to(tl.float64)
     step_size = (lr / (1 - tl.exp2(step * tl.load(log2_betas)))).to(tl.float32)
     bias_correction2_sqrt = tl.sqrt(1 - tl.exp2(step * tl.load(log2_betas + 1))).to(tl.float32)
+    key = 0
     if MOMENTS_BF16:  # the reference's key: the seed, the step and the tensor's place
         key = rounding_key(rounding_seed, step, t)
     for i in range(BLOCKS_PER_ITEM):
-        offsets = first + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < numel
-        param = tl.load(param_ptr + offsets, mask=mask)
-        grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
-        exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offsets, mask=mask).to(tl.float32)
-        param = param - lr_weight_decay * param
-        exp_avg = beta1 * exp_avg + one_minus_beta1 * grad
-        exp_avg_sq = beta2 * exp_avg_sq + one_minus_beta2 * grad * grad
-        # IEEE square root and quotients (tl.sqrt and / are approximate): the kernel is memory-bound either way
-        denom = tl.div_rn(tl.sqrt_rn(exp_avg_sq), bias_correction2_sqrt) + eps
-        param = param - tl.div_rn(step_size * exp_avg, denom)
-        tl.store(param_ptr + offsets, param, mask=mask)
-        if MOMENTS_BF16:  # one hash an element, its halves the reference's two streams
-            hashed = mix32(offsets.to(tl.uint32) ^ key)
-            store_bf16_rounded_by(exp_avg_ptr + offsets, exp_avg, hashed & 0xFFFF, mask)
-            store_bf16_rounded_by(exp_avg_sq_ptr + offsets, exp_avg_sq, hashed >> 16, mask)
-        else:
-            tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
-            tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-        tl.store(shadow_ptr + offsets, param.to(half, fp_downcast_rounding="rtne"), mask=mask)
+        start = first + i * BLOCK
+        offsets = start + tl.arange(0, BLOCK)
+        if start + BLOCK <= numel:  # a full block: no mask, so an aligned tensor's accesses vectorize
+            _update_block(offsets, None, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr,
+                          lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+                          bias_correction2_sqrt, key, HALF_IS_BF16=HALF_IS_BF16, MOMENTS_BF16=MOMENTS_BF16)
+        else:  # the tensor's last, partial block (or past its end: all masked)
+            _update_block(offsets, offsets < numel, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr,
+                          lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+                          bias_correction2_sqrt, key, HALF_IS_BF16=HALF_IS_BF16, MOMENTS_BF16=MOMENTS_BF16)
 
 
 def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,9 +113,12 @@ def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, t
     return tensors.to(device, torch.int32), within.to(device, torch.int32)
 
 
-def address_table(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """The tensors' addresses as an int64 device tensor."""
-    return to_device(torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64), device)
+def address_table(tensors: list[torch.Tensor], device: torch.device) -> tuple[torch.Tensor, bool]:
+    """The tensors' addresses as an int64 device tensor, and whether every one is 16-byte aligned (the kernel's
+    vector accesses; PyTorch's allocations are, a view at an odd offset may not be)."""
+    addresses = [t.data_ptr() for t in tensors]
+    return (to_device(torch.tensor(addresses, dtype=torch.int64), device),
+            all(address % ALIGNMENT == 0 for address in addresses))
 
 
 def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
@@ -106,17 +135,18 @@ def hyperparameters(lr: float, beta1: float, beta2: float, eps: float, weight_de
 def shadow_adamw_launch(
     items: tuple[torch.Tensor, torch.Tensor], numels: torch.Tensor, tables: dict[str, torch.Tensor],
     grad_table: torch.Tensor, skip: torch.Tensor | None, log2_betas: torch.Tensor, hyper: torch.Tensor,
-    half_is_bf16: bool, moments_bf16: bool = False, rounding_seed: int = 0,
+    half_is_bf16: bool, moments_bf16: bool = False, rounding_seed: int = 0, aligned: bool = False,
 ) -> None:
     """``log2_betas``: fp64 ``[log2(beta1), log2(beta2)]`` on the device; ``hyper``: :func:`hyperparameters`;
-    ``rounding_seed`` (uint32) keys the bf16 moments' rounding."""
+    ``rounding_seed`` (uint32) keys the bf16 moments' rounding; ``aligned``: every address of the tables is
+    ``ALIGNMENT``-byte aligned (:func:`address_table` says)."""
     item_tensor, item_block = items
     if item_tensor.numel() == 0:
         return
     _shadow_adamw_kernel[(item_tensor.numel(),)](
         item_tensor, item_block, numels, tables["param"], grad_table, tables["exp_avg"], tables["exp_avg_sq"],
         tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, hyper, rounding_seed,
-        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, BLOCK=BLOCK,
+        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, ALIGNED=aligned, BLOCK=BLOCK,
         BLOCKS_PER_ITEM=BLOCKS_PER_ITEM,
         num_warps=NUM_WARPS,
     )
