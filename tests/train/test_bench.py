@@ -542,8 +542,12 @@ def test_environment_records_the_opengem_settings_of_an_ab_run(monkeypatch):
 
     monkeypatch.setenv("OPENGEM_TRITON_LAUNCH", "triton")
     monkeypatch.setenv("OPENGEM_GIT_COMMIT", "abc1234")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    monkeypatch.setenv("PYTORCH_NO_CUDA_MEMORY_CACHING", "0")  # a PyTorch variable it does not record
     env = environment(torch.device("cpu"))
     assert env["opengem_settings"]["OPENGEM_TRITON_LAUNCH"] == "triton"
+    assert env["opengem_settings"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert "PYTORCH_NO_CUDA_MEMORY_CACHING" not in env["opengem_settings"]
     assert "OPENGEM_GIT_COMMIT" not in env["opengem_settings"] and env["git_commit"] == "abc1234"
 
 

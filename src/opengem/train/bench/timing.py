@@ -125,11 +125,15 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+ALLOCATOR_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+
+
 def opengem_settings() -> dict[str, str]:
-    """The ``OPENGEM_*`` variables of the environment but the commit: the kernel tuning and launch settings that
-    two runs of an A/B differ in (``benchmarks.common.environment`` records them too)."""
+    """The ``OPENGEM_*`` variables of the environment but the commit, and the CUDA caching allocator's: the kernel
+    tuning, launch and memory settings that two runs of an A/B differ in (``benchmarks.common.environment`` records
+    them too; gem-large b384 ran out of memory on fragmentation without expandable segments, session 62)."""
     return {name: value for name, value in sorted(os.environ.items())
-            if name.startswith("OPENGEM_") and name != "OPENGEM_GIT_COMMIT"}
+            if (name.startswith("OPENGEM_") and name != "OPENGEM_GIT_COMMIT") or name in ALLOCATOR_VARIABLES}
 
 
 def write_json(path: Path, payload: dict[str, Any]) -> Path:
