@@ -1205,6 +1205,17 @@ chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constant
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
+narrow_state_curve() {  # issue 6's 2000 gem-small steps with bf16 moments and bf16 tables, resumable (session 62:
+  # together they fit gem-large b384 on an H100, 27.80%; one NE run for both before either becomes a default)
+  untuned_curve --variant none --label narrow_state --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16 \
+    --checkpoint-dir runs/curve_narrow_state "$@"
+}
+chain_s65d() { step lp_curve_narrow_state_part1 560 narrow_state_curve --stop-after 420; }
+chain_s65e() {  # on s65d's machine (its runs/ folder): the rest, then the final NE against session 20's BF16 repeat
+  step lp_curve_narrow_state_part2 400 narrow_state_curve --resume
+  step lp_curves_narrow_state_vs_repeat 30 untuned_curve --compare --variant none --label narrow_state \
+    --baseline bf16_repeat --bar 0.003
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
@@ -1527,7 +1538,7 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
 export out
 export -f tests train large_at large_expandable_at host_samples_at unpacked_cache with_cache small_train small_train_at \
   small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
-  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve multi large_single large_b512 \
+  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve narrow_state_curve multi large_single large_b512 \
   curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
