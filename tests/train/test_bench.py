@@ -51,7 +51,7 @@ def test_bench_train_reports_every_figure(train_result):
     assert results["device_peak_tflops"] == 1.0
     assert results["mfu"] == pytest.approx(results["flops_per_s"] / 1e12)
     assert results["matmul_ceiling_tflops"] > 0 and results["mfu_vs_matmul_ceiling"] > 0
-    assert results["peak_memory_gb"] is None  # CPU
+    assert results["peak_memory_gb"] is None and results["peak_reserved_gb"] is None  # CPU
     assert results["loader_samples_per_s"] > 0
     assert results["loader_over_step_rate"] == pytest.approx(results["loader_samples_per_s"] / results["samples_per_s"])
     assert payload["environment"]["device"] == "cpu"
@@ -82,6 +82,17 @@ def test_report_gives_each_kernel_familys_launches(train_result):
     assert "  GPU ms per step by kernel family (kernels launched per step):" in lines
     assert "    gemm                81.660 (412)" in lines and "    copy                 5.700 (32)" in lines
     assert "    launches, total        444" in lines
+
+
+def test_report_gives_the_allocators_reserve_beside_the_peak(train_result):
+    """A GPU run's peak memory with what the caching allocator reserved (fragmentation shows as the gap)."""
+    base = train_result[0]
+    results = {**base["results"], "peak_memory_gb": 67.06, "peak_reserved_gb": 78.1}
+    report = format_report({**base, "results": results})
+    assert "67.06 GiB (78.10 GiB reserved by the allocator)" in report
+    older = {key: value for key, value in results.items() if key != "peak_reserved_gb"}  # a JSON from before
+    older_report = format_report({**base, "results": older})
+    assert "67.06 GiB" in older_report and "reserved" not in older_report
 
 
 def test_report_says_when_the_host_paced_the_steps(train_result):

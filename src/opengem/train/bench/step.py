@@ -213,6 +213,9 @@ def bench_train(options: TrainBenchOptions) -> dict[str, Any]:
         "matmul_ceiling_tflops": ceiling / 1e12,
         "mfu_vs_matmul_ceiling": mfu(flops_per_s, ceiling),
         "peak_memory_gb": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        # the allocator's reserve: well above the allocated peak, the jagged shapes fragment its segments (gem-large
+        # b384 ran out of memory with 11 GiB reserved and unused, session 62)
+        "peak_reserved_gb": torch.cuda.max_memory_reserved(device) / 2**30 if device.type == "cuda" else None,
         "data_wait_ms": 1e3 * data_wait / options.steps,
         "loader_samples_per_s": loader_samples_per_s,
         "loader_over_step_rate": loader_samples_per_s * elapsed / samples,
@@ -419,6 +422,8 @@ def format_report(payload: dict[str, Any]) -> str:
     else:
         e2e = f"{100 * r['mfu']:.1f} % of the dense BF16 peak ({r['device_peak_tflops']:.0f} TFLOP/s)"
     memory = "n/a (CPU)" if r["peak_memory_gb"] is None else f"{r['peak_memory_gb']:.2f} GiB"
+    if r.get("peak_reserved_gb") is not None:  # absent before session 62
+        memory += f" ({r['peak_reserved_gb']:.2f} GiB reserved by the allocator)"
     fp8_path = "" if s.get("fp8_compile_path") is None else f" ({s['fp8_compile_path']})"  # absent before session 22
     lines = [
         (f"bench train {payload['preset']} on {payload['environment']['device']}: batch {s['batch_size']}, "
