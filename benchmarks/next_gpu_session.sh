@@ -1536,9 +1536,11 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_at large_expandable_at host_samples_at unpacked_cache with_cache small_train small_train_at \
+export -f tests train large_at large_expandable_at host_samples_at unpacked_cache with_cache small_train \
+  small_train_at \
   small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
-  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve narrow_state_curve multi large_single large_b512 \
+  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve narrow_state_curve multi large_single \
+  large_b512 \
   curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;

@@ -1,10 +1,11 @@
 """The shadow AdamW kernel's launch shape (elements a loop iteration, iterations a program, warps) on a preset's
 Linear parameters, with fp32 and with bf16 moments, beside the device copy bandwidth.
 
-Session 62 read the bf16 moments at 70.5% of a copy's bandwidth against 91.9% for fp32 moments (10.51 against 11.30
-ms on gem-large): fewer bytes an element in flight and the rounding hash's integer work between a program's loads.
-Each shape is checked first (one update against the shipped shape's, on the same state: the same bits, since the
-rounding counters are element indices whatever the tiling), then timed in interleaved rounds.
+Session 62 read the bf16 moments at 72% of a copy's bandwidth against 92% for fp32 moments (10.25 against 11.32 ms
+on gem-large): the kernel took one access an element (now 16-byte ones where aligned) and, under Triton 3.6, 252-255
+registers at the shipped 4096 x 8 warps (128 at 2048 x 8 or 4096 x 16), so one program an SM. Each shape is checked
+first (one update against the shipped shape's, on the same state: the same bits, since the rounding counters are
+element indices whatever the tiling), then timed in interleaved rounds.
 
 Run on a GPU: ``PYTHONPATH=src:. python -m benchmarks.diag.adamw_launch_configs [--preset gem-large]``.
 """

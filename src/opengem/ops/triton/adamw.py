@@ -19,7 +19,7 @@ import triton.language as tl
 from opengem.jagged.host import to_device
 from opengem.ops.triton.rounding import mix32, rounding_key, store_bf16_rounded_by
 
-BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: 64-byte fp32 accesses)
+BLOCK = 4096  # elements a loop iteration (16 a thread at 8 warps: four 16-byte fp32 accesses where aligned)
 BLOCKS_PER_ITEM = 8  # a program's share: its table reads and bias corrections paid once per 32768 elements
 NUM_WARPS = 8
 ALIGNMENT = 16  # bytes: the kernel's vector accesses where every tensor starts on such an address
@@ -74,7 +74,8 @@ def _shadow_adamw_kernel(
     exp_avg_ptr = tl.load(exp_avg_table + t).to(tl.pointer_type(moment))
     exp_avg_sq_ptr = tl.load(exp_avg_sq_table + t).to(tl.pointer_type(moment))
     shadow_ptr = tl.load(shadow_table + t).to(tl.pointer_type(half))
-    if ALIGNED:  # every address 16-byte aligned (checked on the host): 16-byte accesses, not one per element
+    if ALIGNED:  # every address ALIGNMENT (16) bytes aligned, checked on the host: 16-byte accesses, not one an
+        # element (the addresses come from tables, so Triton cannot see their alignment)
         param_ptr = tl.multiple_of(param_ptr, 16)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
         exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
@@ -146,7 +147,7 @@ def shadow_adamw_launch(
     _shadow_adamw_kernel[(item_tensor.numel(),)](
         item_tensor, item_block, numels, tables["param"], grad_table, tables["exp_avg"], tables["exp_avg_sq"],
         tables["shadow"], tables["step"], skip if skip is not None else numels, log2_betas, hyper, rounding_seed,
-        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, ALIGNED=aligned, BLOCK=BLOCK,
-        BLOCKS_PER_ITEM=BLOCKS_PER_ITEM,
+        HAS_SKIP=skip is not None, HALF_IS_BF16=half_is_bf16, MOMENTS_BF16=moments_bf16, ALIGNED=aligned,
+        BLOCK=BLOCK, BLOCKS_PER_ITEM=BLOCKS_PER_ITEM,
         num_warps=NUM_WARPS,
     )
