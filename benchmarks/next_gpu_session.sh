@@ -1149,16 +1149,24 @@ chain_s64f() {  # after session 61: what bf16 moments (4.45 GB) and bf16 tables 
   step bench_train_large_b384_narrow 240 large_at 384 train_gem-large_b384_s64f_narrow \
     --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
 }
-bf16_moments_curve() {  # issue 6's 2000 gem-small steps with the shadow AdamW's bf16 moments, resumable
-  untuned_curve --variant none --label bf16_moments --set shadow_adamw_moments=bf16 \
-    --checkpoint-dir runs/curve_bf16_moments "$@"
+resumable_curve() {  # resumable_curve LABEL [ARGS]: issue 6's 2000 gem-small steps as LABEL, checkpointed in
+  # runs/curve_LABEL
+  local label=$1; shift
+  untuned_curve --variant none --label "$label" --checkpoint-dir "runs/curve_$label" "$@"
 }
-chain_s64d() { step lp_curve_bf16_moments_part1 560 bf16_moments_curve --stop-after 420; }
-chain_s64e() {  # on s64d's machine (its runs/ folder): the rest, then the final NE against session 20's BF16 repeat
-  step lp_curve_bf16_moments_part2 400 bf16_moments_curve --resume
-  step lp_curves_bf16_moments_vs_repeat 30 untuned_curve --compare --variant none --label bf16_moments \
+curve_first_part() {  # curve_first_part LABEL [--set ...]: the curve's first 420 steps (a call's worth)
+  local label=$1; shift
+  step "lp_curve_${label}_part1" 560 resumable_curve "$label" "$@" --stop-after 420
+}
+curve_rest_against_repeat() {  # curve_rest_against_repeat LABEL [--set ...], on the first part's machine (its runs/
+  # folder): the rest, then the final NE against session 20's BF16 repeat
+  local label=$1; shift
+  step "lp_curve_${label}_part2" 400 resumable_curve "$label" "$@" --resume
+  step "lp_curves_${label}_vs_repeat" 30 untuned_curve --compare --variant none --label "$label" \
     --baseline bf16_repeat --bar 0.003
 }
+chain_s64d() { curve_first_part bf16_moments --set shadow_adamw_moments=bf16; }  # the shadow AdamW's bf16 moments
+chain_s64e() { curve_rest_against_repeat bf16_moments --set shadow_adamw_moments=bf16; }
 gpu_idle_ms() {  # gpu_idle_ms RESULT.json: a bench train run's timed GPU idle a step (0 when it cannot be read)
   local ms
   ms=$(python -c 'import json, sys; print(int(json.load(open(sys.argv[1]))["results"]["gpu_idle_ms_timed"] or 0))' \
@@ -1205,17 +1213,11 @@ chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constant
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
-narrow_state_curve() {  # issue 6's 2000 gem-small steps with bf16 moments and bf16 tables, resumable (session 62:
-  # together they fit gem-large b384 on an H100, 27.80%; one NE run for both before either becomes a default)
-  untuned_curve --variant none --label narrow_state --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16 \
-    --checkpoint-dir runs/curve_narrow_state "$@"
-}
-chain_s65d() { step lp_curve_narrow_state_part1 560 narrow_state_curve --stop-after 420; }
-chain_s65e() {  # on s65d's machine (its runs/ folder): the rest, then the final NE against session 20's BF16 repeat
-  step lp_curve_narrow_state_part2 400 narrow_state_curve --resume
-  step lp_curves_narrow_state_vs_repeat 30 untuned_curve --compare --variant none --label narrow_state \
-    --baseline bf16_repeat --bar 0.003
-}
+# bf16 moments and bf16 tables together (session 62: they fit gem-large b384 on an H100, 27.80%): one NE run for both
+# before either becomes a default
+NARROW_STATE=(--set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16)
+chain_s65d() { curve_first_part narrow_state "${NARROW_STATE[@]}"; }
+chain_s65e() { curve_rest_against_repeat narrow_state "${NARROW_STATE[@]}"; }
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
@@ -1539,7 +1541,7 @@ export out
 export -f tests train large_at large_expandable_at host_samples_at unpacked_cache with_cache small_train \
   small_train_at \
   small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
-  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve bf16_moments_curve narrow_state_curve multi large_single \
+  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve resumable_curve multi large_single \
   large_b512 \
   curves_single predict
 case "$part" in
