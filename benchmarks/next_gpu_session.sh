@@ -1218,6 +1218,14 @@ chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constant
 NARROW_STATE=(--set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16)
 chain_s65d() { curve_first_part narrow_state "${NARROW_STATE[@]}"; }
 chain_s65e() { curve_rest_against_repeat narrow_state "${NARROW_STATE[@]}"; }
+chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
+  # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
+  # on a fresh machine, once)
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s65f_default_a1
+  step bench_train_large_b384_narrow_expandable 200 large_expandable_at 384 \
+    train_gem-large_b384_s65f_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s65f_default_a2
+}
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
   step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
