@@ -88,7 +88,7 @@ class ShadowAdamWTensors:
                 ("param", self.params), ("exp_avg", self.exp_avgs), ("exp_avg_sq", self.exp_avg_sqs),
                 ("shadow", self.shadows), ("step", self.steps))}
             # the step counters are read as scalars: their alignment does not matter
-            aligned = all(aligned for name, (_, aligned) in tables.items() if name != "step")
+            aligned = all(table_aligned for name, (_, table_aligned) in tables.items() if name != "step")
             sizes = to_device(torch.tensor(numels, dtype=torch.int64), self.device)
             self._launch_plans[present] = (work_items(numels, self.device), sizes,
                                            {name: table for name, (table, _) in tables.items()}, aligned)

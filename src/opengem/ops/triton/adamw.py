@@ -26,12 +26,23 @@ ALIGNMENT = 16  # bytes: the kernel's vector accesses where every tensor starts 
 
 
 @triton.jit
-def _update_block(
-    offsets, mask, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr, lr_weight_decay, beta1,
-    one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt, key,
-    HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr,
-):
-    """One block of elements (``mask`` None for a full block: unmasked accesses vectorize)."""
+def _tensor_pointer(table, t, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """Tensor ``t``'s address from ``table`` as a pointer to ``dtype``; with ``ALIGNED`` (every address ALIGNMENT,
+    16, bytes aligned, checked on the host) hinted so, for 16-byte accesses instead of one an element (Triton cannot
+    see the alignment of an address read from memory)."""
+    pointer = tl.load(table + t).to(tl.pointer_type(dtype))
+    if ALIGNED:
+        pointer = tl.multiple_of(pointer, 16)
+    return pointer
+
+
+@triton.jit
+def _update_block(offsets, mask, pointers, scalars, HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr):
+    """One block of elements (``mask`` None for a full block: unmasked accesses vectorize). ``pointers`` and
+    ``scalars``: the kernel's tuples of the tensor's addresses and of its step's hyperparameters."""
+    param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr = pointers
+    lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt, key = \
+        scalars
     half: tl.constexpr = tl.bfloat16 if HALF_IS_BF16 else tl.float16
     param = tl.load(param_ptr + offsets, mask=mask)
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
@@ -68,19 +79,10 @@ def _shadow_adamw_kernel(
     if HAS_SKIP:  # a skipped step writes nothing
         numel = tl.where(tl.load(skip) == 0, numel, 0)
     half: tl.constexpr = tl.bfloat16 if HALF_IS_BF16 else tl.float16
-    param_ptr = tl.load(param_table + t).to(tl.pointer_type(tl.float32))
-    grad_ptr = tl.load(grad_table + t).to(tl.pointer_type(half))
     moment: tl.constexpr = tl.bfloat16 if MOMENTS_BF16 else tl.float32
-    exp_avg_ptr = tl.load(exp_avg_table + t).to(tl.pointer_type(moment))
-    exp_avg_sq_ptr = tl.load(exp_avg_sq_table + t).to(tl.pointer_type(moment))
-    shadow_ptr = tl.load(shadow_table + t).to(tl.pointer_type(half))
-    if ALIGNED:  # every address ALIGNMENT (16) bytes aligned, checked on the host: 16-byte accesses, not one an
-        # element (the addresses come from tables, so Triton cannot see their alignment)
-        param_ptr = tl.multiple_of(param_ptr, 16)
-        grad_ptr = tl.multiple_of(grad_ptr, 16)
-        exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
-        exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
-        shadow_ptr = tl.multiple_of(shadow_ptr, 16)
+    pointers = (_tensor_pointer(param_table, t, tl.float32, ALIGNED), _tensor_pointer(grad_table, t, half, ALIGNED),
+                _tensor_pointer(exp_avg_table, t, moment, ALIGNED),
+                _tensor_pointer(exp_avg_sq_table, t, moment, ALIGNED), _tensor_pointer(shadow_table, t, half, ALIGNED))
     # bias corrections in fp64 from the betas' fp64 logarithms, as PyTorch's fused AdamW computes them in double
     # (fp32's approximate exp2 moved 1 - beta2 ** step by ~1e-4 relative at step 1)
     lr, beta1, one_minus_beta1 = tl.load(hyper), tl.load(hyper + 1), tl.load(hyper + 2)
@@ -92,17 +94,15 @@ def _shadow_adamw_kernel(
     key = 0
     if MOMENTS_BF16:  # the reference's key: the seed, the step and the tensor's place
         key = rounding_key(rounding_seed, step, t)
+    scalars = (lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
+               bias_correction2_sqrt, key)
     for i in range(BLOCKS_PER_ITEM):
         start = first + i * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= numel:  # a full block: no mask, so an aligned tensor's accesses vectorize
-            _update_block(offsets, None, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr,
-                          lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-                          bias_correction2_sqrt, key, HALF_IS_BF16=HALF_IS_BF16, MOMENTS_BF16=MOMENTS_BF16)
+            _update_block(offsets, None, pointers, scalars, HALF_IS_BF16, MOMENTS_BF16)
         else:  # the tensor's last, partial block (or past its end: all masked)
-            _update_block(offsets, offsets < numel, param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr,
-                          lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size,
-                          bias_correction2_sqrt, key, HALF_IS_BF16=HALF_IS_BF16, MOMENTS_BF16=MOMENTS_BF16)
+            _update_block(offsets, offsets < numel, pointers, scalars, HALF_IS_BF16, MOMENTS_BF16)
 
 
 def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
