@@ -44,6 +44,14 @@ def linear_shapes(preset: str) -> list[torch.Size]:
     return [p.shape for m in model.modules() if type(m) is nn.Linear for p in m.parameters(recurse=False)]
 
 
+def shadow_adamw_state(params: list[torch.Tensor], moments: torch.dtype) -> ShadowAdamWTensors:
+    """The shadow AdamW's state around ``params`` at step 0: zero moments in ``moments``, bf16 shadows, zero
+    counters."""
+    return ShadowAdamWTensors(params, [torch.zeros_like(p, dtype=moments) for p in params],
+                              [torch.zeros_like(p, dtype=moments) for p in params], [p.bfloat16() for p in params],
+                              [torch.zeros((), device=p.device) for p in params])
+
+
 class Setup:
     """fp32 parameters, moments, bf16 shadows and gradients for the shadow AdamW, a copy of the parameters with bf16
     moments for it, and a copy with fp32 gradients under ``torch.optim.AdamW(fused=True)``."""
@@ -52,16 +60,8 @@ class Setup:
         generator = torch.Generator(device=device).manual_seed(seed)
         self.params = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
         self.grads = [torch.randn(s, device=device, generator=generator).bfloat16() * 1e-3 for s in shapes]
-        self.shadows = [p.bfloat16() for p in self.params]
-        self.tensors = ShadowAdamWTensors(self.params, [torch.zeros_like(p) for p in self.params],
-                                          [torch.zeros_like(p) for p in self.params], self.shadows,
-                                          [torch.zeros((), device=device) for _ in self.params])
-        self.narrow_params = [p.clone() for p in self.params]
-        self.narrow_shadows = [p.bfloat16() for p in self.params]
-        self.narrow = ShadowAdamWTensors(self.narrow_params,
-                                         [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.params],
-                                         [torch.zeros_like(p, dtype=torch.bfloat16) for p in self.params],
-                                         self.narrow_shadows, [torch.zeros((), device=device) for _ in self.params])
+        self.tensors = shadow_adamw_state(self.params, torch.float32)
+        self.narrow = shadow_adamw_state([p.clone() for p in self.params], torch.bfloat16)
         self.peer = [p.clone().requires_grad_() for p in self.params]
         self.peer_shadows = [p.bfloat16() for p in self.params]
         for p in self.peer:
@@ -93,9 +93,9 @@ def check_one_update(shapes: list[torch.Size], device: str) -> dict[str, float]:
     setup.shadow_adamw_bf16_moments()
     setup.adamw_with_casts()
     worst = max(relative_error(p, q.detach()) for p, q in zip(setup.params, setup.peer))
-    narrow = max(relative_error(p, q.detach()) for p, q in zip(setup.narrow_params, setup.peer))
-    rounded = all(torch.equal(s, p.bfloat16()) for s, p in zip(setup.shadows + setup.narrow_shadows,
-                                                               setup.params + setup.narrow_params))
+    narrow = max(relative_error(p, q.detach()) for p, q in zip(setup.narrow.params, setup.peer))
+    rounded = all(torch.equal(s, p.bfloat16()) for state in (setup.tensors, setup.narrow)
+                  for s, p in zip(state.shadows, state.params))
     return {"max_param_rel_error": worst, "bf16_moments_max_param_rel_error": narrow, "shadows_rounded": rounded}
 
 

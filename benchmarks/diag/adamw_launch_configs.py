@@ -21,7 +21,7 @@ from contextlib import contextmanager
 import torch
 
 from benchmarks.common import interleaved_ms, print_table, write_results
-from benchmarks.optimizer import HYPER, copy_bandwidth_gbps, linear_shapes
+from benchmarks.optimizer import HYPER, copy_bandwidth_gbps, linear_shapes, shadow_adamw_state
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
 from opengem.ops.triton import adamw as kernel
 
@@ -41,36 +41,34 @@ def launch_shape(block: int, blocks_per_item: int, num_warps: int) -> Iterator[N
 
 
 class Learner:
-    """Parameters, moments of one dtype, bf16 shadows and gradients, and a pristine copy to restart from."""
+    """The shadow AdamW's state on random parameters (`benchmarks.optimizer.shadow_adamw_state`), gradients, and a
+    pristine copy of the parameters to restart from."""
 
     def __init__(self, shapes: list[torch.Size], moments: torch.dtype, device: str, seed: int = 0) -> None:
         generator = torch.Generator(device=device).manual_seed(seed)
         self.initial = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
         self.grads = [torch.randn(s, device=device, generator=generator).bfloat16() * 1e-3 for s in shapes]
-        self.params = [p.clone() for p in self.initial]
-        self.exp_avgs = [torch.zeros_like(p, dtype=moments) for p in self.initial]
-        self.exp_avg_sqs = [torch.zeros_like(p, dtype=moments) for p in self.initial]
-        self.shadows = [p.bfloat16() for p in self.initial]
-        self.steps = [torch.zeros((), device=device) for _ in shapes]
+        self.state = shadow_adamw_state([p.clone() for p in self.initial], moments)
 
     def restart(self) -> None:
-        torch._foreach_copy_(self.params, self.initial)
-        for tensor in (*self.exp_avgs, *self.exp_avg_sqs, *self.steps):
+        torch._foreach_copy_(self.state.params, self.initial)
+        for tensor in (*self.state.exp_avgs, *self.state.exp_avg_sqs, *self.state.steps):
             tensor.zero_()
 
     def updater(self, shape: tuple[int, int, int]):
         """Updates under ``shape``: a fresh ShadowAdamWTensors over the same buffers, its work items planned and the
         kernel launched with the shape's constants (both read the module's: a launch outside the shape would run
         the shipped tiling over work items planned for another)."""
-        tensors = ShadowAdamWTensors(self.params, self.exp_avgs, self.exp_avg_sqs, self.shadows, self.steps)
+        s = self.state
+        tensors = ShadowAdamWTensors(s.params, s.exp_avgs, s.exp_avg_sqs, s.shadows, s.steps)
 
         def update() -> None:
             with launch_shape(*shape):
                 shadow_adamw_update(tensors, self.grads, **HYPER)
         return update
 
-    def state(self) -> list[torch.Tensor]:
-        return [*self.params, *self.exp_avgs, *self.exp_avg_sqs, *self.shadows]
+    def tensors(self) -> list[torch.Tensor]:
+        return [*self.state.params, *self.state.exp_avgs, *self.state.exp_avg_sqs, *self.state.shadows]
 
 
 def main() -> None:
@@ -88,13 +86,13 @@ def main() -> None:
     for moments, bytes_per_parameter in ((torch.bfloat16, 20), (torch.float32, 28)):
         learner = Learner(shapes, moments, args.device)
         learner.updater(shipped)()
-        expected = [t.clone() for t in learner.state()]
+        expected = [t.clone() for t in learner.tensors()]
         calls = {}
         for shape in SHAPES:
             learner.restart()
             update = learner.updater(shape)
             update()  # plans and compiles under this shape
-            same = all(torch.equal(a, b) for a, b in zip(learner.state(), expected))
+            same = all(torch.equal(a, b) for a, b in zip(learner.tensors(), expected))
             calls[shape] = (update, same)
         times = interleaved_ms({shape: update for shape, (update, _) in calls.items()}, rounds=args.rounds)
         for shape, each in times.items():
