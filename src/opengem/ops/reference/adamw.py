@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from opengem.ops.reference.rounding import rounding_bits, rounding_key, stochastic_round_bf16
+from opengem.ops.reference.rounding import paired_rounding_bits, rounding_key, stochastic_round_bf16
 
 
 @torch.no_grad()
@@ -53,5 +53,6 @@ def shadow_adamw_update(
         shadow.copy_(param)
         if exp_avg.dtype == torch.bfloat16:
             key = rounding_key(rounding_seed, int(count), place)
-            exp_avg.copy_(stochastic_round_bf16(first, rounding_bits(first.numel(), key, 0, first.device)))
-            exp_avg_sq.copy_(stochastic_round_bf16(second, rounding_bits(second.numel(), key, 1, first.device)))
+            first_bits, second_bits = paired_rounding_bits(first.numel(), key, first.device)
+            exp_avg.copy_(stochastic_round_bf16(first, first_bits))
+            exp_avg_sq.copy_(stochastic_round_bf16(second, second_bits))

@@ -127,9 +127,10 @@ def embedding_fused_update_(
     if skip is not None and bool(skip.item() != 0):
         return
     step += 1
-    t = float(step.item()) if optimizer == OPT_ROWWISE_ADAM else 0.0
+    count = int(step.item())
+    t = float(count) if optimizer == OPT_ROWWISE_ADAM else 0.0
     stochastic = stochastic_rounding and weights.dtype == torch.bfloat16
-    bits_key = step_key(EMBEDDING_ROUNDING_SEED, int(step.item())) if stochastic else 0
+    bits_key = step_key(EMBEDDING_ROUNDING_SEED, count) if stochastic else 0
     metas = {m[ROW_OFFSET]: m for m in feature_meta.tolist()}
     for key, (table_ids, grads) in per_id_gradients(grad_out, feature_meta, ids, offsets, batch_size).items():
         if table_ids.numel() == 0:

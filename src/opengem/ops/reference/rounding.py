@@ -46,12 +46,16 @@ def counter_bits(counters: torch.Tensor, key: int) -> torch.Tensor:
     return mix32(counters ^ key) & 0xFFFF
 
 
-def rounding_bits(numel: int, key: int, stream: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The bits of ``numel`` consecutive elements on one of two streams: one hash of each element's counter ``i``
-    gives both, stream 0 its low half and stream 1 its high half, so two tensors of one element each (AdamW's two
-    moments) draw apart for the price of one hash."""
+def paired_rounding_bits(numel: int, key: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Two streams of bits for ``numel`` consecutive elements from one hash of each element's counter ``i``: its low
+    half and its high half, so two tensors of one element each (AdamW's two moments) draw apart for one hash."""
     hashed = mix32(torch.arange(numel, dtype=torch.int64, device=device) ^ key)
-    return (hashed >> (16 * stream)) & 0xFFFF
+    return hashed & 0xFFFF, hashed >> 16
+
+
+def rounding_bits(numel: int, key: int, stream: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Stream ``stream`` (0 or 1) of :func:`paired_rounding_bits`."""
+    return paired_rounding_bits(numel, key, device)[stream]
 
 
 def stochastic_round_bf16(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:

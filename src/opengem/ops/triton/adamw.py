@@ -7,7 +7,8 @@ tensor, named by a precomputed (tensor, first block) work list. Each element is 
 weight, 2 of gradient and 8 of moments read; 4 + 8 B and 2 B of copy written (28 B; PyTorch's fused AdamW on fp32
 gradients also moves 28 B, but the gradients' and the copies' casts add 6 B each around it). With bf16 moments
 (``MOMENTS_BF16``) the moments move 4 B each instead of 8: 20 B; they are stored rounded stochastically with the
-reference's random bits (`opengem.ops.reference.rounding.rounding_bits`: one counter hash an element, bit for bit).
+reference's random bits (`opengem.ops.reference.rounding.paired_rounding_bits`: one counter hash an element, bit
+for bit).
 """
 
 from __future__ import annotations
