@@ -1141,13 +1141,15 @@ chain_s64c() {  # after session 61: the shadow AdamW with bf16 moments (shadow_a
     --set shadow_adamw_moments=bf16
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64c_default_a2
 }
+# bf16 AdamW moments and bf16 tables (session 62: together they fit gem-large b384 on an H100, 27.80%)
+NARROW_STATE=(--set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16)
 chain_s64f() {  # after session 61: what bf16 moments (4.45 GB) and bf16 tables (10.8 GB) free buys: gem-large at
   # b384 (b256 by default peaks at 68.7 GB: ~39 GB of tables and dense state, ~0.114 GB a sample of activations)
   # beside b256 with the same settings, one host (run after s64c on its machine: s64c's b256 runs are the default)
   step bench_train_large_b256_narrow 150 large_at 256 train_gem-large_b256_s64f_narrow \
-    --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+    "${NARROW_STATE[@]}"
   step bench_train_large_b384_narrow 240 large_at 384 train_gem-large_b384_s64f_narrow \
-    --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+    "${NARROW_STATE[@]}"
 }
 resumable_curve() {  # resumable_curve LABEL [ARGS]: issue 6's 2000 gem-small steps as LABEL, checkpointed in
   # runs/curve_LABEL
@@ -1194,9 +1196,9 @@ chain_s65a() {  # session 62: s64f's b384 with bf16 moments and tables ran out o
   # The default first (is this host slow?), then b256 and b384 with both narrowings and expandable segments (one host)
   step bench_train_large_b256_default 150 large_at 256 train_gem-large_b256_s65a_default
   step bench_train_large_b256_narrow_expandable 150 large_expandable_at 256 \
-    train_gem-large_b256_s65a_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+    train_gem-large_b256_s65a_narrow_expandable "${NARROW_STATE[@]}"
   step bench_train_large_b384_narrow_expandable 240 large_expandable_at 384 \
-    train_gem-large_b384_s65a_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+    train_gem-large_b384_s65a_narrow_expandable "${NARROW_STATE[@]}"
 }
 chain_s65b() {  # session 62: the bf16 moments drew two hashes an element and streamed at 70.5% of a copy (10.51 ms
   # against fp32 moments' 11.30, s64c); now one hash gives both moments' bits. Its GPU tests, the optimizer, then the
@@ -1213,9 +1215,7 @@ chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constant
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
-# bf16 moments and bf16 tables together (session 62: they fit gem-large b384 on an H100, 27.80%): one NE run for both
-# before either becomes a default
-NARROW_STATE=(--set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16)
+# the NE run of bf16 moments and bf16 tables together (NARROW_STATE), one run for both before either becomes a default
 chain_s65d() { curve_first_part narrow_state "${NARROW_STATE[@]}"; }
 chain_s65e() { curve_rest_against_repeat narrow_state "${NARROW_STATE[@]}"; }
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
@@ -1223,7 +1223,7 @@ chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 mom
   # on a fresh machine, once)
   step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s65f_default_a1
   step bench_train_large_b384_narrow_expandable 200 large_expandable_at 384 \
-    train_gem-large_b384_s65f_narrow_expandable --set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16
+    train_gem-large_b384_s65f_narrow_expandable "${NARROW_STATE[@]}"
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s65f_default_a2
 }
 chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
