@@ -1156,14 +1156,16 @@ resumable_curve() {  # resumable_curve LABEL [ARGS]: issue 6's 2000 gem-small st
   local label=$1; shift
   untuned_curve --variant none --label "$label" --checkpoint-dir "runs/curve_$label" "$@"
 }
-curve_first_part() {  # curve_first_part LABEL [--set ...]: the curve's first 420 steps (a call's worth)
-  local label=$1; shift
-  step "lp_curve_${label}_part1" 560 resumable_curve "$label" "$@" --stop-after 420
+curve_part1_within() {  # curve_part1_within SECONDS LABEL [--set ...]: the curve until SECONDS have passed (setup
+  # included), then its checkpoint
+  local seconds=$1 label=$2; shift 2
+  step "lp_curve_${label}_part1" $((seconds + 140)) resumable_curve "$label" "$@" --stop-after "$seconds"
 }
+curve_first_part() { curve_part1_within 420 "$@"; }  # curve_first_part LABEL [--set ...]: a whole call's worth
 curve_rest_against_repeat() {  # curve_rest_against_repeat LABEL [--set ...], on the first part's machine (its runs/
   # folder): the rest, then the final NE against session 20's BF16 repeat
   local label=$1; shift
-  step "lp_curve_${label}_part2" 400 resumable_curve "$label" "$@" --resume
+  step "lp_curve_${label}_part2" 500 resumable_curve "$label" "$@" --resume
   step "lp_curves_${label}_vs_repeat" 30 untuned_curve --compare --variant none --label "$label" \
     --baseline bf16_repeat --bar 0.003
 }
@@ -1211,13 +1213,22 @@ chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constant
   # module's constants restored before the timing); each update now sets its shape. Since s65b the kernel also
   # vectorizes (16-byte accesses where every address is aligned; it had taken one access an element, 252-255
   # registers under Triton 3.6): its GPU tests (a misaligned case added), the optimizer, then the shapes
-  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
-  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
-  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+  adamw_checks
 }
 # the NE run of bf16 moments and bf16 tables together (NARROW_STATE), one run for both before either becomes a default
 chain_s65d() { curve_first_part narrow_state "${NARROW_STATE[@]}"; }
 chain_s65e() { curve_rest_against_repeat narrow_state "${NARROW_STATE[@]}"; }
+adamw_checks() {  # the shadow AdamW's GPU tests, the optimizer alone, its launch shapes (~85 s, session 62's call 4)
+  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+}
+chain_s66a() {  # session 63, five starts refused (541 s): s65c and s65d in one call (one warm handover fewer).
+  # The AdamW checks, then the narrow state's NE curve for 330 s (s65d gave it 420)
+  adamw_checks
+  curve_part1_within 330 narrow_state "${NARROW_STATE[@]}"
+}
+chain_s66b() { chain_s65e; }  # on s66a's machine: the curve's rest and its NE against the BF16 repeat
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
