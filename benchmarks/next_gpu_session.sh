@@ -1223,8 +1223,9 @@ adamw_checks() {  # the shadow AdamW's GPU tests, the optimizer alone, its launc
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
   step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
-chain_s66a() {  # session 63, five starts refused (541 s): s65c and s65d in one call (one warm handover fewer).
-  # The AdamW checks, then the narrow state's NE curve for 330 s (s65d gave it 420)
+chain_s66a() {  # session 63 (its starts refused until too little was left): s65c and s65d in one call, one warm
+  # handover fewer. The AdamW checks (the launch shape adopted in session 63, 2048 x 4 x 16 warps, now shipped), then
+  # the narrow state's NE curve for 330 s (s65d gave it 420)
   adamw_checks
   curve_part1_within 330 narrow_state "${NARROW_STATE[@]}"
 }
