@@ -287,6 +287,13 @@ large_at() {  # large_at BATCH NAME [ARGS]: gem-large under bench train (bf16 se
   train bench train --preset gem-large --batch-size "$batch" --compile --steps 12 --warmup 6 --num-workers 12 \
     --set gem.sequence_dtype=compute "$@" --out "$out/results/$name.json"
 }
+large_with_inductor() {  # large_with_inductor NAME=VALUE BATCH NAME [ARGS]: large_at with one Inductor setting
+  # changed (benchmarks.diag.with_inductor_config; it enters Inductor's cache key, so the run compiles afresh)
+  local setting=$1 batch=$2 name=$3; shift 3
+  python -m benchmarks.diag.with_inductor_config "$setting" -- bench train --preset gem-large --batch-size "$batch" \
+    --compile --steps 12 --warmup 6 --num-workers 12 --set gem.sequence_dtype=compute "$@" \
+    --out "$out/results/$name.json"
+}
 large_b512() { large_at 512 "$@"; }  # large_b512 NAME [ARGS]
 unpacked_cache() { rm -rf "$1" && mkdir -p "$1" && tar xzf .compile_cache.tgz -C "$1"; }  # a pristine copy of the carry
 with_cache() {  # with_cache CACHE [VAR=VALUE...] COMMAND...: COMMAND with its compile caches under CACHE
@@ -1181,9 +1188,7 @@ chain_s64b() {  # after session 60 (waiting list item 2): gem-large b256 by defa
   # of GPU idle a step, as session 60's call 3 at 62.9), combo kernels and the default again (ABA on that host)
   step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s64b_default_a1
   if [ "$(gpu_idle_ms "$out/results/train_gem-large_b256_s64b_default_a1.json")" -gt 30 ]; then
-    step bench_train_large_b256_combo 300 python -m benchmarks.diag.with_inductor_config combo_kernels=True -- bench \
-      train --preset gem-large --batch-size 256 --compile --steps 12 --warmup 6 --num-workers 12 \
-      --set gem.sequence_dtype=compute --out "$out/results/train_gem-large_b256_s64b_combo.json"
+    step bench_train_large_b256_combo 300 large_with_inductor combo_kernels=True 256 train_gem-large_b256_s64b_combo
     step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64b_default_a2
   else
     echo "the default idled the GPU at most 30 ms a step: a GPU-paced host, the A/B left for a slow one" \
@@ -1214,22 +1219,30 @@ chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constant
   # vectorizes (16-byte accesses where every address is aligned; it had taken one access an element, 252-255
   # registers under Triton 3.6): its GPU tests (a misaligned case added), the optimizer, then the shapes
   adamw_checks
+  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
 # the NE run of bf16 moments and bf16 tables together (NARROW_STATE), one run for both before either becomes a default
 chain_s65d() { curve_first_part narrow_state "${NARROW_STATE[@]}"; }
 chain_s65e() { curve_rest_against_repeat narrow_state "${NARROW_STATE[@]}"; }
-adamw_checks() {  # the shadow AdamW's GPU tests, the optimizer alone, its launch shapes (~85 s, session 62's call 4)
+adamw_checks() {  # the shadow AdamW's GPU tests and the optimizer alone (~45 s, session 63's call 9)
   step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
-  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
 }
 chain_s66a() {  # session 63 (its starts refused until too little was left): s65c and s65d in one call, one warm
-  # handover fewer. The AdamW checks (the launch shape adopted in session 63, 2048 x 4 x 16 warps, now shipped), then
-  # the narrow state's NE curve for 330 s (s65d gave it 420)
+  # handover fewer. The AdamW checks at the launch shape adopted in session 63 (2048 x 4 x 16 warps; its sweep took
+  # 116 s in call 9 and is left out), then the narrow state's NE curve for 330 s (s65d gave it 420)
   adamw_checks
   curve_part1_within 330 narrow_state "${NARROW_STATE[@]}"
 }
 chain_s66b() { chain_s65e; }  # on s66a's machine: the curve's rest and its NE against the BF16 repeat
+chain_s66c() {  # after session 63: Inductor's coordinate-descent tuning of its generated kernels (block sizes and
+  # warps benchmarked at compile time), never tried here, on gem-large b256's element-wise work (28.5 ms a step: layer
+  # norms and their backward, GELU, casts), between two runs of the default (A/B/A on one host)
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s66c_default_a1
+  step bench_train_large_b256_coordinate_descent 360 large_with_inductor coordinate_descent_tuning=True 256 \
+    train_gem-large_b256_s66c_coordinate_descent
+  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s66c_default_a2
+}
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
@@ -1558,7 +1571,8 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
   step block_attention_gpu_tests 260 tests tests/gpu/test_block_attention_gpu.py
 }
 export out
-export -f tests train large_at large_expandable_at host_samples_at unpacked_cache with_cache small_train \
+export -f tests train large_at large_expandable_at large_with_inductor host_samples_at unpacked_cache with_cache \
+  small_train \
   small_train_at \
   small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
   bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve resumable_curve multi large_single \
