@@ -1234,6 +1234,7 @@ chain_s66a() {  # session 63 (its starts refused until too little was left): s65
   adamw_checks
   curve_part1_within 330 narrow_state "${NARROW_STATE[@]}"
 }
+chain_s66d() { adamw_checks; }  # session 63's last device seconds: the AdamW tests and optimizer at the new shape
 chain_s66b() { chain_s65e; }  # on s66a's machine: the curve's rest and its NE against the BF16 repeat
 chain_s66c() {  # after session 63: Inductor's coordinate-descent tuning of its generated kernels (block sizes and
   # warps benchmarked at compile time), never tried here, on gem-large b256's element-wise work (28.5 ms a step: layer
