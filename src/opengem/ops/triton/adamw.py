@@ -41,13 +41,12 @@ def _tensor_pointer(table, t, dtype: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _update_block(offsets, mask, pointers, scalars, HALF_IS_BF16: tl.constexpr, MOMENTS_BF16: tl.constexpr):
+def _update_block(offsets, mask, pointers, scalars, MOMENTS_BF16: tl.constexpr):
     """One block of elements (``mask`` None for a full block: unmasked accesses vectorize). ``pointers`` and
-    ``scalars``: the kernel's tuples of the tensor's addresses and of its step's hyperparameters."""
+    ``scalars``: the kernel's tuples of the tensor's typed addresses and of its step's hyperparameters."""
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, shadow_ptr = pointers
     lr_weight_decay, beta1, one_minus_beta1, beta2, one_minus_beta2, eps, step_size, bias_correction2_sqrt, key = \
         scalars
-    half: tl.constexpr = tl.bfloat16 if HALF_IS_BF16 else tl.float16
     param = tl.load(param_ptr + offsets, mask=mask)
     grad = tl.load(grad_ptr + offsets, mask=mask).to(tl.float32)
     exp_avg = tl.load(exp_avg_ptr + offsets, mask=mask).to(tl.float32)
@@ -66,7 +65,7 @@ def _update_block(offsets, mask, pointers, scalars, HALF_IS_BF16: tl.constexpr, 
     else:
         tl.store(exp_avg_ptr + offsets, exp_avg, mask=mask)
         tl.store(exp_avg_sq_ptr + offsets, exp_avg_sq, mask=mask)
-    tl.store(shadow_ptr + offsets, param.to(half, fp_downcast_rounding="rtne"), mask=mask)
+    tl.store(shadow_ptr + offsets, param.to(shadow_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
 
 
 @triton.jit(do_not_specialize=["rounding_seed"])
@@ -104,9 +103,9 @@ def _shadow_adamw_kernel(
         start = first + i * BLOCK
         offsets = start + tl.arange(0, BLOCK)
         if start + BLOCK <= numel:  # a full block: no mask, so an aligned tensor's accesses vectorize
-            _update_block(offsets, None, pointers, scalars, HALF_IS_BF16, MOMENTS_BF16)
+            _update_block(offsets, None, pointers, scalars, MOMENTS_BF16)
         else:  # the tensor's last, partial block (or past its end: all masked)
-            _update_block(offsets, offsets < numel, pointers, scalars, HALF_IS_BF16, MOMENTS_BF16)
+            _update_block(offsets, offsets < numel, pointers, scalars, MOMENTS_BF16)
 
 
 def work_items(numels: list[int], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
