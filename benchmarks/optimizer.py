@@ -44,6 +44,14 @@ def linear_shapes(preset: str) -> list[torch.Size]:
     return [p.shape for m in model.modules() if type(m) is nn.Linear for p in m.parameters(recurse=False)]
 
 
+def random_parameters(shapes: list[torch.Size], device: str, seed: int = 0) -> tuple[list[torch.Tensor],
+                                                                                      list[torch.Tensor]]:
+    """fp32 parameters (scale 0.02) and bf16 gradients (scale 1e-3) of ``shapes``, from one seeded generator."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    params = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
+    return params, [torch.randn(s, device=device, generator=generator).bfloat16() * 1e-3 for s in shapes]
+
+
 def shadow_adamw_state(params: list[torch.Tensor], moments: torch.dtype) -> ShadowAdamWTensors:
     """The shadow AdamW's state around ``params`` at step 0: zero moments in ``moments``, bf16 shadows, zero
     counters."""
@@ -57,9 +65,7 @@ class Setup:
     moments for it, and a copy with fp32 gradients under ``torch.optim.AdamW(fused=True)``."""
 
     def __init__(self, shapes: list[torch.Size], device: str, seed: int = 0) -> None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        self.params = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
-        self.grads = [torch.randn(s, device=device, generator=generator).bfloat16() * 1e-3 for s in shapes]
+        self.params, self.grads = random_parameters(shapes, device, seed)
         self.tensors = shadow_adamw_state(self.params, torch.float32)
         self.narrow = shadow_adamw_state([p.clone() for p in self.params], torch.bfloat16)
         self.peer = [p.clone().requires_grad_() for p in self.params]

@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import torch
 
 from benchmarks.common import interleaved_ms, print_table, write_results
-from benchmarks.optimizer import HYPER, copy_bandwidth_gbps, linear_shapes, shadow_adamw_state
+from benchmarks.optimizer import HYPER, copy_bandwidth_gbps, linear_shapes, random_parameters, shadow_adamw_state
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
 from opengem.ops.triton import adamw as kernel
 
@@ -47,9 +47,7 @@ class Learner:
     pristine copy of the parameters to restart from."""
 
     def __init__(self, shapes: list[torch.Size], moments: torch.dtype, device: str, seed: int = 0) -> None:
-        generator = torch.Generator(device=device).manual_seed(seed)
-        self.initial = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
-        self.grads = [torch.randn(s, device=device, generator=generator).bfloat16() * 1e-3 for s in shapes]
+        self.initial, self.grads = random_parameters(shapes, device, seed)
         self.state = shadow_adamw_state([p.clone() for p in self.initial], moments)
 
     def restart(self) -> None:
