@@ -1086,8 +1086,7 @@ chain_s62b() {  # session 59: the shadow AdamW's GPU tests (the kernel against f
 chain_s62c() {  # session 59, when starts are scarce: s62a's A/B, then the kernel's GPU tests and its benchmark (what
   # the call's 600 s cut off still comes back in results.tgz, written after each step)
   chain_s62a
-  step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
-  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+  adamw_checks
 }
 chain_s62d() {  # session 59, after s62c (its plain run paced by the host: 59.6 ms of GPU idle a step): the kernel's
   # fp64 bias corrections and 8-block programs tested and benchmarked, then plain / shadow AdamW / plain b256 on one
@@ -1207,27 +1206,29 @@ chain_s65a() {  # session 62: s64f's b384 with bf16 moments and tables ran out o
   step bench_train_large_b384_narrow_expandable 240 large_expandable_at 384 \
     train_gem-large_b384_s65a_narrow_expandable "${NARROW_STATE[@]}"
 }
+adamw_checks() {  # the shadow AdamW's GPU tests and the optimizer alone (~45 s, session 63's call 9)
+  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
+  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
+}
+adamw_launch_shapes() {  # the kernel's launch shapes for both moment dtypes (116 s in session 63's call 9)
+  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+}
 chain_s65b() {  # session 62: the bf16 moments drew two hashes an element and streamed at 70.5% of a copy (10.51 ms
   # against fp32 moments' 11.30, s64c); now one hash gives both moments' bits. Its GPU tests, the optimizer, then the
   # kernel's launch shapes (block, blocks a program, warps) for both moment dtypes
-  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
-  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
-  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+  adamw_checks
+  adamw_launch_shapes
 }
 chain_s65c() {  # session 62: s65b's shapes were timed with the shipped constants over other shapes' work items (the
   # module's constants restored before the timing); each update now sets its shape. Since s65b the kernel also
   # vectorizes (16-byte accesses where every address is aligned; it had taken one access an element, 252-255
   # registers under Triton 3.6): its GPU tests (a misaligned case added), the optimizer, then the shapes
   adamw_checks
-  step adamw_launch_configs 240 python -m benchmarks.diag.adamw_launch_configs --preset gem-large
+  adamw_launch_shapes
 }
 # the NE run of bf16 moments and bf16 tables together (NARROW_STATE), one run for both before either becomes a default
 chain_s65d() { curve_first_part narrow_state "${NARROW_STATE[@]}"; }
 chain_s65e() { curve_rest_against_repeat narrow_state "${NARROW_STATE[@]}"; }
-adamw_checks() {  # the shadow AdamW's GPU tests and the optimizer alone (~45 s, session 63's call 9)
-  step tests_adamw 90 tests tests/gpu/test_adamw_gpu.py
-  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
-}
 chain_s66a() {  # session 63 (its starts refused until too little was left): s65c and s65d in one call, one warm
   # handover fewer. The AdamW checks at the launch shape adopted in session 63 (2048 x 4 x 16 warps; its sweep took
   # 116 s in call 9 and is left out), then the narrow state's NE curve for 330 s (s65d gave it 420)
@@ -1252,10 +1253,7 @@ chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 mom
     train_gem-large_b384_s65f_narrow_expandable "${NARROW_STATE[@]}"
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s65f_default_a2
 }
-chain_s62f() {  # session 59's last device seconds: the mended shadow AdamW kernel's GPU tests, then its benchmark
-  step tests_adamw 60 tests tests/gpu/test_adamw_gpu.py
-  step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
-}
+chain_s62f() { adamw_checks; }  # session 59's last device seconds: the mended shadow AdamW kernel's tests, benchmark
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
   # 0.948 by the median, 0.989 by the mean, the host drifting 151-211 ms); run it where host_speed reads > 8 us a launch
   step launch_ab_large_16 260 python -m benchmarks.diag.launch_ab --preset gem-large --batch-size 256 --steps 4 \
@@ -1573,12 +1571,9 @@ chain_s9c() {  # next session: BlockAttention's rotary backward at three program
 }
 export out
 export -f tests train large_at large_expandable_at large_with_inductor host_samples_at unpacked_cache with_cache \
-  small_train \
-  small_train_at \
-  small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve fp8_attention_curve \
-  bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve resumable_curve multi large_single \
-  large_b512 \
-  curves_single predict
+  small_train small_train_at small_train_fp8_inductor small_train_expandable small_train_fixed_segments untuned_curve \
+  fp8_attention_curve bf16_repeat_curve bf16_seed1_curve fp8_late_bf16_curve resumable_curve multi large_single \
+  large_b512 curves_single predict
 case "$part" in
   1) on_gpu 0 chain_1a; on_gpu 1 chain_1b; wait ;;
   2) on_gpu 0 chain_2a; on_gpu 1 chain_2b; wait ;;
