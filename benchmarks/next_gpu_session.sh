@@ -1245,6 +1245,14 @@ chain_s66c() {  # after session 63: Inductor's coordinate-descent tuning of its 
     train_gem-large_b256_s66c_coordinate_descent
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s66c_default_a2
 }
+chain_s67a() {  # session 64 (804 s lost to refused starts, too little left for the NE pair): the AdamW checks at the
+  # shipped launch shape, then s66c's A/B/A with the tuned run capped so the call stays under 600 s
+  adamw_checks
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s67a_default_a1
+  step bench_train_large_b256_coordinate_descent 270 large_with_inductor coordinate_descent_tuning=True 256 \
+    train_gem-large_b256_s67a_coordinate_descent
+  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s67a_default_a2
+}
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
