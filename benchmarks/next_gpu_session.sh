@@ -270,7 +270,20 @@ step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/stat
   local rc=$?
   local last; last=$(tail -n 1 "$out/logs/$name.log" | cut -c1-200)
   echo "rc=$rc $((SECONDS - start))s load=$load $name :: $last" >> "$out/status"
+  collect_checkout_results
   tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null  # a call cut short keeps what finished
+}
+copied_from_checkout=$(mktemp)
+collect_checkout_results() {  # what the benchmarks wrote into the checkout's results folder during this call, after
+  # every step (session 64: a call cut at 600 s lost the optimizer's JSON, copied only at the end). A step's own file
+  # of the same name is kept; a file copied before is copied again when a later step rewrites it
+  local file name
+  while IFS= read -r file; do
+    name=${file##*/}
+    if [ ! -e "$out/results/$name" ] || grep -qxF "$name" "$copied_from_checkout"; then
+      cp "$file" "$out/results/$name" && echo "$name" >> "$copied_from_checkout"
+    fi
+  done < <(find benchmarks/results -maxdepth 1 -newer "$out/started" \( -name '*.json' -o -name '*.png' \) 2>/dev/null)
 }
 on_gpu() {  # on_gpu INDEX FUNCTION: the chain on one GPU (in the background when there are two)
   if [ "$gpus" -ge 2 ]; then (export CUDA_VISIBLE_DEVICES=$1; $2) & else $2; fi
@@ -1253,6 +1266,18 @@ chain_s67a() {  # session 64 (804 s lost to refused starts, too little left for 
     train_gem-large_b256_s67a_coordinate_descent
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s67a_default_a2
 }
+chain_s68a() {  # session 64: s67a's coordinate-descent run was cut at 270 s, still compiling and tuning (cold). The
+  # tuned run alone with the call's time, so its tuned configs land in the compile cache (they are cached beside the
+  # kernels) for s68b's A/B/A on the same machine, or on a fresh one carrying the returned cache
+  step bench_train_large_b256_coordinate_descent 560 large_with_inductor coordinate_descent_tuning=True 256 \
+    train_gem-large_b256_s68a_coordinate_descent
+}
+chain_s68b() {  # after s68a: the default, the tuned run from the warm cache, the default (A/B/A on one host)
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s68b_default_a1
+  step bench_train_large_b256_coordinate_descent 220 large_with_inductor coordinate_descent_tuning=True 256 \
+    train_gem-large_b256_s68b_coordinate_descent
+  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s68b_default_a2
+}
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
@@ -1603,9 +1628,7 @@ case "$part" in
   *)  # every chain_NAME above is part NAME
     if declare -F "chain_$part" >/dev/null; then "chain_$part"; else echo "unknown part $part" >&2; exit 2; fi ;;
 esac
-# what the benchmarks wrote into the checkout's results folder during this call (-n: keep the steps' own files)
-find benchmarks/results -maxdepth 1 -newer "$out/started" \( -name '*.json' -o -name '*.png' \) \
-  -exec cp -n {} "$out/results/" \; 2>/dev/null
+collect_checkout_results  # a part with no steps of its own may have written there too
 tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null
 # the compile cache in pieces of 13.9 MB (a returned file's limit is 16 MiB), at most 4: 55.6 MB (53 MiB) comes back
 # beside results.tgz within the returned 64 MiB, and travels beside the ~8.5 MiB checkout within the carry's 64 MiB

@@ -133,6 +133,43 @@ def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
         assert cache.getmember("./inductor/kernels.bin").size == 16_000_000
 
 
+def test_a_call_cut_short_keeps_the_checkout_results_its_finished_steps_wrote(tmp_path):
+    """``results.tgz`` is rewritten after every step with what the benchmarks wrote into the checkout so far: in
+    ``s67a`` the optimizer benchmark's JSON is there when the next step starts (session 64 lost it to a call cut at
+    600 s, when it was collected only at the end), a step's own file of that name is not overwritten, and a file
+    rewritten by a later step comes back as last written."""
+    import tarfile
+
+    root = tmp_path / "checkout"
+    (root / "benchmarks" / "results").mkdir(parents=True)
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    python = shim / "python"
+    python.write_text(
+        '#!/bin/bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
+        'if [ "$2" = benchmarks.optimizer ]; then echo first > benchmarks/results/optimizer_gem-large.json; fi\n'
+        'if [ "$2" = opengem.cli.main ]; then\n'
+        '  tar tzf "$FINAL/results.tgz" >> "$RECORD"\n'
+        '  echo own > "$FINAL/work/results/train_gem-large_b256_s67a_default_a1.json"\n'
+        '  echo checkout > benchmarks/results/train_gem-large_b256_s67a_default_a1.json\n'
+        '  echo second > benchmarks/results/optimizer_gem-large.json\n'
+        'fi\n')
+    python.chmod(python.stat().st_mode | stat.S_IEXEC)
+    out = tmp_path / "out"
+    record = tmp_path / "record"
+    env = {"PATH": f"{shim}:/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path),
+           "FINAL": str(out), "RECORD": str(record)}
+    subprocess.run(["bash", str(SCRIPT), str(out), "s67a"], cwd=root, env=env, check=True, timeout=120,
+                   capture_output=True)
+    listing_before_the_third_step = record.read_text().splitlines()
+    assert "results/optimizer_gem-large.json" in listing_before_the_third_step, listing_before_the_third_step
+    with tarfile.open(out / "results.tgz") as results:
+        read = {Path(name).name: results.extractfile(name).read().decode().strip()
+                for name in results.getnames() if name.startswith("results/") and name.endswith(".json")}
+    assert read["optimizer_gem-large.json"] == "second"
+    assert read["train_gem-large_b256_s67a_default_a1.json"] == "own"
+
+
 @pytest.mark.parametrize("part", ["s46c", "s47a", "s47b", "s47ab", "s47c"])
 def test_the_gluon_chains_name_only_variants_their_diags_know(part, tmp_path):
     """A misspelt ``--variants`` name stops the Gluon diag at its start (``SystemExit``), at the cost of a device
