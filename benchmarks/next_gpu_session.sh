@@ -273,7 +273,7 @@ step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/stat
   collect_checkout_results
   tar czf "$final/results.tgz" -C "$out" logs results status 2>/dev/null  # a call cut short keeps what finished
 }
-copied_from_checkout=$(mktemp)
+copied_from_checkout=$(mktemp); trap 'rm -f "$copied_from_checkout"' EXIT
 collect_checkout_results() {  # what the benchmarks wrote into the checkout's results folder during this call, after
   # every step (session 64: a call cut at 600 s lost the optimizer's JSON, copied only at the end). A step's own file
   # of the same name is kept; a file copied before is copied again when a later step rewrites it
@@ -1258,7 +1258,7 @@ chain_s66c() {  # after session 63: Inductor's coordinate-descent tuning of its 
     train_gem-large_b256_s66c_coordinate_descent
   step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s66c_default_a2
 }
-chain_s67a() {  # session 64 (804 s lost to refused starts, too little left for the NE pair): the AdamW checks at the
+chain_s67a() {  # session 64 (984 s lost to refused starts, too little left for the NE pair): the AdamW checks at the
   # shipped launch shape, then s66c's A/B/A with the tuned run capped so the call stays under 600 s
   adamw_checks
   step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s67a_default_a1
