@@ -1151,14 +1151,19 @@ chain_s64a() {  # after sessions 60-61 (no device time was left for their last C
   step tests_backend_switch_bf16_moments 540 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py \
     tests/gpu/test_embedding_gpu.py
 }
+between_large_defaults() {  # between_large_defaults TAG NAME SECONDS COMMAND...: the step NAME between two runs of
+  # gem-large b256's default, train_gem-large_b256_TAG_default_a1 / _a2 (A/B/A on one host: a same-call ratio)
+  local tag=$1; shift
+  step bench_train_large_b256_default_a1 150 large_at 256 "train_gem-large_b256_${tag}_default_a1"
+  step "$@"
+  step bench_train_large_b256_default_a2 150 large_at 256 "train_gem-large_b256_${tag}_default_a2"
+}
 chain_s64c() {  # after session 61: the shadow AdamW with bf16 moments (shadow_adamw_moments=bf16; its GPU tests are
   # in s64a's files): the optimizer alone (20 against 28 B a parameter), then gem-large b256 default / bf16 moments /
   # default on one host (ABA; the same compiled graphs: the optimizer is not compiled)
   step optimizer_large 100 python -m benchmarks.optimizer --preset gem-large
-  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s64c_default_a1
-  step bench_train_large_b256_bf16_moments 150 large_at 256 train_gem-large_b256_s64c_bf16_moments \
-    --set shadow_adamw_moments=bf16
-  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s64c_default_a2
+  between_large_defaults s64c bench_train_large_b256_bf16_moments 150 large_at 256 \
+    train_gem-large_b256_s64c_bf16_moments --set shadow_adamw_moments=bf16
 }
 # bf16 AdamW moments and bf16 tables (session 62: together they fit gem-large b384 on an H100, 27.80%)
 NARROW_STATE=(--set shadow_adamw_moments=bf16 --set gem.embedding_dtype=bf16)
@@ -1252,19 +1257,16 @@ chain_s66d() { adamw_checks; }  # session 63's last device seconds: the AdamW te
 chain_s66b() { chain_s65e; }  # on s66a's machine: the curve's rest and its NE against the BF16 repeat
 chain_s66c() {  # after session 63: Inductor's coordinate-descent tuning of its generated kernels (block sizes and
   # warps benchmarked at compile time), never tried here, on gem-large b256's element-wise work (28.5 ms a step: layer
-  # norms and their backward, GELU, casts), between two runs of the default (A/B/A on one host)
-  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s66c_default_a1
-  step bench_train_large_b256_coordinate_descent 360 large_with_inductor coordinate_descent_tuning=True 256 \
-    train_gem-large_b256_s66c_coordinate_descent
-  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s66c_default_a2
+  # norms and their backward, GELU, casts), between two runs of the default (A/B/A on one host). Its caps add up past
+  # a call's 600 s and the cold tuned compile outlasted 270 s (s67a): s68a / s68b replace it
+  between_large_defaults s66c bench_train_large_b256_coordinate_descent 360 large_with_inductor \
+    coordinate_descent_tuning=True 256 train_gem-large_b256_s66c_coordinate_descent
 }
 chain_s67a() {  # session 64 (984 s lost to refused starts, too little left for the NE pair): the AdamW checks at the
   # shipped launch shape, then s66c's A/B/A with the tuned run capped so the call stays under 600 s
   adamw_checks
-  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s67a_default_a1
-  step bench_train_large_b256_coordinate_descent 270 large_with_inductor coordinate_descent_tuning=True 256 \
-    train_gem-large_b256_s67a_coordinate_descent
-  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s67a_default_a2
+  between_large_defaults s67a bench_train_large_b256_coordinate_descent 270 large_with_inductor \
+    coordinate_descent_tuning=True 256 train_gem-large_b256_s67a_coordinate_descent
 }
 chain_s68a() {  # session 64: s67a's coordinate-descent run was cut at 270 s, still compiling and tuning (cold). The
   # tuned run alone with the call's time, so its tuned configs land in the compile cache (they are cached beside the
@@ -1273,18 +1275,14 @@ chain_s68a() {  # session 64: s67a's coordinate-descent run was cut at 270 s, st
     train_gem-large_b256_s68a_coordinate_descent
 }
 chain_s68b() {  # after s68a: the default, the tuned run from the warm cache, the default (A/B/A on one host)
-  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s68b_default_a1
-  step bench_train_large_b256_coordinate_descent 220 large_with_inductor coordinate_descent_tuning=True 256 \
-    train_gem-large_b256_s68b_coordinate_descent
-  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s68b_default_a2
+  between_large_defaults s68b bench_train_large_b256_coordinate_descent 220 large_with_inductor \
+    coordinate_descent_tuning=True 256 train_gem-large_b256_s68b_coordinate_descent
 }
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
-  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s65f_default_a1
-  step bench_train_large_b384_narrow_expandable 200 large_expandable_at 384 \
+  between_large_defaults s65f bench_train_large_b384_narrow_expandable 200 large_expandable_at 384 \
     train_gem-large_b384_s65f_narrow_expandable "${NARROW_STATE[@]}"
-  step bench_train_large_b256_default_a2 150 large_at 256 train_gem-large_b256_s65f_default_a2
 }
 chain_s62f() { adamw_checks; }  # session 59's last device seconds: the mended shadow AdamW kernel's tests, benchmark
 chain_s58e() {  # session 53 (waiting list): the cached launcher on a slow host with 16 ABBA rounds (call 7, 8 rounds:
