@@ -10,8 +10,7 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "next_gpu_session.sh"
-FAKE_PYTHON = """#!/bin/bash
-if [ "$1" = "-c" ]; then echo 1; exit 0; fi  # one GPU
+FAKE_PYTHON = """
 echo "cpp_wrapper=${TORCHINDUCTOR_CPP_WRAPPER:-0} tuning=${OPENGEM_GDPA_TUNE:-on} python $*" >> "$RECORD"
 echo "python $*"
 """
@@ -22,20 +21,28 @@ def one_gpu_parts() -> list[str]:
     return re.findall(r"^chain_(\w+)\(\)", SCRIPT.read_text(), flags=re.MULTILINE)
 
 
-def run_part(part: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+def run_script(part: str, out: Path, tmp_path: Path, python_body: str, **env: str) -> Path:
+    """The script's ``part`` into ``out``, from ``tmp_path/checkout`` (a checkout of its own: the script unpacks a
+    carried .compile_cache.tgz and packs .compile_cache/ where it runs), with a stand-in ``python`` that reports one
+    GPU and otherwise runs the bash ``python_body``; ``env`` is added to the steps' environment. Returns the
+    checkout."""
     shim = tmp_path / "bin"
     shim.mkdir(exist_ok=True)
     python = shim / "python"
-    python.write_text(FAKE_PYTHON)
+    python.write_text('#!/bin/bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi  # one GPU\n' + python_body)
     python.chmod(python.stat().st_mode | stat.S_IEXEC)
-    record = tmp_path / f"{part}.commands"
-    out = tmp_path / part
-    env = {"PATH": f"{shim}:/usr/bin:/bin", "RECORD": str(record), "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)}
-    # a checkout of its own: the script unpacks a carried .compile_cache.tgz and packs .compile_cache/ where it runs
     checkout = tmp_path / "checkout"
     (checkout / "benchmarks" / "results").mkdir(parents=True, exist_ok=True)
-    subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=checkout, env=env, check=True, timeout=120,
-                   capture_output=True)
+    subprocess.run(["bash", str(SCRIPT), str(out), part], cwd=checkout, check=True, timeout=120, capture_output=True,
+                   env={"PATH": f"{shim}:/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path), **env})
+    return checkout
+
+
+def run_part(part: str, tmp_path: Path) -> tuple[list[str], list[str]]:
+    """The part's status lines and the command lines its steps gave ``python``."""
+    record = tmp_path / f"{part}.commands"
+    out = tmp_path / part
+    run_script(part, out, tmp_path, FAKE_PYTHON, RECORD=str(record))
     status = (out / "status").read_text().splitlines()
     return status, record.read_text().splitlines() if record.exists() else []
 
@@ -108,18 +115,10 @@ def test_a_call_returns_its_own_results_and_the_compile_cache(tmp_path):
     committed = root / "benchmarks" / "results" / "committed.json"
     committed.write_text("{}")
     os.utime(committed, (0, 0))
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    python = shim / "python"
-    python.write_text('#!/bin/bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
-                      'echo "{}" > benchmarks/results/written.json\n'
-                      'mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && echo graph > "$TORCHINDUCTOR_CACHE_DIR/entry"\n'
-                      'head -c 16000000 /dev/urandom > "$TORCHINDUCTOR_CACHE_DIR/kernels.bin"\n')
-    python.chmod(python.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
-    env = {"PATH": f"{shim}:/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path)}
-    subprocess.run(["bash", str(SCRIPT), str(out), "s17d"], cwd=root, env=env, check=True, timeout=120,
-                   capture_output=True)
+    run_script("s17d", out, tmp_path, 'echo "{}" > benchmarks/results/written.json\n'
+               'mkdir -p "$TORCHINDUCTOR_CACHE_DIR" && echo graph > "$TORCHINDUCTOR_CACHE_DIR/entry"\n'
+               'head -c 16000000 /dev/urandom > "$TORCHINDUCTOR_CACHE_DIR/kernels.bin"\n')
     with tarfile.open(out / "results.tgz") as results:
         names = {Path(name).name for name in results.getnames()}
     assert "written.json" in names and "committed.json" not in names
@@ -140,27 +139,16 @@ def test_a_call_cut_short_keeps_the_checkout_results_its_finished_steps_wrote(tm
     rewritten by a later step comes back as last written."""
     import tarfile
 
-    root = tmp_path / "checkout"
-    (root / "benchmarks" / "results").mkdir(parents=True)
-    shim = tmp_path / "bin"
-    shim.mkdir()
-    python = shim / "python"
-    python.write_text(
-        '#!/bin/bash\nif [ "$1" = "-c" ]; then echo 1; exit 0; fi\n'
-        'if [ "$2" = benchmarks.optimizer ]; then echo first > benchmarks/results/optimizer_gem-large.json; fi\n'
-        'if [ "$2" = opengem.cli.main ]; then\n'
-        '  [ -e "$RECORD" ] || tar tzf "$FINAL/results.tgz" > "$RECORD"  # as the first such step starts\n'
-        '  echo own > "$FINAL/work/results/train_gem-large_b256_s67a_default_a1.json"\n'
-        '  echo checkout > benchmarks/results/train_gem-large_b256_s67a_default_a1.json\n'
-        '  echo second > benchmarks/results/optimizer_gem-large.json\n'
-        'fi\n')
-    python.chmod(python.stat().st_mode | stat.S_IEXEC)
     out = tmp_path / "out"
     record = tmp_path / "record"
-    env = {"PATH": f"{shim}:/usr/bin:/bin", "OPENGEM_GIT_COMMIT": "test", "HOME": str(tmp_path),
-           "FINAL": str(out), "RECORD": str(record)}
-    subprocess.run(["bash", str(SCRIPT), str(out), "s67a"], cwd=root, env=env, check=True, timeout=120,
-                   capture_output=True)
+    run_script("s67a", out, tmp_path,
+               'if [ "$2" = benchmarks.optimizer ]; then echo first > benchmarks/results/optimizer_gem-large.json; fi\n'
+               'if [ "$2" = opengem.cli.main ]; then\n'
+               '  [ -e "$RECORD" ] || tar tzf "$FINAL/results.tgz" > "$RECORD"  # as the first such step starts\n'
+               '  echo own > "$FINAL/work/results/train_gem-large_b256_s67a_default_a1.json"\n'
+               '  echo checkout > benchmarks/results/train_gem-large_b256_s67a_default_a1.json\n'
+               '  echo second > benchmarks/results/optimizer_gem-large.json\n'
+               'fi\n', FINAL=str(out), RECORD=str(record))
     listing_before_the_third_step = record.read_text().splitlines()
     assert "results/optimizer_gem-large.json" in listing_before_the_third_step, listing_before_the_third_step
     with tarfile.open(out / "results.tgz") as results:
