@@ -11,7 +11,8 @@ import torch
 
 from opengem.ops.adamw import ShadowAdamWTensors, shadow_adamw_update
 
-# over one BLOCK (2048) ending inside a third; one whole item (4 blocks) and 4 elements of the next
+# (4100,): two whole blocks (BLOCK 2048) and 4 elements of a third; (2, 4098): one whole work item (4 blocks) and 4
+# elements of the next
 SHAPES = [(7, 5), (4100,), (3,), (2, 4098)]
 HYPER = {"lr": 1e-2, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.1}
 
