@@ -44,8 +44,9 @@ def linear_shapes(preset: str) -> list[torch.Size]:
     return [p.shape for m in model.modules() if type(m) is nn.Linear for p in m.parameters(recurse=False)]
 
 
-def random_parameters(shapes: list[torch.Size], device: str, seed: int = 0) -> tuple[list[torch.Tensor],
-                                                                                      list[torch.Tensor]]:
+def random_parameters(
+    shapes: list[torch.Size], device: str, seed: int = 0,
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """fp32 parameters (scale 0.02) and bf16 gradients (scale 1e-3) of ``shapes``, from one seeded generator."""
     generator = torch.Generator(device=device).manual_seed(seed)
     params = [torch.randn(s, device=device, generator=generator) * 0.02 for s in shapes]
