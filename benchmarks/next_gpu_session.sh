@@ -1278,6 +1278,19 @@ chain_s68b() {  # after s68a: the default, the tuned run from the warm cache, th
   between_large_defaults s68b bench_train_large_b256_coordinate_descent 220 large_with_inductor \
     coordinate_descent_tuning=True 256 train_gem-large_b256_s68b_coordinate_descent
 }
+chain_s68c() {  # session 65: s68a's machine with ~300 s left: the default b256 after the tuned run (same host, next call)
+  step bench_train_large_b256_default_a1 150 large_at 256 train_gem-large_b256_s68c_default
+}
+# session 65: the narrow state passed the 0.3% bar against session 20's BF16 repeat (+0.20% / +0.22%), but that
+# baseline predates the default shadows and shadow AdamW, and the gap is above the repeat's own spread (0.07% / 0.13%).
+# Today's default over the same 2000 steps gives the clean A/B (only the narrow state differs) and the shadows' own
+# drift from the repeat, on one warm machine across two calls
+chain_s69a() { curve_part1_within 420 shadow_default; }
+chain_s69b() {
+  curve_rest_against_repeat shadow_default
+  step lp_curves_narrow_state_vs_shadow_default 30 untuned_curve --compare --variant none --label narrow_state \
+    --baseline shadow_default --bar 0.003
+}
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
