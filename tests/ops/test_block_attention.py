@@ -266,14 +266,23 @@ def _bad(**overrides):
         (dict(activation="tanh"), "activation must be one of"),
         (dict(backend="cuda"), "backend must be one of"),
         (dict(max_len=5), "max_len"),
-        (dict(k=torch.randn(9, 1, 32), v=torch.randn(9, 1, 32)), r"k_offsets\[-1\] = 10 must equal the number of values, 9"),
+        (dict(k=torch.randn(9, 1, 32), v=torch.randn(9, 1, 32)), r"k and v must have as many rows as q \(10\), got 9"),
+        (dict(offsets=_offsets([4, 5])), r"^offsets\[-1\] = 9 must equal the number of values, 10"),  # said q_offsets
+        (dict(max_len=5), "max_len = 5 is shorter"),  # had said max_len_q
+        (dict(scale="2"), "block_attention: scale must be a number, got '2'"),  # float() had converted it
+        (dict(scale=True), "block_attention: scale must be a number, got True"),
+        (dict(scale=float("nan")), "block_attention: scale must be finite, got nan"),  # NaN output
+        (dict(rotary=Rotary(base="x")), "block_attention: rotary.base must be a positive finite number, got 'x'"),
+        (dict(rotary=Rotary(base=float("inf"))), "block_attention: rotary.base must be a positive finite number"),
+        (dict(rotary=Rotary(positions=torch.ones(10, dtype=torch.bool))),  # True had been taken as position 1
+         "rotary.positions must be an int or float tensor, got torch.bool"),
         (dict(q=torch.randn(10, 2, 48), k=torch.randn(10, 1, 48), v=torch.randn(10, 1, 48), backend="triton"), "head_dim must be one of"),
         (dict(q=torch.randn(10, 2, 256), k=torch.randn(10, 1, 256), v=torch.randn(10, 1, 256), block_size=128, backend="triton"), r"block_size \* head_dim must be <= 16384"),
         (dict(rotary=Rotary(positions=torch.arange(9))), r"rotary.positions must have shape \[T\] = \[10\]"),
         (dict(rotary=Rotary(time_gaps=torch.arange(10))), "rotary.time_gaps must be floating point"),
         (dict(rotary=Rotary(positions=torch.arange(10), time_gaps=torch.rand(10))), "not both"),
-        (dict(rotary=Rotary(time_scale=0.0)), "time_scale must be > 0"),
-        (dict(rotary="rope"), "rotary must be None or a Rotary"),
+        (dict(rotary=Rotary(time_scale=0.0)), "rotary.time_scale must be a positive finite number, got 0.0"),
+        (dict(rotary="rope"), "block_attention: rotary must be None or a Rotary"),
     ],
 )
 def test_bad_inputs_raise(overrides, message):
@@ -287,6 +296,12 @@ def test_from_hidden_bad_weight():
     x, w = torch.randn(5, 8), torch.randn(12, 8)
     with pytest.raises(ValueError, match="heads must be an int >= 1, got 0"):  # was a ZeroDivisionError
         block_attention_from_hidden(x, w, _offsets([5]), 5, 0)
+    with pytest.raises(ValueError, match="block_attention_from_hidden: heads must be an int >= 1, got True"):
+        block_attention_from_hidden(x, w, _offsets([5]), 5, True)  # had run with 1 head
+    with pytest.raises(ValueError, match="block_attention_from_hidden: scale must be a number, got '2'"):
+        block_attention_from_hidden(x, w, _offsets([5]), 5, 2, scale="2")
+    with pytest.raises(ValueError, match="block_attention_from_hidden: rotary.base must be a positive finite number"):
+        block_attention_from_hidden(x, w, _offsets([5]), 5, 2, rotary=Rotary(base="x"))
     with pytest.raises(ValueError, match=r"x must have shape \[T, d_model\], got \(40,\)"):
         block_attention_from_hidden(x.flatten(), w, _offsets([5]), 5, 2)
     with pytest.raises(ValueError, match=r"bias must have shape \[12\] \(w_qkv's rows, 3 \* heads \* head_dim\), "

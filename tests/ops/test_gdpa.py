@@ -592,6 +592,27 @@ def test_hstu_attention_is_silu_over_max_len_with_the_mask():
         hstu_attention(q, k, v, offsets, 10, alpha=0.3, causal=False, contextual_len=-1)
 
 
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        # errors name hstu_attention's own arguments: they had said pre_scale, max_len_q and q_offsets
+        ({"alpha": "1"}, "hstu_attention: alpha must be a number, got '1'"),
+        ({"alpha": float("nan")}, "hstu_attention: alpha must be finite, got nan"),  # NaN output
+        ({"alpha": float("inf")}, "hstu_attention: alpha must be finite, got inf"),
+        ({"causal": 0}, "hstu_attention: causal must be a bool, got 0"),
+        ({"norm": float("inf")}, "hstu_attention: norm must be None, 'max_len' or a positive finite number, got inf"),
+        ({"max_len": 7}, "max_len = 7 is shorter than the longest sequence (8)"),
+        ({"offsets": torch.tensor([0, 8, 12])}, "offsets[-1] = 12 must equal the number of values, 13"),
+    ],
+)
+def test_hstu_attention_errors_name_its_own_arguments(kwargs, message):
+    lengths = [8, 5]
+    q, k, v = _inputs(lengths, lengths, heads=1, kv_heads=1)
+    args = {"offsets": _offsets(lengths), "max_len": 10, "alpha": 0.3} | kwargs
+    with pytest.raises(ValueError, match="^" + _escape(message)):
+        hstu_attention(q, k, v, args.pop("offsets"), args.pop("max_len"), **args)
+
+
 def test_op_compiles_fullgraph_on_cpu():
     lengths = [7, 3]
     offsets = _offsets(lengths)
@@ -644,7 +665,9 @@ def test_visible_pairs_matches_the_mask(lengths, causal, window, contextual_len,
         ({"activation": "swish"}, "unknown activation 'swish'"),
         ({"head_activations": ["silu"]}, "one activation per head"),
         ({"head_activations": ["silu", "tanh"]}, "head_activations: unknown activation 'tanh'"),
-        ({"norm": "sum"}, "norm must be None, 'max_len' or a positive number"),
+        ({"norm": "sum"}, "gdpa: norm must be None, 'max_len' or a positive finite number, got 'sum'"),
+        ({"norm": float("inf")}, "gdpa: norm must be None, 'max_len' or a positive finite number, got inf"),  # zeros
+        ({"norm": True}, "gdpa: norm must be None, 'max_len' or a positive finite number, got True"),
         ({"norm": 0.0}, "norm must be None"),
         ({"backend": "cuda"}, "backend must be one of"),
         ({"causal": True, "cross": True}, "q_offsets must equal k_offsets"),
@@ -661,9 +684,16 @@ def test_visible_pairs_matches_the_mask(lengths, causal, window, contextual_len,
         ({"window": -3}, "window must be None or a non-negative int, got -3"),
         ({"q_offsets": [0, 4, 10]}, "q_offsets must be a torch.Tensor, got list"),  # was an AttributeError
         ({"num_targets": [1, 1]}, "num_targets must be a torch.Tensor or None, got list"),
-        ({"causal": "yes"}, "causal must be a bool, got 'yes'"),  # reached torch's schema error
-        ({"pre_scale": "2"}, "pre_scale must be a number, got '2'"),  # was converted silently
-        ({"post_scale": None}, "post_scale must be a number, got None"),
+        ({"causal": "yes"}, "gdpa: causal must be a bool, got 'yes'"),  # reached torch's schema error
+        ({"causal": 1}, "gdpa: causal must be a bool, got 1"),
+        ({"broadcast_q": 0}, "gdpa: broadcast_q must be a bool, got 0"),
+        ({"pre_scale": "2"}, "gdpa: pre_scale must be a number, got '2'"),  # was converted silently
+        ({"post_scale": None}, "gdpa: post_scale must be a number, got None"),
+        ({"pre_scale": float("nan")}, "gdpa: pre_scale must be finite, got nan"),  # NaN output
+        ({"post_scale": float("inf")}, "gdpa: post_scale must be finite, got inf"),  # inf output
+        ({"post_scale": False}, "gdpa: post_scale must be a number, got False"),
+        ({"contextual_len": True}, "contextual_len must be a non-negative int, got True"),  # had been taken as 1
+        ({"window": True}, "window must be None or a non-negative int, got True"),
         ({"head_dim": 0}, "head_dim must be >= 1, got 0"),  # returned an empty [T, H, 0]
     ],
 )

@@ -307,7 +307,9 @@ def test_schedule_order_is_a_stable_longest_first_sort():
     [
         (dict(head_dim=24), "head_dim must be one of"),
         (dict(offsets=torch.tensor([0, 5, 4, 16], dtype=torch.int32)), "non-decreasing"),
-        (dict(max_len=5), "max_len_q = 5 is shorter"),
+        (dict(max_len=5), "max_len = 5 is shorter"),  # named max_len_q, an argument jagged_attention has not
+        # named q_offsets, an argument jagged_attention has not
+        (dict(offsets=torch.tensor([0, 5, 5, 15], dtype=torch.int32)), r"^offsets\[-1\] = 15 must equal"),
         (dict(window=-1), "window must be None or a non-negative int"),
         (dict(contextual_len=-2), "contextual_len must be a non-negative int"),
         (dict(num_targets=torch.tensor([1, 2])), r"num_targets must have shape \[3\]"),
@@ -329,6 +331,42 @@ def test_bad_inputs_raise(change, message):
             q, k, v, change.get("offsets", _offsets(lengths)), change.get("max_len", 11),
             backend=change.get("backend", "triton"), **kwargs,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(causal=0), "causal must be a bool, got 0"),  # had run non-causal
+        (dict(causal="no"), "causal must be a bool, got 'no'"),  # had failed in torch's op schema
+        (dict(normalize_by_max_len="yes"), "normalize_by_max_len must be a bool, got 'yes'"),
+        (dict(scale="2"), "scale must be a number, got '2'"),  # float() had converted it
+        (dict(scale=True), "scale must be a number, got True"),
+        (dict(scale=float("nan")), "scale must be finite, got nan"),  # NaN output
+        (dict(scale=float("inf")), "scale must be finite, got inf"),
+        (dict(contextual_len=True), "contextual_len must be a non-negative int, got True"),  # had been taken as 1
+        (dict(window=True), "window must be None or a non-negative int, got True"),
+        (dict(max_len=True), "max_len must be a non-negative host int, got True"),
+    ],
+)
+@pytest.mark.parametrize("packed", [False, True])
+def test_bad_scalar_options_raise_naming_the_argument(kwargs, message, packed):
+    lengths = [2, 4]
+    q, k, v, _ = _inputs(lengths, heads=2, kv_heads=2)
+    kwargs = dict(kwargs)
+    max_len = kwargs.pop("max_len", 4)
+    fn = "jagged_attention_packed" if packed else "jagged_attention"
+    prefix = f"{fn}: " if any(name in kwargs for name in ("causal", "normalize_by_max_len", "scale")) else ""
+    with pytest.raises(ValueError, match=re.escape(prefix + message)):
+        if packed:
+            jagged_attention_packed(torch.stack([q, k, v], 1), _offsets(lengths), max_len, **kwargs)
+        else:
+            jagged_attention(q, k, v, _offsets(lengths), max_len, **kwargs)
+
+
+def test_self_attention_row_mismatch_names_k_and_v_not_k_offsets():
+    q, k, v, _ = _inputs([2, 4], heads=2, kv_heads=2)
+    with pytest.raises(ValueError, match=re.escape("k and v must have as many rows as q (6), got 5")):
+        jagged_attention(q, k[:5], v[:5], _offsets([2, 4]), 4)
 
 
 def test_tile_config_refuses_a_tile_the_schedule_has_no_size_for(monkeypatch):
@@ -432,7 +470,7 @@ def test_packed_qkv_flops_compile_and_bad_shapes():
 
     with pytest.raises(ValueError, match=r"qkv must have shape \[T, 3, H, D\], got \[23, 2, 2, 16\]"):
         jagged_attention_packed(qkv[:, :2], offsets, 14)
-    with pytest.raises(ValueError, match="max_len_q = 5 is shorter"):
+    with pytest.raises(ValueError, match="max_len = 5 is shorter"):
         jagged_attention_packed(qkv, offsets, 5)
     wrong_size = re.escape("projection_bias must have shape [96] (3 * heads * head_dim), got [95]")
     with pytest.raises(ValueError, match=wrong_size):

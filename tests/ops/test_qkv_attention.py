@@ -137,7 +137,7 @@ def test_fused_flops_count_the_projection_and_the_attention():
         ({"x": torch.zeros(2, 3, 48)}, r"x \[T, d\] and weight \[3 \* num_heads \* D, d\] expected"),
         ({"weight": torch.zeros(190, 48)}, "got x .* and weight \\[190, 48\\]"),
         ({"bias": torch.zeros(5)}, r"bias must have shape \[192\], got \[5\]"),
-        ({"max_len": 3}, "max_len_q = 3 is shorter"),
+        ({"max_len": 3}, "max_len = 3 is shorter"),
         ({"precision": "bf16"}, "fuse_projection fuses FP8 attention's quantization: it needs precision='fp8', got 'bf16'"),
     ],
 )

@@ -22,7 +22,14 @@ from opengem.ops.attention_flops import counted_or_bound
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.backend import triton_chosen
 from opengem.ops.block_attention_fp8 import block_attention_fp8
-from opengem.ops.checks import check_attention_inputs, check_projection_bias
+from opengem.ops.checks import (
+    SELF_ATTENTION,
+    check_attention_inputs,
+    check_finite_numbers,
+    check_positive_finite,
+    check_projection_bias,
+    is_plain_int,
+)
 from opengem.ops.reference import block_attention as reference
 from opengem.ops.reference.rotary import inv_freq, positions_in_sequence, time_phase
 
@@ -121,6 +128,7 @@ def block_attention(
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if not torch.compiler.is_compiling():
+        _check_scalars("block_attention", scale, rotary)
         _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     mode, values = (ROTARY_NONE, None) if rotary is None else (rotary.mode(), rotary.values())
@@ -159,8 +167,10 @@ def block_attention_from_hidden(
     Returns ``[T, heads * D]`` in x's dtype, ready for the output projection. Other options as in
     :func:`block_attention`.
     """
-    if not isinstance(heads, int) or heads < 1:  # 0 was a ZeroDivisionError
-        raise ValueError(f"heads must be an int >= 1, got {heads!r}")
+    if not is_plain_int(heads) or heads < 1:  # 0 was a ZeroDivisionError, True ran with 1 head
+        raise ValueError(f"block_attention_from_hidden: heads must be an int >= 1, got {heads!r}")
+    if not torch.compiler.is_compiling():  # here too, so the errors name the function called
+        _check_scalars("block_attention_from_hidden", scale, rotary)
     if x.dim() != 2:
         raise ValueError(f"x must have shape [T, d_model], got {tuple(x.shape)}")
     if w_qkv.dim() != 2 or w_qkv.shape[0] % (3 * heads) != 0 or w_qkv.shape[1] != x.shape[-1]:
@@ -179,8 +189,20 @@ def block_attention_from_hidden(
     return out.view(x.shape[0], heads * head_dim)
 
 
+def _check_scalars(fn: str, scale: float | None, rotary: Rotary | None) -> None:
+    """The Python-scalar options (no device sync): ``"2"`` had been converted by float(), NaN made the output NaN, and
+    a str ``rotary.base`` failed in a comparison."""
+    if scale is not None:
+        check_finite_numbers(fn, scale=scale)
+    if rotary is None:
+        return
+    if not isinstance(rotary, Rotary):
+        raise ValueError(f"{fn}: rotary must be None or a Rotary, got {type(rotary).__name__}")
+    check_positive_finite(fn, **{"rotary.base": rotary.base, "rotary.time_scale": rotary.time_scale})
+
+
 def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, backend) -> None:
-    check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
+    check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len, SELF_ATTENTION)
     if block_size not in BLOCK_SIZES:
         raise ValueError(f"block_size must be one of {BLOCK_SIZES}, got {block_size!r}")
     if activation not in reference.ACTIVATIONS:
@@ -192,8 +214,6 @@ def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, bac
         raise ValueError(f"block_size * head_dim must be <= 16384 for the Triton kernel, got {block_size} * {q.shape[-1]}")
     if rotary is None:
         return
-    if not isinstance(rotary, Rotary):
-        raise ValueError(f"rotary must be None or a Rotary, got {type(rotary).__name__}")
     if q.shape[-1] % 2:
         raise ValueError(f"rotary needs an even head_dim, got {q.shape[-1]}")
     if rotary.positions is not None and rotary.time_gaps is not None:
@@ -207,8 +227,8 @@ def _check_inputs(q, k, v, offsets, max_len, block_size, activation, rotary, bac
             raise ValueError(f"{name} must be on {q.device}, got {t.device}")
         if name.endswith("time_gaps") and not t.is_floating_point():
             raise ValueError(f"rotary.time_gaps must be floating point, got {t.dtype}")
-    if not rotary.base > 0 or not rotary.time_scale > 0:
-        raise ValueError(f"rotary.base and rotary.time_scale must be > 0, got {rotary.base}, {rotary.time_scale}")
+        if t.dtype == torch.bool or t.is_complex():  # True had been taken as position 1
+            raise ValueError(f"{name} must be an int or float tensor, got {t.dtype}")
 
 
 def _use_triton(q: torch.Tensor, backend: str) -> bool:

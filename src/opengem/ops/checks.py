@@ -2,10 +2,57 @@
 
 from __future__ import annotations
 
+import math
+from typing import NamedTuple
+
 import torch
 
 from opengem.jagged import validate_offsets
 from opengem.jagged.host import host_copy, offsets_summary
+from opengem.validation import is_number, is_positive_finite
+
+
+class ArgNames(NamedTuple):
+    """The names the called function gives the offsets and max lengths, for the errors: self-attention ops take one
+    ``offsets`` and one ``max_len`` for both q and k/v."""
+
+    q_offsets: str = "q_offsets"
+    k_offsets: str = "k_offsets"
+    max_len_q: str = "max_len_q"
+    max_len_k: str = "max_len_k"
+
+
+SELF_ATTENTION = ArgNames("offsets", "offsets", "max_len", "max_len")
+
+
+def is_plain_int(value: object) -> bool:
+    """A Python int that is not a bool (``True`` had been taken as 1); the ops' schemas take Python ints only."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def check_bools(fn: str, **flags: object) -> None:
+    """Each of ``flags`` a real bool: 0 had run as False, and "no" reached torch's op schema check, which is not ours.
+    Python-scalar checks only (no device sync)."""
+    for name, flag in flags.items():
+        if not isinstance(flag, bool):
+            raise ValueError(f"{fn}: {name} must be a bool, got {flag!r}")
+
+
+def check_finite_numbers(fn: str, **values: object) -> None:
+    """Each of ``values`` a finite real number: a str ("2") had been converted by float(), a bool taken as 0 or 1,
+    and NaN or inf made the whole output NaN or inf."""
+    for name, value in values.items():
+        if not is_number(value):
+            raise ValueError(f"{fn}: {name} must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{fn}: {name} must be finite, got {value!r}")
+
+
+def check_positive_finite(fn: str, **values: object) -> None:
+    """Each of ``values`` a number in (0, inf): where the op divides by it or takes its log."""
+    for name, value in values.items():
+        if not is_positive_finite(value):
+            raise ValueError(f"{fn}: {name} must be a positive finite number, got {value!r}")
 
 
 def check_attention_inputs(
@@ -16,12 +63,13 @@ def check_attention_inputs(
     k_offsets: torch.Tensor,
     max_len_q: int,
     max_len_k: int,
+    names: ArgNames = ArgNames(),
 ) -> None:
     """Validate jagged ``q [Tq, H, D]``, ``k, v [Tk, H_kv, D]`` and their offsets.
 
     Checks ranks, matching head dims, ``H_kv`` dividing ``H``, dtypes, devices, the offsets' invariants,
     and that the host integers ``max_len_*`` are at least the longest sequence (a shorter one would make
-    kernels skip rows silently).
+    kernels skip rows silently). ``names``: the caller's names of the offsets and max lengths, which the errors use.
     """
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:
@@ -39,17 +87,20 @@ def check_attention_inputs(
         raise ValueError(f"k/v heads ({k.shape[1]}) must divide q heads ({q.shape[1]}) for GQA/MQA")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise ValueError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    validate_offsets(q_offsets, q.shape[0], "q_offsets")  # first: it names offsets that are not tensors at all
-    validate_offsets(k_offsets, k.shape[0], "k_offsets")
+    validate_offsets(q_offsets, q.shape[0], names.q_offsets)  # first: it names offsets that are not tensors at all
+    if names.k_offsets == names.q_offsets and k.shape[0] != q.shape[0]:  # one offsets: "offsets[-1]" would mislead
+        raise ValueError(f"k and v must have as many rows as q ({q.shape[0]}), got {k.shape[0]}")
+    validate_offsets(k_offsets, k.shape[0], names.k_offsets)
     devices = {t.device for t in (q, k, v, q_offsets, k_offsets)}
     if len(devices) != 1:
         raise ValueError(f"q, k, v and offsets must be on one device, got {sorted(map(str, devices))}")
     if q_offsets.numel() != k_offsets.numel():
         raise ValueError(
-            f"q_offsets and k_offsets describe different batch sizes: {q_offsets.numel() - 1} vs {k_offsets.numel() - 1}"
+            f"{names.q_offsets} and {names.k_offsets} describe different batch sizes: "
+            f"{q_offsets.numel() - 1} vs {k_offsets.numel() - 1}"
         )
-    check_max_len(q_offsets, max_len_q, "max_len_q")
-    check_max_len(k_offsets, max_len_k, "max_len_k")
+    check_max_len(q_offsets, max_len_q, names.max_len_q)
+    check_max_len(k_offsets, max_len_k, names.max_len_k)
 
 
 def check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, what: str,
@@ -63,7 +114,7 @@ def check_projection_bias(bias: torch.Tensor, like: torch.Tensor, size: int, wha
 
 
 def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
-    if not isinstance(max_len, int) or max_len < 0:
+    if not is_plain_int(max_len) or max_len < 0:
         raise ValueError(f"{name} must be a non-negative host int, got {max_len!r}")
     longest = offsets_summary(offsets).longest
     if longest > max_len:
@@ -71,10 +122,11 @@ def check_max_len(offsets: torch.Tensor, max_len: int, name: str) -> None:
 
 
 def check_mask_scalars(contextual_len: int, window: int | None) -> None:
-    """The mask options that need no batch: checked even where no mask applies, so a bad value is never ignored."""
-    if not isinstance(contextual_len, int) or contextual_len < 0:
+    """The mask options that need no batch: checked even where no mask applies, so a bad value is never ignored.
+    Bools are refused: ``True`` had been taken as 1."""
+    if not is_plain_int(contextual_len) or contextual_len < 0:
         raise ValueError(f"contextual_len must be a non-negative int, got {contextual_len!r}")
-    if window is not None and (not isinstance(window, int) or window < 0):
+    if window is not None and (not is_plain_int(window) or window < 0):
         raise ValueError(f"window must be None or a non-negative int, got {window!r}")
 
 

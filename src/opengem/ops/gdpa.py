@@ -19,7 +19,16 @@ from opengem.ops.activations import ACTIVATIONS, activation_id
 from opengem.ops.attention_flops import attention_flops, counted_or_bound, visible_pairs
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.backend import triton_chosen
-from opengem.ops.checks import check_attention_inputs, check_mask_options, check_mask_scalars, check_projection_bias
+from opengem.ops.checks import (
+    SELF_ATTENTION,
+    ArgNames,
+    check_attention_inputs,
+    check_bools,
+    check_finite_numbers,
+    check_mask_options,
+    check_mask_scalars,
+    check_projection_bias,
+)
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
 from opengem.ops.reference.gdpa_fp8 import gdpa_fp8 as gdpa_fp8_reference
@@ -36,7 +45,7 @@ from opengem.ops.triton.gdpa import (
 )
 from opengem.ops.triton.jagged_attention_fp8 import BLOCK as FP8_BLOCK
 from opengem.ops.triton.jagged_attention_fp8 import FP8_HEAD_DIMS
-from opengem.validation import is_number
+from opengem.validation import is_positive_finite
 
 PRECISIONS = ("bf16", "fp8", "mxfp8")
 
@@ -105,10 +114,19 @@ def gdpa(
       over dq. Not with ``broadcast_q``. Given while the projection keeps its own bias gradient, b's gradient counts
       twice.
     """
+    return _gdpa(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
+                 post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend, precision,
+                 projection_bias, "gdpa", ArgNames())  # fmt: skip
+
+
+def _gdpa(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale, post_scale,
+          norm, causal, num_targets, contextual_len, window, broadcast_q, backend, precision, projection_bias,
+          fn: str, names: ArgNames) -> torch.Tensor:  # fmt: skip
+    """:func:`gdpa` for the public function ``fn``, whose names of the offsets and max lengths are ``names``."""
     (q, k, v), autocast_off = cast_inputs(q, k, v)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
                           post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
-                          precision)  # fmt: skip
+                          precision, fn, names)  # fmt: skip
     if projection_bias is not None:
         if broadcast_q:
             raise ValueError("projection_bias is a jagged q's projection bias: broadcast_q's q has none here")
@@ -151,7 +169,7 @@ def gdpa_packed_kv(
     k, v = kv.unbind(1)
     options = _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
                           post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
-                          precision)  # fmt: skip
+                          precision, "gdpa_packed_kv", ArgNames())  # fmt: skip
     if projection_bias is not None:
         check_projection_bias(projection_bias, kv, 2 * kv.shape[2] * kv.shape[3], "2 * kv heads * head_dim")
     with autocast_off:
@@ -159,24 +177,21 @@ def gdpa_packed_kv(
 
 
 def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation, head_activations, pre_scale,
-                post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend,
-                precision) -> tuple:  # fmt: skip
-    """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`gdpa`)."""
+                post_scale, norm, causal, num_targets, contextual_len, window, broadcast_q, backend, precision,
+                fn: str, names: ArgNames) -> tuple:  # fmt: skip
+    """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`gdpa`); the errors
+    name ``fn``, the public function called, and its ``names`` of the offsets and max lengths."""
     triton = triton_chosen(q.device, backend)  # checks the name first
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
     if precision == "fp8" and broadcast_q:
         raise ValueError("precision='fp8' runs self- and cross-attention, not broadcast_q")
     if not torch.compiler.is_compiling():  # Dynamo may trace the scales as symbolic floats
-        for name, flag in (("causal", causal), ("broadcast_q", broadcast_q)):
-            if not isinstance(flag, bool):  # "yes" reached torch's schema check, which is not ours
-                raise ValueError(f"{name} must be a bool, got {flag!r}")
-        for name, scale in (("pre_scale", pre_scale), ("post_scale", post_scale)):
-            if not is_number(scale):  # "2" had been converted silently
-                raise ValueError(f"{name} must be a number, got {scale!r}")
+        check_bools(fn, causal=causal, broadcast_q=broadcast_q)
+        check_finite_numbers(fn, pre_scale=pre_scale, post_scale=post_scale)
     heads = q.shape[1] if q.dim() == 3 else 0
-    names = _head_activations(activation, head_activations, heads)
-    out_scale = float(post_scale) / _norm_value(norm, max_len_k)
+    activations = _head_activations(activation, head_activations, heads)
+    out_scale = float(post_scale) / _norm_value(norm, max_len_k, fn)
     check_mask_scalars(contextual_len, window)  # a negative contextual_len would not set `masked` below
     masked = causal or num_targets is not None or contextual_len > 0 or window is not None
     if broadcast_q:
@@ -190,13 +205,13 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
         raise ValueError("q_offsets is required unless broadcast_q=True")
     if not torch.compiler.is_compiling():
         _check_contents(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, broadcast_q, masked,
-                        num_targets, contextual_len, window)
+                        num_targets, contextual_len, window, names)
     if triton:
         check_triton_head_dim(q.shape[2])
         if precision == "fp8" and q.shape[2] not in FP8_HEAD_DIMS:
             raise ValueError(f"precision='fp8' needs head_dim in {FP8_HEAD_DIMS}, got {q.shape[2]}")
     return (k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
-            [activation_id(n) for n in names], float(pre_scale), out_scale, causal, contextual_len,
+            [activation_id(n) for n in activations], float(pre_scale), out_scale, causal, contextual_len,
             -1 if window is None else window, broadcast_q, triton, precision)  # fmt: skip
 
 
@@ -233,10 +248,10 @@ def hstu_attention(
 
     Like hstu, every token attends to itself (the mask's diagonal).
     """
-    return gdpa(
-        q, k, v, offsets, offsets, max_len, max_len, activation="silu", pre_scale=alpha, norm=norm,
-        causal=causal, num_targets=num_targets, contextual_len=contextual_len, window=window, backend=backend,
-    )
+    if not torch.compiler.is_compiling():  # checked here so the error names alpha, not gdpa's pre_scale
+        check_finite_numbers("hstu_attention", alpha=alpha)
+    return _gdpa(q, k, v, offsets, offsets, max_len, max_len, "silu", None, alpha, 1.0, norm, causal, num_targets,
+                 contextual_len, window, False, backend, "bf16", None, "hstu_attention", SELF_ATTENTION)
 
 
 def _head_activations(activation: str, head_activations: Sequence[str] | None, heads: int) -> list[str]:
@@ -254,14 +269,14 @@ def _head_activations(activation: str, head_activations: Sequence[str] | None, h
     return names
 
 
-def _norm_value(norm: str | float | None, max_len_k: int) -> float:
+def _norm_value(norm: str | float | None, max_len_k: int, fn: str) -> float:
     if norm is None:
         return 1.0
     if norm == "max_len":
         return float(max(max_len_k, 1))
-    if isinstance(norm, (int, float)) and not isinstance(norm, bool) and norm > 0:
+    if is_positive_finite(norm):  # inf had zeroed the whole output
         return float(norm)
-    raise ValueError(f"norm must be None, 'max_len' or a positive number, got {norm!r}")
+    raise ValueError(f"{fn}: norm must be None, 'max_len' or a positive finite number, got {norm!r}")
 
 
 def _check_contents(
@@ -277,17 +292,19 @@ def _check_contents(
     num_targets: torch.Tensor | None,
     contextual_len: int,
     window: int | None,
+    names: ArgNames,
 ) -> None:
-    """Checks that read the offsets (host sync); skipped while torch.compile traces."""
+    """Checks that read the offsets (host sync); skipped while torch.compile traces. The errors use the caller's
+    ``names`` of the offsets and max lengths."""
     if broadcast_q:
         if q.dim() != 3:
             raise ValueError(f"q must have shape [Lq, heads, head_dim] with broadcast_q, got {tuple(q.shape)}")
         # validate q against a stand-in batch whose first sample holds the shared rows
         batch = k_offsets.numel() - 1
         stand_in = to_device(torch.tensor([0] + [q.shape[0]] * batch, dtype=k_offsets.dtype), k_offsets.device)
-        check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k)
+        check_attention_inputs(q, k, v, stand_in, k_offsets, q.shape[0], max_len_k, names)
         return
-    check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k)
+    check_attention_inputs(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, names)
     if masked:
         if q_offsets is not k_offsets and not torch.equal(host_copy(q_offsets), host_copy(k_offsets)):
             raise ValueError(

@@ -19,7 +19,14 @@ from opengem.jagged.host import host_copy
 from opengem.ops.attention_flops import counted_or_bound
 from opengem.ops.autocast import cast_inputs
 from opengem.ops.backend import triton_chosen
-from opengem.ops.checks import check_attention_inputs, check_mask_options, check_projection_bias
+from opengem.ops.checks import (
+    SELF_ATTENTION,
+    check_attention_inputs,
+    check_bools,
+    check_finite_numbers,
+    check_mask_options,
+    check_projection_bias,
+)
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
 from opengem.ops.reference.attention_fp8 import jagged_attention_fp8 as reference_jagged_attention_fp8
@@ -463,15 +470,17 @@ def jagged_attention_packed(
     (qkv,), autocast_off = cast_inputs(qkv)
     q, k, v = qkv.unbind(1)
     options = _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale,
-                          normalize_by_max_len, backend, precision, backward_precision)  # fmt: skip
+                          normalize_by_max_len, backend, precision, backward_precision,
+                          fn="jagged_attention_packed")  # fmt: skip
     with autocast_off:
         out, _ = _jagged_attention_packed_fwd(qkv, *options, projection_bias)
     return out
 
 
 def _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, window, scale, normalize_by_max_len,
-                backend, precision, backward_precision) -> tuple:  # fmt: skip
-    """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`jagged_attention`)."""
+                backend, precision, backward_precision, fn: str = "jagged_attention") -> tuple:  # fmt: skip
+    """The registered ops' arguments after the inputs, once the inputs are checked (see :func:`jagged_attention`);
+    ``fn``: the public function called, which the errors name."""
     use_triton = _use_triton(q, backend)
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
@@ -480,8 +489,11 @@ def _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, 
     if backward_precision == "fp8" and precision != "fp8":
         raise ValueError(f"backward_precision='fp8' (E4M3 products) exists for precision='fp8' only, got "
                          f"precision={precision!r}")  # fmt: skip
-    if not torch.compiler.is_compiling():  # validation reads host values, which a traced graph cannot
-        check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len)
+    if not torch.compiler.is_compiling():  # validation reads host values (and Dynamo may trace scalars as symbols)
+        check_bools(fn, causal=causal, normalize_by_max_len=normalize_by_max_len)
+        if scale is not None:
+            check_finite_numbers(fn, scale=scale)
+        check_attention_inputs(q, k, v, offsets, offsets, max_len, max_len, SELF_ATTENTION)
         check_mask_options(offsets, num_targets, contextual_len, window)
         if num_targets is not None and num_targets.device != q.device:
             raise ValueError(f"num_targets must be on {q.device}, got {num_targets.device}")

@@ -129,7 +129,7 @@ def qkv_attention(
     if fuse_projection and _use_triton(x, backend):
         shaped = x.new_empty(()).expand(x.shape[0], num_heads, head_dim)  # what the checks see: q, k and v's shape
         options = _op_options(shaped, shaped, shaped, offsets, max_len, causal, num_targets, contextual_len, window,
-                              scale, False, backend, precision, "bf16")  # fmt: skip
+                              scale, False, backend, precision, "bf16", fn="qkv_attention")  # fmt: skip
         with autocast_off:  # the fused op takes the options up to the scale (use_triton and precision are set)
             out, _, _ = _qkv_attention_fp8_fwd(x, weight, bias, num_heads, *options[:7])
         return out
