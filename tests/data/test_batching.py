@@ -10,6 +10,7 @@ from opengem.data.batching import (
     shuffled_rows,
     token_budget_batches,
 )
+from opengem.data.layout import DataError
 from opengem.data.parquet import batches_from_table
 from opengem.data.synthetic import SYNTHETIC_PRESETS, generate_rows
 
@@ -64,6 +65,26 @@ def test_token_budget_is_respected_and_greedy(cuts, budget, max_rows):
             assert tokens + lengths[end] > budget  # greedy: the next row would not have fit
         start = end
         assert_consistent(b)
+
+
+@given(st.lists(st.integers(0, 10**6), max_size=6), st.integers(1, 400), st.sampled_from([None, 7, 50]))
+@settings(max_examples=15, deadline=None)
+def test_token_budget_drop_last_drops_only_a_partial_last_batch(cuts, budget, max_rows):
+    every = list(token_budget_batches(pieces(cuts), budget, max_rows))
+    kept = list(token_budget_batches(pieces(cuts), budget, max_rows, drop_last=True))
+    last = every[-1]
+    full = last.history_lengths().sum() >= budget or last.num_rows == max_rows
+    assert [b.num_rows for b in kept] == [b.num_rows for b in every][: len(every) - (not full)]
+    assert np.array_equal(ids_of(kept), ROWS.sample_id[: sum(b.num_rows for b in kept)])
+
+
+@pytest.mark.parametrize(("rows", "sizes"), [(1_000, [256] * 3), (3_000, [256] * 11), (255, [])])
+def test_base_batch_shuffling_drop_last_gives_full_batches_only(rows, sizes):
+    # windows of 4 batches of 4 sub-batches of 64 rows; the last window's short batches had been yielded
+    batches = list(base_batch_shuffling([ROWS.slice(0, rows)], 256, 64, window_batches=4, drop_last=True))
+    assert [b.num_rows for b in batches] == sizes
+    ids = np.sort(np.concatenate([b.sample_id for b in batches] or [np.zeros(0, np.int64)]))
+    assert np.array_equal(ids, ROWS.sample_id[: len(ids)])  # only the stream's tail is dropped
 
 
 def test_oversized_rows_get_their_own_batch():
@@ -137,3 +158,11 @@ def test_in_memory_batches_every_mode(tiny_table):
         list(batches_from_table(tiny_table))
     with pytest.raises(ValueError, match="batch_shuffling"):
         list(batches_from_table(tiny_table, token_budget=100, batch_shuffling=True))
+
+
+def test_in_memory_batches_refuse_an_empty_table(tiny_table):
+    # yielded nothing, where an empty file is an error
+    with pytest.raises(DataError, match=r"<in-memory table>: empty table \(0 rows\)"):
+        list(batches_from_table(tiny_table.slice(0, 0), batch_size=8))
+    with pytest.raises(DataError, match=r"<in-memory table>: empty table \(0 rows\)"):
+        list(batches_from_table(ROWS.slice(0, 0), batch_size=8, layout=TINY.layout(11)))

@@ -52,6 +52,11 @@ def test_shuffle_changes_with_epoch_and_keeps_every_sample(tiny_dir):
     ({"batch_size": 8.0}, "batch_size must be an int, got 8.0"),  # failed deep in RowBlock.slice
     ({"token_budget": 7.5}, "token_budget must be an int, got 7.5"),
     ({"batch_size": 8, "shuffle_cost": "bogus"}, r"shuffle_cost must be one of \('tokens', 'squared'\), got 'bogus'"),
+    # "slice indices must be integers" at iteration
+    ({"batch_size": 8, "rank": 0.5, "world_size": 2}, "rank and world_size must be ints, got rank 0.5, world_size 2"),
+    ({"batch_size": 8, "world_size": True}, "rank and world_size must be ints, got rank 0, world_size True"),
+    ({"batch_size": 8, "rank": 2, "world_size": 2}, "need 0 <= rank < world_size, got rank 2, world_size 2"),
+    ({"batch_size": 8, "seed": -1}, "seed must be an int >= 0, got -1"),  # numpy's error, inside a worker
 ])
 def test_loader_options_of_the_wrong_kind_are_named(tiny_dir, kwargs, message):
     with pytest.raises(ValueError, match=message):

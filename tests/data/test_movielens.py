@@ -2,14 +2,18 @@
 
 import argparse
 import importlib.util
+import re
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from opengem.cli.movielens import add_movielens_parser, movielens_command
 from opengem.data import movielens
-from opengem.data.movielens import leave_one_out, load_sequences, read_inter, read_parquet
+from opengem.data.layout import DataError
+from opengem.data.movielens import leave_one_out, load_sequences, read_inter, read_parquet, write_parquet
 
 HEADER = "user_id:token\titem_id:token\trating:float\ttimestamp:float\n"
 
@@ -90,6 +94,10 @@ def test_parquet_round_trip_and_cli(small: Path, tmp_path: Path, capsys) -> None
         (HEADER, "1\t2\t3", "line 3: expected 4 tab-separated fields, got 3"),
         (HEADER, "1\t2\t3\tsoon", "line 3, column 4 (timestamp): not a number: 'soon'"),
         (HEADER, "1\t\t3\t4", "line 3, column 2 (item_id): empty token"),
+        # non-finite timestamps had been stored as -2**63
+        (HEADER, "1\t2\t3\tnan", "line 3, column 4 (timestamp): 'nan' is not a finite number of seconds"),
+        (HEADER, "1\t2\t3\t-inf", "line 3, column 4 (timestamp): '-inf' is not a finite number of seconds"),
+        (HEADER, "1\t2\t3\t1e300", "line 3, column 4 (timestamp): '1e300' is not a finite number of seconds within"),
     ],
 )
 def test_malformed_files_name_file_line_and_column(tmp_path: Path, header: str, row: str, message: str) -> None:
@@ -103,6 +111,53 @@ def test_header_only_file_is_an_error(tmp_path: Path) -> None:
     path = write_inter(tmp_path / "empty.inter", [])
     with pytest.raises(ValueError, match="no interactions after the header"):
         read_inter(path)
+
+
+def test_no_user_with_enough_interactions_is_an_error(tmp_path: Path) -> None:
+    # gave 0 users and no error; a repeated item does not count twice
+    path = write_inter(tmp_path / "few.inter", ["1\t10\t5\t1", "1\t11\t5\t2", "1\t10\t5\t3", "2\t10\t3\t4"])
+    with pytest.raises(ValueError, match=rf"{path}: no user has at least 3 interactions .*\(the most is 2\)"):
+        read_inter(path)
+
+
+def rewrite(path: Path, column: str, values: list, kind: pa.DataType | None = None) -> None:
+    table = pq.read_table(path)
+    index = table.schema.get_field_index(column)
+    kind = kind or table.schema.field(column).type
+    pq.write_table(table.set_column(index, pa.field(column, kind), pa.array(values, kind)), path)
+
+
+SEQUENCE_PROBLEMS = {
+    # case: (file, column, values, row, message after the column); small's users: row 0 = '3' (3 items), 1 = '7' (5)
+    "padding id": ("sequences", "item_ids", [[3, 0, 1], [5, 1, 2, 3, 4]], 0, "user '3': item id 0 is not in 1..5"),
+    "id past the items": ("sequences", "item_ids", [[3, 2, 1], [5, 1, 6, 3, 4]], 1, "user '7': item id 6 is not in"),
+    "negative id": ("sequences", "item_ids", [[3, 2, 1], [5, -3, 2, 3, 4]], 1, "user '7': item id -3 is not in 1..5"),
+    "fewer timestamps": ("sequences", "timestamps", [[1, 2, 3], [1, 5, 5, 9]], 1, "user '7': 4 timestamps for 5 items"),
+    "short user": ("sequences", "item_ids", [[3, 2], [5, 1, 2, 3, 4]], 0, "user '3': 2 items; the leave-one-out"),
+    "null id": ("sequences", "item_ids", [[3, 2, 1], [5, None, 2, 3, 4]], 1, "null value"),
+    "items out of order": ("items", "item_id", [1, 3, 2, 4, 5], 1, "item id 3; the ids must be 1..5 in row order"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(SEQUENCE_PROBLEMS))
+def test_bad_parquet_sequences_name_file_row_and_user(small: Path, tmp_path: Path, case: str) -> None:
+    # were accepted: leave_one_out then gave test target -3
+    name, column, values, row, words = SEQUENCE_PROBLEMS[case]
+    out = tmp_path / "out"
+    write_parquet(read_inter(small), out)
+    rewrite(out / f"{name}.parquet", column, values)
+    if case == "short user":
+        rewrite(out / "sequences.parquet", "timestamps", [[1, 2], [1, 5, 5, 5, 9]])  # as many as the items
+    with pytest.raises(DataError, match=re.escape(f"{out / name}.parquet, row {row}, column {column!r}: {words}")):
+        load_sequences(out)
+
+
+def test_parquet_columns_of_the_wrong_type_are_named(small: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    write_parquet(read_inter(small), out)
+    rewrite(out / "sequences.parquet", "item_ids", [[3.0, 2.0, 1.0], [5.5, 1, 2, 3, 4]], pa.list_(pa.float64()))
+    with pytest.raises(DataError, match=r"sequences.parquet, column 'item_ids': wrong type: expected list<item: int64"):
+        read_parquet(out)
 
 
 def test_missing_recbole_says_how_to_install(monkeypatch) -> None:

@@ -1,4 +1,6 @@
+import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -9,11 +11,14 @@ import pytest
 import torch
 
 from opengem.data.layout import DataError
+from opengem.data import parquet
 from opengem.data.parquet import (
+    ParquetDataset,
     batches_from_table,
     make_loader,
     parquet_write_options,
     resolve_paths,
+    synthesize_to_parquet,
     validate_files,
 )
 
@@ -174,7 +179,34 @@ SCHEMA_CASES = {
         "malformed",
     ),
     "empty file": (lambda t: t.slice(0, 0), None, "empty file"),
+    # int() had truncated 50000.9 to 50000 and read true as 1
+    "fractional num_embeddings": (
+        lambda t: edit_features(t, lambda f: f[0].update(num_embeddings=50000.9)),
+        "user_id",
+        "num_embeddings in the 'opengem' schema metadata must be an int, got 50000.9",
+    ),
+    "boolean num_embeddings": (
+        lambda t: edit_features(t, lambda f: f[1].update(num_embeddings=True)),
+        "user_age",
+        "num_embeddings in the 'opengem' schema metadata must be an int, got True",
+    ),
+    # passed validation, then iterating failed in KeyedJagged without the file's name
+    "duplicate feature name": (
+        lambda t: edit_features(t, lambda f: f.append(dict(f[2]))), "user_gender", "feature name is listed twice"
+    ),
+    "feature named like a fixed column": (
+        lambda t: edit_features(t, lambda f: f[0].update(name="timestamp")),
+        "timestamp",
+        "feature name is that of a fixed column",
+    ),
 }
+
+
+def edit_features(table: pa.Table, edit) -> pa.Table:
+    """``table`` with ``edit`` applied to the feature entries of its 'opengem' schema metadata."""
+    payload = json.loads(table.schema.metadata[b"opengem"])
+    edit(payload["features"])
+    return table.replace_schema_metadata({b"opengem": json.dumps(payload).encode()})
 
 
 @pytest.mark.parametrize("case", sorted(SCHEMA_CASES))
@@ -188,6 +220,8 @@ def test_schema_problems_are_reported_before_reading(case, tiny_table, tmp_path)
     if column is not None:
         assert f"column {column!r}" in message
     assert error.value.column == column
+    with pytest.raises(DataError, match=re.escape(message)):
+        validate_files(path)
 
 
 def test_truncated_file(tiny_table, tmp_path):
@@ -240,3 +274,47 @@ def test_synthesize_reports_bad_arguments(tmp_path):
         pq.read_table(synthesize_to_parquet(tmp_path, 10, "gem-tiny", progress=False)).column("sample_id").to_numpy(),
         np.arange(10),
     )
+
+
+def test_synthesize_refuses_a_negative_seed_before_writing(tmp_path):
+    # numpy's "expected non-negative integer" came mid-write and left part-00000.parquet.tmp behind
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        synthesize_to_parquet(tmp_path, 10, "gem-tiny", seed=-1, progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_failed_write_leaves_no_partial_file(tmp_path, monkeypatch):
+    def broken(*args, **kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(parquet, "generate", broken)
+    with pytest.raises(OSError, match="disk full"):
+        synthesize_to_parquet(tmp_path, 10, "gem-tiny", progress=False)
+    assert not list(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------- drop_last in every batching mode
+
+
+def token_counts(batches) -> list[int]:
+    return [b.num_history_tokens() for b in batches]
+
+
+def test_drop_last_with_token_budget_drops_only_a_partial_last_batch(tiny_dir):
+    budget = 3_000
+    every = list(ParquetDataset(tiny_dir, token_budget=budget))
+    kept = list(ParquetDataset(tiny_dir, token_budget=budget, drop_last=True))
+    assert token_counts(every)[-1] < budget  # the data end in a partial batch (was still yielded)
+    assert token_counts(kept) == token_counts(every)[:-1]  # the batches before it were closed by a row not fitting
+    for cap, sizes in ((1_000, [1_000] * 5), (1_200, [1_200] * 4)):  # full by rows: the cap, of 5_000 rows
+        capped = ParquetDataset(tiny_dir, token_budget=10**9, batch_size=cap, drop_last=True)
+        assert [b.batch_size() for b in capped] == sizes
+
+
+def test_drop_last_with_batch_shuffling_gives_only_full_batches(tiny_dir):
+    kwargs = {"batch_size": 512, "sub_batch_size": 128, "batch_shuffling": True}
+    assert min(b.batch_size() for b in ParquetDataset(tiny_dir, **kwargs)) < 512
+    kept = list(ParquetDataset(tiny_dir, drop_last=True, **kwargs))
+    assert [b.batch_size() for b in kept] == [512] * (5_000 // 512)  # was: short batches of the last window
+    ids = np.concatenate([b.sample_id.numpy() for b in kept])
+    assert len(np.unique(ids)) == len(ids)

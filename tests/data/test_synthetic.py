@@ -103,6 +103,8 @@ def test_bad_config_is_rejected():
         SyntheticConfig("bad", 10, 33, 32, 64, 4, 1, 8)
     with pytest.raises(ValueError, match="min_history"):
         SyntheticConfig("bad", 10, 32, 32, 64, 4, 9, 8)
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):  # was numpy's "expected non-negative"
+        generate(TINY, 10, seed=-1)
 
 
 @pytest.mark.parametrize(("change", "message"), [

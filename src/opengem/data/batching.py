@@ -1,8 +1,9 @@
 """Cutting a stream of row blocks into batches: fixed size, token budget, Base Batch Shuffling.
 
 Every batcher takes an iterator of :class:`RowBlock` and yields RowBlocks; rows keep their order
-(except under shuffling, which only permutes) and no row is ever dropped or duplicated. Batches may
-span block boundaries. Work is per batch, never per row.
+(except under shuffling, which only permutes) and no row is ever duplicated, nor dropped unless
+``drop_last`` asks to drop the stream's last, partial batch. Batches may span block boundaries. Work is
+per batch, never per row.
 """
 
 from __future__ import annotations
@@ -81,9 +82,14 @@ def token_budget_cuts(lengths: np.ndarray, token_budget: int, max_rows: int | No
 
 
 def token_budget_batches(
-    blocks: Iterable[RowBlock], token_budget: int, max_rows: int | None = None
+    blocks: Iterable[RowBlock], token_budget: int, max_rows: int | None = None, drop_last: bool = False
 ) -> Iterator[RowBlock]:
-    """Batches filled until the sum of history lengths would pass ``token_budget`` (see token_budget_cuts)."""
+    """Batches filled until the sum of history lengths would pass ``token_budget`` (see token_budget_cuts).
+
+    Every batch but the last was closed because its next row did not fit; the last one was closed by the end
+    of the stream. ``drop_last`` drops that last batch unless it is full: it holds at least ``token_budget``
+    history tokens, or ``max_rows`` rows.
+    """
     if token_budget < 1:
         raise ValueError(f"token_budget must be >= 1, got {token_budget}")
     if max_rows is not None and max_rows < 1:
@@ -97,9 +103,15 @@ def token_budget_batches(
         for end in ends[:-1]:
             yield queue.pop(end - start)
             start = end
-    if queue.num_rows:
-        for size in np.diff([0, *token_budget_cuts(queue.lengths(), token_budget, max_rows)]):
-            yield queue.pop(int(size))
+    if not queue.num_rows:
+        return
+    sizes = np.diff([0, *token_budget_cuts(queue.lengths(), token_budget, max_rows)])
+    for size in sizes[:-1]:
+        yield queue.pop(int(size))
+    last = queue.pop(int(sizes[-1]))
+    full = int(last.history_lengths().sum()) >= token_budget or (max_rows is not None and last.num_rows >= max_rows)
+    if full or not drop_last:
+        yield last
 
 
 def batch_costs(block: RowBlock, cost: CostKind) -> float:
@@ -113,6 +125,7 @@ def base_batch_shuffling(
     sub_batch_size: int = 128,
     window_batches: int = 8,
     cost: CostKind = "tokens",
+    drop_last: bool = False,
 ) -> Iterator[RowBlock]:
     """Base Batch Shuffling (GEM_SPEC section 7).
 
@@ -120,7 +133,9 @@ def base_batch_shuffling(
     batches' worth of sub-batches is sorted by cost (sum of history lengths, or of squared lengths for
     attention-heavy models) and dealt heavy/light in snake order (0, 1, .., n-1, n-1, .., 0, ...), so
     the batches of a window carry about the same cost. Each batch holds ``batch_size`` rows (the
-    last window may give smaller ones); every row appears exactly once.
+    last window may give smaller ones); every row appears exactly once. With ``drop_last`` every batch holds
+    exactly ``batch_size`` rows: the stream's last rows that do not fill one (a partial sub-batch and the
+    sub-batches of the last window beyond a multiple of ``batch_size / sub_batch_size``) are dropped.
     """
     if sub_batch_size < 1 or batch_size % sub_batch_size:
         raise ValueError(f"batch_size {batch_size} must be a positive multiple of sub_batch_size {sub_batch_size}")
@@ -130,11 +145,13 @@ def base_batch_shuffling(
         raise ValueError(f"cost must be 'tokens' or 'squared', got {cost!r}")
     per_batch = batch_size // sub_batch_size
     window: list[RowBlock] = []
-    for sub_batch in fixed_size_batches(blocks, sub_batch_size):
+    for sub_batch in fixed_size_batches(blocks, sub_batch_size, drop_last):
         window.append(sub_batch)
         if len(window) == per_batch * window_batches:
             yield from _deal(window, per_batch, cost)
             window = []
+    if drop_last:
+        del window[len(window) // per_batch * per_batch :]  # the stream's tail, in stream order
     if window:
         yield from _deal(window, per_batch, cost)
 

@@ -36,6 +36,7 @@ import torch
 
 from opengem.data.schema import TASKS, Batch, FeatureSpec
 from opengem.jagged import Jagged, KeyedJagged
+from opengem.validation import is_int
 
 FORMAT_VERSION = 1
 METADATA_KEY = b"opengem"
@@ -110,7 +111,7 @@ class DataLayout:
             if list(payload["tasks"]) != list(TASKS):
                 raise DataError(source, None, None, f"tasks {payload['tasks']} differ from {list(TASKS)}")
             layout = cls(
-                tuple(FeatureSpec(f["name"], f["kind"], int(f["num_embeddings"])) for f in payload["features"]),
+                tuple(_feature_spec(f, source) for f in payload["features"]),
                 tuple(payload["dense_features"]),
                 payload.get("source", {}),
             )
@@ -118,6 +119,15 @@ class DataLayout:
             raise
         except (KeyError, TypeError, ValueError) as exc:  # includes json.JSONDecodeError, bad FeatureSpec
             raise DataError(source, None, None, f"malformed 'opengem' schema metadata: {exc!r}") from exc
+        # A repeated name (or one of a fixed column) would make two features share one column; reading it failed
+        # much later, in KeyedJagged, without the file's name.
+        fixed = {"sample_id", "timestamp", HISTORY_TIME, "dense", *LABEL_COLUMNS, *ORACLE_COLUMNS}
+        seen: set[str] = set()
+        for spec in layout.features:
+            if spec.name in seen or spec.name in fixed:
+                problem = "is listed twice" if spec.name in seen else "is that of a fixed column"
+                raise DataError(source, None, spec.name, f"feature name {problem} in the 'opengem' schema metadata")
+            seen.add(spec.name)
         for name, expected in layout.arrow_types().items():
             index = schema.get_field_index(name)
             if index < 0:
@@ -126,6 +136,16 @@ class DataLayout:
             if actual != expected:
                 raise DataError(source, None, name, f"wrong type: expected {expected}, got {actual}")
         return layout
+
+
+def _feature_spec(entry: dict[str, Any], source: str) -> FeatureSpec:
+    """One metadata feature entry as a FeatureSpec; ``num_embeddings`` must be a JSON integer (``int()`` had
+    truncated 50000.9 to 50000 and read ``true`` as 1)."""
+    count = entry["num_embeddings"]
+    if not is_int(count):
+        problem = f"num_embeddings in the 'opengem' schema metadata must be an int, got {count!r}"
+        raise DataError(source, None, entry["name"], problem)
+    return FeatureSpec(entry["name"], entry["kind"], count)
 
 
 @dataclass

@@ -24,10 +24,13 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+from opengem.data.layout import DataError
 
 RECBOLE_INSTALL = "pip install --no-deps recbole==1.2.1"
 MIN_INTERACTIONS = 3
@@ -105,6 +108,11 @@ def read_inter(path: str | Path | None = None) -> Sequences:
     user_ids, item_ids, times = user_ids[first], item_ids[first], times[first]
     counts = np.bincount(user_ids, minlength=len(user_tokens))
     keep_user = counts >= MIN_INTERACTIONS
+    if not keep_user.any():  # an empty data set had gone on to training without a word
+        raise ValueError(
+            f"{path}: no user has at least {MIN_INTERACTIONS} interactions with distinct items (the most is "
+            f"{int(counts.max())}); the leave-one-out split needs {MIN_INTERACTIONS} per user"
+        )
     rows = keep_user[user_ids]
     kept_tokens = [t for t, keep in zip(user_tokens, keep_user) if keep]
     offsets = np.concatenate([[0], np.cumsum(counts[keep_user])]).astype(np.int64)
@@ -154,18 +162,74 @@ def write_parquet(sequences: Sequences, out: str | Path) -> list[Path]:
 
 
 def read_parquet(folder: str | Path) -> Sequences:
-    """Read what :func:`write_parquet` wrote."""
+    """Read what :func:`write_parquet` wrote, checked as :func:`read_inter` builds it: ``items.parquet`` lists the
+    item ids 1..N in order; each ``sequences.parquet`` row has item ids in 1..N (0 is padding), as many timestamps
+    as items and at least ``MIN_INTERACTIONS`` items. Raises :class:`DataError` naming the file, the row (0-based)
+    with its user token, and the column."""
     folder = Path(folder)
-    table = pq.read_table(folder / "sequences.parquet")
-    items = pq.read_table(folder / "items.parquet")
-    lengths = np.array([len(x) for x in table["item_ids"].to_pylist()], dtype=np.int64)
+    sequences_path, items_path = folder / "sequences.parquet", folder / "items.parquet"
+    users = _read_columns(sequences_path, _SEQUENCE_TYPES)
+    items = _read_columns(items_path, _ITEM_TYPES)
+    item_id = items["item_id"].to_numpy()
+    num_items = len(item_id)
+    if (row := _first(item_id != np.arange(1, num_items + 1))) is not None:  # Sequences maps ids to tokens by row
+        problem = f"item id {int(item_id[row])}; the ids must be 1..{num_items} in row order"
+        raise DataError(str(items_path), row, "item_id", problem)
+    user_tokens = users["user_token"].to_pylist()
+    if not user_tokens:
+        raise DataError(str(sequences_path), None, None, "no users (0 rows)")
+
+    def fail(row: int, column: str, problem: str) -> NoReturn:
+        raise DataError(str(sequences_path), row, column, f"user {user_tokens[row]!r}: {problem}")
+
+    item_ids, timestamps = users["item_ids"], users["timestamps"]
+    lengths = item_ids.value_lengths().to_numpy().astype(np.int64)
+    time_lengths = timestamps.value_lengths().to_numpy()
+    if (row := _first(lengths != time_lengths)) is not None:
+        fail(row, "timestamps", f"{time_lengths[row]} timestamps for {lengths[row]} items")
+    if (row := _first(lengths < MIN_INTERACTIONS)) is not None:  # leave_one_out would take another user's items
+        fail(row, "item_ids", f"{lengths[row]} items; the leave-one-out split needs at least {MIN_INTERACTIONS}")
+    flat = item_ids.flatten().to_numpy()
+    if (token := _first((flat < 1) | (flat > num_items))) is not None:
+        row = item_ids.value_parent_indices()[token].as_py()
+        fail(row, "item_ids", f"item id {flat[token]} is not in 1..{num_items} (the items of {items_path.name})")
     return Sequences(
-        items=table["item_ids"].combine_chunks().flatten().to_numpy().astype(np.int64),
-        timestamps=table["timestamps"].combine_chunks().flatten().to_numpy().astype(np.int64),
+        items=flat.astype(np.int64),
+        timestamps=timestamps.flatten().to_numpy().astype(np.int64),
         offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
-        user_tokens=table["user_token"].to_pylist(),
+        user_tokens=user_tokens,
         item_tokens=items["item_token"].to_pylist(),
     )
+
+
+_SEQUENCE_TYPES = {"user_token": pa.string(), "item_ids": pa.list_(pa.int64()), "timestamps": pa.list_(pa.int64())}
+_ITEM_TYPES = {"item_id": pa.int64(), "item_token": pa.string()}
+
+
+def _read_columns(path: Path, types: dict[str, pa.DataType]) -> dict[str, pa.Array]:
+    """The columns ``types`` of ``path`` (others are ignored), each of its type, without nulls (at any depth)."""
+    table = pq.read_table(path)
+    columns = {}
+    for name, expected in types.items():
+        if name not in table.column_names:
+            raise DataError(str(path), None, name, f"missing column (expected type {expected})")
+        array = table[name].combine_chunks()
+        if array.type != expected:
+            raise DataError(str(path), None, name, f"wrong type: expected {expected}, got {array.type}")
+        nulls = np.array(array.is_null())
+        if pa.types.is_list(expected):  # a null inside a list counts against its row
+            inner = array.flatten().is_null().to_numpy(zero_copy_only=False)
+            nulls[array.value_parent_indices().to_numpy()[inner]] = True
+        if (row := _first(nulls)) is not None:
+            raise DataError(str(path), row, name, "null value (nulls are not allowed)")
+        columns[name] = array
+    return columns
+
+
+def _first(mask: np.ndarray) -> int | None:
+    """Index of the first True of ``mask``, None if none."""
+    hits = np.flatnonzero(mask)
+    return int(hits[0]) if hits.size else None
 
 
 def load_sequences(source: str | Path | None = None) -> Sequences:
@@ -202,11 +266,17 @@ def _parse(path: Path) -> tuple[list[str], list[str], np.ndarray]:
                 if not fields[column]:
                     raise ValueError(f"{path}, line {line_number}, column {column + 1} ({name}): empty token")
             try:
-                times.append(float(fields[time_col]))
+                time = float(fields[time_col])
             except ValueError:
                 raise ValueError(
                     f"{path}, line {line_number}, column {time_col + 1} (timestamp): not a number: {fields[time_col]!r}"
                 ) from None
+            if not abs(time) < 2.0**63:  # nan, inf and the like had been stored as -2**63 (int64 seconds)
+                raise ValueError(
+                    f"{path}, line {line_number}, column {time_col + 1} (timestamp): {fields[time_col]!r} is not a "
+                    "finite number of seconds within the int64 range"
+                )
+            times.append(time)
             users.append(fields[user_col])
             items.append(fields[item_col])
     if not users:

@@ -30,7 +30,7 @@ from opengem.data.batching import (
 )
 from opengem.data.layout import DataError, DataLayout, RowBlock, decode
 from opengem.data.schema import Batch
-from opengem.data.synthetic import SYNTHETIC_PRESETS, generate
+from opengem.data.synthetic import SYNTHETIC_PRESETS, check_seed, generate
 from opengem.validation import is_int
 
 DEFAULT_ROWS_PER_FILE = 262_144
@@ -59,6 +59,7 @@ def synthesize_to_parquet(
         raise ValueError("num_samples, rows_per_file and row_group_size must be >= 1")
     if first_sample < 0:
         raise ValueError(f"first_sample must be >= 0, got {first_sample}")
+    check_seed(seed)  # before any file: numpy's own error came mid-write and left a .tmp file
     config = SYNTHETIC_PRESETS[preset]
     out = Path(out_dir)
     if out.exists() and not out.is_dir():
@@ -71,13 +72,16 @@ def synthesize_to_parquet(
             path = out / f"part-{file_index:05d}.parquet"
             partial = path.with_suffix(".parquet.tmp")
             file_end = min(file_start + rows_per_file, num_samples)
-            with pq.ParquetWriter(partial, schema, **parquet_write_options(schema)) as writer:
-                for start in range(file_start, file_end, row_group_size):
-                    count = min(row_group_size, file_end - start)
-                    table = generate(config, count, seed, first_sample + start)
-                    writer.write_table(table, row_group_size=row_group_size)
-                    bar.update(count)
-            partial.replace(path)
+            try:
+                with pq.ParquetWriter(partial, schema, **parquet_write_options(schema)) as writer:
+                    for start in range(file_start, file_end, row_group_size):
+                        count = min(row_group_size, file_end - start)
+                        table = generate(config, count, seed, first_sample + start)
+                        writer.write_table(table, row_group_size=row_group_size)
+                        bar.update(count)
+                partial.replace(path)
+            finally:
+                partial.unlink(missing_ok=True)  # a failed write leaves no partial file behind
             paths.append(path)
     return paths
 
@@ -179,7 +183,11 @@ def validate_files(paths_or_dir: str | os.PathLike | Sequence[str | os.PathLike]
 @dataclass(frozen=True)
 class BatchingOptions:
     """How rows become batches. Exactly one of ``batch_size`` / ``token_budget`` drives the cut;
-    with both, ``batch_size`` caps the rows of a token-budget batch."""
+    with both, ``batch_size`` caps the rows of a token-budget batch.
+
+    ``drop_last`` drops the stream's last batch when it is partial: with ``batch_size`` (also under
+    ``batch_shuffling``) every batch then holds exactly ``batch_size`` rows; with ``token_budget`` the last
+    batch is kept only if full, i.e. it holds at least ``token_budget`` history tokens or ``batch_size`` rows."""
 
     batch_size: int | None = None
     token_budget: int | None = None
@@ -210,10 +218,15 @@ class BatchingOptions:
         if self.batch_shuffling:
             assert self.batch_size is not None
             return base_batch_shuffling(
-                blocks, self.batch_size, self.sub_batch_size, self.shuffle_window_batches, self.shuffle_cost
+                blocks,
+                self.batch_size,
+                self.sub_batch_size,
+                self.shuffle_window_batches,
+                self.shuffle_cost,
+                self.drop_last,
             )
         if self.token_budget is not None:
-            return token_budget_batches(blocks, self.token_budget, self.batch_size)
+            return token_budget_batches(blocks, self.token_budget, self.batch_size, self.drop_last)
         assert self.batch_size is not None
         return fixed_size_batches(blocks, self.batch_size, self.drop_last)
 
@@ -226,7 +239,7 @@ class ParquetDataset(IterableDataset):
     With ``shuffle_buffer > 0`` the row-group order is permuted per epoch (seeded by ``seed`` and the
     epoch, identical on every worker) and rows are permuted within windows of ``shuffle_buffer`` rows.
     Batches are cut within each worker's stream; with several workers the last batch of each worker
-    may be partial.
+    may be partial (``drop_last`` drops it: see :class:`BatchingOptions`).
     """
 
     def __init__(
@@ -244,6 +257,8 @@ class ParquetDataset(IterableDataset):
         drop_last: bool = False,
     ) -> None:
         super().__init__()
+        if not (is_int(rank) and is_int(world_size)):  # rank 0.5 failed at iteration, in a list slice
+            raise ValueError(f"rank and world_size must be ints, got rank {rank!r}, world_size {world_size!r}")
         if not 0 <= rank < world_size:
             raise ValueError(f"need 0 <= rank < world_size, got rank {rank}, world_size {world_size}")
         self.options = BatchingOptions(
@@ -255,6 +270,7 @@ class ParquetDataset(IterableDataset):
             shuffle_cost=shuffle_cost,
             drop_last=drop_last,
         )
+        check_seed(seed)
         self.paths = resolve_paths(paths_or_dir)
         self.layout, self.units = inspect_files(self.paths)
         self.seed, self.rank, self.world_size = seed, rank, world_size
@@ -346,6 +362,9 @@ def batches_from_table(
         raise ValueError("batches_from_table needs layout= when given a RowBlock")
     else:
         rows = table
+    if rows.num_rows == 0:  # as an empty file is refused: yielding nothing would hide the mistake
+        raise DataError("<in-memory table>", None, None, "empty table (0 rows): nothing to batch")
+    check_seed(seed)
     options = BatchingOptions(batch_size=batch_size, token_budget=token_budget, batch_shuffling=batch_shuffling)
     rng = np.random.default_rng([seed, 2])
     if shuffle:

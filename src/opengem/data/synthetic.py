@@ -69,7 +69,7 @@ import pyarrow as pa
 
 from opengem.data.layout import HISTORY_TIME, DataLayout, RowBlock, encode
 from opengem.data.schema import FeatureSpec
-from opengem.validation import require_at_least, require_fraction
+from opengem.validation import is_int, require_at_least, require_fraction
 
 BLOCK_SIZE = 4096
 # First sample index of the held-out set: the training stream (batch s holds samples [s B, (s + 1) B)) never
@@ -196,9 +196,16 @@ def oracle_components(config: SyntheticConfig, num_samples: int, seed: int, star
     return _generate(config, num_samples, seed, start)[1]
 
 
+def check_seed(seed: int) -> None:
+    """Seeds feed ``numpy.random.default_rng``, which takes non-negative integers only."""
+    if not is_int(seed) or seed < 0:
+        raise ValueError(f"seed must be an int >= 0, got {seed!r}")
+
+
 def _generate(config: SyntheticConfig, num_samples: int, seed: int, start: int) -> tuple[RowBlock, dict]:
     if num_samples < 0 or start < 0:
         raise ValueError(f"num_samples and start must be >= 0, got {num_samples}, {start}")
+    check_seed(seed)
     first, last = start // BLOCK_SIZE, -(-(start + num_samples) // BLOCK_SIZE)
     parts = [_generate_block(config, seed, k) for k in range(first, max(last, first + 1))]
     rows = RowBlock.concat([p[0] for p in parts])
