@@ -60,3 +60,82 @@ def test_config_file_errors_name_the_file_and_the_full_key(tmp_path, text, messa
     path.write_text(text)
     with pytest.raises(ValueError, match=message):
         load_config(None, path)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("steps = true\n", "run.toml: steps must be an int, got bool True"),  # was 1
+    ("lr = true\n", "run.toml: lr must be a number, got bool True"),  # was 1.0
+    ('steps = "12"\n', "run.toml: steps must be an int, got str '12'"),
+    ("steps = 12.0\n", "run.toml: steps must be an int, got float 12.0"),
+    ("data_dir = 1\n", "run.toml: data_dir must be a string, got int 1"),  # was "1"
+    ("name = [1, 2]\n", r"run.toml: name must be a string, got list \[1, 2\]"),  # was "[1, 2]"
+    ('compile = "false"\n', "run.toml: compile must be true or false, got str 'false'"),
+    ("weight_shadows = 1\n", 'run.toml: weight_shadows must be true, false or "auto", got int 1'),
+    ('[gem]\nself_attention = 1\n', r"run.toml: gem.self_attention must be one of \('jfa', 'block'\), got int 1"),
+    ("[model]\nmlp_dims = [1.5, 2]\n", r"run.toml: model.mlp_dims must be a list of ints, got list \[1.5, 2\]"),
+    ("[model]\nmlp_dims = [true, 2]\n", r"run.toml: model.mlp_dims must be a list of ints, got list \[True, 2\]"),
+    ('[model]\nmlp_dims = "4,8"\n', "run.toml: model.mlp_dims must be a list of ints, got str '4,8'"),
+    ("preset = 1\n", "run.toml: preset must be a string, got int 1"),
+])
+def test_config_file_values_must_have_their_settings_types(tmp_path, text, message):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        load_config(None, path)
+
+
+def test_config_file_values_keep_their_types(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('lr = 1\nweight_shadows = "auto"\nprecision = "bf16"\n[gem]\nself_attention = "block"\n')
+    config = load_config(None, path)
+    assert config.lr == 1.0 and type(config.lr) is float  # an int is a number; stored as the float it stands for
+    assert config.weight_shadows is None and config.gem.self_attention == "block"
+
+
+@pytest.mark.parametrize(("value", "expected"), [
+    ("8,4", (8, 4)), ("(8, 4)", (8, 4)), ("[8, 4]", (8, 4)), ("(8,)", (8,)), ("8", (8,)), ("()", ()),
+])
+def test_set_parses_int_tuples(value, expected):
+    assert load_config("gem-tiny", None, [f"model.mlp_dims={value}"]).model.mlp_dims == expected
+
+
+@pytest.mark.parametrize("value", ["1.5,2", "4,,8", "[4 8]", ",", "(4, 8]"])
+def test_set_refuses_int_tuples_with_bad_entries(value):
+    with pytest.raises(ValueError, match=r"--set: model.mlp_dims: expected integers separated by commas"):
+        load_config("gem-tiny", None, [f"model.mlp_dims={value}"])
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["lr=inf"], "lr must be finite, got inf"),
+    (["embedding_lr=inf"], "embedding_lr must be finite, got inf"),
+    (["weight_decay=inf"], "weight_decay must be finite, got inf"),
+    (["seed=-1"], r"seed must be in \[0, 2\*\*32\), got -1"),  # numpy's default_rng refuses negative seeds
+    ([f"seed={2**32}"], r"seed must be in \[0, 2\*\*32\), got 4294967296"),
+])
+def test_rates_must_be_finite_and_seeds_in_range(overrides, message):
+    with pytest.raises(ValueError, match=f"--set: {message}"):
+        load_config("gem-tiny", None, overrides)
+    assert load_config("gem-tiny", None, [f"seed={2**32 - 1}"]).seed == 2**32 - 1
+
+
+def test_the_preset_is_chosen_by_preset_or_the_file_not_set(tmp_path):
+    # --set preset=... used to rename the run and keep the old preset's batch, model and data
+    with pytest.raises(ValueError, match=r"--set preset=gem-large: .* choose it with --preset NAME"):
+        load_config("gem-tiny", None, ["preset=gem-large"])
+    with pytest.raises(ValueError, match=r"--set preset=gem-large"):
+        apply_overrides(load_config("gem-small"), ["preset=gem-large"])  # as --resume applies --set
+    path = tmp_path / "run.toml"
+    path.write_text('preset = "gem-large"\nsteps = 5\n')
+    config = load_config(None, path)  # the file's preset is the base, its settings land on it
+    assert (config.preset, config.batch_size, config.gem, config.steps) == (
+        "gem-large", 128, load_config("gem-large").gem, 5)
+    assert load_config("gem-large", path) == config  # --preset agreeing with the file
+    with pytest.raises(ValueError, match=r"run.toml: preset = 'gem-large' disagrees with --preset gem-small"):
+        load_config("gem-small", path)
+
+
+def test_train_command_refuses_set_preset(capsys):
+    from opengem.cli.main import main
+
+    assert main(["train", "--no-progress", "--set", "preset=gem-large"]) == 2
+    assert "--set preset=gem-large" in capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, replace
@@ -21,6 +22,9 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes
 AUTO_BOOL = bool | None  # a setting that is true, false or auto (None: the run decides; spelled "auto" in --set)
 SHADOW_ADAMW_MOMENTS = ("fp32", "bf16")  # the shadow AdamW's moments (TrainConfig.shadow_adamw_moments)
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
+# seeds below 2**32: the range numpy's legacy seeding and the AdamW rounding seed take; far below the synthetic data's
+# hash (seed * 1_000_003 in 64 bits), which overflows past about 2**44
+SEED_LIMIT = 2**32
 
 
 def refuse_two_recompute_policies(activation_checkpointing: bool, activation_memory_budget: float) -> None:
@@ -115,6 +119,11 @@ class TrainConfig:
         require_at_least(self, ("warmup_steps", "num_workers", "numerics_every"), 0)
         require_positive(self, ("lr", "embedding_lr", "numerics_bound"))
         require_at_least(self, ("weight_decay",), 0)
+        for name in ("lr", "embedding_lr", "weight_decay"):  # an infinite step or decay turns the weights to NaN
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if not 0 <= self.seed < SEED_LIMIT:  # numpy's default_rng, which the synthetic data uses, refuses negatives
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {self.min_lr_ratio}")
         if not self.spike_factor > 1:
@@ -220,23 +229,30 @@ PRESETS: dict[str, TrainConfig] = {
 def load_config(
     preset: str | None = None, file: str | Path | None = None, overrides: typing.Sequence[str] = ()
 ) -> TrainConfig:
-    """Preset defaults, then the TOML file, then ``key=value`` overrides (``model.num_layers=4``)."""
-    base_name = preset or "gem-tiny"
-    if base_name not in PRESETS:
-        raise ValueError(f"unknown preset {base_name!r}; choose one of {sorted(PRESETS)}")
-    config = PRESETS[base_name]
-    if file is not None:
-        path = Path(file)
+    """Preset defaults, then the TOML file, then ``key=value`` overrides (``model.num_layers=4``). The file's values
+    must have their settings' types (TOML's are typed); its ``preset`` key chooses the base preset, as ``preset`` does,
+    and the two may not disagree."""
+    table: dict[str, Any] = {}
+    path = Path(file) if file is not None else None
+    if path is not None:
         try:
             table = tomllib.loads(path.read_text())
         except (OSError, tomllib.TOMLDecodeError) as error:
             raise ValueError(f"cannot read config file {path}: {error}") from error
-        if preset is None and "preset" in table:
-            try:
-                config = load_config(str(table["preset"]))
-            except ValueError as error:
-                raise ValueError(f"{path}: {error}") from error
-        config = _apply(config, _flatten(table), source=str(path))
+    # the preset is the base the other settings land on, not a setting: it is chosen first and never renamed after
+    file_preset = table.pop("preset", None)
+    if file_preset is not None:
+        if type(file_preset) is not str:
+            raise ValueError(f"{path}: preset must be a string, got {type(file_preset).__name__} {file_preset!r}")
+        if preset is not None and preset != file_preset:
+            raise ValueError(f"{path}: preset = {file_preset!r} disagrees with --preset {preset}: choose one")
+    base_name = preset if preset is not None else file_preset if file_preset is not None else "gem-tiny"
+    if base_name not in PRESETS:
+        where = f"{path}: " if base_name == file_preset else ""
+        raise ValueError(f"{where}unknown preset {base_name!r}; choose one of {sorted(PRESETS)}")
+    config = PRESETS[base_name]
+    if path is not None:
+        config = _apply(config, _flatten(table), source=str(path), typed=True)
     return apply_overrides(config, overrides)
 
 
@@ -248,7 +264,10 @@ def apply_overrides(config: TrainConfig, overrides: typing.Sequence[str]) -> Tra
         if not sep or not key:
             raise ValueError(f"--set expects key=value, got {item!r}")
         pairs[key.strip()] = value.strip()
-    return _apply(config, pairs, source="--set")
+    if "preset" in pairs:  # setting it would only rename the run: the preset's batch, model and data would stay
+        raise ValueError(f"--set preset={pairs['preset']}: the preset is the base the settings start from, not a "
+                         "setting; choose it with --preset NAME (or preset = \"NAME\" in the --config file)")
+    return _apply(config, pairs, source="--set", typed=False)
 
 
 def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
@@ -279,19 +298,22 @@ def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
 def _check_saved_type(value: Any, hint: Any, key: str) -> None:
     """A saved setting must hold its field's JSON type exactly (asdict wrote it): no string-to-number conversion, which
     would let ``"seed": "x"`` load and fail steps later."""
+    if not _fits(value, hint):
+        raise ValueError(f"saved config's {key!r} must be {_type_name(hint)}, got {value!r}")
+
+
+def _fits(value: Any, hint: Any) -> bool:
+    """``value`` has ``hint``'s JSON / TOML type: bools are not numbers, numbers not strings, and nothing converts."""
     origin = typing.get_origin(hint)
     if origin is typing.Literal:
-        fits = value in typing.get_args(hint)
-    elif hint == AUTO_BOOL:
-        fits = value is None or type(value) is bool
-    elif origin is tuple:
-        fits = isinstance(value, (list, tuple)) and all(type(item) is int for item in value)
-    elif hint is float:
-        fits = type(value) in (int, float)
-    else:
-        fits = type(value) is hint
-    if not fits:
-        raise ValueError(f"saved config's {key!r} must be {_type_name(hint)}, got {value!r}")
+        return value in typing.get_args(hint)
+    if hint == AUTO_BOOL:
+        return value is None or type(value) is bool
+    if origin is tuple:
+        return isinstance(value, (list, tuple)) and all(type(item) is int for item in value)
+    if hint is float:
+        return type(value) in (int, float)
+    return type(value) is hint
 
 
 def _type_name(hint: Any) -> str:
@@ -311,8 +333,9 @@ def _flatten(table: dict[str, Any], prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def _apply(config: Any, pairs: dict[str, Any], source: str, prefix: str = "") -> Any:
-    """``pairs`` (dotted keys below ``prefix``, which errors name in full: ``model.num_heads``) onto ``config``."""
+def _apply(config: Any, pairs: dict[str, Any], source: str, typed: bool, prefix: str = "") -> Any:
+    """``pairs`` (dotted keys below ``prefix``, which errors name in full: ``model.num_heads``) onto ``config``;
+    ``typed``: the values come typed (TOML) and must have their settings' types, else they are ``--set`` text."""
     nested: dict[str, dict[str, Any]] = {}
     changes: dict[str, Any] = {}
     fields = {f.name: f for f in dataclasses.fields(config)}
@@ -324,41 +347,67 @@ def _apply(config: Any, pairs: dict[str, Any], source: str, prefix: str = "") ->
         if rest:
             nested.setdefault(head, {})[rest] = value
         else:
-            changes[head] = _convert(value, hints[head], f"{source}: {prefix + key}")
+            convert = _check_typed if typed else _parse_text
+            changes[head] = convert(value, hints[head], f"{source}: {prefix + key}")
     for head, sub in nested.items():
-        changes[head] = _apply(getattr(config, head), sub, source, f"{prefix}{head}.")
+        changes[head] = _apply(getattr(config, head), sub, source, typed, f"{prefix}{head}.")
     try:
         return replace(config, **changes)
     except ValueError as error:  # a __post_init__ check: say where the value came from
         raise ValueError(f"{source}: {error}") from error
 
 
-def _convert(value: Any, hint: Any, where: str) -> Any:
+def _check_typed(value: Any, hint: Any, where: str) -> Any:
+    """A TOML value: it has its type already, so a wrong one is an error (``steps = true`` is not 1)."""
+    if dataclasses.is_dataclass(hint):
+        raise ValueError(f"{where} is a section; set its fields with dotted keys")
+    if hint == AUTO_BOOL and value == "auto":  # TOML has no null: auto is spelled as --set spells it
+        return None
+    if not _fits(value, hint):
+        expected = 'true, false or "auto"' if hint == AUTO_BOOL else _type_name(hint)
+        raise ValueError(f"{where} must be {expected}, got {type(value).__name__} {value!r}")
+    if typing.get_origin(hint) is tuple:
+        return tuple(value)
+    return float(value) if hint is float else value
+
+
+def _parse_text(value: str, hint: Any, where: str) -> Any:
+    """A ``--set`` value: text, parsed as the setting's type."""
     if dataclasses.is_dataclass(hint):
         raise ValueError(f"{where} is a section; set its fields with dotted keys")
     origin = typing.get_origin(hint)
     try:
-        if hint == AUTO_BOOL and (value is None or str(value).lower() == "auto"):
+        if hint == AUTO_BOOL and value.lower() == "auto":
             return None
         if hint in (bool, AUTO_BOOL):
-            if isinstance(value, bool):
-                return value
-            lowered = str(value).lower()
+            lowered = value.lower()
             if lowered not in ("true", "false", "1", "0"):
                 choices = "true, false or auto" if hint == AUTO_BOOL else "true or false"
                 raise ValueError(f"expected {choices}, got {value!r}")
             return lowered in ("true", "1")
         if origin is typing.Literal:
-            if str(value) not in typing.get_args(hint):
+            if value not in typing.get_args(hint):
                 raise ValueError(f"expected one of {typing.get_args(hint)}, got {value!r}")
-            return str(value)
+            return value
         if hint in (int, float, str):
-            if hint is int and isinstance(value, float):
-                raise ValueError(f"expected an integer, got {value!r}")
             return hint(value)
         if origin is tuple:
-            items = value if isinstance(value, list) else [v for v in str(value).strip("()[]").split(",") if v.strip()]
-            return tuple(int(v) for v in items)
+            return _int_tuple(value)
     except ValueError as error:
         raise ValueError(f"{where}: {error}") from error
     raise ValueError(f"{where}: unsupported setting type {hint}")
+
+
+def _int_tuple(text: str) -> tuple[int, ...]:
+    """``8,4``, ``(8, 4)`` or ``[8, 4]``; ``()`` is empty and ``(8,)`` Python's one-tuple. An entry that is empty
+    (``8,,4``) or not an integer (``1.5``) is an error, not dropped or truncated."""
+    inner = text[1:-1] if text[:1] + text[-1:] in ("()", "[]") else text
+    parts = [part.strip() for part in inner.split(",")]
+    if parts == [""]:
+        return ()
+    if len(parts) > 1 and parts[-1] == "":
+        parts.pop()
+    try:
+        return tuple(int(part) for part in parts)
+    except ValueError:
+        raise ValueError(f"expected integers separated by commas, got {text!r}") from None
