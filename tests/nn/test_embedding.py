@@ -304,11 +304,28 @@ def test_bad_configs_raise() -> None:
     ({"lr": 0.0}, "lr must be > 0, got 0.0"),
     ({"weight_decay": -0.1}, "weight_decay must be >= 0, got -0.1"),
     ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\), got \(0.9, 1.0\)"),
+    ({"lr": float("inf")}, "lr must be finite, got inf"),  # the op's own checks, shared
+    ({"lr": float("nan")}, "lr must be > 0, got nan"),
 ])
 def test_bad_optimizer_settings_are_refused_when_made(kwargs, message) -> None:
     # a bad kind had surfaced only at the first training backward (never under no_grad)
     with pytest.raises(ValueError, match=message):
         EmbeddingOptimizer(**kwargs)
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    # a bare str had become the features u, s, e, r
+    ({"feature_names": "user"}, "table 't': feature_names must be a sequence of str, got 'user'"),
+    ({"feature_names": ("a", 1)}, r"table 't': feature_names must be a sequence of str, got \('a', 1\)"),
+    ({"init_std": -1.0}, "table 't': init_std must be None or a finite number >= 0, got -1.0"),  # had been torch's
+    ({"init_std": float("nan")}, "table 't': init_std must be None or a finite number >= 0, got nan"),
+    ({"init_std": float("inf")}, "table 't': init_std must be None or a finite number >= 0, got inf"),
+])
+def test_bad_table_configs_are_refused_naming_the_table(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        EmbeddingTableConfig(**({"name": "t", "num_embeddings": 10, "embedding_dim": 4, "feature_names": ("a",)}
+                                | kwargs))
+    EmbeddingTableConfig("t", 10, 4, ["a", "b"], init_std=0.0)  # a list of names and a zero std are fine
 
 
 def test_table_sizes_must_be_ints() -> None:

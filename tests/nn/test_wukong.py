@@ -1,3 +1,5 @@
+import re
+
 import pytest
 import torch
 
@@ -21,6 +23,16 @@ def test_optimized_fm_equals_pairwise_interactions():
 def test_token_count_change_uses_a_residual_projection():
     layer = WukongLayer(num_tokens=6, dim=4, fm_tokens=2, lc_tokens=1, fm_rank=2, mlp_hidden=8)
     assert layer(torch.randn(2, 6, 4)).shape == (2, 3, 4)
+
+
+@pytest.mark.parametrize("shape", [(4, 6, 8), (4, 5, 7), (5, 8)])
+def test_inputs_not_shaped_like_the_layer_are_refused_naming_both(shape):
+    # a wrong token count had failed in a bmm, a 2-D input with "batch2 must be a 3D tensor"
+    layer = WukongLayer(num_tokens=5, dim=8, fm_tokens=3, lc_tokens=2, fm_rank=2, mlp_hidden=16)
+    message = r"WukongLayer: x must be \[B, num_tokens = 5, dim = 8\], got " + re.escape(str(shape))
+    with pytest.raises(ValueError, match=message):
+        layer(torch.randn(shape))
+    assert layer(torch.randn(0, 5, 8)).shape == (0, 5, 8)  # an empty batch is a shape, not an error
 
 
 def test_dense_experts_sum_every_expert():

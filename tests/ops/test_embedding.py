@@ -282,9 +282,8 @@ def test_bad_inputs_raise() -> None:
         ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets[:-1])
     with pytest.raises(ValueError, match="weights must be contiguous"):
         ops.embedding_lookup(torch.randn(2 * p.weights.numel())[::2], p.layout, p.ids, p.offsets)
-    update = ops.FusedUpdate("adamw", torch.zeros(1), torch.zeros(0), torch.zeros(1), torch.zeros(0))
-    with pytest.raises(ValueError, match="update.kind must be one of"):
-        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, update)
+    with pytest.raises(ValueError, match="update.kind must be one of"):  # when made, not at the first backward
+        ops.FusedUpdate("adamw", torch.zeros(1), torch.zeros(0), torch.zeros(1, dtype=torch.int64), torch.zeros(0))
     ids = torch.tensor([0, 3, 1])
     with pytest.raises(ValueError, match=r"feature 'b': id 3 at position 0 is out of range \[0, 3\)"):
         ops.check_ids(ids, torch.tensor([0, 1, 2, 3]), 1, [4, 3, 2], ["a", "b", "c"])
@@ -343,14 +342,92 @@ def test_a_sequence_feature_with_more_ids_than_its_layout_is_refused() -> None:
     ({"feature_tables": [0, -1]}, r"feature_tables\[1\] = -1 must be in \[0, 2\)"),  # -1 wrapped to the last table
     ({"feature_tables": [0, 2]}, r"feature_tables\[1\] = 2 must be in \[0, 2\)"),
     ({"feature_pooling": ["sum", "max"]}, r"feature_pooling\[1\] must be one of \['mean', 'none', 'sum'\], got 'max'"),
-    ({"feature_lengths": [3, -1]}, r"feature_lengths\[1\] must be >= 0, got -1"),
-    ({"batch_size": -1}, "batch_size must be >= 0, got -1"),
+    ({"feature_lengths": [3, -1]}, r"feature_lengths\[1\] must be an int >= 0, got -1"),
+    ({"batch_size": -1}, "batch_size must be an int >= 0, got -1"),
+    ({"batch_size": 2.5}, "batch_size must be an int >= 0, got 2.5"),  # had given a float out_numel
+    ({"feature_pooling": ["sum"]}, "feature_tables 2, feature_pooling 1, feature_lengths 2"),  # had been zip()'s error
+    ({"tables": [(0, 0, 4, 8), (32, 4, 3, 0)]}, r"tables\[1\]: dim must be an int >= 1, got 0"),
+    ({"tables": [(0, 0, 4, -4), (32, 4, 3, 8)]}, r"tables\[0\]: dim must be an int >= 1, got -4"),  # out_numel < 0
+    ({"tables": [(0, 0, -1, 8), (32, 4, 3, 8)]}, r"tables\[0\]: rows must be an int >= 1, got -1"),
+    ({"tables": [(0, 0, 4, 8), (32, 4, 3)]}, r"tables\[1\] must be \(weight offset, row offset, rows, dim\)"),
+    ({"feature_lengths": [3, 1.5]}, r"feature_lengths\[1\] must be an int >= 0, got 1.5"),
 ])
 def test_bad_layouts_are_refused_by_argument(change, message) -> None:
     args = dict(tables=[(0, 0, 4, 8), (32, 4, 3, 8)], feature_tables=[0, 1], feature_pooling=["sum", "none"],
                 feature_lengths=[3, 2], batch_size=2, device="cpu")
     with pytest.raises(ValueError, match=message):
         ops.LookupLayout.build(**(args | change))
+
+
+def test_check_ids_refuses_ids_in_an_empty_batch_and_offsets_of_another_size() -> None:
+    # had been "slice step cannot be zero"
+    with pytest.raises(ValueError, match=r"batch_size is 0 \(an empty batch\) but there are 1 ids"):
+        ops.check_ids(torch.tensor([1]), torch.tensor([0]), 0, [10], ["a"])
+    with pytest.raises(ValueError, match=r"offsets must have F \* B \+ 1 = 3 entries \(F = 1 features, B = 2\), got 2"):
+        ops.check_ids(torch.tensor([1]), torch.tensor([0, 1]), 2, [10], ["a"])
+    ops.check_ids(torch.zeros(0, dtype=torch.int64), torch.tensor([0]), 0, [10], ["a"])  # an empty batch is fine
+
+
+def _one_table(dim: int = 4, rows: int = 10) -> Problem:
+    """One table of ``rows x dim`` at element 0, one summed feature, B = 2 with bags [1, 2] and [3]."""
+    layout = ops.LookupLayout.build([(0, 0, rows, dim)], [0], ["sum"], [3], 2, "cpu")
+    return Problem(torch.randn(rows * dim), layout, torch.tensor([1, 2, 3]), torch.tensor([0, 2, 3]), rows)
+
+
+def _update(kind: str = "rowwise_adagrad", rows: int = 10, numel: int = 40, **kwargs) -> ops.FusedUpdate:
+    state = {"row_state": torch.zeros(rows if kind != "sgd" else 0),
+             "elem_state": torch.zeros(numel if kind == "rowwise_adam" else 0),
+             "step": torch.zeros(1, dtype=torch.int64), "anchor": torch.zeros(0, requires_grad=True)} | kwargs
+    return ops.FusedUpdate(kind, **state)  # fmt: skip
+
+
+def test_weights_smaller_than_the_layout_are_refused_naming_the_table() -> None:
+    p = _one_table()  # had been "shape '[10, 4]' is invalid for input of size 20" in the reference
+    with pytest.raises(ValueError, match=r"weights has 20 elements, too few for feature 0's table \(10 rows x dim 4"):
+        ops.embedding_lookup(p.weights[:20], p.layout, p.ids, p.offsets)
+    ops.embedding_lookup(torch.randn(400), p.layout, p.ids, p.offsets)  # a larger buffer holds other tables: fine
+
+
+def test_an_update_whose_anchor_cannot_carry_it_is_refused_in_grad_mode() -> None:
+    p = _one_table()
+    update = _update(anchor=torch.zeros(0))  # no requires_grad: the backward, and the update, would never run
+    with pytest.raises(ValueError, match="update.anchor must require grad while grad mode is on"):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, update)
+    with torch.no_grad():  # inference with the same update: a plain lookup, nothing updated
+        out = ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, update)
+    torch.testing.assert_close(out, ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets))
+    assert int(update.step) == 0
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"row_state": torch.zeros(10, dtype=torch.float16)},
+     r"update.row_state must be a non-empty 1-D fp32 tensor for 'rowwise_adagrad', got torch.float16 \(10,\)"),
+    ({"kind": "rowwise_adam", "elem_state": torch.zeros(0)},
+     r"update.elem_state must be a non-empty 1-D fp32 tensor for 'rowwise_adam', got torch.float32 \(0,\)"),
+    ({"step": torch.zeros(1)}, r"update.step must be an int64 \[1\] tensor, got torch.float32 \(1,\)"),
+    ({"skip": torch.zeros(2)}, r"update.skip must be None or a \[1\] tensor"),
+    ({"lr": float("nan")}, "lr must be >= 0, got nan"),
+    ({"lr": -1.0}, "lr must be >= 0, got -1.0"),
+    ({"lr": float("inf")}, "lr must be finite, got inf"),
+    ({"eps": -1e-8}, "eps must be >= 0, got -1e-08"),
+    ({"betas": (0.9, 1.0)}, r"betas must be two numbers in \[0, 1\)"),
+])
+def test_bad_update_state_and_settings_are_refused_when_made(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):  # had failed deep in torch in the backward, or run silently
+        _update(**kwargs)
+
+
+@pytest.mark.parametrize(("kind", "kwargs", "message"), [
+    ("rowwise_adagrad", {"row_state": torch.zeros(3)},  # had been an IndexError inside the backward
+     r"update.row_state has 3 rows, too few for feature 0's table \(10 rows x dim 4 at element 0\) at state row 0"),
+    ("rowwise_adam", {"elem_state": torch.zeros(20)},
+     r"update.elem_state must be shaped like weights \(40,\) for 'rowwise_adam', got \(20,\)"),
+    ("rowwise_adagrad", {"row_state": torch.zeros(20)[::2]}, "update.row_state must be contiguous"),
+])
+def test_update_state_too_small_for_the_layout_is_refused_at_the_lookup(kind, kwargs, message) -> None:
+    p = _one_table()
+    with pytest.raises(ValueError, match=message):
+        ops.embedding_lookup(p.weights, p.layout, p.ids, p.offsets, _update(kind, **kwargs))
 
 
 @pytest.mark.parametrize(

@@ -36,8 +36,15 @@ from torch import nn
 
 from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths
 from opengem.jagged.host import host_copy, to_device
-from opengem.ops.embedding import FusedUpdate, IdCheck, LookupLayout, embedding_lookup, raise_bad_ids
-from opengem.validation import is_int, require_at_least, require_positive
+from opengem.ops.embedding import (
+    FusedUpdate,
+    IdCheck,
+    LookupLayout,
+    check_update_settings,
+    embedding_lookup,
+    raise_bad_ids,
+)
+from opengem.validation import is_int, is_number, require_positive
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
@@ -63,8 +70,14 @@ class EmbeddingTableConfig:
             raise ValueError(f"table {self.name!r}: pooling must be 'sum', 'mean' or 'none', got {self.pooling!r}")
         if self.dtype not in _DTYPE_NAMES:
             raise ValueError(f"table {self.name!r}: dtype must be float32, bfloat16 or float16, got {self.dtype}")
-        if not self.feature_names:
+        names = self.feature_names  # a bare str would be iterated as one feature per character
+        if isinstance(names, str) or not isinstance(names, Sequence) or not all(isinstance(f, str) for f in names):
+            raise ValueError(f"table {self.name!r}: feature_names must be a sequence of str, got {names!r}")
+        if not names:
             raise ValueError(f"table {self.name!r} has no feature_names")
+        std = self.init_std  # checked here: torch's normal_ had refused it without naming the table
+        if std is not None and not (is_number(std) and 0 <= std < math.inf):
+            raise ValueError(f"table {self.name!r}: init_std must be None or a finite number >= 0, got {std!r}")
 
 
 @dataclass(frozen=True)
@@ -84,10 +97,8 @@ class EmbeddingOptimizer:
         kinds = typing.get_args(typing.get_type_hints(EmbeddingOptimizer)["kind"])
         if self.kind not in kinds:  # had surfaced only at the first training backward
             raise ValueError(f"kind must be one of {sorted(kinds)}, got {self.kind!r}")
-        require_positive(self, ("lr",))
-        require_at_least(self, ("eps", "weight_decay"), 0)
-        if len(self.betas) != 2 or not all(0 <= beta < 1 for beta in self.betas):
-            raise ValueError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        require_positive(self, ("lr",))  # stricter than the op: an lr of 0 here would train nothing
+        check_update_settings(self.lr, self.eps, self.betas, self.weight_decay)  # the op's own checks (finite too)
 
 
 @dataclass(frozen=True)

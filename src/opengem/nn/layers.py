@@ -38,7 +38,7 @@ class JaggedTransformerLayer(nn.Module):
         super().__init__()
         if d_model % num_heads != 0:
             raise ValueError(f"d_model {d_model} must be divisible by num_heads {num_heads}")
-        self.num_heads = num_heads
+        self.d_model, self.num_heads = d_model, num_heads
         self.head_dim = d_model // num_heads
         self.attn_norm = nn.LayerNorm(d_model)
         self.qkv = nn.Linear(d_model, 3 * d_model)
@@ -48,7 +48,13 @@ class JaggedTransformerLayer(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: Jagged, num_targets: torch.Tensor | None = None) -> Jagged:
+        # Python-visible types and static widths only: no sync, no graph break in a compiled region
+        if not isinstance(x, Jagged):  # a plain tensor had failed in layer_norm on its ``values`` method
+            raise TypeError(f"JaggedTransformerLayer: x must be a Jagged [T, d_model] batch, got {type(x).__name__}")
         h = x.values
+        if h.dim() != 2 or h.shape[1] != self.d_model:
+            raise ValueError(f"JaggedTransformerLayer: x.values must be [T, d_model = {self.d_model}], "
+                             f"got {tuple(h.shape)}")  # fmt: skip
         qkv = self.qkv(self.attn_norm(h)).view(h.shape[0], 3, self.num_heads, self.head_dim)
         attended = jagged_attention_packed(qkv, x.offsets, x.max_len, causal=True, num_targets=num_targets)
         h = h + self.dropout(self.out(attended.reshape(h.shape[0], -1)))

@@ -38,7 +38,7 @@ class WukongLayer(nn.Module):
         self, num_tokens: int, dim: int, fm_tokens: int, lc_tokens: int, fm_rank: int, mlp_hidden: int
     ) -> None:
         super().__init__()
-        self.fm_tokens, self.dim = fm_tokens, dim
+        self.num_tokens, self.fm_tokens, self.dim = num_tokens, fm_tokens, dim
         out_tokens = fm_tokens + lc_tokens
         self.fm_projection = nn.Parameter(torch.randn(num_tokens, fm_rank) / num_tokens**0.5)
         self.fm_norm = nn.LayerNorm(num_tokens * fm_rank)
@@ -50,6 +50,10 @@ class WukongLayer(nn.Module):
         self.token_align = TOKEN_ALIGN  # 1: no padding (see ``unpadded_token_mixing``)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # shapes only (no sync, no graph break): a wrong token count had failed deep in a bmm, a 2-D x in another
+        if x.dim() != 3 or x.shape[1] != self.num_tokens or x.shape[2] != self.dim:
+            raise ValueError(f"WukongLayer: x must be [B, num_tokens = {self.num_tokens}, dim = {self.dim}], "
+                             f"got {tuple(x.shape)}")  # fmt: skip
         batch = x.shape[0]
         identity = isinstance(self.residual, nn.Identity)
         rank, lc_tokens = self.fm_projection.shape[1], self.lc.out_features

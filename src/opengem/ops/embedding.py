@@ -66,7 +66,10 @@ from opengem.ops.reference.embedding import (
     POOL_NONE,
     POOL_SUM,
     POOLING,
+    ROW_OFFSET,
+    WEIGHT_OFFSET,
 )
+from opengem.validation import is_int, is_number
 
 POOLING_CODES = {"sum": POOL_SUM, "mean": POOL_MEAN, "none": POOL_NONE}
 OPTIMIZER_CODES = {"sgd": OPT_SGD, "rowwise_adagrad": OPT_ROWWISE_ADAGRAD, "rowwise_adam": OPT_ROWWISE_ADAM}
@@ -258,7 +261,9 @@ class FusedUpdate:
     ``row_state``: fp32 ``[total rows]`` (Adagrad accumulator / Adam second moment; empty for SGD).
     ``elem_state``: fp32 shaped like ``weights`` for ``rowwise_adam`` (first moment), else empty.
     ``step``: int64 ``[1]`` step counter. ``anchor``: any tensor with ``requires_grad=True``; it connects
-    the output to autograd (the weights themselves are not autograd leaves) and receives a zero gradient.
+    the output to autograd (the weights themselves are not autograd leaves) and receives a zero gradient. A lookup in
+    grad mode with an anchor that does not require grad is refused (its update would never run); under ``no_grad``
+    the update is ignored.
     ``skip``: optional ``[1]`` flag read on the device when the backward runs: nonzero leaves the tables,
     the state and ``step`` untouched (the trainer sets it from ``isfinite(loss)``, without a host sync).
     ``stochastic_rounding``: bf16 tables store their updated rows rounded stochastically, keyed by ``step``
@@ -276,6 +281,42 @@ class FusedUpdate:
     weight_decay: float = 0.0
     skip: torch.Tensor | None = None
     stochastic_rounding: bool = True
+
+    def __post_init__(self) -> None:
+        # checked here, not in the backward: a bad kind, number or state had failed (or silently corrupted the
+        # tables) only at the first training step. Sizes against the tables: at the lookup (_check_tables_fit).
+        if self.kind not in OPTIMIZER_CODES:
+            raise ValueError(f"update.kind must be one of {sorted(OPTIMIZER_CODES)}, got {self.kind!r}")
+        check_update_settings(self.lr, self.eps, self.betas, self.weight_decay)
+        states = [("row_state", self.row_state)] if self.kind != "sgd" else []
+        states += [("elem_state", self.elem_state)] if self.kind == "rowwise_adam" else []
+        for name, state in states:
+            fp32_vector = isinstance(state, torch.Tensor) and state.dtype == torch.float32 and state.dim() == 1
+            if not (fp32_vector and state.numel()):
+                raise ValueError(f"update.{name} must be a non-empty 1-D fp32 tensor for {self.kind!r}, "
+                                 f"got {_describe(state)}")  # fmt: skip
+        if not isinstance(self.step, torch.Tensor) or self.step.dtype != torch.int64 or self.step.shape != (1,):
+            raise ValueError(f"update.step must be an int64 [1] tensor, got {_describe(self.step)}")
+        if self.skip is not None and (not isinstance(self.skip, torch.Tensor) or self.skip.shape != (1,)):
+            raise ValueError(f"update.skip must be None or a [1] tensor, got {_describe(self.skip)}")
+        if not isinstance(self.anchor, torch.Tensor):
+            raise ValueError(f"update.anchor must be a tensor, got {type(self.anchor).__name__}")
+
+
+def _describe(value: object) -> str:
+    return f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+def check_update_settings(lr: float, eps: float, betas: tuple[float, float], weight_decay: float) -> None:
+    """The fused optimizer's numbers (shared by :class:`FusedUpdate` and ``opengem.nn.EmbeddingOptimizer``): a NaN,
+    infinite or negative ``lr`` had run and written NaN or diverging rows into the tables without a word."""
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+        if not (is_number(value) and value >= 0):  # NaN fails too
+            raise ValueError(f"{name} must be >= 0, got {value!r}")
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+    if len(betas) != 2 or not all(is_number(beta) and 0 <= beta < 1 for beta in betas):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {betas}")
 
 
 @dataclass(frozen=True)
@@ -307,16 +348,28 @@ class LookupLayout:
         Feature f reads table ``feature_tables[f]`` with ``feature_pooling[f]`` ("sum", "mean", "none")
         and has ``feature_lengths[f]`` ids in the batch (sizes a sequence feature's output).
         """
-        if batch_size < 0:
-            raise ValueError(f"batch_size must be >= 0, got {batch_size}")
+        if not is_int(batch_size) or batch_size < 0:  # 2.5 had given a float out_numel
+            raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        per_feature = {"feature_tables": feature_tables, "feature_pooling": feature_pooling,
+                       "feature_lengths": feature_lengths}  # fmt: skip
+        if len({len(v) for v in per_feature.values()}) != 1:
+            sizes = ", ".join(f"{name} {len(v)}" for name, v in per_feature.items())
+            raise ValueError(f"feature_tables, feature_pooling and feature_lengths need one entry each, got {sizes}")
+        fields = ("weight offset", "row offset", "rows", "dim")
+        for t, table in enumerate(tables):  # a dim <= 0 or negative rows had given a negative out_numel
+            if len(table) != 4:
+                raise ValueError(f"tables[{t}] must be ({', '.join(fields)}), got {table!r}")
+            for name, value, low in zip(fields, table, (0, 0, 1, 1)):
+                if not is_int(value) or value < low:
+                    raise ValueError(f"tables[{t}]: {name} must be an int >= {low}, got {value!r}")
         rows, out, max_dim = [], 0, 0
         for f, (table, pooling, count) in enumerate(zip(feature_tables, feature_pooling, feature_lengths, strict=True)):
-            if not 0 <= table < len(tables):  # a negative index would wrap to another table
+            if not is_int(table) or not 0 <= table < len(tables):  # a negative index would wrap to another table
                 raise ValueError(f"feature_tables[{f}] = {table} must be in [0, {len(tables)})")
             if pooling not in POOLING_CODES:
                 raise ValueError(f"feature_pooling[{f}] must be one of {sorted(POOLING_CODES)}, got {pooling!r}")
-            if count < 0:
-                raise ValueError(f"feature_lengths[{f}] must be >= 0, got {count}")
+            if not is_int(count) or count < 0:
+                raise ValueError(f"feature_lengths[{f}] must be an int >= 0, got {count!r}")
             weight_offset, row_offset, num_rows, dim = tables[table]
             code = POOLING_CODES[pooling]
             rows.append((weight_offset, dim, code, out, row_offset, num_rows))
@@ -385,6 +438,15 @@ class IdCheck:
         feature_names: Sequence[str],
     ) -> IdCheck:
         """``ids [N]`` and ``offsets [F * B + 1]`` in the KeyedJagged layout; feature f has ``num_rows[f]`` rows."""
+        if len(feature_names) != len(num_rows):
+            raise ValueError(f"num_rows has {len(num_rows)} entries but feature_names {len(feature_names)}")
+        if not is_int(batch_size) or batch_size < 0:
+            raise ValueError(f"batch_size must be an int >= 0, got {batch_size!r}")
+        if offsets.numel() != len(num_rows) * batch_size + 1:
+            raise ValueError(f"offsets must have F * B + 1 = {len(num_rows) * batch_size + 1} entries "
+                             f"(F = {len(num_rows)} features, B = {batch_size}), got {offsets.numel()}")  # fmt: skip
+        if batch_size == 0 and ids.numel():  # had failed in offsets[::0]
+            raise ValueError(f"batch_size is 0 (an empty batch) but there are {ids.numel()} ids")
         if ids.numel() == 0:  # also covers B = 0
             starts = torch.zeros(len(num_rows) + 1, dtype=torch.int64)
             return cls(ids, starts, tuple(num_rows), tuple(feature_names), torch.zeros(0, dtype=torch.bool, device=ids.device))
@@ -448,6 +510,30 @@ def _check_bags(layout: LookupLayout, ids: torch.Tensor, offsets: torch.Tensor, 
                   [str(f) for f in range(len(layout.meta_rows))])  # "feature '2': id ..."
 
 
+def _check_tables_fit(weights: torch.Tensor, layout: LookupLayout, update: FusedUpdate | None) -> None:
+    """Each table the layout reads inside ``weights``, and inside the update's state (host ints only: no sync).
+    The reference had failed in a view, the kernels would read and write past the buffers."""
+    for f, row in enumerate(layout.meta_rows):
+        table = f"feature {f}'s table ({row[NUM_ROWS]} rows x dim {row[DIM]} at element {row[WEIGHT_OFFSET]})"
+        if row[WEIGHT_OFFSET] + row[NUM_ROWS] * row[DIM] > weights.numel():
+            raise ValueError(f"weights has {weights.numel()} elements, too few for {table}")
+        state_rows = row[ROW_OFFSET] + row[NUM_ROWS]
+        if update is not None and update.kind != "sgd" and state_rows > update.row_state.numel():
+            raise ValueError(f"update.row_state has {update.row_state.numel()} rows, too few for {table} "
+                             f"at state row {row[ROW_OFFSET]}")  # fmt: skip
+    if update is None:
+        return
+    if update.kind == "rowwise_adam" and update.elem_state.shape != weights.shape:
+        raise ValueError(f"update.elem_state must be shaped like weights {tuple(weights.shape)} for 'rowwise_adam', "
+                         f"got {tuple(update.elem_state.shape)}")  # fmt: skip
+    for name in ("row_state", "elem_state", "step", "skip"):
+        state = getattr(update, name)
+        if state is not None and state.numel() and (state.device != weights.device or not state.is_contiguous()):
+            layout_name = "contiguous" if state.is_contiguous() else "non-contiguous"
+            raise ValueError(f"update.{name} must be contiguous on weights' device {weights.device}, "
+                             f"got {layout_name} on {state.device}")  # fmt: skip
+
+
 def embedding_lookup(
     weights: torch.Tensor,
     layout: LookupLayout,
@@ -477,11 +563,15 @@ def embedding_lookup(
     check_embedding_inputs(weights, layout.feature_meta, ids, offsets, layout.batch_size)
     if not torch.compiler.is_compiling():
         _check_bags(layout, ids, offsets, ids_checked)
+        _check_tables_fit(weights, layout, update)
     sizes = (layout.batch_size, layout.out_numel, layout.max_dim, layout.dim_align)
     if update is None:
         return _lookup_op(weights, layout.feature_meta, ids, offsets, *sizes)
-    if update.kind not in OPTIMIZER_CODES:
-        raise ValueError(f"update.kind must be one of {sorted(OPTIMIZER_CODES)}, got {update.kind!r}")
+    if torch.is_grad_enabled() and not update.anchor.requires_grad:
+        # the anchor is the output's only autograd input: without requires_grad the backward, and with it the
+        # update, would never run and the tables would silently stay as they are (under no_grad nothing trains)
+        raise ValueError("update.anchor must require grad while grad mode is on: it carries the fused update "
+                         "through autograd (pass update=None, or look up under torch.no_grad(), for no update)")
     skip = torch.zeros(1, device=weights.device) if update.skip is None else update.skip
     return _fused_lookup_op(
         weights, update.row_state, update.elem_state, update.step, skip, update.anchor, layout.feature_meta, ids, offsets,
@@ -514,6 +604,7 @@ __all__ = [
     "LookupLayout",
     "check_embedding_inputs",
     "check_ids",
+    "check_update_settings",
     "embedding_lookup",
     "few_row_grad",
     "raise_bad_ids",
