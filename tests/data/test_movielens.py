@@ -136,6 +136,17 @@ SEQUENCE_PROBLEMS = {
     "short user": ("sequences", "item_ids", [[3, 2], [5, 1, 2, 3, 4]], 0, "user '3': 2 items; the leave-one-out"),
     "null id": ("sequences", "item_ids", [[3, 2, 1], [5, None, 2, 3, 4]], 1, "null value"),
     "items out of order": ("items", "item_id", [1, 3, 2, 4, 5], 1, "item id 3; the ids must be 1..5 in row order"),
+    # the next four break what read_inter guarantees; leave_one_out had taken them as they were
+    "repeated item": (
+        "sequences", "item_ids", [[3, 2, 1], [5, 1, 2, 1, 4]], 1,
+        "user '7': item id 1 appears twice (positions 1 and 3); each item may appear once per user",
+    ),
+    "time going back": (
+        "sequences", "timestamps", [[1, 2, 3], [1, 5, 4, 5, 9]], 1,
+        "user '7': timestamp 4 at position 2 is before the one preceding it, 5; each user's timestamps must not",
+    ),
+    "repeated user": ("sequences", "user_token", ["3", "3"], 1, "token '3' is also that of row 0; tokens must be"),
+    "repeated item token": ("items", "item_token", ["10", "20", "10", "40", "50"], 2, "token '10' is also that of"),
 }
 
 
@@ -150,6 +161,14 @@ def test_bad_parquet_sequences_name_file_row_and_user(small: Path, tmp_path: Pat
         rewrite(out / "sequences.parquet", "timestamps", [[1, 2], [1, 5, 5, 5, 9]])  # as many as the items
     with pytest.raises(DataError, match=re.escape(f"{out / name}.parquet, row {row}, column {column!r}: {words}")):
         load_sequences(out)
+
+
+def test_parquet_accepts_rounded_timestamps_that_tie_out_of_item_order(tmp_path: Path) -> None:
+    # 20 @ 0.6 before 10 @ 1.4: both stored as 1, in an order the item-id tie-break would not give
+    path = write_inter(tmp_path / "r.inter", ["1\t10\t1\t1.4", "1\t20\t1\t0.6", "1\t30\t1\t2"])
+    write_parquet(read_inter(path), tmp_path / "out")
+    back = read_parquet(tmp_path / "out")
+    assert back.sequence(0).tolist() == [2, 1, 3] and back.timestamps.tolist() == [1, 1, 2]
 
 
 def test_parquet_columns_of_the_wrong_type_are_named(small: Path, tmp_path: Path) -> None:

@@ -163,9 +163,13 @@ def write_parquet(sequences: Sequences, out: str | Path) -> list[Path]:
 
 def read_parquet(folder: str | Path) -> Sequences:
     """Read what :func:`write_parquet` wrote, checked as :func:`read_inter` builds it: ``items.parquet`` lists the
-    item ids 1..N in order; each ``sequences.parquet`` row has item ids in 1..N (0 is padding), as many timestamps
-    as items and at least ``MIN_INTERACTIONS`` items. Raises :class:`DataError` naming the file, the row (0-based)
-    with its user token, and the column."""
+    item ids 1..N in order with distinct tokens; each ``sequences.parquet`` row has a user token of its own, item ids
+    in 1..N (0 is padding), each at most once, as many timestamps as items, not decreasing, and at least
+    ``MIN_INTERACTIONS`` items. Raises :class:`DataError` naming the file, the row (0-based) with its user token, and
+    the column.
+
+    The tie-break of equal timestamps (by item id) is not checked: read_inter orders by the exact timestamps and
+    stores them rounded, so two rounded-equal timestamps may keep any item order."""
     folder = Path(folder)
     sequences_path, items_path = folder / "sequences.parquet", folder / "items.parquet"
     users = _read_columns(sequences_path, _SEQUENCE_TYPES)
@@ -175,9 +179,11 @@ def read_parquet(folder: str | Path) -> Sequences:
     if (row := _first(item_id != np.arange(1, num_items + 1))) is not None:  # Sequences maps ids to tokens by row
         problem = f"item id {int(item_id[row])}; the ids must be 1..{num_items} in row order"
         raise DataError(str(items_path), row, "item_id", problem)
+    _check_distinct(items["item_token"], items_path, "item_token")  # two ids for one item split its interactions
     user_tokens = users["user_token"].to_pylist()
     if not user_tokens:
         raise DataError(str(sequences_path), None, None, "no users (0 rows)")
+    _check_distinct(users["user_token"], sequences_path, "user_token")
 
     def fail(row: int, column: str, problem: str) -> NoReturn:
         raise DataError(str(sequences_path), row, column, f"user {user_tokens[row]!r}: {problem}")
@@ -190,13 +196,29 @@ def read_parquet(folder: str | Path) -> Sequences:
     if (row := _first(lengths < MIN_INTERACTIONS)) is not None:  # leave_one_out would take another user's items
         fail(row, "item_ids", f"{lengths[row]} items; the leave-one-out split needs at least {MIN_INTERACTIONS}")
     flat = item_ids.flatten().to_numpy()
+    parent = item_ids.value_parent_indices().to_numpy()  # the row of every flat position
+    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)  # a row's first flat position
     if (token := _first((flat < 1) | (flat > num_items))) is not None:
-        row = item_ids.value_parent_indices()[token].as_py()
-        fail(row, "item_ids", f"item id {flat[token]} is not in 1..{num_items} (the items of {items_path.name})")
+        problem = f"item id {flat[token]} is not in 1..{num_items} (the items of {items_path.name})"
+        fail(int(parent[token]), "item_ids", problem)
+    # read_inter keeps a user's first interaction with an item: a repeat would be a target also seen in the history
+    order = np.lexsort((flat, parent))  # stable: by row, then item id, then position
+    repeat = (parent[order[1:]] == parent[order[:-1]]) & (flat[order[1:]] == flat[order[:-1]])
+    if (hit := _first(repeat)) is not None:
+        first, second = int(order[hit]), int(order[hit + 1])
+        row = int(parent[first])
+        positions = f"positions {first - starts[row]} and {second - starts[row]}"
+        fail(row, "item_ids", f"item id {flat[first]} appears twice ({positions}); each item may appear once per user")
+    # read_inter sorts each user by time: the leave-one-out split takes the last items as the latest
+    times = timestamps.flatten().to_numpy()
+    if (hit := _first((times[1:] < times[:-1]) & (parent[1:] == parent[:-1]))) is not None:
+        row = int(parent[hit + 1])
+        problem = f"timestamp {times[hit + 1]} at position {hit + 1 - starts[row]} is before the one preceding it"
+        fail(row, "timestamps", f"{problem}, {times[hit]}; each user's timestamps must not decrease")
     return Sequences(
         items=flat.astype(np.int64),
-        timestamps=timestamps.flatten().to_numpy().astype(np.int64),
-        offsets=np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64),
+        timestamps=times.astype(np.int64),
+        offsets=starts,
         user_tokens=user_tokens,
         item_tokens=items["item_token"].to_pylist(),
     )
@@ -224,6 +246,19 @@ def _read_columns(path: Path, types: dict[str, pa.DataType]) -> dict[str, pa.Arr
             raise DataError(str(path), row, name, "null value (nulls are not allowed)")
         columns[name] = array
     return columns
+
+
+def _check_distinct(tokens: pa.Array, path: Path, column: str) -> None:
+    """Raise :class:`DataError` at the first row whose token an earlier row already has (read_inter's tokens are
+    distinct)."""
+    codes = tokens.dictionary_encode().indices.to_numpy()  # codes count up in order of first appearance
+    _, first_rows = np.unique(codes, return_index=True)
+    repeated = np.ones(len(codes), dtype=bool)
+    repeated[first_rows] = False
+    if (row := _first(repeated)) is not None:
+        earlier = int(first_rows[codes[row]])
+        problem = f"token {tokens[row].as_py()!r} is also that of row {earlier}; tokens must be distinct"
+        raise DataError(str(path), row, column, problem)
 
 
 def _first(mask: np.ndarray) -> int | None:

@@ -199,18 +199,32 @@ class BatchingOptions:
     drop_last: bool = False
 
     def __post_init__(self) -> None:
+        # Everything is checked here, where the caller built the options: the batchers' own checks ran only at
+        # iteration, inside a DataLoader worker. The shuffling settings are checked even where batch_shuffling is
+        # off (as torch's DataLoader checks ``timeout`` without workers), so a bad value never waits for the flag.
         if self.batch_size is None and self.token_budget is None:
             raise ValueError("give batch_size or token_budget")
         for name in ("batch_size", "token_budget"):  # 8.0 failed deep in a row slice
             value = getattr(self, name)
             if value is not None and not is_int(value):
                 raise ValueError(f"{name} must be an int, got {value!r}")
-        if self.shuffle_cost not in typing.get_args(CostKind):  # checked even where batch_shuffling is off
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be >= 1, got {value}")
+        # is_int refuses bools: shuffle_buffer=True had been read as a 1-row buffer, i.e. no shuffling
+        for name, low in (("shuffle_buffer", 0), ("sub_batch_size", 1), ("shuffle_window_batches", 1)):
+            value = getattr(self, name)
+            if not is_int(value) or value < low:
+                raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
+        if self.shuffle_cost not in typing.get_args(CostKind):
             raise ValueError(f"shuffle_cost must be one of {typing.get_args(CostKind)}, got {self.shuffle_cost!r}")
-        if self.batch_shuffling and (self.token_budget is not None or self.batch_size is None):
-            raise ValueError("batch_shuffling builds fixed-size batches: give batch_size and no token_budget")
-        if self.shuffle_buffer < 0:
-            raise ValueError(f"shuffle_buffer must be >= 0, got {self.shuffle_buffer}")
+        if self.batch_shuffling:
+            if self.token_budget is not None or self.batch_size is None:
+                raise ValueError("batch_shuffling builds fixed-size batches: give batch_size and no token_budget")
+            if self.batch_size % self.sub_batch_size:
+                raise ValueError(
+                    f"batch_shuffling deals whole sub-batches: batch_size {self.batch_size} must be a multiple of "
+                    f"sub_batch_size {self.sub_batch_size}"
+                )
 
     def batches(self, blocks: Iterator[RowBlock], rng: np.random.Generator) -> Iterator[RowBlock]:
         if self.shuffle_buffer:
@@ -273,6 +287,14 @@ class ParquetDataset(IterableDataset):
         check_seed(seed)
         self.paths = resolve_paths(paths_or_dir)
         self.layout, self.units = inspect_files(self.paths)
+        # Units go to ranks as units[rank::world_size] (a shuffle only permutes them), so a rank past the number of
+        # units would read nothing, every epoch; its training would stall or run on no data without a word.
+        if rank >= len(self.units):
+            raise ValueError(
+                f"rank {rank} of world_size {world_size} gets no rows: the {len(self.paths)} file(s) hold "
+                f"{len(self.units)} non-empty row groups, dealt one per rank in turn; use world_size <= "
+                f"{len(self.units)}, or write the files with more, smaller row groups (row_group_size)"
+            )
         self.seed, self.rank, self.world_size = seed, rank, world_size
         self.epoch = 0
 
@@ -320,8 +342,21 @@ def make_loader(
     """A DataLoader of :class:`Batch` over Parquet files (see :class:`ParquetDataset`).
 
     Batches are built inside the workers (no torch collate step); with ``pin_memory`` the loader's pin
-    thread calls :meth:`Batch.pin_memory`. ``loader.dataset.set_epoch(e)`` reshuffles.
+    thread calls :meth:`Batch.pin_memory`. ``loader.dataset.set_epoch(e)`` reshuffles. ``prefetch_factor`` (batches
+    each worker keeps ready; None: torch's default, 2) needs ``num_workers >= 1``, as in torch's DataLoader.
     """
+    if not is_int(num_workers) or num_workers < 0:
+        raise ValueError(f"num_workers must be an int >= 0, got {num_workers!r}")
+    # Checked before the files are opened. It had been passed on only with workers, so a prefetch_factor given
+    # with num_workers=0 was dropped without a word where torch's DataLoader refuses it.
+    if prefetch_factor is not None and not num_workers:
+        raise ValueError(
+            f"prefetch_factor={prefetch_factor!r} needs num_workers >= 1 (got num_workers=0: batches are built in "
+            "the main process, nothing is prefetched); leave prefetch_factor at None"
+        )
+    if prefetch_factor is not None and (not is_int(prefetch_factor) or prefetch_factor < 1):
+        # 0 is refused by torch only when iteration starts
+        raise ValueError(f"prefetch_factor must be an int >= 1 or None, got {prefetch_factor!r}")
     dataset = ParquetDataset(
         paths_or_dir,
         batch_size=batch_size,
@@ -340,7 +375,7 @@ def make_loader(
         batch_size=None,
         num_workers=num_workers,
         pin_memory=pin_memory and torch.cuda.is_available(),
-        prefetch_factor=prefetch_factor if num_workers else None,
+        prefetch_factor=prefetch_factor,
     )
 
 
