@@ -127,3 +127,19 @@ def test_offsets_summary_is_computed_once_per_mirrored_tensor_and_version():
     assert offsets_summary(cpu).longest == 3
     cpu[2] = 10  # changed in place: CPU tensors are summarized on every call
     assert offsets_summary(cpu).longest == 7 and offsets_summary(torch.tensor([0])).longest == 0
+
+
+def test_mirrors_must_be_cpu_tensors_of_the_device_tensors_shape():
+    from opengem.jagged import to_device
+
+    device = torch.empty(3, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match=r"host_tensor must be a tensor of device_tensor's shape \(3,\), got \(2,\)"):
+        register_host_copy(device, torch.tensor([0, 2]))  # had been read as a two-entry layout
+    with pytest.raises(ValueError, match="host_tensor must be a CPU tensor, got list"):
+        to_device([0, 2, 5], torch.device("meta"))
+
+
+def test_from_lengths_moves_host_lengths_with_a_mirror():
+    """Host lengths for device values: the offsets are read from the mirror (on meta, a read would raise)."""
+    jagged = Jagged.from_lengths(torch.empty(5, device="meta"), torch.tensor([2, 3]))
+    assert jagged.offsets.device.type == "meta" and jagged.offsets_host.tolist() == [0, 2, 5]

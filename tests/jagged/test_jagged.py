@@ -3,7 +3,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths, uniform_offsets
+from opengem.jagged import Jagged, KeyedJagged, offsets_from_lengths, uniform_offsets, validate_offsets
 
 
 @given(st.lists(st.integers(0, 7), min_size=0, max_size=6), st.integers(1, 3))
@@ -128,3 +128,104 @@ def test_keyed_from_dict_and_weights():
 def test_keyed_validation(kwargs, message):
     with pytest.raises(ValueError, match=message):
         KeyedJagged(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "keys, message",
+    [
+        ("ab", r"keys must be a list or tuple of str, got str 'ab'"),  # had become keys 'a' and 'b'
+        ({"a", "b"}, "keys must be a list or tuple of str, got set"),  # no order to lay features out in
+        (("a", 1), r"keys\[1\] must be a str, got int 1"),
+    ],
+)
+def test_keyed_keys_must_be_a_list_of_str(keys, message):
+    with pytest.raises(ValueError, match=message):
+        KeyedJagged(keys, torch.arange(5), torch.tensor([1, 1, 2, 1]))
+
+
+def test_keyed_list_keys_are_stored_as_a_tuple():
+    assert KeyedJagged(["a", "b"], torch.arange(5), torch.tensor([1, 1, 2, 1])).keys == ("a", "b")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(values=[1, 2]), "values must be a torch.Tensor, got list"),
+        (dict(lengths=[2]), "lengths must be a torch.Tensor, got list"),
+        (dict(weights=[1.0, 1.0]), "weights must be a torch.Tensor, got list"),
+        (dict(weights=torch.ones(2, dtype=torch.int64)), "weights must be a floating-point tensor, got torch.int64"),
+        (dict(weights=torch.ones(2, device="meta")), "values are on cpu but weights are on meta"),
+    ],
+)
+def test_keyed_tensors_are_checked_by_name(kwargs, message):
+    args = dict(keys=("a",), values=torch.tensor([1, 2]), lengths=torch.tensor([2])) | kwargs
+    with pytest.raises(ValueError, match=message):
+        KeyedJagged(**args)
+
+
+def test_keyed_split_concat_and_from_dict_refuse_bad_parts():
+    kjt = _kjt()
+    with pytest.raises(ValueError, match=r"segments must be a sequence of ints, got \[True, True, True\]"):
+        kjt.split([True, True, True])  # had split one key each
+    with pytest.raises(ValueError, match=r"cannot concat KeyedJagged sharing feature keys \['a', 'b', 'c'\]"):
+        KeyedJagged.concat([kjt, kjt])  # _trusted had kept both copies of every key
+    with pytest.raises(ValueError, match=r"parts\[1\] must be a KeyedJagged, got dict"):
+        KeyedJagged.concat([kjt, {}])
+    meta = KeyedJagged(("z",), torch.zeros(0, dtype=torch.int64), torch.zeros(2, dtype=torch.int64)).to("meta")
+    with pytest.raises(ValueError, match=r"parts\[1\] is on meta but parts\[0\] is on cpu"):
+        KeyedJagged.concat([kjt, meta])
+    with pytest.raises(ValueError, match=r"features\['a'\] must hold 1-D ids, got values of shape \(3, 2\)"):
+        KeyedJagged.from_dict({"a": Jagged.from_lengths(torch.zeros(3, 2), torch.tensor([3]))})
+    with pytest.raises(ValueError, match=r"features\['a'\] must be a Jagged, got Tensor"):
+        KeyedJagged.from_dict({"a": torch.zeros(3)})
+
+
+def test_jagged_constructors_name_their_arguments():
+    with pytest.raises(ValueError, match="lengths sum to 2 but values have 3 rows"):  # had named "offsets[-1]"
+        Jagged.from_lengths(torch.zeros(3), torch.tensor([1, 1]))
+    with pytest.raises(ValueError, match="lengths must be a torch.Tensor, got list"):
+        Jagged.from_lengths(torch.zeros(3), [3])
+    with pytest.raises(ValueError, match="padded must be a torch.Tensor, got list"):
+        Jagged.from_padded([[0.0, 0.0]], torch.tensor([1]))
+    with pytest.raises(ValueError, match="lengths must be a torch.Tensor, got list"):
+        Jagged.from_padded(torch.zeros(2, 3), [1, 2])
+    with pytest.raises(ValueError, match="num_values must be an int, got True"):  # True had matched [0, 1]
+        validate_offsets(torch.tensor([0, 1]), True)
+
+
+def test_with_values_and_padding_sizes_are_checked():
+    jagged = Jagged.from_lengths(torch.zeros(5, 2), torch.tensor([2, 3]))
+    with pytest.raises(ValueError, match="new values are on meta but the offsets are on cpu"):
+        jagged.with_values(torch.zeros(5, device="meta"))
+    with pytest.raises(ValueError, match="values must be a tensor with at least one dimension"):
+        jagged.with_values(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="max_len 1 is shorter than the longest sequence, 3"):
+        jagged.padding_mask(1)  # had returned a mask that drops the tail of the second sequence
+    with pytest.raises(ValueError, match="max_len must be an int or None, got True"):
+        jagged.to_padded(max_len=True)
+    assert jagged.padding_mask(4).shape == (2, 4)
+
+
+def test_offsets_helpers_refuse_bool_float_and_overflowing_sizes():
+    with pytest.raises(ValueError, match="dtype must be torch.int32 or torch.int64, got torch.float32"):
+        offsets_from_lengths(torch.tensor([1, 2]), torch.float32)  # had made float offsets
+    with pytest.raises(ValueError, match="lengths sum to 2147483652, more than int32 offsets hold"):
+        offsets_from_lengths(torch.tensor([2**31 - 1, 5]), torch.int32)  # had wrapped negative
+    with pytest.raises(ValueError, match="batch and length must be ints, got True and 3"):
+        uniform_offsets(True, 3, "cpu")
+    with pytest.raises(ValueError, match="batch and length must be ints, got 2 and 1.5"):
+        uniform_offsets(2, 1.5, "cpu")
+    with pytest.raises(ValueError, match="dtype must be torch.int32 or torch.int64, got torch.float32"):
+        uniform_offsets(2, 3, "cpu", torch.float32)
+    with pytest.raises(ValueError, match=r"batch \* length = 3221225472 overflows int32 offsets"):
+        uniform_offsets(3, 2**30, "cpu", torch.int32)
+
+
+@pytest.mark.parametrize("block_size", [0, -2, True, 2.0])
+def test_block_offsets_refuses_bad_block_sizes(block_size):
+    from opengem.jagged.blocks import block_offsets
+
+    with pytest.raises(ValueError, match="block_size must be an int >= 1"):  # -2 had given one block, True 1
+        block_offsets(torch.tensor([0, 3, 5]), block_size)
+    with pytest.raises(ValueError, match="offsets must be an int32 or int64 tensor, got torch.float32"):
+        block_offsets(torch.tensor([0.0, 3.0, 5.0]), 2)

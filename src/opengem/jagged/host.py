@@ -40,6 +40,12 @@ def register_host_copy(device_tensor: torch.Tensor, host_tensor: torch.Tensor) -
     """Record that ``host_tensor`` (CPU) holds the current contents of ``device_tensor``."""
     if device_tensor.device.type == "cpu" or torch.compiler.is_compiling():
         return
+    # a mirror of another shape had been read as the layout (wrong lengths, out-of-range reads) by every check
+    if not isinstance(host_tensor, torch.Tensor) or host_tensor.shape != device_tensor.shape:
+        got = tuple(host_tensor.shape) if isinstance(host_tensor, torch.Tensor) else type(host_tensor).__name__
+        raise ValueError(
+            f"host_tensor must be a tensor of device_tensor's shape {tuple(device_tensor.shape)}, got {got}"
+        )
     key = id(device_tensor)
     _MIRRORS[key] = (weakref.ref(device_tensor, lambda _: _MIRRORS.pop(key, None)), device_tensor._version, host_tensor,
                      None)
@@ -95,6 +101,9 @@ def to_device(host_tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     A copy from pageable memory would wait for all queued GPU work before starting.
     """
+    if not isinstance(host_tensor, torch.Tensor) or host_tensor.device.type != "cpu":
+        got = host_tensor.device if isinstance(host_tensor, torch.Tensor) else type(host_tensor).__name__
+        raise ValueError(f"host_tensor must be a CPU tensor, got {got}")
     device = torch.device(device)
     if device.type == "cpu":
         return host_tensor

@@ -9,18 +9,32 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.utils._pytree
 
 from opengem.jagged.host import host_copy, offsets_summary, register_host_copy, to_device
 
 OFFSET_DTYPES = (torch.int32, torch.int64)
+_INT32_MAX = 2**31 - 1
+
+
+def is_int(value: object) -> bool:
+    """A host integer (Python, NumPy or a traced SymInt) that is not a bool: ``True`` had been taken as 1 and
+    ``2.5`` had sized tensors by truncation."""
+    return isinstance(value, (int, np.integer, torch.SymInt)) and not isinstance(value, bool)
+
+
+def _check_tensor(value: object, name: str) -> None:
+    if not isinstance(value, torch.Tensor):  # an AttributeError deep inside had named no argument
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
 def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offsets") -> None:
     """Raise ``ValueError`` unless ``offsets`` is a valid ``[B + 1]`` offsets vector for ``num_values`` rows."""
-    if not isinstance(offsets, torch.Tensor):
-        raise ValueError(f"{name} must be a torch.Tensor, got {type(offsets).__name__}")
+    _check_tensor(offsets, name)
+    if not is_int(num_values):  # True had matched offsets [0, 1]
+        raise ValueError(f"num_values must be an int, got {num_values!r}")
     if offsets.dtype not in OFFSET_DTYPES:
         raise ValueError(f"{name} must be int32 or int64, got {offsets.dtype}")
     if offsets.dim() != 1 or offsets.numel() < 1:
@@ -40,11 +54,18 @@ def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offset
 
 def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``[B]`` lengths -> ``[B + 1]`` offsets starting at 0 (with a host mirror when the lengths have one)."""
+    _check_tensor(lengths, "lengths")
+    if dtype not in OFFSET_DTYPES:  # a float dtype had made float offsets
+        raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
     if lengths.dtype not in OFFSET_DTYPES or lengths.dim() != 1:  # float lengths were truncated by the cumsum
         raise ValueError(f"lengths must be 1-D int32 or int64, got {lengths.dtype} {tuple(lengths.shape)}")
     host_lengths = host_copy(lengths)
     if bool((host_lengths < 0).any()):
         raise ValueError(f"lengths must be non-negative, got minimum {int(host_lengths.min())}")
+    if dtype == torch.int32 and host_lengths.numel() and int(host_lengths.sum()) > _INT32_MAX:  # had wrapped negative
+        raise ValueError(
+            f"lengths sum to {int(host_lengths.sum())}, more than int32 offsets hold; use dtype=torch.int64"
+        )
     offsets = torch.zeros(lengths.numel() + 1, dtype=dtype, device=lengths.device)
     torch.cumsum(lengths, dim=0, out=offsets[1:])
     if lengths.device.type != "cpu":
@@ -54,6 +75,13 @@ def offsets_from_lengths(lengths: torch.Tensor, dtype: torch.dtype = torch.int64
 
 def uniform_offsets(batch: int, length: int, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor:
     """``[B + 1]`` offsets of B sequences of ``length`` rows each, made on ``device`` with a host mirror."""
+    if not torch.compiler.is_compiling():  # Dynamo may trace batch as a symbol; eager callers are checked
+        if not is_int(batch) or not is_int(length):  # True had made one sequence, 1.5 float offsets
+            raise ValueError(f"batch and length must be ints, got {batch!r} and {length!r}")
+        if dtype not in OFFSET_DTYPES:
+            raise ValueError(f"dtype must be torch.int32 or torch.int64, got {dtype}")
+        if dtype == torch.int32 and batch * length > _INT32_MAX:  # had wrapped negative
+            raise ValueError(f"batch * length = {batch * length} overflows int32 offsets; use dtype=torch.int64")
     if batch < 0 or length < 0:
         raise ValueError(f"batch and length must be >= 0, got {batch} and {length}")
     offsets = torch.arange(batch + 1, device=device, dtype=dtype) * length
@@ -93,11 +121,22 @@ class Jagged:
 
     @classmethod
     def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
-        return cls.from_offsets(values, offsets_from_lengths(lengths.to(values.device)))
+        if not isinstance(values, torch.Tensor) or values.dim() < 1:
+            raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+        _check_tensor(lengths, "lengths")
+        # host lengths reach the device through to_device, so their offsets get a mirror (no sync to read them)
+        moved = to_device(lengths, values.device) if lengths.device.type == "cpu" else lengths.to(values.device)
+        offsets = offsets_from_lengths(moved)
+        total = int(host_copy(offsets)[-1])
+        if total != values.shape[0]:  # from_offsets' "offsets[-1]" would name an argument the caller never passed
+            raise ValueError(f"lengths sum to {total} but values have {values.shape[0]} rows")
+        return cls.from_offsets(values, offsets)
 
     @classmethod
     def from_padded(cls, padded: torch.Tensor, lengths: torch.Tensor) -> Jagged:
         """``padded [B, N, ...]`` and ``lengths [B]`` (each <= N) -> jagged, dropping the padding."""
+        _check_tensor(padded, "padded")
+        _check_tensor(lengths, "lengths")
         if padded.dim() < 2:
             raise ValueError(f"padded must have shape [B, N, ...], got {tuple(padded.shape)}")
         if lengths.shape != (padded.shape[0],):
@@ -125,16 +164,23 @@ class Jagged:
 
     def to_padded(self, pad_value: float = 0.0, max_len: int | None = None) -> torch.Tensor:
         """``[B, max_len, ...]`` with ``pad_value`` after each sequence."""
-        size = self.max_len if max_len is None else max_len
-        if size < self.max_len:
-            raise ValueError(f"max_len {size} is shorter than the longest sequence, {self.max_len}")
+        size = self._padded_size(max_len)
         out = self.values.new_full((self.batch_size, size, *self.values.shape[1:]), pad_value)
         out[self.padding_mask(size)] = self.values
         return out
 
+    def _padded_size(self, max_len: int | None) -> int:
+        if max_len is None:
+            return self.max_len
+        if not is_int(max_len):  # True had padded to 1
+            raise ValueError(f"max_len must be an int or None, got {max_len!r}")
+        if max_len < self.max_len:  # a shorter mask or padding would drop the tail of the longest sequences
+            raise ValueError(f"max_len {max_len} is shorter than the longest sequence, {self.max_len}")
+        return max_len
+
     def padding_mask(self, max_len: int | None = None) -> torch.Tensor:
         """Bool ``[B, max_len]``: True where a position holds a real value."""
-        size = self.max_len if max_len is None else max_len
+        size = self._padded_size(max_len)
         positions = torch.arange(size, device=self.offsets.device)
         return positions[None, :] < self.lengths()[:, None]
 
@@ -146,6 +192,10 @@ class Jagged:
 
     def with_values(self, values: torch.Tensor) -> Jagged:
         """Same layout, new values (e.g. the output of a per-token module)."""
+        if not isinstance(values, torch.Tensor) or values.dim() < 1:
+            raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+        if values.device != self.offsets.device:  # had built a Jagged whose values and offsets live apart
+            raise ValueError(f"new values are on {values.device} but the offsets are on {self.offsets.device}")
         if values.shape[0] != self.num_values:
             raise ValueError(f"new values have {values.shape[0]} rows, the layout has {self.num_values}")
         return Jagged(values, self.offsets, self.offsets_host, self.max_len)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from opengem.jagged.host import host_copy, register_host_copy, to_device
-from opengem.jagged.jagged import OFFSET_DTYPES, Jagged, offsets_from_lengths
+from opengem.jagged.jagged import OFFSET_DTYPES, Jagged, _check_tensor, is_int, offsets_from_lengths
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,15 @@ class KeyedJagged:
     weights: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        # TorchRec takes a list of str: a bare str had become one key per character, a set an arbitrary order
+        if not isinstance(self.keys, (tuple, list)):
+            raise ValueError(f"keys must be a list or tuple of str, got {type(self.keys).__name__} {self.keys!r}")
+        for i, key in enumerate(self.keys):
+            if not isinstance(key, str):
+                raise ValueError(f"keys[{i}] must be a str, got {type(key).__name__} {key!r}")
+        object.__setattr__(self, "keys", tuple(self.keys))  # frozen: one hashable, comparable type
+        _check_tensor(self.values, "values")
+        _check_tensor(self.lengths, "lengths")
         if len(set(self.keys)) != len(self.keys):
             raise ValueError(f"feature keys must be unique, got {list(self.keys)}")
         if self.values.dim() != 1:
@@ -46,10 +55,16 @@ class KeyedJagged:
         total = int(host_lengths.sum()) if self.lengths.numel() else 0
         if total != self.values.numel():
             raise ValueError(f"lengths sum to {total} but there are {self.values.numel()} values")
-        if self.weights is not None and self.weights.shape != self.values.shape:
-            raise ValueError(
-                f"weights must match values' shape {tuple(self.values.shape)}, got {tuple(self.weights.shape)}"
-            )
+        if self.weights is not None:
+            _check_tensor(self.weights, "weights")
+            if self.weights.shape != self.values.shape:
+                raise ValueError(
+                    f"weights must match values' shape {tuple(self.values.shape)}, got {tuple(self.weights.shape)}"
+                )
+            if self.weights.device != self.values.device:
+                raise ValueError(f"values are on {self.values.device} but weights are on {self.weights.device}")
+            if not self.weights.is_floating_point():  # one float per id; integer weights had been taken as given
+                raise ValueError(f"weights must be a floating-point tensor, got {self.weights.dtype}")
 
     @classmethod
     def _trusted(
@@ -64,7 +79,21 @@ class KeyedJagged:
     @classmethod
     def from_dict(cls, features: dict[str, Jagged]) -> KeyedJagged:
         """Build from one ``Jagged`` of 1-D ids per feature; all must have the same batch size."""
+        if not isinstance(features, dict):
+            raise ValueError(f"features must be a dict of str to Jagged, got {type(features).__name__}")
         keys = tuple(features)
+        for key, jagged in features.items():  # name the feature: the joined buffers' errors cannot
+            if not isinstance(jagged, Jagged):
+                raise ValueError(f"features[{key!r}] must be a Jagged, got {type(jagged).__name__}")
+            if jagged.values.dim() != 1:
+                raise ValueError(
+                    f"features[{key!r}] must hold 1-D ids, got values of shape {tuple(jagged.values.shape)}"
+                )
+            if jagged.values.device != features[keys[0]].values.device:
+                raise ValueError(
+                    f"features[{key!r}] is on {jagged.values.device} but features[{keys[0]!r}] is on "
+                    f"{features[keys[0]].values.device}"
+                )
         if not keys:
             return cls((), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64))
         sizes = {k: j.batch_size for k, j in features.items()}
@@ -117,6 +146,8 @@ class KeyedJagged:
 
     def split(self, segments: Sequence[int]) -> list[KeyedJagged]:
         """Split into consecutive groups of ``segments[i]`` features each (TorchRec's ``split``)."""
+        if not isinstance(segments, Sequence) or not all(is_int(s) for s in segments):  # True had split off 1 key
+            raise ValueError(f"segments must be a sequence of ints, got {segments!r}")
         if sum(segments) != len(self.keys) or any(s < 0 for s in segments):
             raise ValueError(f"segments {list(segments)} must be non-negative and sum to {len(self.keys)} keys")
         per_key = self.lengths_per_key()
@@ -142,6 +173,15 @@ class KeyedJagged:
         """Join feature groups of the same batch (the inverse of :meth:`split`)."""
         if not parts:
             raise ValueError("concat needs at least one KeyedJagged")
+        for i, part in enumerate(parts):
+            if not isinstance(part, KeyedJagged):
+                raise ValueError(f"parts[{i}] must be a KeyedJagged, got {type(part).__name__}")
+            if part.values.device != parts[0].values.device:  # torch.cat's error named no part
+                raise ValueError(f"parts[{i}] is on {part.values.device} but parts[0] is on {parts[0].values.device}")
+        keys = [k for p in parts for k in p.keys]
+        if len(set(keys)) != len(keys):  # _trusted skips __post_init__: a repeated key had shadowed the second
+            repeated = sorted({k for k in keys if keys.count(k) > 1})
+            raise ValueError(f"cannot concat KeyedJagged sharing feature keys {repeated}")
         strides = {p.stride for p in parts if p.keys}
         if len(strides) > 1:
             raise ValueError(f"cannot concat KeyedJagged of different batch sizes {sorted(strides)}")
@@ -152,7 +192,7 @@ class KeyedJagged:
         lengths = torch.cat([p.lengths for p in parts])
         register_host_copy(lengths, torch.cat([host_copy(p.lengths) for p in parts]))
         return KeyedJagged._trusted(
-            tuple(k for p in parts for k in p.keys), torch.cat([p.values for p in parts]), lengths, weights
+            tuple(keys), torch.cat([p.values for p in parts]), lengths, weights
         )
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> KeyedJagged:
