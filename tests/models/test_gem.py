@@ -281,6 +281,16 @@ def test_unknown_preset_and_bad_config_raise():
 
 
 @pytest.mark.parametrize(("change", "message"), [
+    ({"num_heads": 0}, "num_heads must be >= 1, got 0"),
+    ({"num_heads": 3}, "num_heads=3 must divide d_model=16"),
+])
+def test_bad_head_counts_are_refused_by_the_config(change, message):
+    # refused when the config is made (opengem.train.config names the section: gem.num_heads), not at the build
+    with pytest.raises(ValueError, match=message):
+        GEMConfig(**{**dataclasses.asdict(SMALL), "head_dims": SMALL.head_dims, **change})
+
+
+@pytest.mark.parametrize(("change", "message"), [
     ({"num_recent": -3}, "num_recent must be >= 0, got -3"),  # cut S_sum from 8 tokens to 1, silently
     ({"num_summary_tokens": 0}, "num_summary_tokens must be >= 1, got 0"),  # a ZeroDivisionError at the forward
     ({"num_heads": 0}, "num_heads must be >= 1, got 0"),  # a ZeroDivisionError in the divisibility check

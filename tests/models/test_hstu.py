@@ -121,3 +121,14 @@ def test_bad_configs_and_inputs() -> None:
         m(items, torch.tensor([0, 5, 7]), longest)
     with pytest.raises(ValueError, match="items must be 1-D int32/int64 ids, got torch.float32"):
         m(items.float(), offsets, longest)
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"dropout": 1.0}, r"dropout must be in \[0, 1\), got 1.0"),
+    ({"dropout": -0.1}, r"dropout must be in \[0, 1\), got -0.1"),
+    ({"num_heads": 0}, "num_heads must be >= 1, got 0"),
+    ({"num_heads": 3}, "num_heads=3 must divide dim=64"),
+])
+def test_bad_settings_are_refused_by_the_config(change, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        SequentialModelConfig(**change)

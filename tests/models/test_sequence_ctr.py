@@ -24,3 +24,16 @@ def test_bad_configs_are_refused_by_name(change, message):
 def test_one_mlp_size_is_enough():
     model = SequenceCTRModel(DATA.feature_specs(), DATA.num_dense, SequenceCTRConfig(mlp_dims=(16,)))
     assert model.heads["click"].in_features == 16
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"dropout": 2.0}, r"dropout must be in \[0, 1\), got 2.0"),
+    ({"dropout": float("nan")}, r"dropout must be in \[0, 1\), got nan"),
+    ({"num_heads": 0}, "num_heads must be >= 1, got 0"),
+    ({"num_heads": 3}, "num_heads=3 must divide d_model=64 with history='attention'"),
+])
+def test_bad_settings_are_refused_by_the_config(change, message):
+    # refused when the config is made, before any model is built
+    with pytest.raises(ValueError, match=message):
+        SequenceCTRConfig(**change)
+    assert SequenceCTRConfig(history="mean", num_heads=3).num_heads == 3  # no heads without attention

@@ -139,3 +139,81 @@ def test_train_command_refuses_set_preset(capsys):
 
     assert main(["train", "--no-progress", "--set", "preset=gem-large"]) == 2
     assert "--set preset=gem-large" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    # these were found only when the trainer built the model or looked up the data, or (device) not at all
+    (["architecture=foo"], r"--set: architecture must be one of \('sequence_ctr', 'gem'\), got 'foo'"),
+    (["data_preset=foo"], r"--set: data_preset must be one of \[.*'gem-tiny'.*\], got 'foo'"),
+    (["device=foo"], r"--set: device must be auto, cpu or cuda\[:N\], got 'foo'"),
+    (["device=cuda:x"], r"--set: device must be auto, cpu or cuda\[:N\], got 'cuda:x'"),
+    (["device=mps"], r"--set: device must be auto, cpu or cuda\[:N\], got 'mps'"),  # a torch device the trainer refuses
+])
+def test_names_are_checked_when_the_config_is_made(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("gem-tiny", None, overrides)
+
+
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:1"])
+def test_a_well_formed_device_passes_without_that_device(device):
+    # a config may be written on one machine for another: whether the GPU exists is the trainer's question
+    assert load_config("gem-tiny", None, [f"device={device}"]).device == device
+
+
+@pytest.mark.parametrize(("overrides", "message"), [
+    (["model.num_heads=3"], r"--set: model.num_heads=3 must divide d_model=64"),
+    (["model.num_heads=0"], r"--set: model.num_heads must be >= 1, got 0"),
+    (["model.dropout=2"], r"--set: model.dropout must be in \[0, 1\), got 2.0"),
+    (["model.dropout=1"], r"--set: model.dropout must be in \[0, 1\), got 1.0"),
+    (["gem.num_heads=0"], r"--set: gem.num_heads must be >= 1, got 0"),
+    (["gem.num_heads=3"], r"--set: gem.num_heads=3 must divide d_model=64"),
+])
+def test_model_sections_are_checked_when_the_config_is_made(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        load_config("gem-tiny", None, overrides)
+
+
+def test_model_section_errors_name_the_file_and_section(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text("[model]\nnum_heads = 3\n")
+    with pytest.raises(ValueError, match=r"run.toml: model.num_heads=3 must divide d_model=64"):
+        load_config(None, path)
+
+
+def test_heads_need_not_divide_the_width_without_attention():
+    config = load_config("gem-tiny", None, ["model.history=mean", "model.num_heads=3"])
+    assert config.model.num_heads == 3  # the mean-pool model splits nothing into heads
+
+
+def test_a_saved_config_with_a_bad_section_names_it():
+    import dataclasses
+
+    saved = dataclasses.asdict(load_config("gem-tiny"))
+    saved["gem"]["num_heads"] = 3
+    with pytest.raises(ValueError, match=r"saved config's gem.num_heads=3 must divide d_model=64"):
+        config_from_dict(saved)
+
+
+def test_infinite_spike_factor_and_numerics_bound_mean_never_report():
+    # inf is documented: no loss is a spike, no layer's error passes the bound; NaN stays an error
+    config = load_config("gem-tiny", None, ["spike_factor=inf", "numerics_bound=inf"])
+    assert config.spike_factor == config.numerics_bound == float("inf")
+    with pytest.raises(ValueError, match="--set: spike_factor must be > 1"):
+        load_config("gem-tiny", None, ["spike_factor=nan"])
+    with pytest.raises(ValueError, match="--set: numerics_bound must be > 0"):
+        load_config("gem-tiny", None, ["numerics_bound=nan"])
+
+
+@pytest.mark.parametrize(("flags", "named"), [
+    (["--preset", "gem-small"], "--preset with --resume"),
+    (["--config", "run.toml"], "--config with --resume"),
+    (["--preset", "gem-small", "--config", "run.toml"], "--preset and --config with --resume"),
+])
+def test_train_command_refuses_preset_or_config_with_resume(capsys, tmp_path, flags, named):
+    from opengem.cli.main import main
+
+    # refused before the checkpoint is read: both were silently ignored, the checkpoint's settings winning
+    assert main(["train", "--no-progress", "--resume", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err
+    assert f"{named}: a resumed run's config comes from its checkpoint" in err
+    assert "--set KEY=VALUE (any setting but preset" in err

@@ -30,7 +30,8 @@ def main(argv: list[str] | None = None) -> int:
     train_parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a setting")
     train_parser.add_argument("--steps", type=int, help="total training steps")
     train_parser.add_argument("--device", help="auto, cpu or cuda")
-    train_parser.add_argument("--resume", type=Path, help="run folder (or checkpoint file) to continue from")
+    train_parser.add_argument("--resume", type=Path, help="run folder (or checkpoint file) to continue from, with the "
+                              "settings saved there (no --preset or --config; --set, --steps and --device apply)")
     train_parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     train_parser.add_argument(
         "--parallel", metavar="KEY=VALUE,...",
@@ -85,7 +86,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.device is not None:
         overrides.append(f"device={args.device}")
     if args.resume is not None:
-        # a resumed run keeps the settings it was started with, plus explicit overrides
+        # a resumed run keeps the settings it was started with, plus explicit overrides; a preset or file given beside
+        # it was once dropped without a word
+        given = [flag for flag, value in (("--preset", args.preset), ("--config", args.config)) if value is not None]
+        if given:
+            flags = " and ".join(given)
+            raise ValueError(f"{flags} with --resume: a resumed run's config comes from its checkpoint, so {flags} "
+                             "would be ignored; change the saved settings with --set KEY=VALUE (any setting but "
+                             "preset, applied on top of the checkpoint's), --steps or --device")
         args.resume = resolve_checkpoint(args.resume)  # settings and state from the same checkpoint
         try:
             saved = config_from_dict(checkpoint_config(args.resume))

@@ -86,6 +86,14 @@ class GEMConfig:
     use_pooling: bool = True
     use_wukong: bool = True
 
+    def __post_init__(self) -> None:
+        # the head count, refused here rather than when the model is built (which checks it again, with the other
+        # sizes); messages start with the field's name so a config file's error can name its section (gem.num_heads)
+        require_at_least(self, ("num_heads",), 1)
+        if self.d_model % self.num_heads:  # every attention block (PFFN, self-attention, pooling) splits d_model
+            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model} (each head reads "
+                             "d_model / num_heads features: d_model must be divisible by num_heads)")
+
 
 class GEMLayer(nn.Module):
     """One interleaved layer: summaries of both sides, the sequence branch, the interaction branch."""

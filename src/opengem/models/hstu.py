@@ -30,6 +30,7 @@ from torch import nn
 from opengem.jagged import validate_offsets
 from opengem.ops.gdpa import hstu_attention
 from opengem.ops.jagged_attention import jagged_attention
+from opengem.validation import require_at_least
 
 ARCHITECTURES = ("hstu", "sasrec")
 
@@ -44,6 +45,15 @@ class SequentialModelConfig:
     max_len: int = 200  # longest history the position embedding covers
     dropout: float = 0.2
     temperature: float = 0.05
+
+    def __post_init__(self) -> None:
+        # refused with the settings' names before a model is built (num_items is filled in from the data later)
+        if not 0 <= self.dropout < 1:  # 1 zeroes every activation it reaches; NaN fails too
+            raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
+        require_at_least(self, ("num_heads",), 1)
+        if self.dim % self.num_heads:  # both layer kinds split dim into heads
+            raise ValueError(f"num_heads={self.num_heads} must divide dim={self.dim} (each head reads dim / num_heads "
+                             "features: dim must be divisible by num_heads)")
 
 
 class HSTULayer(nn.Module):

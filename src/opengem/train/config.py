@@ -10,6 +10,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from opengem.data.synthetic import SYNTHETIC_PRESETS
 from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
@@ -58,9 +61,11 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 3
     max_bad_steps: int = 5  # consecutive non-finite losses before training stops
-    spike_factor: float = 3.0  # a loss above this multiple of its running mean is reported as a spike
+    # a loss above this multiple of its running mean is reported as a spike (only reported: the step still counts);
+    # inf: never report one
+    spike_factor: float = 3.0
     baseline: bool = True  # also train the history-free baseline on the same batches
-    device: str = "auto"
+    device: str = "auto"  # "auto" (cuda when torch sees one, else cpu), "cpu" or "cuda[:N]"
     num_workers: int = 0
     architecture: str = "sequence_ctr"  # "sequence_ctr" (section `model`) or "gem" (section `gem`)
     precision: str = "fp32"  # one of PRECISIONS
@@ -100,7 +105,8 @@ class TrainConfig:
     # updates) against a BF16 shadow on the same input
     # (opengem.nn.numerics.NumericsMonitor, one extra eager forward): "numerics/<layer>/rel_error" in
     # metrics.jsonl, a warning past numerics_bound and, with numerics_fallback, that layer in BF16 from then on;
-    # numerics_bound is also low_precision_mlp="auto"'s selection bound
+    # numerics_bound is also low_precision_mlp="auto"'s selection bound. inf: never warn or fall back (the errors are
+    # still logged), and "auto" takes each layer's fastest recipe whatever its error
     numerics_every: int = 0
     numerics_bound: float = 0.1
     numerics_fallback: bool = False
@@ -108,6 +114,11 @@ class TrainConfig:
     gem: GEMConfig = field(default_factory=lambda: GEM_PRESETS["gem-tiny"].model)
 
     def __post_init__(self) -> None:
+        if self.architecture not in ARCHITECTURES:  # else only found when the trainer builds the model
+            raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {self.architecture!r}")
+        if self.data_preset not in SYNTHETIC_PRESETS:  # a Parquet data_dir is read in this preset's layout too
+            raise ValueError(f"data_preset must be one of {sorted(SYNTHETIC_PRESETS)}, got {self.data_preset!r}")
+        _check_device(self.device)
         require_at_least(self, ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
                                 "keep_checkpoints", "max_bad_steps", "low_precision_min_features"), 1)
         if self.precision not in PRECISIONS:
@@ -186,6 +197,20 @@ def shadow_settings(config: TrainConfig, single_process_gpu: bool) -> tuple[bool
                          "leaves the shadows and the shadow AdamW off here (on for the single-process trainer on a "
                          "GPU): set weight_shadows=true shadow_adamw=true or drop it")
     return weight_shadows, shadow_adamw
+
+
+def _check_device(device: str) -> None:
+    """``device`` as the trainer resolves it (opengem.train.trainer.resolve_device): auto, cpu or a CUDA device. A
+    well-formed CUDA device passes on a machine without one (the config may be written for another machine); whether
+    it exists is the trainer's question."""
+    if device in ("auto", "cpu"):
+        return
+    try:
+        parsed = torch.device(device)
+    except RuntimeError as error:  # torch's parser: "cuda:x", "cudaa", ""
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r} ({error})") from None
+    if parsed.type != "cuda":  # a real torch device ("mps", "meta", "cpu:0") the trainer does not run on
+        raise ValueError(f"device must be auto, cpu or cuda[:N], got {device!r}")
 
 
 def _setting_text(value: bool | None) -> str:
@@ -287,11 +312,13 @@ def config_from_dict(saved: dict[str, Any]) -> TrainConfig:
         for key, value in table.items():
             if not (name == "" and key in sections):
                 _check_saved_type(value, hints[key], f"{name}.{key}" if name else key)
-    rebuilt = {
-        name: kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
-        for name, kind in sections.items()
-        if name in saved  # checkpoints written before the gem section existed lack it
-    }
+    rebuilt = {}
+    for name, kind in sections.items():
+        if name in saved:  # checkpoints written before the gem section existed lack it
+            try:
+                rebuilt[name] = kind(**{k: tuple(v) if isinstance(v, list) else v for k, v in saved[name].items()})
+            except ValueError as error:  # a __post_init__ check, named with its section: model.num_heads
+                raise ValueError(f"saved config's {name}.{error}") from error
     return replace(TrainConfig(**{k: v for k, v in saved.items() if k not in sections}), **rebuilt)
 
 
@@ -353,8 +380,9 @@ def _apply(config: Any, pairs: dict[str, Any], source: str, typed: bool, prefix:
         changes[head] = _apply(getattr(config, head), sub, source, typed, f"{prefix}{head}.")
     try:
         return replace(config, **changes)
-    except ValueError as error:  # a __post_init__ check: say where the value came from
-        raise ValueError(f"{source}: {error}") from error
+    except ValueError as error:  # a __post_init__ check: say where the value came from and, in a section, which one
+        # (the model configs' messages start with the field's name: "num_heads=3 must ..." -> "model.num_heads=3 ...")
+        raise ValueError(f"{source}: {prefix}{error}") from error
 
 
 def _check_typed(value: Any, hint: Any, where: str) -> Any:
