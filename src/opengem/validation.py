@@ -9,10 +9,13 @@ import numbers
 from collections.abc import Iterable
 from typing import Any
 
+import torch
+
 
 def is_int(value: Any) -> bool:
-    """An integer (Python's or numpy's), not a bool: ``True`` is an ``int`` to ``isinstance``, never a count here."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+    """An integer (Python's, numpy's, or a size Dynamo traces as a symbol), not a bool: ``True`` is an ``int`` to
+    ``isinstance``, never a count here."""
+    return isinstance(value, (numbers.Integral, torch.SymInt)) and not isinstance(value, bool)
 
 
 def is_number(value: Any) -> bool:

@@ -8,7 +8,8 @@ from collections import OrderedDict
 import torch
 
 from opengem.jagged.host import host_copy, to_device
-from opengem.jagged.jagged import OFFSET_DTYPES, is_int
+from opengem.jagged.jagged import OFFSET_DTYPES
+from opengem.validation import is_int
 
 _BLOCK_OFFSETS: OrderedDict[tuple, torch.Tensor] = OrderedDict()  # every layer of a model asks for the same
 _BLOCK_OFFSETS_CACHE_SIZE = 16

@@ -9,20 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.utils._pytree
 
 from opengem.jagged.host import host_copy, offsets_summary, register_host_copy, to_device
+from opengem.validation import is_int
 
 OFFSET_DTYPES = (torch.int32, torch.int64)
 _INT32_MAX = 2**31 - 1
-
-
-def is_int(value: object) -> bool:
-    """A host integer (Python, NumPy or a traced SymInt) that is not a bool: ``True`` had been taken as 1 and
-    ``2.5`` had sized tensors by truncation."""
-    return isinstance(value, (int, np.integer, torch.SymInt)) and not isinstance(value, bool)
 
 
 def _check_tensor(value: object, name: str) -> None:

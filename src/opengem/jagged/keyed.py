@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import torch
 
 from opengem.jagged.host import host_copy, register_host_copy, to_device
-from opengem.jagged.jagged import OFFSET_DTYPES, Jagged, _check_tensor, is_int, offsets_from_lengths
+from opengem.jagged.jagged import OFFSET_DTYPES, Jagged, _check_tensor, offsets_from_lengths
+from opengem.validation import is_int
 
 
 @dataclass(frozen=True)
