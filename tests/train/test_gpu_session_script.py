@@ -77,8 +77,10 @@ def test_an_unknown_part_stops_before_any_step(tmp_path):
                r"--baseline bf16_repeat --bar 0\.003$")]),
     ("s69b", [r"tuning=0 python .* --variant none --label shadow_default --checkpoint-dir runs/curve_shadow_default "
               r"--resume$",
-              r"tuning=0 python .* --compare --variant none --label shadow_default --baseline bf16_repeat --bar 0\.003$",
-              r"tuning=0 python .* --compare --variant none --label narrow_state --baseline shadow_default --bar 0\.003$"]),
+              r"tuning=0 python .* --compare --variant none --label shadow_default --baseline bf16_repeat "
+              r"--bar 0\.003$",
+              r"tuning=0 python .* --compare --variant none --label narrow_state --baseline shadow_default "
+              r"--bar 0\.003$"]),
 ])
 def test_next_session_parts_run_their_commands_with_the_tuning_switches(part, expected, tmp_path):
     """The curves run with the kernels' tuning off (both runs of a comparison alike), the benchmarks tuned."""
