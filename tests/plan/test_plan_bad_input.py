@@ -15,6 +15,7 @@ from opengem.cli.main import main
 from opengem.parallel.mesh import ParallelConfig
 from opengem.plan.calibration import load_calibration
 from opengem.plan.cluster import load_cluster
+from opengem.plan.comm import collective_seconds, group_tier
 from opengem.plan.cost import Layout
 from opengem.plan.planner import Planner
 
@@ -173,6 +174,9 @@ def _set(key: str, value: Any) -> Callable[[dict], None]:
          "host.step_ms must be a finite number >= 0, got nan"),
         (_set("host", [1, 2]), "host must be an object, got [1, 2]"),
         (_set("notes", 5), "notes must be an object, got 5"),
+        # table_from_measurements divides by these: 0 had been a ZeroDivisionError there, -5 a negative host time
+        (_set("measured", {"launch_us": 0.0}), "measured.launch_us must be > 0, got 0.0"),
+        (_set("measured", {"norm_gbps": -5.0}), "measured.norm_gbps must be > 0, got -5.0"),
     ],
 )
 def test_bad_calibration_entries_are_named(tmp_path, mutate, message):
@@ -218,3 +222,27 @@ def test_layouts_and_gpu_counts_are_checked(planner):
         Layout(ParallelConfig().resolved(8), 512, sparse_sync_every=0)
     with pytest.raises(ValueError, match=re.escape("--gpus must be an integer, got 8.0")):
         Planner("gem-small", load_cluster("h100"), 8.0)
+
+
+def test_layouts_take_ints_and_bools_and_a_resolved_config(planner):
+    resolved = ParallelConfig().resolved(8)
+    for bad in (2.5, True):  # had been predicted
+        with pytest.raises(ValueError, match=re.escape(f"Layout: local_batch must be an int, got {bad!r}")):
+            Layout(resolved, bad)
+    with pytest.raises(ValueError, match="Layout: sparse_fully_sharded must be a bool, got 'no'"):  # meant yes
+        Layout(resolved, 512, "no")
+    with pytest.raises(ValueError, match="Layout: batch_shuffling must be a bool, got 0"):
+        planner.plan((512,), batch_shuffling=0)
+    with pytest.raises(ValueError, match="Layout: parallel must be resolved .* dense_shard=-1"):  # costed -1 ranks
+        Layout(ParallelConfig(), 512)
+
+
+def test_collective_costs_refuse_unknown_names_and_negative_bytes():
+    cluster = load_cluster("h100")
+    nvlink = cluster.tiers["nvlink"]
+    with pytest.raises(ValueError, match="unknown collective 'allreduce'"):  # had been costed as an all-gather
+        collective_seconds("allreduce", 1e6, 8, nvlink)
+    with pytest.raises(ValueError, match=re.escape("all_gather: nbytes must be >= 0, got -1000000.0")):  # cost 0
+        collective_seconds("all_gather", -1e6, 8, nvlink)
+    with pytest.raises(ValueError, match="unknown mesh dim 'sharded'; known: shard, "):  # a bare KeyError
+        group_tier(cluster, ParallelConfig().resolved(8), "sharded")

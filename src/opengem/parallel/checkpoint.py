@@ -37,6 +37,9 @@ class ModelOptimizerState(Stateful):
     """
 
     def __init__(self, model: nn.Module, optimizer: Optimizer | None = None, exclude: tuple[str, ...] = ()) -> None:
+        # A str had been split into one-letter prefixes ("emb" -> "e.", "m.", "b.") and excluded the wrong entries
+        if isinstance(exclude, str) or not all(isinstance(prefix, str) and prefix for prefix in exclude):
+            raise ValueError(f"ModelOptimizerState: exclude must be a tuple of module paths, got {exclude!r}")
         self.model = model
         self.optimizer = optimizer
         self.exclude = tuple(f"{prefix}." for prefix in exclude)
@@ -45,6 +48,10 @@ class ModelOptimizerState(Stateful):
         optimizers = [self.optimizer] if self.optimizer is not None else []
         model_state, optimizer_state = get_state_dict(self.model, optimizers)
         if self.exclude:
+            # a misspelt path had excluded nothing (and the load then ran non-strict)
+            unmatched = [p[:-1] for p in self.exclude if not any(k.startswith(p) for k in model_state)]
+            if unmatched:
+                raise ValueError(f"ModelOptimizerState: exclude {unmatched} names no entry of the model's state")
             model_state = {k: v for k, v in model_state.items() if not k.startswith(self.exclude)}
         return {"model": model_state, "optimizer": optimizer_state}
 

@@ -28,6 +28,7 @@ from opengem.parallel.collectives import (
     enable_copy_engine_all_gather,
     reduce_scatter_single,
 )
+from opengem.validation import is_int
 
 EXPERT_DIM = "expert"
 
@@ -113,8 +114,8 @@ class _ReduceScatterAlongBatch(torch.autograd.Function):
 def _check_sizes(x: torch.Tensor, sizes: list[int], group: dist.ProcessGroup, rows: int, name: str) -> None:
     if len(sizes) != dist.get_world_size(group):
         raise ValueError(f"sizes has {len(sizes)} entries, the group has {dist.get_world_size(group)} ranks")
-    if any(size < 0 for size in sizes):  # [-1, 3] summed right and failed inside torch's split
-        raise ValueError(f"sizes must be >= 0, got {sizes}")
+    if any(not is_int(size) or size < 0 for size in sizes):  # [-1, 3] summed right and failed inside torch's split
+        raise ValueError(f"sizes must be ints >= 0, got {sizes}")
     if x.shape[0] != rows:
         raise ValueError(f"{name} has {x.shape[0]} rows, expected {rows} from sizes={sizes}")
 

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from opengem.parallel.collectives import PROCESS_GROUP, CollectivePlan, CommStats
 from opengem.parallel.expert import ExpertParallel
 from opengem.parallel.mesh import ParallelMeshes
+from opengem.validation import is_number
 
 SPARSE_ATTR = "opengem_sparse"
 ROOT = "<root>"
@@ -225,6 +226,8 @@ def data_parallel_loss(loss_sum: torch.Tensor, count: int | torch.Tensor) -> tor
     if loss_sum.dim() != 0:
         raise ValueError(f"loss_sum must be a scalar (this rank's summed loss), got shape {tuple(loss_sum.shape)}")
     on_host = not isinstance(count, torch.Tensor) or count.device.type == "cpu"  # a device count: no sync to check
+    if not isinstance(count, torch.Tensor) and not is_number(count):  # True had counted 1 sample, "3" failed deep
+        raise ValueError(f"count must be a number or a tensor of samples, got {count!r}")
     if isinstance(count, torch.Tensor) and count.dim() != 0:
         raise ValueError(f"count must be a scalar, got shape {tuple(count.shape)}")
     if on_host and not (float(count) >= 0 and float(count).is_integer()):  # a negative one had flipped the loss
@@ -288,8 +291,9 @@ def clip_grad_norm_(
     copies), and the experts of an ``ExpertParallel`` layer, different on each rank of its group, are
     summed over that group. Returns the total norm (a plain 0-dim tensor, identical on every rank).
     """
-    if not max_norm >= 0:  # a negative one had flipped the gradients' sign, NaN made them NaN
-        raise ValueError(f"max_norm must be >= 0, got {max_norm}")
+    # a negative one had flipped the gradients' sign, NaN made them NaN, True clipped to 1, "1.0" failed deep
+    if not is_number(max_norm) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0, got {max_norm!r}")
     expert_params = {id(p): m.group for m in model.modules() if isinstance(m, ExpertParallel) for p in m.parameters()}
     sparse_params = {id(p) for m in model.modules() if is_sparse(m, sparse_types) for p in m.parameters()}
     grads = []

@@ -99,6 +99,10 @@ class Topology:
     hosts_per_zone: int = 1
 
     def __post_init__(self) -> None:
+        # 2.0 and True had passed; 1.5 failed later as "expert=1 must divide the GPUs per host (1.5)"
+        for name in ("gpus_per_host", "hosts_per_zone"):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"Topology: {name} must be an int, got {getattr(self, name)!r}")
         require_at_least(self, ("gpus_per_host", "hosts_per_zone"), 1)  # 0 had divided by zero in clipped()
 
     def clipped(self, world_size: int) -> Topology:
@@ -157,8 +161,8 @@ def validate_layout(config: ParallelConfig, topology: Topology, world_size: int)
 
     Raises ``ValueError`` naming the degree and the rule it breaks.
     """
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not is_int(world_size) or world_size < 1:  # 4.0 and True had been accepted as 4 and 1 ranks
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
     config = config.resolved(world_size)  # ParallelConfig checked each degree's range when made
     dense = config.dense_replicate * config.dense_shard
     if dense != world_size:

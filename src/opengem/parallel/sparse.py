@@ -158,6 +158,10 @@ class ShardedEmbeddingCollection(nn.Module):
             raise ValueError(f"sync_every must be an int >= 1, got {sync_every!r}")
         if not is_positive_finite(grad_scale):
             raise ValueError(f"grad_scale must be a finite number > 0, got {grad_scale!r}")  # NaN, -1, "0.5" passed
+        if not isinstance(fully_sharded, bool):  # "false" had meant true (and 0 passed as a mode)
+            raise ValueError(f"fully_sharded must be a bool, got {fully_sharded!r}")
+        if not is_int(seed):  # 1.5 had failed inside torch's manual_seed, True seeded as 1
+            raise ValueError(f"seed must be an int, got {seed!r}")
         if fully_sharded and self.replica_group is None:
             raise ValueError("fully_sharded needs a replica_group of more than one rank")
         has_columns = any(s.sharding == "column_wise" for s in plan.tables.values())
@@ -297,6 +301,15 @@ class ShardedEmbeddingCollection(nn.Module):
         if set(weights) != names:  # a missing table had been a bare KeyError, an unknown one ignored
             raise ValueError(f"weights must hold exactly the tables {sorted(names)}: missing "
                              f"{sorted(names - set(weights))}, unknown {sorted(set(weights) - names)}")
+        # Every table, not only this rank's shards: a bad one then raises on every rank alike, before any copy.
+        for config in self.tables:
+            full = weights[config.name]
+            if not isinstance(full, torch.Tensor) or not full.is_floating_point():  # int weights had been cast
+                raise ValueError(f"table {config.name!r}: weights must be a floating-point tensor, got "
+                                 f"{full.dtype if isinstance(full, torch.Tensor) else type(full).__name__}")
+            if tuple(full.shape) != (config.num_embeddings, config.embedding_dim):
+                raise ValueError(f"table {config.name!r}: weights have shape {tuple(full.shape)}, "
+                                 f"expected {(config.num_embeddings, config.embedding_dim)}")
         if self.fully_sharded:
             self._materialize()
         local = self.local_collection
@@ -304,8 +317,6 @@ class ShardedEmbeddingCollection(nn.Module):
             for t, k, shard in self._local_shards:
                 config = self.tables[t]
                 full = weights[config.name]
-                if tuple(full.shape) != (config.num_embeddings, config.embedding_dim):
-                    raise ValueError(f"table {config.name!r}: weights have shape {tuple(full.shape)}, expected {(config.num_embeddings, config.embedding_dim)}")
                 local.embedding_weight(f"{config.name}@{k}").copy_(full[shard.row_start : shard.row_end, shard.col_start : shard.col_end])
         if self.fully_sharded:
             self._chunk_layout(local)

@@ -30,10 +30,12 @@ from typing import Literal
 
 from opengem.nn.embedding import EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.parallel.mesh import Topology
+from opengem.validation import is_int, is_number
 
 ShardingType = Literal["table_wise", "row_wise", "column_wise", "table_row_wise", "replicated"]
 SHARDING_TYPES: tuple[str, ...] = ("table_wise", "row_wise", "column_wise", "table_row_wise", "replicated")
 ROW_SPLIT_TYPES = ("row_wise", "table_row_wise")
+SHARD_FIELDS = ("rank", "row_start", "row_end", "col_start", "col_end")
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,8 @@ def shard_table(table: EmbeddingTableConfig, sharding: ShardingType, ranks: Sequ
         raise ValueError(f"table {table.name!r}: sharding must be one of {SHARDING_TYPES}, got {sharding!r}")
     if not ranks or len(set(ranks)) != len(ranks):
         raise ValueError(f"table {table.name!r}: ranks must be distinct and non-empty, got {list(ranks)}")
+    if not all(is_int(r) and r >= 0 for r in ranks):  # True and 1.0 had become shard ranks (1.0 fails as an index)
+        raise ValueError(f"table {table.name!r}: ranks must be ints >= 0, got {list(ranks)}")
     if sharding == "table_wise":
         if len(ranks) != 1:
             raise ValueError(f"table {table.name!r}: table_wise takes exactly one rank, got {list(ranks)}")
@@ -122,6 +126,10 @@ class ShardingPlan:
     world_size: int
     tables: Mapping[str, TableSharding] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        if not is_int(self.world_size) or self.world_size < 1:  # 0, 2.5 and True had made a plan
+            raise ValueError(f"ShardingPlan: world_size must be an int >= 1, got {self.world_size!r}")
+
     def validate(self, tables: Sequence[EmbeddingTableConfig]) -> None:
         """Raise ``ValueError`` unless every table has a sharding whose shards tile it on distinct valid ranks."""
         names = [t.name for t in tables]
@@ -131,6 +139,11 @@ class ShardingPlan:
             raise ValueError(f"plan does not match the tables: missing {missing}, unknown {extra}")
         for table in tables:
             sharding = self.tables[table.name]
+            if not isinstance(sharding, TableSharding) or not all(isinstance(s, Shard) for s in sharding.shards):
+                raise ValueError(f"table {table.name!r}: expected a TableSharding of Shards, got {sharding!r}")
+            for shard in sharding.shards:  # compared equal to shard_table's ints, 0.0 / True slipped through
+                if not all(is_int(getattr(shard, f)) for f in SHARD_FIELDS):
+                    raise ValueError(f"table {table.name!r}: shard fields must be ints, got {shard}")
             ranks = sharding.ranks
             if len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
                 raise ValueError(f"table {table.name!r}: shard ranks {list(ranks)} must be distinct and in [0, {self.world_size})")
@@ -223,7 +236,8 @@ def _check_tables_and_counts(tables: Sequence[EmbeddingTableConfig], ids_per_ste
     unknown = sorted(set(ids_per_step) - set(names))
     if unknown:
         raise ValueError(f"ids_per_step has keys that are not table names: {unknown} (tables: {sorted(names)})")
-    bad = {name: count for name, count in ids_per_step.items() if not (count >= 0 and math.isfinite(count))}
+    bad = {name: count for name, count in ids_per_step.items()  # "5" had failed inside a comparison, True counted 1
+           if not (is_number(count) and count >= 0 and math.isfinite(count))}
     if bad:
         raise ValueError(f"ids_per_step must be finite counts >= 0, got {bad}")
 
@@ -257,11 +271,13 @@ def plan_sharding(
     table cannot be placed within the budget.
     """
     _check_tables_and_counts(tables, ids_per_step)
-    if world_size < 1:  # before the topology, which divides by it
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not is_int(world_size) or world_size < 1:  # before the topology, which divides by it; 2.0 failed deep
+        raise ValueError(f"world_size must be an int >= 1, got {world_size!r}")
+    if not is_number(memory_budget) or not memory_budget > 0:  # NaN had read as 'does not fit', "1e6" failed deep
+        raise ValueError(f"memory_budget must be a number of bytes > 0, got {memory_budget!r}")
     gpus_per_host = topology.clipped(world_size).gpus_per_host if topology is not None else world_size
-    if memory_budget <= 0 or world_size % gpus_per_host:
-        raise ValueError(f"need world_size >= 1 divisible by gpus_per_host and a positive budget, got {world_size}, {gpus_per_host}, {memory_budget}")
+    if world_size % gpus_per_host:
+        raise ValueError(f"world_size {world_size} is not a whole number of hosts of {gpus_per_host} ranks (topology)")
     load = _Load(world_size, memory_budget)
     total_cost = sum(ids_per_step.get(t.name, 0.0) * t.embedding_dim for t in tables)
     average = total_cost / world_size

@@ -152,6 +152,9 @@ def calibration_from_dict(data: dict[str, Any], source: str) -> Calibration:
         raise ValueError(f"{source}: notes must map names to strings, got {table.notes!r}")
     if not all(is_number(v) and math.isfinite(v) for v in table.measured.values()):
         raise ValueError(f"{source}: measured must map names to finite numbers, got {table.measured!r}")
+    for key in RESCALING_FIGURES:  # table_from_measurements divides by them: 0 had raised ZeroDivisionError there
+        if key in table.measured and not table.measured[key] > 0:
+            raise ValueError(f"{source}: measured.{key} must be > 0, got {table.measured[key]!r}")
     return table
 
 

@@ -131,14 +131,23 @@ GROUPS = {  # mesh dim -> (size, stride) from the resolved config (opengem.paral
 }
 
 
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")  # names start with one of these
+
+
 def group_tier(cluster: Cluster, config: ParallelConfig, dim: str) -> tuple[int, Tier]:
+    if dim not in GROUPS:  # a bare KeyError before
+        raise ValueError(f"unknown mesh dim {dim!r}; known: {', '.join(GROUPS)}")
     size, stride = GROUPS[dim](config)
     return size, cluster.tier_for_span(size * stride)
 
 
 def collective_seconds(collective: str, nbytes: float, size: int, tier: Tier, calls: int = 1) -> float:
     """Latency-bandwidth time of ``calls`` collectives moving ``nbytes`` in total over ``size`` ranks."""
-    if size <= 1 or nbytes <= 0:
+    if not collective.startswith(COLLECTIVE_KINDS):  # "allreduce" had been costed as an all-gather (half)
+        raise ValueError(f"unknown collective {collective!r}; names start with one of {', '.join(COLLECTIVE_KINDS)}")
+    if not nbytes >= 0:  # negative bytes had cost nothing; NaN too
+        raise ValueError(f"{collective}: nbytes must be >= 0, got {nbytes}")
+    if size <= 1 or nbytes == 0:
         return 0.0
     latency = math.ceil(math.log2(size)) * tier.latency_us * 1e-6 * calls
     transfer = (size - 1) / size * nbytes / tier.bytes_per_s

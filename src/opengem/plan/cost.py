@@ -31,7 +31,7 @@ from opengem.plan.calibration import Rates
 from opengem.plan.cluster import Cluster
 from opengem.plan.comm import collective_seconds, group_tier
 from opengem.plan.workload import Workload
-from opengem.validation import require_at_least
+from opengem.validation import is_int, require_at_least
 
 BF16, FP32 = 2, 4
 ADAM_STATE_BYTES = FP32 + FP32 + 2 * FP32  # fp32 master, fp32 gradient, two moments
@@ -49,7 +49,16 @@ class Layout:
     sparse_sync_every: int = 1
 
     def __post_init__(self) -> None:
+        for name in ("local_batch", "sparse_sync_every"):  # 2.5 and True had been predicted
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"Layout: {name} must be an int, got {getattr(self, name)!r}")
         require_at_least(self, ("local_batch", "sparse_sync_every"), 1)  # 0 divided by zero, < 0 reached math.log
+        for name in ("sparse_fully_sharded", "batch_shuffling"):  # "no" had meant yes
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"Layout: {name} must be a bool, got {getattr(self, name)!r}")
+        if self.parallel.dense_shard < 1 or self.parallel.sparse_group < 1:  # -1 had been costed as -1 ranks
+            raise ValueError("Layout: parallel must be resolved (validate_layout), got dense_shard="
+                             f"{self.parallel.dense_shard}, sparse_group={self.parallel.sparse_group}")
 
     def describe(self) -> str:
         c = self.parallel
