@@ -560,3 +560,47 @@ def test_fast_accumulation_of_the_input_gradient_reaches_its_gemms(monkeypatch, 
             run(x).sum().backward()
             assert calls == expected, (recipe, type(layer).__name__, calls)
             torch._dynamo.reset()
+
+
+def test_bad_settings_are_refused_by_name() -> None:
+    """Session 70's audit: each of these had been accepted (a truthy "no", a silent all-BF16 selection, a flag
+    ignored) or failed unnamed."""
+    with pytest.raises(ValueError, match="LowPrecisionRecipe: hadamard must be a bool, got 'no'"):
+        LowPrecisionRecipe(hadamard="no")
+    for grad_input in ("bf16", "fp8_blockwise"):  # bf16 had ignored it, blockwise failed in the first backward
+        with pytest.raises(ValueError, match=f"stochastic_rounding needs grad_input 'fp8_rowwise', got '{grad_input}'"):
+            LowPrecisionRecipe("fp8_rowwise", grad_input, stochastic_rounding=True)
+    with pytest.raises(ValueError, match="LowPrecisionLinear: seed must be an int, got 1.5"):
+        LowPrecisionLinear(4, 4, seed=1.5)
+
+    def model() -> nn.Sequential:
+        return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+
+    with pytest.raises(ValueError, match=r"unknown recipe fields \['foo'\]"):
+        convert_to_low_precision(model(), "fp8_rowwise", foo=1)
+    with pytest.raises(ValueError, match="convert_to_low_precision: fuse_mlps must be a bool"):
+        convert_to_low_precision(model(), "fp8_rowwise", fuse_mlps="no")
+    with pytest.raises(ValueError, match="filter must be None or a callable"):
+        convert_to_low_precision(model(), "fp8_rowwise", filter="all")
+    for every in (1.5, True, 0):
+        with pytest.raises(ValueError, match="every must be an int >= 1"):
+            NumericsMonitor(model(), every=every)
+    with pytest.raises(ValueError, match="NumericsMonitor: bound must be a number > 0, got '0.1'"):
+        NumericsMonitor(model(), bound="0.1")
+    with pytest.raises(ValueError, match="NumericsMonitor: fallback must be a bool"):
+        NumericsMonitor(model(), fallback="no")
+    converted = model()
+    convert_to_low_precision(converted, "fp8_rowwise", filter=lambda name, linear: True)
+    x = torch.randn(4, 64)
+    for bound in (float("nan"), -1.0):  # every layer had "failed" the bound: BF16 everywhere, silently
+        with pytest.raises(ValueError, match="select_precision: bound must be a number > 0"):
+            select_precision(converted, lambda: converted(x), bound=bound)
+    for candidates in ((), "fp8_rowwise"):  # none chose BF16 silently; a str was iterated by character
+        with pytest.raises(ValueError, match="candidates must be a non-empty tuple of recipes"):
+            select_precision(converted, lambda: converted(x), candidates=candidates)
+    with pytest.raises(ValueError, match="select_precision: calibration must be a callable"):
+        select_precision(converted, None)
+    plain = model()
+    with pytest.raises(ValueError, match="convert_with_precision: bound must be a number > 0, got nan"):
+        convert_with_precision(plain, "auto", lambda: plain(x), bound=float("nan"), filter=lambda n, m: True)
+    assert not any(isinstance(m, LowPrecisionLinear) for m in plain.modules())  # refused before converting

@@ -171,3 +171,12 @@ def test_fp32_product_on_cuda_is_one_fp32_output_gemm_that_traces():
         out = fp32_product(a, b)
     assert [str(n.target) for n in graph.graph.nodes if n.op == "call_function"] == ["aten.mm.dtype"]
     assert out.dtype == torch.float32 and out.shape == (384, 256) and out.is_cuda
+
+
+def test_bad_shadow_settings_are_refused_by_name():
+    """Session 70's audit: int8 shadows had truncated every weight, "no" had been taken as True."""
+    for dtype in (torch.int8, torch.float32, "bf16"):
+        with pytest.raises(ValueError, match=r"shadow_linear_weights: dtype must be one of \(torch.bfloat16"):
+            shadow_linear_weights(nn.Linear(2, 2), dtype=dtype)
+    with pytest.raises(ValueError, match="shadow_linear_weights: shadow_grads must be a bool, got 'no'"):
+        shadow_linear_weights(nn.Linear(2, 2), shadow_grads="no")

@@ -168,3 +168,19 @@ def test_kernel_compiles_for_sm90_with_exact_arithmetic():
 
     result = run_compiled(_COMPILE_SCRIPT)
     assert result.returncode == 0 and "compiled" in result.stdout, result.stderr[-4000:]
+
+
+def test_settings_of_the_wrong_kind_are_refused_by_name():
+    """Session 70's audit: True had run as lr 1, a third beta was dropped, 1.5 and True taken as seeds, and a bool
+    skip flag failed inside torch."""
+    tensors = _tensors()
+    grads = [torch.zeros(4, 3, dtype=torch.bfloat16)] * 2
+    with pytest.raises(ValueError, match=r"lr must be finite and >= 0 \(a number\), got True"):
+        shadow_adamw_update(tensors, grads, **{**HYPER, "lr": True})
+    with pytest.raises(ValueError, match=r"betas must be a pair \(beta1, beta2\), got \(0.9, 0.99, 0.5\)"):
+        shadow_adamw_update(tensors, grads, **{**HYPER, "betas": (0.9, 0.99, 0.5)})
+    for seed in (1.5, True):
+        with pytest.raises(ValueError, match=r"rounding_seed must be in \[0, 2 \*\* 32\) \(an int\)"):
+            shadow_adamw_update(tensors, grads, **HYPER, rounding_seed=seed)
+    with pytest.raises(ValueError, match=r"skip must be one element on cpu \(not bool\), got torch.bool"):
+        shadow_adamw_update(tensors, grads, skip=torch.tensor([True]), **HYPER)

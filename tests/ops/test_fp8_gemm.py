@@ -340,3 +340,50 @@ def test_rowwise_matmul_in_torch_ops_has_the_rowwise_recipes_numerics() -> None:
     assert out.dtype == torch.bfloat16 and out.shape == (21, 32)
     torch.testing.assert_close(out.float(), expected, rtol=8e-3, atol=1e-2)
     assert (out.float() - (a @ b.t() + bias)).norm() / (a @ b.t() + bias).norm() > 1e-3  # quantized, not exact
+
+
+def test_bad_operands_and_matrices_are_refused_by_name() -> None:
+    """Session 70's audit: each of these had been accepted (a wrong result) or failed inside torch unnamed."""
+    from opengem.ops.fp8_gemm import QuantizedOperand, quantize_gelu, quantize_operand_with_column_sums
+
+    x, w = torch.randn(8, 64), torch.randn(16, 64)
+    qa, qb = quantize_operand(x, "fp8_rowwise"), quantize_operand(w, "fp8_rowwise")
+    for scale in (qa.scale[:1], qa.scale[:, None]):  # [1] had been broadcast over every row, [8, 1] gave 3-D out
+        with pytest.raises(ValueError, match=r"a.scale must be a torch.float32 tensor of shape \[8\]"):
+            scaled_gemm(QuantizedOperand(qa.data, scale, "fp8_rowwise"), qb, torch.float32)
+    with pytest.raises(ValueError, match="b.data must be a 2-D float8_e4m3fn tensor"):
+        scaled_gemm(qa, QuantizedOperand(qb.data.float(), qb.scale, "fp8_rowwise"), torch.float32)
+    with pytest.raises(ValueError, match="a.recipe must be one of"):
+        scaled_gemm(QuantizedOperand(qa.data, qa.scale, "fp9"), QuantizedOperand(qb.data, qb.scale, "fp9"),
+                    torch.float32)
+    qm = quantize_operand(x, "mxfp8")
+    with pytest.raises(ValueError, match=r"a.scale must be a torch.uint8 tensor of shape \[8, 2\]"):
+        scaled_gemm(QuantizedOperand(qm.data, qm.scale[:1], "mxfp8"), quantize_operand(w, "mxfp8"), torch.float32)
+    qw = quantize_operand(w, "fp8_blockwise", weight=True)
+    with pytest.raises(ValueError, match=r"b.scale must be a torch.uint8 tensor of shape \[1, 1\]"):
+        scaled_gemm(quantize_operand(x, "fp8_blockwise"), QuantizedOperand(qw.data, qw.scale.float(),
+                                                                            "fp8_blockwise", True), torch.float32)
+    with pytest.raises(ValueError, match="u must be a floating-point tensor, got torch.int64"):
+        quantize_gelu(torch.ones(2, 4, dtype=torch.int64))  # had returned GELU values truncated to 0
+    with pytest.raises(ValueError, match="u must have K >= 1 columns"):
+        quantize_gelu(torch.ones(2, 0))
+    with pytest.raises(ValueError, match="x must be a floating-point tensor, got torch.int64"):
+        quantize_operand_with_column_sums(torch.ones(2, 4, dtype=torch.int64))
+    with pytest.raises(ValueError, match="x must be a 2-D tensor"):
+        quantize_operand_with_transpose(torch.ones(2, 2, 4), "fp8_rowwise")
+    with pytest.raises(ValueError, match="out_dtype must be a floating-point dtype, got torch.int32"):
+        fp8_matmul(x, w, "bf16", torch.int32)  # had returned an int32 "product"
+    with pytest.raises(ValueError, match="a and b must be floating-point tensors of one dtype for recipe 'bf16'"):
+        fp8_matmul(x, w.half(), "bf16")
+    with pytest.raises(ValueError, match=r"rotation must be a square \[n, n\] matrix, got \(128, 64\)"):
+        hadamard_rotate(torch.randn(4, 128), torch.randn(128, 64))
+    with pytest.raises(ValueError, match="quantize_operand: weight must be a bool, got 'no'"):
+        quantize_operand(x, "fp8_blockwise", weight="no")
+
+
+def test_unknown_activation_is_refused_by_name() -> None:
+    from opengem.ops.activations import activation_grad, activation_value
+
+    for fn in (activation_value, activation_grad):  # a bare KeyError had named neither argument nor choices
+        with pytest.raises(ValueError, match="unknown activation 'gelu2'; expected one of identity"):
+            fn("gelu2", torch.ones(2))

@@ -158,3 +158,19 @@ def test_torch_compile_fullgraph() -> None:
 
     compiled = torch.compile(roundtrip, fullgraph=True, backend="aot_eager")
     assert torch.equal(compiled(x), roundtrip(x))
+
+
+def test_bad_axes_dtypes_and_scales_are_refused_by_name() -> None:
+    """Session 70's audit: each of these had been accepted (wrong values) or failed inside torch unnamed."""
+    x = torch.randn(4, 64)
+    for axis in (1.5, True):  # 1.5 failed in movedim, True ran as axis 1
+        with pytest.raises(ValueError, match="axis must be an int"):
+            mx_quantize(x, axis=axis)
+    with pytest.raises(ValueError, match=r"block=\(32, 32\) needs a non-empty x, got shape \(0, 64\)"):
+        mx_quantize(torch.randn(0, 64), block=(32, 32))
+    t = mx_quantize(x)
+    with pytest.raises(ValueError, match="dtype must be a floating-point torch.dtype, got torch.int32"):
+        mx_dequantize(t, torch.int32)  # had truncated the values
+    for scales in (t.scales[:, :1], t.scales[:1], t.scales.float()):  # had been broadcast or read as bytes
+        with pytest.raises(ValueError, match=r"MXTensor scales must be uint8 \[4, 2\] on cpu for data \[4, 64\]"):
+            mx_dequantize(MXTensor(t.data, scales, t.elem, t.block, t.axis, t.orig_dtype))

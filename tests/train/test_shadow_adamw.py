@@ -181,3 +181,29 @@ def test_saved_configs_keep_auto_and_refuse_other_values():
     assert config_from_dict({**saved, "weight_shadows": False}).weight_shadows is False
     with pytest.raises(ValueError, match="saved config's 'shadow_adamw' must be true, false or null, got 'auto'"):
         config_from_dict({**saved, "shadow_adamw": "auto"})
+
+
+def test_bad_settings_and_pairs_are_refused_at_construction():
+    """Session 70's audit: torch lets inf through, so the first step had stepped the unshadowed parameters with
+    it before the shadowed ones' update refused it; seeds of 1.5, repeated and mismatched pairs were accepted."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    pairs = shadow_linear_weights(model, shadow_grads=True)
+    for name, value in (("lr", float("inf")), ("eps", float("inf")), ("weight_decay", float("inf")), ("lr", True),
+                        ("lr", "1e-3")):
+        with pytest.raises(ValueError, match=f"ShadowAdamW: {name} must be finite and >= 0"):
+            ShadowAdamW(model.parameters(), pairs, **{name: value})
+    with pytest.raises(ValueError, match=r"ShadowAdamW: betas must be a pair"):
+        ShadowAdamW(model.parameters(), pairs, betas=(0.9, 0.99, 0.5))
+    with pytest.raises(ValueError, match=r"ShadowAdamW: rounding_seed must be in \[0, 2 \*\* 32\) \(an int\)"):
+        ShadowAdamW(model.parameters(), pairs, rounding_seed=1.5)
+    optimizer = ShadowAdamW(model.parameters(), pairs)
+    with pytest.raises(ValueError, match="ShadowAdamW: lr must be finite and >= 0"):
+        optimizer.add_param_group({"params": [nn.Parameter(torch.zeros(2))], "lr": float("inf")})
+    weight, shadow = pairs[0]
+    with pytest.raises(ValueError, match=r"pairs\[1\]: parameter of shape \(4, 4\) is paired with a shadow twice"):
+        ShadowAdamW(model.parameters(), [(weight, shadow), (weight, shadow.clone())])
+    with pytest.raises(ValueError, match=r"pairs\[0\] must be a contiguous fp32 parameter .* got torch.float32 "
+                                         r"\(4, 4\) on cpu and torch.float32 \(4, 4\) on cpu"):
+        ShadowAdamW(model.parameters(), [(weight, weight.detach().clone())])
+    with pytest.raises(ValueError, match=r"pairs\[0\] must be a \(parameter, shadow\) pair of tensors"):
+        ShadowAdamW(model.parameters(), [(weight, shadow, 1)])

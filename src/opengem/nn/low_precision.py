@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 import torch
@@ -21,7 +21,9 @@ from torch import nn
 from opengem.nn.low_precision_autograd import hadamard_rotation, low_precision_linear, quantize_weight
 from opengem.nn.low_precision_recipe import BF16, NAMED_RECIPES, LowPrecisionRecipe, resolve_recipe
 from opengem.ops.autocast import cast_inputs
+from opengem.ops.checks import check_bools
 from opengem.ops.fp8_gemm import HADAMARD_SIZE, QuantizedOperand
+from opengem.validation import is_int
 
 __all__ = ["BF16", "NAMED_RECIPES", "LowPrecisionLinear", "LowPrecisionRecipe", "convert_to_low_precision",
            "default_filter", "resolve_recipe"]
@@ -41,6 +43,8 @@ class LowPrecisionLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  recipe: str | LowPrecisionRecipe = "fp8_rowwise", seed: int = 0,
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        if not is_int(seed):  # 1.5 had failed in manual_seed ("expected a long") without naming the seed
+            raise ValueError(f"LowPrecisionLinear: seed must be an int, got {seed!r}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = resolve_recipe(recipe)
         signs = _hadamard_signs(seed)
@@ -139,6 +143,14 @@ def convert_to_low_precision(
 
     For ``precision="auto"`` convert with any FP8 recipe, then call `opengem.nn.numerics.select_precision`.
     """
+    check_bools("convert_to_low_precision", fuse_mlps=fuse_mlps)
+    if filter is not None and not callable(filter):  # had failed at the first Linear as "object is not callable"
+        raise ValueError(f"convert_to_low_precision: filter must be None or a callable (name, linear) -> bool, "
+                         f"got {type(filter).__name__}")
+    unknown = sorted(set(recipe_overrides) - {f.name for f in fields(LowPrecisionRecipe)})
+    if unknown:  # a TypeError from the dataclass's __init__ had named no function of ours
+        raise ValueError(f"convert_to_low_precision: unknown recipe fields {unknown}; the fields are "
+                         f"{[f.name for f in fields(LowPrecisionRecipe)]}")
     resolved = replace(resolve_recipe(recipe), **recipe_overrides) if recipe_overrides else resolve_recipe(recipe)
     keep = filter or default_filter(model)
     targets = [

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from opengem.ops.checks import check_bools
 from opengem.ops.fp8_gemm import RECIPES
 
 
@@ -31,6 +32,13 @@ class LowPrecisionRecipe:
         for field in ("forward", "grad_input", "grad_weight"):
             if getattr(self, field) not in RECIPES:
                 raise ValueError(f"LowPrecisionRecipe.{field} must be one of {RECIPES}, got {getattr(self, field)!r}")
+        # "no" had been taken as True (a non-empty string)
+        check_bools("LowPrecisionRecipe", hadamard=self.hadamard, stochastic_rounding=self.stochastic_rounding,
+                    fast_accum=self.fast_accum, fast_accum_grad=self.fast_accum_grad)
+        if self.stochastic_rounding and self.grad_input != "fp8_rowwise":
+            # a bf16 grad_input had ignored it silently, a blockwise / MX one failed only in the first backward
+            raise ValueError(f"LowPrecisionRecipe.stochastic_rounding needs grad_input 'fp8_rowwise', got "
+                             f"{self.grad_input!r}")
 
     @property
     def is_bf16(self) -> bool:

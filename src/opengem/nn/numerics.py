@@ -29,6 +29,8 @@ from opengem.nn.low_precision import (
     convert_to_low_precision,
     resolve_recipe,
 )
+from opengem.ops.checks import check_bools
+from opengem.validation import is_int, is_number
 
 # Hopper speed ranking used where no GPU timing is possible: cuBLAS rowwise, Triton blockwise, MX emulation.
 STATIC_SPEED_ORDER = ("fp8_rowwise", "fp8_blockwise", "mxfp8")
@@ -87,10 +89,10 @@ class NumericsMonitor:
     def __init__(
         self, model: nn.Module, every: int = 100, bound: float = 0.1, fallback: bool = False, hooks: bool = True
     ) -> None:
-        if every < 1:
-            raise ValueError(f"every must be >= 1, got {every}")
-        if not bound > 0:
-            raise ValueError(f"bound must be > 0, got {bound}")
+        if not is_int(every) or every < 1:  # 1.5 had measured at steps 0, 3, 6, ...; True ran as 1
+            raise ValueError(f"every must be an int >= 1, got {every!r}")
+        _check_bound("NumericsMonitor", bound)
+        check_bools("NumericsMonitor", fallback=fallback, hooks=hooks)  # "no" had been taken as True
         self.every, self.bound, self.fallback = every, bound, fallback
         self.steps = 0
         self._current_step = 0  # the step a measurement reports (the last `step()`, or `measure`'s argument)
@@ -168,6 +170,20 @@ class NumericsMonitor:
         self._handles.clear()
 
 
+def _check_bound(fn: str, bound: object) -> None:
+    """A number above 0 (inf: never exceeded, as ``TrainConfig.numerics_bound`` allows); NaN and negatives had made
+    every layer fail the bound silently (select_precision chose BF16 everywhere), a str failed in a comparison."""
+    if not is_number(bound) or not bound > 0:
+        raise ValueError(f"{fn}: bound must be a number > 0, got {bound!r}")
+
+
+def _check_selection(fn: str, calibration: object, bound: object) -> None:
+    if not callable(calibration):  # had failed as "'NoneType' object is not callable"
+        raise ValueError(f"{fn}: calibration must be a callable (e.g. one forward of a real batch), got "
+                         f"{type(calibration).__name__}")
+    _check_bound(fn, bound)
+
+
 def _forward_ms(layer: LowPrecisionLinear, x: torch.Tensor, repeats: int = 5) -> float:
     with torch.no_grad():
         layer(x)  # warm-up (and weight quantization, cached afterwards)
@@ -190,6 +206,10 @@ def select_precision(
     at most ``bound``; BF16 when none qualifies. Speed: per-shape timing on CUDA, `STATIC_SPEED_ORDER`
     (the candidates' given order) on CPU. Returns {layer: {"recipe", "errors": {recipe: error}}}.
     """
+    _check_selection("select_precision", calibration, bound)
+    # a str had been iterated as its characters ("got 'f'"); none at all chose BF16 everywhere silently
+    if isinstance(candidates, str) or not isinstance(candidates, (tuple, list)) or not candidates:
+        raise ValueError(f"select_precision: candidates must be a non-empty tuple of recipes, got {candidates!r}")
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LowPrecisionLinear)}
     inputs: dict[str, torch.Tensor] = {}
 
@@ -241,5 +261,6 @@ def convert_with_precision(
         return {name: precision for name in convert_to_low_precision(model, precision, filter)}
     if calibration is None:
         raise ValueError("precision='auto' needs a calibration callable (e.g. one forward of a real batch)")
+    _check_selection("convert_with_precision", calibration, bound)  # before the model is converted
     convert_to_low_precision(model, STATIC_SPEED_ORDER[0], filter)
     return {name: r["recipe"] for name, r in select_precision(model, calibration, bound).items()}

@@ -36,8 +36,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from opengem.ops.checks import check_bools
 from opengem.ops.fp32_gemm import fp32_product
 
+SHADOW_DTYPES = (torch.bfloat16, torch.float16)  # the autocast dtypes the shadows stand in for
 _IN_USE = False  # read inside compiled blocks: Dynamo guards on it (one graph for each value)
 
 
@@ -123,6 +125,9 @@ def shadow_linear_weights(
     ``state_dict``) with ``dtype`` shadows (and ``fp32_grads`` or ``shadow_grads``: the module docstring); returns
     the ``(parameter, shadow)`` pairs for :func:`refresh_shadows`, already refreshed. Other Linear subclasses (the
     low-precision layers) keep their own weight handling."""
+    check_bools("shadow_linear_weights", fp32_grads=fp32_grads, shadow_grads=shadow_grads)
+    if dtype not in SHADOW_DTYPES:  # int8 had truncated every weight, a str failed inside empty_like
+        raise ValueError(f"shadow_linear_weights: dtype must be one of {SHADOW_DTYPES}, got {dtype!r}")
     if fp32_grads and shadow_grads:
         raise ValueError("fp32_grads gives the fp32 parameters their gradients, shadow_grads gives them to the bf16 "
                          "shadows: choose one")

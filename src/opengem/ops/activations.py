@@ -100,9 +100,13 @@ _GRAD: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 
 def activation_value(name: str, x: torch.Tensor) -> torch.Tensor:
     """``phi(x)`` for activation ``name`` (differentiable through autograd)."""
+    if name not in _VALUE:  # a KeyError had named neither the argument nor the choices
+        activation_id(name)
     return _VALUE[name](x)
 
 
 def activation_grad(name: str, x: torch.Tensor) -> torch.Tensor:
     """``phi'(x)`` in closed form (what the kernels compute; tested against autograd of the value)."""
+    if name not in _GRAD:
+        activation_id(name)
     return _GRAD[name](x)

@@ -22,9 +22,29 @@ import torch
 from opengem.jagged.host import to_device
 from opengem.ops.backend import triton_chosen
 from opengem.ops.reference.adamw import shadow_adamw_update as shadow_adamw_reference
+from opengem.validation import is_int, is_number
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def check_hyperparameters(fn: str, *, lr: object, betas: object, eps: object, weight_decay: object) -> None:
+    """AdamW's settings as Python numbers: lr, eps, weight_decay finite and >= 0, betas a pair in [0, 1). True had
+    run as lr 1, a third beta was dropped silently, and a str failed inside math.isfinite. Host scalars only."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"{fn}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("betas[0]", betas[0]),
+                        ("betas[1]", betas[1])):
+        is_beta = name.startswith("betas")
+        if not is_number(value) or not math.isfinite(value) or value < 0 or (is_beta and value >= 1):
+            raise ValueError(f"{fn}: {name} must be finite and >= 0{' and < 1' if is_beta else ''} (a number), "
+                             f"got {value!r}")
+
+
+def check_rounding_seed(fn: str, rounding_seed: object) -> None:
+    """An int in [0, 2 ** 32) (1.5 and True had been accepted as seeds)."""
+    if not is_int(rounding_seed) or not 0 <= rounding_seed < 2**32:
+        raise ValueError(f"{fn}: rounding_seed must be in [0, 2 ** 32) (an int), got {rounding_seed!r}")
 
 
 class ShadowAdamWTensors:
@@ -109,15 +129,12 @@ def shadow_adamw_update(
     rounds the same way, resumed or not."""
     if len(grads) != len(tensors):
         raise ValueError(f"one gradient (or None) a parameter: got {len(grads)} for {len(tensors)} parameters")
-    for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay), ("betas[0]", betas[0]),
-                        ("betas[1]", betas[1])):
-        is_beta = name.startswith("betas")
-        if not math.isfinite(value) or value < 0 or (is_beta and value >= 1):
-            raise ValueError(f"{name} must be finite and >= 0{' and < 1' if is_beta else ''}, got {value}")
-    if not 0 <= rounding_seed < 2**32:
-        raise ValueError(f"rounding_seed must be in [0, 2 ** 32), got {rounding_seed}")
-    if skip is not None and (skip.numel() != 1 or skip.device != tensors.device):
-        raise ValueError(f"skip must be one element on {tensors.device}, got {tuple(skip.shape)} on {skip.device}")
+    check_hyperparameters("shadow_adamw_update", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    check_rounding_seed("shadow_adamw_update", rounding_seed)
+    if skip is not None and (skip.numel() != 1 or skip.device != tensors.device or skip.dtype == torch.bool):
+        # a bool flag had failed in `1 - skip` inside torch
+        raise ValueError(f"skip must be one element on {tensors.device} (not bool), got {skip.dtype} "
+                         f"{tuple(skip.shape)} on {skip.device}")
     triton = triton_chosen(tensors.device, backend, "OPENGEM_ADAMW_BACKEND")
     present = tuple(g is not None for g in grads)
     kept = [i for i, here in enumerate(present) if here]

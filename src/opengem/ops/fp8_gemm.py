@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
+from opengem.ops.checks import check_bools
 from opengem.ops.mx import mx_quantize
 from opengem.ops.reference.mx import exp2_int, mx_dequantize_reference, mx_quantize_reference
 
@@ -62,6 +63,43 @@ class QuantizedOperand:
 def _check_recipe(recipe: str) -> None:
     if recipe not in RECIPES:
         raise ValueError(f"recipe must be one of {RECIPES}, got {recipe!r}")
+
+
+def _check_matrix(x: torch.Tensor, name: str) -> None:
+    """A 2-D floating ``x [R, K]`` with K >= 1 (metadata only): an int tensor had been quantized and cast back to
+    int (GELU values truncated to 0), and K = 0 failed inside amax."""
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        raise ValueError(f"{name} must be a 2-D tensor [rows, K], got {tuple(getattr(x, 'shape', ())) or x!r}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if x.shape[1] == 0:
+        raise ValueError(f"{name} must have K >= 1 columns to take a scale over, got K = 0")
+
+
+def _expected_scale(q: QuantizedOperand) -> tuple[torch.dtype, tuple[int, ...]]:
+    """The dtype and shape of ``q.scale`` for ``q.data [R, K]`` (`QuantizedOperand`'s docstring)."""
+    rows, k = q.data.shape
+    if q.recipe == "fp8_rowwise":
+        return torch.float32, (rows,)
+    if q.recipe == "fp8_blockwise":
+        return torch.uint8, ((-(-rows // BLOCKWISE_TILE) if q.blocks else rows), -(-k // BLOCKWISE_TILE))
+    return torch.uint8, (rows, -(-k // 32))
+
+
+def _check_operand(q: QuantizedOperand, name: str) -> None:
+    """Metadata checks of a `scaled_gemm` operand: a rowwise scale of shape [1] had been broadcast over every row
+    and one of [R, 1] made a 3-D output, fp32 data or scales were read as if quantized, and a 1-D operand or an
+    unknown recipe failed deep in torch. A few microseconds; skipped while compiling (shapes are symbols there)."""
+    if q.recipe not in FP8_RECIPES:
+        raise ValueError(f"{name}.recipe must be one of {FP8_RECIPES}, got {q.recipe!r}")
+    if q.data.dim() != 2 or q.data.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"{name}.data must be a 2-D float8_e4m3fn tensor [R, K], got {q.data.dtype} "
+                         f"{tuple(q.data.shape)}")
+    dtype, shape = _expected_scale(q)
+    if q.scale.dtype != dtype or tuple(q.scale.shape) != shape or q.scale.device != q.data.device:
+        raise ValueError(f"{name}.scale must be a {dtype} tensor of shape {list(shape)} on {q.data.device} for "
+                         f"{q.recipe} data {list(q.data.shape)}, got {q.scale.dtype} {list(q.scale.shape)} on "
+                         f"{q.scale.device}")
 
 
 def _stochastic_round_e4m3(v: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -110,6 +148,7 @@ def quantize_operand(
     ``stochastic`` (gradients; fp8_rowwise only) rounds stochastically instead of to nearest-even.
     """
     _check_recipe(recipe)
+    check_bools("quantize_operand", weight=weight, stochastic=stochastic)  # "no" had been taken as True
     if recipe == "bf16":
         raise ValueError("recipe 'bf16' has no quantized operand")
     if x.dim() != 2:
@@ -171,6 +210,9 @@ def _gelu_quantized(
     if u.dim() != 2 or (grad_out is not None and grad_out.shape != u.shape):
         raise ValueError(f"u must be 2-D and grad_out the same shape, got {tuple(u.shape)}, "
                          f"{None if grad_out is None else tuple(grad_out.shape)}")
+    _check_matrix(u, "u")
+    if grad_out is not None and not grad_out.is_floating_point():
+        raise ValueError(f"grad_out must be a floating-point tensor, got {grad_out.dtype}")
     if u.is_cuda:
         from opengem.ops.triton.fp8_gemm import rowwise_quantize, rowwise_quantize_with_sums
 
@@ -194,8 +236,7 @@ def _gelu_quantized(
 def quantize_operand_with_column_sums(x: torch.Tensor) -> tuple[QuantizedOperand, torch.Tensor]:
     """fp8_rowwise quantization of a 2-D ``x [R, C]`` and its fp32 column sums ``[C]`` (the bias gradient when
     x is an output gradient), both from one read of x on CUDA."""
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [rows, K], got shape {tuple(x.shape)}")
+    _check_matrix(x, "x")
     if x.is_cuda:
         from opengem.ops.triton.fp8_gemm import rowwise_quantize_with_sums
 
@@ -211,6 +252,7 @@ def quantize_operand_with_transpose(x: torch.Tensor, recipe: str) -> tuple[Quant
     blockwise recipe, two for rowwise, whose per-column amax needs a full pass first).
     """
     _check_recipe(recipe)
+    _check_matrix(x, "x")  # the CUDA kernels below had no checks of their own (the CPU path's quantize_operand has)
     if x.is_cuda and recipe in ("fp8_rowwise", "fp8_blockwise"):
         from opengem.ops.triton.fp8_gemm import blockwise_quantize_dual, rowwise_quantize_dual
 
@@ -261,6 +303,9 @@ def scaled_gemm(
     """
     if a.recipe != b.recipe:
         raise ValueError(f"operands quantized with different recipes: {a.recipe!r} and {b.recipe!r}")
+    if not torch.compiler.is_compiling():
+        _check_operand(a, "a")
+        _check_operand(b, "b")
     if a.data.shape[1] != b.data.shape[1]:
         raise ValueError(f"contraction dims differ: a has K={a.data.shape[1]}, b has K={b.data.shape[1]}")
     if not out_dtype.is_floating_point:
@@ -357,10 +402,16 @@ def _use_cublas_blockwise(b_blocks: bool) -> bool:
 def fp8_matmul(a: torch.Tensor, b: torch.Tensor, recipe: str, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``a [M, K] @ b [N, K]^T`` with both quantized by ``recipe`` (b as a weight); ``"bf16"`` multiplies as is."""
     _check_recipe(recipe)
+    if out_dtype is not None and not out_dtype.is_floating_point:  # bf16 had returned an int "product"
+        raise ValueError(f"out_dtype must be a floating-point dtype, got {out_dtype}")
     out_dtype = out_dtype or a.dtype
     if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[1]:  # every recipe's message, bf16's too
         raise ValueError(f"contraction dims differ: a has K={a.shape[1]}, b has K={b.shape[1]}")
     if recipe == "bf16":
+        # an int pair had multiplied as ints; mixed dtypes failed in torch naming neither operand
+        if not a.is_floating_point() or a.dtype != b.dtype:
+            raise ValueError(f"a and b must be floating-point tensors of one dtype for recipe 'bf16', got {a.dtype} "
+                             f"and {b.dtype}")
         return (a @ b.t()).to(out_dtype)
     return scaled_gemm(quantize_operand(a, recipe), quantize_operand(b, recipe, weight=True), out_dtype)
 
@@ -376,6 +427,8 @@ def hadamard_matrix(signs: torch.Tensor) -> torch.Tensor:
 
 def hadamard_rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """``x [..., K]`` times the block-diagonal rotation (blocks ``rotation [n, n]``) along K (K % n == 0)."""
+    if rotation.dim() != 2 or rotation.shape[0] != rotation.shape[1]:  # had failed in a reshape naming neither
+        raise ValueError(f"rotation must be a square [n, n] matrix, got {tuple(rotation.shape)}")
     n = rotation.shape[0]
     if x.shape[-1] % n:
         raise ValueError(f"Hadamard rotation needs the contraction dim {x.shape[-1]} to be a multiple of {n}")

@@ -13,6 +13,7 @@ import torch
 
 from opengem.ops.backend import triton_chosen
 from opengem.ops.reference.mx import ELEM_FORMATS, MX_BLOCK, mx_dequantize_reference, mx_quantize_reference
+from opengem.validation import is_int
 
 SCALE_RULES = ("rceil", "floor")
 
@@ -82,6 +83,24 @@ def _normalize_block(block: int | tuple[int, int], ndim: int) -> tuple[int, ...]
     raise ValueError(f"block must be 32 or (32, 32), got {block!r}")
 
 
+def _check_scales(t: MXTensor) -> None:
+    """``t.scales`` uint8 of the shape `MXTensor` documents for ``t.data`` (metadata only): scales of a wrong
+    shape had been broadcast or cut by the reference without an error, fp32 ones read as exponent bytes."""
+    if t.block not in ((MX_BLOCK,), (MX_BLOCK, MX_BLOCK)) or not (is_int(t.axis) and 0 <= t.axis < t.data.dim()):
+        raise ValueError(f"MXTensor block must be (32,) or (32, 32) and axis a dim of data, got block={t.block!r}, "
+                         f"axis={t.axis!r}")
+    shape = list(t.data.shape)
+    if len(t.block) == 2:
+        if len(shape) != 2:
+            raise ValueError(f"MXTensor data with block (32, 32) must be 2-D, got {shape}")
+        expected = [-(-shape[0] // MX_BLOCK), -(-shape[1] // MX_BLOCK)]
+    else:
+        expected = shape[: t.axis] + [-(-shape[t.axis] // MX_BLOCK)] + shape[t.axis + 1:]
+    if t.scales.dtype != torch.uint8 or list(t.scales.shape) != expected or t.scales.device != t.data.device:
+        raise ValueError(f"MXTensor scales must be uint8 {expected} on {t.data.device} for data {shape}, got "
+                         f"{t.scales.dtype} {list(t.scales.shape)} on {t.scales.device}")
+
+
 def mx_quantize(
     x: torch.Tensor,
     block: int | tuple[int, int] = 32,
@@ -106,9 +125,13 @@ def mx_quantize(
         raise ValueError(f"elem must be one of {sorted(ELEM_FORMATS)}, got {elem!r}")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"scale_rule must be one of {SCALE_RULES}, got {scale_rule!r}")
+    if not is_int(axis):  # 1.5 had failed inside movedim, True had been taken as 1
+        raise ValueError(f"axis must be an int, got {axis!r}")
     if not -x.dim() <= axis < x.dim():
         raise ValueError(f"axis {axis} out of range for a {x.dim()}-d tensor")
     blk = _normalize_block(block, x.dim())
+    if len(blk) == 2 and x.numel() == 0:  # had failed in the reference's reshape ("ambiguous" -1)
+        raise ValueError(f"block=(32, 32) needs a non-empty x, got shape {tuple(x.shape)}")
     axis = axis % x.dim()
     moved = x if len(blk) == 2 or axis == x.dim() - 1 else x.movedim(axis, -1)
     triton = triton_chosen(x.device, backend, "OPENGEM_MX_BACKEND")
@@ -125,6 +148,10 @@ def mx_dequantize(t: MXTensor, dtype: torch.dtype | None = None) -> torch.Tensor
     falls below bf16's subnormal range.
     """
     dtype = dtype or t.orig_dtype
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:  # int32 had truncated the values
+        raise ValueError(f"dtype must be a floating-point torch.dtype, got {dtype!r}")
+    if not torch.compiler.is_compiling():  # shapes are symbols there: no guards on them
+        _check_scales(t)
     if len(t.block) == 2 or t.axis == t.data.dim() - 1:
         return _mx_dequantize_op(t.data, t.scales, list(t.block), dtype)
     out = _mx_dequantize_op(t.data.movedim(t.axis, -1), t.scales.movedim(t.axis, -1), list(t.block), dtype)

@@ -20,7 +20,46 @@ from collections.abc import Callable, Iterable
 import torch
 
 from opengem.nn.weight_shadows import refresh_shadows
-from opengem.ops.adamw import MOMENT_DTYPES, ShadowAdamWTensors, shadow_adamw_update
+from opengem.ops.adamw import (
+    HALF_DTYPES,
+    MOMENT_DTYPES,
+    ShadowAdamWTensors,
+    check_hyperparameters,
+    check_rounding_seed,
+    shadow_adamw_update,
+)
+
+
+_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+ADAMW_DEFAULTS = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 1e-2}  # torch.optim.AdamW's
+
+
+def _check_settings(settings: dict[str, object]) -> None:
+    lr = settings["lr"]
+    if isinstance(lr, torch.Tensor) and lr.numel() == 1 and lr.device.type == "cpu":  # torch allows a tensor lr
+        settings = {**settings, "lr": lr.item()}  # (a host tensor: no device sync; `step` reads it with float())
+    check_hyperparameters("ShadowAdamW", **settings)
+
+
+def _check_pairs(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Each pair an fp32 parameter and its contiguous bf16 / fp16 shadow of the same shape and device, each
+    parameter once, checked at construction (metadata only): a repeated parameter had kept only its last shadow
+    silently, and a mismatched shadow was refused only at the first step."""
+    seen: set[torch.Tensor] = set()
+    for i, pair in enumerate(pairs):
+        if not isinstance(pair, (tuple, list)) or len(pair) != 2 or not all(isinstance(t, torch.Tensor) for t in pair):
+            kinds = [type(t).__name__ for t in pair] if isinstance(pair, (tuple, list)) else type(pair).__name__
+            raise ValueError(f"pairs[{i}] must be a (parameter, shadow) pair of tensors, got {kinds}")
+        master, shadow = pair
+        if master in seen:
+            raise ValueError(f"pairs[{i}]: parameter of shape {tuple(master.shape)} is paired with a shadow twice")
+        seen.add(master)
+        if (master.dtype != torch.float32 or shadow.dtype not in HALF_DTYPES or shadow.shape != master.shape
+                or shadow.device != master.device or not shadow.is_contiguous() or not master.is_contiguous()):
+            raise ValueError(f"pairs[{i}] must be a contiguous fp32 parameter and its contiguous bf16 or fp16 shadow "
+                             f"of the same shape on its device, got {master.dtype} {tuple(master.shape)} on "
+                             f"{master.device} and {shadow.dtype} {tuple(shadow.shape)} on {shadow.device}"
+                             f"{'' if shadow.is_contiguous() and master.is_contiguous() else ' (not contiguous)'}")
 
 
 class ShadowAdamW(torch.optim.AdamW):
@@ -38,9 +77,11 @@ class ShadowAdamW(torch.optim.AdamW):
                              "are not supported")
         if moments_dtype not in MOMENT_DTYPES:
             raise ValueError(f"moments_dtype must be torch.float32 or torch.bfloat16, got {moments_dtype}")
-        if not 0 <= rounding_seed < 2**32:
-            raise ValueError(f"rounding_seed must be in [0, 2 ** 32), got {rounding_seed}")
-        super().__init__(params, **kwargs)  # type: ignore[arg-type]
+        # before torch's own checks, which let inf through and fail on a str with a bare TypeError
+        _check_settings({name: kwargs.get(name, ADAMW_DEFAULTS[name]) for name in _SETTINGS})
+        check_rounding_seed("ShadowAdamW", rounding_seed)
+        _check_pairs(pairs)
+        super().__init__(params, **kwargs)  # type: ignore[arg-type]  (each group through add_param_group below)
         self._moments_dtype, self._rounding_seed = moments_dtype, rounding_seed
         self._shadow_of = {master: shadow for master, shadow in pairs}
         grouped = {p for group in self.param_groups for p in group["params"]}
@@ -51,6 +92,13 @@ class ShadowAdamW(torch.optim.AdamW):
         self._tensors: list[ShadowAdamWTensors] | None = None  # a group's shadowed state, made at the first step
         self._kernel_stepped: set[torch.Tensor] = set()  # the parameters in those tensors
         self._versions: list[int] | None = None  # the shadowed parameters' versions when their shadows were written
+
+    def add_param_group(self, param_group: dict) -> None:
+        """AdamW's, with the group's settings checked first as `shadow_adamw_update` checks them: torch lets inf
+        through (and a bool or a third beta), so the shadowed parameters' first step refused them only after
+        ``super().step()`` had already stepped the other parameters with them."""
+        _check_settings({name: param_group.get(name, self.defaults[name]) for name in _SETTINGS})
+        super().add_param_group(param_group)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none)
