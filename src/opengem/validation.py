@@ -62,3 +62,10 @@ def check_optional_positive_finite(**values: float | None) -> None:
             raise ValueError(f"{name} must be positive, got {value}")
         if value is not None and not math.isfinite(value):
             raise ValueError(f"{name} must be finite, got {value}")
+
+
+def check_run_name(name: str) -> None:
+    """A run's folder name under ``out_dir``: one path component, so a run never writes (or resumes) elsewhere
+    (``../other`` had written beside ``out_dir``)."""
+    if name in (".", "..") or "/" in name or "\\" in name:
+        raise ValueError(f"name must be one folder name under out_dir (no '/', '\\', '.' or '..'), got {name!r}")

@@ -111,6 +111,8 @@ def test_set_refuses_int_tuples_with_bad_entries(value):
     (["weight_decay=inf"], "weight_decay must be finite, got inf"),
     (["seed=-1"], r"seed must be in \[0, 2\*\*32\), got -1"),  # numpy's default_rng refuses negative seeds
     ([f"seed={2**32}"], r"seed must be in \[0, 2\*\*32\), got 4294967296"),
+    (["name=../elsewhere"], r"name must be one folder name under out_dir .*got '\.\./elsewhere'"),
+    (["name=a/b"], r"name must be one folder name under out_dir"),  # a run wrote outside its own folder
 ])
 def test_rates_must_be_finite_and_seeds_in_range(overrides, message):
     with pytest.raises(ValueError, match=f"--set: {message}"):

@@ -61,6 +61,7 @@ def test_presets_and_overrides() -> None:
     ("epochs=0", "epochs must be >= 1, got 0"),  # ran nothing and exited 0
     ("uniform_negatives=-1", "uniform_negatives must be >= 0, got -1"),
     ("weight_decay=-0.1", "weight_decay must be >= 0, got -0.1"),
+    ("name=../elsewhere", "name must be one folder name under out_dir"),  # had written beside out_dir
 ])
 def test_bad_settings_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):

@@ -126,6 +126,8 @@ def _synth(args: argparse.Namespace) -> int:
     from opengem.data.parquet import synthesize_to_parquet
     from opengem.data.synthetic import HOLDOUT_START
 
+    if args.samples < 1:  # the writer's own message names none of the flags: "num_samples, rows_per_file and ..."
+        raise ValueError(f"--samples must be >= 1, got {args.samples}")
     start = time.perf_counter()
     first_sample = HOLDOUT_START if args.holdout else 0
     paths = synthesize_to_parquet(args.out, args.samples, args.preset, seed=args.seed, first_sample=first_sample)

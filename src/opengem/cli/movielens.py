@@ -21,6 +21,8 @@ def add_movielens_parser(data_commands: argparse._SubParsersAction) -> argparse.
 
 def movielens_command(args: argparse.Namespace) -> int:
     """Read, write and print statistics. Raises ValueError (bad file) or FileNotFoundError (no recbole)."""
+    if args.out.exists() and not args.out.is_dir():  # a raw FileExistsError traceback, after reading the data
+        raise ValueError(f"--out {args.out} is a file, not a folder")
     sequences = read_inter(args.inter)
     paths = write_parquet(sequences, args.out)
     split = leave_one_out(sequences)

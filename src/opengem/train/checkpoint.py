@@ -24,6 +24,7 @@ from typing import Any, Protocol
 import torch
 
 from opengem.train.config import TrainConfig
+from opengem.validation import is_int
 
 STATE_FILE = "state.pt"
 MANIFEST_FILE = "manifest.json"
@@ -32,7 +33,28 @@ DISTRIBUTED_FORMAT = "dcp"  # manifest "format" of checkpoints written by openge
 
 def is_distributed_checkpoint(folder: Path) -> bool:
     """Whether the (resolved) checkpoint ``folder`` was written by a distributed run."""
-    return json.loads((folder / MANIFEST_FILE).read_text()).get("format") == DISTRIBUTED_FORMAT
+    return read_manifest(folder).get("format") == DISTRIBUTED_FORMAT
+
+
+def read_manifest(folder: Path) -> dict[str, Any]:
+    """``folder``'s manifest as a dict; ``ValueError`` naming the file when it is not JSON or not a JSON object (a
+    list or a number there had failed as an AttributeError in whichever reader came first)."""
+    path = folder / MANIFEST_FILE
+    try:
+        manifest = json.loads(path.read_text())
+    except (OSError, ValueError) as error:
+        raise ValueError(f"{path}: unreadable manifest ({error})") from error
+    if not isinstance(manifest, dict):
+        raise ValueError(f"{path}: the manifest must be a JSON object, got {type(manifest).__name__}")
+    return manifest
+
+
+def checkpoint_step(folder: Path) -> int:
+    """The step a (resolved) checkpoint ``folder`` continues from, from its manifest."""
+    step = read_manifest(folder).get("step")
+    if not is_int(step) or step < 0:
+        raise ValueError(f"{folder / MANIFEST_FILE}: 'step' must be an int >= 0, got {step!r}")
+    return int(step)
 
 
 class _Learner(Protocol):
@@ -121,10 +143,13 @@ def _file_signature(folder: Path) -> tuple[tuple[str, int, int], ...]:
 
 def _verify(folder: Path) -> str | None:
     try:
-        manifest = json.loads((folder / MANIFEST_FILE).read_text())
-    except (OSError, ValueError) as error:
-        return f"unreadable manifest ({error})"
+        manifest = read_manifest(folder)
+    except ValueError as error:
+        return str(error).removeprefix(f"{folder / MANIFEST_FILE}: ")
     if manifest.get("format") == DISTRIBUTED_FORMAT:  # every rank's file, at the size and checksum written
+        for section in ("files", "sha256"):  # a list there had failed as an AttributeError
+            if not isinstance(manifest.get(section, {}), dict):
+                return f"the manifest's {section!r} must be an object of file names, got {manifest[section]!r}"
         for name, size in manifest.get("files", {}).items():
             if not (folder / name).is_file() or (folder / name).stat().st_size != size:
                 return f"{name} is missing or has the wrong size (truncated or corrupt)"
@@ -144,6 +169,9 @@ def resolve_checkpoint(path: Path) -> Path:
     if not path.exists():
         raise ValueError(f"--resume: no checkpoint at {path}")
     if path.is_file():  # the checkpoint's state.pt or manifest: resume from its folder
+        if not (path.parent / MANIFEST_FILE).is_file():  # was "no usable checkpoint under <its folder>/checkpoints"
+            raise ValueError(f"--resume: {path} is a file outside any checkpoint folder (no {MANIFEST_FILE} beside "
+                             "it); give a run folder, a checkpoint folder or a file in one")
         path = path.parent
     if (path / MANIFEST_FILE).exists():
         problem = verify_checkpoint(path)
@@ -165,6 +193,11 @@ def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
         raise ValueError(f"--resume: checkpoint {folder} has no state for {sorted(missing)}")
     for name, learner in learners.items():
         saved = state["learners"][name]
+        parts = {"model", "optimizer", "scheduler"}
+        if not isinstance(saved, dict) or not parts <= set(saved):  # was a raw KeyError
+            have = sorted(saved) if isinstance(saved, dict) else type(saved).__name__
+            raise ValueError(f"--resume: checkpoint {folder}: the {name!r} learner's state must hold "
+                             f"{sorted(parts)}, got {have}")
         try:
             learner.model.load_state_dict(saved["model"])
             learner.optimizer.load_state_dict(saved["optimizer"])
@@ -178,8 +211,9 @@ def load_checkpoint(path: Path, learners: dict[str, _Learner]) -> int:
 
 def checkpoint_config(path: Path) -> dict[str, Any]:
     """The TrainConfig (as a dict) the checkpoint was written with, from its manifest."""
-    manifest = resolve_checkpoint(path) / MANIFEST_FILE
-    config = json.loads(manifest.read_text()).get("config")
+    folder = resolve_checkpoint(path)
+    manifest = folder / MANIFEST_FILE
+    config = read_manifest(folder).get("config")
     if not isinstance(config, dict):
         raise ValueError(f"{manifest} has no 'config' section (the settings the run was started with)")
     return config
@@ -192,6 +226,13 @@ def _read(folder: Path) -> dict[str, Any]:
         raise ValueError(f"--resume: {folder} is not a readable opengem checkpoint ({error})") from error
     if not isinstance(state, dict) or not {"step", "config", "learners"} <= set(state):
         raise ValueError(f"--resume: {folder} is not an opengem checkpoint (missing step/config/learners)")
+    # checked before any learner is touched: a bad RNG state had raised a raw TypeError after the weights loaded
+    rng = state.get("rng")
+    if not isinstance(rng, torch.Tensor) or rng.dtype != torch.uint8:
+        raise ValueError(f"--resume: {folder / STATE_FILE}: 'rng' must be a uint8 tensor (torch's RNG state), got "
+                         f"{getattr(rng, 'dtype', type(rng).__name__)}")
+    if not isinstance(state["learners"], dict) or not is_int(state["step"]):
+        raise ValueError(f"--resume: {folder / STATE_FILE}: 'learners' must be a dict and 'step' an int")
     return state
 
 

@@ -17,7 +17,7 @@ from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 from opengem.nn.low_precision_recipe import NAMED_RECIPES
-from opengem.validation import require_at_least, require_fraction, require_positive
+from opengem.validation import check_run_name, require_at_least, require_fraction, require_positive
 
 ARCHITECTURES = ("sequence_ctr", "gem")
 LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
@@ -119,6 +119,7 @@ class TrainConfig:
         if self.data_preset not in SYNTHETIC_PRESETS:  # a Parquet data_dir is read in this preset's layout too
             raise ValueError(f"data_preset must be one of {sorted(SYNTHETIC_PRESETS)}, got {self.data_preset!r}")
         _check_device(self.device)
+        check_run_name(self.name)
         require_at_least(self, ("steps", "batch_size", "eval_every", "eval_samples", "log_every", "checkpoint_every",
                                 "keep_checkpoints", "max_bad_steps", "low_precision_min_features"), 1)
         if self.precision not in PRECISIONS:

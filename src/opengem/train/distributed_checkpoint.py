@@ -38,6 +38,7 @@ from opengem.train.checkpoint import (
     DISTRIBUTED_FORMAT,
     MANIFEST_FILE,
     checkpoints_dir,
+    read_manifest,
     resolve_checkpoint,
     sha256_of,
 )
@@ -95,7 +96,7 @@ def load_distributed_checkpoint(path: Path, learner: Any, sparse: dict[str, Shar
     """Restore ``learner`` and the sharded tables from a run folder or checkpoint folder (every rank calls
     this, under any layout); returns the step to continue from."""
     folder = resolve_checkpoint(path)
-    manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    manifest = read_manifest(folder)
     if manifest.get("format") != DISTRIBUTED_FORMAT:
         raise ValueError(f"--resume: {folder} was written by a single-process run; resume it without --parallel")
     missing = sorted({"step", "scheduler"} - set(manifest))

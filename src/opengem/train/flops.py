@@ -14,6 +14,7 @@ second figure, the measured BF16 matmul ceiling of the device (:func:`measured_m
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import time
 from collections.abc import Sequence
@@ -29,6 +30,7 @@ from opengem.models.presets import gem_model_flops
 from opengem.models.sequence_ctr import SequenceCTRModel
 from opengem.nn.wukong import unpadded_token_mixing
 from opengem.ops.attention_flops import visible_pairs
+from opengem.validation import check_optional_positive_finite, is_int, is_number
 
 
 @dataclass(frozen=True)
@@ -57,7 +59,7 @@ def train_flops(model: nn.Module, history_lengths: Sequence[int] | torch.Tensor)
 
     Covers :class:`GEM` and :class:`SequenceCTRModel`; any other module raises ``TypeError``.
     """
-    lengths = [int(n) for n in history_lengths]
+    lengths = _history_lengths(history_lengths)
     if isinstance(model, GEM):
         counts = gem_model_flops(model, lengths)
         dense_input_gemm = 2 * len(lengths) * model.dense_proj.in_features * model.config.d_model
@@ -70,6 +72,23 @@ def train_flops(model: nn.Module, history_lengths: Sequence[int] | torch.Tensor)
     # backward: 2x GEMMs minus the dense features' input gradient that is never computed, 2.5x attention
     train = 3 * gemm - dense_input_gemm + attention * 7 // 2
     return FlopCount(gemm=gemm, attention=attention, train=train)
+
+
+def _history_lengths(history_lengths: Sequence[int] | torch.Tensor) -> list[int]:
+    """The lengths as ints, checked: an empty batch had counted 0 FLOPs, a float length was truncated, a negative one
+    failed deep in the attention count and a 2-D tensor as a bare "only one element tensors" error."""
+    if isinstance(history_lengths, torch.Tensor):
+        if history_lengths.dim() != 1 or history_lengths.is_floating_point() or history_lengths.is_complex():
+            raise ValueError(f"history_lengths must be a 1-D integer tensor, got {history_lengths.dim()}-D "
+                             f"{history_lengths.dtype}")
+        history_lengths = history_lengths.tolist()
+    lengths = list(history_lengths)
+    if not lengths:
+        raise ValueError("history_lengths is empty: a batch's FLOPs need at least one sample")
+    for index, n in enumerate(lengths):
+        if not is_int(n) or n < 0:
+            raise ValueError(f"history_lengths[{index}] must be an int >= 0, got {n!r}")
+    return [int(n) for n in lengths]
 
 
 def batch_train_flops(model: nn.Module, batch: Batch) -> FlopCount:
@@ -145,8 +164,10 @@ def device_peak_flops(device_name: str, precision: str = "bf16", peak_tflops: fl
     if precision not in ("bf16", "fp8"):
         raise ValueError(f"precision must be 'bf16' or 'fp8', got {precision!r}")
     if peak_tflops is not None:
-        if peak_tflops <= 0:
-            raise ValueError(f"peak_tflops must be positive, got {peak_tflops}")
+        # NaN and infinity had passed `<= 0` and made every MFU NaN or 0
+        if not is_number(peak_tflops):
+            raise ValueError(f"peak_tflops must be a number, got {peak_tflops!r}")
+        check_optional_positive_finite(peak_tflops=peak_tflops)
         return peak_tflops * 1e12
     for name, peak in DEVICE_PEAKS.items():
         if re.search(peak.pattern, device_name, flags=re.IGNORECASE):
@@ -162,8 +183,9 @@ def device_peak_flops(device_name: str, precision: str = "bf16", peak_tflops: fl
 
 def mfu(flops_per_s: float, peak_flops: float) -> float:
     """Model FLOPs utilization: achieved useful FLOP/s over the peak FLOP/s."""
-    if peak_flops <= 0:
-        raise ValueError(f"peak_flops must be positive, got {peak_flops}")
+    check_optional_positive_finite(peak_flops=peak_flops)  # NaN had passed `<= 0`: a NaN MFU
+    if not 0 <= flops_per_s < math.inf:
+        raise ValueError(f"flops_per_s must be finite and >= 0, got {flops_per_s}")
     return flops_per_s / peak_flops
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from opengem.validation import is_int, is_number
+
 
 class TrainingDiverged(RuntimeError):
     """Raised when ``max_bad_steps`` consecutive steps produced a non-finite loss."""
@@ -19,6 +21,16 @@ class StepGuard:
     skipped: int = 0
     spikes: int = 0
     _ema: float | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        # max_bad_steps 0 stopped at the first bad step; a NaN spike_factor never reported a spike
+        if not is_int(self.max_bad_steps) or self.max_bad_steps < 1:
+            raise ValueError(f"max_bad_steps must be an int >= 1, got {self.max_bad_steps!r}")
+        if not is_number(self.spike_factor) or not self.spike_factor > 1:
+            raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), "
+                             f"got {self.spike_factor!r}")
+        if not is_number(self.ema_decay) or not 0 <= self.ema_decay < 1:
+            raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
 
     def check(self, step: int, loss: float) -> str | None:
         """Classify ``loss``: None (healthy), "skipped" (non-finite) or "spike" (finite but far above trend)."""

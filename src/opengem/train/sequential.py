@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -23,11 +24,11 @@ import torch
 from tqdm import tqdm
 
 from opengem.data.movielens import LeaveOneOut, leave_one_out, load_sequences
-from opengem.models.hstu import SequentialModelConfig, SequentialRecommender
-from opengem.train.config import apply_overrides
+from opengem.models.hstu import ARCHITECTURES, SequentialModelConfig, SequentialRecommender
+from opengem.train.config import SEED_LIMIT, apply_overrides
 from opengem.train.metrics import hit_rate_and_ndcg
 from opengem.train.trainer import resolve_device
-from opengem.validation import require_at_least, require_positive
+from opengem.validation import check_run_name, require_at_least, require_positive
 
 TOP_K = (10, 50, 200)
 
@@ -57,6 +58,7 @@ class SequentialConfig:
     device: str = "auto"
 
     def __post_init__(self) -> None:
+        check_run_name(self.name)
         require_at_least(self, ("dim", "num_layers", "num_heads", "max_len", "batch_size", "epochs", "eval_every",
                                 "eval_batch_size"), 1)
         require_at_least(self, ("in_batch_negatives", "uniform_negatives", "weight_decay"), 0)
@@ -64,6 +66,14 @@ class SequentialConfig:
             raise ValueError("in_batch_negatives + uniform_negatives must be >= 1 (the sampled softmax needs "
                              "negatives), got 0")
         require_positive(self, ("temperature", "lr"))  # temperature 0 divided every logit by zero: a NaN loss
+        # lr=inf turned the weights to NaN and temperature=inf every logit to 0, both trained on without a word
+        for name in ("lr", "temperature", "weight_decay"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        if self.model not in ARCHITECTURES:  # was refused later as "architecture", a name no setting has
+            raise ValueError(f"model must be one of {ARCHITECTURES}, got {self.model!r}")
+        if not 0 <= self.seed < SEED_LIMIT:  # numpy refused it at the run's start as "Seed", naming no setting
+            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
     @property
     def run_name(self) -> str:

@@ -38,12 +38,18 @@ from opengem.nn.weight_shadows import refresh_shadows, shadow_linear_weights, sh
 from opengem.parallel.fsdp import checkpoint_blocks
 from opengem.parallel.mesh import ParallelConfig
 from opengem.parallel.sparse import ShardedEmbeddingCollection
-from opengem.train.checkpoint import is_distributed_checkpoint, load_checkpoint, resolve_checkpoint, save_checkpoint
+from opengem.train.checkpoint import (
+    checkpoint_step,
+    is_distributed_checkpoint,
+    load_checkpoint,
+    resolve_checkpoint,
+    save_checkpoint,
+)
 from opengem.train.compile import compile_regions
 from opengem.train.config import ARCHITECTURES, TrainConfig, shadow_settings
 from opengem.train.data_stream import eval_batches, train_batches
 from opengem.train.guards import StepGuard
-from opengem.train.metrics import binary_metrics
+from opengem.train.metrics import UndefinedMetric, binary_metrics
 from opengem.train.shadow_adamw import ShadowAdamW
 
 COMPUTE_DTYPES: dict[str, torch.dtype | None] = {"fp32": None, "bf16": torch.bfloat16}  # precision -> autocast dtype
@@ -311,6 +317,12 @@ def train(
 
     if resume is not None:
         resume = resolve_checkpoint(resume)
+        # a run resumed at or past its end trained nothing, said it was done and overwrote its summary with no
+        # evaluation; checked before anything is built or written
+        saved_step = checkpoint_step(resume)
+        if saved_step >= config.steps:
+            raise ValueError(f"--resume: checkpoint {resume} is at step {saved_step} and steps={config.steps}: "
+                             f"nothing left to train; give --steps above {saved_step}")
     if parallel is not None or distributed.launched_by_torchrun() or (resume and is_distributed_checkpoint(resume)):
         run: LocalRun | distributed.DistributedRun = distributed.DistributedRun(config, parallel or ParallelConfig())
     else:
@@ -418,8 +430,10 @@ def evaluate(predictions: dict[str, torch.Tensor], labels: torch.Tensor) -> dict
         for t, task in enumerate(TASKS):
             try:
                 metrics = binary_metrics(probabilities[:, t], labels[:, t])
-            except ValueError as error:  # e.g. a held-out set without a single positive label
-                warnings.warn(f"held-out {task} metrics undefined: {error}; raise eval_samples", stacklevel=2)
+            except ValueError as error:  # e.g. a held-out set without a single positive label, or NaN predictions
+                # more samples help only an undefined metric; a diverged model's NaN predictions need no such advice
+                hint = "; raise eval_samples" if isinstance(error, UndefinedMetric) else ""
+                warnings.warn(f"held-out {task} metrics of {name} undefined: {error}{hint}", stacklevel=2)
                 metrics = dict.fromkeys(("ne", "auc", "calibration", "log_loss"), float("nan"))
             for metric, value in metrics.items():
                 out[f"{task}/{name}/{metric}"] = value

@@ -30,6 +30,7 @@ from opengem.train.bench.timing import FLOP_CONVENTION, environment, time_ms
 from opengem.train.data_stream import train_batches
 from opengem.train.flops import batch_train_flops, device_peak_flops
 from opengem.train.trainer import build_learner
+from opengem.validation import is_int
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,7 @@ class LayerCase:
 
 def bench_layers(options: TrainBenchOptions, repeats: int = 10) -> dict[str, Any]:
     """Time each layer type alone; ``options`` as for `bench train` (preset, batch size, precision, device)."""
-    if repeats < 1:
+    if not is_int(repeats) or repeats < 1:  # True had passed as one repeat
         raise ValueError(f"repeats must be >= 1 (the timed runs a layer's median is taken over), got {repeats}")
     config, device, precision = bench_config(options)
     if config.architecture != "gem":

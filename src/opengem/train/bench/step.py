@@ -39,7 +39,7 @@ from opengem.train.data_stream import train_batches
 from opengem.train.flops import device_peak_flops, measured_matmul_peak, mfu, train_flops
 from opengem.train.shadow_adamw import ShadowAdamW
 from opengem.train.trainer import Learner, build_learner, resolve_device
-from opengem.validation import check_optional_positive_finite, require_at_least
+from opengem.validation import check_optional_positive_finite, is_int, is_number, require_at_least
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,14 @@ class TrainBenchOptions:
     trace: Path | None = None  # the profiled steps' CPU + GPU timeline (Chrome / Perfetto JSON; gzipped if .gz)
 
     def __post_init__(self) -> None:
+        # a bool had passed as a count (steps=True: one step) and a float as one (2.5 steps in the messages)
+        counts = ("steps", "profile_steps", "loader_batches", "warmup", "lead_steps", "max_tuning_steps")
+        optional_counts = ("batch_size", "num_workers", "matmul_size")
+        for name in counts + tuple(n for n in optional_counts if getattr(self, n) is not None):
+            if not is_int(getattr(self, name)):
+                raise ValueError(f"{name} must be an int, got {getattr(self, name)!r}")
+        if self.peak_tflops is not None and not is_number(self.peak_tflops):
+            raise ValueError(f"peak_tflops must be a number, got {self.peak_tflops!r}")
         require_at_least(self, ("steps", "profile_steps", "loader_batches"), 1)
         require_at_least(self, ("warmup", "lead_steps", "max_tuning_steps"), 0)
         # was refused only after the whole run; an infinite peak made every MFU 0
