@@ -54,6 +54,26 @@ def require_fraction(settings: Any, names: Iterable[str]) -> None:
             raise ValueError(f"{name} must be in [0, 1], got {value}")
 
 
+def require_finite(settings: Any, names: Iterable[str]) -> None:
+    """Raise ``ValueError("<name> must be finite, got <value>")`` for the first of ``names`` that is inf or NaN (an
+    infinite rate or decay turns the weights to NaN)."""
+    for name in names:
+        value = getattr(settings, name)
+        if not math.isfinite(value):
+            raise ValueError(f"{name} must be finite, got {value}")
+
+
+# seeds below 2**32: the range numpy's legacy seeding and the AdamW rounding seed take; far below the synthetic data's
+# hash (seed * 1_000_003 in 64 bits), which overflows past about 2**44
+SEED_LIMIT = 2**32
+
+
+def require_seed(settings: Any) -> None:
+    """``settings.seed`` in [0, 2**32): numpy's default_rng refuses negatives, naming no setting."""
+    if not 0 <= settings.seed < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**32), got {settings.seed}")
+
+
 def check_optional_positive_finite(**values: float | None) -> None:
     """Raise ``ValueError("<name> must be positive, got <value>")``, or ``"... must be finite ..."`` for infinity, for
     the first given value (None: not given) that is not a positive finite number (NaN fails as not positive)."""

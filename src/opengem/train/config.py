@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 import tomllib
 import typing
 from dataclasses import dataclass, field, replace
@@ -17,7 +16,14 @@ from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 from opengem.nn.low_precision_recipe import NAMED_RECIPES
-from opengem.validation import check_run_name, require_at_least, require_fraction, require_positive
+from opengem.validation import (
+    check_run_name,
+    require_at_least,
+    require_finite,
+    require_fraction,
+    require_positive,
+    require_seed,
+)
 
 ARCHITECTURES = ("sequence_ctr", "gem")
 LOW_PRECISION_MLPS = ("none", "auto", *(name for name in NAMED_RECIPES if name != "bf16"))
@@ -25,11 +31,6 @@ COMPILE_MODES = ("default", "max-autotune-no-cudagraphs")  # torch.compile modes
 AUTO_BOOL = bool | None  # a setting that is true, false or auto (None: the run decides; spelled "auto" in --set)
 SHADOW_ADAMW_MOMENTS = ("fp32", "bf16")  # the shadow AdamW's moments (TrainConfig.shadow_adamw_moments)
 PRECISIONS = ("fp32", "bf16")  # bf16: dense compute under torch.autocast; parameters and optimizer stay fp32
-# seeds below 2**32: the range numpy's legacy seeding and the AdamW rounding seed take; far below the synthetic data's
-# hash (seed * 1_000_003 in 64 bits), which overflows past about 2**44
-SEED_LIMIT = 2**32
-
-
 def refuse_two_recompute_policies(activation_checkpointing: bool, activation_memory_budget: float) -> None:
     """Whole-block checkpointing leaves the compiler nothing to choose: one recompute policy at a time."""
     if activation_checkpointing and activation_memory_budget != 1:
@@ -131,11 +132,8 @@ class TrainConfig:
         require_at_least(self, ("warmup_steps", "num_workers", "numerics_every"), 0)
         require_positive(self, ("lr", "embedding_lr", "numerics_bound"))
         require_at_least(self, ("weight_decay",), 0)
-        for name in ("lr", "embedding_lr", "weight_decay"):  # an infinite step or decay turns the weights to NaN
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
-        if not 0 <= self.seed < SEED_LIMIT:  # numpy's default_rng, which the synthetic data uses, refuses negatives
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        require_finite(self, ("lr", "embedding_lr", "weight_decay"))
+        require_seed(self)  # the synthetic data seeds numpy's default_rng
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {self.min_lr_ratio}")
         if not self.spike_factor > 1:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import random
 import time
 from collections.abc import Callable, Sequence
@@ -25,10 +24,10 @@ from tqdm import tqdm
 
 from opengem.data.movielens import LeaveOneOut, leave_one_out, load_sequences
 from opengem.models.hstu import ARCHITECTURES, SequentialModelConfig, SequentialRecommender
-from opengem.train.config import SEED_LIMIT, apply_overrides
+from opengem.train.config import apply_overrides
 from opengem.train.metrics import hit_rate_and_ndcg
 from opengem.train.trainer import resolve_device
-from opengem.validation import check_run_name, require_at_least, require_positive
+from opengem.validation import check_run_name, require_at_least, require_finite, require_positive, require_seed
 
 TOP_K = (10, 50, 200)
 
@@ -67,13 +66,10 @@ class SequentialConfig:
                              "negatives), got 0")
         require_positive(self, ("temperature", "lr"))  # temperature 0 divided every logit by zero: a NaN loss
         # lr=inf turned the weights to NaN and temperature=inf every logit to 0, both trained on without a word
-        for name in ("lr", "temperature", "weight_decay"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"{name} must be finite, got {getattr(self, name)}")
+        require_finite(self, ("lr", "temperature", "weight_decay"))
         if self.model not in ARCHITECTURES:  # was refused later as "architecture", a name no setting has
             raise ValueError(f"model must be one of {ARCHITECTURES}, got {self.model!r}")
-        if not 0 <= self.seed < SEED_LIMIT:  # numpy refused it at the run's start as "Seed", naming no setting
-            raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+        require_seed(self)  # numpy refused it at the run's start as "Seed", naming no setting
 
     @property
     def run_name(self) -> str:
