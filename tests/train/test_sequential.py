@@ -11,6 +11,8 @@ import pytest
 import torch
 
 from opengem.data.movielens import LeaveOneOut
+from opengem.models.hstu import SequentialRecommender
+from opengem.train.guards import TrainingDiverged
 from opengem.train.sequential import (
     SEQUENTIAL_PRESETS,
     load_sequential_config,
@@ -62,6 +64,8 @@ def test_presets_and_overrides() -> None:
     ("uniform_negatives=-1", "uniform_negatives must be >= 0, got -1"),
     ("weight_decay=-0.1", "weight_decay must be >= 0, got -0.1"),
     ("name=../elsewhere", "name must be one folder name under out_dir"),  # had written beside out_dir
+    ("max_bad_steps=0", "max_bad_steps must be >= 1, got 0"),
+    ("spike_factor=1", "spike_factor must be > 1 (a multiple of the running mean loss), got 1.0"),
 ])
 def test_bad_settings_are_refused_by_name(override: str, message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
@@ -85,16 +89,60 @@ def cyclic_inter(path: Path, users: int = 32, items: int = 40, length: int = 10,
     return path
 
 
-@pytest.mark.parametrize("model", ["hstu", "sasrec"])
-def test_tiny_training_run_beats_popularity(tmp_path: Path, model: str) -> None:
+def tiny_run_config(tmp_path: Path, model: str, **extra: object):
     settings = {"data": cyclic_inter(tmp_path / "cycle.inter"), "out_dir": tmp_path / "runs", "name": model,
                 "dim": 16, "num_layers": 1, "max_len": 16, "dropout": 0.0, "lr": 0.01, "batch_size": 16,
-                "epochs": 8, "eval_every": 4, "in_batch_negatives": 8, "uniform_negatives": 16, "device": "cpu"}
-    config = load_sequential_config(f"{model}-ml100k", [f"{k}={v}" for k, v in settings.items()])
-    summary = train_sequential(config, progress=False)
+                "epochs": 8, "eval_every": 4, "in_batch_negatives": 8, "uniform_negatives": 16, "device": "cpu",
+                **extra}  # fmt: skip
+    return load_sequential_config(f"{model}-ml100k", [f"{k}={v}" for k, v in settings.items()])
+
+
+def read_records(tmp_path: Path, name: str) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "runs" / name / "metrics.jsonl").read_text().splitlines()]
+
+
+def nan_loss_at(monkeypatch: pytest.MonkeyPatch, bad_steps: set[int] | None) -> None:
+    """Make the loss NaN at the given steps (1-based; None: every step), keeping its graph so a step that were
+    taken would write NaN into the weights."""
+    real_loss = SequentialRecommender.sampled_softmax_loss
+    calls = {"step": 0}
+
+    def loss(self: SequentialRecommender, *args: object) -> torch.Tensor:
+        calls["step"] += 1
+        value = real_loss(self, *args)
+        return value * float("nan") if bad_steps is None or calls["step"] in bad_steps else value
+
+    monkeypatch.setattr(SequentialRecommender, "sampled_softmax_loss", loss)
+
+
+def test_a_non_finite_loss_skips_the_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nan_loss_at(monkeypatch, {2, 3})  # the run has 2 steps an epoch: one in the first epoch, one in the second
+    summary = train_sequential(tiny_run_config(tmp_path, "hstu"), progress=False)
+    assert (summary["skipped_steps"], summary["loss_spikes"]) == (2, 0)
+    events = [r for r in read_records(tmp_path, "hstu") if "event" in r]
+    assert [(e["step"], e["event"]) for e in events] == [(2, "skipped"), (3, "skipped")]
+    assert all(math.isnan(e["loss"]) for e in events)
+    # no NaN reached the weights: the model still learns the cycle (NaN scores would fail the evaluation)
+    assert summary["test"]["ndcg@10"] > summary["popularity"]["test"]["ndcg@10"] + 0.3
+
+
+def test_training_stops_after_max_bad_steps_in_a_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    nan_loss_at(monkeypatch, None)
+    with pytest.raises(TrainingDiverged, match="step 3: 3 steps in a row had a non-finite loss"):
+        train_sequential(tiny_run_config(tmp_path, "sasrec", max_bad_steps=3), progress=False)
+    events = [r for r in read_records(tmp_path, "sasrec") if "event" in r]
+    # the skipped steps before the stop stay in the log (the third is named by the error, as in opengem train)
+    assert [e["step"] for e in events] == [1, 2]
+    assert not (tmp_path / "runs" / "sasrec" / "summary.json").exists()
+
+
+@pytest.mark.parametrize("model", ["hstu", "sasrec"])
+def test_tiny_training_run_beats_popularity(tmp_path: Path, model: str) -> None:
+    summary = train_sequential(tiny_run_config(tmp_path, model), progress=False)
+    assert (summary["skipped_steps"], summary["loss_spikes"]) == (0, 0)
     popularity = summary["popularity"]["test"]["ndcg@10"]
     assert summary["test"]["ndcg@10"] > popularity + 0.3, (summary["test"], popularity)
-    records = [json.loads(line) for line in (tmp_path / "runs" / model / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(tmp_path, model)
     losses = [r["loss"] for r in records if "loss" in r]
     assert len(losses) == 8 and losses[-1] < losses[0]
     assert sum("valid" in r for r in records) == 2 and "test" in records[-1]

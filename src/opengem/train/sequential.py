@@ -25,6 +25,7 @@ from tqdm import tqdm
 from opengem.data.movielens import LeaveOneOut, leave_one_out, load_sequences
 from opengem.models.hstu import ARCHITECTURES, SequentialModelConfig, SequentialRecommender
 from opengem.train.config import apply_overrides
+from opengem.train.guards import StepGuard
 from opengem.train.metrics import hit_rate_and_ndcg
 from opengem.train.trainer import resolve_device
 from opengem.validation import check_run_name, require_at_least, require_finite, require_positive, require_seed
@@ -53,13 +54,15 @@ class SequentialConfig:
     in_batch_negatives: int = 128
     uniform_negatives: int = 128
     eval_batch_size: int = 256
+    max_bad_steps: int = 5  # consecutive non-finite losses before training stops (as opengem train)
+    spike_factor: float = 3.0  # a loss above this multiple of its running mean is reported; inf: never
     seed: int = 0
     device: str = "auto"
 
     def __post_init__(self) -> None:
         check_run_name(self.name)
         require_at_least(self, ("dim", "num_layers", "num_heads", "max_len", "batch_size", "epochs", "eval_every",
-                                "eval_batch_size"), 1)
+                                "eval_batch_size", "max_bad_steps"), 1)
         require_at_least(self, ("in_batch_negatives", "uniform_negatives", "weight_decay"), 0)
         if self.in_batch_negatives + self.uniform_negatives < 1:
             raise ValueError("in_batch_negatives + uniform_negatives must be >= 1 (the sampled softmax needs "
@@ -70,6 +73,8 @@ class SequentialConfig:
         if self.model not in ARCHITECTURES:  # was refused later as "architecture", a name no setting has
             raise ValueError(f"model must be one of {ARCHITECTURES}, got {self.model!r}")
         require_seed(self)  # numpy refused it at the run's start as "Seed", naming no setting
+        if not self.spike_factor > 1:
+            raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {self.spike_factor}")
 
     @property
     def run_name(self) -> str:
@@ -150,6 +155,16 @@ def model_scorer(model: SequentialRecommender, max_len: int, device: torch.devic
     return scorer
 
 
+def batch_loss(model: SequentialRecommender, examples: list[np.ndarray], config: SequentialConfig,
+               device: torch.device) -> torch.Tensor:
+    """The sampled-softmax loss of next-item prediction at every position of ``examples`` (id arrays)."""
+    items, offsets, longest = jagged_batch([s[:-1] for s in examples], device)
+    targets, _, _ = jagged_batch([s[1:] for s in examples], device)
+    states = model(items, offsets, longest)
+    negatives = model.sample_negatives(targets, config.in_batch_negatives, config.uniform_negatives)
+    return model.sampled_softmax_loss(states, targets, negatives)
+
+
 def train_sequential(config: SequentialConfig, progress: bool = True) -> dict[str, Any]:
     device = resolve_device(config.device)
     random.seed(config.seed)
@@ -168,53 +183,59 @@ def train_sequential(config: SequentialConfig, progress: bool = True) -> dict[st
     run_dir = Path(config.out_dir) / config.run_name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.json").write_text(json.dumps(dataclasses.asdict(config), indent=2))
-    log = (run_dir / "metrics.jsonl").open("w")
-
-    def record(entry: dict[str, Any]) -> None:
-        log.write(json.dumps(entry) + "\n")
-        log.flush()
-
     scorer = model_scorer(model, config.max_len, device)
     by_count = popularity_scorer(split)
     popularity = {part: evaluate_scorer(by_count, split, part, config.eval_batch_size) for part in ("valid", "test")}
-    record({"popularity/valid": popularity["valid"], "popularity/test": popularity["test"]})
-    bar = tqdm(total=config.epochs * steps_per_epoch, desc=config.run_name, disable=not progress)
     generator = np.random.default_rng(config.seed)
+    guard = StepGuard(config.max_bad_steps, config.spike_factor)
     valid: dict[str, float] = {}
+    step = 0
     start = time.perf_counter()
-    for epoch in range(1, config.epochs + 1):
-        model.train()
-        order = generator.permutation(len(examples))
-        losses = []
-        for first in range(0, len(examples), config.batch_size):
-            batch = [examples[i] for i in order[first : first + config.batch_size]]
-            items, offsets, longest = jagged_batch([s[:-1] for s in batch], device)
-            targets, _, _ = jagged_batch([s[1:] for s in batch], device)
-            states = model(items, offsets, longest)
-            negatives = model.sample_negatives(targets, config.in_batch_negatives, config.uniform_negatives)
-            loss = model.sampled_softmax_loss(states, targets, negatives)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            losses.append(float(loss.detach()))
-            bar.update()
-            bar.set_postfix(epoch=epoch, loss=f"{losses[-1]:.3f}")
-        entry: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses)),
-                                 "elapsed_s": time.perf_counter() - start}  # fmt: skip
-        if epoch % config.eval_every == 0 or epoch == config.epochs:
-            valid = evaluate_scorer(scorer, split, "valid", config.eval_batch_size)
-            entry["valid"] = valid
-            if progress:
-                tqdm.write(f"epoch {epoch}: loss {entry['loss']:.4f} valid " + format_metrics(valid))
-        record(entry)
-    bar.close()
-    test = evaluate_scorer(scorer, split, "test", config.eval_batch_size)
+    # both closed when TrainingDiverged leaves the loop: what was logged stays on disk
+    with (run_dir / "metrics.jsonl").open("w") as log, \
+            tqdm(total=config.epochs * steps_per_epoch, desc=config.run_name, disable=not progress) as bar:
+
+        def record(entry: dict[str, Any]) -> None:
+            log.write(json.dumps(entry) + "\n")
+            log.flush()
+
+        record({"popularity/valid": popularity["valid"], "popularity/test": popularity["test"]})
+        for epoch in range(1, config.epochs + 1):
+            model.train()
+            order = generator.permutation(len(examples))
+            losses = []
+            for first in range(0, len(examples), config.batch_size):
+                loss = batch_loss(model, [examples[i] for i in order[first : first + config.batch_size]], config,
+                                  device)  # fmt: skip
+                step += 1
+                value = float(loss.detach())  # read every step anyway, so the guard adds no sync
+                health = guard.check(step, value)  # raises TrainingDiverged after max_bad_steps bad steps in a row
+                if health is not None:
+                    record({"step": step, "epoch": epoch, "event": health, "loss": value})
+                bar.update()
+                if health == "skipped":  # nothing updated: a NaN gradient would poison the weights and AdamW's moments
+                    continue
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                optimizer.step()
+                losses.append(value)
+                bar.set_postfix(epoch=epoch, loss=f"{value:.3f}")
+            # the mean over the epoch's healthy steps (NaN if every step was skipped)
+            entry: dict[str, Any] = {"epoch": epoch, "loss": float(np.mean(losses)) if losses else float("nan"),
+                                     "elapsed_s": time.perf_counter() - start}  # fmt: skip
+            if epoch % config.eval_every == 0 or epoch == config.epochs:
+                valid = evaluate_scorer(scorer, split, "valid", config.eval_batch_size)
+                entry["valid"] = valid
+                if progress:
+                    tqdm.write(f"epoch {epoch}: loss {entry['loss']:.4f} valid " + format_metrics(valid))
+            record(entry)
+        test = evaluate_scorer(scorer, split, "test", config.eval_batch_size)
+        record({"test": test})
     summary = {
         "run_dir": str(run_dir), "model": config.model, "epochs": config.epochs, "seed": config.seed,
         "valid": valid, "test": test, "popularity": popularity, "train_s": time.perf_counter() - start,
+        "skipped_steps": guard.skipped, "loss_spikes": guard.spikes,
     }  # fmt: skip
-    record({"test": test})
-    log.close()
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
 
