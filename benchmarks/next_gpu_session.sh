@@ -1291,6 +1291,12 @@ chain_s69b() {
   step lp_curves_narrow_state_vs_shadow_default 30 untuned_curve --compare --variant none --label narrow_state \
     --baseline shadow_default --bar 0.003
 }
+chain_s70a() {  # session 66: session 65's bad-input checks in the ops (attention scalars, the embedding's table
+  # sizes, scaled_gemm's scales) had run on the CPU only: the GPU tests of those ops, and offsets given as a strided
+  # view (validate_offsets accepts them; the kernels read offsets through a bare pointer)
+  step offsets_and_op_gpu_tests 280 tests tests/gpu/test_offsets_layout_gpu.py tests/gpu/test_gdpa_gpu.py \
+    tests/gpu/test_embedding_gpu.py tests/gpu/test_low_precision_gpu.py
+}
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
