@@ -1297,6 +1297,14 @@ chain_s70a() {  # session 66: session 65's bad-input checks in the ops (attentio
   step offsets_and_op_gpu_tests 280 tests tests/gpu/test_offsets_layout_gpu.py tests/gpu/test_gdpa_gpu.py \
     tests/gpu/test_embedding_gpu.py tests/gpu/test_low_precision_gpu.py
 }
+chain_s70b() {  # session 66: s70a's strided-offsets test found NaN and ~1e34 values in the rows of the last, longest
+  # (255-row) sample of a non-causal SiLU GDPA self-attention with contiguous offsets (pre_scale 1, D 128, bf16,
+  # tuning off); the interpreter gives the reference. Which cases and which loads (TMA, pointer) go wrong
+  step gdpa_tail_rows_default 120 python -m benchmarks.diag.gdpa_tail_rows \
+    --out "$out/results/gdpa_tail_rows_default.json"
+  step gdpa_tail_rows_pointer 120 env OPENGEM_GDPA_TMA=none python -m benchmarks.diag.gdpa_tail_rows \
+    --out "$out/results/gdpa_tail_rows_pointer.json"
+}
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
   # on a fresh machine, once)
