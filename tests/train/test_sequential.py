@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from opengem.cli.main import main
 from opengem.data.movielens import LeaveOneOut
 from opengem.models.hstu import SequentialRecommender
 from opengem.train.guards import TrainingDiverged
@@ -134,6 +135,17 @@ def test_training_stops_after_max_bad_steps_in_a_row(tmp_path: Path, monkeypatch
     # the skipped steps before the stop stay in the log (the third is named by the error, as in opengem train)
     assert [e["step"] for e in events] == [1, 2]
     assert not (tmp_path / "runs" / "sasrec" / "summary.json").exists()
+
+
+def test_the_cli_reports_a_diverged_run_without_a_traceback(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    nan_loss_at(monkeypatch, None)
+    settings = [f"data={cyclic_inter(tmp_path / 'cycle.inter')}", f"out_dir={tmp_path / 'runs'}", "dim=16",
+                "num_layers=1", "max_len=16", "batch_size=16", "epochs=2", "max_bad_steps=2"]  # fmt: skip
+    code = main(["train", "--preset", "hstu-ml100k", "--device", "cpu", "--no-progress",
+                 *(arg for setting in settings for arg in ("--set", setting))])  # fmt: skip
+    assert code == 1
+    assert "opengem: training stopped: step 2: 2 steps in a row had a non-finite loss" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("model", ["hstu", "sasrec"])

@@ -15,6 +15,7 @@ from opengem.cli.plan import add_plan_parser, run_plan
 from opengem.parallel.mesh import parse_parallel
 from opengem.train.checkpoint import checkpoint_config, resolve_checkpoint
 from opengem.train.config import PRESETS, apply_overrides, config_from_dict, load_config
+from opengem.train.guards import TrainingDiverged
 from opengem.train.sequential import SEQUENTIAL_PRESETS
 
 
@@ -70,6 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as error:
         print(f"opengem: error: {error}", file=sys.stderr)
         return 2
+    except TrainingDiverged as error:  # the guard's message says what to do; a traceback added nothing
+        print(f"opengem: training stopped: {error}", file=sys.stderr)
+        return 1
 
 
 def _train(args: argparse.Namespace) -> int:

@@ -16,6 +16,7 @@ from opengem.models.gem import GEMConfig
 from opengem.models.presets import GEM_PRESETS
 from opengem.models.sequence_ctr import SequenceCTRConfig
 from opengem.nn.low_precision_recipe import NAMED_RECIPES
+from opengem.train.guards import check_spike_factor
 from opengem.validation import (
     check_run_name,
     require_at_least,
@@ -136,8 +137,7 @@ class TrainConfig:
         require_seed(self)  # the synthetic data seeds numpy's default_rng
         if not 0 <= self.min_lr_ratio <= 1:
             raise ValueError(f"min_lr_ratio must be in [0, 1] (a fraction of lr), got {self.min_lr_ratio}")
-        if not self.spike_factor > 1:
-            raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {self.spike_factor}")
+        check_spike_factor(self.spike_factor)
         if self.weight_shadows and self.precision != "bf16":
             raise ValueError(f"weight_shadows holds bf16 copies for precision=bf16, got precision={self.precision!r}")
         require_fraction(self, ("activation_memory_budget",))

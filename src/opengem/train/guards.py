@@ -8,6 +8,13 @@ from dataclasses import dataclass, field
 from opengem.validation import is_int, is_number
 
 
+def check_spike_factor(spike_factor: float) -> None:
+    """A spike is a loss above ``spike_factor`` times its running mean: it must be a number > 1 (inf: never report;
+    NaN had never reported one without a word)."""
+    if not is_number(spike_factor) or not spike_factor > 1:
+        raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {spike_factor!r}")
+
+
 class TrainingDiverged(RuntimeError):
     """Raised when ``max_bad_steps`` consecutive steps produced a non-finite loss."""
 
@@ -26,9 +33,7 @@ class StepGuard:
         # max_bad_steps 0 stopped at the first bad step; a NaN spike_factor never reported a spike
         if not is_int(self.max_bad_steps) or self.max_bad_steps < 1:
             raise ValueError(f"max_bad_steps must be an int >= 1, got {self.max_bad_steps!r}")
-        if not is_number(self.spike_factor) or not self.spike_factor > 1:
-            raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), "
-                             f"got {self.spike_factor!r}")
+        check_spike_factor(self.spike_factor)
         if not is_number(self.ema_decay) or not 0 <= self.ema_decay < 1:
             raise ValueError(f"ema_decay must be in [0, 1), got {self.ema_decay!r}")
 

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from opengem.data.movielens import LeaveOneOut, leave_one_out, load_sequences
 from opengem.models.hstu import ARCHITECTURES, SequentialModelConfig, SequentialRecommender
 from opengem.train.config import apply_overrides
-from opengem.train.guards import StepGuard
+from opengem.train.guards import StepGuard, check_spike_factor
 from opengem.train.metrics import hit_rate_and_ndcg
 from opengem.train.trainer import resolve_device
 from opengem.validation import check_run_name, require_at_least, require_finite, require_positive, require_seed
@@ -73,8 +73,7 @@ class SequentialConfig:
         if self.model not in ARCHITECTURES:  # was refused later as "architecture", a name no setting has
             raise ValueError(f"model must be one of {ARCHITECTURES}, got {self.model!r}")
         require_seed(self)  # numpy refused it at the run's start as "Seed", naming no setting
-        if not self.spike_factor > 1:
-            raise ValueError(f"spike_factor must be > 1 (a multiple of the running mean loss), got {self.spike_factor}")
+        check_spike_factor(self.spike_factor)
 
     @property
     def run_name(self) -> str:
