@@ -256,6 +256,8 @@ mkdir -p "$out/logs" "$out/results"
 touch "$out/started"  # benchmarks/results/ files newer than this were written by this call
 export TORCHINDUCTOR_CACHE_DIR=$PWD/.compile_cache/inductor TRITON_CACHE_DIR=$PWD/.compile_cache/triton
 if [ -f .compile_cache.tgz ] && [ ! -d .compile_cache ]; then mkdir -p .compile_cache && tar xzf .compile_cache.tgz -C .compile_cache; fi
+# session 66: two gem-large steps capped at 150 s ran out of time compiling cold (no cache was carried); say so first
+if [ ! -d .compile_cache ]; then echo "note: no compile cache (carry .compile_cache.tgz): compiled steps start cold"; fi
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 step() {  # step NAME SECONDS COMMAND...   (appends its status line to $out/status)
   local name=$1 cap=$2; shift 2
@@ -1304,6 +1306,8 @@ chain_s70b() {  # session 66: s70a's strided-offsets test found NaN and ~1e34 va
     --out "$out/results/gdpa_tail_rows_default.json"
   step gdpa_tail_rows_pointer 120 env OPENGEM_GDPA_TMA=none python -m benchmarks.diag.gdpa_tail_rows \
     --out "$out/results/gdpa_tail_rows_pointer.json"
+  step gdpa_longest_last_tests 120 tests tests/gpu/test_gdpa_gpu.py -k "longest_sample_last or strided_offsets" \
+    tests/gpu/test_offsets_layout_gpu.py
 }
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first

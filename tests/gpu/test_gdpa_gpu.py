@@ -78,6 +78,15 @@ def test_self_attention_full(head_dim, lengths):
     _check(lengths, lengths, head_dim=head_dim)
 
 
+@pytest.mark.parametrize("pre_scale", [1.0, None])
+def test_self_attention_with_the_longest_sample_last(pre_scale):
+    """Session 66 (found by tests/gpu/test_offsets_layout_gpu.py): NaN and ~1e34 rows in the last sample's output
+    on an H100 for these lengths at pre_scale 1 (resident K/V: the longest sample, 255 rows, ends the tensor, so
+    its 256-row key tile reaches past the end). The other self-attention cases put a shorter sample last."""
+    lengths = [130, 7, 0, 64, 255]
+    _check(lengths, lengths, heads=2, activation="silu", pre_scale=pre_scale)
+
+
 @pytest.mark.parametrize(
     "mask",
     [
