@@ -30,6 +30,12 @@ def is_plain_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` as the kernels read it: they index offsets, ids and targets through bare pointers, so a strided view
+    (``validate_offsets`` accepts one) is copied; a contiguous tensor is returned itself, its host mirror with it."""
+    return None if t is None else t.contiguous()
+
+
 def check_bools(fn: str, **flags: object) -> None:
     """Each of ``flags`` a real bool: 0 had run as False, and "no" reached torch's op schema check, which is not ours.
     Python-scalar checks only (no device sync)."""

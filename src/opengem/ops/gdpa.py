@@ -28,6 +28,7 @@ from opengem.ops.checks import (
     check_mask_options,
     check_mask_scalars,
     check_projection_bias,
+    unit_stride,
 )
 from opengem.ops.reference.gdpa import gdpa as gdpa_reference
 from opengem.ops.reference.gdpa import gdpa_backward as gdpa_reference_backward
@@ -210,7 +211,10 @@ def _op_options(q, k, v, q_offsets, k_offsets, max_len_q, max_len_k, activation,
         check_triton_head_dim(q.shape[2])
         if precision == "fp8" and q.shape[2] not in FP8_HEAD_DIMS:
             raise ValueError(f"precision='fp8' needs head_dim in {FP8_HEAD_DIMS}, got {q.shape[2]}")
-    return (k_offsets if q_offsets is None else q_offsets, k_offsets, num_targets, max_len_q, max_len_k,
+    self_offsets = q_offsets is None or q_offsets is k_offsets  # one tensor stays one (broadcast_q: k's)
+    k_offsets = unit_stride(k_offsets)
+    q_offsets = k_offsets if self_offsets else unit_stride(q_offsets)
+    return (q_offsets, k_offsets, unit_stride(num_targets), max_len_q, max_len_k,
             [activation_id(n) for n in activations], float(pre_scale), out_scale, causal, contextual_len,
             -1 if window is None else window, broadcast_q, triton, precision)  # fmt: skip
 

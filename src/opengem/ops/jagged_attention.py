@@ -26,6 +26,7 @@ from opengem.ops.checks import (
     check_finite_numbers,
     check_mask_options,
     check_projection_bias,
+    unit_stride,
 )
 from opengem.ops.reference.attention import jagged_attention as reference_jagged_attention
 from opengem.ops.reference.attention import jagged_attention_backward as reference_jagged_attention_backward
@@ -508,4 +509,5 @@ def _op_options(q, k, v, offsets, max_len, causal, num_targets, contextual_len, 
         scale = scale / max(max_len, 1)
     window_arg = _NO_WINDOW if window is None else window
     op_precision = FP8_WITH_FP8_BACKWARD if backward_precision == "fp8" else precision
-    return offsets, num_targets, max_len, causal, contextual_len, window_arg, scale, use_triton, op_precision
+    return (unit_stride(offsets), unit_stride(num_targets), max_len, causal, contextual_len, window_arg, scale,
+            use_triton, op_precision)
