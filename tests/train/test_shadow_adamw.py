@@ -110,6 +110,25 @@ def test_a_skipped_step_changes_nothing_and_zero_grad_clears_the_shadows():
     assert all(s.grad is None for _, s in pairs) and model[3].weight.grad is None
 
 
+def test_settings_changed_after_construction_are_checked_before_anything_steps():
+    """Session 65 left it noticed: an lr set to inf on a group after construction was refused only by the shadowed
+    update, after torch's AdamW had stepped the unshadowed parameters (here the LayerNorm's) with it."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    pairs = shadow_linear_weights(model, shadow_grads=True)
+    optimizer = ShadowAdamW(model.parameters(), pairs, lr=0.01)
+    with shadows_in_use(), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.randn(8, 4)).float().sum().backward()
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    optimizer.param_groups[0]["lr"] = float("inf")
+    with pytest.raises(ValueError, match="ShadowAdamW: lr must be finite and >= 0"):
+        optimizer.step()
+    for name, weight in model.named_parameters():
+        assert torch.equal(weight, before[name]), name
+    optimizer.param_groups[0]["lr"] = 0.01  # a finite lr again: the step runs
+    optimizer.step()
+    assert not torch.equal(model[1].weight, before["1.weight"])
+
+
 def test_a_gradient_on_both_the_weight_and_its_shadow_is_refused():
     model = nn.Linear(4, 2)
     pairs = shadow_linear_weights(model, shadow_grads=True)

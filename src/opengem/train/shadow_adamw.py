@@ -128,6 +128,8 @@ class ShadowAdamW(torch.optim.AdamW):
                 raise RuntimeError(f"{len(moved)} shadowed parameters (shapes {moved[:4]}) took their gradient on the "
                                    "other tensor (fp32 weight or shadow) than at the first step: with bf16 moments "
                                    "each must keep to one, as their moments' dtypes were chosen then")
+        for group in self.param_groups:  # set after construction too (a scheduler, a user); torch's step below takes
+            _check_settings({k: group[k] for k in _SETTINGS})  # inf and would step the other parameters with it
         super().step()  # the parameters whose gradients reached them (shadowed ones have none)
         skip = getattr(self, "found_inf", None)
         for group, group_tensors in zip(self.param_groups, tensors):
