@@ -1308,6 +1308,8 @@ chain_s70b() {  # session 66: s70a's strided-offsets test found NaN and ~1e34 va
     --out "$out/results/gdpa_tail_rows_pointer.json"
   step gdpa_longest_last_tests 120 tests tests/gpu/test_gdpa_gpu.py -k "longest_sample_last or strided_offsets" \
     tests/gpu/test_offsets_layout_gpu.py
+  # session 66's CPU changes on the GPU: ShadowAdamW's per-step settings check
+  step shadow_adamw_tests 180 tests tests/gpu/test_adamw_gpu.py tests/gpu/test_weight_shadows_gpu.py
 }
 chain_s65f() {  # session 62 (waiting list item 3): gem-large b384 with bf16 moments, bf16 tables and expandable
   # segments between two runs of the b256 default on one host (A/B/A): a same-call ratio (call 5 ran the default first
