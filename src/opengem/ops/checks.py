@@ -31,7 +31,7 @@ def is_plain_int(value: object) -> bool:
 
 
 def unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` as the kernels read it: they index offsets, ids and targets through bare pointers, so a strided view
+    """``t`` as the kernels read it: they index offsets and targets through bare pointers, so a strided view
     (``validate_offsets`` accepts one) is copied; a contiguous tensor is returned itself, its host mirror with it."""
     return None if t is None else t.contiguous()
 
