@@ -3,7 +3,8 @@
 ``tests/gpu/test_offsets_layout_gpu.py`` found NaN and ~1e34 values in the rows of the last (longest, 255-row)
 sample of a non-causal SiLU self-attention (lengths 130, 7, 0, 64, 255; H 2, D 128, bf16, pre_scale 1, tuning
 off), with contiguous offsets; the CPU interpreter gives the reference. Each case here runs the public op and the
-fp32 reference on the same device and reports, per sample, the rows that are not finite and the largest error.
+fp32 reference on the same device and reports, per sample, the rows that are not finite and the largest error, and
+whether the backward changed the forward's output rows (the test read them after it) or gave non-finite gradients.
 Run once per load setting (``OPENGEM_GDPA_TMA=none`` for pointer loads): the setting is read at import.
 
     PYTHONPATH=src python -m benchmarks.diag.gdpa_tail_rows --out gdpa_tail_rows.json
@@ -40,13 +41,20 @@ def run_case(lengths: list[int], pre_scale: float | None, activation: str, paddi
     rows = sum(lengths)
     buffers = [torch.randn(rows + padding, heads, head_dim, generator=gen, device=device).bfloat16()
                for _ in range(3)]  # fmt: skip
-    q, k, v = (b[:rows] for b in buffers)
+    q, k, v = (b[:rows].requires_grad_(True) for b in buffers)
     offsets = torch.tensor([0, *lengths], device=device).cumsum(0).to(torch.int32)
     longest = max(lengths)
     scale = 1 / math.sqrt(head_dim) if pre_scale is None else pre_scale
     out = gdpa(q, k, v, offsets, offsets, longest, longest, activation=activation, pre_scale=scale, norm="max_len")
-    want = reference.gdpa(q.float(), k.float(), v.float(), offsets, offsets, head_activations=[activation] * heads,
-                          pre_scale=scale, out_scale=1.0 / longest)  # fmt: skip
+    # the failing test read the output after the backward (through a detached alias): does the backward write into
+    # the output's memory (an out-of-bounds write from a neighbouring buffer), or is the forward itself wrong?
+    before_backward = out.detach().clone()
+    out.backward(torch.ones_like(out))
+    changed = ~((out.detach() == before_backward) | (out.detach().isnan() & before_backward.isnan())).all(dim=(1, 2))
+    grads_finite = all(bool(torch.isfinite(t.grad).all()) for t in (q, k, v))
+    out = before_backward
+    want = reference.gdpa(*(t.detach().float() for t in (q, k, v)), offsets, offsets,
+                          head_activations=[activation] * heads, pre_scale=scale, out_scale=1.0 / longest)
     samples = []
     for b, length in enumerate(lengths):
         start, end = int(offsets[b]), int(offsets[b + 1])
@@ -58,8 +66,11 @@ def run_case(lengths: list[int], pre_scale: float | None, activation: str, paddi
                         "first_bad_rows": bad_rows[:8], "max_abs_error_finite_rows": error,
                         "reference_max": float(ref.abs().max()) if end > start else 0.0})  # fmt: skip
     return {"lengths": lengths, "pre_scale": scale, "activation": activation, "padding_rows": padding,
-            "ok": all(s["non_finite_rows"] == 0 and s["max_abs_error_finite_rows"] < 0.05 * max(1, s["reference_max"])
-                      for s in samples if s["length"]),
+            "rows_changed_by_backward": int(changed.sum()),
+            "first_rows_changed": changed.nonzero().flatten()[:8].tolist(), "grads_finite": grads_finite,
+            "ok": int(changed.sum()) == 0 and grads_finite and all(
+                s["non_finite_rows"] == 0 and s["max_abs_error_finite_rows"] < 0.05 * max(1, s["reference_max"])
+                for s in samples if s["length"]),
             "samples": samples}  # fmt: skip
 
 
