@@ -17,24 +17,56 @@ class UndefinedMetric(ValueError):
 
 def log_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     _check(probabilities, labels, probabilities=True)
-    p = probabilities.double().clamp(_EPS, 1 - _EPS)  # only 0 and 1 move (log 0); the range is checked above
-    y = labels.double()
-    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+    return _log_loss(probabilities, labels)
 
 
 def normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     """Mean log loss divided by the entropy of the base rate; < 1 beats predicting the average rate."""
     _check(probabilities, labels, probabilities=True)
-    base = float(labels.double().mean())
-    if base <= 0.0 or base >= 1.0:
-        raise UndefinedMetric(f"NE is undefined when every label is {int(base)}: the base-rate entropy is 0")
-    entropy = -(base * math.log(base) + (1 - base) * math.log(1 - base))
-    return log_loss(probabilities, labels) / entropy
+    return _normalized_entropy(probabilities, labels)
 
 
 def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     """Probability that a random positive outranks a random negative (ties count half)."""
     _check(scores, labels)
+    return _roc_auc(scores, labels)
+
+
+def calibration(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    """Sum of predictions over sum of labels (1.0 is perfectly calibrated on average)."""
+    _check(probabilities, labels, probabilities=True)
+    return _calibration(probabilities, labels)
+
+
+def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
+    """NE, AUC, calibration and log loss, the inputs checked once (each check scans both tensors)."""
+    _check(probabilities, labels, probabilities=True)
+    return {
+        "ne": _normalized_entropy(probabilities, labels),
+        "auc": _roc_auc(probabilities, labels),
+        "calibration": _calibration(probabilities, labels),
+        "log_loss": _log_loss(probabilities, labels),
+    }
+
+
+# The metrics on checked inputs (`_check`)
+
+
+def _log_loss(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    p = probabilities.double().clamp(_EPS, 1 - _EPS)  # only 0 and 1 move (log 0); the range is checked
+    y = labels.double()
+    return float(-(y * p.log() + (1 - y) * (1 - p).log()).mean())
+
+
+def _normalized_entropy(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
+    base = float(labels.double().mean())
+    if base <= 0.0 or base >= 1.0:
+        raise UndefinedMetric(f"NE is undefined when every label is {int(base)}: the base-rate entropy is 0")
+    entropy = -(base * math.log(base) + (1 - base) * math.log(1 - base))
+    return _log_loss(probabilities, labels) / entropy
+
+
+def _roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     y = labels.double()
     positives = float(y.sum())
     negatives = y.numel() - positives
@@ -50,22 +82,11 @@ def roc_auc(scores: torch.Tensor, labels: torch.Tensor) -> float:
     return (rank_sum - positives * (positives + 1) / 2) / (positives * negatives)
 
 
-def calibration(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
-    """Sum of predictions over sum of labels (1.0 is perfectly calibrated on average)."""
-    _check(probabilities, labels, probabilities=True)
+def _calibration(probabilities: torch.Tensor, labels: torch.Tensor) -> float:
     total = float(labels.double().sum())
     if total == 0:
         raise UndefinedMetric("calibration is undefined with no positive label")
     return float(probabilities.double().sum()) / total
-
-
-def binary_metrics(probabilities: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    return {
-        "ne": normalized_entropy(probabilities, labels),
-        "auc": roc_auc(probabilities, labels),
-        "calibration": calibration(probabilities, labels),
-        "log_loss": log_loss(probabilities, labels),
-    }
 
 
 def hit_rate_and_ndcg(scores: torch.Tensor, target: torch.Tensor, k: int) -> tuple[float, float]:
