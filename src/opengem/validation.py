@@ -63,6 +63,17 @@ def require_finite(settings: Any, names: Iterable[str]) -> None:
             raise ValueError(f"{name} must be finite, got {value}")
 
 
+def require_heads_divide(settings: Any, width: str, when: str = "") -> None:
+    """``settings.num_heads`` >= 1 and dividing ``settings.<width>`` (each attention head reads width / num_heads
+    features). Messages start with the field's name, so a config file's error can name its section
+    (``model.num_heads=3 must divide ...``); ``when`` says under which setting the split applies."""
+    require_at_least(settings, ("num_heads",), 1)
+    heads, size = settings.num_heads, getattr(settings, width)
+    if size % heads:
+        raise ValueError(f"num_heads={heads} must divide {width}={size}{when} (each head reads {width} / num_heads "
+                         f"features: {width} must be divisible by num_heads)")
+
+
 # seeds below 2**32: the range numpy's legacy seeding and the AdamW rounding seed take; far below the synthetic data's
 # hash (seed * 1_000_003 in 64 bits), which overflows past about 2**44
 SEED_LIMIT = 2**32

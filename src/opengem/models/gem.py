@@ -37,7 +37,7 @@ from opengem.nn.layers import MLP
 from opengem.nn.wukong import DenseExperts, WukongLayer
 from opengem.ops.autocast import autocast_dtype
 from opengem.ops.embedding import few_row_grad
-from opengem.validation import require_at_least
+from opengem.validation import require_at_least, require_heads_divide
 
 
 TABLE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # GEMConfig.embedding_dtype
@@ -89,10 +89,7 @@ class GEMConfig:
     def __post_init__(self) -> None:
         # the head count, refused here rather than when the model is built (which checks it again, with the other
         # sizes); messages start with the field's name so a config file's error can name its section (gem.num_heads)
-        require_at_least(self, ("num_heads",), 1)
-        if self.d_model % self.num_heads:  # every attention block (PFFN, self-attention, pooling) splits d_model
-            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model} (each head reads "
-                             "d_model / num_heads features: d_model must be divisible by num_heads)")
+        require_heads_divide(self, "d_model")  # every attention block (PFFN, self-attention, pooling) splits d_model
 
 
 class GEMLayer(nn.Module):
@@ -171,7 +168,8 @@ class GEM(nn.Module):
             raise ValueError(f"domain_feature {config.domain_feature!r} must name a categorical feature")
         if config.use_sequence and by_name.get(config.event_type_feature, domain).kind != "sequence":
             raise ValueError(f"event_type_feature {config.event_type_feature!r} must name a sequence feature")
-        require_at_least(config, ("embedding_dim", "d_model", "num_heads", "num_layers", "num_summary_tokens",
+        # num_heads and its split of d_model: GEMConfig checked them when it was made
+        require_at_least(config, ("embedding_dim", "d_model", "num_layers", "num_summary_tokens",
                                   "fm_rank", "wukong_hidden") + (("num_seeds",) if config.use_pooling else ()), 1)
         # a negative num_recent once cut S_sum's tokens silently
         require_at_least(config, ("num_recent", "ffn_mult", "num_cls"), 0)
@@ -180,8 +178,6 @@ class GEM(nn.Module):
         if not 0 <= config.bf16_attention_last_layers <= config.num_layers:
             raise ValueError(f"bf16_attention_last_layers must be in [0, num_layers = {config.num_layers}], "
                              f"got {config.bf16_attention_last_layers}")  # fmt: skip
-        if config.d_model % config.num_heads:
-            raise ValueError(f"d_model {config.d_model} must be divisible by num_heads {config.num_heads}")
         if config.sequence_dtype not in ("fp32", "compute"):
             raise ValueError(f"sequence_dtype must be 'fp32' or 'compute', got {config.sequence_dtype!r}")
         if config.embedding_dtype not in TABLE_DTYPES:

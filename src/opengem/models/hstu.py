@@ -30,7 +30,7 @@ from torch import nn
 from opengem.jagged import validate_offsets
 from opengem.ops.gdpa import hstu_attention
 from opengem.ops.jagged_attention import jagged_attention
-from opengem.validation import require_at_least
+from opengem.validation import require_heads_divide
 
 ARCHITECTURES = ("hstu", "sasrec")
 
@@ -50,10 +50,7 @@ class SequentialModelConfig:
         # refused with the settings' names before a model is built (num_items is filled in from the data later)
         if not 0 <= self.dropout < 1:  # 1 zeroes every activation it reaches; NaN fails too
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        require_at_least(self, ("num_heads",), 1)
-        if self.dim % self.num_heads:  # both layer kinds split dim into heads
-            raise ValueError(f"num_heads={self.num_heads} must divide dim={self.dim} (each head reads dim / num_heads "
-                             "features: dim must be divisible by num_heads)")
+        require_heads_divide(self, "dim")  # both layer kinds split dim into heads
 
 
 class HSTULayer(nn.Module):
@@ -102,8 +99,6 @@ class SequentialRecommender(nn.Module):
             raise ValueError(f"architecture must be one of {ARCHITECTURES}, got {config.architecture!r}")
         if config.num_items < 1:
             raise ValueError(f"num_items must be >= 1, got {config.num_items}")
-        if config.dim % config.num_heads != 0:
-            raise ValueError(f"dim {config.dim} must be divisible by num_heads {config.num_heads}")
         self.config = config
         self.item_embedding = nn.Embedding(config.num_items + 1, config.dim, padding_idx=0)
         self.position_embedding = nn.Embedding(config.max_len, config.dim)

@@ -20,7 +20,7 @@ from opengem.data.schema import TASKS, Batch, FeatureSpec
 from opengem.jagged import Jagged, KeyedJagged
 from opengem.nn.embedding import EmbeddingCollection, EmbeddingOptimizer, EmbeddingTableConfig
 from opengem.nn.layers import MLP, JaggedTransformerLayer
-from opengem.validation import require_at_least
+from opengem.validation import require_at_least, require_heads_divide
 
 AGE_BUCKETS = 32  # log2-spaced buckets of event age, from seconds to years
 
@@ -43,10 +43,10 @@ class SequenceCTRConfig:
         # name so a config file's error can name its section (opengem.train.config: model.num_heads)
         if not 0 <= self.dropout < 1:  # 1 zeroes every activation it reaches; NaN fails too
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
-        require_at_least(self, ("num_heads",), 1)
-        if self.history == "attention" and self.d_model % self.num_heads:  # only the attention encoder splits heads
-            raise ValueError(f"num_heads={self.num_heads} must divide d_model={self.d_model} with history='attention' "
-                             "(each head reads d_model / num_heads features: d_model must be divisible by num_heads)")
+        if self.history == "attention":  # only the attention encoder splits heads
+            require_heads_divide(self, "d_model", when=" with history='attention'")
+        else:
+            require_at_least(self, ("num_heads",), 1)
 
 
 class SequenceCTRModel(nn.Module):
