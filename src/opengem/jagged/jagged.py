@@ -24,6 +24,11 @@ def _check_tensor(value: object, name: str) -> None:
         raise ValueError(f"{name} must be a torch.Tensor, got {type(value).__name__}")
 
 
+def _check_values(values: object) -> None:
+    if not isinstance(values, torch.Tensor) or values.dim() < 1:
+        raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+
+
 def validate_offsets(offsets: torch.Tensor, num_values: int, name: str = "offsets") -> None:
     """Raise ``ValueError`` unless ``offsets`` is a valid ``[B + 1]`` offsets vector for ``num_values`` rows."""
     _check_tensor(offsets, name)
@@ -104,8 +109,7 @@ class Jagged:
 
     @classmethod
     def from_offsets(cls, values: torch.Tensor, offsets: torch.Tensor) -> Jagged:
-        if not isinstance(values, torch.Tensor) or values.dim() < 1:
-            raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+        _check_values(values)
         validate_offsets(offsets, values.shape[0])
         if offsets.device != values.device:
             raise ValueError(f"values are on {values.device} but offsets are on {offsets.device}")
@@ -115,8 +119,7 @@ class Jagged:
 
     @classmethod
     def from_lengths(cls, values: torch.Tensor, lengths: torch.Tensor) -> Jagged:
-        if not isinstance(values, torch.Tensor) or values.dim() < 1:
-            raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+        _check_values(values)
         _check_tensor(lengths, "lengths")
         # host lengths reach the device through to_device, so their offsets get a mirror (no sync to read them)
         moved = to_device(lengths, values.device) if lengths.device.type == "cpu" else lengths.to(values.device)
@@ -186,8 +189,7 @@ class Jagged:
 
     def with_values(self, values: torch.Tensor) -> Jagged:
         """Same layout, new values (e.g. the output of a per-token module)."""
-        if not isinstance(values, torch.Tensor) or values.dim() < 1:
-            raise ValueError("values must be a tensor with at least one dimension [T, ...]")
+        _check_values(values)
         if values.device != self.offsets.device:  # had built a Jagged whose values and offsets live apart
             raise ValueError(f"new values are on {values.device} but the offsets are on {self.offsets.device}")
         if values.shape[0] != self.num_values:
