@@ -22,7 +22,7 @@ import torch
 from opengem.jagged.host import to_device
 from opengem.ops.backend import triton_chosen
 from opengem.ops.reference.adamw import shadow_adamw_update as shadow_adamw_reference
-from opengem.validation import is_int, is_number
+from opengem.validation import SEED_LIMIT, is_int, is_number
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)
@@ -43,7 +43,7 @@ def check_hyperparameters(fn: str, *, lr: object, betas: object, eps: object, we
 
 def check_rounding_seed(fn: str, rounding_seed: object) -> None:
     """An int in [0, 2 ** 32) (1.5 and True had been accepted as seeds)."""
-    if not is_int(rounding_seed) or not 0 <= rounding_seed < 2**32:
+    if not is_int(rounding_seed) or not 0 <= rounding_seed < SEED_LIMIT:  # the seeds' one range
         raise ValueError(f"{fn}: rounding_seed must be in [0, 2 ** 32) (an int), got {rounding_seed!r}")
 
 
